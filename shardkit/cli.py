@@ -1,0 +1,55 @@
+"""The `shardkit` command line: one entry point, subcommands contributed by each part.
+
+Each provider module exposes `register(subparsers)` and keeps its top-level imports light (argparse
+only): heavy modules load inside the command's function, so `shardkit --help` and
+`shardkit inspect` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from shardkit import __version__
+
+# Dataset commands (inspect, verify, cat), the build side (build, tokenizer), the trainer (train, plot).
+COMMAND_PROVIDERS = ("shardkit.dataset_commands", "shardkit.tools.commands", "shardkit.train.commands")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardkit",
+        description="Build tokenized shard datasets from raw corpora, inspect and verify them, "
+                    "and train GPT-style models on them.",
+        epilog="Run 'shardkit COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_PROVIDERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:  # a real missing dependency inside the module: show it
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

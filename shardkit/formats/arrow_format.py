@@ -1,0 +1,129 @@
+"""The `arrow` shard format: an Arrow IPC *file* (random-access footer) with zstd buffer compression.
+
+Schema (one row per sample; the doc columns exist only when document boundaries are stored):
+
+    tokens      list<uint16> or list<uint32>   the token ids
+    doc_starts  list<int32>                    segment starts within the sample (first is 0)
+    doc_source  list<int32>                    index into the manifest's `sources` (-1 = padding)
+    doc_index   list<int64>                    document index within that source
+
+Record batches hold about `BATCH_RAW_BYTES` of uncompressed data each, so reading one sample
+decompresses ~1 MiB, not the whole shard. `raw_bytes` for an arrow shard is the sum of
+`RecordBatch.nbytes` (uncompressed buffer sizes) over its batches. Any Arrow reader opens it:
+`pyarrow.ipc.open_file(path)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from shardkit.errors import CorruptShardError
+from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays, numpy_token_dtype
+
+BATCH_RAW_BYTES = 1 << 20
+_ARROW_TOKEN_TYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
+_DOC_FIELDS = (("doc_starts", pa.int32()), ("doc_source", pa.int32()), ("doc_index", pa.int64()))
+
+
+def arrow_schema(token_dtype: str, has_doc_boundaries: bool) -> pa.Schema:
+    fields = [pa.field("tokens", pa.list_(_ARROW_TOKEN_TYPES[token_dtype]), nullable=False)]
+    if has_doc_boundaries:
+        fields += [pa.field(name, pa.list_(kind), nullable=False) for name, kind in _DOC_FIELDS]
+    return pa.schema(fields, metadata={"shardkit.format_version": "1"})
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+
+
+def samples_per_batch(arrays: ShardArrays) -> int:
+    if arrays.num_samples == 0:
+        return 1
+    per_sample = max(1, arrays.raw_nbytes // arrays.num_samples)
+    return max(1, BATCH_RAW_BYTES // per_sample)
+
+
+def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int) -> tuple[bytes, int]:
+    """Serialise a shard; returns (file bytes, raw_bytes)."""
+    schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
+    step = samples_per_batch(arrays)
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
+    raw = 0
+    with pa.ipc.new_file(sink, schema, options=options) as writer:
+        for lo in range(0, arrays.num_samples, step):
+            hi = min(lo + step, arrays.num_samples)
+            t0, t1 = arrays.sample_offsets[lo], arrays.sample_offsets[hi + 0]
+            columns = [_list_array(arrays.sample_offsets[lo:hi + 1] - t0, arrays.tokens[t0:t1])]
+            if arrays.has_doc_boundaries:
+                d0, d1 = arrays.doc_offsets[lo], arrays.doc_offsets[hi]
+                doc_offsets = arrays.doc_offsets[lo:hi + 1] - d0
+                columns += [_list_array(doc_offsets, a[d0:d1]) for a in (arrays.doc_starts, arrays.doc_source, arrays.doc_index)]
+            batch = pa.record_batch(columns, schema=schema)
+            raw += batch.nbytes
+            writer.write_batch(batch)
+    return sink.getvalue().to_pybytes(), raw
+
+
+def _flat(column: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values.astype(dtype, copy=False)
+
+
+def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
+    """Read an arrow shard into flat arrays, checking schema, nulls and the manifest's raw size."""
+    dtype = numpy_token_dtype(token_dtype)
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+        raise CorruptShardError(shard, f"not a readable Arrow IPC file ({err})") from err
+    names = reader.schema.names
+    has_docs = "doc_starts" in names
+    expected = arrow_schema(token_dtype, has_docs)
+    if not reader.schema.remove_metadata().equals(expected.remove_metadata()):
+        raise CorruptShardError(shard, f"wrong Arrow schema: expected {expected.remove_metadata()}, found {reader.schema.remove_metadata()}")
+    parts: dict[str, list[np.ndarray]] = {"tokens": [], "lengths": [], "doc_counts": [], "doc_starts": [], "doc_source": [], "doc_index": []}
+    seen_raw = 0
+    try:
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
+            seen_raw += batch.nbytes
+            if seen_raw > raw_bytes:
+                raise CorruptShardError(shard, f"decompresses past the {raw_bytes} raw bytes the manifest allows")
+            if any(batch.column(i).null_count for i in range(batch.num_columns)):
+                raise CorruptShardError(shard, f"record batch {b} holds nulls")
+            offsets, values = _flat(batch.column("tokens"), dtype)
+            parts["tokens"].append(values)
+            parts["lengths"].append(np.diff(offsets))
+            if has_docs:
+                doc_offsets, starts = _flat(batch.column("doc_starts"), DOC_STARTS_DTYPE)
+                for name, kind in (("doc_source", DOC_SOURCE_DTYPE), ("doc_index", DOC_INDEX_DTYPE)):
+                    other_offsets, values = _flat(batch.column(name), kind)
+                    if not np.array_equal(other_offsets, doc_offsets):
+                        raise CorruptShardError(shard, f"record batch {b}: {name} does not line up with doc_starts")
+                    parts[name].append(values)
+                parts["doc_starts"].append(starts)
+                parts["doc_counts"].append(np.diff(doc_offsets))
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+        raise CorruptShardError(shard, f"Arrow data is corrupt ({err})") from err
+    if seen_raw != raw_bytes:
+        raise CorruptShardError(shard, f"payload is {seen_raw} bytes, the manifest says {raw_bytes}")
+
+    def concat(key: str, kind: np.dtype) -> np.ndarray:
+        return np.concatenate(parts[key]).astype(kind, copy=False) if parts[key] else np.zeros(0, kind)
+
+    lengths = concat("lengths", np.dtype(np.int64))
+    offsets = np.zeros(len(lengths) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(lengths, out=offsets[1:])
+    if not has_docs:
+        arrays = ShardArrays(concat("tokens", dtype), offsets)
+    else:
+        counts = concat("doc_counts", np.dtype(np.int64))
+        doc_offsets = np.zeros(len(counts) + 1, dtype=OFFSETS_DTYPE)
+        np.cumsum(counts, out=doc_offsets[1:])
+        arrays = ShardArrays(concat("tokens", dtype), offsets, doc_offsets, concat("doc_starts", DOC_STARTS_DTYPE),
+                             concat("doc_source", DOC_SOURCE_DTYPE), concat("doc_index", DOC_INDEX_DTYPE))
+    arrays.validate(shard)
+    return arrays

@@ -1,0 +1,164 @@
+"""In-memory shapes of shard contents: one `Sample`, and `ShardArrays` (a whole shard as flat arrays).
+
+Document boundaries are stored per sample as parallel arrays over the document *segments* a sample
+holds: `doc_starts[j]` is where segment j begins inside the sample's tokens (the first is 0),
+`doc_source[j]` indexes the manifest's `sources` (-1 marks padding) and `doc_index[j]` is the
+document's index inside that source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardkit.errors import CorruptShardError
+
+TOKEN_NUMPY_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DOC_STARTS_DTYPE = np.dtype("<i4")
+DOC_SOURCE_DTYPE = np.dtype("<i4")
+DOC_INDEX_DTYPE = np.dtype("<i8")
+OFFSETS_DTYPE = np.dtype("<i8")
+
+
+def numpy_token_dtype(token_dtype: str) -> np.dtype:
+    try:
+        return TOKEN_NUMPY_DTYPES[token_dtype]
+    except KeyError:
+        raise ValueError(f"token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample: its token ids and, optionally, its document segments."""
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray | None = None
+    doc_source: np.ndarray | None = None
+    doc_index: np.ndarray | None = None
+
+    @property
+    def has_doc_boundaries(self) -> bool:
+        return self.doc_starts is not None
+
+
+@dataclass(frozen=True)
+class ShardArrays:
+    """A whole shard as flat arrays (zero-copy views when they come from a decoded cache file).
+
+    Sample i is `tokens[sample_offsets[i]:sample_offsets[i+1]]`; its segments are entries
+    `doc_offsets[i]:doc_offsets[i+1]` of the three doc arrays (all None when not stored).
+    """
+
+    tokens: np.ndarray
+    sample_offsets: np.ndarray
+    doc_offsets: np.ndarray | None = None
+    doc_starts: np.ndarray | None = None
+    doc_source: np.ndarray | None = None
+    doc_index: np.ndarray | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_offsets) - 1
+
+    @property
+    def has_doc_boundaries(self) -> bool:
+        return self.doc_offsets is not None
+
+    @property
+    def raw_nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.tokens, self.sample_offsets, self.doc_offsets,
+                                      self.doc_starts, self.doc_source, self.doc_index) if a is not None)
+
+    def sample(self, i: int) -> Sample:
+        start, end = int(self.sample_offsets[i]), int(self.sample_offsets[i + 1])
+        tokens = self.tokens[start:end]
+        if self.doc_offsets is None:
+            return Sample(tokens)
+        d0, d1 = int(self.doc_offsets[i]), int(self.doc_offsets[i + 1])
+        return Sample(tokens, self.doc_starts[d0:d1], self.doc_source[d0:d1], self.doc_index[d0:d1])
+
+    def validate(self, name: str) -> None:
+        """Check the structural invariants; raise `CorruptShardError` naming `name` if any fails."""
+        offsets = self.sample_offsets
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(self.tokens):
+            raise CorruptShardError(name, "sample offsets do not cover the token array")
+        if np.any(np.diff(offsets) < 0):
+            raise CorruptShardError(name, "sample offsets decrease")
+        if self.doc_offsets is None:
+            if any(a is not None for a in (self.doc_starts, self.doc_source, self.doc_index)):
+                raise CorruptShardError(name, "document arrays present without document offsets")
+            return
+        doc_offsets = self.doc_offsets
+        n_docs = doc_offsets[-1] if len(doc_offsets) else 0
+        if (len(doc_offsets) != len(offsets) or doc_offsets[0] != 0
+                or any(a is None or len(a) != n_docs for a in (self.doc_starts, self.doc_source, self.doc_index))):
+            raise CorruptShardError(name, "document arrays do not line up with the samples")
+        if np.any(np.diff(doc_offsets) < 0):
+            raise CorruptShardError(name, "document offsets decrease")
+        lengths = np.diff(offsets)
+        seg_counts = np.diff(doc_offsets)
+        # A non-empty sample has at least one segment, and its first segment starts at 0.
+        if np.any((lengths > 0) & (seg_counts == 0)):
+            raise CorruptShardError(name, "a non-empty sample has no document segment")
+        if n_docs:
+            owner = np.repeat(np.arange(len(lengths)), seg_counts)
+            starts = self.doc_starts.astype(np.int64)
+            first = np.zeros(n_docs, dtype=bool)
+            first[doc_offsets[:-1][seg_counts > 0]] = True
+            if np.any(starts[first] != 0):
+                raise CorruptShardError(name, "a sample's first document segment does not start at 0")
+            if np.any((starts < 0) | (starts >= np.maximum(lengths[owner], 1))):
+                raise CorruptShardError(name, "a document segment starts outside its sample")
+            if np.any(np.diff(starts)[~first[1:]] <= 0):
+                raise CorruptShardError(name, "document segment starts are not increasing within a sample")
+
+
+def arrays_from_samples(samples: Sequence[Sample], token_dtype: str) -> ShardArrays:
+    """Pack samples into flat arrays, checking token range and document-array consistency."""
+    dtype = numpy_token_dtype(token_dtype)
+    limit = np.iinfo(dtype).max
+    with_docs = {s.has_doc_boundaries for s in samples}
+    if len(with_docs) > 1:
+        raise ValueError("all samples of a shard must either store document boundaries or not")
+    has_docs = with_docs == {True}
+    token_parts, lengths = [], np.zeros(len(samples), dtype=np.int64)
+    for i, sample in enumerate(samples):
+        tokens = np.asarray(sample.tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"sample {i}: tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.size and tokens.dtype != dtype:
+            if not np.issubdtype(tokens.dtype, np.integer):
+                raise TypeError(f"sample {i}: tokens must be integers, got {tokens.dtype}")
+            if tokens.min() < 0 or tokens.max() > limit:
+                raise ValueError(f"sample {i}: token ids must be in [0, {limit}] for {token_dtype}")
+        token_parts.append(tokens.astype(dtype, copy=False))
+        lengths[i] = tokens.size
+    offsets = np.zeros(len(samples) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate(token_parts) if token_parts else np.zeros(0, dtype=dtype)
+    if not has_docs:
+        return ShardArrays(tokens, offsets)
+    starts, sources, indices, counts = [], [], [], np.zeros(len(samples), dtype=np.int64)
+    for i, sample in enumerate(samples):
+        parts = [np.asarray(a) for a in (sample.doc_starts, sample.doc_source, sample.doc_index)]
+        if any(p.ndim != 1 or len(p) != len(parts[0]) for p in parts):
+            raise ValueError(f"sample {i}: doc_starts, doc_source and doc_index must be 1-D of equal length")
+        starts.append(parts[0].astype(DOC_STARTS_DTYPE))
+        sources.append(parts[1].astype(DOC_SOURCE_DTYPE))
+        indices.append(parts[2].astype(DOC_INDEX_DTYPE))
+        counts[i] = len(parts[0])
+    doc_offsets = np.zeros(len(samples) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(counts, out=doc_offsets[1:])
+    arrays = ShardArrays(
+        tokens, offsets, doc_offsets,
+        np.concatenate(starts) if starts else np.zeros(0, DOC_STARTS_DTYPE),
+        np.concatenate(sources) if sources else np.zeros(0, DOC_SOURCE_DTYPE),
+        np.concatenate(indices) if indices else np.zeros(0, DOC_INDEX_DTYPE),
+    )
+    try:
+        arrays.validate("<being written>")
+    except CorruptShardError as err:
+        raise ValueError(f"invalid document boundaries: {err.reason}") from None
+    return arrays

@@ -1,0 +1,217 @@
+"""The `tar` shard format: a plain (uncompressed) POSIX ustar archive whose *members* are zstd frames.
+
+Sample i of a shard is two members, WebDataset-style (same key, different extensions):
+
+    {i:09d}.tokens.npy.zst   the token ids, a 1-D .npy array (<u2 or <u4), zstd-compressed
+    {i:09d}.docs.npy.zst     only with document boundaries: int64 array of shape (k, 3), one row per
+                             document segment: [start within the sample, source id, document index]
+
+Why per-member compression rather than one `.tar.zst`: the archive stays a tar that `tar tf`,
+`webdataset` and any tar reader open directly (webdataset only needs a one-line `.zst` decode hook,
+`wds_decode_hook` below); every member can be located from the headers and fetched by a byte-range
+read without decompressing the rest; and a flipped byte corrupts one sample's frame, which its
+zstd checksum detects, not the whole shard. The cost is a slightly lower ratio than whole-file zstd.
+
+`raw_bytes` for a tar shard is the sum of the decompressed member sizes (the .npy bytes).
+
+The reader is a strict, minimal ustar parser: only regular-file members with the names above are
+accepted; links, directories, pax/GNU extension headers, absolute or `..` names, sizes running past
+the end of the data and bad header checksums are rejected with `CorruptShardError`. Nothing is ever
+extracted to disk and nothing is unpickled (.npy headers are parsed with allow_pickle off).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.lib.format as npy_format
+
+from shardkit.errors import CorruptShardError
+from shardkit.formats.codec import compressor, decompress_bounded
+from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays, numpy_token_dtype
+
+BLOCK = 512
+RECORD = 20 * BLOCK  # tar's conventional record size; archives are padded to a multiple of it
+_MEMBER_NAME = re.compile(r"^(\d{9})\.(tokens|docs)\.npy\.zst$")
+_DOCS_DTYPE = np.dtype("<i8")
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    npy_format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0  # fixed metadata: the same samples always give the same bytes
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+def encode_tar(arrays: ShardArrays, *, level: int) -> tuple[bytes, int]:
+    """Serialise a shard; returns (file bytes, raw_bytes)."""
+    cctx = compressor(level)
+    out = bytearray()
+    raw = 0
+    for i in range(arrays.num_samples):
+        sample = arrays.sample(i)
+        members = [("tokens", sample.tokens)]
+        if sample.doc_starts is not None:
+            docs = np.stack([sample.doc_starts.astype(np.int64), sample.doc_source.astype(np.int64),
+                             sample.doc_index.astype(np.int64)], axis=1).reshape(-1, 3)
+            members.append(("docs", docs.astype(_DOCS_DTYPE)))
+        for field, array in members:
+            payload = _npy_bytes(array)
+            raw += len(payload)
+            frame = cctx.compress(payload)
+            out += _header(f"{i:09d}.{field}.npy.zst", len(frame))
+            out += frame
+            out += b"\0" * (-len(frame) % BLOCK)
+    out += b"\0" * (2 * BLOCK)
+    out += b"\0" * (-len(out) % RECORD)
+    return bytes(out), raw
+
+
+def _octal(field: bytes, shard: str, what: str) -> int:
+    if field and field[0] & 0x80:
+        raise CorruptShardError(shard, f"tar header {what} uses base-256 encoding (absurd size)")
+    text = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError as err:
+        raise CorruptShardError(shard, f"tar header {what} is not an octal number: {field!r}") from err
+
+
+def iter_tar_members(data: bytes | memoryview, shard: str) -> Iterator[tuple[str, memoryview]]:
+    """Yield (name, payload view) for each member, validating every header."""
+    view = memoryview(data)
+    pos, end = 0, len(view)
+    while True:
+        if pos + BLOCK > end:
+            raise CorruptShardError(shard, f"truncated tar: no end-of-archive marker (stopped at byte {pos})")
+        header = bytes(view[pos:pos + BLOCK])
+        if header == b"\0" * BLOCK:
+            return
+        expected = _octal(header[148:156], shard, "checksum")
+        actual = sum(header[:148]) + 8 * 32 + sum(header[156:])
+        if expected != actual:
+            raise CorruptShardError(shard, f"tar header at byte {pos} has a bad checksum (truncated or corrupt)")
+        name = header[0:100].split(b"\0", 1)[0]
+        prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+        full = (prefix + b"/" + name) if prefix else name
+        try:
+            member = full.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise CorruptShardError(shard, f"tar member name {full!r} is not UTF-8") from err
+        kind = header[156:157]
+        if kind not in (b"0", b"\0"):
+            label = {b"1": "a hard link", b"2": "a symbolic link", b"5": "a directory",
+                     b"x": "a pax header", b"g": "a pax header", b"L": "a GNU long name"}.get(kind, f"type {kind!r}")
+            raise CorruptShardError(shard, f"tar member {member!r} is {label}; only regular files are allowed")
+        if not _MEMBER_NAME.match(member):
+            raise CorruptShardError(shard, f"unexpected tar member {member!r} (names must look like "
+                                           "000000000.tokens.npy.zst; paths, '..' and links are rejected)")
+        size = _octal(header[124:136], shard, "size")
+        start = pos + BLOCK
+        if start + size > end:
+            raise CorruptShardError(shard, f"tar member {member!r} claims {size} bytes but the shard ends first (truncated)")
+        yield member, view[start:start + size]
+        pos = start + size + (-size % BLOCK)
+
+
+def _read_npy(payload: bytes, shard: str, member: str) -> np.ndarray:
+    stream = io.BytesIO(payload)
+    try:
+        version = npy_format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = npy_format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy_format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as err:
+        raise CorruptShardError(shard, f"member {member}: not a valid .npy array ({err})") from err
+    if dtype.hasobject or fortran:
+        raise CorruptShardError(shard, f"member {member}: object or Fortran-ordered arrays are not allowed")
+    count = int(np.prod(shape)) if shape else 1
+    offset = stream.tell()
+    if len(payload) - offset != count * dtype.itemsize:
+        raise CorruptShardError(shard, f"member {member}: .npy payload size does not match its shape {shape}")
+    return np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
+    """Parse and decompress a tar shard into flat arrays; `raw_bytes` (from the manifest) bounds it."""
+    dtype = numpy_token_dtype(token_dtype)
+    # Members are grouped by key, WebDataset-style; keys must run 0, 1, 2, ... without gaps.
+    tokens: list[np.ndarray | None] = []
+    docs: list[np.ndarray | None] = []
+    budget = raw_bytes
+    for member, payload in iter_tar_members(data, shard):
+        match = _MEMBER_NAME.match(member)
+        key, field = int(match.group(1)), match.group(2)
+        if key != len(tokens) - 1:
+            if key != len(tokens):
+                raise CorruptShardError(shard, f"member {member}: expected sample {len(tokens):09d} (samples must be in order)")
+            tokens.append(None)
+            docs.append(None)
+        slot = tokens if field == "tokens" else docs
+        if slot[-1] is not None:
+            raise CorruptShardError(shard, f"member {member} appears twice")
+        raw = decompress_bounded(payload, limit=budget, shard=shard, what=f"member {member}")
+        budget -= len(raw)
+        array = _read_npy(raw, shard, member)
+        if field == "tokens" and (array.dtype != dtype or array.ndim != 1):
+            raise CorruptShardError(shard, f"member {member}: tokens must be a 1-D {dtype} array, got {array.dtype} {array.shape}")
+        if field == "docs" and (array.dtype != _DOCS_DTYPE or array.ndim != 2 or array.shape[1] != 3):
+            raise CorruptShardError(shard, f"member {member}: docs must be an int64 (k, 3) array")
+        slot[-1] = array
+    missing = next((i for i, t in enumerate(tokens) if t is None), None)
+    if missing is not None:
+        raise CorruptShardError(shard, f"sample {missing:09d} has no tokens member")
+    has_docs = any(d is not None for d in docs)
+    if has_docs and not all(d is not None for d in docs):
+        raise CorruptShardError(shard, "some samples store document boundaries and some do not")
+    if budget != 0:
+        raise CorruptShardError(shard, f"payload is {raw_bytes - budget} bytes, the manifest says {raw_bytes}")
+
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    offsets = np.zeros(len(tokens) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=dtype)
+    if not has_docs:
+        arrays = ShardArrays(flat, offsets)
+    else:
+        counts = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        doc_offsets = np.zeros(len(docs) + 1, dtype=OFFSETS_DTYPE)
+        np.cumsum(counts, out=doc_offsets[1:])
+        table = np.concatenate(docs) if docs else np.zeros((0, 3), dtype=_DOCS_DTYPE)
+        if table.size and (table[:, 0].max() > np.iinfo(DOC_STARTS_DTYPE).max or table[:, 1].min() < -1
+                           or table[:, 1].max() > np.iinfo(DOC_SOURCE_DTYPE).max):
+            raise CorruptShardError(shard, "document boundary values out of range")
+        arrays = ShardArrays(flat, offsets, doc_offsets, table[:, 0].astype(DOC_STARTS_DTYPE),
+                             table[:, 1].astype(DOC_SOURCE_DTYPE), table[:, 2].astype(DOC_INDEX_DTYPE))
+    arrays.validate(shard)
+    return arrays
+
+
+def wds_decode_hook(key: str, data: bytes):
+    """WebDataset decode hook for shardkit tar shards: `WebDataset(url).decode(wds_decode_hook)`.
+
+    It strips the `.zst` layer and lets webdataset's own `.npy` decoder (no pickle) do the rest,
+    like webdataset's built-in `.gz` handling.
+    """
+    if not key.endswith(".zst"):
+        return None
+    import webdataset.autodecode as autodecode
+    import zstandard
+
+    return autodecode.Continue(key[:-4], zstandard.ZstdDecompressor().decompress(data))

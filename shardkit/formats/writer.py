@@ -1,0 +1,143 @@
+"""`ShardWriter`: write samples into size-limited shards on any fsspec URL.
+
+Samples are buffered in memory until the shard reaches `max_samples` or `max_bytes` of raw
+(uncompressed) data, then the shard is encoded, uploaded in one atomic put and reported to the
+`on_shard_done` hook. The writer never writes a manifest: its caller does that last, once every
+shard is in place (`write_dataset` shows the whole sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from shardkit.formats.codecs import SHARD_EXTENSIONS, encode_shard
+from shardkit.formats.sample import Sample, arrays_from_samples, numpy_token_dtype
+from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
+from shardkit.storage import Storage
+
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+class ShardWriter:
+    """Context manager that writes samples into rolling shards.
+
+    Args:
+        url: dataset prefix (any fsspec URL) or a `Storage`.
+        shard_format: "tar" or "arrow".
+        token_dtype: "uint16" or "uint32".
+        max_samples: roll over after this many samples (None: no sample limit).
+        max_bytes: roll over once a shard holds this many raw (uncompressed) payload bytes.
+        compression_level: zstd level.
+        name_template: shard file stem; `{index}` is the shard's sequence number.
+        start_index: index of the first shard (lets a resumed build continue numbering).
+        on_shard_done: called with each finished shard's `ShardInfo`.
+        storage_options: fsspec options when `url` is a string.
+    """
+
+    def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
+                 max_samples: int | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                 compression_level: int = 3, name_template: str = "shard-{index:06d}", start_index: int = 0,
+                 on_shard_done: Callable[[ShardInfo], None] | None = None,
+                 storage_options: dict[str, Any] | None = None):
+        if shard_format not in SHARD_EXTENSIONS:
+            raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
+        numpy_token_dtype(token_dtype)
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.storage = url if isinstance(url, Storage) else Storage(url, storage_options)
+        self.shard_format = shard_format
+        self.token_dtype = token_dtype
+        self.max_samples = max_samples
+        self.max_bytes = max_bytes
+        self.compression_level = compression_level
+        self.name_template = name_template
+        self.next_index = start_index
+        self.on_shard_done = on_shard_done
+        self.shards: list[ShardInfo] = []
+        self._pending: list[Sample] = []
+        self._pending_bytes = 0
+        self._itemsize = numpy_token_dtype(token_dtype).itemsize
+        self._closed = False
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On error, do not publish a half-filled shard; what was finished stays finished.
+        if exc_type is None:
+            self.close()
+        else:
+            self._pending.clear()
+            self._closed = True
+
+    def write(self, sample: Sample | np.ndarray) -> None:
+        if self._closed:
+            raise ValueError("ShardWriter is closed")
+        if not isinstance(sample, Sample):
+            sample = Sample(np.asarray(sample))
+        self._pending.append(sample)
+        self._pending_bytes += len(sample.tokens) * self._itemsize
+        if sample.doc_starts is not None:
+            self._pending_bytes += len(sample.doc_starts) * 16
+        if ((self.max_samples is not None and len(self._pending) >= self.max_samples)
+                or (self.max_bytes is not None and self._pending_bytes >= self.max_bytes)):
+            self.flush()
+
+    def flush(self) -> ShardInfo | None:
+        """Finish the current shard now (no-op when it is empty)."""
+        if not self._pending:
+            return None
+        info = self._write_shard(self._pending)
+        self._pending = []
+        self._pending_bytes = 0
+        return info
+
+    def write_empty_shard(self) -> ShardInfo:
+        """Write a shard with zero samples (valid, e.g. for an input with nothing in it)."""
+        return self._write_shard([])
+
+    def _write_shard(self, samples: list[Sample]) -> ShardInfo:
+        arrays = arrays_from_samples(samples, self.token_dtype)
+        encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
+                               level=self.compression_level)
+        name = self.name_template.format(index=self.next_index) + SHARD_EXTENSIONS[self.shard_format]
+        self.storage.write_bytes(name, encoded.data)
+        info = ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
+                         compressed_bytes=len(encoded.data), raw_bytes=encoded.raw_bytes,
+                         sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries)
+        self.next_index += 1
+        self.shards.append(info)
+        if self.on_shard_done is not None:
+            self.on_shard_done(info)
+        return info
+
+    def close(self) -> None:
+        if not self._closed:
+            self.flush()
+            self._closed = True
+
+
+def write_dataset(url: str | Storage, samples: Iterable[Sample | np.ndarray], *, tokenizer: TokenizerInfo,
+                  seq_len: int | None, packing: str = "custom", shard_format: str = "tar",
+                  token_dtype: str | None = None, sources: tuple[str, ...] = (),
+                  build: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+                  **writer_options: Any) -> Manifest:
+    """Write samples as shards, then the manifest (last, atomically). Returns the manifest."""
+    from shardkit.manifest import token_dtype_for_vocab
+
+    dtype = token_dtype or token_dtype_for_vocab(tokenizer.vocab_size)
+    with ShardWriter(url, shard_format=shard_format, token_dtype=dtype, storage_options=storage_options,
+                     **writer_options) as writer:
+        for sample in samples:
+            writer.write(sample)
+    level = writer_options.get("compression_level", 3)
+    manifest = Manifest(shard_format=shard_format, token_dtype=dtype, seq_len=seq_len, packing=packing,
+                        tokenizer=tokenizer, shards=tuple(writer.shards), sources=tuple(sources),
+                        compression={"codec": "zstd", "level": level}, build=dict(build or {}))
+    write_manifest(writer.storage, manifest)
+    return manifest

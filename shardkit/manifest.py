@@ -1,0 +1,273 @@
+"""The dataset manifest: one JSON file, `shardkit.json`, at the dataset prefix.
+
+It is the single source of truth about a dataset: format, token dtype, sequence length, packing,
+tokenizer identity, every shard with its counts and SHA-256, totals, and the build configuration.
+It is written last and atomically, so a reader never sees a manifest that names a missing or
+partial shard. The exact format is documented in docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from shardkit.errors import ManifestError
+from shardkit.names import check_relative_name
+from shardkit.storage import Storage
+
+MANIFEST_NAME = "shardkit.json"
+FORMAT_VERSION = 1
+SHARD_FORMATS = ("tar", "arrow")
+TOKEN_DTYPES = ("uint16", "uint32")
+PACKING_MODES = ("concat", "bestfit", "none", "custom")
+HASH_ALGORITHM = "sha256"
+
+
+def token_dtype_for_vocab(vocab_size: int) -> str:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size <= 2**16:
+        return "uint16"
+    if vocab_size <= 2**32:
+        return "uint32"
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    """Identity of the tokenizer that produced the token ids.
+
+    Attributes:
+        kind: "byte", "hf", "tiktoken", "sentencepiece" or another loader name.
+        name: human-readable name (file name or registry name).
+        vocab_size: number of ids, specials included (every id is < vocab_size).
+        eos_id: id placed between documents, or None.
+        bos_id: id placed before each document, or None.
+        pad_id: id used to pad samples, or None.
+        special_ids: other special tokens, name -> id.
+        vocab_sha256: SHA-256 of the vocabulary file, or None for built-in tokenizers.
+    """
+
+    kind: str
+    name: str
+    vocab_size: int
+    eos_id: int | None = None
+    bos_id: int | None = None
+    pad_id: int | None = None
+    special_ids: dict[str, int] = field(default_factory=dict)
+    vocab_sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= 0:
+            raise ManifestError(f"tokenizer.vocab_size must be positive, got {self.vocab_size}")
+        for label, value in (("eos_id", self.eos_id), ("bos_id", self.bos_id), ("pad_id", self.pad_id),
+                             *self.special_ids.items()):
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ManifestError(f"tokenizer {label}={value} is outside the vocabulary [0, {self.vocab_size})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """One shard as the manifest records it.
+
+    Attributes:
+        name: path relative to the dataset prefix.
+        samples: number of samples.
+        tokens: number of tokens over all samples.
+        compressed_bytes: size of the shard file as stored.
+        raw_bytes: size of its payload before compression (docs/FORMAT.md defines it per format).
+        sha256: SHA-256 hex digest of the shard file as stored.
+        has_doc_boundaries: whether per-sample document boundaries and provenance are stored.
+    """
+
+    name: str
+    samples: int
+    tokens: int
+    compressed_bytes: int
+    raw_bytes: int
+    sha256: str
+    has_doc_boundaries: bool
+
+    def __post_init__(self) -> None:
+        check_relative_name(self.name, what="shard name")
+        for label in ("samples", "tokens", "compressed_bytes", "raw_bytes"):
+            value = getattr(self, label)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ManifestError(f"shard {self.name}: {label} must be a non-negative integer, got {value!r}")
+        if not (isinstance(self.sha256, str) and len(self.sha256) == 64
+                and all(c in "0123456789abcdef" for c in self.sha256)):
+            raise ManifestError(f"shard {self.name}: sha256 must be 64 lowercase hex digits")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything a reader needs to know about a dataset.
+
+    Attributes:
+        shard_format: "tar" or "arrow".
+        token_dtype: "uint16" or "uint32".
+        seq_len: training context length; packed samples hold seq_len + 1 tokens. None for
+            variable-length data (`packing="none"`), where `max_sample_tokens` bounds a sample.
+        packing: "concat", "bestfit", "none" or "custom".
+        tokenizer: identity of the tokenizer.
+        shards: the shards, in dataset order (global sample ids follow this order).
+        sources: input names that provenance `doc_source` values index.
+        compression: {"codec": "zstd", "level": N}.
+        build: the build configuration (free-form JSON object).
+        max_sample_tokens: longest sample allowed (seq_len + 1 for packed data).
+        shardkit_version: version of the writer.
+        format_version: version of this manifest format.
+    """
+
+    shard_format: str
+    token_dtype: str
+    seq_len: int | None
+    packing: str
+    tokenizer: TokenizerInfo
+    shards: tuple[ShardInfo, ...]
+    sources: tuple[str, ...] = ()
+    compression: dict[str, Any] = field(default_factory=lambda: {"codec": "zstd", "level": 3})
+    build: dict[str, Any] = field(default_factory=dict)
+    max_sample_tokens: int | None = None
+    shardkit_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {self.format_version} is not supported "
+                                f"(this shardkit reads version {FORMAT_VERSION}); upgrade shardkit")
+        if self.shard_format not in SHARD_FORMATS:
+            raise ManifestError(f"shard_format must be one of {SHARD_FORMATS}, got {self.shard_format!r}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ManifestError(f"token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
+        if self.packing not in PACKING_MODES:
+            raise ManifestError(f"packing must be one of {PACKING_MODES}, got {self.packing!r}")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ManifestError(f"seq_len must be positive or 'variable', got {self.seq_len}")
+        if self.tokenizer.vocab_size > 2**16 and self.token_dtype == "uint16":
+            raise ManifestError(f"vocab_size {self.tokenizer.vocab_size} needs uint32 token ids, manifest says uint16")
+        if not self.shardkit_version:
+            from shardkit import __version__
+            object.__setattr__(self, "shardkit_version", __version__)
+        object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if self.max_sample_tokens is None and self.seq_len is not None:
+            object.__setattr__(self, "max_sample_tokens", self.seq_len + 1)
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            raise ManifestError("manifest names the same shard twice")
+        if MANIFEST_NAME in names:
+            raise ManifestError(f"a shard may not be called {MANIFEST_NAME}")
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def sample_length(self) -> int | None:
+        """Tokens per sample for fixed-length (packed) data, None when variable."""
+        return None if self.seq_len is None or self.packing == "none" else self.seq_len + 1
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "shards": len(self.shards),
+            "samples": self.num_samples,
+            "tokens": self.num_tokens,
+            "compressed_bytes": sum(s.compressed_bytes for s in self.shards),
+            "raw_bytes": sum(s.raw_bytes for s in self.shards),
+        }
+
+    def with_shards(self, shards: Sequence[ShardInfo]) -> Manifest:
+        return replace(self, shards=tuple(shards))
+
+    # -- JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "shardkit",
+            "format_version": self.format_version,
+            "shardkit_version": self.shardkit_version,
+            "shard_format": self.shard_format,
+            "token_dtype": self.token_dtype,
+            "seq_len": "variable" if self.seq_len is None else self.seq_len,
+            "max_sample_tokens": self.max_sample_tokens,
+            "packing": self.packing,
+            "tokenizer": asdict(self.tokenizer),
+            "compression": dict(self.compression),
+            "hash": HASH_ALGORITHM,
+            "totals": self.totals(),
+            "shards": [asdict(s) for s in self.shards],
+            "sources": list(self.sources),
+            "build": self.build,
+        }
+
+    def to_json(self) -> str:
+        """Deterministic JSON: the same manifest always gives the same bytes."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "manifest") -> Manifest:
+        if not isinstance(data, dict):
+            raise ManifestError(f"{source}: expected a JSON object")
+        if data.get("format") != "shardkit":
+            raise ManifestError(f"{source}: not a shardkit manifest (field 'format' is {data.get('format')!r})")
+        if data.get("hash", HASH_ALGORITHM) != HASH_ALGORITHM:
+            raise ManifestError(f"{source}: unsupported hash {data.get('hash')!r}")
+        try:
+            seq_len = data["seq_len"]
+            shards = tuple(ShardInfo(**s) for s in data["shards"])
+            manifest = cls(
+                format_version=data["format_version"],
+                shardkit_version=data.get("shardkit_version", ""),
+                shard_format=data["shard_format"],
+                token_dtype=data["token_dtype"],
+                seq_len=None if seq_len == "variable" else int(seq_len),
+                max_sample_tokens=data.get("max_sample_tokens"),
+                packing=data["packing"],
+                tokenizer=TokenizerInfo(**data["tokenizer"]),
+                compression=data.get("compression", {"codec": "zstd"}),
+                shards=shards,
+                sources=tuple(data.get("sources", ())),
+                build=data.get("build", {}),
+            )
+        except ManifestError as err:
+            raise ManifestError(f"{source}: {err}") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise ManifestError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from err
+        if manifest.compression.get("codec") != "zstd":
+            raise ManifestError(f"{source}: unsupported compression {manifest.compression!r}")
+        totals = data.get("totals")
+        if totals is not None and totals != manifest.totals():
+            raise ManifestError(f"{source}: totals {totals} do not match the sum over shards {manifest.totals()}")
+        return manifest
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "manifest") -> Manifest:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ManifestError(f"{source}: not valid JSON ({err})") from err
+        return cls.from_dict(data, source=source)
+
+
+def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and validate the manifest of the dataset at `source` (a URL or a `Storage`)."""
+    storage = source if isinstance(source, Storage) else Storage(source, storage_options)
+    try:
+        text = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError as err:
+        raise ManifestError(f"no dataset at {storage.url}: {MANIFEST_NAME} not found "
+                            "(was the build interrupted before it finished?)") from err
+    return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
+
+
+def write_manifest(storage: Storage, manifest: Manifest) -> None:
+    """Publish the manifest atomically. Call it only after every shard it names is written."""
+    storage.write_bytes(MANIFEST_NAME, manifest.to_json().encode())

@@ -1,0 +1,294 @@
+"""All dataset I/O goes through fsspec: local paths, file://, memory://, s3:// (s3fs) and any other
+installed protocol. There are no per-cloud client classes.
+
+`Storage` is one dataset prefix on one filesystem, resolved once at the edge. Every remote call is
+wrapped in `retry_call`, which retries transient failures (5xx, throttling, resets, timeouts) with
+bounded exponential backoff and jitter, and otherwise raises an error that names the URL and cause.
+Credentials never appear in `repr`, logs or error messages: only the URL does.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec
+
+from shardkit.errors import StorageError
+from shardkit.names import check_relative_name
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# HTTP statuses and S3/botocore error codes that mean "try again later".
+_TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+}
+# Exception class names (matched along the MRO, so no optional import is needed) that are transient.
+_TRANSIENT_CLASS_NAMES = {
+    "ConnectionError",
+    "TimeoutError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ClientConnectionError",
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "ClientOSError",
+    "ContentLengthError",
+}
+_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
+# Never retried: the answer will not change.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Bounded exponential backoff with jitter.
+
+    Attributes:
+        attempts: total tries, the first included.
+        initial_delay: seconds before the second try.
+        max_delay: cap on one wait.
+        multiplier: growth of the wait per try.
+        jitter: the wait is drawn uniformly from [delay * (1 - jitter), delay].
+    """
+
+    attempts: int = 6
+    initial_delay: float = 0.2
+    max_delay: float = 8.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.initial_delay < 0 or self.max_delay < 0:
+            raise ValueError("RetryPolicy delays must be >= 0")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+
+    def delays(self, rng: random.Random) -> Iterator[float]:
+        """The waits between tries: `attempts - 1` values."""
+        delay = self.initial_delay
+        for _ in range(self.attempts - 1):
+            capped = min(delay, self.max_delay)
+            yield capped * (1 - self.jitter * rng.random())
+            delay *= self.multiplier
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+def _error_chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the operation that raised `exc` can succeed."""
+    for err in _error_chain(exc):
+        if isinstance(err, _PERMANENT):
+            return False
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+                return True
+        status = getattr(err, "status", None) or getattr(err, "status_code", None)
+        if isinstance(status, int) and status in _TRANSIENT_STATUS:
+            return True
+        if any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(err).__mro__):
+            return True
+        if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
+            return True
+        text = str(err)
+        if any(marker in text for marker in ("SlowDown", "Service Unavailable", "Internal Server Error", "503", "reset by peer")):
+            return True
+    return False
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line cause, without credentials (only exception types and messages)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def retry_call(
+    fn: Callable[[], T],
+    *,
+    url: str,
+    what: str,
+    policy: RetryPolicy = DEFAULT_RETRY,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> T:
+    """Call `fn`, retrying transient errors under `policy`.
+
+    Raises:
+        StorageError: after the last try, or at once for a non-transient error; names `url`.
+        FileNotFoundError: passed through unchanged (callers often test for absence).
+    """
+    delays = policy.delays(rng or random.Random())
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 - classified below, re-raised with context
+            transient = is_transient(err)
+            delay = next(delays, None) if transient else None
+            if delay is None:
+                tries = f" after {attempt} attempts" if transient else ""
+                raise StorageError(f"{what} {url} failed{tries}: {describe_error(err)}") from err
+            logger.warning("%s %s failed (attempt %d/%d, retrying in %.2fs): %s",
+                           what, url, attempt, policy.attempts, delay, describe_error(err))
+            sleep(delay)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+class Storage:
+    """One dataset prefix (a "directory" URL) on an fsspec filesystem.
+
+    Names handed to its methods are relative to the prefix and validated with
+    `check_relative_name`, so a manifest can never make shardkit read or write outside it.
+    Instances pickle (fsspec filesystems do), so they can be handed to worker processes.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 *, retry: RetryPolicy = DEFAULT_RETRY):
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"dataset URL must be a non-empty string, got {url!r}")
+        self.url = url.rstrip("/") or url
+        self.storage_options = dict(storage_options or {})
+        self.retry = retry
+        self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        self.is_local = _is_local(self.fs)
+
+    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
+        return f"Storage({self.url!r})"
+
+    # -- names -------------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        """Filesystem path of `name` under the prefix (validated)."""
+        check_relative_name(name, what="object name")
+        return f"{self.root}/{name}" if self.root else name
+
+    def url_of(self, name: str) -> str:
+        """Full URL of `name`, for messages."""
+        check_relative_name(name, what="object name")
+        return f"{self.url}/{name}"
+
+    def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
+        return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
+
+    # -- reads -------------------------------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        path = self.path(name)
+        return self._call(lambda: self.fs.exists(path), name, "stat")
+
+    def size(self, name: str) -> int:
+        path = self.path(name)
+        return int(self._call(lambda: self.fs.size(path), name, "stat"))
+
+    def read_bytes(self, name: str) -> bytes:
+        path = self.path(name)
+        return self._call(lambda: self.fs.cat_file(path), name, "read")
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        path = self.path(name)
+        return self._call(lambda: self.fs.cat_file(path, start=start, end=end), name, "read")
+
+    def list_names(self) -> list[str]:
+        """Names of all files under the prefix, relative to it, sorted."""
+        def walk() -> list[str]:
+            if not self.fs.exists(self.root):
+                return []
+            return self.fs.find(self.root)
+        paths = retry_call(walk, url=self.url, what="list", policy=self.retry)
+        prefix = f"{self.root}/" if self.root else ""
+        names = []
+        for path in paths:
+            path = path if not self.is_local else path.replace(os.sep, "/")
+            if path.startswith(prefix):
+                names.append(path[len(prefix):])
+            elif prefix and path.startswith(prefix.lstrip("/")):
+                names.append(path[len(prefix.lstrip("/")):])
+        return sorted(names)
+
+    def download(self, name: str, local_path: str) -> None:
+        """Copy `name` to a local file path (the caller makes it atomic)."""
+        path = self.path(name)
+        self._call(lambda: self.fs.get_file(path, local_path), name, "download")
+
+    # -- writes ------------------------------------------------------------------------------
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write `data` to `name` atomically: readers see the old object or the whole new one.
+
+        Local files are written to a temporary name and renamed; object stores publish an object
+        only when its (single or multipart) upload completes, so a plain put is already atomic.
+        """
+        path = self.path(name)
+        if self.is_local:
+            def put_local() -> None:
+                parent = os.path.dirname(path)
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+                try:
+                    with open(tmp, "wb") as fh:
+                        fh.write(data)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            self._call(put_local, name, "write")
+        else:
+            self._call(lambda: self.fs.pipe_file(path, data), name, "write")
+
+    def delete(self, name: str) -> None:
+        path = self.path(name)
+        def remove() -> None:
+            if self.fs.exists(path):
+                self.fs.rm_file(path)
+        self._call(remove, name, "delete")
+
+    def makedirs(self) -> None:
+        """Create the prefix where the filesystem has real directories (no-op on object stores)."""
+        if self.is_local:
+            os.makedirs(self.root, exist_ok=True)
