@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -59,6 +60,10 @@ _TRANSIENT_CLASS_NAMES = {
     "ClientOSError",
     "ContentLengthError",
 }
+# Last resort for wrappers that keep only the message. A bare status number counts only as its own
+# token: "shard-000503.tar" in a message about a missing file must not be retried six times.
+_TRANSIENT_TEXT = re.compile(r"SlowDown|Service Unavailable|Internal Server Error|reset by peer"
+                             r"|(?<![\w./-])(?:429|500|502|503|504)(?![\w./-])")
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
 # Never retried: the answer will not change.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -129,8 +134,7 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
             return True
-        text = str(err)
-        if any(marker in text for marker in ("SlowDown", "Service Unavailable", "Internal Server Error", "503", "reset by peer")):
+        if _TRANSIENT_TEXT.search(str(err)):
             return True
     return False
 
