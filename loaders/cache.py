@@ -40,8 +40,8 @@ from shardkit.storage import Storage
 logger = logging.getLogger(__name__)
 
 DECODED_SUFFIX = ".skd"
-# Decoded files hold a header and 64-byte-aligned arrays besides the raw payload.
-_DECODED_OVERHEAD = 8192
+# Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
+_HEADER_BOUND = 1024
 
 
 class CacheLimitError(OSError):
@@ -134,8 +134,11 @@ class ShardCache:
         return os.path.exists(self.path(index))
 
     @staticmethod
-    def decoded_size_estimate(shard: ShardInfo) -> int:
-        return shard.raw_bytes + _DECODED_OVERHEAD
+    def decoded_size(arrays) -> int:
+        """Size of the decoded file of `arrays` (an upper bound, exact to the header padding)."""
+        parts = (arrays.tokens, arrays.sample_offsets, arrays.doc_offsets, arrays.doc_starts, arrays.doc_source,
+                 arrays.doc_index)
+        return _HEADER_BOUND + sum(-(-a.nbytes // 64) * 64 for a in parts if a is not None)
 
     # -- reading -------------------------------------------------------------------------------
     def open(self, index: int) -> CachedShard:
@@ -188,7 +191,7 @@ class ShardCache:
                 return True  # another process finished it while we waited
             self._remove_stale_temporaries(path)
             arrays = self._download(shard)
-            if not self._make_room(self.decoded_size_estimate(shard), shard=shard, exclude=path, wait=block):
+            if not self._make_room(self.decoded_size(arrays), shard=shard, exclude=path, wait=block):
                 return False
             write_decoded(path, arrays)
             return True
