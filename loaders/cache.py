@@ -101,7 +101,8 @@ class ShardCache:
                  cache_limit: int | None = None, wait_timeout: float = 60.0):
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit must be a positive number of bytes or None, got {cache_limit}")
-        self.storage = storage
+        self._storage = storage
+        self._pid = os.getpid()
         self.manifest = manifest
         self.cache_root = os.path.abspath(cache_dir or default_cache_dir())
         self.directory = os.path.join(self.cache_root, dataset_cache_key(storage.url))
@@ -110,6 +111,15 @@ class ShardCache:
         self.stats = CacheStats()
         self._held_bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def storage(self) -> Storage:
+        # Filesystems such as s3fs refuse to run in a forked child (their event loop belongs to the
+        # parent): a DataLoader worker forked from the main process opens its own.
+        if os.getpid() != self._pid:
+            self._storage = Storage(self._storage.url, self._storage.storage_options, retry=self._storage.retry)
+            self._pid = os.getpid()
+        return self._storage
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -38,7 +38,10 @@ def loader_run(*, url: str, cache_dir: str, batch_size: int, rank: int | None = 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=60))
     try:
-        loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        # Pool processes are spawned, which makes spawn their default start method; torchrun's ranks
+        # fork their DataLoader workers, and so do we (a spawned worker re-imports torch: seconds).
+        loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                     multiprocessing_context="fork" if num_workers else None)
         if state is not None:
             loader.load_state_dict(state)
         ids, mismatched = [], 0
