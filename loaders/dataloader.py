@@ -27,6 +27,17 @@ from shardkit.loaders.topology import Topology
 logger = logging.getLogger(__name__)
 
 
+_BUNDLE_BYTES = 2**20
+
+
+def unbundle(items: Iterator[Any]) -> Iterator[dict]:
+    for item in items:
+        if isinstance(item, list):
+            yield from item
+        else:
+            yield item
+
+
 def keep_batch(batch: Any) -> Any:
     """Collate function of the underlying DataLoader: batches are already whole."""
     return batch
@@ -108,6 +119,7 @@ class StreamingDataLoader(DataLoader):
             self.dataset.set_plan(IterationPlan(epoch=self._epoch, start=self._consumed,
                                                 batch_size=self.samples_per_rank, topology=topology,
                                                 num_partitions=self._num_partitions, numpy_batches=True,
+                                                bundle=self._bundle_size() if self.num_workers else 1,
                                                 segments=self._segments))
         if self._consumed == 0 and not self.token_mode:
             left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=self.dataset.partial_batches)
@@ -117,7 +129,7 @@ class StreamingDataLoader(DataLoader):
         self._workers_in_sync = False
         # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
-        source = iter(self.dataset) if self.num_workers == 0 else super().__iter__()
+        source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
         pin = self.pin_batches and torch.cuda.is_available()
         for arrays in source:
             progress = arrays.pop(PROGRESS_KEY, None)
@@ -132,6 +144,14 @@ class StreamingDataLoader(DataLoader):
             yield batch
         self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
         self._workers_in_sync = self.persistent_workers
+
+    def _bundle_size(self) -> int:
+        """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
+        ds = self.dataset
+        if ds.sample_length is None:
+            return 4
+        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.has_doc_boundaries else 0)) + 8
+        return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
 
     def _advance_window(self, progress, world_size: int) -> None:
         window_start, steps_done, window_finished = (int(x) for x in progress)

@@ -29,7 +29,7 @@ from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.order import DEFAULT_SHUFFLE_WINDOW, EpochOrder, OrderConfig
-from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_steps
+from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_of_step, worker_steps
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
@@ -53,6 +53,7 @@ class IterationPlan:
     topology: Topology
     num_partitions: int
     numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
+    bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
     segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
 
 
@@ -228,6 +229,8 @@ class StreamingDataset(IterableDataset):
                                             worker, num_workers)
         else:
             batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers)
+        if info is not None and plan.bundle > 1:
+            return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
     def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
@@ -236,7 +239,7 @@ class StreamingDataset(IterableDataset):
         topo, batch = plan.topology, plan.batch_size
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
                                policy=self.partial_batches)
-        steps = worker_steps(total, worker=worker, num_workers=num_workers)
+        steps = worker_steps(total, worker=worker, num_workers=num_workers, bundle=plan.bundle)
         per_chunk = max(1, self.chunk_samples // batch)
         chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
 
@@ -244,7 +247,10 @@ class StreamingDataset(IterableDataset):
             positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
                                        world_size=topo.world_size, batch_size=batch, rank=topo.rank,
                                        partition_of=order.partition_of)
-            return order.sample_ids(positions)
+            # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
+            ids = order.sample_ids(positions)
+            ids.sort(axis=1)
+            return ids
 
         held: dict[int, Any] = {}
         executor = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch") if self.prefetch else None
@@ -299,7 +305,7 @@ class StreamingDataset(IterableDataset):
                                                       max_tokens=self.max_tokens)
                 mine = window_plan.batches[topo.rank]
                 for k in range(skip, window_plan.steps):
-                    if step % num_workers == worker:
+                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
                         rows = mine[k]
                         rows = np.where(rows < 0, window_plan.filler, rows)
                         batch = gather_variable(ids[covered[rows]], table=self.table,
@@ -359,6 +365,18 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:
+    """Group a worker's batches into lists of `size` (its steps come in bundles of that many)."""
+    bundle: list[dict[str, np.ndarray]] = []
+    for batch in batches:
+        bundle.append(batch)
+        if len(bundle) == size:
+            yield bundle
+            bundle = []
+    if bundle:
+        yield bundle
 
 
 def strip_progress(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
