@@ -14,12 +14,14 @@ def _set_env(env: dict | None) -> None:
 
 def loader_run(*, url: str, cache_dir: str, batch_size: int, rank: int | None = None, world_size: int | None = None,
                port: int | None = None, limit: int | None = None, state: dict | None = None, num_workers: int = 0,
-               env: dict | None = None, dataset_kwargs: dict | None = None, storage_options: dict | None = None) -> dict:
+               env: dict | None = None, dataset_kwargs: dict | None = None, storage_options: dict | None = None,
+               mesh: bool = False) -> dict:
     """Iterate a StreamingDataLoader as one rank; with `port`, inside a real gloo process group.
 
     The dataset is created *before* init_process_group and given no rank, so the rank must come
     from the group at iteration time. Every step does an all_reduce, as DDP would: unequal batch
-    counts would hang (and time out) here.
+    counts would hang (and time out) here. With `mesh`, the dataset is created after the group and
+    takes its rank from a DeviceMesh's data-parallel dimension instead.
     """
     import numpy as np
     import torch
@@ -32,11 +34,18 @@ def loader_run(*, url: str, cache_dir: str, batch_size: int, rank: int | None = 
     kwargs = dict(dataset_kwargs or {})
     if port is None:
         kwargs.update(rank=rank, world_size=world_size)
-    dataset = StreamingDataset(url, cache_dir=cache_dir, storage_options=storage_options, **kwargs)
+    if not mesh:
+        dataset = StreamingDataset(url, cache_dir=cache_dir, storage_options=storage_options, **kwargs)
     if port is not None:
         from datetime import timedelta
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=60))
+    if mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        dataset = StreamingDataset(url, cache_dir=cache_dir, storage_options=storage_options, device_mesh=dp,
+                                   mesh_dim="dp", **kwargs)
     try:
         # Pool processes are spawned, which makes spawn their default start method; torchrun's ranks
         # fork their DataLoader workers, and so do we (a spawned worker re-imports torch: seconds).

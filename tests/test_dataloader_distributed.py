@@ -52,12 +52,13 @@ def test_balance_and_exact_resume(process_pool, dataset):
         np.testing.assert_array_equal(resumed, flat(full[rank]))
 
 
-@pytest.mark.parametrize(("before", "after", "workers_after"), [(2, 3, 2), (4, 2, 0)])
-def test_elastic_resume_repeats_and_skips_nothing(process_pool, dataset, before, after, workers_after):
+@pytest.mark.parametrize(("before", "after", "workers_after", "mesh"), [(2, 3, 2, False), (4, 2, 0, True)])
+def test_elastic_resume_repeats_and_skips_nothing(process_pool, dataset, before, after, workers_after, mesh):
     first = run_group(process_pool, dataset, before, limit=23)
     state = first[0]["state"]
     assert state["samples_consumed"] == 23 * before * BATCH
-    second = run_group(process_pool, dataset, after, state=state, num_workers=workers_after)
+    # the second run takes its rank from a DeviceMesh dimension when `mesh`
+    second = run_group(process_pool, dataset, after, state=state, num_workers=workers_after, mesh=mesh)
     assert len({r["len"] for r in second}) == 1 and second[0]["steps_per_rank"] == [len(second[0]["ids"])] * after
     seen = np.concatenate([flat(r) for r in first + second])
     assert len(np.unique(seen)) == len(seen), "a sample was repeated across the resume"
