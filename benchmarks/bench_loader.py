@@ -66,6 +66,28 @@ def build_data(data_dir: Path, tokens: int, shard_bytes: int) -> tuple[str, Path
     return str(url), flat, samples
 
 
+def build_arrow_copy(data_dir: Path, flat: Path, samples: int, shard_bytes: int) -> str:
+    """The same samples as Arrow shards (for the cold-start comparison of the two formats)."""
+    from shardkit.formats import ShardWriter
+    from shardkit.manifest import Manifest, TokenizerInfo, write_manifest
+    from shardkit.storage import Storage
+
+    url = data_dir / "arrow"
+    stamp = data_dir / f"arrow-done-{samples}-{shard_bytes}"
+    if stamp.exists():
+        return str(url)
+    shutil.rmtree(url, ignore_errors=True)
+    data = np.memmap(flat, dtype=np.uint16, mode="r", shape=(samples, SEQ + 1))
+    with ShardWriter(str(url), shard_format="arrow", token_dtype="uint16", max_bytes=shard_bytes) as writer:
+        for row in data:
+            writer.write(np.array(row))
+    manifest = Manifest(shard_format="arrow", token_dtype="uint16", seq_len=SEQ, packing="concat",
+                        tokenizer=TokenizerInfo(kind="byte", name="random", vocab_size=VOCAB), shards=writer.shards)
+    write_manifest(Storage(str(url)), manifest)
+    stamp.touch()
+    return str(url)
+
+
 # -- measurement ---------------------------------------------------------------------------------
 def measure(make: Callable[[], Iterator], batches: int, runs: int, batch_size: int) -> dict:
     rates, firsts = [], []
@@ -146,7 +168,7 @@ def webdataset_loader(url: str, batch: int, workers: int) -> Callable[[], Iterat
     return make
 
 
-def cold_s3(url: str, runs: int, batch: int) -> dict:
+def cold_s3(urls: dict[str, str], runs: int, batch: int) -> dict:
     """Upload the shards to a moto S3 server on loopback; time to first batch from empty caches.
 
     The server runs in its own process, as a real endpoint would: in-process it would compete with
@@ -180,21 +202,25 @@ def cold_s3(url: str, runs: int, batch: int) -> dict:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        for path in sorted(Path(url).iterdir()):
-            client.upload_file(str(path), "bench", f"data/{path.name}")
         options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
-        times, creates = [], []
-        for _ in range(runs):
-            cache = tempfile.mkdtemp(prefix="shardkit-bench-cold-")
-            start = time.perf_counter()
-            ds = StreamingDataset("s3://bench/data", cache_dir=cache, storage_options=options, rank=0, world_size=1)
-            created = time.perf_counter()
-            next(iter(StreamingDataLoader(ds, batch_size=batch)))
-            times.append(time.perf_counter() - start)
-            creates.append(created - start)
-            shutil.rmtree(cache, ignore_errors=True)
-        return {"first_batch_s": statistics.median(times), "manifest_s": statistics.median(creates),
-                "runs": [round(t, 3) for t in times]}
+        out = {}
+        for name, url in urls.items():
+            for path in sorted(Path(url).iterdir()):
+                client.upload_file(str(path), "bench", f"{name}/{path.name}")
+            times, creates = [], []
+            for _ in range(runs):
+                cache = tempfile.mkdtemp(prefix="shardkit-bench-cold-")
+                start = time.perf_counter()
+                ds = StreamingDataset(f"s3://bench/{name}", cache_dir=cache, storage_options=options, rank=0,
+                                      world_size=1)
+                created = time.perf_counter()
+                next(iter(StreamingDataLoader(ds, batch_size=batch)))
+                times.append(time.perf_counter() - start)
+                creates.append(created - start)
+                shutil.rmtree(cache, ignore_errors=True)
+            out[name] = {"first_batch_s": statistics.median(times), "manifest_s": statistics.median(creates),
+                         "runs": [round(t, 3) for t in times]}
+        return out
     finally:
         server.terminate()
         server.wait(10)
@@ -287,14 +313,16 @@ def main() -> None:
         "memory_per_rank": memory_per_rank(url, cache, batch, batches),
     }
     if not args.skip_s3:
-        result["cold_s3"] = cold_s3(url, runs, batch)
+        arrow = build_arrow_copy(Path(args.data_dir), flat, samples, args.shard_mb * 2**20)
+        result["cold_s3"] = cold_s3({"tar": url, "arrow": arrow}, runs, batch)
 
     print(f"\n{'loader':<50} {'samples/s':>12} {'first batch s':>14}")
     for name, row in rows.items():
         print(f"{name:<50} {row['samples_per_s']:>12,.0f} {row['first_batch_s']:>14.3f}")
     print("\nresume, time to first batch (s):", {k: round(v, 3) for k, v in result["resume_first_batch_s"].items()})
-    if "cold_s3" in result:
-        print("cold S3 (moto on loopback), time to first batch (s):", round(result["cold_s3"]["first_batch_s"], 3))
+    for name, row in result.get("cold_s3", {}).items():
+        print(f"cold S3 (moto on loopback, {name} shards of {args.shard_mb} MiB), time to first batch: "
+              f"{row['first_batch_s']:.3f} s (manifest {row['manifest_s']:.3f} s)")
     print("loader memory per rank:", result["memory_per_rank"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -87,6 +87,13 @@ class CachedShard:
         self.close()
 
 
+def _check_into(errors: list, data: bytes, shard: ShardInfo) -> None:
+    try:
+        check_shard_bytes(data, shard=shard.name, sha256=shard.sha256, size=shard.compressed_bytes)
+    except CorruptShardError as err:
+        errors.append(err)
+
+
 class ShardCache:
     """Downloads, verifies, decodes and holds the shards of one dataset in a node-local directory.
 
@@ -239,16 +246,27 @@ class ShardCache:
             data = self._read_whole(shard)
             self.stats.downloads += 1
             self.stats.downloaded_bytes += len(data)
+            # Hash (hashlib releases the GIL) while decoding: the decoder is built for untrusted
+            # bytes (bounded by raw_bytes, strict parsing), and its result is used only if the hash matches.
+            hash_error: list[CorruptShardError] = []
+            hasher = threading.Thread(target=_check_into, args=(hash_error, data, shard), daemon=True)
+            hasher.start()
             try:
-                check_shard_bytes(data, shard=shard.name, sha256=shard.sha256, size=shard.compressed_bytes)
+                arrays = decode_shard(data, shard_format=self.manifest.shard_format,
+                                      token_dtype=self.manifest.token_dtype, shard=shard.name, raw_bytes=shard.raw_bytes)
+                decode_error = None
             except CorruptShardError as err:
+                arrays, decode_error = None, err
+            hasher.join()
+            if hash_error:
                 if attempt == 2:
-                    raise CorruptShardError(shard.name, f"{err.reason}; a second download from "
-                                            f"{self.storage.url_of(shard.name)} did not match either") from err
-                logger.warning("shard %s failed its check (%s); downloading it again", shard.name, err.reason)
+                    raise CorruptShardError(shard.name, f"{hash_error[0].reason}; a second download from "
+                                            f"{self.storage.url_of(shard.name)} did not match either") from hash_error[0]
+                logger.warning("shard %s failed its check (%s); downloading it again", shard.name,
+                               hash_error[0].reason)
                 continue
-            arrays = decode_shard(data, shard_format=self.manifest.shard_format,
-                                  token_dtype=self.manifest.token_dtype, shard=shard.name, raw_bytes=shard.raw_bytes)
+            if decode_error is not None:
+                raise decode_error  # the bytes are what the manifest promised, yet undecodable
             check_counts(arrays, shard)
             return arrays
         raise AssertionError("unreachable")  # pragma: no cover
