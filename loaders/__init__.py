@@ -1,0 +1,17 @@
+"""The read side of shardkit (`shardkit.loaders`): stream shards to every training rank.
+
+Modules, one job each:
+
+- `order`: the global sample order of an epoch (pure numpy; two-level shuffle, canonical partitions).
+- `partition`: which positions each rank and DataLoader worker reads at each step (pure).
+- `mixing`: `Stream` and the mixture order (pure integer arithmetic).
+- `token_budget`: equal-count, token-balanced batches for variable-length data (pure).
+- `topology`: rank, world size and node layout, resolved lazily.
+- `cache`: the node-local shard cache (flock, verify, decode once, mmap, LRU eviction).
+- `batching`: global sample ids -> batch arrays from held shards.
+- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches.
+- `state`, `dataloader`: the resume state and `StreamingDataLoader`.
+
+Import the public names from `shardkit` (`from shardkit import StreamingDataset`); this package
+imports torch only in `dataset` and `dataloader`.
+"""

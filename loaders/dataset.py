@@ -285,6 +285,7 @@ class StreamingDataset(IterableDataset):
         topo, total = plan.topology, order.num_positions
         step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
         held: dict[int, Any] = {}
+        rank_tokens, repeats = np.zeros(topo.world_size, dtype=np.int64), 0
         try:
             for window_start in range(start, total, self.token_window):
                 ids = order.sample_ids(np.arange(window_start, min(window_start + self.token_window, total)))
@@ -304,6 +305,8 @@ class StreamingDataset(IterableDataset):
                 window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
                                                       max_tokens=self.max_tokens)
                 mine = window_plan.batches[topo.rank]
+                rank_tokens += window_plan.rank_tokens
+                repeats += window_plan.repeats
                 for k in range(skip, window_plan.steps):
                     if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
                         rows = mine[k]
@@ -315,6 +318,10 @@ class StreamingDataset(IterableDataset):
                                                        dtype=np.int64)
                         yield batch
                     step += 1
+            if worker == 0 and rank_tokens.sum():
+                logger.info("epoch %d (token budget %d): %d steps, token imbalance across ranks %.2f%% "
+                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, self.max_tokens,
+                            step, 100 * (rank_tokens.max() / rank_tokens.mean() - 1), repeats)
         finally:
             for handle in held.values():
                 handle.close()
