@@ -253,15 +253,17 @@ class ShardCache:
             hasher.start()
             try:
                 arrays = decode_shard(data, shard_format=self.manifest.shard_format,
-                                      token_dtype=self.manifest.token_dtype, shard=shard.name, raw_bytes=shard.raw_bytes)
+                                      token_dtype=self.manifest.token_dtype, shard=shard.name,
+                                      raw_bytes=shard.raw_bytes)
                 decode_error = None
             except CorruptShardError as err:
                 arrays, decode_error = None, err
             hasher.join()
             if hash_error:
                 if attempt == 2:
-                    raise CorruptShardError(shard.name, f"{hash_error[0].reason}; a second download from "
-                                            f"{self.storage.url_of(shard.name)} did not match either") from hash_error[0]
+                    url = self.storage.url_of(shard.name)
+                    raise CorruptShardError(shard.name, f"{hash_error[0].reason}; a second download from {url} "
+                                            "did not match either") from hash_error[0]
                 logger.warning("shard %s failed its check (%s); downloading it again", shard.name,
                                hash_error[0].reason)
                 continue
@@ -326,9 +328,10 @@ class ShardCache:
                 return False
             own = self._held_bytes
             if own + need > limit or time.monotonic() > deadline:
-                who = "this process alone" if own + need > limit else "live readers on this node"
+                alone = own + need > limit
+                who = "this process alone" if alone else "live readers on this node"
                 raise CacheLimitError(
-                    f"cache_limit={limit} bytes cannot hold the working set: {who} hold {own if own + need > limit else total} "
+                    f"cache_limit={limit} bytes cannot hold the working set: {who} hold {own if alone else total} "
                     f"bytes of decoded shards in {self.cache_root} and shard {shard.name} needs {need} more. Raise "
                     "cache_limit (a node needs about partitions_per_node x (shuffle_window / samples_per_shard + 2) "
                     "decoded shards per open epoch) or lower shuffle_window")

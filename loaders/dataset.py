@@ -93,9 +93,12 @@ class StreamingDataset(IterableDataset):
                  mesh_dim: Any = None, batch_size: int | None = None, num_partitions: int | None = None,
                  block_size: int | None = None, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  partial_batches: str = "drop", epoch_size: int | None = None, max_tokens: int | None = None,
-                 token_window: int = DEFAULT_TOKEN_WINDOW, chunk_samples: int = DEFAULT_CHUNK_SAMPLES, prefetch: bool = True, cache_wait: float = 60.0):
+                 token_window: int = DEFAULT_TOKEN_WINDOW, chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
+                 prefetch: bool = True, cache_wait: float = 60.0):
         super().__init__()
-        streams = [Stream(source)] if isinstance(source, str) else [source] if isinstance(source, Stream) else list(source)
+        if isinstance(source, str):
+            source = Stream(source)
+        streams = [source] if isinstance(source, Stream) else list(source)
         if not streams or not all(isinstance(s, Stream) for s in streams):
             raise TypeError("source must be a dataset URL, a Stream, or a non-empty list of Stream")
         if batch_size is not None and batch_size < 1:
@@ -151,8 +154,10 @@ class StreamingDataset(IterableDataset):
             for attr in ("token_dtype", "sample_length"):
                 if getattr(manifest, attr) != getattr(first, attr):
                     raise ValueError(f"stream {stream.url}: {attr}={getattr(manifest, attr)!r} differs from "
-                                     f"{self.streams[0].url} ({getattr(first, attr)!r}); streams of a mixture must agree")
-            if manifest.tokenizer.vocab_size != first.tokenizer.vocab_size or manifest.tokenizer.name != first.tokenizer.name:
+                                     f"{self.streams[0].url} ({getattr(first, attr)!r}); "
+                                     "streams of a mixture must agree")
+            tok, ref = manifest.tokenizer, first.tokenizer
+            if tok.vocab_size != ref.vocab_size or tok.name != ref.name:
                 raise ValueError(f"stream {stream.url} uses tokenizer {manifest.tokenizer.name} "
                                  f"({manifest.tokenizer.vocab_size} ids), {self.streams[0].url} uses "
                                  f"{first.tokenizer.name} ({first.tokenizer.vocab_size} ids)")
@@ -253,7 +258,8 @@ class StreamingDataset(IterableDataset):
             return ids
 
         held: dict[int, Any] = {}
-        executor = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch") if self.prefetch else None
+        executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
+                    if self.prefetch else None)
         try:
             upcoming = ids_of(chunks[0]) if chunks else None
             for c in range(len(chunks)):
