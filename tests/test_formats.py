@@ -452,3 +452,26 @@ def test_broken_decoded_cache_files_are_rejected(tmp_path):
     path.write_bytes(good[:10])
     with pytest.raises(CorruptShardError, match="truncated"):
         open_decoded(str(path), shard="s1")
+
+
+def test_tar_shards_are_plain_deterministic_ustar_archives(tmp_path):
+    import io
+    import tarfile
+
+    from shardkit.formats import arrays_from_samples, encode_shard
+    from shardkit.formats.tar_format import _header
+
+    for name, size in (("000000000.tokens.npy.zst", 0), ("000000007.docs.npy.zst", 4097), ("123456789.tokens.npy.zst", 8**11 - 1)):
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o644, 0
+        assert _header(name, size) == info.tobuf(format=tarfile.USTAR_FORMAT)  # what tarfile itself writes
+    rng = np.random.default_rng(9)
+    samples = make_samples(rng, 9, 50257)
+    arrays = arrays_from_samples(samples, "uint16")
+    first = encode_shard(arrays, shard_format="tar", token_dtype="uint16")
+    assert encode_shard(arrays, shard_format="tar", token_dtype="uint16").sha256 == first.sha256  # deterministic
+    with tarfile.open(fileobj=io.BytesIO(first.data)) as tar:
+        members = tar.getmembers()
+    assert [m.name for m in members] == [f"{i:09d}.{f}.npy.zst" for i in range(9) for f in ("tokens", "docs")]
+    assert all(m.isreg() and m.mtime == 0 and m.uid == 0 and m.mode == 0o644 for m in members)
+    assert len(first.data) % 10240 == 0
