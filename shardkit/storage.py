@@ -224,12 +224,20 @@ class Storage:
         return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
 
     # -- reads -------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        # Object-store filesystems (s3fs, gcsfs) answer stat and listing calls from cached directory
+        # listings, which never see what another process or instance wrote or deleted since. A
+        # dataset prefix is shared by writers and readers, so always ask the store.
+        self.fs.invalidate_cache(path)
+
     def exists(self, name: str) -> bool:
         path = self.path(name)
+        self._fresh(path)
         return self._call(lambda: self.fs.exists(path), name, "stat")
 
     def size(self, name: str) -> int:
         path = self.path(name)
+        self._fresh(path)
         return int(self._call(lambda: self.fs.size(path), name, "stat"))
 
     def read_bytes(self, name: str) -> bytes:
@@ -243,6 +251,7 @@ class Storage:
     def list_names(self) -> list[str]:
         """Names of all files under the prefix, relative to it, sorted."""
         def walk() -> list[str]:
+            self.fs.invalidate_cache(self.root)
             if not self.fs.exists(self.root):
                 return []
             return self.fs.find(self.root)
@@ -292,6 +301,7 @@ class Storage:
     def delete(self, name: str) -> None:
         path = self.path(name)
         def remove() -> None:
+            self._fresh(path)
             if self.fs.exists(path):
                 self.fs.rm_file(path)
         self._call(remove, name, "delete")
