@@ -334,3 +334,16 @@ def test_real_s3_missing_key_is_permanent(s3_bucket):
     with pytest.raises(ClientError) as info:
         client.get_object(Bucket=bucket, Key="data/missing.tar")
     assert not is_transient(info.value)
+
+
+def test_sees_changes_made_by_another_writer(backend):
+    """Listing and stat results are never served from a stale cache (s3fs keeps directory listings)."""
+    url, options = backend
+    mine, theirs = Storage(url, options), Storage(url, options)  # S3: separate s3fs instances and caches
+    mine.write_bytes("one.tar", b"1")
+    assert mine.list_names() == ["one.tar"] and not mine.exists("two.tar")
+    theirs.write_bytes("two.tar", b"222")
+    assert mine.list_names() == ["one.tar", "two.tar"]
+    assert mine.exists("two.tar") and mine.size("two.tar") == 3
+    theirs.delete("one.tar")
+    assert not mine.exists("one.tar") and mine.list_names() == ["two.tar"]
