@@ -267,7 +267,7 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
     try:
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.url}: {MANIFEST_NAME} not found "
+        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
                             "(was the build interrupted before it finished?)") from err
     return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
 

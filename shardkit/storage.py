@@ -141,7 +141,7 @@ def is_transient(exc: BaseException) -> bool:
 
 def describe_error(exc: BaseException) -> str:
     """A one-line cause, without credentials (only exception types and messages)."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return redact_url(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
 
 
 def retry_call(
@@ -178,6 +178,14 @@ def retry_call(
             sleep(delay)
 
 
+_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
+
+
+def redact_url(url: str) -> str:
+    """`url` (or any text holding URLs) with user-info parts masked (`s3://key:secret@bucket` -> `s3://***@bucket`)."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
@@ -206,8 +214,13 @@ class Storage:
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)
 
+    @property
+    def display_url(self) -> str:
+        """The URL for messages: a password in its user-info part (`https://user:pw@host/`) is masked."""
+        return redact_url(self.url)
+
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"Storage({self.url!r})"
+        return f"Storage({self.display_url!r})"
 
     # -- names -------------------------------------------------------------------------------
     def path(self, name: str) -> str:
@@ -218,7 +231,8 @@ class Storage:
     def url_of(self, name: str) -> str:
         """Full URL of `name`, for messages."""
         check_relative_name(name, what="object name")
-        return f"{self.url.rstrip('/')}/{name}" if not self.url.endswith("://") else f"{self.url}{name}"
+        url = self.display_url
+        return f"{url.rstrip('/')}/{name}" if not url.endswith("://") else f"{url}{name}"
 
     def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
         return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
@@ -255,7 +269,7 @@ class Storage:
             if not self.fs.exists(self.root):
                 return []
             return self.fs.find(self.root)
-        paths = retry_call(walk, url=self.url, what="list", policy=self.retry)
+        paths = retry_call(walk, url=self.display_url, what="list", policy=self.retry)
         prefix = f"{self.root.rstrip('/')}/" if self.root else ""
         names = []
         for path in paths:
