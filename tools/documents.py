@@ -71,6 +71,11 @@ class UnitResult:
     input_offset: int
 
 
+try:  # optional: about 3x faster than json on JSONL lines
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _fast_loads = json.loads
+
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
@@ -134,11 +139,16 @@ def _parse_json_line(line: str, text_field: str) -> object:
     if not line or line.isspace():
         return _Reject("blank line (no JSON object)")
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        return _Reject(f"malformed JSON: {err.msg} at column {err.colno}")
-    except RecursionError:
-        return _Reject("malformed JSON: nested too deeply")
+        obj = _fast_loads(line)
+    except ValueError:
+        # orjson is stricter than json (NaN, huge integers, lone surrogates): the standard parser has the
+        # last word, so what is accepted and the reasons given never depend on orjson being installed.
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            return _Reject(f"malformed JSON: {err.msg} at column {err.colno}")
+        except RecursionError:
+            return _Reject("malformed JSON: nested too deeply")
     if not isinstance(obj, dict):
         return _Reject(f"not a JSON object (got {type(obj).__name__})")
     if text_field not in obj:

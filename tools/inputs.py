@@ -159,25 +159,30 @@ class _ZstdStream:
         self._chunk = chunk
         self._obj = zstandard.ZstdDecompressor().decompressobj()
         self._in_frame = False
-        self._buffer = bytearray()
+        self._data = b""
+        self._pos = 0
+        self._pieces: list[bytes] = []
 
     def read(self, size: int) -> bytes:
-        while len(self._buffer) < size:
+        while len(self._data) - self._pos < size:
             data = self._raw.read(self._chunk)
             if not data:
                 if self._in_frame:
                     raise TruncatedInputError("zstd stream ends inside a frame (file truncated)")
                 break
             self._feed(data)
-        out = bytes(self._buffer[:size])
-        del self._buffer[:size]
+            self._data = b"".join([self._data[self._pos:], *self._pieces])
+            self._pos = 0
+            self._pieces = []
+        out = self._data[self._pos:self._pos + size]
+        self._pos += len(out)
         return out
 
     def _feed(self, data: bytes) -> None:
         while data:
             self._in_frame = True
             try:
-                self._buffer += self._obj.decompress(data)
+                self._pieces.append(self._obj.decompress(data))
             except self._zstd.ZstdError as err:
                 raise ValueError(f"corrupt zstd data: {err}") from err
             if not self._obj.eof:
