@@ -42,8 +42,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    import sys
+
     from shardkit.train.plot import plot_run
 
-    path = plot_run(args.run_dir, output=args.output)
+    try:
+        path = plot_run(args.run_dir, output=args.output)
+    except (OSError, ValueError) as err:
+        print(f"shardkit plot: error: {err}", file=sys.stderr)
+        return 1
     print(f"wrote {path}")
     return 0

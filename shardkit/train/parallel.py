@@ -123,8 +123,7 @@ def wrap_model(model: nn.Module, runtime: Runtime, config: ParallelConfig, *, bf
 
 def _register_comm_hook(ddp: nn.Module, config: ParallelConfig) -> None:
     if config.comm_hook == "bf16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
     elif config.comm_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
         # Plain all-reduce for the first steps (PowerSGD's advice), then rank-r compression with
@@ -132,6 +131,24 @@ def _register_comm_hook(ddp: nn.Module, config: ParallelConfig) -> None:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=config.powersgd_rank,
                                             start_powerSGD_iter=10)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def bf16_allreduce_hook(process_group, bucket):
+    """DDP communication hook: all-reduce gradients in bf16 (half the bytes), then back to fp32.
+
+    The same as torch's `default_hooks.bf16_compress_hook`, which DDP refuses (by name) except on NCCL or
+    XCCL; this one also runs on gloo, so CPU tests exercise the path GPU clusters use.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
