@@ -19,11 +19,13 @@ uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +150,8 @@ class Checkpointer:
             self._pending = (future, partial, meta)
             logger.info("checkpoint step %d: background save started", step)
             return
-        dcp.save(state, checkpoint_id=str(partial))
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial))
         faults.inject_now("save", step, self.rank)
         self._finish(partial, meta)
         logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
@@ -194,13 +197,23 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
         state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
-        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])
         logger.info("resumed from %s at step %d", path, step)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _fsync_dir(path: Path) -> None:

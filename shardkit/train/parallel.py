@@ -75,12 +75,29 @@ def init_runtime(config: ParallelConfig, *, device: str = "auto") -> Runtime:
             if "MASTER_ADDR" not in os.environ:  # one process without torchrun: a private group
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
                 os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(minutes=10),
+            timeout = datetime.timedelta(minutes=10)
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    store=_attempt_store(world_size, timeout),
                                     device_id=torch_device if use_cuda else None)
             logger.info("rank %d/%d joined the %s process group on %s", rank, world_size, backend, torch_device)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
                    device=torch_device, mode=mode)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta):
+    """Under torchrun's agent store, a store whose keys are private to this restart attempt; else None.
+
+    torch 2.13's torchrun keeps one store across `--max-restarts` attempts and its workers use it
+    without a per-attempt prefix, so after a restart a fast rank can read the address a rank of the
+    previous attempt published and fail with gloo's "connectFullMesh ... Connection refused". The
+    prefix (run id + restart count) makes every attempt rendezvous afresh.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardkit/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
 
 
 def _free_port() -> int:
