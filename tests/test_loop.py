@@ -9,19 +9,27 @@ bit (fp32), and over the whole run consume every sample id of the epoch exactly 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
-from train_runs import NUM_SAMPLES, check_ok, checkpoints, losses, sample_ids, torchrun, write_byte_dataset
+from train_runs import (NUM_SAMPLES, check_ok, checkpoints, eval_losses, losses, sample_ids, torchrun,
+                        write_byte_dataset)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    url = str(tmp_path_factory.mktemp("dataset") / "bytes")
-    write_byte_dataset(url)
-    return url
+    root = tmp_path_factory.mktemp("dataset")
+    write_byte_dataset(str(root / "bytes"))
+    write_byte_dataset(str(root / "held-out"), num_samples=48, seed=1)
+    return str(root / "bytes")
+
+
+def run(run_dir, data, **options):
+    """torchrun with the held-out set evaluated every 4 steps."""
+    return torchrun(run_dir, data, eval_data=str(Path(data).parent / "held-out"), **options)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def reference(tmp_path_factory, data):
     def get(parallel: str):
         if parallel not in runs:
             run_dir = tmp_path_factory.mktemp(f"reference-{parallel}") / "run"
-            check_ok(torchrun(run_dir, data, parallel=parallel))
+            check_ok(run(run_dir, data, parallel=parallel))
             runs[parallel] = run_dir
         return runs[parallel]
 
@@ -51,20 +59,21 @@ def test_sigkill_all_ranks_then_resume_is_bitwise_exact(tmp_path, data, referenc
     ref = reference(parallel)
     assert_each_sample_once(ref)
     run_dir = tmp_path / "run"
-    killed = torchrun(run_dir, data, parallel=parallel, fault="step:7")  # both ranks die before step 7
+    killed = run(run_dir, data, parallel=parallel, fault="step:7")  # both ranks die before step 7
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     assert checkpoints(run_dir) == ["step_00000004"]
     assert max(losses(run_dir)) == 6  # steps 5 and 6 ran after the checkpoint and are lost with the kill
-    resumed = check_ok(torchrun(run_dir, data, parallel=parallel))
+    resumed = check_ok(run(run_dir, data, parallel=parallel))
     assert "resumed from" in resumed.stdout and "step 4" in resumed.stdout
     assert losses(run_dir) == losses(ref)  # float equality: bitwise identical fp32 losses
+    assert eval_losses(run_dir) == eval_losses(ref) and sorted(eval_losses(ref)) == [4, 8]
     assert sample_ids(run_dir) == sample_ids(ref)
     assert_each_sample_once(run_dir)
 
 
 def test_torchrun_restart_after_one_rank_dies(tmp_path, data, reference):
     run_dir = tmp_path / "run"
-    result = check_ok(torchrun(run_dir, data, parallel="ddp", max_restarts=1, fault="step:7:1"))
+    result = check_ok(run(run_dir, data, parallel="ddp", max_restarts=1, fault="step:7:1"))
     # Rank 1 died by SIGKILL on the first attempt...
     assert "rank 1 kills itself at step 7" in result.stderr and "exitcode: -9" in result.stderr
     assert "resumed from" in result.stdout and "step 4" in result.stdout  # ...and the restart resumed
@@ -75,7 +84,7 @@ def test_torchrun_restart_after_one_rank_dies(tmp_path, data, reference):
 def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, data, reference):
     run_dir = tmp_path / "run"
     # Checkpoints at 2, 4, 6; rank 1 dies after writing its part of step 6, before it is marked complete.
-    result = check_ok(torchrun(run_dir, data, parallel="fsdp", checkpoint_every=2, max_restarts=1,
+    result = check_ok(run(run_dir, data, parallel="fsdp", checkpoint_every=2, max_restarts=1,
                                fault="save:6:1"))
     assert "rank 1 kills itself at save 6" in result.stderr and "exitcode: -9" in result.stderr
     assert "step_00000004 at step 4" in result.stdout  # not the half-written step 6
@@ -95,7 +104,7 @@ def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, sour
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
-    result = check_ok(torchrun(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size))
+    result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size))
     assert "resharded" in result.stderr + result.stdout or nproc == 2
     resumed, expected = losses(run_dir), losses(ref)
     assert sorted(resumed) == [5, 6, 7, 8]

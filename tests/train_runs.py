@@ -33,7 +33,7 @@ def write_byte_dataset(url: str, *, num_samples: int = NUM_SAMPLES, seq_len: int
 
 def torchrun(run_dir: Path, data: str, *, nproc: int = 2, parallel: str = "ddp", batch_size: int = 6,
              steps: int = 8, checkpoint_every: int = 4, max_restarts: int = 0, fault: str | None = None,
-             extra: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:
+             eval_data: str | None = None, extra: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:
     """Launch `torchrun -m shardkit.train` on CPU (gloo) and wait for it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("SHARDKIT_FAULT_INJECT", None)
@@ -45,13 +45,34 @@ def torchrun(run_dir: Path, data: str, *, nproc: int = 2, parallel: str = "ddp",
                "--checkpoint_every", str(checkpoint_every), "--keep", "5", "--log_sample_ids", "--log_every", "100",
                "--parallel", parallel, "--device", "cpu", "--run_dir", str(run_dir),
                "--cache_dir", str(run_dir.parent / "cache"), *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent)
+    if eval_data:  # evaluated before the step-4 checkpoint: FSDP must reshard after the no-grad forward
+        command += ["--eval_data", eval_data, "--eval_every", "4", "--eval_batches", "2"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=run_dir.parent)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM lets torchrun stop its workers (they run in their own sessions); SIGKILL would orphan them.
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        raise AssertionError(f"torchrun timed out after {timeout}s:\n{stdout[-3000:]}\n{stderr[-6000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     if result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def eval_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -8,6 +8,7 @@ interrupted run resumed from its checkpoint repeats the uninterrupted run's loss
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardkit.train import faults, rng
-from shardkit.train.checkpoint import Checkpointer, find_latest
+from shardkit.train.checkpoint import Checkpointer, find_latest, read_marker
 from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, to_batch
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
@@ -124,15 +125,16 @@ def resume(run: Run) -> None:
     path = find_latest(run.checkpointer.directory) if choice == "auto" else Path(choice)
     if path is None:
         return
-    loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                   world_size=run.runtime.world_size)
-    saved_model = loaded.meta.get("model", {})
+    saved_model = read_marker(path).get("model", {})
     current = dataclasses.asdict(run.config.model)
     changed = sorted(k for k in ("style", "vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model",
                                  "d_ff", "tie_embeddings") if saved_model.get(k, current[k]) != current[k])
     if changed:
         raise ValueError(f"checkpoint {path} was saved for another model: "
-                         + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed))
+                         + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
+                         + "; use the same model options or another --checkpoint_dir")
+    loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                   world_size=run.runtime.world_size)
     run.step = loaded.step
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
@@ -171,18 +173,28 @@ def _loss(run: Run, batch) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 
 
-def _install_signal_handlers(run: Run) -> None:
+@contextlib.contextmanager
+def _stop_on_signals(run: Run):
+    """SIGTERM/SIGINT only set a flag: the loop saves a checkpoint at the end of the current step."""
     def handler(signum, _frame):
         run.stop_signal.append(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def train(run: Run) -> int:
     """Run the optimizer steps from `run.step` to `--steps`. Returns the exit code (0, or 128 + signal)."""
+    with _stop_on_signals(run):
+        return _train_steps(run)
+
+
+def _train_steps(run: Run) -> int:
     config, runtime = run.config, run.runtime
-    _install_signal_handlers(run)
     run.model.train()
     tokens_per_step = config.data.batch_size * config.model.seq_len * config.grad_accum * runtime.world_size
     every = config.checkpoint.checkpoint_every
