@@ -101,21 +101,6 @@ class _MemberHeaders:
         return bytes(header)
 
 
-_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
-
-
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The .npy header `write_array` writes for a C-ordered array of this dtype and shape (cached)."""
-    key = (dtype.str, shape)
-    header = _NPY_HEADERS.get(key)
-    if header is None:
-        header = _npy_bytes(np.zeros(shape, dtype=dtype))[: -int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                                                          or None]
-        if len(_NPY_HEADERS) < 4096:
-            _NPY_HEADERS[key] = header
-    return header
-
-
 def encode_tar(arrays: ShardArrays, *, level: int) -> tuple[bytes, int]:
     """Serialise a shard; returns (file bytes, raw_bytes)."""
     cctx = compressor(level)
@@ -135,7 +120,7 @@ def encode_tar(arrays: ShardArrays, *, level: int) -> tuple[bytes, int]:
         if docs is not None:
             members.append(("docs", docs[doc_offsets[i]:doc_offsets[i + 1]]))
         for field, array in members:
-            payload = _npy_header(array.dtype, array.shape) + array.tobytes()
+            payload = _npy_bytes(array)
             raw += len(payload)
             frame = cctx.compress(payload)
             out += headers(f"{i:09d}.{field}.npy.zst", len(frame))
