@@ -41,6 +41,9 @@ _TRANSIENT_CODES = {
     "ServiceUnavailable",
     "503",
     "500",
+    # The body did not match its checksum in transit (upload or download): sending again can succeed.
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
 }
 # Exception class names (matched along the MRO, so no optional import is needed) that are transient.
 _TRANSIENT_CLASS_NAMES = {
@@ -58,6 +61,9 @@ _TRANSIENT_CLASS_NAMES = {
     "ServerTimeoutError",
     "ClientOSError",
     "ContentLengthError",
+    "IncompleteRead",
+    # botocore's response checksum (x-amz-checksum-*) did not match the bytes received: a re-read can succeed.
+    "FlexibleChecksumError",
 }
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
 # Never retried: the answer will not change.
