@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["conftest_faults"]  # the fault-injecting S3 proxy and the reliability figures
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
 S3_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -55,5 +57,7 @@ def s3_bucket(s3_endpoint):
     s3fs = pytest.importorskip("s3fs")
     options = s3_options(s3_endpoint)
     bucket = f"test-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
+    # No region in this client: s3fs would send LocationConstraint=us-east-1, which S3 (and moto >= 5)
+    # rejects as invalid for the default region.
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).mkdir(bucket)
     return f"s3://{bucket}/data", options
