@@ -21,7 +21,7 @@ FIGURES_PATH = Path(os.environ.get("SHARDKIT_RELIABILITY_JSON",
 @pytest.fixture(scope="session")
 def fault_proxy(s3_endpoint):
     """A `FaultProxy` in front of the session's moto server, injecting nothing until configured."""
-    proxy = FaultProxy(s3_endpoint, rate=0.0)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, slow_seconds=0.05)
     try:
         yield proxy
     finally:

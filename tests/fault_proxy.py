@@ -14,7 +14,8 @@ normal answer:
 
 Decisions are seeded per request, not per arrival order: the random stream of a request is a
 function of (seed, method, path, query, Range header, how many times that same request was seen),
-so the same client workload gets the same faults whatever the thread interleaving. `counts` says
+so the same client workload gets the same faults whatever the thread interleaving (the bucket name,
+signatures and upload ids are left out of the key: they change from run to run). `counts` says
 what was injected; `log` lists (kind, method, path).
 """
 
@@ -29,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 FAULT_KINDS = ("error500", "error503", "slowdown", "reset", "truncate", "slow", "flip")
 # Faults that change the bytes of a successful GET body; the rest apply to any request.
@@ -113,7 +114,7 @@ class FaultProxy:
 
     # -- decisions -------------------------------------------------------------------------------
     def _plan(self, method: str, target: str, range_header: str | None) -> tuple[random.Random, str | None]:
-        key = (method, target, range_header or "")
+        key = (method, _stable_target(target), range_header or "")
         with self._lock:
             self._seen[key] += 1
             nth = self._seen[key]
@@ -130,6 +131,16 @@ class FaultProxy:
         with self._lock:
             self.counts[kind] += 1
             self.log.append((kind, method, target))
+
+
+def _stable_target(target: str) -> str:
+    """The request target without what changes from run to run: the bucket (tests make fresh
+    random buckets), signatures and dates of presigned URLs, multipart upload ids."""
+    parts = urlsplit(target)
+    key = parts.path.lstrip("/").partition("/")[2]
+    query = sorted((name, "" if name.lower().startswith("x-amz-") or name == "uploadId" else value)
+                   for name, value in parse_qsl(parts.query, keep_blank_values=True))
+    return f"{key}?{query}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -181,8 +192,9 @@ class _Handler(BaseHTTPRequestHandler):
         method = self.command
         body = self._read_body()
         rng, kind = owner._plan(method, self.path, self.headers.get("Range"))
-        if kind in _BODY_FAULTS and method != "GET":
-            kind = rng.choice([k for k in owner.kinds if k not in _BODY_FAULTS] or ["error503"])
+        if kind in _BODY_FAULTS and method != "GET":  # draw again among the faults that apply, if any
+            others = [k for k in owner.kinds if k not in _BODY_FAULTS]
+            kind = rng.choice(others) if others else None
         if kind in _ERRORS:
             owner._record(kind, method, self.path)
             status, code, message = _ERRORS[kind]
