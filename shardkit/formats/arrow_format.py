@@ -96,7 +96,8 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
             seen_raw += batch.nbytes
             if seen_raw > raw_bytes:
                 raise CorruptShardError(shard, f"decompresses past the {raw_bytes} raw bytes the manifest allows")
-            if any(batch.column(i).null_count for i in range(batch.num_columns)):
+            # Nulls inside the lists count too: numpy would turn them into arbitrary token ids.
+            if any(batch.column(i).null_count or batch.column(i).flatten().null_count for i in range(batch.num_columns)):
                 raise CorruptShardError(shard, f"record batch {b} holds nulls")
             offsets, values = _flat(batch.column("tokens"), dtype)
             parts["tokens"].append(values)
