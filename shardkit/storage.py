@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -65,6 +66,10 @@ _TRANSIENT_CLASS_NAMES = {
     # botocore's response checksum (x-amz-checksum-*) did not match the bytes received: a re-read can succeed.
     "FlexibleChecksumError",
 }
+# Last resort for wrappers that keep only the message. A bare status number counts only as its own
+# token: "shard-000503.tar" in a message about a missing file must not be retried six times.
+_TRANSIENT_TEXT = re.compile(r"SlowDown|Service Unavailable|Internal Server Error|reset by peer"
+                             r"|(?<![\w./-])(?:429|500|502|503|504)(?![\w./-])")
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
 # Never retried: the answer will not change.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -135,8 +140,7 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
             return True
-        text = str(err)
-        if any(marker in text for marker in ("SlowDown", "Service Unavailable", "Internal Server Error", "503", "reset by peer")):
+        if _TRANSIENT_TEXT.search(str(err)):
             return True
     return False
 
@@ -197,10 +201,14 @@ class Storage:
                  *, retry: RetryPolicy = DEFAULT_RETRY):
         if not isinstance(url, str) or not url:
             raise ValueError(f"dataset URL must be a non-empty string, got {url!r}")
-        self.url = url.rstrip("/") or url
+        # Drop trailing slashes, but keep a bare "memory://" or "file:///" whole: stripping it to
+        # "memory:" would silently make it a local directory of that name.
+        stripped = url.rstrip("/")
+        self.url = url if not stripped or stripped.endswith(":") else stripped
         self.storage_options = dict(storage_options or {})
         self.retry = retry
         self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        root = root or self.fs.root_marker  # "memory://" is the memory filesystem's "/"
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)
 
@@ -211,12 +219,12 @@ class Storage:
     def path(self, name: str) -> str:
         """Filesystem path of `name` under the prefix (validated)."""
         check_relative_name(name, what="object name")
-        return f"{self.root}/{name}" if self.root else name
+        return f"{self.root.rstrip('/')}/{name}" if self.root else name
 
     def url_of(self, name: str) -> str:
         """Full URL of `name`, for messages."""
         check_relative_name(name, what="object name")
-        return f"{self.url}/{name}"
+        return f"{self.url.rstrip('/')}/{name}" if not self.url.endswith("://") else f"{self.url}{name}"
 
     def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
         return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
@@ -245,7 +253,7 @@ class Storage:
                 return []
             return self.fs.find(self.root)
         paths = retry_call(walk, url=self.url, what="list", policy=self.retry)
-        prefix = f"{self.root}/" if self.root else ""
+        prefix = f"{self.root.rstrip('/')}/" if self.root else ""
         names = []
         for path in paths:
             path = path if not self.is_local else path.replace(os.sep, "/")

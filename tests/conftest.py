@@ -54,10 +54,11 @@ def s3_options(endpoint: str) -> dict:
 @pytest.fixture
 def s3_bucket(s3_endpoint):
     """A fresh, empty bucket: returns (url prefix "s3://bucket/data", storage_options)."""
-    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("s3fs")
+    import boto3
+
     options = s3_options(s3_endpoint)
     bucket = f"test-{uuid.uuid4().hex[:12]}"
-    # No region in this client: s3fs would send LocationConstraint=us-east-1, which S3 (and moto >= 5)
-    # rejects as invalid for the default region.
-    s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).mkdir(bucket)
+    # boto3, not s3fs.mkdir: s3fs sends LocationConstraint=us-east-1, which S3 (and moto) reject.
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/data", options
