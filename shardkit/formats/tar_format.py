@@ -59,23 +59,69 @@ def _header(name: str, size: int) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
 
 
+class _MemberHeaders:
+    """Byte-identical to `_header` for our member names, without building a TarInfo per member.
+
+    Only the name, size and checksum fields differ between members; everything else comes from one
+    template made by `tarfile` itself, so the format stays tarfile's.
+    """
+
+    def __init__(self) -> None:
+        self._template = bytearray(_header("000000000.tokens.npy.zst", 0))
+        self._template[148:156] = b" " * 8  # the checksum is computed over spaces in its own field
+        self._base_sum = sum(self._template) - sum(self._template[0:100]) - sum(self._template[124:136])
+
+    def __call__(self, name: str, size: int) -> bytes:
+        encoded = name.encode("ascii")
+        size_field = b"%011o\0" % size
+        if len(encoded) > 99 or len(size_field) != 12:
+            return _header(name, size)  # never for shard members; kept for safety
+        header = self._template.copy()
+        header[0:100] = encoded.ljust(100, b"\0")
+        header[124:136] = size_field
+        checksum = self._base_sum + sum(encoded) + sum(size_field)
+        header[148:156] = b"%06o\0 " % checksum
+        return bytes(header)
+
+
+_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The .npy header `write_array` writes for a C-ordered array of this dtype and shape (cached)."""
+    key = (dtype.str, shape)
+    header = _NPY_HEADERS.get(key)
+    if header is None:
+        header = _npy_bytes(np.zeros(shape, dtype=dtype))[: -int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                                                          or None]
+        if len(_NPY_HEADERS) < 4096:
+            _NPY_HEADERS[key] = header
+    return header
+
+
 def encode_tar(arrays: ShardArrays, *, level: int) -> tuple[bytes, int]:
     """Serialise a shard; returns (file bytes, raw_bytes)."""
     cctx = compressor(level)
+    headers = _MemberHeaders()
     out = bytearray()
     raw = 0
+    tokens = np.ascontiguousarray(arrays.tokens)
+    offsets = arrays.sample_offsets.tolist()
+    docs = doc_offsets = None
+    if arrays.doc_offsets is not None:
+        # One [segments, 3] int64 table for the whole shard; each sample's rows are a contiguous slice.
+        docs = np.stack([arrays.doc_starts.astype(_DOCS_DTYPE), arrays.doc_source.astype(_DOCS_DTYPE),
+                         arrays.doc_index.astype(_DOCS_DTYPE)], axis=1).reshape(-1, 3)
+        doc_offsets = arrays.doc_offsets.tolist()
     for i in range(arrays.num_samples):
-        sample = arrays.sample(i)
-        members = [("tokens", sample.tokens)]
-        if sample.doc_starts is not None:
-            docs = np.stack([sample.doc_starts.astype(np.int64), sample.doc_source.astype(np.int64),
-                             sample.doc_index.astype(np.int64)], axis=1).reshape(-1, 3)
-            members.append(("docs", docs.astype(_DOCS_DTYPE)))
+        members = [("tokens", tokens[offsets[i]:offsets[i + 1]])]
+        if docs is not None:
+            members.append(("docs", docs[doc_offsets[i]:doc_offsets[i + 1]]))
         for field, array in members:
-            payload = _npy_bytes(array)
+            payload = _npy_header(array.dtype, array.shape) + array.tobytes()
             raw += len(payload)
             frame = cctx.compress(payload)
-            out += _header(f"{i:09d}.{field}.npy.zst", len(frame))
+            out += headers(f"{i:09d}.{field}.npy.zst", len(frame))
             out += frame
             out += b"\0" * (-len(frame) % BLOCK)
     out += b"\0" * (2 * BLOCK)
