@@ -40,7 +40,7 @@ def manifest_dict(tmp_path) -> dict:
 
 @pytest.mark.parametrize("name", ["../escape.tar", "a/../../escape.tar", "/etc/passwd", "C:/x.tar", "s3://other/x.tar",
                                   "a\\..\\x.tar", "./x.tar", "a//b.tar", "x\x00.tar", ""])
-def test_manifest_with_unsafe_shard_name_is_refused(tmp_path, name):
+def test_manifest_with_unsafe_shard_name_is_refused(tmp_path, name, figures):
     data = manifest_dict(tmp_path)
     data["shards"][0]["name"] = name
     with pytest.raises(ManifestError, match="unsafe shard name|must be a non-empty string"):
@@ -49,6 +49,7 @@ def test_manifest_with_unsafe_shard_name_is_refused(tmp_path, name):
     (tmp_path / "ds" / "shardkit.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=r"ds/shardkit\.json"):
         load_manifest(str(tmp_path / "ds"))
+    figures.add("adversarial_manifests", runs=1, refused=1)
 
 
 def test_manifest_totals_and_duplicates_are_checked(tmp_path):
@@ -106,7 +107,7 @@ TAR_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(TAR_CASES))
-def test_hostile_tar_member_is_refused(tmp_path, case, monkeypatch):
+def test_hostile_tar_member_is_refused(tmp_path, case, monkeypatch, figures):
     member, raw = tokens_member(0, TOKENS)
     frame = member[512:512 + int(member[124:136].split(b"\0")[0], 8)]
     data = TAR_CASES[case](frame, raw) + tar_end()
@@ -115,6 +116,7 @@ def test_hostile_tar_member_is_refused(tmp_path, case, monkeypatch):
         tar_decode(data, raw)
     assert len(str(info.value)) < 400  # a message, not a dump
     assert list(tmp_path.iterdir()) == []  # nothing was extracted anywhere
+    figures.add("adversarial_tar", runs=1, refused=1)
 
 
 def test_tar_header_lies_are_refused():
@@ -172,7 +174,7 @@ ARROW_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(ARROW_CASES))
-def test_hostile_arrow_shard_is_refused(case):
+def test_hostile_arrow_shard_is_refused(case, figures):
     table = ARROW_CASES[case]
     if case.startswith("null") or case == "docs misaligned":
         # Right schema (non-nullable fields are only metadata): the contents must still be refused.
@@ -184,6 +186,7 @@ def test_hostile_arrow_shard_is_refused(case):
     with pytest.raises(CorruptShardError, match="evil.arrow") as info:
         decode_shard(data, shard_format="arrow", token_dtype="uint16", shard="evil.arrow", raw_bytes=raw)
     assert "manifest says" not in str(info.value), info.value
+    figures.add("adversarial_arrow", runs=1, refused=1)
 
 
 def test_arrow_garbage_and_truncation_are_refused():

@@ -185,8 +185,8 @@ def test_flipped_bytes_are_never_returned(faulty_bucket, checksums, figures):
     the bytes reach shardkit, and read_shard's SHA-256 check re-reads them. Never wrong bytes."""
     url, options, proxy = faulty_bucket
     storage = Storage(url, through_proxy(options, checksums=checksums), retry=FAST_RETRY)
-    manifest = write_dataset(storage, make_samples(seed=5, count=60), tokenizer=TOKENIZER, seq_len=64,
-                             packing="concat", shard_format="tar", max_samples=5)
+    manifest = write_dataset(storage, make_samples(seed=5, count=48), tokenizer=TOKENIZER, seq_len=64,
+                             packing="concat", shard_format="tar", max_samples=4)
     direct = Storage(url, options)
     originals = {s.name: direct.read_bytes(s.name) for s in manifest.shards}
     proxy.configure(rate=0.5, seed=31, kinds=("flip",))
@@ -227,7 +227,7 @@ def test_download_shard_under_faults(faulty_bucket, tmp_path, figures):
                 lost=0, duplicated=0, corrupt=0)
 
 
-def test_retry_budget_exhausted_names_the_object(faulty_bucket):
+def test_retry_budget_exhausted_names_the_object(faulty_bucket, figures):
     """Every request fails (errors, throttling, resets, truncated bodies, mixed): the read ends, in
     bounded time and requests, with a StorageError that names the object's URL."""
     url, options, proxy = faulty_bucket
@@ -245,6 +245,8 @@ def test_retry_budget_exhausted_names_the_object(faulty_bucket):
     # Bounded: shardkit's 3 tries x botocore's 2 x (s3fs's 5 for payload errors, 2 for a reset).
     assert 3 <= requests <= 3 * 2 * 5, proxy.snapshot()
     assert elapsed < 30
+    figures.add("retry_budget_exhausted", runs=1, faults=proxy.injected, requests=requests,
+                seconds=round(elapsed, 2), error_names_url=1)
 
 
 def test_persistently_corrupt_object_names_its_url(faulty_bucket, tmp_path):

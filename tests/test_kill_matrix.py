@@ -45,7 +45,7 @@ def test_build_sigkill_matrix(tmp_path, figures):
 
 def test_cache_download_sigkill_matrix(tmp_path, figures):
     dataset = tmp_path / "ds"
-    write_fixed(str(dataset), 8 * 1200, seq_len=63, per_shard=1200)
+    write_fixed(str(dataset), 6 * 1000, seq_len=63, per_shard=1000)
     (tmp_path / "work").mkdir()
     result = harness("cache", dataset, tmp_path / "work", POINTS)
     assert result["runs"] == POINTS and result["killed_mid_run"] >= POINTS // 2, result
