@@ -221,14 +221,17 @@ def _train_steps(run: Run) -> int:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
-        # One all-reduce carries the loss, the data wait and whether any rank got SIGTERM/SIGINT.
-        summary = torch.stack([loss_sum / config.grad_accum,
-                               torch.tensor(data_wait, device=runtime.device, dtype=torch.float32),
-                               torch.tensor(float(bool(run.stop_signal)), device=runtime.device)])
+        # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
+        # many ranks finished writing a background checkpoint (it completes once all have).
+        flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
+        summary = torch.cat([(loss_sum / config.grad_accum).reshape(1),
+                             torch.tensor(flags, device=runtime.device, dtype=torch.float32)])
         if dist.is_initialized():
             dist.all_reduce(summary)
             summary[:2] /= runtime.world_size
-        loss_value, wait_value, stop = summary.tolist()
+        loss_value, wait_value, stop, written = summary.tolist()
+        if run.checkpointer.saving_in_background and written == runtime.world_size:
+            run.checkpointer.wait()
         step_time = time.perf_counter() - started
         if run.sample_log is not None:
             run.sample_log.log(run.step, sample_ids)
