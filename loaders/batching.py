@@ -60,18 +60,30 @@ def _segment_rows(reader: ShardReader, local: np.ndarray, rows: np.ndarray, out:
     out[row_of[keep], starts[keep]] = 1
 
 
+def _rows_view(reader: ShardReader, length: int) -> np.ndarray:
+    """[samples, length] plain-ndarray view of a shard's tokens (np.memmap indexing is slower)."""
+    tokens = reader.arrays.tokens
+    if tokens.size != reader.num_samples * length:
+        raise ValueError(f"shard {reader.name} does not hold fixed-length samples of {length} tokens")
+    return tokens.view(np.ndarray).reshape(-1, length)
+
+
 def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callable[[int], ShardReader],
                  length: int, token_dtype: np.dtype, with_segments: bool) -> dict[str, np.ndarray]:
     """Tokens (and segment ids) of fixed-length samples, rows in the order of `sample_ids`."""
     ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
     shard, local = table.locate(ids)
-    tokens = np.empty((len(ids), length), dtype=token_dtype)
+    groups = group_rows(shard)
     segments = np.zeros((len(ids), length), dtype=np.int32) if with_segments else None
-    for index, rows in group_rows(shard):
-        reader = reader_of(index)
-        tokens[rows] = reader.gather(local[rows])
-        if segments is not None:
-            _segment_rows(reader, local[rows], rows, segments)
+    if len(groups) == 1:  # the common case: one pass, straight from the mmap into the batch rows
+        tokens = np.take(_rows_view(reader_of(groups[0][0]), length), local, axis=0)
+    else:
+        tokens = np.empty((len(ids), length), dtype=token_dtype)
+        for index, rows in groups:
+            tokens[rows] = np.take(_rows_view(reader_of(index), length), local[rows], axis=0)
+    if segments is not None:
+        for index, rows in groups:
+            _segment_rows(reader_of(index), local[rows], rows, segments)
     out = {"tokens": tokens, "sample_id": ids}
     if segments is not None:
         np.cumsum(segments, axis=1, dtype=np.int32, out=segments)

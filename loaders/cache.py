@@ -40,8 +40,8 @@ from shardkit.storage import Storage
 logger = logging.getLogger(__name__)
 
 DECODED_SUFFIX = ".skd"
-# Decoded files hold a header and 64-byte-aligned arrays besides the raw payload.
-_DECODED_OVERHEAD = 8192
+# Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
+_HEADER_BOUND = 1024
 
 
 class CacheLimitError(OSError):
@@ -101,7 +101,8 @@ class ShardCache:
                  cache_limit: int | None = None, wait_timeout: float = 60.0):
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit must be a positive number of bytes or None, got {cache_limit}")
-        self.storage = storage
+        self._storage = storage
+        self._pid = os.getpid()
         self.manifest = manifest
         self.cache_root = os.path.abspath(cache_dir or default_cache_dir())
         self.directory = os.path.join(self.cache_root, dataset_cache_key(storage.url))
@@ -110,6 +111,15 @@ class ShardCache:
         self.stats = CacheStats()
         self._held_bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def storage(self) -> Storage:
+        # Filesystems such as s3fs refuse to run in a forked child (their event loop belongs to the
+        # parent): a DataLoader worker forked from the main process opens its own.
+        if os.getpid() != self._pid:
+            self._storage = Storage(self._storage.url, self._storage.storage_options, retry=self._storage.retry)
+            self._pid = os.getpid()
+        return self._storage
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -134,8 +144,11 @@ class ShardCache:
         return os.path.exists(self.path(index))
 
     @staticmethod
-    def decoded_size_estimate(shard: ShardInfo) -> int:
-        return shard.raw_bytes + _DECODED_OVERHEAD
+    def decoded_size(arrays) -> int:
+        """Size of the decoded file of `arrays` (an upper bound, exact to the header padding)."""
+        parts = (arrays.tokens, arrays.sample_offsets, arrays.doc_offsets, arrays.doc_starts, arrays.doc_source,
+                 arrays.doc_index)
+        return _HEADER_BOUND + sum(-(-a.nbytes // 64) * 64 for a in parts if a is not None)
 
     # -- reading -------------------------------------------------------------------------------
     def open(self, index: int) -> CachedShard:
@@ -188,7 +201,7 @@ class ShardCache:
                 return True  # another process finished it while we waited
             self._remove_stale_temporaries(path)
             arrays = self._download(shard)
-            if not self._make_room(self.decoded_size_estimate(shard), shard=shard, exclude=path, wait=block):
+            if not self._make_room(self.decoded_size(arrays), shard=shard, exclude=path, wait=block):
                 return False
             write_decoded(path, arrays)
             return True

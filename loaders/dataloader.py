@@ -19,12 +19,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from shardkit.loaders.dataset import IterationPlan, StreamingDataset
+from shardkit.loaders.dataset import IterationPlan, StreamingDataset, batch_to_tensors
 from shardkit.loaders.partition import dropped_in_epoch
 from shardkit.loaders.state import LoaderState
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
+
+
+def keep_batch(batch: Any) -> Any:
+    """Collate function of the underlying DataLoader: batches are already whole."""
+    return batch
 
 
 class StreamingDataLoader(DataLoader):
@@ -45,12 +50,15 @@ class StreamingDataLoader(DataLoader):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, timeout=timeout,
-                         multiprocessing_context=multiprocessing_context, persistent_workers=persistent_workers,
-                         prefetch_factor=prefetch_factor)
+        # Workers send numpy batches (pickled by value through the pipe: no shared-memory file
+        # descriptor per tensor); the main process wraps them as tensors and pins them itself.
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_batch, pin_memory=False,
+                         timeout=timeout, multiprocessing_context=multiprocessing_context,
+                         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+        self.pin_batches = pin_memory
         self.samples_per_rank = batch_size
         self._epoch = 0
-        self._consumed = 0
+        self._consumed = 0  # positions of the epoch's global order handed to the training loop
         self._num_partitions: int | None = dataset.num_partitions
         self._topology: Topology | None = None
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
@@ -84,7 +92,7 @@ class StreamingDataLoader(DataLoader):
         if self._iterator is None or self.num_workers == 0:
             self.dataset.set_plan(IterationPlan(epoch=self._epoch, start=self._consumed,
                                                 batch_size=self.samples_per_rank, topology=topology,
-                                                num_partitions=self._num_partitions))
+                                                num_partitions=self._num_partitions, numpy_batches=True))
         if self._consumed == 0:
             num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
             left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=self.dataset.partial_batches)
@@ -92,7 +100,14 @@ class StreamingDataLoader(DataLoader):
                         self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left),
                         self.dataset.partial_batches)
         self._workers_in_sync = False
-        for batch in super().__iter__():
+        # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
+        # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
+        source = iter(self.dataset) if self.num_workers == 0 else super().__iter__()
+        pin = self.pin_batches and torch.cuda.is_available()
+        for arrays in source:
+            batch = batch_to_tensors(arrays)
+            if pin:
+                batch = {k: v.pin_memory() for k, v in batch.items()}
             # Count before handing out: a state saved after receiving this batch includes it.
             self._consumed += global_batch
             yield batch

@@ -49,6 +49,7 @@ class IterationPlan:
     batch_size: int
     topology: Topology
     num_partitions: int
+    numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
 
 
 class StreamingDataset(IterableDataset):
@@ -192,7 +193,7 @@ class StreamingDataset(IterableDataset):
         return self.batches_per_epoch(self.batch_size, self.resolve_topology())
 
     # -- iteration -----------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | dict[str, np.ndarray]]:
         plan = self._plan
         if plan is None:
             if self.batch_size is None:
@@ -203,11 +204,11 @@ class StreamingDataset(IterableDataset):
         offset, self._iterations = self._iterations, self._iterations + 1
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self._generate(plan.epoch + offset, plan.start if offset == 0 else 0, plan, worker, num_workers,
-                              copy=info is not None)
+        batches = self._generate(plan.epoch + offset, plan.start if offset == 0 else 0, plan, worker, num_workers)
+        return batches if plan.numpy_batches else (batch_to_tensors(b) for b in batches)
 
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  *, copy: bool) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
         order = self.order(epoch, plan.num_partitions)
         topo, batch = plan.topology, plan.batch_size
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
@@ -239,7 +240,7 @@ class StreamingDataset(IterableDataset):
                         stream, local = self._shard_owner[index]
                         held[index] = self.caches[stream].open(local)
                 keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
-                yield from self._batches(ids, held, copy=copy)
+                yield from self._batches(ids, held)
                 for index in [i for i in held if i not in keep]:
                     held.pop(index).close()
         finally:
@@ -269,7 +270,7 @@ class StreamingDataset(IterableDataset):
         except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
             logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
 
-    def _batches(self, ids: np.ndarray, held: dict[int, Any], *, copy: bool) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         def reader_of(index: int):
             return held[index].reader
 
@@ -277,11 +278,16 @@ class StreamingDataset(IterableDataset):
             arrays = gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
                                   token_dtype=self.token_dtype, with_segments=self.has_doc_boundaries)
             batch = ids.shape[1]
+            items = list(arrays.items())
             for b in range(ids.shape[0]):
                 rows = slice(b * batch, (b + 1) * batch)
-                yield {k: torch.from_numpy(v[rows].copy() if copy else v[rows]) for k, v in arrays.items()}
+                yield {k: v[rows] for k, v in items}
         else:
             for row in ids:
-                arrays = gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
-                                         pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
-                yield {k: torch.from_numpy(v) for k, v in arrays.items()}
+                yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
+                                      pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def batch_to_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Wrap a batch's arrays as tensors without copying."""
+    return {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -145,8 +145,12 @@ class Manifest:
             raise ManifestError(f"token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
         if self.packing not in PACKING_MODES:
             raise ManifestError(f"packing must be one of {PACKING_MODES}, got {self.packing!r}")
-        if self.seq_len is not None and self.seq_len <= 0:
-            raise ManifestError(f"seq_len must be positive or 'variable', got {self.seq_len}")
+        for label in ("seq_len", "max_sample_tokens"):
+            value = getattr(self, label)
+            # bool is an int subclass, and a float would be silently truncated by int(): both are errors.
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ManifestError(f"{label} must be a positive integer{' or variable' if label == 'seq_len' else ''}, "
+                                    f"got {value!r}")
         if self.tokenizer.vocab_size > 2**16 and self.token_dtype == "uint16":
             raise ManifestError(f"vocab_size {self.tokenizer.vocab_size} needs uint32 token ids, manifest says uint16")
         if not self.shardkit_version:
@@ -228,7 +232,7 @@ class Manifest:
                 shardkit_version=data.get("shardkit_version", ""),
                 shard_format=data["shard_format"],
                 token_dtype=data["token_dtype"],
-                seq_len=None if seq_len == "variable" else int(seq_len),
+                seq_len=None if seq_len == "variable" else seq_len,
                 max_sample_tokens=data.get("max_sample_tokens"),
                 packing=data["packing"],
                 tokenizer=TokenizerInfo(**data["tokenizer"]),
@@ -263,7 +267,7 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
     try:
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.url}: {MANIFEST_NAME} not found "
+        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
                             "(was the build interrupted before it finished?)") from err
     return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
 

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -59,6 +60,10 @@ _TRANSIENT_CLASS_NAMES = {
     "ClientOSError",
     "ContentLengthError",
 }
+# Last resort for wrappers that keep only the message. A bare status number counts only as its own
+# token: "shard-000503.tar" in a message about a missing file must not be retried six times.
+_TRANSIENT_TEXT = re.compile(r"SlowDown|Service Unavailable|Internal Server Error|reset by peer"
+                             r"|(?<![\w./-])(?:429|500|502|503|504)(?![\w./-])")
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
 # Never retried: the answer will not change.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -129,15 +134,14 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
             return True
-        text = str(err)
-        if any(marker in text for marker in ("SlowDown", "Service Unavailable", "Internal Server Error", "503", "reset by peer")):
+        if _TRANSIENT_TEXT.search(str(err)):
             return True
     return False
 
 
 def describe_error(exc: BaseException) -> str:
     """A one-line cause, without credentials (only exception types and messages)."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return redact_url(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
 
 
 def retry_call(
@@ -174,6 +178,14 @@ def retry_call(
             sleep(delay)
 
 
+_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
+
+
+def redact_url(url: str) -> str:
+    """`url` (or any text holding URLs) with user-info parts masked (`s3://key:secret@bucket` -> `s3://***@bucket`)."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
@@ -191,37 +203,55 @@ class Storage:
                  *, retry: RetryPolicy = DEFAULT_RETRY):
         if not isinstance(url, str) or not url:
             raise ValueError(f"dataset URL must be a non-empty string, got {url!r}")
-        self.url = url.rstrip("/") or url
+        # Drop trailing slashes, but keep a bare "memory://" or "file:///" whole: stripping it to
+        # "memory:" would silently make it a local directory of that name.
+        stripped = url.rstrip("/")
+        self.url = url if not stripped or stripped.endswith(":") else stripped
         self.storage_options = dict(storage_options or {})
         self.retry = retry
         self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        root = root or self.fs.root_marker  # "memory://" is the memory filesystem's "/"
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)
 
+    @property
+    def display_url(self) -> str:
+        """The URL for messages: a password in its user-info part (`https://user:pw@host/`) is masked."""
+        return redact_url(self.url)
+
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"Storage({self.url!r})"
+        return f"Storage({self.display_url!r})"
 
     # -- names -------------------------------------------------------------------------------
     def path(self, name: str) -> str:
         """Filesystem path of `name` under the prefix (validated)."""
         check_relative_name(name, what="object name")
-        return f"{self.root}/{name}" if self.root else name
+        return f"{self.root.rstrip('/')}/{name}" if self.root else name
 
     def url_of(self, name: str) -> str:
         """Full URL of `name`, for messages."""
         check_relative_name(name, what="object name")
-        return f"{self.url}/{name}"
+        url = self.display_url
+        return f"{url.rstrip('/')}/{name}" if not url.endswith("://") else f"{url}{name}"
 
     def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
         return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
 
     # -- reads -------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        # Object-store filesystems (s3fs, gcsfs) answer stat and listing calls from cached directory
+        # listings, which never see what another process or instance wrote or deleted since. A
+        # dataset prefix is shared by writers and readers, so always ask the store.
+        self.fs.invalidate_cache(path)
+
     def exists(self, name: str) -> bool:
         path = self.path(name)
+        self._fresh(path)
         return self._call(lambda: self.fs.exists(path), name, "stat")
 
     def size(self, name: str) -> int:
         path = self.path(name)
+        self._fresh(path)
         return int(self._call(lambda: self.fs.size(path), name, "stat"))
 
     def read_bytes(self, name: str) -> bytes:
@@ -235,11 +265,12 @@ class Storage:
     def list_names(self) -> list[str]:
         """Names of all files under the prefix, relative to it, sorted."""
         def walk() -> list[str]:
+            self.fs.invalidate_cache(self.root)
             if not self.fs.exists(self.root):
                 return []
             return self.fs.find(self.root)
-        paths = retry_call(walk, url=self.url, what="list", policy=self.retry)
-        prefix = f"{self.root}/" if self.root else ""
+        paths = retry_call(walk, url=self.display_url, what="list", policy=self.retry)
+        prefix = f"{self.root.rstrip('/')}/" if self.root else ""
         names = []
         for path in paths:
             path = path if not self.is_local else path.replace(os.sep, "/")
@@ -284,6 +315,7 @@ class Storage:
     def delete(self, name: str) -> None:
         path = self.path(name)
         def remove() -> None:
+            self._fresh(path)
             if self.fs.exists(path):
                 self.fs.rm_file(path)
         self._call(remove, name, "delete")

@@ -52,8 +52,23 @@ def s3_options(endpoint: str) -> dict:
 @pytest.fixture
 def s3_bucket(s3_endpoint):
     """A fresh, empty bucket: returns (url prefix "s3://bucket/data", storage_options)."""
-    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("s3fs")
+    import boto3
+
     options = s3_options(s3_endpoint)
     bucket = f"test-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
+    # boto3, not s3fs.mkdir: s3fs sends LocationConstraint=us-east-1, which S3 (and moto) reject.
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/data", options
+
+
+@pytest.fixture(scope="session")
+def process_pool():
+    """Eight long-lived spawned processes for multi-process loader tests (see tests/procpool.py)."""
+    from procpool import ProcessPool
+
+    pool = ProcessPool(8)
+    try:
+        yield pool
+    finally:
+        pool.close()

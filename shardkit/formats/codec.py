@@ -15,8 +15,14 @@ def compressor(level: int) -> zstandard.ZstdCompressor:
     return zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
 
 
-def decompress_bounded(data: bytes | memoryview, *, limit: int, shard: str, what: str) -> bytes:
-    """Decompress one zstd frame whose output must not exceed `limit` bytes."""
+def decompress_bounded(data: bytes | memoryview, *, limit: int, shard: str, what: str,
+                       decompressor: zstandard.ZstdDecompressor | None = None) -> bytes:
+    """Decompress one zstd frame whose output must not exceed `limit` bytes.
+
+    Pass a `decompressor` when decompressing many small frames in one thread (a tar shard holds one
+    per sample): creating a zstd context per frame costs more than decompressing a 4 KB member.
+    """
+    dctx = decompressor or zstandard.ZstdDecompressor()
     try:
         declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as err:
@@ -25,9 +31,9 @@ def decompress_bounded(data: bytes | memoryview, *, limit: int, shard: str, what
         raise CorruptShardError(shard, f"{what}: declares {declared} decompressed bytes, more than the {limit} allowed")
     try:
         if declared >= 0:
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=declared)
+            out = dctx.decompress(data, max_output_size=declared)
         else:  # no declared size: stream, reading at most limit + 1 bytes
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(bytes(data)), read_across_frames=False) as reader:
+            with dctx.stream_reader(io.BytesIO(bytes(data)), read_across_frames=False) as reader:
                 out = reader.read(limit + 1)
     except zstandard.ZstdError as err:
         raise CorruptShardError(shard, f"{what}: zstd decompression failed ({err})") from err

@@ -115,6 +115,47 @@ class ShardArrays:
                 raise CorruptShardError(name, "document segment starts are not increasing within a sample")
 
 
+def check_sample(sample: Sample, token_dtype: str, *, what: str = "sample") -> Sample:
+    """Validate one sample and return it with tokens in `token_dtype` (doc arrays in their dtypes).
+
+    `ShardWriter.write` calls this so a bad sample fails at once, naming it, instead of when its
+    shard is flushed (and without keeping int64 inputs in the buffer at 4x the size).
+
+    Raises:
+        ValueError: non-1-D tokens, ids outside the dtype, or inconsistent document segments.
+        TypeError: non-integer tokens.
+    """
+    dtype = numpy_token_dtype(token_dtype)
+    tokens = np.asarray(sample.tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"{what}: tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype != dtype:
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{what}: tokens must be integers, got {tokens.dtype}")
+        limit = np.iinfo(dtype).max
+        if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
+            raise ValueError(f"{what}: token ids must be in [0, {limit}] for {token_dtype}")
+        tokens = tokens.astype(dtype)
+    if not sample.has_doc_boundaries:
+        if sample.doc_source is not None or sample.doc_index is not None:
+            raise ValueError(f"{what}: doc_source/doc_index given without doc_starts")
+        return Sample(tokens)
+    parts = [np.asarray(a) for a in (sample.doc_starts, sample.doc_source, sample.doc_index)]
+    if any(p.ndim != 1 or len(p) != len(parts[0]) for p in parts):
+        raise ValueError(f"{what}: doc_starts, doc_source and doc_index must be 1-D of equal length")
+    starts = parts[0].astype(np.int64)
+    if tokens.size and (len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0)
+                        or starts[-1] >= tokens.size):
+        raise ValueError(f"{what}: doc_starts must begin at 0 and increase strictly inside the sample's "
+                         f"{tokens.size} tokens")
+    if not tokens.size and len(starts):
+        raise ValueError(f"{what}: an empty sample cannot have document segments")
+    if len(starts) and int(parts[1].min()) < -1:
+        raise ValueError(f"{what}: doc_source must be >= -1 (-1 marks padding)")
+    return Sample(tokens, parts[0].astype(DOC_STARTS_DTYPE), parts[1].astype(DOC_SOURCE_DTYPE),
+                  parts[2].astype(DOC_INDEX_DTYPE))
+
+
 def arrays_from_samples(samples: Sequence[Sample], token_dtype: str) -> ShardArrays:
     """Pack samples into flat arrays, checking token range and document-array consistency."""
     dtype = numpy_token_dtype(token_dtype)

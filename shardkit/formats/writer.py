@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.formats.codecs import SHARD_EXTENSIONS, encode_shard
-from shardkit.formats.sample import Sample, arrays_from_samples, numpy_token_dtype
+from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
 from shardkit.storage import Storage
 
@@ -80,6 +80,11 @@ class ShardWriter:
             raise ValueError("ShardWriter is closed")
         if not isinstance(sample, Sample):
             sample = Sample(np.asarray(sample))
+        sample = check_sample(sample, self.token_dtype,
+                              what=f"sample {len(self._pending)} of shard {self.next_index} (written to {self.storage.url})")
+        if self._pending and sample.has_doc_boundaries != self._pending[0].has_doc_boundaries:
+            raise ValueError(f"sample {len(self._pending)} of shard {self.next_index}: all samples of a shard must "
+                             "either store document boundaries or not")
         self._pending.append(sample)
         self._pending_bytes += len(sample.tokens) * self._itemsize
         if sample.doc_starts is not None:

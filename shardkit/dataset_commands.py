@@ -1,0 +1,313 @@
+"""`shardkit inspect`, `shardkit verify` and `shardkit cat`: look at a dataset from the command line.
+
+Only argparse is imported at module level: the CLI builds its parser from this module on every start,
+and `inspect` must answer in well under a second, so numpy, fsspec and the shard formats load inside
+the commands (and torch never).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+STORAGE_OPTION_HELP = (
+    "fsspec storage option KEY=VALUE for the dataset's filesystem (repeatable), e.g. "
+    "endpoint_url=http://127.0.0.1:9000 or client_kwargs='{\"region_name\": \"us-east-1\"}'. VALUE is parsed "
+    "as JSON when it can be (quote a string that looks like a number: key='\"123\"'). Values are never printed.")
+
+
+def parse_storage_options(items: list[str] | None) -> dict[str, Any]:
+    """Turn repeated `KEY=VALUE` strings into fsspec storage_options; JSON values where they parse.
+
+    Raises:
+        ValueError: an item without `=` or with an empty key. The message never repeats the value,
+            which may be a credential.
+    """
+    options: dict[str, Any] = {}
+    for position, item in enumerate(items or (), start=1):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--storage-option number {position} is not KEY=VALUE "
+                             "(its text is not shown: it may hold a credential)")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", metavar="URL", help="dataset prefix: a local path or any fsspec URL "
+                                                   "(file://, memory://, s3://bucket/prefix, ...)")
+    parser.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                        dest="storage_option", help=STORAGE_OPTION_HELP)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the inspect, verify and cat subcommands to the `shardkit` parser."""
+    inspect = subparsers.add_parser(
+        "inspect", help="summarise a dataset from its manifest (shards, samples, tokens, sizes, tokenizer)",
+        description="Print what a dataset holds, from its manifest alone (no shard is read): shards, "
+                    "samples, tokens, compressed and raw bytes, compression ratio, token dtype, sequence "
+                    "length, packing and tokenizer.")
+    _add_common(inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    inspect.add_argument("--shards", action="store_true", help="also list every shard (name, samples, tokens, bytes)")
+    inspect.set_defaults(func=run_inspect)
+
+    verify = subparsers.add_parser(
+        "verify", help="re-read every shard and check it against the manifest",
+        description="Re-read every shard and check its size and SHA-256 against the manifest, then decode "
+                    "it and check its sample/token counts, token ids (< vocab_size) and sample lengths. "
+                    "Exit status 0 when every shard is good, 1 when any is bad (each bad shard is listed "
+                    "with the reason), 2 when the manifest itself cannot be read.")
+    _add_common(verify)
+    verify.add_argument("--jobs", "-j", type=int, default=4, metavar="N",
+                        help="shards checked at once (threads; default 4)")
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    verify.set_defaults(func=run_verify)
+
+    cat = subparsers.add_parser(
+        "cat", help="print one sample as token ids, or as text with --decode",
+        description="Print sample N of the dataset (global index over all shards in manifest order; "
+                    "negative counts from the end) as token ids, or as text with --decode, with its "
+                    "document segments when the shards store them. The shard is verified (SHA-256) "
+                    "before anything is printed.")
+    _add_common(cat)
+    cat.add_argument("--index", "-i", type=int, required=True, metavar="N", help="global sample index")
+    cat.add_argument("--decode", action="store_true", help="print text (needs the tokenizer; see --tokenizer)")
+    cat.add_argument("--tokenizer", metavar="SPEC", default=None,
+                     help="tokenizer spec for --decode (default: the manifest's tokenizer name), e.g. byte, "
+                          "a tokenizer.json path or tiktoken:cl100k_base")
+    cat.add_argument("--json", action="store_true", help="print one JSON object")
+    cat.set_defaults(func=run_cat)
+
+
+def _fail(command: str, message: str, status: int = 2) -> int:
+    print(f"shardkit {command}: error: {message}", file=sys.stderr)
+    return status
+
+
+def _open(args: argparse.Namespace, command: str):
+    """(storage, manifest) for args.url, or raise ValueError/OSError with a clear message."""
+    from shardkit.manifest import load_manifest
+    from shardkit.storage import Storage
+
+    storage = Storage(args.url, parse_storage_options(args.storage_option))
+    return storage, load_manifest(storage)
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+def describe(manifest, url: str, *, shards: bool = False) -> dict[str, Any]:
+    """The facts `inspect` shows, as a JSON-ready dict."""
+    totals = manifest.totals()
+    with_docs = sum(s.has_doc_boundaries for s in manifest.shards)
+    info: dict[str, Any] = {
+        "url": url,
+        "format_version": manifest.format_version,
+        "shardkit_version": manifest.shardkit_version,
+        "shard_format": manifest.shard_format,
+        "token_dtype": manifest.token_dtype,
+        "seq_len": "variable" if manifest.seq_len is None else manifest.seq_len,
+        "sample_length": manifest.sample_length,
+        "max_sample_tokens": manifest.max_sample_tokens,
+        "packing": manifest.packing,
+        "tokenizer": {**vars(manifest.tokenizer), "special_ids": dict(manifest.tokenizer.special_ids)},
+        "compression": dict(manifest.compression),
+        "totals": totals,
+        "compression_ratio": round(totals["raw_bytes"] / totals["compressed_bytes"], 4) if totals["compressed_bytes"] else None,
+        "shards_with_doc_boundaries": with_docs,
+        "sources": list(manifest.sources),
+        "build": manifest.build,
+    }
+    if shards:
+        info["shards"] = [vars(s).copy() for s in manifest.shards]
+    return info
+
+
+def _size(n: int) -> str:
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{n:,} B" if unit == "B" else f"{value:.2f} {unit} ({n:,} B)"
+
+
+def format_table(info: dict[str, Any]) -> str:
+    """Human-readable rendering of `describe`'s dict."""
+    t, tok = info["totals"], info["tokenizer"]
+    if info["seq_len"] == "variable":
+        seq = f"variable (at most {info['max_sample_tokens']:,} tokens per sample)" if info["max_sample_tokens"] else "variable"
+    else:
+        seq = f"{info['seq_len']:,}" + (f" (samples of {info['sample_length']:,} tokens)" if info["sample_length"] else "")
+    specials = [f"{k}={tok[k]}" for k in ("eos_id", "bos_id", "pad_id") if tok[k] is not None]
+    specials += [f"{k}={v}" for k, v in sorted(tok["special_ids"].items())]
+    level = info["compression"].get("level")
+    ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "n/a"
+    rows = [
+        ("dataset", info["url"]),
+        ("shard format", f"{info['shard_format']} (manifest v{info['format_version']}, written by shardkit {info['shardkit_version']})"),
+        ("shards", f"{t['shards']:,}"),
+        ("samples", f"{t['samples']:,}"),
+        ("tokens", f"{t['tokens']:,}"),
+        ("compressed", _size(t["compressed_bytes"])),
+        ("raw", _size(t["raw_bytes"])),
+        ("compression", f"{ratio} (zstd{'' if level is None else f' level {level}'})"),
+        ("token dtype", info["token_dtype"]),
+        ("seq_len", seq),
+        ("packing", info["packing"]),
+        ("tokenizer", f"{tok['kind']} {tok['name']!r}, vocab {tok['vocab_size']:,}"),
+        ("special ids", ", ".join(specials) or "none"),
+        ("vocab sha256", tok["vocab_sha256"] or "n/a (built-in)"),
+        ("doc boundaries", f"stored in {info['shards_with_doc_boundaries']:,} of {t['shards']:,} shards"),
+        ("sources", f"{len(info['sources']):,}" + (f": {', '.join(info['sources'][:5])}" + (", ..." if len(info["sources"]) > 5 else "")
+                                                   if info["sources"] else "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if "shards" in info:
+        lines.append("")
+        header = ("shard", "samples", "tokens", "compressed", "raw", "docs")
+        body = [(s["name"], f"{s['samples']:,}", f"{s['tokens']:,}", f"{s['compressed_bytes']:,}", f"{s['raw_bytes']:,}",
+                 "yes" if s["has_doc_boundaries"] else "no") for s in info["shards"]]
+        widths = [max(len(r[c]) for r in [header, *body]) for c in range(len(header))]
+        for row in [header, *body]:
+            lines.append("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        storage, manifest = _open(args, "inspect")
+    except (ValueError, OSError) as err:
+        return _fail("inspect", str(err))
+    info = describe(manifest, storage.display_url, shards=args.shards)
+    print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_table(info))
+    return 0
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+def run_verify(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        return _fail("verify", f"--jobs must be >= 1, got {args.jobs}")
+    try:
+        storage, manifest = _open(args, "verify")
+    except (ValueError, OSError) as err:
+        return _fail("verify", str(err))
+    from tqdm import tqdm
+
+    from shardkit.verify import verify_dataset
+
+    bad = 0
+    with tqdm(total=len(manifest.shards), unit="shard", desc="verify", file=sys.stderr,
+              disable=args.no_progress, dynamic_ncols=True) as bar:
+        def advance(shard, reason) -> None:
+            nonlocal bad
+            bad += reason is not None
+            bar.set_postfix(bad=bad, refresh=False)
+            bar.update(1)
+        problems = verify_dataset(storage, manifest, jobs=args.jobs, on_shard_checked=advance)
+    totals = manifest.totals()
+    if not problems:
+        print(f"OK: {totals['shards']:,} shards, {totals['samples']:,} samples, {totals['tokens']:,} tokens "
+              f"match the manifest of {storage.display_url}")
+        return 0
+    for problem in problems:
+        print(f"BAD {problem.shard}: {problem.reason}")
+    print(f"FAILED: {len(problems):,} of {totals['shards']:,} shards of {storage.display_url} are bad", file=sys.stderr)
+    return 1
+
+
+# -- cat ------------------------------------------------------------------------------------------
+
+def locate(manifest, index: int) -> tuple[int, int]:
+    """(shard position, index within the shard) of global sample `index` (negative counts from the end)."""
+    import bisect
+    import itertools
+
+    total = manifest.num_samples
+    if not -total <= index < total:
+        raise IndexError(f"sample {index} is out of range: the dataset holds {total:,} samples")
+    index %= total
+    ends = list(itertools.accumulate(s.samples for s in manifest.shards))
+    position = bisect.bisect_right(ends, index)
+    return position, index - (ends[position - 1] if position else 0)
+
+
+def _load_tokenizer(spec: str):
+    try:
+        from shardkit.tools.tokenizers import load_tokenizer
+    except ImportError as err:
+        raise RuntimeError(f"--decode needs shardkit's tokenizer module (shardkit.tools.tokenizers) and the tokenizers "
+                           f"extra: pip install 'shardkit[tokenizers]' ({err})") from err
+    try:
+        return load_tokenizer(spec)
+    except (OSError, ValueError) as err:
+        raise RuntimeError(f"cannot load tokenizer {spec!r} ({err}); pass --tokenizer SPEC") from err
+
+
+def run_cat(args: argparse.Namespace) -> int:
+    try:
+        storage, manifest = _open(args, "cat")
+        position, local = locate(manifest, args.index)
+    except (ValueError, OSError, IndexError) as err:
+        return _fail("cat", str(err))
+    from shardkit.formats.reader import ShardReader
+
+    shard = manifest.shards[position]
+    try:
+        reader = ShardReader.from_bytes(storage.read_bytes(shard.name), shard=shard, manifest=manifest)
+    except (ValueError, OSError) as err:
+        return _fail("cat", str(err), status=1)
+    sample = reader.sample(local)
+    tokens = [int(t) for t in sample.tokens]
+    segments = []
+    if sample.doc_starts is not None:
+        bounds = [*(int(s) for s in sample.doc_starts), len(tokens)]
+        for j in range(len(sample.doc_starts)):
+            source = int(sample.doc_source[j])
+            segments.append({"start": bounds[j], "end": bounds[j + 1], "source": source,
+                             "source_name": manifest.sources[source] if 0 <= source < len(manifest.sources) else None,
+                             "document": int(sample.doc_index[j])})
+    texts = None
+    if args.decode:
+        spec = args.tokenizer or manifest.tokenizer.name
+        try:
+            tokenizer = _load_tokenizer(spec)
+        except RuntimeError as err:
+            return _fail("cat", str(err))
+        digest = getattr(getattr(tokenizer, "info", None), "vocab_sha256", None)
+        if digest and manifest.tokenizer.vocab_sha256 and digest != manifest.tokenizer.vocab_sha256:
+            print(f"shardkit cat: warning: tokenizer {spec!r} has vocab sha256 {digest[:12]}..., the dataset was "
+                  f"built with {manifest.tokenizer.vocab_sha256[:12]}...: the text may be wrong", file=sys.stderr)
+        pieces = segments or [{"start": 0, "end": len(tokens)}]
+        texts = [tokenizer.decode(tokens[p["start"]:p["end"]]) for p in pieces]
+    if args.json:
+        out: dict[str, Any] = {"index": args.index % manifest.num_samples, "shard": shard.name, "shard_index": local,
+                               "num_tokens": len(tokens), "tokens": tokens, "segments": segments}
+        if texts is not None:
+            out["text"] = "".join(texts)
+            if segments:
+                out["segment_texts"] = texts
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    print(f"# sample {args.index % manifest.num_samples:,}: shard {shard.name}, sample {local:,} of {shard.samples:,}, "
+          f"{len(tokens):,} tokens")
+    for j, seg in enumerate(segments):
+        where = seg["source_name"] or ("padding" if seg["source"] == -1 else f"source {seg['source']}")
+        print(f"# segment {j}: tokens [{seg['start']}, {seg['end']}) from {where}, document {seg['document']}")
+    if texts is None:
+        print(" ".join(map(str, tokens)))
+    elif segments:
+        for j, text in enumerate(texts):
+            print(f"--- segment {j} ---")
+            print(text)
+    else:
+        print(texts[0])
+    return 0

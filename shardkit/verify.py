@@ -1,0 +1,104 @@
+"""Re-check a dataset against its manifest: every shard's size, SHA-256, structure and counts.
+
+`verify_shard` answers one shard with a reason string (or None when it is good); `verify_dataset`
+runs it over all shards in a thread pool (reading, hashing and zstd release the GIL) and returns the
+problems in manifest order, so a caller can list *every* bad shard, not just the first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardkit.errors import CorruptShardError
+from shardkit.formats.reader import ShardReader
+from shardkit.formats.sample import ShardArrays
+from shardkit.manifest import Manifest, ShardInfo
+from shardkit.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardProblem:
+    """A shard that failed verification and why."""
+
+    shard: str
+    reason: str
+
+
+def check_contents(arrays: ShardArrays, shard: ShardInfo, manifest: Manifest) -> None:
+    """Check what the hash cannot: decoded values agree with the manifest's promises.
+
+    Raises:
+        CorruptShardError: a token id outside the vocabulary, a sample of the wrong length, or a
+            provenance source id that names no input.
+    """
+    vocab = manifest.tokenizer.vocab_size
+    if arrays.tokens.size:
+        top = int(arrays.tokens.max())
+        if top >= vocab:
+            raise CorruptShardError(shard.name, f"token id {top} is outside the vocabulary (vocab_size {vocab})")
+    lengths = np.diff(arrays.sample_offsets)
+    if lengths.size:
+        if manifest.sample_length is not None and np.any(lengths != manifest.sample_length):
+            i = int(np.flatnonzero(lengths != manifest.sample_length)[0])
+            raise CorruptShardError(shard.name, f"sample {i} holds {int(lengths[i])} tokens; seq_len {manifest.seq_len} "
+                                                f"with packing {manifest.packing!r} needs {manifest.sample_length}")
+        if manifest.max_sample_tokens is not None and int(lengths.max()) > manifest.max_sample_tokens:
+            i = int(np.argmax(lengths))
+            raise CorruptShardError(shard.name, f"sample {i} holds {int(lengths[i])} tokens, more than "
+                                                f"max_sample_tokens {manifest.max_sample_tokens}")
+    if arrays.has_doc_boundaries and manifest.sources and arrays.doc_source.size:
+        top = int(arrays.doc_source.max())
+        if top >= len(manifest.sources):
+            raise CorruptShardError(shard.name, f"doc_source {top} names no input (the manifest lists "
+                                                f"{len(manifest.sources)} sources)")
+
+
+def verify_shard(storage: Storage, manifest: Manifest, shard: ShardInfo) -> str | None:
+    """Re-read one shard and check it; returns None when good, else the reason it is bad."""
+    try:
+        data = storage.read_bytes(shard.name)
+    except FileNotFoundError:
+        return f"missing: {storage.url_of(shard.name)} does not exist"
+    except OSError as err:  # StorageError after retries: the message names the URL and the cause
+        return f"unreadable: {err}"
+    try:
+        reader = ShardReader.from_bytes(data, shard=shard, manifest=manifest, verify=True)
+        check_contents(reader.arrays, shard, manifest)
+    except CorruptShardError as err:
+        return err.reason
+    return None
+
+
+def verify_dataset(storage: Storage, manifest: Manifest, *, jobs: int = 1,
+                   on_shard_checked: Callable[[ShardInfo, str | None], None] | None = None) -> list[ShardProblem]:
+    """Verify every shard of `manifest`; returns the problems in manifest order (empty when all good).
+
+    Args:
+        storage: the dataset prefix.
+        manifest: its manifest.
+        jobs: shards checked at once (threads).
+        on_shard_checked: called after each shard with its reason (None when good), e.g. to advance a
+            progress bar. Called from the caller's thread.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    reasons: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(verify_shard, storage, manifest, shard): shard for shard in manifest.shards}
+        # Report in completion order (the progress bar moves steadily), collect in manifest order.
+        for future in as_completed(futures):
+            shard = futures[future]
+            reason = future.result()
+            if reason is not None:
+                reasons[shard.name] = reason
+                logger.debug("shard %s is bad: %s", shard.name, reason)
+            if on_shard_checked is not None:
+                on_shard_checked(shard, reason)
+    return [ShardProblem(s.name, reasons[s.name]) for s in manifest.shards if s.name in reasons]

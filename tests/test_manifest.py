@@ -1,0 +1,287 @@
+"""The manifest: JSON round trip and determinism, validation, name safety, and atomic publication."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shardkit.errors import ManifestError, UnsafeNameError
+from shardkit.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    TokenizerInfo,
+    load_manifest,
+    token_dtype_for_vocab,
+    write_manifest,
+)
+from shardkit.storage import Storage
+
+
+def shard(name: str, samples: int = 4, tokens: int = 260, **changes) -> ShardInfo:
+    fields = dict(name=name, samples=samples, tokens=tokens, compressed_bytes=1000, raw_bytes=2000,
+                  sha256=hashlib.sha256(name.encode()).hexdigest(), has_doc_boundaries=True)
+    return ShardInfo(**{**fields, **changes})
+
+
+def manifest(**changes) -> Manifest:
+    fields = dict(shard_format="tar", token_dtype="uint16", seq_len=64, packing="concat",
+                  tokenizer=TokenizerInfo(kind="hf", name="tok/tokenizer.json", vocab_size=50257, eos_id=50256,
+                                          special_ids={"<|pad|>": 3}, vocab_sha256="ab" * 32),
+                  shards=(shard("a/shard-000000.tar"), shard("a/shard-000001.tar", samples=2, tokens=130)),
+                  sources=("web.jsonl.zst", "books.parquet"), build={"seed": 7, "inputs": ["x", "y"]})
+    return Manifest(**{**fields, **changes})
+
+
+def manifest_dict(**changes) -> dict:
+    data = json.loads(manifest().to_json())
+    data.update(changes)
+    return data
+
+
+def test_json_round_trip_is_exact_and_deterministic():
+    m = manifest()
+    text = m.to_json()
+    assert Manifest.from_json(text) == m
+    assert Manifest.from_json(text.encode()).to_json() == text  # bytes in, same bytes out
+    # Same content built in a different dict order gives the same bytes (sorted keys).
+    shuffled = manifest(build={"inputs": ["x", "y"], "seed": 7})
+    assert shuffled.to_json() == text
+    data = json.loads(text)
+    assert data["format"] == "shardkit" and data["hash"] == "sha256"
+    assert data["totals"] == {"shards": 2, "samples": 6, "tokens": 390, "compressed_bytes": 2000, "raw_bytes": 4000}
+    assert data["max_sample_tokens"] == 65 and m.sample_length == 65
+
+
+def test_variable_seq_len_round_trips_as_the_string_variable():
+    m = manifest(seq_len=None, packing="none", max_sample_tokens=4096)
+    data = json.loads(m.to_json())
+    assert data["seq_len"] == "variable"
+    back = Manifest.from_json(m.to_json())
+    assert back.seq_len is None and back.sample_length is None and back.max_sample_tokens == 4096
+
+
+def test_token_dtype_for_vocab_boundaries():
+    assert token_dtype_for_vocab(256) == "uint16"
+    assert token_dtype_for_vocab(65536) == "uint16"
+    assert token_dtype_for_vocab(65537) == "uint32"
+    with pytest.raises(ValueError, match="positive"):
+        token_dtype_for_vocab(0)
+    with pytest.raises(ValueError, match="uint32"):
+        token_dtype_for_vocab(2**32 + 1)
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"token_dtype": "int8"}, "token_dtype must be one of"),
+    ({"shard_format": "zip"}, "shard_format must be one of"),
+    ({"packing": "random"}, "packing must be one of"),
+    ({"seq_len": 0}, "seq_len must be a positive integer or variable, got 0"),
+    ({"seq_len": 2048.5}, "seq_len must be a positive integer or variable, got 2048.5"),
+    ({"seq_len": "2048"}, "seq_len must be a positive integer"),
+    ({"seq_len": True}, "seq_len must be a positive integer"),
+    ({"max_sample_tokens": -3}, "max_sample_tokens must be a positive integer, got -3"),
+    ({"format_version": 99}, "format_version 99 is not supported"),
+    ({"token_dtype": "uint16", "tokenizer": TokenizerInfo(kind="hf", name="big", vocab_size=200_000)}, "needs uint32"),
+])
+def test_invalid_fields_are_rejected_naming_the_field(changes, match):
+    with pytest.raises(ManifestError, match=match):
+        manifest(**changes)
+
+
+def test_duplicate_shard_names_and_reserved_name_are_rejected():
+    with pytest.raises(ManifestError, match="same shard twice"):
+        manifest(shards=(shard("s.tar"), shard("s.tar")))
+    with pytest.raises(ManifestError, match=MANIFEST_NAME):
+        manifest(shards=(shard(MANIFEST_NAME),))
+
+
+@pytest.mark.parametrize("bad", ["../x", "/abs", "a/../../b", "../evil.tar", "/etc/passwd", "a//b", "./a", "a/",
+                                 "C:/x", "s3://bucket/x", "a\\..\\b", "a\x00b", ""])
+def test_unsafe_shard_names_are_rejected(bad):
+    with pytest.raises(UnsafeNameError):
+        shard(bad)
+    data = manifest_dict()
+    data["shards"][0]["name"] = bad
+    with pytest.raises(ManifestError, match="unsafe|non-empty"):
+        Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("samples", -1, "samples must be a non-negative integer"),
+    ("tokens", True, "tokens must be a non-negative integer"),
+    ("raw_bytes", 1.5, "raw_bytes must be a non-negative integer"),
+    ("sha256", "ABC", "sha256 must be 64 lowercase hex digits"),
+])
+def test_bad_shard_fields_name_the_shard(field, value, match):
+    with pytest.raises(ManifestError, match=f"a/shard-000000.tar: {match}"):
+        shard("a/shard-000000.tar", **{field: value})
+
+
+def test_tokenizer_special_ids_must_lie_inside_the_vocabulary():
+    with pytest.raises(ManifestError, match="eos_id=300"):
+        TokenizerInfo(kind="byte", name="byte", vocab_size=256, eos_id=300)
+    with pytest.raises(ManifestError, match="<x>=256"):
+        TokenizerInfo(kind="byte", name="byte", vocab_size=256, special_ids={"<x>": 256})
+
+
+def test_totals_mismatch_is_rejected():
+    data = manifest_dict()
+    data["totals"]["tokens"] += 1
+    with pytest.raises(ManifestError, match="totals .* do not match the sum over shards"):
+        Manifest.from_dict(data, source="mem/shardkit.json")
+
+
+@pytest.mark.parametrize("missing", ["shards", "token_dtype", "tokenizer", "seq_len", "packing", "format_version"])
+def test_missing_fields_are_reported(missing):
+    data = manifest_dict()
+    del data[missing]
+    with pytest.raises(ManifestError, match=f"mem/shardkit.json: malformed manifest .*{missing}"):
+        Manifest.from_dict(data, source="mem/shardkit.json")
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"format": "other"}), "not a shardkit manifest"),
+])
+def test_garbage_is_rejected(text, match):
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(text)
+
+
+def test_unsupported_hash_and_codec_are_rejected():
+    with pytest.raises(ManifestError, match="unsupported hash"):
+        Manifest.from_dict(manifest_dict(hash="md5"))
+    with pytest.raises(ManifestError, match="unsupported compression"):
+        Manifest.from_dict(manifest_dict(compression={"codec": "gzip"}))
+    data = manifest_dict()
+    data["shards"][0]["color"] = "blue"  # an unknown field is an error, not silently dropped
+    with pytest.raises(ManifestError, match="color"):
+        Manifest.from_dict(data)
+
+
+def test_load_manifest_rejects_escaping_names_written_by_hand(tmp_path):
+    for bad in ("../evil.tar", "/etc/passwd"):
+        data = manifest_dict()
+        data["shards"][1]["name"] = bad
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
+        with pytest.raises(ManifestError, match="unsafe shard name"):
+            load_manifest(str(tmp_path))
+
+
+def test_load_manifest_of_missing_dataset_says_so(tmp_path):
+    with pytest.raises(ManifestError, match="no dataset at .*shardkit.json not found"):
+        load_manifest(str(tmp_path / "nothing"))
+
+
+def test_write_then_load_through_storage(tmp_path):
+    m = manifest()
+    storage = Storage(str(tmp_path / "ds"))
+    write_manifest(storage, m)
+    assert load_manifest(str(tmp_path / "ds")) == m
+    assert (tmp_path / "ds" / MANIFEST_NAME).read_text() == m.to_json()
+    assert sorted(os.listdir(tmp_path / "ds")) == [MANIFEST_NAME]  # no temporary file left behind
+
+
+# -- atomicity: real writer processes killed with SIGKILL --------------------------------------------
+
+WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from shardkit.formats import ShardWriter
+    from shardkit.manifest import Manifest, TokenizerInfo, write_manifest
+
+    url, start = sys.argv[1], int(sys.argv[2])
+    with ShardWriter(url, shard_format="tar", max_samples=8, start_index=start) as writer:
+        for i in range(24):
+            writer.write(np.full(65, i + start, dtype=np.uint16))
+    manifest = Manifest(shard_format="tar", token_dtype="uint16", seq_len=64, packing="concat",
+                        tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=65536), shards=writer.shards)
+    print("shards-written", flush=True)
+    sys.stdin.readline()  # the parent kills us here, between the last shard and the manifest
+    write_manifest(writer.storage, manifest)
+""")
+
+
+def run_writer_until_killed(url: str, start: int) -> None:
+    child = subprocess.Popen([sys.executable, "-c", WRITER, url, str(start)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "shards-written"
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+@pytest.mark.slow
+def test_writer_killed_before_manifest_leaves_no_manifest(tmp_path):
+    url = str(tmp_path / "ds")
+    run_writer_until_killed(url, start=0)
+    assert sorted(os.listdir(url)) == [f"shard-{i:06d}.tar" for i in range(3)]  # the shards are there...
+    with pytest.raises(ManifestError, match="not found"):  # ...but no reader sees a dataset
+        load_manifest(url)
+
+
+@pytest.mark.slow
+def test_writer_killed_before_manifest_keeps_the_previous_manifest(tmp_path):
+    from shardkit.verify import verify_dataset
+
+    url = str(tmp_path / "ds")
+    previous = manifest(shards=(), sources=())
+    write_manifest(Storage(url), previous)
+    before = (tmp_path / "ds" / MANIFEST_NAME).read_bytes()
+    run_writer_until_killed(url, start=0)
+    assert (tmp_path / "ds" / MANIFEST_NAME).read_bytes() == before
+    assert load_manifest(url) == previous and verify_dataset(Storage(url), previous) == []
+
+
+MANIFEST_LOOP = textwrap.dedent("""
+    import sys
+    from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
+    from shardkit.storage import Storage
+
+    storage = Storage(sys.argv[1])
+    shards = [ShardInfo(name=f"shard-{i:06d}.tar", samples=1, tokens=65, compressed_bytes=10240, raw_bytes=258,
+                        sha256="0" * 64, has_doc_boundaries=False) for i in range(20000)]
+    version = 0
+    while True:  # rewrite a ~4 MB manifest forever; the parent kills us at a random moment
+        write_manifest(storage, Manifest(shard_format="tar", token_dtype="uint16", seq_len=64, packing="concat",
+                                         tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=256),
+                                         shards=shards, build={"version": version}))
+        if version == 0:
+            print("first", flush=True)
+        version += 1
+""")
+
+
+@pytest.mark.slow
+def test_manifest_killed_mid_write_is_old_or_new_never_partial(tmp_path):
+    url = str(tmp_path / "ds")
+    delays = [0.0, 0.013, 0.029, 0.047, 0.071, 0.11]
+    for delay in delays:
+        child = subprocess.Popen([sys.executable, "-c", MANIFEST_LOOP, url], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "first"
+            time.sleep(delay)
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        loaded = load_manifest(url)  # parses completely: old or new, never a torn file
+        assert loaded.num_samples == 20000 and isinstance(loaded.build["version"], int)
+
+
+def test_json_seq_len_is_never_silently_truncated():
+    with pytest.raises(ManifestError, match="seq_len must be a positive integer or variable, got 2048.5"):
+        Manifest.from_dict(manifest_dict(seq_len=2048.5))

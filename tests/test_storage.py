@@ -1,0 +1,366 @@
+"""Storage: one contract suite over a local directory, file://, memory:// and real S3 (moto on loopback),
+plus retries against a real misbehaving HTTP server and `is_transient` on real botocore errors."""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import pickle
+import random
+import socket
+import struct
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from shardkit.errors import StorageError, UnsafeNameError
+from shardkit.formats import Sample, ShardReader, write_dataset
+from shardkit.manifest import TokenizerInfo, load_manifest
+from shardkit.storage import RetryPolicy, Storage, is_transient, retry_call
+from shardkit.verify import verify_dataset
+
+
+@pytest.fixture(params=["local", "file", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def backend(request, tmp_path):
+    """(dataset URL, storage_options) on each backend; every test gets a fresh, empty prefix."""
+    if request.param == "local":
+        yield str(tmp_path / "data"), {}
+    elif request.param == "file":
+        yield f"file://{tmp_path}/data", {}
+    elif request.param == "memory":
+        import fsspec
+
+        root = f"test-{uuid.uuid4().hex[:12]}"
+        yield f"memory://{root}/data", {}
+        memory = fsspec.filesystem("memory")
+        if memory.exists(f"/{root}"):
+            memory.rm(f"/{root}", recursive=True)
+    else:
+        yield request.getfixturevalue("s3_bucket")
+
+
+def test_write_read_range_exists_size(backend):
+    url, options = backend
+    storage = Storage(url, options)
+    data = bytes(range(256)) * 40
+    assert not storage.exists("x/blob.bin")
+    storage.write_bytes("x/blob.bin", data)
+    assert storage.exists("x/blob.bin")
+    assert storage.size("x/blob.bin") == len(data)
+    assert storage.read_bytes("x/blob.bin") == data
+    assert storage.read_range("x/blob.bin", 100, 612) == data[100:612]
+    assert storage.read_range("x/blob.bin", len(data) - 5, len(data)) == data[-5:]
+
+
+def test_missing_object_raises_file_not_found(backend):
+    url, options = backend
+    storage = Storage(url, options)
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("nope.tar")
+
+
+def test_list_names_is_relative_sorted_and_stays_inside_the_prefix(backend):
+    url, options = backend
+    storage = Storage(url, options)
+    assert storage.list_names() == []  # a prefix that does not exist yet lists as empty
+    for name in ("b.tar", "a.tar", "sub/c.tar", "sub/deeper/d.tar"):
+        storage.write_bytes(name, name.encode())
+    # A sibling prefix that merely starts with the same characters must not leak in.
+    Storage(url + "-sibling", options).write_bytes("z.tar", b"z")
+    Storage(url + "x", options).write_bytes("y.tar", b"y")
+    assert storage.list_names() == ["a.tar", "b.tar", "sub/c.tar", "sub/deeper/d.tar"]
+    assert Storage(url + "/", options).list_names() == storage.list_names()  # trailing slash is the same prefix
+
+
+def test_delete_and_atomic_overwrite(backend):
+    url, options = backend
+    storage = Storage(url, options)
+    storage.write_bytes("s.tar", b"old" * 1000)
+    storage.write_bytes("s.tar", b"new")
+    assert storage.read_bytes("s.tar") == b"new"
+    assert storage.list_names() == ["s.tar"]  # no temporary file is left behind
+    storage.delete("s.tar")
+    assert not storage.exists("s.tar") and storage.list_names() == []
+    storage.delete("s.tar")  # deleting what is gone is not an error
+
+
+def test_download_to_local_file(backend, tmp_path):
+    url, options = backend
+    storage = Storage(url, options)
+    storage.write_bytes("d/s.bin", b"payload" * 99)
+    target = tmp_path / "local.bin"
+    storage.download("d/s.bin", str(target))
+    assert target.read_bytes() == b"payload" * 99
+
+
+def test_names_cannot_escape_the_prefix(backend):
+    url, options = backend
+    storage = Storage(url, options)
+    for bad in ("../evil.tar", "/etc/passwd", "a/../../b", "s3://other/x"):
+        with pytest.raises(UnsafeNameError):
+            storage.read_bytes(bad)
+        with pytest.raises(UnsafeNameError):
+            storage.write_bytes(bad, b"x")
+
+
+def test_pickles_and_never_shows_credentials(backend):
+    url, options = backend
+    if options:  # S3: pass credentials explicitly (moto accepts any) and make sure they never surface
+        options = {**options, "key": "AKIDEXAMPLEKEY", "secret": "sEcReT-never-print-me"}
+    storage = Storage(url, options)
+    storage.write_bytes("p.bin", b"pickled")
+    clone = pickle.loads(pickle.dumps(storage))
+    assert clone.read_bytes("p.bin") == b"pickled"
+    with pytest.raises(FileNotFoundError) as info:
+        clone.read_bytes("absent.bin")
+    for text in (repr(storage), str(storage), repr(clone), str(info.value)):
+        assert "sEcReT" not in text and "AKIDEXAMPLEKEY" not in text
+
+
+def test_dataset_written_and_read_through_each_backend(backend):
+    url, options = backend
+    rng = np.random.default_rng(5)
+    samples = [Sample(rng.integers(0, 50257, 129)) for _ in range(40)]
+    written = write_dataset(url, samples, tokenizer=TokenizerInfo(kind="byte", name="t", vocab_size=50257),
+                            seq_len=128, packing="concat", shard_format="arrow", max_samples=16,
+                            storage_options=options)
+    storage = Storage(url, options)
+    manifest = load_manifest(url, options)
+    assert manifest == written and manifest.num_samples == 40
+    assert storage.list_names() == sorted(["shardkit.json", *(s.name for s in manifest.shards)])
+    assert verify_dataset(storage, manifest, jobs=2) == []
+    got = []
+    for shard in manifest.shards:
+        reader = ShardReader.from_bytes(storage.read_bytes(shard.name), shard=shard, manifest=manifest)
+        got.append(reader.gather(np.arange(len(reader))))
+    np.testing.assert_array_equal(np.concatenate(got), np.stack([s.tokens for s in samples]))
+
+
+def test_bare_memory_url_is_the_memory_root_not_a_local_directory(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    name = f"bare-{uuid.uuid4().hex[:8]}.bin"
+    storage = Storage("memory://")
+    storage.write_bytes(name, b"x")
+    try:
+        assert not storage.is_local and list(tmp_path.iterdir()) == []
+        assert fsspec.filesystem("memory").cat_file(f"/{name}") == b"x"
+        assert storage.url_of(name) == f"memory://{name}"
+        assert name in storage.list_names()
+    finally:
+        storage.delete(name)
+
+
+# -- retries against a real loopback HTTP server --------------------------------------------------
+
+class FlakyHandler(http.server.BaseHTTPRequestHandler):
+    """Serves `files`; the first `failures[path]` requests for a path fail with `mode`."""
+
+    files: dict[str, bytes] = {}
+    failures: dict[str, int] = {}
+    mode = "503"
+    requests: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def log_message(self, *args) -> None:  # keep test output clean
+        pass
+
+    def _fail_now(self) -> bool:
+        with self.lock:
+            count = self.requests.get(self.path, 0)
+            self.requests[self.path] = count + 1
+            return count < self.failures.get(self.path, 0)
+
+    def _serve(self, body: bool) -> None:
+        if self._fail_now():
+            if self.mode == "reset":
+                # SO_LINGER 0 makes close() send a TCP RST: the client sees "connection reset by peer".
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+                return
+            self.send_response(503, "Service Unavailable")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = self.files.get(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        status, start, end = 200, 0, len(data)
+        if "Range" in self.headers:
+            first, _, last = self.headers["Range"].removeprefix("bytes=").partition("-")
+            start, end, status = int(first), min(int(last) + 1 if last else len(data), len(data)), 206
+        self.send_response(status)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            self.wfile.write(data[start:end])
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+
+@pytest.fixture
+def flaky_server():
+    handler = type("Handler", (FlakyHandler,), {"files": {}, "failures": {}, "requests": {}, "mode": "503"})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+FAST_RETRY = RetryPolicy(attempts=4, initial_delay=0.01, max_delay=0.05)
+
+
+@pytest.mark.parametrize("mode", ["503", "reset"])
+def test_http_reads_recover_from_transient_failures(flaky_server, mode):
+    base, handler = flaky_server
+    handler.mode = mode
+    payload = bytes(random.Random(0).randbytes(50_000))
+    handler.files["/ds/shard.tar"] = payload
+    handler.failures["/ds/shard.tar"] = 2
+    storage = Storage(f"{base}/ds", retry=FAST_RETRY)
+    assert storage.read_bytes("shard.tar") == payload
+    assert handler.requests["/ds/shard.tar"] >= 3  # two failures, then the good answer
+
+
+@pytest.mark.parametrize(("mode", "cause"), [("503", "503"), ("reset", "Disconnected|reset|Connection")])
+def test_http_error_after_retry_budget_names_url_and_cause(flaky_server, mode, cause):
+    base, handler = flaky_server
+    handler.mode = mode
+    handler.files["/ds/shard.tar"] = b"never served"
+    handler.failures["/ds/shard.tar"] = 1000
+    storage = Storage(f"{base}/ds", retry=FAST_RETRY)
+    with pytest.raises(StorageError, match=f"read {base}/ds/shard.tar failed after 4 attempts: .*({cause})") as info:
+        storage.read_bytes("shard.tar")
+    assert isinstance(info.value, OSError) and info.value.__cause__ is not None
+    assert handler.requests["/ds/shard.tar"] >= 4
+
+
+def test_http_missing_file_is_not_retried(flaky_server):
+    base, handler = flaky_server
+    storage = Storage(f"{base}/ds", retry=FAST_RETRY)
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("absent.tar")
+    assert handler.requests["/ds/absent.tar"] == 1
+
+
+def test_retry_call_backs_off_exponentially_within_bounds():
+    calls, waits = [], []
+    policy = RetryPolicy(attempts=6, initial_delay=0.5, max_delay=2.0, multiplier=2.0, jitter=0.5)
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 6:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return "ok"
+
+    assert retry_call(flaky, url="mem://x", what="read", policy=policy, sleep=waits.append,
+                      rng=random.Random(1)) == "ok"
+    caps = [0.5, 1.0, 2.0, 2.0, 2.0]
+    assert len(waits) == 5 and all(cap / 2 <= w <= cap for w, cap in zip(waits, caps))
+
+
+def test_retry_call_does_not_retry_permanent_errors():
+    calls = []
+
+    def denied() -> None:
+        calls.append(1)
+        raise PermissionError(errno.EACCES, "Access Denied")
+
+    with pytest.raises(StorageError, match=r"write s3://b/x failed: PermissionError"):
+        retry_call(denied, url="s3://b/x", what="write", policy=FAST_RETRY, sleep=lambda _: None)
+    assert len(calls) == 1
+
+
+def client_error(code: str, status: int):
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": f"{code} happened"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+
+@pytest.mark.parametrize(("code", "status", "transient"), [
+    ("SlowDown", 503, True),
+    ("ServiceUnavailable", 503, True),
+    ("InternalError", 500, True),
+    ("ThrottlingException", 400, True),
+    ("NoSuchKey", 404, False),
+    ("404", 404, False),
+    ("AccessDenied", 403, False),
+])
+def test_is_transient_on_botocore_client_errors(code, status, transient):
+    err = client_error(code, status)
+    assert is_transient(err) is transient
+    # s3fs re-raises botocore errors as OSError chained to the original: the chain is followed.
+    try:
+        raise OSError(errno.EIO, "s3 request failed") from err
+    except OSError as wrapped:
+        assert is_transient(wrapped) is transient
+
+
+def test_is_transient_on_other_errors():
+    assert is_transient(ConnectionResetError(errno.ECONNRESET, "reset"))
+    assert is_transient(TimeoutError("read timed out"))
+    assert is_transient(OSError(errno.ETIMEDOUT, "timed out"))
+    assert not is_transient(FileNotFoundError("gone"))
+    assert not is_transient(ValueError("bad shard-000503.tar"))  # a number inside a name is not a status
+    assert not is_transient(OSError(errno.ENOSPC, "No space left on device"))
+
+
+@pytest.mark.s3
+def test_real_s3_missing_key_is_permanent(s3_bucket):
+    import boto3
+
+    url, options = s3_bucket
+    bucket = url.split("/")[2]
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"], region_name="us-east-1")
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError) as info:
+        client.get_object(Bucket=bucket, Key="data/missing.tar")
+    assert not is_transient(info.value)
+
+
+def test_sees_changes_made_by_another_writer(backend):
+    """Listing and stat results are never served from a stale cache (s3fs keeps directory listings)."""
+    url, options = backend
+    mine, theirs = Storage(url, options), Storage(url, options)  # S3: separate s3fs instances and caches
+    mine.write_bytes("one.tar", b"1")
+    assert mine.list_names() == ["one.tar"] and not mine.exists("two.tar")
+    theirs.write_bytes("two.tar", b"222")
+    assert mine.list_names() == ["one.tar", "two.tar"]
+    assert mine.exists("two.tar") and mine.size("two.tar") == 3
+    theirs.delete("one.tar")
+    assert not mine.exists("one.tar") and mine.list_names() == ["two.tar"]
+
+
+def test_passwords_in_urls_never_reach_messages(flaky_server):
+    from shardkit.storage import redact_url
+
+    assert redact_url("s3://AKID:topsecret@bucket/p") == "s3://***@bucket/p"
+    assert redact_url("s3://bucket/a@b") == "s3://bucket/a@b"  # an @ inside a key is not user-info
+    base, handler = flaky_server
+    handler.files["/ds/s.tar"] = b"x"
+    handler.failures["/ds/s.tar"] = 1000
+    url = base.replace("http://", "http://reader:hunter2pw@") + "/ds"
+    storage = Storage(url, retry=FAST_RETRY)
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes("s.tar")
+    for text in (str(info.value), repr(storage), storage.url_of("s.tar")):
+        assert "hunter2pw" not in text
+    assert "***@127.0.0.1" in str(info.value)
