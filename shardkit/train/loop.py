@@ -71,7 +71,11 @@ def build(config: TrainConfig) -> Run:
     manifest = check_dataset(config.data.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
         check_dataset(config.data.eval_data, seq_len=manifest.seq_len, what="--eval_data")
-    model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or manifest.tokenizer.vocab_size,
+    vocab = manifest.tokenizer.vocab_size
+    if config.model.vocab_size is not None and config.model.vocab_size < vocab:
+        raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
+                         f"vocabulary ({vocab}); leave it unset or raise it (e.g. padded to a multiple of 64)")
+    model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
     config = dataclasses.replace(config, model=model_config)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
