@@ -93,10 +93,12 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, d
     assert checkpoints(run_dir) == ["step_00000002", "step_00000004", "step_00000006", "step_00000008"]
 
 
-@pytest.mark.parametrize("source, parallel, nproc, batch_size", [
-    ("fsdp", "fsdp", 1, 12), ("fsdp", "fsdp", 3, 4), ("ddp", "fsdp", 2, 6), ("fsdp", "ddp", 2, 6),
-], ids=["fsdp2-to-fsdp1", "fsdp2-to-fsdp3", "ddp-to-fsdp", "fsdp-to-ddp"])
-def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, source, parallel, nproc, batch_size):
+@pytest.mark.parametrize("source, parallel, nproc, batch_size, extra", [
+    ("fsdp", "fsdp", 1, 12, ()), ("fsdp", "fsdp", 3, 4, ()), ("ddp", "fsdp", 2, 6, ("--async_save",)),
+    ("fsdp", "ddp", 2, 6, ()), ("fsdp", "hsdp", 2, 6, ("--shard_size", "1")),
+], ids=["fsdp2-to-fsdp1", "fsdp2-to-fsdp3", "ddp-to-fsdp-async", "fsdp-to-ddp", "fsdp-to-hsdp"])
+def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, source, parallel, nproc, batch_size,
+                                                 extra):
     """A checkpoint resumes at another world size or parallel mode. The global batch stays 12
     samples, so the resumed steps see the same samples and give the same losses up to float
     rounding (the reduction order changes with the world size)."""
@@ -104,10 +106,11 @@ def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, sour
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
-    result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size))
+    result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size, extra=extra))
     assert "resharded" in result.stderr + result.stdout or nproc == 2
     resumed, expected = losses(run_dir), losses(ref)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
         assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
     assert sample_ids(run_dir) == {step: ids for step, ids in sample_ids(ref).items() if step > 4}
+    assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]  # the final save completed (async too)

@@ -96,3 +96,26 @@ def test_resume_refuses_another_model(tmp_path, datasets, capsys):
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="shardkit.json not found"):
         run_training(tmp_path / "run", str(tmp_path / "nowhere"))
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, datasets):
+    data, _ = datasets
+    run_training(tmp_path / "plain", data, steps=4)
+    run_training(tmp_path / "recompute", data, steps=4, activation_checkpointing=True)
+    assert losses(tmp_path / "recompute") == losses(tmp_path / "plain")
+
+
+def test_shardkit_train_command(tmp_path, datasets, capsys):
+    from shardkit.cli import main
+
+    data, _ = datasets
+    code = main(["train", "--data", data, "--steps", "3", "--warmup_steps", "1", "--batch_size", "4",
+                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--log_every", "1",
+                 "--tensorboard", "false"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "step      3/3 | loss" in out and "mfu n/a" in out
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "curves.png").exists()
+    assert main(["train", "--data", data, "--n_head", "5"]) == 2
+    assert "--d_model (64) must be divisible by --n_head (5)" in capsys.readouterr().err

@@ -19,7 +19,6 @@ uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -120,6 +119,10 @@ class Checkpointer:
         self.async_save = async_save
         self._pending: tuple[Any, Path, dict[str, Any]] | None = None
         self._async_group = None
+        if not dist.is_initialized():
+            # DCP warns on every call (also from its background thread) without a process group;
+            # one process is a supported case here, so that one message is silenced.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         if async_save and dist.is_initialized():
             # A separate gloo group: the background writer's collectives must not interleave with
             # the training's own collectives on the default group.
@@ -150,11 +153,23 @@ class Checkpointer:
             self._pending = (future, partial, meta)
             logger.info("checkpoint step %d: background save started", step)
             return
-        with _single_process_quiet():
-            dcp.save(state, checkpoint_id=str(partial))
+        dcp.save(state, checkpoint_id=str(partial))
         faults.inject_now("save", step, self.rank)
         self._finish(partial, meta)
         logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
+
+    @property
+    def saving_in_background(self) -> bool:
+        return self._pending is not None
+
+    def background_written(self) -> bool:
+        """Whether this rank's background save (if any) has finished writing; no pending save counts as
+        finished. Ranks agree on completing a save only when all report True (see the training loop)."""
+        if self._pending is None:
+            return True
+        future = self._pending[0]
+        future = future if hasattr(future, "done") else future.upload_completion
+        return future.done()
 
     def wait(self) -> None:
         """Finish a background save: wait for every rank's writes, then mark it complete."""
@@ -197,23 +212,13 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
         state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])
         logger.info("resumed from %s at step %d", path, step)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta)
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns on every call without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def _fsync_dir(path: Path) -> None:

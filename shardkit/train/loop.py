@@ -71,7 +71,11 @@ def build(config: TrainConfig) -> Run:
     manifest = check_dataset(config.data.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
         check_dataset(config.data.eval_data, seq_len=manifest.seq_len, what="--eval_data")
-    model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or manifest.tokenizer.vocab_size,
+    vocab = manifest.tokenizer.vocab_size
+    if config.model.vocab_size is not None and config.model.vocab_size < vocab:
+        raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
+                         f"vocabulary ({vocab}); leave it unset or raise it (e.g. padded to a multiple of 64)")
+    model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
     config = dataclasses.replace(config, model=model_config)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
@@ -221,14 +225,17 @@ def _train_steps(run: Run) -> int:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
-        # One all-reduce carries the loss, the data wait and whether any rank got SIGTERM/SIGINT.
-        summary = torch.stack([loss_sum / config.grad_accum,
-                               torch.tensor(data_wait, device=runtime.device, dtype=torch.float32),
-                               torch.tensor(float(bool(run.stop_signal)), device=runtime.device)])
+        # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
+        # many ranks finished writing a background checkpoint (it completes once all have).
+        flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
+        summary = torch.cat([(loss_sum / config.grad_accum).reshape(1),
+                             torch.tensor(flags, device=runtime.device, dtype=torch.float32)])
         if dist.is_initialized():
             dist.all_reduce(summary)
             summary[:2] /= runtime.world_size
-        loss_value, wait_value, stop = summary.tolist()
+        loss_value, wait_value, stop, written = summary.tolist()
+        if run.checkpointer.saving_in_background and written == runtime.world_size:
+            run.checkpointer.wait()
         step_time = time.perf_counter() - started
         if run.sample_log is not None:
             run.sample_log.log(run.step, sample_ids)
