@@ -1,0 +1,153 @@
+"""Input expansion, work units and document parsing with precise rejection reasons."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from shardkit.tools.documents import DocumentSettings, parse_unit, tokenize_unit
+from shardkit.tools.inputs import classify, expand_inputs, iter_units
+
+
+def lines(*objs):
+    return "".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs).encode()
+
+
+def parse_all(files, **kwargs):
+    out = []
+    for unit in iter_units(files, **kwargs):
+        ids, texts, rejected, n = parse_unit(unit, text_field=kwargs.get("text_field", "text"),
+                                             max_doc_chars=kwargs.get("max_doc_chars", 10_000_000))
+        out.append((unit, ids, texts, rejected, n))
+    return out
+
+
+def test_classify():
+    assert classify("a/b.JSONL.ZST") == ("jsonl", "zstd")
+    assert classify("x.jsonl.gz") == ("jsonl", "gzip")
+    assert classify("x.parquet") == ("parquet", None)
+    assert classify("x.csv") is None
+
+
+def test_expand_files_dirs_globs(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("d/b.jsonl", "d/a.txt", "d/sub/c.jsonl.zst", "d/ignored.csv", "e.jsonl"):
+        (tmp_path / name).write_bytes(b"")
+    files = expand_inputs([str(tmp_path / "e.jsonl"), str(tmp_path / "d")])
+    assert [f.url.rsplit("/", 2)[-2:] for f in files] == [[tmp_path.name, "e.jsonl"], ["d", "a.txt"], ["d", "b.jsonl"],
+                                                           ["sub", "c.jsonl.zst"]]
+    globbed = expand_inputs([str(tmp_path / "d" / "*.jsonl")])
+    assert [f.url.endswith("b.jsonl") for f in globbed] == [True]
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        expand_inputs([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError, match="unrecognised file type"):
+        expand_inputs([str(tmp_path / "d" / "ignored.csv")])
+    with pytest.raises(ValueError, match="named twice"):
+        expand_inputs([str(tmp_path / "e.jsonl"), str(tmp_path / "*.jsonl")])
+
+
+def test_jsonl_rejections_name_line_and_reason(tmp_path):
+    data = lines({"text": "good one"}, "{not json", {"body": "x"}, {"text": 5}, {"text": ""}, {"text": "   "},
+                 "", "[1, 2]", {"text": "y" * 50}, '{"text": "bad \\ud800 surrogate"}', {"text": "last good"})
+    data = data.replace(b"good one", b"good one")
+    bad_utf8 = b'{"text": "caf\xe9"}\n'
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(data + bad_utf8)
+    files = expand_inputs([str(path)])
+    (unit, ids, texts, rejected, n), = parse_all(files, max_doc_chars=20)
+    assert texts == ["good one", "last good"] and ids == [0, 10]
+    reasons = dict(rejected)
+    assert reasons[1].startswith("malformed JSON")
+    assert reasons[2].startswith("no 'text' field (fields: body)")
+    assert reasons[3] == "'text' is int, not a string"
+    assert reasons[4].startswith("empty document") and reasons[5].startswith("empty document")
+    assert reasons[6].startswith("blank line")
+    assert reasons[7] == "not a JSON object (got list)"
+    assert reasons[8].startswith("enormous document: 50 characters")
+    assert "lone surrogate" in reasons[9]
+    assert reasons[11].startswith("invalid UTF-8 at byte")
+    assert n == 12 == len(ids) + len(rejected)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+def test_compressed_units_cover_every_line(tmp_path, compression):
+    data = lines(*({"text": f"document {i} " + "w" * (i % 50)} for i in range(500)))
+    if compression == "gzip":
+        path = tmp_path / "x.jsonl.gz"
+        path.write_bytes(gzip.compress(data))
+    else:
+        path = tmp_path / "x.jsonl.zst"
+        path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    parsed = parse_all(expand_inputs([str(path)]), unit_bytes=1000)
+    assert len(parsed) > 5
+    ids = [i for p in parsed for i in p[1]]
+    assert ids == list(range(500))
+    assert [p[0].index for p in parsed] == list(range(len(parsed)))
+    # resuming at unit k gives exactly the units from k on
+    k = 3
+    again = list(iter_units(expand_inputs([str(path)]), unit_bytes=1000, start=(k, 0, k)))
+    assert [(u.index, u.first_record, u.payload) for u in again] == \
+        [(p[0].index, p[0].first_record, p[0].payload) for p in parsed[k:]]
+
+
+def test_truncated_zstd_is_a_file_error_with_partial_record(tmp_path):
+    rng = np.random.default_rng(0)
+    data = lines(*({"text": f"document {i} {rng.integers(0, 10**12, 8)}"} for i in range(20000)))
+    blob = zstandard.ZstdCompressor().compress(data)  # ~1.5 MB of text: several zstd blocks
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(blob[: len(blob) // 2])
+    parsed = parse_all(expand_inputs([str(path)]), unit_bytes=4096)
+    errors = [p[0].file_error for p in parsed if p[0].file_error]
+    assert len(errors) == 1 and "read failed after" in errors[0]
+    accepted = sum(len(p[1]) for p in parsed)
+    seen = sum(p[4] for p in parsed)
+    assert 0 < accepted < 20000 and seen == accepted + sum(len(p[3]) for p in parsed)
+
+
+def test_oversized_line_is_dropped_while_reading(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(lines({"text": "a"}, {"text": "z" * 200_000}, {"text": "b"}))
+    parsed = parse_all(expand_inputs([str(path)]), unit_bytes=4096, max_doc_chars=1000)
+    texts = [t for p in parsed for t in p[2]]
+    rejected = [r for p in parsed for r in p[3]]
+    assert texts == ["a", "b"]
+    assert rejected == [(1, rejected[0][1])] and "longer than" in rejected[0][1]
+
+
+def test_txt_modes(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text("First para\nline two\n\n  \nSecond para\n\n\nThird\n")
+    files = expand_inputs([str(path)])
+    (_, _, texts, _, _), = parse_all(files)
+    assert texts == [path.read_text()]
+    paragraphs = [t for p in parse_all(files, txt_mode="paragraph") for t in p[2]]
+    assert paragraphs == ["First para\nline two", "Second para", "Third"]
+
+
+def test_parquet_rows_and_nulls(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"content": ["alpha", None, "", "gamma"] * 50}), path, row_group_size=64)
+    parsed = parse_all(expand_inputs([str(path)]), text_field="content", unit_bytes=64 * 2048)
+    texts = [t for p in parsed for t in p[2]]
+    rejected = [r for p in parsed for r in p[3]]
+    assert texts == ["alpha", "gamma"] * 50
+    assert rejected[0] == (1, "'content' is null") and rejected[1][0] == 2 and len(rejected) == 100
+    missing = parse_all(expand_inputs([str(path)]), text_field="text")
+    assert "no column 'text'" in missing[0][0].file_error
+
+
+def test_tokenize_unit_adds_eos_and_bos(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(lines({"text": "ab"}, {"text": ""}, {"text": "c"}))
+    unit, = iter_units(expand_inputs([str(path)]))
+    result = tokenize_unit(unit, DocumentSettings(tokenizer="byte", token_dtype="uint16", eos_id=256, bos_id=257))
+    assert result.tokens.tolist() == [257, 97, 98, 256, 257, 99, 256]
+    assert result.doc_lengths.tolist() == [4, 3] and result.doc_index.tolist() == [0, 2]
+    assert result.documents_in == 3 and result.rejected[0][0] == 1
+    assert result.tokens.dtype == np.uint16

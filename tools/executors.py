@@ -1,0 +1,147 @@
+"""Executors: run `tokenize_unit` over work units in parallel and return results in unit order.
+
+Both executors keep a bounded window of units in flight (memory stays flat however large the
+corpus) and yield results strictly in submission order, so what the parent packs never depends on
+which worker finished first.
+
+- `LocalExecutor`: a pool of spawned worker processes on this machine (spawn, not fork: the parent
+  may hold threads, e.g. fsspec's event loop or tqdm's monitor).
+- `RayExecutor`: Ray tasks on a cluster (`address`), or on a local instance it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EXECUTORS = ("local", "ray")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS / Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _ordered(submit: Callable[[Any], Any], wait: Callable[[Any], Any], items: Iterable[Any],
+             window: int) -> Iterator[Any]:
+    pending: deque = deque()
+    iterator = iter(items)
+    exhausted = False
+    while True:
+        while not exhausted and len(pending) < window:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                exhausted = True
+                break
+            pending.append(submit(item))
+        if not pending:
+            return
+        yield wait(pending.popleft())
+
+
+class LocalExecutor:
+    """Worker processes on this machine.
+
+    Args:
+        workers: number of processes.
+        window: units in flight (default: 2 per worker, so no worker waits for the parent).
+    """
+
+    def __init__(self, workers: int, *, window: int | None = None, initializer: Callable | None = None,
+                 initargs: tuple = ()):
+        if workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.window = window or 2 * workers + 1
+        self.initializer = initializer
+        self.initargs = initargs
+        self._pool = None
+
+    def __enter__(self) -> LocalExecutor:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=self.initializer, initargs=self.initargs)
+        # Start every worker now (they load the tokenizer in the initializer) while the parent sets up.
+        for _ in range(self.workers):
+            self._pool.submit(int)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def map_ordered(self, fn: Callable, items: Iterable[Any], *args: Any) -> Iterator[Any]:
+        """`fn(item, *args)` for each item, in parallel, yielded in item order."""
+        if self._pool is None:
+            raise ValueError("LocalExecutor must be used as a context manager")
+        pool = self._pool
+        return _ordered(lambda item: pool.submit(fn, item, *args), lambda fut: fut.result(), items, self.window)
+
+
+class RayExecutor:
+    """Ray tasks; connects to `address` or starts a local Ray instance.
+
+    Args:
+        workers: tasks in flight at once (and CPUs of a local instance it starts).
+        address: Ray cluster address ("auto", "ray://host:10001", ...); None starts a local instance.
+    """
+
+    def __init__(self, workers: int, *, address: str | None = None, window: int | None = None):
+        if workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.address = address
+        self.window = window or 2 * workers + 1
+        self._started = False
+
+    def __enter__(self) -> RayExecutor:
+        try:
+            import ray
+        except ImportError as err:
+            raise ValueError("--executor ray needs the 'ray' package (pip install 'shardkit[ray]')") from err
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+            self._started = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._started:
+            import ray
+            ray.shutdown()
+            self._started = False
+
+    def map_ordered(self, fn: Callable, items: Iterable[Any], *args: Any) -> Iterator[Any]:
+        import ray
+
+        remote = ray.remote(num_cpus=1, max_retries=3)(fn)
+        shared = [ray.put(a) for a in args]
+        return _ordered(lambda item: remote.remote(item, *shared), ray.get, items, self.window)
+
+
+def make_executor(kind: str, workers: int | None, *, ray_address: str | None = None,
+                  initializer: Callable | None = None, initargs: tuple = ()):
+    """`LocalExecutor` or `RayExecutor` for `--executor KIND` (workers default: available cores).
+
+    `initializer(*initargs)` runs once in each local worker process (Ray tasks initialise lazily).
+    """
+    count = workers if workers is not None else available_cores()
+    if kind == "local":
+        return LocalExecutor(count, initializer=initializer, initargs=initargs)
+    if kind == "ray":
+        return RayExecutor(count, address=ray_address)
+    raise ValueError(f"--executor must be one of {EXECUTORS}, got {kind!r}")

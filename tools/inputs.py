@@ -1,0 +1,385 @@
+"""Build inputs: expand INPUT arguments into files, and cut each file into ordered work units.
+
+Recognised by name: ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` (one JSON object per line, the text in
+``--text-field``), ``.parquet`` (the ``--text-field`` column) and ``.txt``. A ``.txt`` document is the
+whole file (``--txt-mode file``, the default) or each paragraph, i.e. each run of lines separated by
+one or more blank lines (``--txt-mode paragraph``).
+
+This module runs in the parent process only: it reads and decompresses the files and hands raw
+line ranges (or Parquet column slices) to workers, which parse and tokenize them
+(`shardkit.tools.documents`). Work units depend only on the file contents and `unit_bytes`, never
+on the number of workers, so the build's output does not either.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = {".jsonl": ("jsonl", None), ".jsonl.gz": ("jsonl", "gzip"), ".jsonl.zst": ("jsonl", "zstd"),
+            ".parquet": ("parquet", None), ".txt": ("txt", None)}
+TXT_MODES = ("file", "paragraph")
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputFile:
+    """One input file: its URL (a plain path for local files), reader kind, compression and size."""
+
+    url: str
+    kind: str
+    compression: str | None
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkUnit:
+    """A slice of one input file, the unit of parallel work.
+
+    Attributes:
+        index: position in the build's unit sequence (results are consumed in this order).
+        source: index of the file in the build's input list (the manifest's `sources`).
+        file_unit: position of this unit within its file (resumption skips this many).
+        kind: "jsonl", "parquet", "txt" or "txt-paragraph".
+        first_record: index (0-based) of the first line / row / paragraph in `payload`.
+        payload: raw bytes of whole lines (jsonl, txt) or a list of column values (parquet).
+        rejected: records rejected while reading, as (record index, reason), e.g. an oversized line.
+        file_error: a read error that ended this file early (truncated, corrupt, unreadable).
+        input_offset: bytes of the (compressed) input file consumed once this unit is read.
+    """
+
+    index: int
+    source: int
+    file_unit: int
+    kind: str
+    first_record: int
+    payload: Any = b""
+    rejected: tuple[tuple[int, str], ...] = ()
+    file_error: str | None = None
+    input_offset: int = 0
+    records_in_payload: int = field(default=0)
+
+
+def classify(name: str) -> tuple[str, str | None] | None:
+    """(kind, compression) of a file name, or None when it is not a recognised input."""
+    lower = name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if lower.endswith(suffix):
+            return SUFFIXES[suffix]
+    return None
+
+
+def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocol or "local" in protocol:
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | None = None) -> list[InputFile]:
+    """Expand files, directories (recursively), globs and fsspec URLs into a deterministic file list.
+
+    Inputs keep the order they are given in; the files of one directory or glob are sorted by path.
+
+    Raises:
+        FileNotFoundError: an input matches nothing.
+        ValueError: an explicitly named file has an unrecognised suffix, or a file is named twice.
+    """
+    if not patterns:
+        raise ValueError("give at least one INPUT (file, directory, glob or URL)")
+    files: list[InputFile] = []
+    seen: dict[str, str] = {}
+    for pattern in patterns:
+        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
+        explicit = False
+        if any(c in path for c in _GLOB_CHARS):
+            matches = sorted(p for p in fs.glob(path) if not fs.isdir(p))
+        elif fs.isdir(path):
+            matches = sorted(fs.find(path))
+        elif fs.exists(path):
+            matches, explicit = [path], True
+        else:
+            raise FileNotFoundError(f"INPUT {pattern}: no such file, directory or URL")
+        chosen = []
+        for match in matches:
+            kind = classify(match)
+            if kind is None:
+                if explicit:
+                    raise ValueError(f"INPUT {pattern}: unrecognised file type (expected one of "
+                                     f"{', '.join(SUFFIXES)})")
+                logger.info("skipping %s: not a recognised input type", match)
+                continue
+            chosen.append((match, kind))
+        if not chosen:
+            raise FileNotFoundError(f"INPUT {pattern}: matches no {'/'.join(SUFFIXES)} file")
+        for match, (kind, compression) in chosen:
+            url = _display(fs, match)
+            if url in seen:
+                raise ValueError(f"INPUT {url} is named twice (by {seen[url]!r} and {pattern!r}); "
+                                 "each file may appear once")
+            seen[url] = pattern
+            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(fs.size(match))))
+    return files
+
+
+def _open_raw(url: str, storage_options: dict[str, Any] | None):
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs.open(path, "rb")
+
+
+def _decompressing(raw, compression: str | None):
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == "zstd":
+        return _ZstdStream(raw)
+    return raw
+
+
+class TruncatedInputError(EOFError):
+    """A compressed input ends in the middle of a frame."""
+
+
+class _ZstdStream:
+    """Reads concatenated zstd frames and, unlike zstandard's stream reader, raises when the input
+    ends inside a frame (a truncated download or copy would otherwise look like a shorter file)."""
+
+    def __init__(self, raw, chunk: int = 1 << 20):
+        import zstandard
+
+        self._zstd = zstandard
+        self._raw = raw
+        self._chunk = chunk
+        self._obj = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False
+        self._data = b""
+        self._pos = 0
+        self._pieces: list[bytes] = []
+
+    def read(self, size: int) -> bytes:
+        while len(self._data) - self._pos < size:
+            data = self._raw.read(self._chunk)
+            if not data:
+                if self._in_frame:
+                    raise TruncatedInputError("zstd stream ends inside a frame (file truncated)")
+                break
+            self._feed(data)
+            self._data = b"".join([self._data[self._pos:], *self._pieces])
+            self._pos = 0
+            self._pieces = []
+        out = self._data[self._pos:self._pos + size]
+        self._pos += len(out)
+        return out
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            self._in_frame = True
+            try:
+                self._pieces.append(self._obj.decompress(data))
+            except self._zstd.ZstdError as err:
+                raise ValueError(f"corrupt zstd data: {err}") from err
+            if not self._obj.eof:
+                return
+            data = self._obj.unused_data
+            self._obj = self._zstd.ZstdDecompressor().decompressobj()
+            self._in_frame = False
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+@dataclass
+class _Cursor:
+    """Where the reader is in the global unit sequence."""
+
+    next_index: int
+
+
+def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, unit_bytes: int,
+                max_line_bytes: int, storage_options: dict[str, Any] | None,
+                skip_units: int) -> Iterator[WorkUnit]:
+    """Units of whole lines (jsonl) or whole paragraphs (txt paragraph mode)."""
+    file_unit = 0
+    record = 0  # lines for jsonl, paragraphs for txt-paragraph
+    separator = b"\n" if kind == "jsonl" else b"\n\n"
+
+    def unit(**kwargs) -> WorkUnit | None:
+        nonlocal file_unit
+        file_unit += 1
+        if file_unit <= skip_units:
+            return None
+        made = WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1, kind=kind, **kwargs)
+        cursor.next_index += 1
+        return made
+
+    def count(body: bytes) -> int:
+        if kind == "jsonl":
+            return body.count(b"\n")
+        return len(_paragraphs(body))
+
+    raw = None
+    carry = b""
+    discarding = False  # inside an oversized line, dropping bytes until its end
+    try:
+        raw = _open_raw(file.url, storage_options)
+        stream = _decompressing(raw, file.compression)
+        while True:
+            block = stream.read(unit_bytes)
+            if not block:
+                break
+            if discarding:
+                cut = block.find(b"\n")
+                if cut < 0:
+                    continue
+                discarding = False
+                block = block[cut + 1:]
+            data = carry + block if carry else block
+            cut = data.rfind(separator)
+            if cut < 0:
+                carry = data
+            else:
+                body, carry = data[:cut + len(separator)], data[cut + len(separator):]
+                n = count(body)
+                made = unit(first_record=record, payload=body, input_offset=raw.tell(), records_in_payload=n)
+                record += n
+                if made is not None:
+                    yield made
+            if len(carry) > max_line_bytes and kind == "jsonl":
+                newline = carry.find(b"\n")
+                discarding = newline < 0
+                reason = f"line is longer than {max_line_bytes} bytes (raise --max-doc-chars to accept it)"
+                made = unit(first_record=record, payload=b"", rejected=((record, reason),),
+                            input_offset=raw.tell(), records_in_payload=0)
+                record += 1
+                carry = b"" if discarding else carry[newline + 1:]
+                if made is not None:
+                    yield made
+        if carry and not discarding:
+            n = count(carry if carry.endswith(b"\n") else carry + b"\n")
+            made = unit(first_record=record, payload=carry, input_offset=file.size, records_in_payload=n)
+            record += n
+            if made is not None:
+                yield made
+    except (OSError, EOFError, ValueError, RuntimeError) as err:
+        # zstandard raises ZstdError (a RuntimeError/ValueError subclass by version), gzip EOFError.
+        partial = ((record, f"incomplete record at the end of a truncated or corrupt file ({_describe(err)})"),) \
+            if carry and not discarding else ()
+        made = unit(first_record=record, payload=b"", rejected=partial, records_in_payload=0,
+                    file_error=f"read failed after {record} complete records: {_describe(err)}",
+                    input_offset=file.size)
+        if made is not None:
+            yield made
+    finally:
+        if raw is not None:
+            raw.close()
+
+
+def _paragraphs(body: bytes) -> list[bytes]:
+    """Split text into paragraphs: runs of lines separated by lines that are empty or whitespace."""
+    paragraphs, current = [], []
+    for line in body.split(b"\n"):
+        if line.strip():
+            current.append(line)
+        elif current:
+            paragraphs.append(b"\n".join(current))
+            current = []
+    if current:
+        paragraphs.append(b"\n".join(current))
+    return paragraphs
+
+
+def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes: int,
+                     storage_options: dict[str, Any] | None, skip_units: int) -> Iterator[WorkUnit]:
+    if skip_units:
+        return
+    index = cursor.next_index
+    cursor.next_index += 1
+    if file.size > max_bytes:
+        reason = f"file is {file.size} bytes, over the {max_bytes} allowed for one document (--max-doc-chars)"
+        yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
+                       rejected=((0, reason),), input_offset=file.size)
+        return
+    try:
+        with _open_raw(file.url, storage_options) as raw:
+            data = raw.read()
+    except OSError as err:
+        yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
+                       file_error=f"read failed: {_describe(err)}", input_offset=file.size)
+        return
+    yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0, payload=data,
+                   input_offset=file.size, records_in_payload=1)
+
+
+def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field: str, rows_per_unit: int,
+                   storage_options: dict[str, Any] | None, skip_units: int) -> Iterator[WorkUnit]:
+    import pyarrow.parquet as pq
+
+    file_unit = 0
+    record = 0
+    try:
+        with _open_raw(file.url, storage_options) as raw:
+            parquet = pq.ParquetFile(raw)
+            if text_field not in parquet.schema_arrow.names:
+                raise ValueError(f"no column {text_field!r} (columns: {', '.join(parquet.schema_arrow.names)}); "
+                                 "choose one with --text-field")
+            for batch in parquet.iter_batches(batch_size=rows_per_unit, columns=[text_field]):
+                rows = batch.num_rows
+                file_unit += 1
+                if file_unit > skip_units:
+                    yield WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1, kind="parquet",
+                                   first_record=record, payload=batch.column(0),
+                                   input_offset=min(file.size, raw.tell()), records_in_payload=rows)
+                    cursor.next_index += 1
+                record += rows
+    except (OSError, ValueError, RuntimeError) as err:
+        file_unit += 1
+        if file_unit > skip_units:
+            yield WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1, kind="parquet",
+                           first_record=record, file_error=f"read failed after {record} rows: {_describe(err)}",
+                           input_offset=file.size)
+            cursor.next_index += 1
+
+
+def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode: str = "file",
+               unit_bytes: int = 1 << 20, max_doc_chars: int = 10_000_000,
+               storage_options: dict[str, Any] | None = None,
+               start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[WorkUnit]:
+    """Yield the work units of `files`, in order.
+
+    Args:
+        files: from `expand_inputs`.
+        text_field: JSON key / Parquet column holding the text.
+        txt_mode: "file" (a .txt file is one document) or "paragraph".
+        unit_bytes: approximate decompressed bytes per unit (a unit always ends at a record boundary).
+        max_doc_chars: documents longer than this are rejected; lines far longer are dropped while reading.
+        storage_options: fsspec options for remote inputs.
+        start: (unit index, file index, units to skip in that file) to resume from.
+    """
+    if txt_mode not in TXT_MODES:
+        raise ValueError(f"--txt-mode must be one of {TXT_MODES}, got {txt_mode!r}")
+    first_index, first_file, skip = start
+    cursor = _Cursor(first_index)
+    # A JSON line can spend up to 6 bytes per character (\uXXXX escapes) plus its other fields.
+    max_line_bytes = 6 * max_doc_chars + (1 << 16)
+    rows_per_unit = max(64, unit_bytes // 2048)
+    for source in range(first_file, len(files)):
+        file = files[source]
+        skip_units = skip if source == first_file else 0
+        if file.kind == "jsonl" or (file.kind == "txt" and txt_mode == "paragraph"):
+            kind = "jsonl" if file.kind == "jsonl" else "txt-paragraph"
+            yield from _line_units(file, source, cursor, kind=kind, unit_bytes=unit_bytes,
+                                   max_line_bytes=max_line_bytes, storage_options=storage_options,
+                                   skip_units=skip_units)
+        elif file.kind == "txt":
+            yield from _whole_file_unit(file, source, cursor, max_bytes=4 * max_doc_chars,
+                                        storage_options=storage_options, skip_units=skip_units)
+        else:
+            yield from _parquet_units(file, source, cursor, text_field=text_field, rows_per_unit=rows_per_unit,
+                                      storage_options=storage_options, skip_units=skip_units)

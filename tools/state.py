@@ -1,0 +1,143 @@
+"""Build state in the output: the resume checkpoint, and the check that the output is ours to write.
+
+The checkpoint `_build/checkpoint.npz` is rewritten (atomically) after every shard. It holds the
+build's fingerprint, the shards written so far, and the state at the start of the work unit that
+was being packed when the last shard was finished: unit position, packer state, counters and
+samples emitted before that unit. Resuming restores that state, re-tokenizes from that unit (at
+most one unit of repeated work) and drops the samples that are already in written shards; packing
+is deterministic, so the regenerated stream is the one an uninterrupted build produces.
+Arrays are stored with numpy's npz format and read with `allow_pickle=False`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from shardkit.manifest import MANIFEST_NAME, Manifest, ManifestError, ShardInfo, load_manifest
+from shardkit.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR = "_build"
+CHECKPOINT_NAME = f"{STATE_DIR}/checkpoint.npz"
+REPORT_NAME = "build_report.json"
+CHECKPOINT_VERSION = 1
+_SHARD_PREFIX = "shard-"
+
+
+def fingerprint(build: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of everything that decides the output."""
+    return hashlib.sha256(json.dumps(build, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def save_checkpoint(storage: Storage, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Write the checkpoint atomically: JSON metadata plus named arrays in one npz."""
+    if "__meta__" in arrays:
+        raise ValueError("array name __meta__ is reserved")
+    buffer = io.BytesIO()
+    payload = {"__meta__": np.frombuffer(json.dumps({**meta, "version": CHECKPOINT_VERSION}).encode(), dtype=np.uint8)}
+    payload.update({f"a_{k}": np.ascontiguousarray(v) for k, v in arrays.items()})
+    np.savez(buffer, **payload)
+    storage.write_bytes(CHECKPOINT_NAME, buffer.getvalue())
+
+
+def load_checkpoint(storage: Storage) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """The checkpoint's (metadata, arrays), or None when there is none or it is unreadable."""
+    if not storage.exists(CHECKPOINT_NAME):
+        return None
+    try:
+        with np.load(io.BytesIO(storage.read_bytes(CHECKPOINT_NAME)), allow_pickle=False) as data:
+            meta = json.loads(bytes(data["__meta__"]).decode())
+            arrays = {k[2:]: data[k] for k in data.files if k.startswith("a_")}
+    except (ValueError, KeyError, OSError) as err:
+        logger.warning("ignoring unreadable checkpoint %s: %s", storage.url_of(CHECKPOINT_NAME), err)
+        return None
+    if meta.get("version") != CHECKPOINT_VERSION:
+        return None
+    return meta, arrays
+
+
+def shards_from_meta(meta: dict[str, Any]) -> list[ShardInfo]:
+    return [ShardInfo(**s) for s in meta["shards"]]
+
+
+def shards_to_meta(shards: list[ShardInfo]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in shards]
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if old.get(k) != new.get(k) and k not in ("fingerprint", "documents")]
+
+
+def _ours(name: str) -> bool:
+    return (name in (MANIFEST_NAME, REPORT_NAME) or name.startswith(f"{STATE_DIR}/")
+            or (name.startswith(_SHARD_PREFIX) and "/" not in name))
+
+
+def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, extra_key: str) -> str:
+    """Decide what to do with the output: "fresh", "resume" or "done".
+
+    Args:
+        storage: the output prefix.
+        build: this build's configuration (with its "fingerprint").
+        overwrite: replace whatever build is there.
+        extra_key: must also match for a checkpoint to be resumed (unit size).
+
+    Raises:
+        FileExistsError: the output holds another build's data or foreign files and not `overwrite`.
+    """
+    names = storage.list_names()
+    if not names:
+        return "fresh"
+    hint = "pass --overwrite to replace it, or choose another --output"
+    if overwrite:
+        foreign = [n for n in names if not _ours(n)]
+        for name in names:
+            if _ours(name):
+                storage.delete(name)
+        if foreign:
+            logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",
+                           len(foreign), storage.url, foreign[0])
+        return "fresh"
+    if MANIFEST_NAME in names:
+        try:
+            existing: Manifest | None = load_manifest(storage)
+        except ManifestError:
+            existing = None
+        if existing is not None and existing.build.get("fingerprint") == build["fingerprint"]:
+            return "done"
+        differ = _differences(existing.build, build) if existing is not None else ["(unreadable manifest)"]
+        raise FileExistsError(f"--output {storage.url} already holds a dataset built with a different configuration "
+                              f"(differs in: {', '.join(differ) or 'tokenizer or inputs'}); {hint}")
+    checkpoint = load_checkpoint(storage)
+    if checkpoint is not None:
+        meta = checkpoint[0]
+        if meta.get("fingerprint") == build["fingerprint"] and meta.get("extra_key") == extra_key:
+            return "resume"
+        differ = _differences(meta.get("build", {}), build) or ["unit size"]
+        raise FileExistsError(f"--output {storage.url} holds an unfinished build with a different configuration "
+                              f"(differs in: {', '.join(differ)}); {hint}")
+    raise FileExistsError(f"--output {storage.url} is not empty ({len(names)} files, e.g. {names[0]}) and holds no "
+                          f"shardkit build to resume; {hint}")
+
+
+def clear_state(storage: Storage) -> None:
+    """Remove the checkpoint once the manifest is published."""
+    storage.delete(CHECKPOINT_NAME)
+    for name in storage.list_names():
+        if ".tmp-" in name and _ours(name):  # left by writes that a kill interrupted
+            storage.delete(name)
+    if storage.is_local:
+        try:
+            os.rmdir(storage.path(STATE_DIR))
+        except OSError:
+            pass

@@ -1,0 +1,325 @@
+"""Tokenizers for the build, behind one small contract: `load_tokenizer(spec) -> Tokenizer`.
+
+A spec names the tokenizer so that it can be reloaded later (it is recorded in the manifest):
+
+- ``byte``: UTF-8 bytes (ids 0-255), ``<|endoftext|>`` = 256, ``<|bos|>`` = 257; no dependencies.
+- a path to an HF ``tokenizer.json`` or to a directory holding one (``tokenizers`` package).
+- a ``.tiktoken`` file (ranks loaded with ``tiktoken.load.load_tiktoken_bpe``; the split pattern and
+  special tokens of r50k/gpt2, cl100k or o200k are chosen from the file name, else from the vocabulary
+  size), or ``tiktoken:NAME`` (``tiktoken.get_encoding``, which honours ``TIKTOKEN_CACHE_DIR``).
+- a sentencepiece ``.model`` file.
+
+Every tokenizer encodes to numpy arrays and never adds special tokens itself: the build decides
+where EOS/BOS go (between documents), so all kinds behave the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from shardkit.manifest import TokenizerInfo
+
+logger = logging.getLogger(__name__)
+
+# Names an EOS / BOS / PAD token commonly has in HF and sentencepiece vocabularies, most specific first.
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "[BOS]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+# tiktoken encodings whose split pattern a bare .tiktoken file can use, by rank count.
+_TIKTOKEN_BY_VOCAB = {50256: "r50k_base", 100256: "cl100k_base", 199998: "o200k_base"}
+_TIKTOKEN_NAME_HINTS = (("o200k", "o200k_base"), ("cl100k", "cl100k_base"), ("p50k", "p50k_base"),
+                        ("r50k", "r50k_base"), ("gpt2", "gpt2"))
+
+
+class Tokenizer:
+    """A loaded tokenizer. Subclasses implement `_encode_many` and `decode`.
+
+    Attributes:
+        info: identity recorded in the manifest (`name` is the spec that reloads it).
+    """
+
+    info: TokenizerInfo
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no special tokens added)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text, as integer numpy arrays."""
+        return self._encode_many(list(texts))
+
+    def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+
+def _sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0-255, plus EOS (256) and BOS (257)."""
+
+    EOS = 256
+    BOS = 257
+
+    def __init__(self) -> None:
+        self.info = TokenizerInfo(kind="byte", name="byte", vocab_size=258, eos_id=self.EOS, bos_id=self.BOS,
+                                  special_ids={"<|endoftext|>": self.EOS, "<|bos|>": self.BOS})
+
+    def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint16) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+        return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A `tiktoken.Encoding`; encodes with the Rust core straight into numpy buffers."""
+
+    def __init__(self, encoding, *, name: str, vocab_sha256: str | None):
+        self.encoding = encoding
+        specials = dict(encoding._special_tokens)
+        eos = specials.get("<|endoftext|>")
+        self.info = TokenizerInfo(kind="tiktoken", name=name, vocab_size=encoding.n_vocab, eos_id=eos,
+                                  special_ids=specials, vocab_sha256=vocab_sha256)
+
+    def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        # disallowed_special=() encodes special-token text as ordinary text, like encode_ordinary,
+        # without the regex scan that the default "raise on special text" costs.
+        encode = self.encoding.encode_to_numpy
+        return [encode(t, disallowed_special=()) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode([int(i) for i in ids])
+
+
+def _tiktoken_ranks_sha256(ranks: dict[bytes, int]) -> str:
+    """SHA-256 of the ranks in .tiktoken file layout, so `tiktoken:NAME` and its file agree."""
+    digest = hashlib.sha256()
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        digest.update(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+    return digest.hexdigest()
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+def _openai_definition(encoding_name: str, ranks: dict[bytes, int]) -> dict:
+    """tiktoken's own definition (split pattern, special tokens) of an OpenAI encoding, with our ranks.
+
+    The constructors in `tiktoken_ext.openai_public` download their ranks; we run them with the
+    loader swapped for one that returns the ranks already read from the local file, so the pattern
+    and the specials are exactly tiktoken's and never copied here.
+    """
+    from tiktoken_ext import openai_public
+
+    constructor = getattr(openai_public, encoding_name)
+    with _PATCH_LOCK:
+        original = openai_public.load_tiktoken_bpe
+        openai_public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
+        try:
+            definition = constructor()
+        finally:
+            openai_public.load_tiktoken_bpe = original
+    return definition
+
+
+def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(path))
+    stem = path.name.lower()
+    encoding_name = next((name for hint, name in _TIKTOKEN_NAME_HINTS if hint in stem), None)
+    if encoding_name is None:
+        encoding_name = _TIKTOKEN_BY_VOCAB.get(len(ranks))
+    if encoding_name is None:
+        raise ValueError(f"--tokenizer {path}: cannot tell which split pattern this .tiktoken file needs "
+                         f"({len(ranks)} ranks; known: r50k/gpt2, p50k, cl100k, o200k). Name the file after "
+                         "its encoding (e.g. cl100k_base.tiktoken) or use tiktoken:NAME")
+    definition = _openai_definition(encoding_name, ranks)
+    definition["name"] = path.stem
+    encoding = tiktoken.Encoding(**definition)
+    return TiktokenTokenizer(encoding, name=str(path), vocab_sha256=_tiktoken_ranks_sha256(ranks))
+
+
+def _load_tiktoken_name(name: str) -> TiktokenTokenizer:
+    import tiktoken
+
+    try:
+        encoding = tiktoken.get_encoding(name)
+    except ValueError as err:
+        raise ValueError(f"--tokenizer tiktoken:{name}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - a failed download names the network, not tiktoken
+        raise OSError(f"--tokenizer tiktoken:{name}: tiktoken could not load its files ({type(err).__name__}: "
+                      f"{err}); offline, point TIKTOKEN_CACHE_DIR at a cache holding them, or pass the "
+                      ".tiktoken file path instead") from err
+    return TiktokenTokenizer(encoding, name=f"tiktoken:{name}",
+                             vocab_sha256=_tiktoken_ranks_sha256(encoding._mergeable_ranks))
+
+
+def _special_from_config(directory: Path) -> dict[str, str]:
+    """eos/bos/pad token strings from an HF directory's tokenizer_config.json or special_tokens_map.json."""
+    found: dict[str, str] = {}
+    for file_name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = directory / file_name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            logger.warning("ignoring %s: %s", path, err)
+            continue
+        for role in ("eos_token", "bos_token", "pad_token"):
+            value = data.get(role)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and role not in found:
+                found[role] = value
+    return found
+
+
+class HFTokenizer(Tokenizer):
+    """An HF `tokenizers.Tokenizer` loaded from tokenizer.json."""
+
+    def __init__(self, path: Path, *, spec: str, config_dir: Path | None = None):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.tokenizer = RustTokenizer.from_file(str(path))
+        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        configured = _special_from_config(config_dir) if config_dir else {}
+
+        def pick(role: str, names: tuple[str, ...]) -> int | None:
+            if role in configured:
+                token_id = self.tokenizer.token_to_id(configured[role])
+                if token_id is not None:
+                    return token_id
+            for name in names:
+                token_id = added.get(name, self.tokenizer.token_to_id(name))
+                if token_id is not None:
+                    return token_id
+            return None
+
+        self.info = TokenizerInfo(kind="hf", name=spec, vocab_size=vocab_size, eos_id=pick("eos_token", _EOS_NAMES),
+                                  bos_id=pick("bos_token", _BOS_NAMES), pad_id=pick("pad_token", _PAD_NAMES),
+                                  special_ids=added, vocab_sha256=_sha256_file(path))
+        self._dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+
+    def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._encode_batch(texts, add_special_tokens=False)
+        return [np.array(e.ids, dtype=self._dtype) for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece `.model` file."""
+
+    def __init__(self, path: Path, *, spec: str):
+        import sentencepiece
+
+        self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        size = self.processor.get_piece_size()
+
+        def known(token_id: int) -> int | None:
+            return token_id if 0 <= token_id < size else None
+
+        self.info = TokenizerInfo(kind="sentencepiece", name=spec, vocab_size=size,
+                                  eos_id=known(self.processor.eos_id()), bos_id=known(self.processor.bos_id()),
+                                  pad_id=known(self.processor.pad_id()), vocab_sha256=_sha256_file(path))
+        self._dtype = np.uint16 if size <= 2**16 else np.uint32
+
+    def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(ids, dtype=self._dtype) for ids in self.processor.encode(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.processor.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Load the tokenizer a spec names (see the module docstring for the accepted forms).
+
+    Raises:
+        ValueError: the spec names no known kind of tokenizer.
+        FileNotFoundError: the spec is a path that does not exist.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"--tokenizer must be a non-empty spec, got {spec!r}")
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.startswith("tiktoken:"):
+        return _load_tiktoken_name(spec.split(":", 1)[1])
+    path = Path(os.path.expanduser(spec))
+    if not path.exists():
+        raise FileNotFoundError(f"--tokenizer {spec}: no such file or directory (expected 'byte', 'tiktoken:NAME', "
+                                "or a path to tokenizer.json, an HF tokenizer directory, a .tiktoken or a .model file)")
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {spec}: directory has no tokenizer.json (only HF 'fast' tokenizer "
+                             "directories are supported)")
+        return HFTokenizer(path / "tokenizer.json", spec=spec, config_dir=path)
+    if path.suffix == ".tiktoken":
+        return _load_tiktoken_file(path)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path, spec=spec)
+    if path.suffix == ".json":
+        return HFTokenizer(path, spec=spec)
+    raise ValueError(f"--tokenizer {spec}: unrecognised file type {path.suffix!r} "
+                     "(expected tokenizer.json, .tiktoken or .model)")
+
+
+def train_bpe(texts: Iterable[str], *, vocab_size: int, output: str | Path | None = None,
+              special_tokens: Sequence[str] = ("<|endoftext|>",), min_frequency: int = 2):
+    """Train a byte-level BPE (HF `tokenizers`) on `texts`; save it as tokenizer.json when `output` is set.
+
+    Args:
+        texts: training documents.
+        vocab_size: final vocabulary size, specials and the 256 byte symbols included.
+        output: path of the tokenizer.json to write (parent directories are created).
+        special_tokens: added first, so `<|endoftext|>` gets id 0.
+        min_frequency: pairs seen fewer times are never merged.
+
+    Returns:
+        The trained `tokenizers.Tokenizer`.
+    """
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    minimum = 256 + len(special_tokens)
+    if vocab_size < minimum:
+        raise ValueError(f"--vocab-size must be at least {minimum} (256 bytes + {len(special_tokens)} specials), "
+                         f"got {vocab_size}")
+    tokenizer = RustTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if output is not None:
+        output = Path(output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.with_name(output.name + ".tmp")
+        tokenizer.save(str(tmp))
+        os.replace(tmp, output)
+    return tokenizer
