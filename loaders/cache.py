@@ -119,6 +119,14 @@ class ShardCache:
         self.stats = CacheStats()
         self._held_bytes = 0
         self._lock = threading.Lock()
+        self._init_handoff()
+
+    def _init_handoff(self) -> None:
+        # A shard a prefetch thread of this process has just decoded is handed to a waiting reader
+        # in memory, before its decoded file is written (one write less before the first batch).
+        self._handoff = threading.Condition()
+        self._fetching: set[str] = set()
+        self._fresh: dict[str, object] = {}
 
     @property
     def storage(self) -> Storage:
@@ -132,11 +140,14 @@ class ShardCache:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["stats"], state["_held_bytes"], state["_lock"] = CacheStats(), 0, None
+        for name in ("_handoff", "_fetching", "_fresh"):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._init_handoff()
 
     # -- paths ---------------------------------------------------------------------------------
     def path(self, index: int) -> str:
@@ -167,19 +178,32 @@ class ShardCache:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
+            fresh = None
             if os.path.exists(path):
                 self.stats.hits += 1
             else:
-                self._fetch(shard, path, block=True)
-            os.utime(path)  # mtime is the last use: eviction order is least recently used
-            reader = ShardReader.open_decoded(path, name=shard.name)
-            nbytes = os.path.getsize(path)
+                fresh = self._wait_for_fresh(path)
+                if fresh is None:
+                    self._fetch(shard, path, block=True)
+            if fresh is not None:
+                reader, nbytes = ShardReader(fresh, name=shard.name), self.decoded_size(fresh)
+            else:
+                os.utime(path)  # mtime is the last use: eviction order is least recently used
+                reader = ShardReader.open_decoded(path, name=shard.name)
+                nbytes = os.path.getsize(path)
         except BaseException:
             os.close(fd)
             raise
         with self._lock:
             self._held_bytes += nbytes
         return CachedShard(reader, fd, nbytes, self)
+
+    def _wait_for_fresh(self, path: str):
+        """Arrays of `path` if a thread of this process is fetching it (waits for its decode)."""
+        with self._handoff:
+            while path in self._fetching and path not in self._fresh:
+                self._handoff.wait()
+            return self._fresh.get(path)
 
     def _release(self, nbytes: int) -> None:
         if self._lock is not None:
@@ -200,6 +224,8 @@ class ShardCache:
     # -- downloading ---------------------------------------------------------------------------
     def _fetch(self, shard: ShardInfo, path: str, *, block: bool) -> bool:
         fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
+        with self._handoff:
+            self._fetching.add(path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
@@ -211,9 +237,16 @@ class ShardCache:
             arrays = self._download(shard)
             if not self._make_room(self.decoded_size(arrays), shard=shard, exclude=path, wait=block):
                 return False
+            with self._handoff:
+                self._fresh[path] = arrays
+                self._handoff.notify_all()
             write_decoded(path, arrays)
             return True
         finally:
+            with self._handoff:
+                self._fetching.discard(path)
+                self._fresh.pop(path, None)
+                self._handoff.notify_all()
             os.close(fd)
 
     @staticmethod
