@@ -7,8 +7,11 @@ smoothly (item j of stream s sits at (j + 1/2) / m_s). Stream s's k-th item is i
 stream's own endless sequence of epochs (each reshuffled with the stream's epoch number), so
 streams of any size can be mixed with any weights.
 
-Tolerance: in any run of n consecutive positions, stream s appears n * m_s / MIX_PERIOD times
-within +-2, and |m_s / MIX_PERIOD - weight_s / sum(weights)| <= 1 / MIX_PERIOD.
+Tolerance: with k streams, in any run of n consecutive positions stream s appears
+n * m_s / MIX_PERIOD times within +-max(1, k - 1), and |m_s / MIX_PERIOD - weight_s / sum(weights)|
+<= 1 / MIX_PERIOD. (In a prefix, stream s's count is floor(tau * m_s + 1/2) for the threshold tau
+of the smooth interleave, off by at most (1 - p_s) / 2 + p_s (k - 1) / 2 from its share; a run is
+the difference of two prefixes.)
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -64,10 +66,16 @@ def mixture_quotas(weights: Sequence[float], period: int = MIX_PERIOD) -> np.nda
 
 
 def period_labels(quotas: np.ndarray) -> np.ndarray:
-    """Stream label of each position of one period, smoothly interleaved (exact rational keys)."""
-    items = [(Fraction(2 * j + 1, 2 * int(m)), s) for s, m in enumerate(quotas) for j in range(int(m))]
-    items.sort()
-    return np.array([s for _, s in items], dtype=np.int64)
+    """Stream label of each position of one period, smoothly interleaved.
+
+    Item j of stream s sits at (2j + 1) / (2 m_s); ties go to the lower stream. Float keys order
+    these exactly: distinct keys differ by at least 1 / (2 MIX_PERIOD)^2, far above float precision,
+    and equal rationals round to the same float.
+    """
+    streams = np.repeat(np.arange(len(quotas)), quotas)
+    j = np.arange(len(streams)) - np.repeat(np.cumsum(quotas) - quotas, quotas)
+    keys = (2 * j + 1) / (2 * quotas[streams])
+    return streams[np.lexsort((streams, keys))].astype(np.int64)
 
 
 class MixtureOrder:

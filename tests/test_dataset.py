@@ -78,7 +78,7 @@ def test_mixture_follows_weights_and_resumes(tmp_path):
         ids = batch["sample_id"]
         np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), ids.numpy())
         from_b = int((ids >= 400).sum())
-        assert abs(from_b - 6) <= 2  # stated tolerance: n * 3/4 +- 2 per run of n positions
+        assert abs(from_b - 6) <= 1  # stated tolerance for two streams: n * 3/4 +- 1 per run of n positions
     ids = torch.cat([b["sample_id"] for b in batches])
     assert int((ids >= 400).sum()) == 600  # exact over the epoch (800 positions x 3/4)
     # stream b (100 samples) cycles through 6 reshuffled epochs: each cycle covers it once
