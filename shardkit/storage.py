@@ -71,6 +71,8 @@ _TRANSIENT_CLASS_NAMES = {
 _TRANSIENT_TEXT = re.compile(r"SlowDown|Service Unavailable|Internal Server Error|reset by peer"
                              r"|(?<![\w./-])(?:429|500|502|503|504)(?![\w./-])")
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.ECONNREFUSED}
+# Block size of buffered whole-object reads (see Storage.read_bytes).
+_READ_BLOCK = 16 * 2**20
 # Never retried: the answer will not change.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -260,9 +262,18 @@ class Storage:
         self._fresh(path)
         return int(self._call(lambda: self.fs.size(path), name, "stat"))
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
+        """The whole object. Pass `size` when it is known (e.g. from the manifest): on remote
+        filesystems the object is then read through one buffered file with large blocks, which
+        s3fs serves several times faster than `cat_file`, with no metadata round trip."""
         path = self.path(name)
-        return self._call(lambda: self.fs.cat_file(path), name, "read")
+        if size is None or self.is_local:
+            return self._call(lambda: self.fs.cat_file(path), name, "read")
+
+        def read_buffered() -> bytes:
+            with self.fs.open(path, "rb", block_size=_READ_BLOCK, size=size) as fh:
+                return fh.read()
+        return self._call(read_buffered, name, "read")
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         path = self.path(name)

@@ -41,7 +41,7 @@ def read_shard(storage: Storage, shard: ShardInfo, *, attempts: int = DEFAULT_AT
     url = storage.url_of(shard.name)
     reason = ""
     for attempt in range(1, attempts + 1):
-        data = storage.read_bytes(shard.name)
+        data = storage.read_bytes(shard.name, size=shard.compressed_bytes)
         try:
             check_shard_bytes(data, shard=url, sha256=shard.sha256, size=shard.compressed_bytes)
             return data
