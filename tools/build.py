@@ -23,11 +23,11 @@ from shardkit.manifest import Manifest, ShardInfo, load_manifest, token_dtype_fo
 from shardkit.storage import Storage
 from shardkit.tools import state as build_state
 from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
+from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
 from shardkit.tools.executors import EXECUTORS, available_cores, make_executor
 from shardkit.tools.inputs import TXT_MODES, expand_inputs, iter_units
 from shardkit.tools.packing import PACKING_MODES, make_packer
 from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
-from shardkit.tools.tokenizers import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -204,15 +204,17 @@ def run_build(config: BuildConfig) -> BuildResult:
     """
     began = time.perf_counter()
     workers = config.workers or available_cores()
-    # Start the workers first: they spawn and load the tokenizer while the parent sets up.
     executor = make_executor(config.executor, workers, ray_address=config.ray_address,
                              initializer=warm_up, initargs=(config.tokenizer,))
+    if executor.forks:
+        warm_up(config.tokenizer)  # forked workers inherit the loaded tokenizer
+    # Otherwise the workers start first: they spawn and load the tokenizer while the parent sets up.
     with executor:
         return _run(config, executor, workers, began)
 
 
 def _run(config: BuildConfig, executor, workers: int, began: float) -> BuildResult:
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = worker_tokenizer(config.tokenizer)  # the cached instance when already loaded
     info = tokenizer.info
     eos = _special(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
     bos = _special(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
