@@ -147,14 +147,15 @@ class RayExecutor:
 
 
 def make_executor(kind: str, workers: int | None, *, ray_address: str | None = None,
-                  initializer: Callable | None = None, initargs: tuple = ()):
+                  initializer: Callable | None = None, initargs: tuple = (), extra_window: int = 0):
     """`LocalExecutor` or `RayExecutor` for `--executor KIND` (workers default: available cores).
 
     `initializer(*initargs)` runs once in each local worker process (Ray tasks initialise lazily).
     """
     count = workers if workers is not None else available_cores()
+    window = 2 * count + 1 + extra_window
     if kind == "local":
-        return LocalExecutor(count, initializer=initializer, initargs=initargs)
+        return LocalExecutor(count, window=window, initializer=initializer, initargs=initargs)
     if kind == "ray":
-        return RayExecutor(count, address=ray_address)
+        return RayExecutor(count, address=ray_address, window=window)
     raise ValueError(f"--executor must be one of {EXECUTORS}, got {kind!r}")
