@@ -186,7 +186,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         storage, manifest = _open(args, "inspect")
     except (ValueError, OSError) as err:
         return _fail("inspect", str(err))
-    info = describe(manifest, storage.url, shards=args.shards)
+    info = describe(manifest, storage.display_url, shards=args.shards)
     print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_table(info))
     return 0
 
@@ -216,11 +216,11 @@ def run_verify(args: argparse.Namespace) -> int:
     totals = manifest.totals()
     if not problems:
         print(f"OK: {totals['shards']:,} shards, {totals['samples']:,} samples, {totals['tokens']:,} tokens "
-              f"match the manifest of {storage.url}")
+              f"match the manifest of {storage.display_url}")
         return 0
     for problem in problems:
         print(f"BAD {problem.shard}: {problem.reason}")
-    print(f"FAILED: {len(problems):,} of {totals['shards']:,} shards of {storage.url} are bad", file=sys.stderr)
+    print(f"FAILED: {len(problems):,} of {totals['shards']:,} shards of {storage.display_url} are bad", file=sys.stderr)
     return 1
 
 

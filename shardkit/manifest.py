@@ -145,13 +145,28 @@ class Manifest:
             raise ManifestError(f"token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
         if self.packing not in PACKING_MODES:
             raise ManifestError(f"packing must be one of {PACKING_MODES}, got {self.packing!r}")
-        if self.seq_len is not None and self.seq_len <= 0:
-            raise ManifestError(f"seq_len must be positive or 'variable', got {self.seq_len}")
+        for label in ("seq_len", "max_sample_tokens"):
+            value = getattr(self, label)
+            # bool is an int subclass, and a float would be silently truncated by int(): both are errors.
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ManifestError(f"{label} must be a positive integer{' or variable' if label == 'seq_len' else ''}, "
+                                    f"got {value!r}")
         if self.tokenizer.vocab_size > 2**16 and self.token_dtype == "uint16":
             raise ManifestError(f"vocab_size {self.tokenizer.vocab_size} needs uint32 token ids, manifest says uint16")
         if not self.shardkit_version:
             from shardkit import __version__
             object.__setattr__(self, "shardkit_version", __version__)
+        # JSON gives lists and dicts of anything: check shapes here so a malformed manifest fails with
+        # a ManifestError naming the field (a string `sources` would otherwise become its characters).
+        if not isinstance(self.tokenizer, TokenizerInfo):
+            raise ManifestError(f"tokenizer must be a TokenizerInfo, got {type(self.tokenizer).__name__}")
+        if isinstance(self.shards, (str, bytes, dict)) or not all(isinstance(s, ShardInfo) for s in self.shards):
+            raise ManifestError("shards must be a list of shard entries")
+        if isinstance(self.sources, (str, bytes, dict)) or not all(isinstance(s, str) for s in self.sources):
+            raise ManifestError(f"sources must be a list of strings, got {self.sources!r:.80}")
+        for label in ("compression", "build"):
+            if not isinstance(getattr(self, label), dict):
+                raise ManifestError(f"{label} must be a JSON object, got {getattr(self, label)!r:.80}")
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "sources", tuple(self.sources))
         if self.max_sample_tokens is None and self.seq_len is not None:
@@ -228,13 +243,13 @@ class Manifest:
                 shardkit_version=data.get("shardkit_version", ""),
                 shard_format=data["shard_format"],
                 token_dtype=data["token_dtype"],
-                seq_len=None if seq_len == "variable" else int(seq_len),
+                seq_len=None if seq_len == "variable" else seq_len,
                 max_sample_tokens=data.get("max_sample_tokens"),
                 packing=data["packing"],
                 tokenizer=TokenizerInfo(**data["tokenizer"]),
                 compression=data.get("compression", {"codec": "zstd"}),
                 shards=shards,
-                sources=tuple(data.get("sources", ())),
+                sources=data.get("sources", ()),
                 build=data.get("build", {}),
             )
         except ManifestError as err:
@@ -263,7 +278,7 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
     try:
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.url}: {MANIFEST_NAME} not found "
+        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
                             "(was the build interrupted before it finished?)") from err
     return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
 

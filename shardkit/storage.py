@@ -141,7 +141,7 @@ def is_transient(exc: BaseException) -> bool:
 
 def describe_error(exc: BaseException) -> str:
     """A one-line cause, without credentials (only exception types and messages)."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return redact_url(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
 
 
 def retry_call(
@@ -178,6 +178,14 @@ def retry_call(
             sleep(delay)
 
 
+_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
+
+
+def redact_url(url: str) -> str:
+    """`url` (or any text holding URLs) with user-info parts masked (`s3://key:secret@bucket` -> `s3://***@bucket`)."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
@@ -206,8 +214,13 @@ class Storage:
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)
 
+    @property
+    def display_url(self) -> str:
+        """The URL for messages: a password in its user-info part (`https://user:pw@host/`) is masked."""
+        return redact_url(self.url)
+
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"Storage({self.url!r})"
+        return f"Storage({self.display_url!r})"
 
     # -- names -------------------------------------------------------------------------------
     def path(self, name: str) -> str:
@@ -218,18 +231,27 @@ class Storage:
     def url_of(self, name: str) -> str:
         """Full URL of `name`, for messages."""
         check_relative_name(name, what="object name")
-        return f"{self.url.rstrip('/')}/{name}" if not self.url.endswith("://") else f"{self.url}{name}"
+        url = self.display_url
+        return f"{url.rstrip('/')}/{name}" if not url.endswith("://") else f"{url}{name}"
 
     def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
         return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
 
     # -- reads -------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        # Object-store filesystems (s3fs, gcsfs) answer stat and listing calls from cached directory
+        # listings, which never see what another process or instance wrote or deleted since. A
+        # dataset prefix is shared by writers and readers, so always ask the store.
+        self.fs.invalidate_cache(path)
+
     def exists(self, name: str) -> bool:
         path = self.path(name)
+        self._fresh(path)
         return self._call(lambda: self.fs.exists(path), name, "stat")
 
     def size(self, name: str) -> int:
         path = self.path(name)
+        self._fresh(path)
         return int(self._call(lambda: self.fs.size(path), name, "stat"))
 
     def read_bytes(self, name: str) -> bytes:
@@ -243,10 +265,11 @@ class Storage:
     def list_names(self) -> list[str]:
         """Names of all files under the prefix, relative to it, sorted."""
         def walk() -> list[str]:
+            self.fs.invalidate_cache(self.root)
             if not self.fs.exists(self.root):
                 return []
             return self.fs.find(self.root)
-        paths = retry_call(walk, url=self.url, what="list", policy=self.retry)
+        paths = retry_call(walk, url=self.display_url, what="list", policy=self.retry)
         prefix = f"{self.root.rstrip('/')}/" if self.root else ""
         names = []
         for path in paths:
@@ -292,6 +315,7 @@ class Storage:
     def delete(self, name: str) -> None:
         path = self.path(name)
         def remove() -> None:
+            self._fresh(path)
             if self.fs.exists(path):
                 self.fs.rm_file(path)
         self._call(remove, name, "delete")

@@ -60,3 +60,15 @@ def s3_bucket(s3_endpoint):
     # boto3, not s3fs.mkdir: s3fs sends LocationConstraint=us-east-1, which S3 (and moto) reject.
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/data", options
+
+
+@pytest.fixture(scope="session")
+def process_pool():
+    """Eight long-lived spawned processes for multi-process loader tests (see tests/procpool.py)."""
+    from procpool import ProcessPool
+
+    pool = ProcessPool(8)
+    try:
+        yield pool
+    finally:
+        pool.close()

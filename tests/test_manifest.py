@@ -83,7 +83,11 @@ def test_token_dtype_for_vocab_boundaries():
     ({"token_dtype": "int8"}, "token_dtype must be one of"),
     ({"shard_format": "zip"}, "shard_format must be one of"),
     ({"packing": "random"}, "packing must be one of"),
-    ({"seq_len": 0}, "seq_len must be positive"),
+    ({"seq_len": 0}, "seq_len must be a positive integer or variable, got 0"),
+    ({"seq_len": 2048.5}, "seq_len must be a positive integer or variable, got 2048.5"),
+    ({"seq_len": "2048"}, "seq_len must be a positive integer"),
+    ({"seq_len": True}, "seq_len must be a positive integer"),
+    ({"max_sample_tokens": -3}, "max_sample_tokens must be a positive integer, got -3"),
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"token_dtype": "uint16", "tokenizer": TokenizerInfo(kind="hf", name="big", vocab_size=200_000)}, "needs uint32"),
 ])
@@ -276,3 +280,21 @@ def test_manifest_killed_mid_write_is_old_or_new_never_partial(tmp_path):
                 child.kill()
         loaded = load_manifest(url)  # parses completely: old or new, never a torn file
         assert loaded.num_samples == 20000 and isinstance(loaded.build["version"], int)
+
+
+def test_json_seq_len_is_never_silently_truncated():
+    with pytest.raises(ManifestError, match="seq_len must be a positive integer or variable, got 2048.5"):
+        Manifest.from_dict(manifest_dict(seq_len=2048.5))
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"compression": "zstd"}, "compression must be a JSON object"),
+    ({"build": [1]}, "build must be a JSON object"),
+    ({"sources": "abc"}, "sources must be a list of strings"),
+    ({"sources": [1, 2]}, "sources must be a list of strings"),
+    ({"shards": {"a": 1}}, "malformed manifest|shards must be a list"),
+    ({"tokenizer": "x"}, "malformed manifest"),
+])
+def test_wrongly_shaped_json_fields_are_manifest_errors(changes, match):
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_dict(manifest_dict(**changes))

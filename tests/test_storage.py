@@ -334,3 +334,33 @@ def test_real_s3_missing_key_is_permanent(s3_bucket):
     with pytest.raises(ClientError) as info:
         client.get_object(Bucket=bucket, Key="data/missing.tar")
     assert not is_transient(info.value)
+
+
+def test_sees_changes_made_by_another_writer(backend):
+    """Listing and stat results are never served from a stale cache (s3fs keeps directory listings)."""
+    url, options = backend
+    mine, theirs = Storage(url, options), Storage(url, options)  # S3: separate s3fs instances and caches
+    mine.write_bytes("one.tar", b"1")
+    assert mine.list_names() == ["one.tar"] and not mine.exists("two.tar")
+    theirs.write_bytes("two.tar", b"222")
+    assert mine.list_names() == ["one.tar", "two.tar"]
+    assert mine.exists("two.tar") and mine.size("two.tar") == 3
+    theirs.delete("one.tar")
+    assert not mine.exists("one.tar") and mine.list_names() == ["two.tar"]
+
+
+def test_passwords_in_urls_never_reach_messages(flaky_server):
+    from shardkit.storage import redact_url
+
+    assert redact_url("s3://AKID:topsecret@bucket/p") == "s3://***@bucket/p"
+    assert redact_url("s3://bucket/a@b") == "s3://bucket/a@b"  # an @ inside a key is not user-info
+    base, handler = flaky_server
+    handler.files["/ds/s.tar"] = b"x"
+    handler.failures["/ds/s.tar"] = 1000
+    url = base.replace("http://", "http://reader:hunter2pw@") + "/ds"
+    storage = Storage(url, retry=FAST_RETRY)
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes("s.tar")
+    for text in (str(info.value), repr(storage), storage.url_of("s.tar")):
+        assert "hunter2pw" not in text
+    assert "***@127.0.0.1" in str(info.value)

@@ -8,8 +8,10 @@ Schema (one row per sample; the doc columns exist only when document boundaries 
     doc_index   list<int64>                    document index within that source
 
 Record batches hold about `BATCH_RAW_BYTES` of uncompressed data each, so reading one sample
-decompresses ~1 MiB, not the whole shard. `raw_bytes` for an arrow shard is the sum of
-`RecordBatch.nbytes` (uncompressed buffer sizes) over its batches. Any Arrow reader opens it:
+decompresses ~1 MiB, not the whole shard. `raw_bytes` for an arrow shard is, summed over batches
+and columns, 4 bytes per row (the list offsets) plus the bytes of the column's values
+(`batch_raw_bytes`; pyarrow's `RecordBatch.nbytes` gives the same figure today, but the definition
+is ours so that it cannot move with pyarrow versions). Any Arrow reader opens it:
 `pyarrow.ipc.open_file(path)`.
 """
 
@@ -37,6 +39,16 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
+def batch_raw_bytes(batch: pa.RecordBatch) -> int:
+    """4 bytes per row per column plus the column's value bytes (the manifest's `raw_bytes` unit)."""
+    total = 0
+    for column in batch.columns:
+        offsets = column.offsets
+        values = offsets[len(column)].as_py() - offsets[0].as_py() if len(column) else 0
+        total += 4 * len(column) + values * column.type.value_type.byte_width
+    return total
+
+
 def samples_per_batch(arrays: ShardArrays) -> int:
     if arrays.num_samples == 0:
         return 1
@@ -61,7 +73,7 @@ def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int) -> tuple[
                 doc_offsets = arrays.doc_offsets[lo:hi + 1] - d0
                 columns += [_list_array(doc_offsets, a[d0:d1]) for a in (arrays.doc_starts, arrays.doc_source, arrays.doc_index)]
             batch = pa.record_batch(columns, schema=schema)
-            raw += batch.nbytes
+            raw += batch_raw_bytes(batch)
             writer.write_batch(batch)
     return sink.getvalue().to_pybytes(), raw
 
@@ -89,7 +101,7 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
     try:
         for b in range(reader.num_record_batches):
             batch = reader.get_batch(b)
-            seen_raw += batch.nbytes
+            seen_raw += batch_raw_bytes(batch)
             if seen_raw > raw_bytes:
                 raise CorruptShardError(shard, f"decompresses past the {raw_bytes} raw bytes the manifest allows")
             if any(batch.column(i).null_count for i in range(batch.num_columns)):

@@ -80,13 +80,21 @@ class ShardReader:
         return self.arrays.sample(self._check_index(i))
 
     def gather(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Tokens of several fixed-length samples as one [k, length] array (one vectorised copy)."""
+        """Tokens of several fixed-length samples as one [k, length] array (one vectorised copy).
+
+        Indices follow numpy rules like `tokens(i)`: -n <= i < n. This is the loader's hot path, so
+        numpy's own bounds check does the work (explicit min/max reductions cost as much as the copy).
+
+        Raises:
+            IndexError: an index outside the shard (the message names the shard).
+            ValueError: the shard holds variable-length samples.
+        """
         if self._tokens_2d is None:
             raise ValueError(f"shard {self.name} holds variable-length samples; use tokens(i)")
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.num_samples):
-            raise IndexError(f"sample index out of range for shard {self.name} ({self.num_samples} samples)")
-        return self._tokens_2d[idx]
+        try:
+            return self._tokens_2d[np.asarray(indices, dtype=np.int64)]
+        except IndexError as err:
+            raise IndexError(f"sample index out of range for shard {self.name} ({self.num_samples} samples): {err}") from None
 
 
 def check_counts(arrays: ShardArrays, shard: ShardInfo) -> None:

@@ -1,0 +1,303 @@
+"""The node-local shard cache, shared by every rank and worker process of a node.
+
+Layout: `<cache_dir>/<16 hex of the dataset URL's SHA-256>/<shard name>.<16 hex of its SHA-256>.skd`
+holds a shard decompressed once (`write_decoded`) and read through mmap (`ShardReader.open_decoded`).
+Naming the file after the shard's hash means a rebuilt dataset never reads stale data.
+
+Coordination uses only `flock` locks on small companion files, which the kernel releases when a
+process dies, so a crashed or SIGKILLed process can never block or poison the others:
+
+- `<file>.dl`: exclusive while one process downloads, verifies and decodes the shard. The others
+  wait on it (or, when prefetching, skip to another shard, which spreads the downloads over the
+  node's processes) and then find the finished file. Decoded files appear by atomic rename only,
+  and a downloader removes the temporary files a dead predecessor left behind.
+- `<file>.lock`: shared while a reader holds the shard open. Eviction takes it exclusive without
+  waiting, so it only ever removes shards that no live reader holds.
+
+Bytes are checked against the manifest's size and SHA-256 after each download: a mismatch gets one
+re-download, then `CorruptShardError` naming the shard. With `cache_limit`, least recently used
+unheld shards are evicted to make room; when the shards held by live readers leave no room, the
+cache waits up to `wait_timeout` seconds for readers to move on, then raises `CacheLimitError`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from shardkit.errors import CorruptShardError
+from shardkit.formats import ShardReader, check_counts, check_shard_bytes, decode_shard, write_decoded
+from shardkit.manifest import Manifest, ShardInfo
+from shardkit.names import check_relative_name
+from shardkit.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+DECODED_SUFFIX = ".skd"
+# Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
+_HEADER_BOUND = 1024
+
+
+class CacheLimitError(OSError):
+    """`cache_limit` is too small for the shards that live readers need at the same time."""
+
+
+def default_cache_dir() -> str:
+    """`$SHARDKIT_CACHE_DIR`, else a per-user directory under the system temp dir (node-local)."""
+    return os.environ.get("SHARDKIT_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"shardkit-cache-{os.getuid()}")
+
+
+def dataset_cache_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+@dataclass
+class CacheStats:
+    """What this process did to the cache (for reports and tests)."""
+
+    downloads: int = 0
+    downloaded_bytes: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class CachedShard:
+    """A shard held open for reading; `close()` lets eviction remove it again."""
+
+    def __init__(self, reader: ShardReader, lock_fd: int, nbytes: int, cache: ShardCache):
+        self.reader = reader
+        self.nbytes = nbytes
+        self._fd: int | None = lock_fd
+        self._cache = cache
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the shared lock
+            self._fd = None
+            self._cache._release(self.nbytes)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class ShardCache:
+    """Downloads, verifies, decodes and holds the shards of one dataset in a node-local directory.
+
+    Args:
+        storage: where the shards live.
+        manifest: the dataset's manifest (names, sizes, hashes).
+        cache_dir: node-local directory shared by all processes of the node.
+        cache_limit: bytes of decoded shards allowed under `cache_dir` (all datasets), None = no limit.
+        wait_timeout: seconds to wait for live readers to free room before `CacheLimitError`.
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest, cache_dir: str | None = None, *,
+                 cache_limit: int | None = None, wait_timeout: float = 60.0):
+        if cache_limit is not None and cache_limit <= 0:
+            raise ValueError(f"cache_limit must be a positive number of bytes or None, got {cache_limit}")
+        self._storage = storage
+        self._pid = os.getpid()
+        self.manifest = manifest
+        self.cache_root = os.path.abspath(cache_dir or default_cache_dir())
+        self.directory = os.path.join(self.cache_root, dataset_cache_key(storage.url))
+        self.cache_limit = cache_limit
+        self.wait_timeout = wait_timeout
+        self.stats = CacheStats()
+        self._held_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def storage(self) -> Storage:
+        # Filesystems such as s3fs refuse to run in a forked child (their event loop belongs to the
+        # parent): a DataLoader worker forked from the main process opens its own.
+        if os.getpid() != self._pid:
+            self._storage = Storage(self._storage.url, self._storage.storage_options, retry=self._storage.retry)
+            self._pid = os.getpid()
+        return self._storage
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["stats"], state["_held_bytes"], state["_lock"] = CacheStats(), 0, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- paths ---------------------------------------------------------------------------------
+    def path(self, index: int) -> str:
+        """Decoded file of shard `index` (never outside the cache directory)."""
+        shard = self.manifest.shards[index]
+        relative = check_relative_name(f"{shard.name}.{shard.sha256[:16]}{DECODED_SUFFIX}", what="shard name")
+        full = os.path.normpath(os.path.join(self.directory, relative))
+        if not full.startswith(self.directory + os.sep):
+            raise ValueError(f"shard name {shard.name!r} would leave the cache directory {self.directory}")
+        return full
+
+    def is_cached(self, index: int) -> bool:
+        return os.path.exists(self.path(index))
+
+    @staticmethod
+    def decoded_size(arrays) -> int:
+        """Size of the decoded file of `arrays` (an upper bound, exact to the header padding)."""
+        parts = (arrays.tokens, arrays.sample_offsets, arrays.doc_offsets, arrays.doc_starts, arrays.doc_source,
+                 arrays.doc_index)
+        return _HEADER_BOUND + sum(-(-a.nbytes // 64) * 64 for a in parts if a is not None)
+
+    # -- reading -------------------------------------------------------------------------------
+    def open(self, index: int) -> CachedShard:
+        """Hold shard `index` for reading, downloading it first if no process of the node has."""
+        shard = self.manifest.shards[index]
+        path = self.path(index)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.path.exists(path):
+                self.stats.hits += 1
+            else:
+                self._fetch(shard, path, block=True)
+            os.utime(path)  # mtime is the last use: eviction order is least recently used
+            reader = ShardReader.open_decoded(path, name=shard.name)
+            nbytes = os.path.getsize(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._held_bytes += nbytes
+        return CachedShard(reader, fd, nbytes, self)
+
+    def _release(self, nbytes: int) -> None:
+        if self._lock is not None:
+            with self._lock:
+                self._held_bytes -= nbytes
+
+    def prefetch(self, index: int) -> bool:
+        """Fetch shard `index` unless another process is already fetching it; True when cached."""
+        path = self.path(index)
+        if os.path.exists(path):
+            return True
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            return self._fetch(self.manifest.shards[index], path, block=False)
+        except CacheLimitError:
+            return False  # no room now: the reader will fetch it when it needs it
+
+    # -- downloading ---------------------------------------------------------------------------
+    def _fetch(self, shard: ShardInfo, path: str, *, block: bool) -> bool:
+        fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+            if os.path.exists(path):
+                return True  # another process finished it while we waited
+            self._remove_stale_temporaries(path)
+            arrays = self._download(shard)
+            if not self._make_room(self.decoded_size(arrays), shard=shard, exclude=path, wait=block):
+                return False
+            write_decoded(path, arrays)
+            return True
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _remove_stale_temporaries(path: str) -> None:
+        # Only the holder of the download lock writes temporaries for this shard, so any that
+        # exist were left by a process that died mid-write.
+        directory, prefix = os.path.dirname(path), f".{os.path.basename(path)}.tmp-"
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
+
+    def _download(self, shard: ShardInfo):
+        for attempt in (1, 2):
+            data = self.storage.read_bytes(shard.name)
+            self.stats.downloads += 1
+            self.stats.downloaded_bytes += len(data)
+            try:
+                check_shard_bytes(data, shard=shard.name, sha256=shard.sha256, size=shard.compressed_bytes)
+            except CorruptShardError as err:
+                if attempt == 2:
+                    raise CorruptShardError(shard.name, f"{err.reason}; a second download from "
+                                            f"{self.storage.url_of(shard.name)} did not match either") from err
+                logger.warning("shard %s failed its check (%s); downloading it again", shard.name, err.reason)
+                continue
+            arrays = decode_shard(data, shard_format=self.manifest.shard_format,
+                                  token_dtype=self.manifest.token_dtype, shard=shard.name, raw_bytes=shard.raw_bytes)
+            check_counts(arrays, shard)
+            return arrays
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- eviction ------------------------------------------------------------------------------
+    def _scan(self) -> list[tuple[float, int, str]]:
+        entries = []
+        for directory, _, names in os.walk(self.cache_root):
+            for name in names:
+                if name.endswith(DECODED_SUFFIX) and not name.startswith("."):
+                    full = os.path.join(directory, name)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:
+                        continue
+                    entries.append((st.st_mtime, st.st_size, full))
+        return entries
+
+    def _try_evict(self, path: str) -> bool:
+        try:
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False  # a live reader holds it
+        try:
+            os.unlink(path)
+            self.stats.evictions += 1
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _make_room(self, need: int, *, shard: ShardInfo, exclude: str, wait: bool) -> bool:
+        limit = self.cache_limit
+        if limit is None:
+            return True
+        if need > limit:
+            raise CacheLimitError(f"cache_limit={limit} bytes is smaller than one decoded shard ({shard.name}: "
+                                  f"{need} bytes); raise cache_limit")
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            entries = sorted(e for e in self._scan() if e[2] != exclude)
+            total = sum(size for _, size, _ in entries)
+            for _, size, victim in entries:
+                if total + need <= limit:
+                    break
+                if self._try_evict(victim):
+                    total -= size
+            if total + need <= limit:
+                return True
+            if not wait:
+                return False
+            own = self._held_bytes
+            if own + need > limit or time.monotonic() > deadline:
+                who = "this process alone" if own + need > limit else "live readers on this node"
+                raise CacheLimitError(
+                    f"cache_limit={limit} bytes cannot hold the working set: {who} hold {own if own + need > limit else total} "
+                    f"bytes of decoded shards in {self.cache_root} and shard {shard.name} needs {need} more. Raise "
+                    "cache_limit (a node needs about partitions_per_node x (shuffle_window / samples_per_shard + 2) "
+                    "decoded shards per open epoch) or lower shuffle_window")
+            time.sleep(0.05)

@@ -1,0 +1,147 @@
+"""`StreamingDataLoader`: a torch DataLoader over a `StreamingDataset` with exact, elastic resume.
+
+The dataset's iterator already yields whole batches, so the underlying DataLoader runs with
+`batch_size=None` and moves one batch per worker round trip. This class resolves the topology in
+the main process (after `init_process_group`), hands the start point to the dataset (and so to the
+workers it spawns), and counts the batches it hands to the training loop: `state_dict()` never
+includes batches that workers prefetched but the loop did not receive.
+
+Iterating the loader again continues where the last iteration stopped: the next epoch after a
+complete epoch, the rest of the same epoch after a `break`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from shardkit.loaders.dataset import IterationPlan, StreamingDataset, batch_to_tensors
+from shardkit.loaders.partition import dropped_in_epoch
+from shardkit.loaders.state import LoaderState
+from shardkit.loaders.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+def keep_batch(batch: Any) -> Any:
+    """Collate function of the underlying DataLoader: batches are already whole."""
+    return batch
+
+
+class StreamingDataLoader(DataLoader):
+    """DataLoader with `state_dict()` / `load_state_dict()` for a `StreamingDataset`.
+
+    Args:
+        dataset: the dataset.
+        batch_size: samples per rank per step (the global batch is world_size x batch_size).
+        num_workers: worker processes; each produces whole batches of alternate steps.
+        pin_memory, timeout, multiprocessing_context, persistent_workers, prefetch_factor: as for
+            `torch.utils.data.DataLoader`.
+    """
+
+    def __init__(self, dataset: StreamingDataset, batch_size: int, num_workers: int = 0, *, pin_memory: bool = False,
+                 timeout: float = 0, multiprocessing_context: Any = None, persistent_workers: bool = False,
+                 prefetch_factor: int | None = None):
+        if not isinstance(dataset, StreamingDataset):
+            raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        # Workers send numpy batches (pickled by value through the pipe: no shared-memory file
+        # descriptor per tensor); the main process wraps them as tensors and pins them itself.
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_batch, pin_memory=False,
+                         timeout=timeout, multiprocessing_context=multiprocessing_context,
+                         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+        self.pin_batches = pin_memory
+        self.samples_per_rank = batch_size
+        self._epoch = 0
+        self._consumed = 0  # positions of the epoch's global order handed to the training loop
+        self._num_partitions: int | None = dataset.num_partitions
+        self._topology: Topology | None = None
+        # Persistent workers continue with the next epoch by themselves only after a complete epoch.
+        self._workers_in_sync = False
+
+    # -- topology ------------------------------------------------------------------------------
+    def _resolve(self) -> Topology:
+        topology = self.dataset.resolve_topology()
+        if self._num_partitions is None:
+            self._num_partitions = self.dataset.resolve_partitions(topology)
+        self._topology = topology
+        return topology
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (every rank gets the same number)."""
+        return self.dataset.batches_per_epoch(self.samples_per_rank, self._resolve())
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # -- iteration -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        topology = self._resolve()
+        global_batch = self.samples_per_rank * topology.world_size
+        if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0:
+            self._epoch, self._consumed = self._epoch + 1, 0  # resumed exactly at an epoch's end
+        if self._iterator is not None and not self._workers_in_sync:
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        if self._iterator is None or self.num_workers == 0:
+            self.dataset.set_plan(IterationPlan(epoch=self._epoch, start=self._consumed,
+                                                batch_size=self.samples_per_rank, topology=topology,
+                                                num_partitions=self._num_partitions, numpy_batches=True))
+        if self._consumed == 0:
+            num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
+            left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=self.dataset.partial_batches)
+            logger.info("epoch %d: %d batches per rank, global batch %d, %s %d positions (partial_batches=%s)",
+                        self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left),
+                        self.dataset.partial_batches)
+        self._workers_in_sync = False
+        # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
+        # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
+        source = iter(self.dataset) if self.num_workers == 0 else super().__iter__()
+        pin = self.pin_batches and torch.cuda.is_available()
+        for arrays in source:
+            batch = batch_to_tensors(arrays)
+            if pin:
+                batch = {k: v.pin_memory() for k, v in batch.items()}
+            # Count before handing out: a state saved after receiving this batch includes it.
+            self._consumed += global_batch
+            yield batch
+        self._epoch, self._consumed = self._epoch + 1, 0
+        self._workers_in_sync = self.persistent_workers
+
+    # -- state ---------------------------------------------------------------------------------
+    def _current_state(self, num_partitions: int | None = None) -> LoaderState:
+        topology = self._topology or self._resolve()
+        ds = self.dataset
+        return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
+                           num_samples=ds.num_samples, seed=ds.seed, shuffle=ds.shuffle,
+                           num_partitions=num_partitions or self._num_partitions, block_size=ds.block_size,
+                           shuffle_window=ds.shuffle_window, partial_batches=ds.partial_batches,
+                           epoch_size=ds.epoch_size, global_batch_size=self.samples_per_rank * topology.world_size,
+                           world_size=topology.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""
+        return self._current_state().to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` output, possibly saved with another world size or batch size.
+
+        Raises:
+            ValueError: the state is malformed or its order differs (dataset, seed, partitions...).
+        """
+        saved = LoaderState.from_dict(state)
+        explicit = self.dataset.num_partitions
+        current = self._current_state(num_partitions=explicit if explicit is not None else saved.num_partitions)
+        differences = saved.differences(current)
+        if differences:
+            raise ValueError("cannot resume: the saved loader state belongs to another order ("
+                             + "; ".join(differences) + ")")
+        self._num_partitions = saved.num_partitions
+        self._epoch, self._consumed = saved.epoch, saved.samples_consumed
+        self._workers_in_sync = False

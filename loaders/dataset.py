@@ -1,0 +1,293 @@
+"""`StreamingDataset`: a torch IterableDataset that yields whole batches of this rank's share.
+
+Every decision about which sample goes where is delegated to pure functions (`order`,
+`partition`, `mixing`); this module only wires them to the node-local cache and to torch. The
+iterator produces *whole batches* so that, with DataLoader workers, one batch crosses the process
+boundary as a handful of tensors instead of `batch_size` pickled samples.
+
+The dataset is usually driven by `StreamingDataLoader`, which resolves the topology in the main
+process, tells the dataset where to start (epoch, consumed positions) and counts what the training
+loop received. Iterated on its own, it needs `batch_size` and starts each iteration at the next epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from shardkit.formats.sample import numpy_token_dtype
+from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
+from shardkit.loaders.cache import ShardCache
+from shardkit.loaders.mixing import MixtureOrder, Stream
+from shardkit.loaders.order import DEFAULT_SHUFFLE_WINDOW, EpochOrder, OrderConfig
+from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_steps
+from shardkit.loaders.topology import Topology, resolve_topology
+from shardkit.manifest import Manifest, load_manifest
+from shardkit.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SAMPLES = 2048
+_PREFETCH_THREADS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationPlan:
+    """Where the next iteration starts and who reads it (set by the loader in the main process)."""
+
+    epoch: int
+    start: int
+    batch_size: int
+    topology: Topology
+    num_partitions: int
+    numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
+
+
+class StreamingDataset(IterableDataset):
+    """Streams a shardkit dataset (or a mixture) to every rank, batch by batch.
+
+    Args:
+        source: dataset URL (any fsspec URL holding `shardkit.json`) or a list of `Stream`.
+        cache_dir: node-local cache directory shared by the node's processes
+            (default `$SHARDKIT_CACHE_DIR` or a per-user temp directory).
+        cache_limit: bytes of decoded shards the cache may hold; None = unlimited.
+        shuffle: shuffle blocks and samples (deterministically, per epoch).
+        seed: base seed of the order.
+        rank, world_size, local_rank, local_world_size: explicit topology (else resolved lazily).
+        storage_options: fsspec options (e.g. S3 endpoint); never logged.
+        process_group: data-parallel process group to take rank and world size from.
+        device_mesh, mesh_dim: or a DeviceMesh and its data-parallel dimension.
+        batch_size: samples per rank per step when iterated without `StreamingDataLoader`.
+        num_partitions: canonical partitions of the order; None = the number of nodes of the first
+            run (a resumed run takes the value from the loader state).
+        block_size: samples per shuffled block; None shuffles whole shards.
+        shuffle_window: samples shuffled together within a partition (cache needed vs quality).
+        partial_batches: "drop" the ragged end of an epoch (default) or "pad" it by repeating samples.
+        epoch_size: positions per mixture epoch (default: all samples of all streams).
+        chunk_samples: samples gathered at once (amortises per-batch overhead).
+        prefetch: download upcoming shards in background threads.
+        cache_wait: seconds to wait for room under `cache_limit` before `CacheLimitError`.
+    """
+
+    def __init__(self, source: str | Stream | Sequence[Stream], *, cache_dir: str | None = None,
+                 cache_limit: int | None = None, shuffle: bool = True, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, local_rank: int | None = None, local_world_size: int | None = None,
+                 storage_options: dict[str, Any] | None = None, process_group: Any = None, device_mesh: Any = None,
+                 mesh_dim: Any = None, batch_size: int | None = None, num_partitions: int | None = None,
+                 block_size: int | None = None, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+                 partial_batches: str = "drop", epoch_size: int | None = None,
+                 chunk_samples: int = DEFAULT_CHUNK_SAMPLES, prefetch: bool = True, cache_wait: float = 60.0):
+        super().__init__()
+        streams = [Stream(source)] if isinstance(source, str) else [source] if isinstance(source, Stream) else list(source)
+        if not streams or not all(isinstance(s, Stream) for s in streams):
+            raise TypeError("source must be a dataset URL, a Stream, or a non-empty list of Stream")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if chunk_samples < 1:
+            raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
+        self.partial_batches = check_policy(partial_batches)
+        self.streams = streams
+        self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
+                         for s in streams]
+        self.manifests: list[Manifest] = [load_manifest(st) for st in self.storages]
+        self._check_compatible()
+        first = self.manifests[0]
+        self.sample_length = first.sample_length
+        self.token_dtype = numpy_token_dtype(first.token_dtype)
+        self.has_doc_boundaries = all(sh.has_doc_boundaries for m in self.manifests for sh in m.shards)
+        tok = first.tokenizer
+        self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
+        self.caches = [ShardCache(st, m, cache_dir, cache_limit=cache_limit, wait_timeout=cache_wait)
+                       for st, m in zip(self.storages, self.manifests)]
+        self._shard_owner = [(s, i) for s, m in enumerate(self.manifests) for i in range(len(m.shards))]
+        self.table = ShardTable([sh.samples for m in self.manifests for sh in m.shards])
+        self.num_samples = sum(m.num_samples for m in self.manifests)
+        OrderConfig(shuffle=shuffle, seed=seed, num_partitions=num_partitions or 1, block_size=block_size,
+                    shuffle_window=shuffle_window)  # validates early, before any iteration
+        if epoch_size is not None and len(streams) == 1:
+            raise ValueError("epoch_size applies to mixtures of several Streams only")
+        self.shuffle, self.seed, self.block_size, self.shuffle_window = shuffle, seed, block_size, shuffle_window
+        self.num_partitions = num_partitions
+        self.epoch_size = epoch_size
+        self.batch_size = batch_size
+        self.chunk_samples = chunk_samples
+        self.prefetch = prefetch
+        self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
+                                   local_world_size=local_world_size)
+        self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
+        self._plan: IterationPlan | None = None
+        self._iterations = 0
+        self.epoch = 0
+
+    def _check_compatible(self) -> None:
+        first = self.manifests[0]
+        for stream, manifest in zip(self.streams[1:], self.manifests[1:]):
+            for attr in ("token_dtype", "sample_length"):
+                if getattr(manifest, attr) != getattr(first, attr):
+                    raise ValueError(f"stream {stream.url}: {attr}={getattr(manifest, attr)!r} differs from "
+                                     f"{self.streams[0].url} ({getattr(first, attr)!r}); streams of a mixture must agree")
+            if manifest.tokenizer.vocab_size != first.tokenizer.vocab_size or manifest.tokenizer.name != first.tokenizer.name:
+                raise ValueError(f"stream {stream.url} uses tokenizer {manifest.tokenizer.name} "
+                                 f"({manifest.tokenizer.vocab_size} ids), {self.streams[0].url} uses "
+                                 f"{first.tokenizer.name} ({first.tokenizer.vocab_size} ids)")
+
+    def __getstate__(self) -> dict:
+        # Process groups and meshes do not pickle; workers get the topology through the plan.
+        state = self.__dict__.copy()
+        state["_group_args"] = dict.fromkeys(self._group_args)
+        return state
+
+    # -- configuration -------------------------------------------------------------------------
+    def resolve_topology(self) -> Topology:
+        """Rank, world and node layout, resolved now (see `shardkit.loaders.topology`)."""
+        return resolve_topology(**self._topology_args, **self._group_args)
+
+    def resolve_partitions(self, topology: Topology) -> int:
+        return self.num_partitions if self.num_partitions is not None else topology.num_nodes
+
+    def order_config(self, num_partitions: int) -> OrderConfig:
+        return OrderConfig(shuffle=self.shuffle, seed=self.seed, num_partitions=num_partitions,
+                           block_size=self.block_size, shuffle_window=self.shuffle_window)
+
+    def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
+        """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
+        config = self.order_config(num_partitions)
+        if len(self.manifests) == 1:
+            return EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
+        return MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
+                            [s.weight for s in self.streams], config, epoch, self.epoch_size)
+
+    def fingerprint(self) -> str:
+        """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
+        content = [[[sh.name, sh.samples, sh.sha256] for sh in m.shards] for m in self.manifests]
+        weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
+        return hashlib.sha256(json.dumps([content, weights]).encode()).hexdigest()[:32]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch of the next standalone iteration (the loader manages epochs itself)."""
+        self.epoch = epoch
+        self._iterations = 0
+
+    def set_plan(self, plan: IterationPlan) -> None:
+        """Where the next iteration starts; later iterations (persistent workers) take later epochs."""
+        self._plan = plan
+        self._iterations = 0
+
+    def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0) -> int:
+        num_positions = self.num_samples if len(self.streams) == 1 else (self.epoch_size or self.num_samples)
+        return steps_in_epoch(num_positions, start=start, global_batch=batch_size * topology.world_size,
+                              policy=self.partial_batches)
+
+    def __len__(self) -> int:
+        if self.batch_size is None:
+            raise TypeError("len(StreamingDataset) needs batch_size; use len(StreamingDataLoader)")
+        return self.batches_per_epoch(self.batch_size, self.resolve_topology())
+
+    # -- iteration -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | dict[str, np.ndarray]]:
+        plan = self._plan
+        if plan is None:
+            if self.batch_size is None:
+                raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
+            topology = self.resolve_topology()
+            plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size, topology=topology,
+                                 num_partitions=self.resolve_partitions(topology))
+        offset, self._iterations = self._iterations, self._iterations + 1
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        batches = self._generate(plan.epoch + offset, plan.start if offset == 0 else 0, plan, worker, num_workers)
+        return batches if plan.numpy_batches else (batch_to_tensors(b) for b in batches)
+
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+        order = self.order(epoch, plan.num_partitions)
+        topo, batch = plan.topology, plan.batch_size
+        total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
+                               policy=self.partial_batches)
+        steps = worker_steps(total, worker=worker, num_workers=num_workers)
+        per_chunk = max(1, self.chunk_samples // batch)
+        chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
+
+        def ids_of(chunk_steps: np.ndarray) -> np.ndarray:
+            positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
+                                       world_size=topo.world_size, batch_size=batch, rank=topo.rank,
+                                       partition_of=order.partition_of)
+            return order.sample_ids(positions)
+
+        held: dict[int, Any] = {}
+        executor = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch") if self.prefetch else None
+        try:
+            upcoming = ids_of(chunks[0]) if chunks else None
+            for c in range(len(chunks)):
+                ids = upcoming
+                upcoming = ids_of(chunks[c + 1]) if c + 1 < len(chunks) else None
+                needed = self._shards_in_order(ids)
+                if executor is not None:
+                    self._prefetch(executor, needed, topo)
+                    if upcoming is not None:
+                        self._prefetch(executor, self._shards_in_order(upcoming), topo)
+                for index in needed:
+                    if index not in held:
+                        stream, local = self._shard_owner[index]
+                        held[index] = self.caches[stream].open(local)
+                keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
+                yield from self._batches(ids, held)
+                for index in [i for i in held if i not in keep]:
+                    held.pop(index).close()
+        finally:
+            for handle in held.values():
+                handle.close()
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+
+    def _shards_in_order(self, ids: np.ndarray) -> list[int]:
+        shards = np.searchsorted(self.table.ends, ids.reshape(-1), side="right")
+        uniq, first = np.unique(shards, return_index=True)
+        return [int(s) for s in uniq[np.argsort(first)]]
+
+    def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
+        # Each local rank starts with the shards it "owns", so a node's processes download
+        # different shards in parallel instead of queueing on the same lock.
+        mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
+        others = [s for s in shards if s % topo.local_world_size != topo.local_rank]
+        for index in mine + others:
+            stream, local = self._shard_owner[index]
+            if not self.caches[stream].is_cached(local):
+                executor.submit(self._prefetch_one, stream, local)
+
+    def _prefetch_one(self, stream: int, local: int) -> None:
+        try:
+            self.caches[stream].prefetch(local)
+        except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
+            logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
+
+    def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+        def reader_of(index: int):
+            return held[index].reader
+
+        if self.sample_length is not None:
+            arrays = gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
+                                  token_dtype=self.token_dtype, with_segments=self.has_doc_boundaries)
+            batch = ids.shape[1]
+            items = list(arrays.items())
+            for b in range(ids.shape[0]):
+                rows = slice(b * batch, (b + 1) * batch)
+                yield {k: v[rows] for k, v in items}
+        else:
+            for row in ids:
+                yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
+                                      pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def batch_to_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Wrap a batch's arrays as tensors without copying."""
+    return {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -1,0 +1,187 @@
+"""The global sample order of one epoch: a pure function of shard sizes, seed, epoch and partitions.
+
+The order never depends on world size, number of workers or batch size, which is what makes
+resumption on another topology continue the very same sequence.
+
+Construction (two-level shuffle, O(blocks) memory):
+
+1. The sample space (shards in manifest order, global ids 0..N-1) is cut into *blocks*: whole
+   shards by default, or `block_size` samples when set. The blocks are shuffled (seed, epoch) and
+   concatenated into one stream X of N samples.
+2. X is cut into `num_partitions` contiguous *canonical partitions* of nearly equal length. A node
+   that owns a partition therefore needs only the shards under its slice of X (about N / nodes).
+3. Inside each partition, samples are shuffled within consecutive windows of `shuffle_window`
+   samples: one window spans about `shuffle_window / shard_size + 1` shards, which is the cache a
+   partition needs (the shuffle-quality / cache-size trade-off, see docs/LOADING.md).
+4. Global position g takes partition g mod P, item g // P (round robin over partitions), and the
+   last N mod P positions take the one extra item of the first partitions: a permutation of 0..N-1.
+
+Only the block permutation (O(blocks)) and a few window permutations (O(shuffle_window)) are ever
+held in memory, so a plan over 10^10 samples costs what 10^5 shards cost.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_SHUFFLE_WINDOW = 16384
+_MAX_CACHED_WINDOWS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderConfig:
+    """What decides the order of an epoch (besides the shard sizes and the epoch number).
+
+    Attributes:
+        shuffle: shuffle blocks and samples; False gives 0..N-1 interleaved over partitions.
+        seed: non-negative base seed.
+        num_partitions: canonical partitions (usually the number of nodes of the first run).
+        block_size: samples per shuffled block; None shuffles whole shards (least download volume).
+        shuffle_window: samples shuffled together inside a partition (bounds the cache needed).
+    """
+
+    shuffle: bool = True
+    seed: int = 0
+    num_partitions: int = 1
+    block_size: int | None = None
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 or None (whole shards), got {self.block_size}")
+        if self.shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be >= 1, got {self.shuffle_window}")
+
+
+def make_blocks(shard_sizes: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks as (first global sample id, length), in sample-space order; empty shards give none."""
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else sizes
+    keep = sizes > 0
+    sizes, starts = sizes[keep], starts[keep]
+    if block_size is None:
+        return starts, sizes
+    per_shard = -(-sizes // block_size)
+    shard_of = np.repeat(np.arange(len(sizes)), per_shard)
+    first_block = np.concatenate([[0], np.cumsum(per_shard)[:-1]]) if len(sizes) else per_shard
+    k = np.arange(int(per_shard.sum()), dtype=np.int64) - np.repeat(first_block, per_shard)
+    block_starts = starts[shard_of] + k * block_size
+    block_lens = np.minimum(block_size, sizes[shard_of] - k * block_size)
+    return block_starts, block_lens
+
+
+class EpochOrder:
+    """The order of one epoch, evaluated lazily for any array of positions.
+
+    Args:
+        shard_sizes: samples per shard, in manifest order.
+        config: the order configuration.
+        epoch: epoch number (reshuffles everything).
+    """
+
+    def __init__(self, shard_sizes: Sequence[int] | np.ndarray, config: OrderConfig, epoch: int):
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.config = config
+        self.epoch = epoch
+        block_starts, block_lens = make_blocks(np.asarray(shard_sizes, dtype=np.int64), config.block_size)
+        self.num_samples = int(block_lens.sum())
+        if config.shuffle and len(block_lens) > 1:
+            perm = np.random.default_rng([config.seed, epoch, 1]).permutation(len(block_lens))
+            block_starts, block_lens = block_starts[perm], block_lens[perm]
+        self._block_sample = block_starts          # first sample id of the k-th block of X
+        self._block_end = np.cumsum(block_lens)    # end offset (in X) of the k-th block
+        self._block_begin = self._block_end - block_lens
+        p = config.num_partitions
+        self._part_len, self._extra = divmod(self.num_samples, p)
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def num_positions(self) -> int:
+        """Positions in the epoch (every sample once)."""
+        return self.num_samples
+
+    # -- structure ----------------------------------------------------------------------------
+    def partition_of(self, positions: np.ndarray) -> np.ndarray:
+        """Canonical partition of each global position."""
+        g = np.asarray(positions, dtype=np.int64)
+        p, body = self.config.num_partitions, self.config.num_partitions * self._part_len
+        return np.where(g < body, g % p, g - body)
+
+    def _partition_item(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p, body = self.config.num_partitions, self.config.num_partitions * self._part_len
+        in_body = g < body
+        part = np.where(in_body, g % p, g - body)
+        item = np.where(in_body, g // p, self._part_len)
+        return part, item
+
+    def _window_perm(self, part: int, window: int, size: int) -> np.ndarray:
+        key = (part, window)
+        perm = self._windows.get(key)
+        if perm is None:
+            rng = np.random.default_rng([self.config.seed, self.epoch, 2, part, window])
+            perm = rng.permutation(size)
+            self._windows[key] = perm
+            if len(self._windows) > _MAX_CACHED_WINDOWS:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        return perm
+
+    def stream_offsets(self, positions: np.ndarray) -> np.ndarray:
+        """Offsets into the block stream X (after the window shuffle) of each position."""
+        positions = np.asarray(positions, dtype=np.int64)
+        g = positions.reshape(-1)
+        if g.size and (g.min() < 0 or g.max() >= self.num_samples):
+            raise IndexError(f"position out of range for an epoch of {self.num_samples} samples")
+        part, item = self._partition_item(g)
+        part_start = part * self._part_len + np.minimum(part, self._extra)
+        if not self.config.shuffle or g.size == 0:
+            return (part_start + item).reshape(positions.shape)
+        part_len = self._part_len + (part < self._extra)
+        w = self.config.shuffle_window
+        window, offset = item // w, item % w
+        window_size = np.minimum(w, part_len - window * w)
+        key = part * (self._part_len // w + 2) + window
+        # Group positions by (partition, window) and apply each window's permutation at once.
+        by_key = np.argsort(key, kind="stable")
+        sorted_key = key[by_key]
+        cuts = np.flatnonzero(np.diff(sorted_key)) + 1
+        shuffled = np.empty_like(offset)
+        for group in np.split(by_key, cuts):
+            i = group[0]
+            perm = self._window_perm(int(part[i]), int(window[i]), int(window_size[i]))
+            shuffled[group] = perm[offset[group]]
+        return (part_start + window * w + shuffled).reshape(positions.shape)
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
+        """Global sample ids (indices into the manifest's sample space) at the given positions."""
+        x = self.stream_offsets(positions)
+        block = np.searchsorted(self._block_end, x, side="right")
+        return self._block_sample[block] + (x - self._block_begin[block])
+
+
+def epoch_order(shard_sizes: Sequence[int] | np.ndarray, *, seed: int = 0, epoch: int = 0, num_partitions: int = 1,
+                shuffle: bool = True, block_size: int | None = None,
+                shuffle_window: int = DEFAULT_SHUFFLE_WINDOW) -> EpochOrder:
+    """The lazily evaluated order of one epoch (see the module docstring)."""
+    config = OrderConfig(shuffle=shuffle, seed=seed, num_partitions=num_partitions, block_size=block_size,
+                         shuffle_window=shuffle_window)
+    return EpochOrder(shard_sizes, config, epoch)
+
+
+def full_order(shard_sizes: Sequence[int] | np.ndarray, **kwargs) -> np.ndarray:
+    """The whole order of one epoch as an array (small datasets and tests only: O(samples))."""
+    order = epoch_order(shard_sizes, **kwargs)
+    return order.sample_ids(np.arange(len(order), dtype=np.int64))

@@ -1,0 +1,82 @@
+"""Which global positions each rank and worker reads at each step: pure functions, no I/O.
+
+An epoch is consumed in *global steps* of `world_size * batch_size` consecutive positions of the
+global order, starting at the resume point `start`. Inside a step the positions are sorted by
+canonical partition (stable) and cut into `world_size` equal slices; ranks are numbered node by node,
+so a node's ranks take a contiguous run of partitions. When the global batch is a multiple of
+`num_partitions` and `num_partitions` a multiple of the number of nodes, every node reads only its own
+partitions (download volume per node is about dataset / nodes); otherwise the split stays exact and
+balanced, with less locality.
+
+The ragged tail of an epoch is handled by an explicit policy: "drop" (default) stops after the last
+full global step; "pad" completes the last step with positions wrapped to the start of the epoch
+(the repeated samples carry their real `sample_id`, so they can be recognised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+PARTIAL_POLICIES = ("drop", "pad")
+
+
+def check_policy(policy: str) -> str:
+    if policy not in PARTIAL_POLICIES:
+        raise ValueError(f"partial_batches must be one of {PARTIAL_POLICIES}, got {policy!r}")
+    return policy
+
+
+def steps_in_epoch(num_positions: int, *, start: int, global_batch: int, policy: str = "drop") -> int:
+    """Global steps left in an epoch of `num_positions` when `start` positions are consumed."""
+    check_policy(policy)
+    if global_batch < 1:
+        raise ValueError(f"global batch must be >= 1, got {global_batch}")
+    remaining = max(0, num_positions - start)
+    return remaining // global_batch if policy == "drop" else -(-remaining // global_batch)
+
+
+def dropped_in_epoch(num_positions: int, *, global_batch: int, policy: str = "drop") -> int:
+    """Positions of a whole epoch that the policy leaves out ("drop") or repeats ("pad", negative)."""
+    steps = steps_in_epoch(num_positions, start=0, global_batch=global_batch, policy=policy)
+    return num_positions - steps * global_batch
+
+
+def worker_steps(num_steps: int, *, worker: int, num_workers: int) -> np.ndarray:
+    """Steps (relative to the resume point) that DataLoader worker `worker` produces, round robin.
+
+    torch's DataLoader hands out worker outputs round robin in worker order, so step s must come
+    from worker s mod num_workers for the batches to arrive in step order.
+    """
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} is outside [0, {num_workers})")
+    return np.arange(worker, num_steps, num_workers, dtype=np.int64)
+
+
+def rank_positions(steps: np.ndarray, *, start: int, num_positions: int, world_size: int, batch_size: int,
+                   rank: int, partition_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Global positions [len(steps), batch_size] that `rank` reads at the given steps.
+
+    Args:
+        steps: step numbers counted from the resume point `start`.
+        start: positions of the epoch consumed before step 0.
+        num_positions: positions in the epoch; positions past it wrap (pad policy).
+        world_size: data-parallel ranks.
+        batch_size: samples per rank per step.
+        rank: this rank.
+        partition_of: maps positions to canonical partitions (the order's `partition_of`).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    global_batch = world_size * batch_size
+    steps = np.asarray(steps, dtype=np.int64)
+    positions = start + steps[:, None] * global_batch + np.arange(global_batch, dtype=np.int64)[None, :]
+    positions %= max(num_positions, 1)
+    if world_size == 1:
+        return positions
+    by_partition = np.argsort(partition_of(positions), axis=1, kind="stable")
+    mine = by_partition[:, rank * batch_size:(rank + 1) * batch_size]
+    return np.take_along_axis(positions, mine, axis=1)

@@ -1,0 +1,80 @@
+"""The loader's resume state: a small versioned dict of scalars, identical on every rank.
+
+The state is *global*: it records the epoch and how many positions of that epoch's global order
+the whole job has consumed (steps handed to the training loop x world_size x batch_size). Every
+rank holds the same dict, so torch.distributed.checkpoint may deduplicate it, and a job restarted on
+another world size, batch size or number of workers continues the same global order from that
+position (elastic resume). The remaining fields pin what the order depends on; loading a state
+into a loader whose order would differ raises `ValueError` naming every difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+STATE_VERSION = 1
+STATE_KIND = "shardkit.StreamingDataLoader"
+# Fields that must match for the resumed order to be the same order.
+ORDER_FIELDS = ("dataset", "num_samples", "seed", "shuffle", "num_partitions", "block_size", "shuffle_window",
+                "partial_batches", "epoch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderState:
+    """Resume state of a `StreamingDataLoader`.
+
+    Attributes:
+        epoch: current epoch.
+        samples_consumed: positions of this epoch's global order handed to the training loop
+            (summed over all ranks).
+        dataset: fingerprint of the data (shards and stream weights).
+        num_samples: samples in the dataset (all streams).
+        seed, shuffle, num_partitions, block_size, shuffle_window, partial_batches, epoch_size: the
+            order's parameters.
+        global_batch_size: world_size x batch_size when saved (informative: resuming with another
+            global batch continues from `samples_consumed`).
+        world_size: data-parallel ranks when saved (informative).
+    """
+
+    epoch: int
+    samples_consumed: int
+    dataset: str
+    num_samples: int
+    seed: int
+    shuffle: bool
+    num_partitions: int
+    block_size: int | None
+    shuffle_window: int
+    partial_batches: str
+    epoch_size: int | None
+    global_batch_size: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0 or self.samples_consumed < 0:
+            raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
+                             "must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LoaderState:
+        if not isinstance(data, dict):
+            raise ValueError(f"loader state must be a dict, got {type(data).__name__}")
+        if data.get("kind") != STATE_KIND:
+            raise ValueError(f"not a StreamingDataLoader state (kind={data.get('kind')!r})")
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {data.get('version')!r} is not supported "
+                             f"(this shardkit reads version {STATE_VERSION})")
+        names = {f.name for f in fields(cls)}
+        missing = sorted(names - data.keys())
+        if missing:
+            raise ValueError(f"loader state lacks {', '.join(missing)}")
+        return cls(**{k: data[k] for k in names})
+
+    def differences(self, other: LoaderState) -> list[str]:
+        """Order-relevant fields whose values differ, as 'field: saved X, now Y'."""
+        return [f"{name}: saved {getattr(self, name)!r}, now {getattr(other, name)!r}"
+                for name in ORDER_FIELDS if getattr(self, name) != getattr(other, name)]

@@ -1,0 +1,39 @@
+"""`torchrun --nproc_per_node N -m shardkit.train --data URL [--config FILE] [--key value ...]`.
+
+Parse, build, train, close. Every rank runs this; rank 0 prints and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardkit.train.options import parse_train_args
+
+    return run(parse_train_args(argv))
+
+
+def run(config) -> int:
+    """Build, train and close a run of `config` (a `TrainConfig`); returns the exit code."""
+    from shardkit.train.loop import build, close, train
+
+    rank = int(os.environ.get("RANK", "0"))
+    # This is the application's entry point, so it may configure logging: rank 0 informs, others warn.
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
+    state = None
+    try:
+        state = build(config)
+        return train(state)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        close(state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, find the newest complete one, load.
+
+Layout under the checkpoint directory:
+
+    step_00000100/            a complete checkpoint (DCP files + shardkit-checkpoint.json)
+    step_00000200.partial/    a save in progress, or one a crash interrupted: never loaded
+
+A save writes into `step_N.partial/`; once every rank's DCP files are written, rank 0 writes the
+marker `shardkit-checkpoint.json` and renames the directory to `step_N/` (one atomic rename on a
+POSIX filesystem). A crash at any moment before the rename leaves the previous checkpoint as the
+newest complete one. Model and optimizer go through `get_state_dict`, whose fully-qualified names
+do not depend on DDP or FSDP and whose FSDP tensors are DTensors, so DCP reshards on load: a
+checkpoint resumes at another world size or parallel mode.
+
+Each rank's own state (RNG, loader position) is stored under a rank-specific key `rank_R`, since
+DCP keeps one copy of keys that every rank saves. Non-tensor values are JSON strings, and loading
+uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardkit.train import faults
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = "shardkit-checkpoint.json"
+PARTIAL_SUFFIX = ".partial"
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor values are unpickled with `weights_only=True`."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def find_latest(directory: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `directory`, or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    complete = [p for p in directory.iterdir()
+                if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL_SUFFIX)
+                and (p / MARKER_NAME).is_file()]
+    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    marker = Path(path) / MARKER_NAME
+    try:
+        return json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a complete shardkit checkpoint ({MARKER_NAME} is missing: "
+                         "the save was interrupted; use an older checkpoint or --resume auto)") from None
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What `Checkpointer.load` restored besides model, optimizer and scheduler.
+
+    Attributes:
+        step: optimizer steps done when it was saved.
+        rank_state: this rank's saved state, or rank 0's when `same_topology` is False.
+        same_topology: whether it was saved at the current world size.
+        meta: the marker's metadata (world size, parallel mode, model config, ...).
+    """
+
+    step: int
+    rank_state: dict[str, Any]
+    same_topology: bool
+    meta: dict[str, Any]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    """Saves and loads the training state of every rank.
+
+    Args:
+        directory: where the checkpoints go (shared by all ranks: a shared filesystem on multi-node runs).
+        rank: this process's rank.
+        keep: number of complete checkpoints to keep.
+        async_save: write in a background thread (dcp.async_save) so training continues.
+    """
+
+    def __init__(self, directory: str | Path, *, rank: int, keep: int = 3, async_save: bool = False):
+        self.directory = Path(directory)
+        self.rank = rank
+        self.keep = keep
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, dict[str, Any]] | None = None
+        self._async_group = None
+        if async_save and dist.is_initialized():
+            # A separate gloo group: the background writer's collectives must not interleave with
+            # the training's own collectives on the default group.
+            self._async_group = dist.new_group(backend="gloo")
+
+    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             rank_state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Save the state after `step` optimizer steps (collective: every rank calls it)."""
+        self.wait()
+        final = self.directory / checkpoint_name(step)
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
+                shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
+            if final.exists():  # e.g. the final save of a run that resumed at its last step
+                shutil.rmtree(final)
+        _barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state,
+                 "scheduler": json.dumps(scheduler.state_dict()),
+                 "train": json.dumps({"step": step}),
+                 f"rank_{self.rank}": json.dumps(rank_state)}
+        meta = {**meta, "step": step}
+        started = time.perf_counter()
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
+            self._pending = (future, partial, meta)
+            logger.info("checkpoint step %d: background save started", step)
+            return
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial))
+        faults.inject_now("save", step, self.rank)
+        self._finish(partial, meta)
+        logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Finish a background save: wait for every rank's writes, then mark it complete."""
+        if self._pending is None:
+            return
+        future, partial, meta = self._pending
+        self._pending = None
+        # torch 2.13 returns a Future, or an AsyncSaveResponse when a custom stager is used.
+        (future.result() if hasattr(future, "result") else future.upload_completion.result())
+        faults.inject_now("save", meta["step"], self.rank)
+        self._finish(partial, meta)
+        logger.info("checkpoint step %d completed (background save)", meta["step"])
+
+    def _finish(self, partial: Path, meta: dict[str, Any]) -> None:
+        _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+        if self.rank == 0:
+            marker = partial / MARKER_NAME
+            with open(marker, "w") as handle:
+                json.dump(meta, handle, indent=1, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
+            os.replace(partial, final)
+            _fsync_dir(self.directory)
+            self._prune()
+        _barrier()
+
+    def _prune(self) -> None:
+        complete = sorted((p for p in self.directory.glob("step_*") if (p / MARKER_NAME).is_file()
+                           and not p.name.endswith(PARTIAL_SUFFIX)), key=lambda p: int(p.name.split("_")[1]))
+        for old in complete[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             world_size: int) -> LoadedCheckpoint:
+        """Load a complete checkpoint into model, optimizer and scheduler (collective)."""
+        path = Path(path)
+        meta = read_marker(path)
+        same_topology = meta.get("world_size") == world_size
+        model_state, optim_state = get_state_dict(model, optimizer)
+        rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
+        state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(json.loads(state["scheduler"]))
+        step = json.loads(state["train"])["step"]
+        rank_state = json.loads(state[rank_key])
+        logger.info("resumed from %s at step %d", path, step)
+        return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,112 @@
+"""The trainer's side of the data: streaming loaders for training and evaluation, batch unpacking.
+
+The loaders decide which sample each rank reads (a pure function of seed, epoch, world size and
+position, see `shardkit.loaders`); the trainer only passes the rank layout, iterates epochs one
+after another, and keeps the loader's state in its checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkit.manifest import Manifest, load_manifest
+from shardkit.train.config import DataConfig
+from shardkit.train.parallel import Runtime
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device: inputs, next-token targets, segment ids (or None), sample ids."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    segment_ids: torch.Tensor | None
+    sample_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.targets.numel()
+
+
+def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
+    """Split a loader batch (`tokens` [B, seq_len + 1]) into inputs and shifted targets on `device`."""
+    tokens = batch["tokens"].to(device, non_blocking=True).long()
+    segments = batch.get("segment_ids")
+    if segments is not None:
+        segments = segments[:, :-1].to(device, non_blocking=True)
+    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
+                 sample_ids=[int(i) for i in batch["sample_id"]])
+
+
+def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
+    from shardkit import StreamingDataset
+
+    return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed,
+                            rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
+                            local_world_size=runtime.local_world_size)
+
+
+def check_dataset(url: str, *, seq_len: int | None, what: str) -> Manifest:
+    """The dataset's manifest, after checking it holds fixed-length samples the model can take."""
+    manifest = load_manifest(url)
+    if manifest.sample_length is None:
+        raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
+                         "the trainer needs packed data: rebuild it with a --seq-len")
+    if seq_len is not None and manifest.seq_len != seq_len:
+        raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq_len is {seq_len}")
+    return manifest
+
+
+class TrainStream:
+    """Endless iteration over the training loader, epoch after epoch, with resumable state."""
+
+    def __init__(self, config: DataConfig, runtime: Runtime):
+        from shardkit import StreamingDataLoader
+
+        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.shuffle),
+                                          batch_size=config.batch_size, num_workers=config.num_workers)
+        self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        for _ in range(2):  # at most one epoch change per batch
+            if self._iterator is None:
+                self._iterator = iter(self.loader)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+        raise ValueError("the training loader yields no batch for this rank in a whole epoch: the dataset "
+                         "is smaller than one global batch (lower --batch_size or use fewer ranks)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        self._iterator = None
+
+
+class EvalData:
+    """The held-out set: the same first `eval_batches` batches per rank at every evaluation."""
+
+    def __init__(self, url: str, config: DataConfig, runtime: Runtime):
+        self.url, self.config, self.runtime = url, config, runtime
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        from shardkit import StreamingDataLoader
+
+        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False),
+                                     batch_size=self.config.batch_size, num_workers=0)
+        # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
+        # loader gives every rank the same number of batches per epoch.
+        count = min(self.config.eval_batches, len(loader))
+        if count == 0:
+            raise ValueError(f"--eval_data {self.url} holds less than one global batch: lower --batch_size")
+        for index, batch in enumerate(loader):
+            if index >= count:
+                break
+            yield batch

@@ -1,0 +1,211 @@
+"""A decoder-only transformer in two styles, Llama (default) and GPT-2.
+
+Why Llama style by default: rotary position embeddings are relative, which suits packed samples.
+A document that starts in the middle of a packed sample sees the same relative positions it would
+see alone, and with document masking on, positions restart at 0 for every document, so each document
+is computed exactly as if it were its own sample. RMSNorm and SwiGLU without biases are the
+choices of current open models (Llama 3, Mistral, OLMo) and cost nothing extra. GPT-2 style (learned
+absolute positions, LayerNorm, GELU, biases) stays available so that `gpt2-124m` and `gpt2-350m`
+are the well-known reference models with their usual parameter counts and MFU figures.
+
+Both styles use `scaled_dot_product_attention` (flash / memory-efficient kernels on GPU), tie the
+output projection to the token embedding, and use GPT-2's init: N(0, 0.02) weights, zero biases, and
+residual output projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not
+grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardkit.train.config import ModelConfig
+
+
+def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document segment (0 at every segment start); [B, T] int64."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
+    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+def document_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask: True where query t may attend key s (s <= t, same segment)."""
+    seq = segment_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+        # Not persistent: derived from the config, so checkpoints stay independent of max_len.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions` ([T] or [B, T]) shaped to broadcast over [B, H, T, D/2]."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if positions.dim() == 1:
+            return cos[None, None], sin[None, None]
+        return cos[:, None], sin[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        self.head_dim = config.d_model // config.n_head
+        bias = config.style == "gpt2"
+        self.qkv = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=bias)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                     self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gated = config.style == "llama"
+        hidden, bias = config.hidden_size, config.style == "gpt2"
+        self.up = nn.Linear(config.d_model, hidden * (2 if self.gated else 1), bias=bias)
+        self.down = nn.Linear(hidden, config.d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        norm = nn.RMSNorm if config.style == "llama" else nn.LayerNorm
+        self.norm1, self.norm2 = norm(config.d_model, eps=config.norm_eps), norm(config.d_model, eps=config.norm_eps)
+        self.attn, self.mlp = Attention(config), MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), rope, mask))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model.
+
+    Args:
+        config: the model configuration; `vocab_size` and `seq_len` must be set.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size is None or config.seq_len is None:
+            raise ValueError("the model needs --vocab_size and --seq_len (normally taken from the dataset manifest)")
+        self.config = config
+        self.activation_checkpointing = False
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.style == "gpt2" else None
+        self.rope = (RotaryEmbedding(config.d_model // config.n_head, config.seq_len, config.rope_theta)
+                     if config.style == "llama" else None)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        norm = nn.RMSNorm if config.style == "llama" else nn.LayerNorm
+        self.norm = norm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("attn.out", "mlp.down")) else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+
+    def num_parameters(self, *, exclude_positions: bool = True) -> int:
+        """Distinct parameters (a tied matrix counts once); learned position tables excluded by default
+        because they cost no matmul FLOPs."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_positions and self.pos_emb is not None:
+            total -= self.pos_emb.weight.numel()
+        return total
+
+    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for input ids [B, T].
+
+        Args:
+            tokens: input ids.
+            segment_ids: document segment number per token [B, T]; used only when the config's
+                `document_mask` is on, to keep attention within each document and restart positions.
+        """
+        seq = tokens.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(f"input has {seq} tokens, more than the model's --seq_len {self.config.seq_len}")
+        mask = None
+        positions = torch.arange(seq, device=tokens.device)
+        if self.config.document_mask:
+            if segment_ids is None:
+                raise ValueError("--document_mask needs segment ids: the dataset's shards store no document "
+                                 "boundaries (rebuild with boundaries or turn --document_mask off)")
+            mask = document_attention_mask(segment_ids)
+            positions = document_positions(segment_ids)
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        rope = self.rope(positions) if self.rope is not None else None
+        x = self.drop(x)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            else:
+                x = block(x, rope, mask)
+        return self.lm_head(self.norm(x))
+
+
+def flops_per_token(config: ModelConfig, num_parameters: int) -> float:
+    """Training FLOPs per token: 6N + 12 * n_layer * d_model * seq_len.
+
+    6N counts the forward (2N) and backward (4N) matmuls of every weight, the tied output projection
+    included (N from `Transformer.num_parameters`). The second term is attention's score and value
+    matmuls (PaLM, appendix B), counted over the full T x T matrix as PaLM, nanoGPT and torchtitan
+    do, although causal kernels skip about half of it.
+    """
+    return 6.0 * num_parameters + 12.0 * config.n_layer * config.d_model * config.seq_len

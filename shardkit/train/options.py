@@ -1,0 +1,127 @@
+"""Command-line options generated one-to-one from the configuration dataclasses.
+
+Each field `NAME` of section `SECTION` is `--NAME` and `--SECTION.NAME` (dashes or underscores);
+its help is the field's help text. `--config FILE` (JSON or TOML, nested like `TrainConfig`) is read
+first, then the options given on the command line override it, over the chosen `--preset`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict
+
+_NONE_WORDS = ("none", "null", "")
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _converter(type_text: str):
+    """Parse a value for a field annotated `type_text` (annotations are strings here)."""
+    optional = "None" in type_text
+    base = type_text.replace("| None", "").strip()
+    convert = {"int": int, "float": float, "str": str, "bool": parse_bool}[base]
+
+    def parse(text: str) -> Any:
+        if optional and text.strip().lower() in _NONE_WORDS:
+            return None
+        try:
+            return convert(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected {base}, got {text!r}") from err
+
+    parse.__name__ = base  # argparse names the type in its error message
+    return parse
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None) -> None:
+    names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+    if section is not None:
+        names |= {f"--{section}.{f.name}", f"--{section}.{f.name.replace('_', '-')}"}
+    default = f.default if f.default is not dataclasses.MISSING else None
+    help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
+    kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}" if section else f.name,
+                              "default": argparse.SUPPRESS, "help": help_text, "type": _converter(str(f.type))}
+    if f.metadata.get("choices"):
+        kwargs["choices"] = f.metadata["choices"]
+    kwargs["metavar"] = str(f.type).replace(" | None", "").upper()
+    if str(f.type) == "bool":
+        kwargs.update(nargs="?", const=True, metavar="BOOL")
+    group.add_argument(*sorted(names, key=lambda n: ("." in n, "-" in n[2:], n)), **kwargs)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--config` and one option per configuration field to `parser`."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="JSON or TOML file of options, nested by section like the options below; "
+                             "command-line options override it")
+    top = parser.add_argument_group("training")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in SECTIONS:
+            _add_field(top, f, None)
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section, cls.__doc__)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f, section)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON (`.json`) or TOML (any other suffix) configuration file into a nested dict."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise OSError(f"cannot read --config {path}: {err.strerror or err}") from err
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import tomllib
+            data = tomllib.loads(text)
+    except ValueError as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected an object/table at the top level")
+    return data
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Merge preset, `--config FILE` and command-line options into a validated `TrainConfig`."""
+    values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
+    values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    for dest, value in vars(args).items():
+        if dest in ("config", "func", "command"):
+            continue
+        section, _, name = dest.rpartition(".")
+        if section:
+            values.setdefault(section, {})[name] = value
+        else:
+            values[name] = value
+    source = f"--config {args.config} and the command line" if getattr(args, "config", None) else "command line"
+    return config_from_dict(values, source=source)
+
+
+def parse_train_args(argv: list[str] | None = None, *, prog: str = "python -m shardkit.train") -> TrainConfig:
+    parser = argparse.ArgumentParser(
+        prog=prog, usage="%(prog)s --data URL [--config FILE] [--OPTION VALUE ...]", description="Pre-train a GPT-style model on a shardkit dataset. Launch with "
+        "'torchrun --nproc_per_node N -m shardkit.train --data URL [options]' for several processes.")
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except (ValueError, TypeError) as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits

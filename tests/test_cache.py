@@ -1,0 +1,174 @@
+"""The node-local cache: one download per shard per node (counted at a real S3 endpoint), hash
+checks, LRU eviction under a limit with 8 concurrent processes, and SIGKILL during a download."""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import S3_TEST_CREDENTIALS, free_port
+from loader_helpers import ids_from_tokens, write_fixed
+from loader_procs import loader_run, open_shards
+from s3_proxy import CountingProxy
+from shardkit.errors import CorruptShardError
+from shardkit.loaders.cache import CacheLimitError, ShardCache
+from shardkit.manifest import load_manifest
+from shardkit.storage import Storage
+
+
+@pytest.fixture
+def proxied_bucket(s3_bucket, s3_endpoint):
+    """A fresh bucket and storage_options that go through a GET-counting proxy."""
+    url, options = s3_bucket
+    proxy = CountingProxy(s3_endpoint)
+    try:
+        yield url, options, {**options, "endpoint_url": proxy.url}, proxy
+    finally:
+        proxy.close()
+
+
+def decoded_file_size(tmp_path, url) -> int:
+    """Size of shard 0's decoded file (decoded once in a scratch cache)."""
+    cache = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch"))
+    cache.open(0).close()
+    return os.path.getsize(cache.path(0))
+
+
+def local_cache(tmp_path, url, **kwargs):
+    storage = Storage(url)
+    return ShardCache(storage, load_manifest(storage), str(tmp_path / "cache"), **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_each_shard_downloaded_once_per_node(process_pool, proxied_bucket, tmp_path):
+    url, direct, proxied, proxy = proxied_bucket
+    manifest = write_fixed(url, 300, per_shard=25, storage_options=direct)
+    port = free_port()
+    # 2 ranks x 2 DataLoader workers, one node, one shared cache directory
+    results = process_pool.run(loader_run, [dict(url=url, cache_dir=str(tmp_path / "node"), batch_size=4, rank=r,
+                                                 world_size=2, port=port, num_workers=2, env=S3_TEST_CREDENTIALS,
+                                                 storage_options=proxied, dataset_kwargs={"shuffle_window": 30})
+                                            for r in range(2)])
+    assert all(r["mismatched"] == 0 for r in results)
+    gets = proxy.gets(".tar")
+    assert len(gets) == len(manifest.shards)
+    assert set(gets.values()) == {1}, f"downloads per shard: {gets}"
+
+
+@pytest.mark.s3
+def test_corrupt_shard_is_downloaded_twice_then_named(proxied_bucket, tmp_path):
+    url, direct, proxied, proxy = proxied_bucket
+    manifest = write_fixed(url, 60, per_shard=30, storage_options=direct)
+    bad = manifest.shards[1].name
+    storage = Storage(url, direct)
+    data = bytearray(storage.read_bytes(bad))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(bad, bytes(data))
+    cache = ShardCache(Storage(url, proxied), manifest, str(tmp_path / "cache"))
+    cache.open(0).close()
+    with pytest.raises(CorruptShardError, match=bad) as err:
+        cache.open(1)
+    assert "second download" in str(err.value)
+    assert proxy.gets(bad) == {f"/{url[5:]}/{bad}": 2}
+    assert not cache.is_cached(1)
+
+
+def test_cache_files_stay_inside_and_reuse_across_instances(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 90, per_shard=30)
+    cache = local_cache(tmp_path, url)
+    for i in range(3):
+        handle = cache.open(i)
+        assert handle.reader.num_samples == 30
+        handle.close()
+    assert cache.stats.downloads == 3
+    assert all(cache.path(i).startswith(cache.directory + os.sep) for i in range(3))
+    again = local_cache(tmp_path, url)
+    again.open(2).close()
+    assert again.stats.downloads == 0 and again.stats.hits == 1
+
+
+def test_limit_smaller_than_the_working_set_says_so(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 90, per_shard=30)
+    size = decoded_file_size(tmp_path, url)
+    with pytest.raises(CacheLimitError, match="smaller than one decoded shard"):
+        local_cache(tmp_path, url, cache_limit=size // 2).open(0)
+    cache = local_cache(tmp_path, url, cache_limit=int(size * 2.5), wait_timeout=1.0)
+    held = [cache.open(0), cache.open(1)]
+    with pytest.raises(CacheLimitError, match="cannot hold the working set"):
+        cache.open(2)
+    held[0].close()
+    cache.open(2).close()  # room once a reader lets go: the LRU unheld shard is evicted
+    assert cache.stats.evictions == 1 and not cache.is_cached(0)
+    held[1].close()
+
+
+@pytest.mark.slow
+def test_eviction_under_limit_with_eight_processes(process_pool, tmp_path):
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 24 * 20, seq_len=64, per_shard=20)
+    cache_dir = str(tmp_path / "cache")
+    shard_bytes = decoded_file_size(tmp_path, url)
+    limit = 10 * shard_bytes  # 24 shards, room for 10; 8 processes hold up to 1 each
+    rng = random.Random(5)
+    orders = [[rng.randrange(24) for _ in range(40)] for _ in range(8)]
+    results = process_pool.run(open_shards, [dict(url=url, cache_dir=cache_dir, order=o, cache_limit=limit, hold=0)
+                                             for o in orders])
+    assert all(r["bad"] == 0 for r in results)
+    assert sum(r["evictions"] for r in results) > 0
+    decoded = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs if f.endswith(".skd")]
+    assert sum(os.path.getsize(p) for p in decoded) <= limit
+    assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
+
+
+def _hold_lock_busy(path: str) -> bool:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    write_fixed(url, 1500, seq_len=2048, per_shard=1500, docs=False, storage_options=options)
+    manifest = load_manifest(url, options)
+    cache_dir = str(tmp_path / "cache")
+    probe = ShardCache(Storage(url, options), manifest, cache_dir)
+    lock = probe.path(0) + ".dl"
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    ctx = mp.get_context("spawn")
+    for delay in (0.0, 0.05, 0.15):
+        victim = ctx.Process(target=open_shards, kwargs=dict(url=url, cache_dir=cache_dir, order=[0],
+                                                             storage_options=options, env=S3_TEST_CREDENTIALS))
+        victim.start()
+        deadline = time.monotonic() + 60
+        while not _hold_lock_busy(lock):
+            assert time.monotonic() < deadline and victim.is_alive(), "the victim never started its download"
+            time.sleep(0.002)
+        time.sleep(delay)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        if probe.is_cached(0):
+            break  # it finished before the kill: the file is whole (renamed atomically)
+        assert not _hold_lock_busy(lock), "a dead downloader must not keep the lock"
+    # a survivor opens the shard: no hang, no partial file read, stale temporaries cleaned
+    handle = probe.open(0)
+    np.testing.assert_array_equal(ids_from_tokens(handle.reader.gather(np.arange(1500))), np.arange(1500))
+    handle.close()
+    leftovers = [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
+    assert leftovers == []

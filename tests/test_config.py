@@ -1,0 +1,81 @@
+"""Configuration dataclasses, presets, config files and the generated command-line options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardkit.cli import build_parser
+from shardkit.train.config import ModelConfig, TrainConfig, config_from_dict
+from shardkit.train.options import parse_train_args
+
+
+def test_presets_fill_the_model_and_explicit_values_win():
+    config = config_from_dict({"preset": "gpt2-124m", "model": {"n_layer": 2}})
+    assert (config.model.style, config.model.d_model, config.model.n_layer) == ("gpt2", 768, 2)
+    assert config.optimizer.lr == 6e-4
+    assert config_from_dict({"preset": "llama-1b"}).model.kv_heads == 8
+
+
+@pytest.mark.parametrize("values, option", [
+    ({"model": {"d_model": 30, "n_head": 4}}, "--d_model"),
+    ({"model": {"n_head": 4, "n_kv_head": 3}}, "--n_kv_head"),
+    ({"optimizer": {"lr": 0}}, "--lr"),
+    ({"optimizer": {"warmup_steps": 50}, "steps": 10}, "--warmup_steps"),
+    ({"parallelism": {"parallel": "fsdp", "comm_hook": "bf16"}}, "--comm_hook"),
+    ({"checkpoint": {"keep": 0}}, "--keep"),
+    ({"data": {"batch_size": 0}}, "--batch_size"),
+    ({"preset": "gpt5"}, "--preset"),
+    ({"model": {"bogus": 1}}, "model.bogus"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_validation_names_the_option(values, option):
+    with pytest.raises(ValueError, match=option.replace(".", r"\.")):
+        config_from_dict(values)
+
+
+def test_dataclasses_are_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        ModelConfig("gpt2")  # noqa: the positional form is refused
+    with pytest.raises(AttributeError):
+        TrainConfig().steps = 3
+
+
+def test_command_line_short_and_sectioned_forms():
+    config = parse_train_args(["--data", "/d", "--lr", "1e-3", "--model.n_layer", "3", "--grad-accum", "2",
+                               "--compile", "--shuffle", "false", "--d_ff", "none", "--parallel", "fsdp"])
+    assert config.data.data == "/d" and config.optimizer.lr == 1e-3 and config.model.n_layer == 3
+    assert config.grad_accum == 2 and config.compile is True and config.data.shuffle is False
+    assert config.model.d_ff is None and config.parallelism.parallel == "fsdp"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_config_file_then_command_line(tmp_path, suffix):
+    path = tmp_path / f"run{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps({"preset": "tiny", "steps": 50, "optimizer": {"lr": 0.01, "warmup_steps": 5},
+                                    "model": {"n_layer": 3}}))
+    else:
+        path.write_text('preset = "tiny"\nsteps = 50\n[optimizer]\nlr = 0.01\nwarmup_steps = 5\n[model]\nn_layer = 3\n')
+    config = parse_train_args(["--config", str(path), "--lr", "0.02"])
+    assert (config.steps, config.optimizer.lr, config.optimizer.warmup_steps, config.model.n_layer) == (50, 0.02, 5, 3)
+
+
+def test_bad_config_file_and_bad_value_exit_with_a_message(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlearning_rate = 1\n")
+    with pytest.raises(SystemExit):
+        parse_train_args(["--config", str(bad)])
+    assert "optimizer.learning_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_train_args(["--steps", "many"])
+    assert "expected int" in capsys.readouterr().err
+
+
+def test_help_shows_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--optimizer.lr" in out and "--lr FLOAT" in out
+    assert "peak learning rate" in out and "--document_mask" in out and "--config FILE" in out

@@ -1,0 +1,124 @@
+"""StreamingDataLoader in one process: batch contract, exact resume, epochs, workers, state checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from loader_helpers import ids_from_tokens, write_fixed
+from shardkit import StreamingDataLoader, StreamingDataset
+
+
+@pytest.fixture(scope="module")
+def dataset_url(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("ds") / "data")
+    write_fixed(url, 500, seq_len=16, per_shard=48)
+    return url
+
+
+def make(url, tmp_path, **kwargs):
+    kwargs.setdefault("shuffle_window", 60)
+    return StreamingDataset(url, cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def run(loader, limit=None):
+    """Batches of one pass; with `limit`, stop after receiving that many (islice pulls no extra)."""
+    return list(itertools.islice(loader, limit))
+
+
+def test_batch_contract(dataset_url, tmp_path):
+    loader = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8)
+    batches = run(loader)
+    assert len(batches) == len(loader) == 500 // 8
+    batch = batches[0]
+    assert batch["tokens"].shape == (8, 17) and batch["tokens"].dtype == torch.uint16
+    assert batch["sample_id"].dtype == torch.int64 and batch["segment_ids"].dtype == torch.int32
+    # the tokens are those of the sample named by sample_id
+    np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
+    ids = torch.cat([b["sample_id"] for b in batches]).numpy()
+    assert len(np.unique(ids)) == len(ids) == 496
+    seg = batch["segment_ids"].numpy()
+    sid = batch["sample_id"].numpy()
+    for row, i in zip(seg, sid):  # fixed_sample puts its second document at 1 + i % 15
+        assert row[0] == 0 and row.max() == 1 and np.argmax(row) == 1 + i % 15
+    assert batch["tokens"].long().max() < 60000
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_mid_epoch(dataset_url, tmp_path, num_workers):
+    ds = make(dataset_url, tmp_path)
+    full = [b["sample_id"] for b in run(StreamingDataLoader(ds, batch_size=4, num_workers=num_workers))]
+    first = StreamingDataLoader(ds, batch_size=4, num_workers=num_workers)
+    before = [b["sample_id"] for b in run(first, limit=37)]
+    state = first.state_dict()
+    assert state["samples_consumed"] == 37 * 4 and state["epoch"] == 0
+    second = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=4, num_workers=num_workers)
+    second.load_state_dict(state)
+    after = [b["sample_id"] for b in run(second)]
+    assert torch.equal(torch.cat(before + after), torch.cat(full))
+
+
+def test_epochs_reshuffle_and_persistent_workers_neither_shorten_nor_repeat(dataset_url, tmp_path):
+    ds = make(dataset_url, tmp_path)
+    plain = StreamingDataLoader(ds, batch_size=8)
+    epochs = [torch.cat([b["sample_id"] for b in plain]) for _ in range(3)]
+    assert plain.epoch == 3
+    assert not torch.equal(epochs[0], epochs[1])
+    for e in epochs:
+        assert len(e) == 496 and len(torch.unique(e)) == 496
+    persistent = StreamingDataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True)
+    for e in range(3):
+        assert torch.equal(torch.cat([b["sample_id"] for b in persistent]), epochs[e])
+
+
+def test_break_then_iterate_again_continues_the_same_epoch(dataset_url, tmp_path):
+    ds = make(dataset_url, tmp_path)
+    whole = torch.cat([b["sample_id"] for b in StreamingDataLoader(ds, batch_size=8)])
+    loader = StreamingDataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True)
+    part = [b["sample_id"] for b in run(loader, limit=5)]
+    rest = [b["sample_id"] for b in loader]
+    assert torch.equal(torch.cat(part + rest), whole)
+    assert loader.epoch == 1
+
+
+def test_resume_at_epoch_end_starts_next_epoch(dataset_url, tmp_path):
+    ds = make(dataset_url, tmp_path)
+    loader = StreamingDataLoader(ds, batch_size=8)
+    run(loader)
+    second_epoch = torch.cat([b["sample_id"] for b in loader])
+    state = loader.state_dict()
+    assert state["epoch"] == 2 and state["samples_consumed"] == 0
+    resumed = StreamingDataLoader(ds, batch_size=8)
+    resumed.load_state_dict({**state, "epoch": 1, "samples_consumed": len(second_epoch)})
+    third = torch.cat([b["sample_id"] for b in resumed])
+    assert not torch.equal(third, second_epoch) and len(third) == len(second_epoch)
+
+
+def test_pad_policy_gives_full_batches(dataset_url, tmp_path):
+    loader = StreamingDataLoader(make(dataset_url, tmp_path, partial_batches="pad"), batch_size=8)
+    ids = torch.cat([b["sample_id"] for b in loader])
+    assert len(ids) == 504 and len(torch.unique(ids)) == 500
+
+
+def test_incompatible_state_is_refused_with_the_differences(dataset_url, tmp_path):
+    loader = StreamingDataLoader(make(dataset_url, tmp_path, seed=1), batch_size=8)
+    state = loader.state_dict()
+    other = StreamingDataLoader(make(dataset_url, tmp_path, seed=2), batch_size=8)
+    with pytest.raises(ValueError, match="seed: saved 1, now 2"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="version"):
+        loader.load_state_dict({**state, "version": 99})
+    with pytest.raises(ValueError, match="kind"):
+        loader.load_state_dict({"epoch": 0})
+
+
+def test_standalone_dataset_iteration_needs_batch_size(dataset_url, tmp_path):
+    ds = make(dataset_url, tmp_path)
+    with pytest.raises(ValueError, match="batch_size"):
+        next(iter(ds))
+    ds = make(dataset_url, tmp_path, batch_size=10, rank=1, world_size=2)
+    batches = list(ds)
+    assert len(batches) == len(ds) == 25 and batches[0]["tokens"].shape == (10, 17)

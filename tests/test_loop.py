@@ -1,0 +1,113 @@
+"""Exact resumption of the training loop with real torchrun processes (CPU, gloo).
+
+An uninterrupted run of 8 steps is the reference. Interrupted runs (every rank SIGKILLed; one rank
+killed under `torchrun --max-restarts 1`; a rank killed in the middle of writing a checkpoint) must
+resume from their last complete checkpoint and reproduce the reference's per-step losses bit for
+bit (fp32), and over the whole run consume every sample id of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train_runs import (NUM_SAMPLES, check_ok, checkpoints, eval_losses, losses, sample_ids, torchrun,
+                        write_byte_dataset)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dataset")
+    write_byte_dataset(str(root / "bytes"))
+    write_byte_dataset(str(root / "held-out"), num_samples=48, seed=1)
+    return str(root / "bytes")
+
+
+def run(run_dir, data, **options):
+    """torchrun with the held-out set evaluated every 4 steps."""
+    return torchrun(run_dir, data, eval_data=str(Path(data).parent / "held-out"), **options)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """Uninterrupted 8-step runs, one per parallel mode, computed once and shared by the tests."""
+    runs = {}
+
+    def get(parallel: str):
+        if parallel not in runs:
+            run_dir = tmp_path_factory.mktemp(f"reference-{parallel}") / "run"
+            check_ok(run(run_dir, data, parallel=parallel))
+            runs[parallel] = run_dir
+        return runs[parallel]
+
+    return get
+
+
+def assert_each_sample_once(run_dir):
+    ids = sample_ids(run_dir)
+    assert sorted(ids) == list(range(1, 9)), f"steps logged: {sorted(ids)}"
+    consumed = [i for step_ids in ids.values() for i in step_ids]
+    assert sorted(consumed) == list(range(NUM_SAMPLES)), "a sample was skipped or consumed twice"
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sigkill_all_ranks_then_resume_is_bitwise_exact(tmp_path, data, reference, parallel):
+    ref = reference(parallel)
+    assert_each_sample_once(ref)
+    run_dir = tmp_path / "run"
+    killed = run(run_dir, data, parallel=parallel, fault="step:7")  # both ranks die before step 7
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    assert checkpoints(run_dir) == ["step_00000004"]
+    assert max(losses(run_dir)) == 6  # steps 5 and 6 ran after the checkpoint and are lost with the kill
+    resumed = check_ok(run(run_dir, data, parallel=parallel))
+    assert "resumed from" in resumed.stdout and "step 4" in resumed.stdout
+    assert losses(run_dir) == losses(ref)  # float equality: bitwise identical fp32 losses
+    assert eval_losses(run_dir) == eval_losses(ref) and sorted(eval_losses(ref)) == [4, 8]
+    assert sample_ids(run_dir) == sample_ids(ref)
+    assert_each_sample_once(run_dir)
+
+
+def test_torchrun_restart_after_one_rank_dies(tmp_path, data, reference):
+    run_dir = tmp_path / "run"
+    result = check_ok(run(run_dir, data, parallel="ddp", max_restarts=1, fault="step:7:1"))
+    # Rank 1 died by SIGKILL on the first attempt...
+    assert "rank 1 kills itself at step 7" in result.stderr and "exitcode: -9" in result.stderr
+    assert "resumed from" in result.stdout and "step 4" in result.stdout  # ...and the restart resumed
+    assert losses(run_dir) == losses(reference("ddp"))
+    assert_each_sample_once(run_dir)
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, data, reference):
+    run_dir = tmp_path / "run"
+    # Checkpoints at 2, 4, 6; rank 1 dies after writing its part of step 6, before it is marked complete.
+    result = check_ok(run(run_dir, data, parallel="fsdp", checkpoint_every=2, max_restarts=1,
+                               fault="save:6:1"))
+    assert "rank 1 kills itself at save 6" in result.stderr and "exitcode: -9" in result.stderr
+    assert "step_00000004 at step 4" in result.stdout  # not the half-written step 6
+    assert losses(run_dir) == losses(reference("fsdp"))
+    assert_each_sample_once(run_dir)
+    assert checkpoints(run_dir) == ["step_00000002", "step_00000004", "step_00000006", "step_00000008"]
+
+
+@pytest.mark.parametrize("source, parallel, nproc, batch_size", [
+    ("fsdp", "fsdp", 1, 12), ("fsdp", "fsdp", 3, 4), ("ddp", "fsdp", 2, 6), ("fsdp", "ddp", 2, 6),
+], ids=["fsdp2-to-fsdp1", "fsdp2-to-fsdp3", "ddp-to-fsdp", "fsdp-to-ddp"])
+def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, source, parallel, nproc, batch_size):
+    """A checkpoint resumes at another world size or parallel mode. The global batch stays 12
+    samples, so the resumed steps see the same samples and give the same losses up to float
+    rounding (the reduction order changes with the world size)."""
+    ref = reference(source)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
+    result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size))
+    assert "resharded" in result.stderr + result.stdout or nproc == 2
+    resumed, expected = losses(run_dir), losses(ref)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
+    assert sample_ids(run_dir) == {step: ids for step, ids in sample_ids(ref).items() if step > 4}
