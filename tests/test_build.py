@@ -179,6 +179,18 @@ def test_truncated_input_is_reported(tmp_path):
     assert 0 < docs["written"] < 20000 and docs["in"] == docs["written"] + docs["rejected"]
 
 
+def test_corrupt_gzip_and_parquet_are_unreadable_files(corpus, tmp_path):
+    (tmp_path / "broken.jsonl.gz").write_bytes(b"this is not gzip data at all")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 nonsense")
+    inputs = [tmp_path / "broken.jsonl.gz", tmp_path / "broken.parquet", corpus / "a.jsonl"]
+    result = run_build(config(inputs, tmp_path / "out"))
+    errors = {e["file"].rsplit("/", 1)[-1]: e["reason"] for e in result.report["file_errors"]}
+    assert set(errors) == {"broken.jsonl.gz", "broken.parquet"}
+    assert "gzip" in errors["broken.jsonl.gz"].lower()
+    with pytest.raises(BuildInputError, match=r"broken\.jsonl\.gz: read failed"):
+        run_build(config(inputs, tmp_path / "fail", on_error="fail"))
+
+
 @pytest.mark.parametrize("shard_format, packing", [("arrow", "bestfit"), ("tar", "none"), ("arrow", "concat")])
 def test_formats_and_packings(corpus, tmp_path, shard_format, packing):
     out = tmp_path / "ds"
@@ -225,6 +237,12 @@ def test_build_to_s3(corpus, tmp_path, s3_bucket, capsys):
     assert len(samples) == result.manifest.num_samples
     storage = Storage(url, options)
     assert storage.exists("build_report.json") and not storage.exists("_build/checkpoint.npz")
+    # inputs on S3 too (a glob over the bucket): same samples as from the local file
+    bucket = url.split("/")[2]
+    Storage(f"s3://{bucket}/raw", options).write_bytes("a.jsonl", (corpus / "a.jsonl").read_bytes())
+    remote = run_build(config([f"s3://{bucket}/raw/*.jsonl"], tmp_path / "from-s3", storage_options=options))
+    assert remote.manifest.sources == (f"s3://{bucket}/raw/a.jsonl",)
+    assert [s.sha256 for s in remote.manifest.shards] == [s.sha256 for s in local.manifest.shards]
 
 
 @pytest.mark.shared

@@ -72,13 +72,16 @@ def _check_all_tokens(samples, batches):
 @given(groups=batches_strategy, seq_len=st.integers(1, 40))
 def test_concat_keeps_every_token_once_in_order(groups, seq_len):
     batches = _batches(groups)
-    samples = run(ConcatPacker(seq_len + 1, PAD, "uint32"), batches)
+    packer = ConcatPacker(seq_len + 1, PAD, "uint32")
+    samples = run(packer, batches)
     assert all(len(s.tokens) == seq_len + 1 for s in samples)
     _check_all_tokens(samples, batches)
     real = sum(sum(b[0]) for b in batches)
     padding = sum(int((s.doc_source == -1).any()) and int(len(s.tokens) - s.doc_starts[-1]) for s in samples)
     assert real + padding == len(samples) * (seq_len + 1)
     assert padding < seq_len + 1  # only the final partial window is padded
+    spanning = sum(len(pieces) > 1 for pieces in pieces_by_doc(samples).values())
+    assert packer.stats.split_documents == spanning
     arrays_from_samples(samples, "uint32")  # the shard writer accepts the segments
 
 

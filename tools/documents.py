@@ -84,6 +84,11 @@ def warm_up(spec: str) -> None:
     _tokenizer(spec)
 
 
+def cached_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer for `spec`, loaded once per process."""
+    return _tokenizer(spec)
+
+
 def _tokenizer(spec: str) -> Tokenizer:
     cached = _TOKENIZERS.get(spec)
     if cached is None:

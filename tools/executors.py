@@ -4,8 +4,9 @@ Both executors keep a bounded window of units in flight (memory stays flat howev
 corpus) and yield results strictly in submission order, so what the parent packs never depends on
 which worker finished first.
 
-- `LocalExecutor`: a pool of spawned worker processes on this machine (spawn, not fork: the parent
-  may hold threads, e.g. fsspec's event loop or tqdm's monitor).
+- `LocalExecutor`: a pool of worker processes on this machine. They are forked when the parent is
+  still single-threaded (they then start at once and inherit the loaded tokenizer), and spawned
+  otherwise (forking a process that holds threads, e.g. fsspec's event loop, is unsafe).
 - `RayExecutor`: Ray tasks on a cluster (`address`), or on a local instance it starts.
 """
 
@@ -65,12 +66,23 @@ class LocalExecutor:
         self.initializer = initializer
         self.initargs = initargs
         self._pool = None
+        import multiprocessing
+        import threading
+
+        self.start_method = ("fork" if "fork" in multiprocessing.get_all_start_methods()
+                             and threading.active_count() == 1 else "spawn")
+
+    @property
+    def forks(self) -> bool:
+        """Whether workers are forked (and so inherit what the parent loaded before entering)."""
+        return self.start_method == "fork"
 
     def __enter__(self) -> LocalExecutor:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+        context = multiprocessing.get_context(self.start_method)
+        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context,
                                          initializer=self.initializer, initargs=self.initargs)
         # Start every worker now (they load the tokenizer in the initializer) while the parent sets up.
         for _ in range(self.workers):
@@ -105,6 +117,7 @@ class RayExecutor:
         self.address = address
         self.window = window or 2 * workers + 1
         self._started = False
+        self.forks = False
 
     def __enter__(self) -> RayExecutor:
         try:
@@ -134,14 +147,15 @@ class RayExecutor:
 
 
 def make_executor(kind: str, workers: int | None, *, ray_address: str | None = None,
-                  initializer: Callable | None = None, initargs: tuple = ()):
+                  initializer: Callable | None = None, initargs: tuple = (), extra_window: int = 0):
     """`LocalExecutor` or `RayExecutor` for `--executor KIND` (workers default: available cores).
 
     `initializer(*initargs)` runs once in each local worker process (Ray tasks initialise lazily).
     """
     count = workers if workers is not None else available_cores()
+    window = 2 * count + 1 + extra_window
     if kind == "local":
-        return LocalExecutor(count, initializer=initializer, initargs=initargs)
+        return LocalExecutor(count, window=window, initializer=initializer, initargs=initargs)
     if kind == "ray":
-        return RayExecutor(count, address=ray_address)
+        return RayExecutor(count, address=ray_address, window=window)
     raise ValueError(f"--executor must be one of {EXECUTORS}, got {kind!r}")

@@ -7,7 +7,8 @@ segments (`doc_starts`, `doc_source`, `doc_index`; source -1 marks padding).
 
 - ``concat``: documents are joined and cut into windows of ``seq_len + 1`` tokens. Windows do not
   overlap: the model reads ``window[:-1]`` as input and ``window[1:]`` as targets, so each token is a
-  target exactly once (a document continuing into the next window keeps its doc_index there). The
+  target exactly once (a document continuing into the next window keeps its doc_index there, and
+  counts once as a split document). The
   final partial window is padded to full length with the pad id (a padding segment, source -1) and
   reported; no token is dropped.
 - ``bestfit``: best-fit-decreasing bin packing of whole documents into ``seq_len + 1`` windows. A
@@ -100,6 +101,7 @@ class ConcatPacker(Packer):
         self._reset()
 
     def _reset(self) -> None:
+        self._last_split: tuple[int, int] = (-1, -1)  # last document counted as split (it may span many windows)
         self._carry = np.zeros(0, dtype=self.dtype)
         self._starts = np.zeros(0, dtype=_I64)
         self._sources = np.zeros(0, dtype=_I64)
@@ -122,6 +124,13 @@ class ConcatPacker(Packer):
             a = w * length
             first = int(np.searchsorted(starts, a, side="right")) - 1
             last = int(np.searchsorted(starts, a + length, side="left"))
+            end = a + length
+            if end < len(buffer) and (last == len(starts) or starts[last] != end):
+                # the window closes inside a document (buffers hold whole documents): it is split
+                key = (int(sources[last - 1]), int(indices[last - 1]))
+                if key != self._last_split:
+                    self.stats.split_documents += 1
+                    self._last_split = key
             seg = np.maximum(starts[first:last] - a, 0)
             samples.append(_sample(buffer[a:a + length], seg, sources[first:last], indices[first:last]))
         cut = windows * length
@@ -141,18 +150,20 @@ class ConcatPacker(Packer):
         self.stats.final_partial_tokens = len(self._carry)
         self.stats.padding_tokens += pad
         self.stats.samples += 1
-        self._reset()
+        self._carry = np.zeros(0, dtype=self.dtype)
+        self._starts = self._sources = self._indices = np.zeros(0, dtype=_I64)
         return [sample]
 
     def snapshot(self):
         return {**super().snapshot(), "carry": self._carry, "starts": self._starts, "sources": self._sources,
-                "indices": self._indices}
+                "indices": self._indices, "last_split": list(self._last_split)}
 
     def restore(self, state):
         super().restore(state)
         self._carry = np.asarray(state["carry"], dtype=self.dtype)
         self._starts, self._sources, self._indices = (np.asarray(state[k], dtype=_I64)
                                                       for k in ("starts", "sources", "indices"))
+        self._last_split = tuple(int(v) for v in state["last_split"])
 
 
 class NonePacker(Packer):
