@@ -71,8 +71,6 @@ def test_sixteen_processes_share_a_cache_smaller_than_the_dataset(tmp_path, figu
                 deadlocks=result["deadlocks"])
 
 
-@pytest.mark.xfail(strict=True, reason="tools/state.py clear_state only removes temporaries of names _ours() accepts; "
-                                       "build_report.json.tmp-* and shardkit.json.tmp-* left by a kill stay forever")
 def test_build_rerun_removes_temporaries_a_kill_left(tmp_path, monkeypatch):
     """Found by the build SIGKILL matrix: a kill while the report or the manifest is being written
     leaves `build_report.json.tmp-<uuid>` / `shardkit.json.tmp-<uuid>` in the output, and the resumed

@@ -134,7 +134,8 @@ def clear_state(storage: Storage) -> None:
     """Remove the checkpoint once the manifest is published."""
     storage.delete(CHECKPOINT_NAME)
     for name in storage.list_names():
-        if ".tmp-" in name and _ours(name):  # left by writes that a kill interrupted
+        # Left by writes a kill interrupted: Storage.write_bytes writes NAME.tmp-<hex>, then renames.
+        if ".tmp-" in name and _ours(name.rsplit(".tmp-", 1)[0]):
             storage.delete(name)
     if storage.is_local:
         try:
