@@ -31,6 +31,8 @@ DEADLINE = 60.0
 class InlineExecutor:
     """Runs work units in the build process itself: the kill then hits the process that writes."""
 
+    forks = False  # part of the executor protocol: no worker process inherits anything
+
     def __enter__(self):
         return self
 

@@ -114,7 +114,7 @@ class BuildConfig:
     output: str
     tokenizer: str
     seq_len: int
-    shard_format: str = "tar"
+    shard_format: str = "arrow"
     packing: str = "concat"
     shard_size: int = 64 * 10**6
     compression_level: int = 3
