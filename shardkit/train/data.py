@@ -39,7 +39,7 @@ def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
     if segments is not None:
         segments = segments[:, :-1].to(device, non_blocking=True)
     return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
-                 sample_ids=[int(i) for i in batch["sample_id"]])
+                 sample_ids=batch["sample_id"].tolist())
 
 
 def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
