@@ -121,3 +121,13 @@ def test_rng_state_round_trip_is_plain_data():
     rng.set_state(state)
     second = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(first[0], second[0]) and np.array_equal(first[1], second[1]) and first[2] == second[2]
+
+
+def test_saving_an_existing_complete_step_keeps_it(tmp_path):
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path, rank=0)
+    save(checkpointer, 2, model, optimizer, scheduler)
+    marker = tmp_path / "step_00000002" / "shardkit-checkpoint.json"
+    before = marker.stat().st_mtime_ns
+    save(checkpointer, 2, model, optimizer, scheduler)  # e.g. the final save of a run resumed at its end
+    assert marker.stat().st_mtime_ns == before and find_latest(tmp_path).name == "step_00000002"

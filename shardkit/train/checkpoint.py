@@ -134,11 +134,16 @@ class Checkpointer:
         self.wait()
         final = self.directory / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if (final / MARKER_NAME).is_file():
+            # A run resumed at its last step saves that step again: the state is the same, keep it
+            # (deleting it first would leave a window with no newest checkpoint).
+            logger.info("checkpoint step %d already exists and is complete: kept", step)
+            return
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
-            if final.exists():  # e.g. the final save of a run that resumed at its last step
+            if final.exists():  # a directory without a marker: not a checkpoint
                 shutil.rmtree(final)
         _barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
