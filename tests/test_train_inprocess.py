@@ -122,3 +122,15 @@ def test_shardkit_train_command(tmp_path, datasets, capsys):
     assert (tmp_path / "run" / "curves.png").exists()
     assert main(["train", "--data", data, "--n_head", "5"]) == 2
     assert "--d_model (64) must be divisible by --n_head (5)" in capsys.readouterr().err
+
+
+@pytest.mark.s3
+def test_training_from_s3_keeps_storage_options_out_of_the_run_dir(tmp_path, s3_bucket, capsys):
+    url, options = s3_bucket
+    write_byte_dataset(url, num_samples=24, storage_options=options)
+    assert run_training(tmp_path / "run", url, steps=3, **{"data.storage_options": json.dumps(options)}) == 0
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+    saved = (tmp_path / "run" / "config.json").read_text()
+    assert '"storage_options": "<redacted>"' in saved and "endpoint_url" not in saved
+    captured = capsys.readouterr()
+    assert "endpoint_url" not in captured.out + captured.err

@@ -10,6 +10,7 @@ Field names are unique across sections so that the short form `--NAME` is never 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,17 @@ class DataConfig:
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
+    storage_options: str | None = field(default=None, repr=False, metadata={
+        "help": "JSON object of fsspec options for --data and --eval_data, e.g. '{\"endpoint_url\": \"http://...\"}' "
+                "(may hold credentials: never printed nor saved in the run directory)", "choices": None})
 
     def __post_init__(self) -> None:
+        if self.storage_options is not None:
+            try:
+                parsed = json.loads(self.storage_options)
+            except json.JSONDecodeError:
+                parsed = None
+            _check(isinstance(parsed, dict), "--storage_options must be a JSON object (its value is not shown)")
         _check(self.batch_size >= 1, f"--batch_size must be >= 1, got {self.batch_size}")
         _check(self.num_workers >= 0, f"--num_workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval_batches must be >= 1, got {self.eval_batches}")
@@ -211,7 +221,11 @@ class TrainConfig:
                f"--warmup_steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """All values, with `storage_options` redacted (it may hold credentials)."""
+        values = dataclasses.asdict(self)
+        if values["data"]["storage_options"] is not None:
+            values["data"]["storage_options"] = "<redacted>"
+        return values
 
 
 SECTIONS: dict[str, type] = {

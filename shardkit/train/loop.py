@@ -68,9 +68,9 @@ def build(config: TrainConfig) -> Run:
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
     runtime = init_runtime(config.parallelism, device=config.device)
-    manifest = check_dataset(config.data.data, seq_len=config.model.seq_len, what="--data")
+    manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        check_dataset(config.data.eval_data, seq_len=manifest.seq_len, what="--eval_data")
+        check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
