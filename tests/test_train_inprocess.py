@@ -93,6 +93,9 @@ def test_eval_every_n_steps_and_document_mask(tmp_path, datasets):
 def test_resume_refuses_another_model(tmp_path, datasets, capsys):
     data, _ = datasets
     run_training(tmp_path / "run", data, steps=3)
+    first = losses(tmp_path / "run")
+    assert run_training(tmp_path / "run", data, steps=3) == 0  # finished already: resumes at 3, trains nothing
+    assert "at step 3" in capsys.readouterr().out and losses(tmp_path / "run") == first
     with pytest.raises(ValueError, match="--n_layer 2 \\(now 3\\)"):
         run_training(tmp_path / "run", data, steps=4, **{"model.n_layer": 3})
 
