@@ -7,7 +7,8 @@ On ../shared/corpora/mix.jsonl.zst (override with --corpus) with the r50k (GPT-2
 (b) `shardkit build` (a subprocess running the CLI) with --workers 1 and 2: tokens/s as the build
     reports it (its whole wall time: worker start-up, reading, tokenizing, packing, compressing,
     writing) and the peak RSS of the build's whole process tree; then peak RSS on half the corpus
-    versus all of it, to show memory does not grow with corpus size;
+    versus all of it, to show memory does not grow with corpus size (--shard-size 16MB, so that
+    both corpora fill several shards: a shard's samples are the largest buffer the build holds);
 (c) writing the same packed samples: shardkit tar and arrow shards (encode + write) versus a
     Megatron-style raw .bin/.idx (uncompressed tokens + sizes), and Mosaic MDS / LitData when
     installed (they are not installed here, and pip-installing them would pull torch).
@@ -24,6 +25,7 @@ import io
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -58,38 +60,57 @@ def bare_tokenizer(tokenizer_path: Path, docs: list[str], runs: int) -> dict:
     results = {}
     for label, encode in (("encode_ordinary", encoding.encode_ordinary),
                           ("encode_to_numpy", lambda t: encoding.encode_to_numpy(t, disallowed_special=()))):
-        rates, tokens = [], 0
+        rates, cpu_rates, tokens = [], [], 0
         for _ in range(runs):
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             tokens = sum(len(encode(t)) for t in docs)
             rates.append(tokens / (time.perf_counter() - began))
-        results[label] = {"tokens": tokens, "tokens_per_second": statistics.median(rates), "runs": rates}
+            cpu_rates.append(tokens / (time.process_time() - cpu))
+        results[label] = {"tokens": tokens, "tokens_per_second": statistics.median(rates),
+                          "tokens_per_cpu_second": statistics.median(cpu_rates), "runs": rates}
     return results
 
 
 def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        procs = [parent, *parent.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for proc in procs:
+    """Resident bytes of `pid` and all its descendants (Linux /proc; psutil is not a dependency)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            total += proc.memory_info().rss
-        except psutil.Error:
-            pass
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        current = frontier.pop()
+        for child, parent in parents.items():
+            if parent == current and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    total = 0
+    for member in tree:
+        try:
+            with open(f"/proc/{member}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
     return total
 
 
-def run_build(corpus: Path, tokenizer: Path, workers: int, out: Path, seq_len: int, shard_format: str) -> dict:
+def run_build(corpus: Path, tokenizer: Path, workers: int, out: Path, seq_len: int, shard_format: str,
+              shard_size: str = "16MB") -> dict:
     """One `shardkit build` in a subprocess; returns its report timing and the peak RSS of its process tree."""
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "shardkit", "build", str(corpus), "--output", str(out), "--tokenizer", str(tokenizer),
-           "--seq-len", str(seq_len), "--workers", str(workers), "--format", shard_format, "--no-progress"]
+           "--seq-len", str(seq_len), "--workers", str(workers), "--format", shard_format, "--no-progress",
+           "--shard-size", shard_size]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
 
@@ -99,16 +120,20 @@ def run_build(corpus: Path, tokenizer: Path, workers: int, out: Path, seq_len: i
             time.sleep(0.05)
 
     watcher = threading.Thread(target=poll, daemon=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     watcher.start()
     began = time.perf_counter()
     _, stderr = process.communicate()
     wall = time.perf_counter() - began
     watcher.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the build and its reaped workers
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if process.returncode != 0:
         raise RuntimeError(f"build failed ({process.returncode}): {stderr[-2000:]}")
     report = json.loads((out / "build_report.json").read_text())
     return {"tokens": report["packing"]["document_tokens"], "tokens_per_second": report["timing"]["tokens_per_second"],
-            "build_seconds": report["timing"]["seconds"], "process_seconds": wall, "peak_rss_bytes": peak[0],
+            "build_seconds": report["timing"]["seconds"], "process_seconds": wall, "cpu_seconds": cpu,
+            "tokens_per_cpu_second": report["packing"]["document_tokens"] / cpu, "peak_rss_bytes": peak[0],
             "shards": report["totals"]["shards"], "compressed_bytes": report["totals"]["compressed_bytes"],
             "padding_fraction": report["packing"]["padding_fraction"]}
 
@@ -213,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                         for _ in range(args.runs)]
                 entry["build"][str(workers)] = {
                     "tokens": runs[0]["tokens"], "tokens_per_second": median_of(runs, "tokens_per_second"),
+                    "tokens_per_cpu_second": median_of(runs, "tokens_per_cpu_second"),
                     "peak_rss_bytes": median_of(runs, "peak_rss_bytes"), "runs": runs}
                 print(f"{name} workers={workers}: {entry['build'][str(workers)]['tokens_per_second'] / 1e6:.2f}M tok/s",
                       file=sys.stderr)
@@ -245,7 +271,8 @@ def _write_half(corpus: Path, target: Path) -> None:
 
 def table(results: dict) -> str:
     rows = ["| tokenizer | bare encode_ordinary | bare encode_to_numpy | build w=1 | w=1 / bare | build w=2 | "
-            "w=2 / w=1 | peak RSS w=1 | peak RSS w=2 |", "|---|---|---|---|---|---|---|---|---|"]
+            "w=2 / w=1 | build tokens per CPU-s (w=1) / bare per CPU-s | peak RSS w=1 | peak RSS w=2 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in results["tokenizers"].items():
         bare = entry["bare"]
         ceiling = max(b["tokens_per_second"] for b in bare.values())
@@ -257,6 +284,8 @@ def table(results: dict) -> str:
             f"{w1['tokens_per_second'] / ceiling:.0%}" if w1 else "-",
             f"{w2['tokens_per_second'] / 1e6:.2f}M" if w2 else "-",
             f"{w2['tokens_per_second'] / w1['tokens_per_second']:.2f}x" if w1 and w2 else "-",
+            (f"{w1['tokens_per_cpu_second'] / 1e6:.2f}M / {bare['encode_to_numpy']['tokens_per_cpu_second'] / 1e6:.2f}M"
+             if w1 else "-"),
             f"{w1['peak_rss_bytes'] / 2**20:.0f} MiB" if w1 else "-",
             f"{w2['peak_rss_bytes'] / 2**20:.0f} MiB" if w2 else "-"]) + " |")
         if "rss_half_corpus" in entry:

@@ -3,8 +3,9 @@
 For `tar` and `arrow` it measures, on synthetic packed sequences of 2,049 uint16 tokens:
 
 - write MB/s: `ShardWriter` from samples to local shard files (encode + zstd + atomic write);
-- cache MB/s: shard file -> `decode_shard` -> decoded cache file (`write_decoded`), i.e. what the
-  loader's node-local cache does once per shard; also with the SHA-256 verification it does first;
+- cache MB/s: shard bytes (already read into memory, untimed) -> `decode_shard` -> decoded cache
+  file (`write_decoded`, a local file), i.e. what the loader's node-local cache does once per shard;
+  "cache+sha" adds the SHA-256 check of the shard bytes that precedes it;
 - random samples/s: batches of 8 random samples gathered into one [8, 2049] array from a cached shard
   (`ShardReader.open_decoded(...).gather`), the loader's steady state;
 

@@ -147,25 +147,39 @@ def webdataset_loader(url: str, batch: int, workers: int) -> Callable[[], Iterat
 
 
 def cold_s3(url: str, runs: int, batch: int) -> dict:
-    """Upload the shards to a moto S3 server on loopback; time to first batch from empty caches."""
-    from moto.server import ThreadedMotoServer
+    """Upload the shards to a moto S3 server on loopback; time to first batch from empty caches.
+
+    The server runs in its own process, as a real endpoint would: in-process it would compete with
+    the loader for the GIL.
+    """
+    import socket
+    import subprocess
+    import sys
 
     import boto3
+
     from shardkit import StreamingDataLoader, StreamingDataset
 
     for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(key, value)
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         endpoint = f"http://127.0.0.1:{port}"
         client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        client.create_bucket(Bucket="bench")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket="bench")
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         for path in sorted(Path(url).iterdir()):
             client.upload_file(str(path), "bench", f"data/{path.name}")
         options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
@@ -182,7 +196,8 @@ def cold_s3(url: str, runs: int, batch: int) -> dict:
         return {"first_batch_s": statistics.median(times), "manifest_s": statistics.median(creates),
                 "runs": [round(t, 3) for t in times]}
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(10)
 
 
 def resume_times(url: str, cache: str, batch: int, runs: int) -> dict:

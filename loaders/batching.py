@@ -22,6 +22,10 @@ import numpy as np
 from shardkit.formats import ShardReader
 
 
+# A `np.take` call costs about as much as copying this many bytes: below it, runs are too short.
+_RUN_OVERHEAD_BYTES = 8192
+
+
 class ShardTable:
     """Global sample ids <-> (shard, index in shard), over the shards of every stream in order."""
 
@@ -70,22 +74,37 @@ def _rows_view(reader: ShardReader, length: int) -> np.ndarray:
 
 def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callable[[int], ShardReader],
                  length: int, token_dtype: np.dtype, with_segments: bool) -> dict[str, np.ndarray]:
-    """Tokens (and segment ids) of fixed-length samples, rows in the order of `sample_ids`."""
+    """Tokens (and segment ids) of fixed-length samples, rows in the order of `sample_ids`.
+
+    Callers sort the ids of each batch, so that each batch's rows form runs per shard: every run
+    is then copied by one `np.take` from the shard's mmap straight into place (one copy, no scatter).
+    """
     ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
     shard, local = table.locate(ids)
-    groups = group_rows(shard)
-    segments = np.zeros((len(ids), length), dtype=np.int32) if with_segments else None
-    if len(groups) == 1:  # the common case: one pass, straight from the mmap into the batch rows
-        tokens = np.take(_rows_view(reader_of(groups[0][0]), length), local, axis=0)
-    else:
-        tokens = np.empty((len(ids), length), dtype=token_dtype)
-        for index, rows in groups:
-            tokens[rows] = np.take(_rows_view(reader_of(index), length), local[rows], axis=0)
-    if segments is not None:
-        for index, rows in groups:
-            _segment_rows(reader_of(index), local[rows], rows, segments)
+    tokens = np.empty((len(ids), length), dtype=token_dtype)
+    cuts = np.flatnonzero(np.diff(shard)) + 1
+    views: dict[int, np.ndarray] = {}
+
+    def view_of(index: int) -> np.ndarray:
+        view = views.get(index)
+        if view is None:
+            view = views[index] = _rows_view(reader_of(index), length)
+        return view
+
+    # `local` is in range by construction (ShardTable, and the cache checked the shard's counts).
+    if (len(cuts) + 1) * _RUN_OVERHEAD_BYTES < tokens.nbytes:
+        bounds = [0, *cuts.tolist(), len(ids)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            # mode="clip" lets numpy write straight into `out` (mode="raise" buffers a copy).
+            np.take(view_of(int(shard[start])), local[start:end], axis=0, out=tokens[start:end], mode="clip")
+    else:  # many short runs of small samples: one gather per shard and a scatter cost less
+        for index, rows in group_rows(shard):
+            tokens[rows] = np.take(view_of(index), local[rows], axis=0, mode="clip")
     out = {"tokens": tokens, "sample_id": ids}
-    if segments is not None:
+    if with_segments:
+        segments = np.zeros((len(ids), length), dtype=np.int32)
+        for index, rows in group_rows(shard):
+            _segment_rows(reader_of(index), local[rows], rows, segments)
         np.cumsum(segments, axis=1, dtype=np.int32, out=segments)
         out["segment_ids"] = segments
     return out

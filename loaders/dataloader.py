@@ -19,12 +19,23 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from shardkit.loaders.dataset import IterationPlan, StreamingDataset, batch_to_tensors
+from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDataset, batch_to_tensors
 from shardkit.loaders.partition import dropped_in_epoch
 from shardkit.loaders.state import LoaderState
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
+
+
+_BUNDLE_BYTES = 2**20
+
+
+def unbundle(items: Iterator[Any]) -> Iterator[dict]:
+    for item in items:
+        if isinstance(item, list):
+            yield from item
+        else:
+            yield item
 
 
 def keep_batch(batch: Any) -> Any:
@@ -43,12 +54,16 @@ class StreamingDataLoader(DataLoader):
             `torch.utils.data.DataLoader`.
     """
 
-    def __init__(self, dataset: StreamingDataset, batch_size: int, num_workers: int = 0, *, pin_memory: bool = False,
+    def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, num_workers: int = 0, *,
+                 pin_memory: bool = False,
                  timeout: float = 0, multiprocessing_context: Any = None, persistent_workers: bool = False,
                  prefetch_factor: int | None = None):
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if dataset.max_tokens is not None:
+            if batch_size is not None:
+                raise ValueError("the dataset batches by max_tokens; pass batch_size=None")
+        elif not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         # Workers send numpy batches (pickled by value through the pipe: no shared-memory file
         # descriptor per tensor); the main process wraps them as tensors and pins them itself.
@@ -56,7 +71,9 @@ class StreamingDataLoader(DataLoader):
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
         self.pin_batches = pin_memory
-        self.samples_per_rank = batch_size
+        self.samples_per_rank = batch_size or 1
+        self.token_mode = dataset.max_tokens is not None
+        self._segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: see LoaderState.window_segments
         self._epoch = 0
         self._consumed = 0  # positions of the epoch's global order handed to the training loop
         self._num_partitions: int | None = dataset.num_partitions
@@ -73,7 +90,13 @@ class StreamingDataLoader(DataLoader):
         return topology
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (every rank gets the same number)."""
+        """Batches per epoch for this rank (every rank gets the same number).
+
+        Raises:
+            TypeError: in token-budget mode, where the count depends on the lengths read.
+        """
+        if self.token_mode:
+            raise TypeError("len() is unknown in token-budget mode: batches depend on the sample lengths")
         return self.dataset.batches_per_epoch(self.samples_per_rank, self._resolve())
 
     @property
@@ -84,17 +107,21 @@ class StreamingDataLoader(DataLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
         global_batch = self.samples_per_rank * topology.world_size
-        if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0:
-            self._epoch, self._consumed = self._epoch + 1, 0  # resumed exactly at an epoch's end
+        num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
+        finished = (self._consumed >= num_positions if self.token_mode else
+                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0)
+        if finished:
+            self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
         if self._iterator is not None and not self._workers_in_sync:
             self._iterator._shutdown_workers()
             self._iterator = None
         if self._iterator is None or self.num_workers == 0:
             self.dataset.set_plan(IterationPlan(epoch=self._epoch, start=self._consumed,
                                                 batch_size=self.samples_per_rank, topology=topology,
-                                                num_partitions=self._num_partitions, numpy_batches=True))
-        if self._consumed == 0:
-            num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
+                                                num_partitions=self._num_partitions, numpy_batches=True,
+                                                bundle=self._bundle_size() if self.num_workers else 1,
+                                                segments=self._segments))
+        if self._consumed == 0 and not self.token_mode:
             left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=self.dataset.partial_batches)
             logger.info("epoch %d: %d batches per rank, global batch %d, %s %d positions (partial_batches=%s)",
                         self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left),
@@ -102,17 +129,39 @@ class StreamingDataLoader(DataLoader):
         self._workers_in_sync = False
         # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
-        source = iter(self.dataset) if self.num_workers == 0 else super().__iter__()
+        source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
         pin = self.pin_batches and torch.cuda.is_available()
         for arrays in source:
+            progress = arrays.pop(PROGRESS_KEY, None)
             batch = batch_to_tensors(arrays)
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             # Count before handing out: a state saved after receiving this batch includes it.
-            self._consumed += global_batch
+            if progress is None:
+                self._consumed += global_batch
+            else:
+                self._advance_window(progress, topology.world_size)
             yield batch
-        self._epoch, self._consumed = self._epoch + 1, 0
+        self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
         self._workers_in_sync = self.persistent_workers
+
+    def _bundle_size(self) -> int:
+        """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
+        ds = self.dataset
+        if ds.sample_length is None:
+            return 4
+        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.has_doc_boundaries else 0)) + 8
+        return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
+
+    def _advance_window(self, progress, world_size: int) -> None:
+        window_start, steps_done, window_finished = (int(x) for x in progress)
+        if window_finished:
+            self._consumed, self._segments = window_start + self.dataset.token_window, ()
+            return
+        prior = self._segments if window_start == self._consumed else ()
+        if prior and prior[-1][0] == world_size:
+            prior = prior[:-1]
+        self._consumed, self._segments = window_start, (*prior, (world_size, steps_done))
 
     # -- state ---------------------------------------------------------------------------------
     def _current_state(self, num_partitions: int | None = None) -> LoaderState:
@@ -123,7 +172,8 @@ class StreamingDataLoader(DataLoader):
                            num_partitions=num_partitions or self._num_partitions, block_size=ds.block_size,
                            shuffle_window=ds.shuffle_window, partial_batches=ds.partial_batches,
                            epoch_size=ds.epoch_size, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size)
+                           world_size=topology.world_size, max_tokens=ds.max_tokens, token_window=ds.token_window,
+                           window_segments=self._segments)
 
     def state_dict(self) -> dict[str, Any]:
         """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""
@@ -144,4 +194,5 @@ class StreamingDataLoader(DataLoader):
                              + "; ".join(differences) + ")")
         self._num_partitions = saved.num_partitions
         self._epoch, self._consumed = saved.epoch, saved.samples_consumed
+        self._segments = saved.window_segments
         self._workers_in_sync = False

@@ -29,7 +29,8 @@ from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.order import DEFAULT_SHUFFLE_WINDOW, EpochOrder, OrderConfig
-from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_steps
+from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
 from shardkit.storage import Storage
@@ -37,6 +38,8 @@ from shardkit.storage import Storage
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SAMPLES = 2048
+DEFAULT_TOKEN_WINDOW = 4096
+PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
 
 
@@ -50,6 +53,8 @@ class IterationPlan:
     topology: Topology
     num_partitions: int
     numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
+    bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
+    segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
 
 
 class StreamingDataset(IterableDataset):
@@ -73,6 +78,9 @@ class StreamingDataset(IterableDataset):
         shuffle_window: samples shuffled together within a partition (cache needed vs quality).
         partial_batches: "drop" the ragged end of an epoch (default) or "pad" it by repeating samples.
         epoch_size: positions per mixture epoch (default: all samples of all streams).
+        max_tokens: token-budget batching: every batch holds at most this many tokens, every rank gets
+            the same number of batches (`shardkit.loaders.token_budget`); `batch_size` is then unused.
+        token_window: positions of the global order planned together in token-budget mode.
         chunk_samples: samples gathered at once (amortises per-batch overhead).
         prefetch: download upcoming shards in background threads.
         cache_wait: seconds to wait for room under `cache_limit` before `CacheLimitError`.
@@ -84,8 +92,8 @@ class StreamingDataset(IterableDataset):
                  storage_options: dict[str, Any] | None = None, process_group: Any = None, device_mesh: Any = None,
                  mesh_dim: Any = None, batch_size: int | None = None, num_partitions: int | None = None,
                  block_size: int | None = None, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
-                 partial_batches: str = "drop", epoch_size: int | None = None,
-                 chunk_samples: int = DEFAULT_CHUNK_SAMPLES, prefetch: bool = True, cache_wait: float = 60.0):
+                 partial_batches: str = "drop", epoch_size: int | None = None, max_tokens: int | None = None,
+                 token_window: int = DEFAULT_TOKEN_WINDOW, chunk_samples: int = DEFAULT_CHUNK_SAMPLES, prefetch: bool = True, cache_wait: float = 60.0):
         super().__init__()
         streams = [Stream(source)] if isinstance(source, str) else [source] if isinstance(source, Stream) else list(source)
         if not streams or not all(isinstance(s, Stream) for s in streams):
@@ -94,6 +102,10 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        if token_window < 1:
+            raise ValueError(f"token_window must be >= 1, got {token_window}")
         self.partial_batches = check_policy(partial_batches)
         self.streams = streams
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
@@ -119,6 +131,11 @@ class StreamingDataset(IterableDataset):
         self.num_partitions = num_partitions
         self.epoch_size = epoch_size
         self.batch_size = batch_size
+        self.max_tokens, self.token_window = max_tokens, token_window
+        longest = max((m.max_sample_tokens or 0) for m in self.manifests)
+        if max_tokens is not None and longest > max_tokens:
+            raise ValueError(f"max_tokens={max_tokens} is below the longest sample the manifests allow "
+                             f"(max_sample_tokens={longest}); raise max_tokens")
         self.chunk_samples = chunk_samples
         self.prefetch = prefetch
         self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
@@ -188,6 +205,8 @@ class StreamingDataset(IterableDataset):
                               policy=self.partial_batches)
 
     def __len__(self) -> int:
+        if self.max_tokens is not None:
+            raise TypeError("token-budget batches per epoch depend on the sample lengths: unknown before reading")
         if self.batch_size is None:
             raise TypeError("len(StreamingDataset) needs batch_size; use len(StreamingDataLoader)")
         return self.batches_per_epoch(self.batch_size, self.resolve_topology())
@@ -196,16 +215,23 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor] | dict[str, np.ndarray]]:
         plan = self._plan
         if plan is None:
-            if self.batch_size is None:
+            if self.batch_size is None and self.max_tokens is None:
                 raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
             topology = self.resolve_topology()
-            plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size, topology=topology,
+            plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size or 1, topology=topology,
                                  num_partitions=self.resolve_partitions(topology))
         offset, self._iterations = self._iterations, self._iterations + 1
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        batches = self._generate(plan.epoch + offset, plan.start if offset == 0 else 0, plan, worker, num_workers)
-        return batches if plan.numpy_batches else (batch_to_tensors(b) for b in batches)
+        start = plan.start if offset == 0 else 0
+        if self.max_tokens is not None:
+            batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
+                                            worker, num_workers)
+        else:
+            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers)
+        if info is not None and plan.bundle > 1:
+            return bundled(batches, plan.bundle)
+        return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
     def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
                   num_workers: int) -> Iterator[dict[str, np.ndarray]]:
@@ -213,7 +239,7 @@ class StreamingDataset(IterableDataset):
         topo, batch = plan.topology, plan.batch_size
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
                                policy=self.partial_batches)
-        steps = worker_steps(total, worker=worker, num_workers=num_workers)
+        steps = worker_steps(total, worker=worker, num_workers=num_workers, bundle=plan.bundle)
         per_chunk = max(1, self.chunk_samples // batch)
         chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
 
@@ -221,7 +247,10 @@ class StreamingDataset(IterableDataset):
             positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
                                        world_size=topo.world_size, batch_size=batch, rank=topo.rank,
                                        partition_of=order.partition_of)
-            return order.sample_ids(positions)
+            # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
+            ids = order.sample_ids(positions)
+            ids.sort(axis=1)
+            return ids
 
         held: dict[int, Any] = {}
         executor = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch") if self.prefetch else None
@@ -248,6 +277,56 @@ class StreamingDataset(IterableDataset):
                 handle.close()
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
+
+    def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
+                         worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+        """Token-budget batches: plan each window of the global order (see `token_budget`)."""
+        order = self.order(epoch, plan.num_partitions)
+        topo, total = plan.topology, order.num_positions
+        step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
+        held: dict[int, Any] = {}
+        try:
+            for window_start in range(start, total, self.token_window):
+                ids = order.sample_ids(np.arange(window_start, min(window_start + self.token_window, total)))
+                needed = self._shards_in_order(ids)
+                for index in [i for i in held if i not in set(needed)]:
+                    held.pop(index).close()
+                for index in needed:
+                    if index not in held:
+                        stream, local = self._shard_owner[index]
+                        held[index] = self.caches[stream].open(local)
+                lengths = self._lengths(ids, held)
+                first = window_start == start
+                prior = segments if first else ()
+                skip = 0
+                if prior and prior[-1][0] == topo.world_size:  # same world: continue the same plan
+                    prior, skip = prior[:-1], prior[-1][1]
+                window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
+                                                      max_tokens=self.max_tokens)
+                mine = window_plan.batches[topo.rank]
+                for k in range(skip, window_plan.steps):
+                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
+                        rows = mine[k]
+                        rows = np.where(rows < 0, window_plan.filler, rows)
+                        batch = gather_variable(ids[covered[rows]], table=self.table,
+                                                reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
+                                                pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+                        batch[PROGRESS_KEY] = np.array([window_start, k + 1, k + 1 == window_plan.steps],
+                                                       dtype=np.int64)
+                        yield batch
+                    step += 1
+        finally:
+            for handle in held.values():
+                handle.close()
+
+    def _lengths(self, ids: np.ndarray, held: dict[int, Any]) -> np.ndarray:
+        shard, local = self.table.locate(ids)
+        lengths = np.empty(len(ids), dtype=np.int64)
+        for index in np.unique(shard):
+            rows = np.flatnonzero(shard == index)
+            offsets = held[int(index)].reader.arrays.sample_offsets
+            lengths[rows] = offsets[local[rows] + 1] - offsets[local[rows]]
+        return lengths
 
     def _shards_in_order(self, ids: np.ndarray) -> list[int]:
         shards = np.searchsorted(self.table.ends, ids.reshape(-1), side="right")
@@ -286,6 +365,23 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:
+    """Group a worker's batches into lists of `size` (its steps come in bundles of that many)."""
+    bundle: list[dict[str, np.ndarray]] = []
+    for batch in batches:
+        bundle.append(batch)
+        if len(bundle) == size:
+            yield bundle
+            bundle = []
+    if bundle:
+        yield bundle
+
+
+def strip_progress(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    batch.pop(PROGRESS_KEY, None)
+    return batch
 
 
 def batch_to_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -43,15 +43,23 @@ def dropped_in_epoch(num_positions: int, *, global_batch: int, policy: str = "dr
     return num_positions - steps * global_batch
 
 
-def worker_steps(num_steps: int, *, worker: int, num_workers: int) -> np.ndarray:
-    """Steps (relative to the resume point) that DataLoader worker `worker` produces, round robin.
+def worker_of_step(step: int | np.ndarray, *, num_workers: int, bundle: int = 1):
+    """DataLoader worker that produces `step` (steps counted from the resume point).
 
-    torch's DataLoader hands out worker outputs round robin in worker order, so step s must come
-    from worker s mod num_workers for the batches to arrive in step order.
+    Workers take bundles of `bundle` consecutive steps round robin: torch's DataLoader returns
+    worker outputs round robin in worker order, so the bundles arrive in step order.
     """
+    return (step // bundle) % num_workers
+
+
+def worker_steps(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> np.ndarray:
+    """The steps that DataLoader worker `worker` produces, in order (see `worker_of_step`)."""
     if not 0 <= worker < num_workers:
         raise ValueError(f"worker {worker} is outside [0, {num_workers})")
-    return np.arange(worker, num_steps, num_workers, dtype=np.int64)
+    if bundle < 1:
+        raise ValueError(f"bundle must be >= 1, got {bundle}")
+    steps = np.arange(num_steps, dtype=np.int64)
+    return steps[worker_of_step(steps, num_workers=num_workers, bundle=bundle) == worker]
 
 
 def rank_positions(steps: np.ndarray, *, start: int, num_positions: int, world_size: int, batch_size: int,

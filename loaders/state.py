@@ -10,14 +10,14 @@ into a loader whose order would differ raises `ValueError` naming every differen
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 STATE_VERSION = 1
 STATE_KIND = "shardkit.StreamingDataLoader"
 # Fields that must match for the resumed order to be the same order.
 ORDER_FIELDS = ("dataset", "num_samples", "seed", "shuffle", "num_partitions", "block_size", "shuffle_window",
-                "partial_batches", "epoch_size")
+                "partial_batches", "epoch_size", "max_tokens", "token_window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +35,9 @@ class LoaderState:
         global_batch_size: world_size x batch_size when saved (informative: resuming with another
             global batch continues from `samples_consumed`).
         world_size: data-parallel ranks when saved (informative).
+        max_tokens, token_window: token-budget batching parameters (None / unused otherwise).
+        window_segments: token-budget mode only: [world_size, steps] consumed in the current window
+            (starting at `samples_consumed`), one entry per world size that read from it.
     """
 
     epoch: int
@@ -50,14 +53,20 @@ class LoaderState:
     epoch_size: int | None
     global_batch_size: int
     world_size: int
+    max_tokens: int | None = None
+    token_window: int = 4096
+    window_segments: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
         if self.epoch < 0 or self.samples_consumed < 0:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
+        state = {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
+        state["window_segments"] = [list(s) for s in self.window_segments]
+        return state
 
     @classmethod
     def from_dict(cls, data: Any) -> LoaderState:
@@ -69,10 +78,11 @@ class LoaderState:
             raise ValueError(f"loader state version {data.get('version')!r} is not supported "
                              f"(this shardkit reads version {STATE_VERSION})")
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - data.keys())
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - data.keys())
         if missing:
             raise ValueError(f"loader state lacks {', '.join(missing)}")
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
     def differences(self, other: LoaderState) -> list[str]:
         """Order-relevant fields whose values differ, as 'field: saved X, now Y'."""

@@ -14,8 +14,14 @@ from collections.abc import Sequence
 
 from shardkit import __version__
 
-# Dataset commands (inspect, verify, cat), the build side (build, tokenizer), the trainer (train, plot).
-COMMAND_PROVIDERS = ("shardkit.dataset_commands", "shardkit.tools.commands", "shardkit.train.commands")
+# Dataset commands (inspect, verify, cat), the build side (build, tokenizer), the trainer (train, plot),
+# and the end-to-end demo.
+COMMAND_PROVIDERS = (
+    "shardkit.dataset_commands",
+    "shardkit.tools.commands",
+    "shardkit.train.commands",
+    "shardkit.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -156,6 +156,17 @@ class Manifest:
         if not self.shardkit_version:
             from shardkit import __version__
             object.__setattr__(self, "shardkit_version", __version__)
+        # JSON gives lists and dicts of anything: check shapes here so a malformed manifest fails with
+        # a ManifestError naming the field (a string `sources` would otherwise become its characters).
+        if not isinstance(self.tokenizer, TokenizerInfo):
+            raise ManifestError(f"tokenizer must be a TokenizerInfo, got {type(self.tokenizer).__name__}")
+        if isinstance(self.shards, (str, bytes, dict)) or not all(isinstance(s, ShardInfo) for s in self.shards):
+            raise ManifestError("shards must be a list of shard entries")
+        if isinstance(self.sources, (str, bytes, dict)) or not all(isinstance(s, str) for s in self.sources):
+            raise ManifestError(f"sources must be a list of strings, got {self.sources!r:.80}")
+        for label in ("compression", "build"):
+            if not isinstance(getattr(self, label), dict):
+                raise ManifestError(f"{label} must be a JSON object, got {getattr(self, label)!r:.80}")
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "sources", tuple(self.sources))
         if self.max_sample_tokens is None and self.seq_len is not None:
@@ -238,7 +249,7 @@ class Manifest:
                 tokenizer=TokenizerInfo(**data["tokenizer"]),
                 compression=data.get("compression", {"codec": "zstd"}),
                 shards=shards,
-                sources=tuple(data.get("sources", ())),
+                sources=data.get("sources", ()),
                 build=data.get("build", {}),
             )
         except ManifestError as err:

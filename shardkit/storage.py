@@ -42,6 +42,9 @@ _TRANSIENT_CODES = {
     "ServiceUnavailable",
     "503",
     "500",
+    # The body did not match its checksum in transit (upload or download): sending again can succeed.
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
 }
 # Exception class names (matched along the MRO, so no optional import is needed) that are transient.
 _TRANSIENT_CLASS_NAMES = {
@@ -59,6 +62,9 @@ _TRANSIENT_CLASS_NAMES = {
     "ServerTimeoutError",
     "ClientOSError",
     "ContentLengthError",
+    "IncompleteRead",
+    # botocore's response checksum (x-amz-checksum-*) did not match the bytes received: a re-read can succeed.
+    "FlexibleChecksumError",
 }
 # Last resort for wrappers that keep only the message. A bare status number counts only as its own
 # token: "shard-000503.tar" in a message about a missing file must not be retried six times.

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["conftest_faults"]  # the fault-injecting S3 proxy and the reliability figures
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
 S3_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

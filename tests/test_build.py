@@ -211,10 +211,15 @@ def test_txt_paragraphs_and_bos(tmp_path):
 
 
 @pytest.mark.s3
-def test_build_to_s3(corpus, tmp_path, s3_bucket):
+def test_build_to_s3(corpus, tmp_path, s3_bucket, capsys):
     url, options = s3_bucket
     result = run_build(config([corpus / "a.jsonl"], url, storage_options=options))
     local = run_build(config([corpus / "a.jsonl"], tmp_path / "local"))
+    # the CLI, with the options as --storage-option, finds the same finished build
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    assert main(["build", str(corpus / "a.jsonl"), "--output", url, "--tokenizer", "byte", "--seq-len", "64",
+                 "--shard-size", "20000", "--unit-size", "4096", *flags]) == 0
+    assert "already holds this build" in capsys.readouterr().err
     manifest, samples = read_samples(url, options)
     assert [s.sha256 for s in manifest.shards] == [s.sha256 for s in local.manifest.shards]
     assert len(samples) == result.manifest.num_samples
@@ -240,3 +245,10 @@ def test_real_prose_with_gpt2(tmp_path):
     tok = load_tokenizer(str(tokenizer))
     first = json.loads((tmp_path / "prose.jsonl").read_text().splitlines()[0])["text"]
     assert docs[(0, 0)] == tok.encode(first).tolist() + [50256]
+
+
+def test_nothing_accepted_is_an_error_naming_the_reasons(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"none of the 2 input documents") as caught:
+        run_build(config([tmp_path / "bad.jsonl"], tmp_path / "out"))
+    assert "malformed JSON: 1" in str(caught.value) and "'text' is int, not a string: 1" in str(caught.value)

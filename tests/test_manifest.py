@@ -285,3 +285,16 @@ def test_manifest_killed_mid_write_is_old_or_new_never_partial(tmp_path):
 def test_json_seq_len_is_never_silently_truncated():
     with pytest.raises(ManifestError, match="seq_len must be a positive integer or variable, got 2048.5"):
         Manifest.from_dict(manifest_dict(seq_len=2048.5))
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"compression": "zstd"}, "compression must be a JSON object"),
+    ({"build": [1]}, "build must be a JSON object"),
+    ({"sources": "abc"}, "sources must be a list of strings"),
+    ({"sources": [1, 2]}, "sources must be a list of strings"),
+    ({"shards": {"a": 1}}, "malformed manifest|shards must be a list"),
+    ({"tokenizer": "x"}, "malformed manifest"),
+])
+def test_wrongly_shaped_json_fields_are_manifest_errors(changes, match):
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_dict(manifest_dict(**changes))

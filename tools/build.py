@@ -306,8 +306,10 @@ def _run(config: BuildConfig, executor, workers: int, began: float) -> BuildResu
     finally:
         progress.close()
     if not shards:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(stats.rejected_by_reason.items())) or "none"
+        unreadable = "; ".join(f"{e['file']}: {e['reason']}" for e in stats.file_errors[:3])
         raise ValueError(f"nothing to write: none of the {stats.documents_in} input documents was accepted "
-                         f"({stats.documents_rejected} rejected; see the messages above)")
+                         f"(rejected by reason: {reasons}" + (f"; unreadable: {unreadable}" if unreadable else "") + ")")
     seconds = time.perf_counter() - began
     manifest = Manifest(shard_format=config.shard_format, token_dtype=token_dtype,
                         seq_len=None if config.packing == "none" else config.seq_len,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardkit.dataset_commands import STORAGE_OPTION_HELP, parse_storage_options
+
 BUILD_EPILOG = """\
 examples:
   shardkit build corpus/*.jsonl.zst --output s3://bucket/ds --tokenizer tiktoken:cl100k_base --seq-len 2048
@@ -32,8 +34,11 @@ def _add_build(subparsers) -> None:
                    help="files, directories (searched recursively), globs or fsspec URLs (s3://...). Recognised by "
                         "name: .jsonl, .jsonl.gz, .jsonl.zst (one JSON object per line), .parquet, .txt. "
                         "Example: 'corpus/*.jsonl.zst'")
-    p.add_argument("--output", "-o", required=True, metavar="URL",
+    p.add_argument("--output", required=True, metavar="URL",
                    help="dataset prefix to write: a local directory or any fsspec URL, e.g. s3://bucket/datasets/web")
+    p.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   dest="storage_option", help=STORAGE_OPTION_HELP.replace("the dataset's filesystem",
+                                                                           "the inputs' and the output's filesystems"))
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="'byte' (UTF-8 bytes), a tokenizer.json or HF tokenizer directory, a .tiktoken file, "
                         "tiktoken:NAME (e.g. tiktoken:cl100k_base; honours TIKTOKEN_CACHE_DIR) or a sentencepiece "
@@ -108,7 +113,7 @@ def _add_tokenizer(subparsers) -> None:
     train.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories, globs or fsspec URLs")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
                        help="vocabulary size including the 256 byte symbols and specials, e.g. 32000")
-    train.add_argument("--output", "-o", required=True, metavar="FILE", help="tokenizer.json to write")
+    train.add_argument("--output", required=True, metavar="FILE", help="tokenizer.json to write")
     train.add_argument("--text-field", default="text", metavar="NAME", help="JSON key / Parquet column. Default: text")
     train.add_argument("--txt-mode", choices=("file", "paragraph"), default="file",
                        help="a .txt document is the whole file or each paragraph. Default: file")
@@ -143,7 +148,7 @@ def run_build_command(args: argparse.Namespace) -> int:
             max_doc_chars=args.max_doc_chars, bestfit_buffer=args.bestfit_buffer, workers=args.workers,
             executor=args.executor, ray_address=args.ray_address, overwrite=args.overwrite,
             unit_bytes=parse_size(args.unit_size, option="--unit-size"), max_examples=args.report_examples,
-            progress=not args.no_progress)
+            progress=not args.no_progress, storage_options=parse_storage_options(args.storage_option))
         result = run_build(config)
     except BuildInputError as err:
         print(f"shardkit build: bad input: {err}", file=sys.stderr)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -384,12 +383,3 @@ def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode
         else:
             yield from _parquet_units(file, source, cursor, text_field=text_field, rows_per_unit=rows_per_unit,
                                       storage_options=storage_options, skip_units=skip_units)
-
-
-def total_input_bytes(files: Sequence[InputFile]) -> int:
-    return sum(f.size for f in files)
-
-
-def local_path(url: str) -> str | None:
-    """The local path of an input URL, or None when it is remote."""
-    return url if os.path.exists(url) else None

@@ -97,6 +97,9 @@ class ConcatPacker(Packer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._reset()
+
+    def _reset(self) -> None:
         self._carry = np.zeros(0, dtype=self.dtype)
         self._starts = np.zeros(0, dtype=_I64)
         self._sources = np.zeros(0, dtype=_I64)
@@ -138,7 +141,7 @@ class ConcatPacker(Packer):
         self.stats.final_partial_tokens = len(self._carry)
         self.stats.padding_tokens += pad
         self.stats.samples += 1
-        self.__post_init__()
+        self._reset()
         return [sample]
 
     def snapshot(self):

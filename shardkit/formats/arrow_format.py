@@ -21,9 +21,13 @@ import numpy as np
 import pyarrow as pa
 
 from shardkit.errors import CorruptShardError
+from shardkit.formats.arrow_ipc import declared_batch_bytes
 from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays, numpy_token_dtype
 
 BATCH_RAW_BYTES = 1 << 20
+# Declared buffer sizes may exceed RecordBatch.nbytes by a little (offsets buffers, alignment).
+_SLACK_PER_BUFFER = 64
+_FILE_MAGIC_BYTES = 8  # "ARROW1" and padding, then the IPC stream the footer indexes
 _ARROW_TOKEN_TYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
 _DOC_FIELDS = (("doc_starts", pa.int32()), ("doc_source", pa.int32()), ("doc_index", pa.int64()))
 
@@ -87,9 +91,10 @@ def _flat(column: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
 def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
     """Read an arrow shard into flat arrays, checking schema, nulls and the manifest's raw size."""
     dtype = numpy_token_dtype(token_dtype)
+    buffer = pa.py_buffer(data)
     try:
-        reader = pa.ipc.open_file(pa.py_buffer(data))
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+        reader = pa.ipc.open_file(buffer)
+    except (pa.ArrowException, OSError) as err:  # any Arrow error: invalid, not implemented, type...
         raise CorruptShardError(shard, f"not a readable Arrow IPC file ({err})") from err
     names = reader.schema.names
     has_docs = "doc_starts" in names
@@ -99,12 +104,12 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
     parts: dict[str, list[np.ndarray]] = {"tokens": [], "lengths": [], "doc_counts": [], "doc_starts": [], "doc_source": [], "doc_index": []}
     seen_raw = 0
     try:
-        for b in range(reader.num_record_batches):
-            batch = reader.get_batch(b)
+        for b, batch in enumerate(_bounded_batches(buffer, reader, shard, raw_bytes)):
             seen_raw += batch_raw_bytes(batch)
             if seen_raw > raw_bytes:
                 raise CorruptShardError(shard, f"decompresses past the {raw_bytes} raw bytes the manifest allows")
-            if any(batch.column(i).null_count for i in range(batch.num_columns)):
+            # Nulls inside the lists count too: numpy would turn them into arbitrary token ids.
+            if any(batch.column(i).null_count or batch.column(i).flatten().null_count for i in range(batch.num_columns)):
                 raise CorruptShardError(shard, f"record batch {b} holds nulls")
             offsets, values = _flat(batch.column("tokens"), dtype)
             parts["tokens"].append(values)
@@ -118,7 +123,7 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
                     parts[name].append(values)
                 parts["doc_starts"].append(starts)
                 parts["doc_counts"].append(np.diff(doc_offsets))
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+    except (pa.ArrowException, OSError) as err:
         raise CorruptShardError(shard, f"Arrow data is corrupt ({err})") from err
     if seen_raw != raw_bytes:
         raise CorruptShardError(shard, f"payload is {seen_raw} bytes, the manifest says {raw_bytes}")
@@ -139,3 +144,39 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
                              concat("doc_source", DOC_SOURCE_DTYPE), concat("doc_index", DOC_INDEX_DTYPE))
     arrays.validate(shard)
     return arrays
+
+
+def _bounded_batches(buffer: pa.Buffer, reader: pa.ipc.RecordBatchFileReader, shard: str, raw_bytes: int):
+    """Yield the record batches in stream order, refusing any whose declared buffer sizes would take
+    the shard past `raw_bytes` *before* pyarrow allocates and decompresses them (zstd bombs).
+
+    Batches are read from the IPC stream inside the file rather than through the footer, so exactly
+    the bytes that were checked are decoded; the footer must index as many batches as the stream holds.
+    """
+    messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(buffer.slice(_FILE_MAGIC_BYTES)))
+    declared_total = buffer_count = batches = 0
+    first = True
+    while True:
+        try:
+            message = messages.read_next_message()
+        except StopIteration:
+            break
+        if first:
+            first = False
+            if message.type != "schema":
+                raise CorruptShardError(shard, f"Arrow IPC stream starts with a {message.type} message, not the schema")
+            continue
+        if message.type != "record batch":
+            raise CorruptShardError(shard, f"unexpected Arrow IPC {message.type} message (shards hold record batches only)")
+        declared, count = declared_batch_bytes(message.metadata, message.body or b"", shard)
+        declared_total += declared
+        buffer_count += count
+        if declared_total > raw_bytes + _SLACK_PER_BUFFER * buffer_count:
+            raise CorruptShardError(shard, f"record batch {batches} declares {declared} uncompressed bytes, taking the "
+                                           f"shard past the {raw_bytes} raw bytes the manifest allows (refused before "
+                                           "decompressing)")
+        yield pa.ipc.read_record_batch(message, reader.schema)
+        batches += 1
+    if batches != reader.num_record_batches:
+        raise CorruptShardError(shard, f"the Arrow footer indexes {reader.num_record_batches} record batches, "
+                                       f"the stream holds {batches}")

@@ -1,0 +1,78 @@
+"""Print the docs/RELIABILITY.md table from the figures the reliability tests wrote.
+
+    python -m pytest -q tests/test_faults.py tests/test_adversarial.py tests/test_pipeline_faults.py \
+        tests/test_kill_matrix.py tests/test_secrets.py tests/test_fuzz.py
+    python benchmarks/reliability_table.py [bench_out/reliability.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# scenario key prefix -> (promise, test that proves it)
+SCENARIOS = [
+    ("storage_round_trip_10pct", "Storage read/write/range/list at 10% faults return the written bytes",
+     "tests/test_faults.py::test_storage_round_trip_under_faults[0.1]"),
+    ("storage_round_trip_30pct", "... at 30% faults", "tests/test_faults.py::test_storage_round_trip_under_faults[0.3]"),
+    ("write_dataset_10pct", "write_dataset + verified reads at 10% faults: fault-free manifest, same samples",
+     "tests/test_faults.py::test_write_dataset_under_faults_matches_fault_free[0.1-*]"),
+    ("write_dataset_30pct", "... at 30% faults", "tests/test_faults.py::test_write_dataset_under_faults_matches_fault_free[0.3-*]"),
+    ("flipped_bytes", "A flipped bit in a GET body is never returned (botocore checksum or manifest SHA-256, re-read)",
+     "tests/test_faults.py::test_flipped_bytes_are_never_returned"),
+    ("download_shard_30pct", "download_shard at 30% faults: verified file appears atomically, no temporaries",
+     "tests/test_faults.py::test_download_shard_under_faults"),
+    ("retry_budget_exhausted", "Past the retry budget: bounded requests and time, error names the object URL",
+     "tests/test_faults.py::test_retry_budget_exhausted_names_the_object"),
+    ("build_upload_10pct", "`shardkit build` to S3 at 10% faults: same manifest and shard hashes as fault-free",
+     "tests/test_pipeline_faults.py::test_build_under_faults_matches_fault_free[tar-0.1]"),
+    ("build_upload_30pct", "... at 30% faults (arrow)", "tests/test_pipeline_faults.py::test_build_under_faults_matches_fault_free[arrow-0.3]"),
+    ("loader_download_10pct", "Loader from S3 at 10% faults yields exactly the fault-free sample stream",
+     "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[0.1]"),
+    ("loader_download_30pct", "... at 30% faults", "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[0.3]"),
+    ("sigkill_build", "Build SIGKILLed at 20 seeded points, rerun: manifest equals the uninterrupted build's",
+     "tests/test_kill_matrix.py::test_build_sigkill_matrix"),
+    ("sigkill_cache_download", "Cache: 3 readers, one SIGKILLed at 20 seeded points: others finish, no partial file read",
+     "tests/test_kill_matrix.py::test_cache_download_sigkill_matrix"),
+    ("cache_16_processes", "16 processes (4 ranks x 3 workers), cache limit 75% of the dataset, 2 epochs: each sample once per epoch",
+     "tests/test_kill_matrix.py::test_sixteen_processes_share_a_cache_smaller_than_the_dataset"),
+    ("adversarial_manifests", "Manifest naming `../`, absolute, URL, drive, backslash, NUL shards: ManifestError",
+     "tests/test_adversarial.py::test_manifest_with_unsafe_shard_name_is_refused"),
+    ("adversarial_tar", "Tar traversal/absolute/nested names, sym/hard links, dirs, FIFOs, GNU long names, absurd sizes, pickles: CorruptShardError, nothing extracted",
+     "tests/test_adversarial.py::test_hostile_tar_member_is_refused"),
+    ("adversarial_arrow", "Arrow wrong schema (dtype, extra/missing column, flat, strings), nulls, misaligned docs: CorruptShardError",
+     "tests/test_adversarial.py::test_hostile_arrow_shard_is_refused"),
+    ("zstd_bomb_tar-declared", "1 GiB zstd bomb in a tar member, size declared: refused, RSS bounded",
+     "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[tar-declared]"),
+    ("zstd_bomb_tar-undeclared", "... size not declared", "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[tar-undeclared]"),
+    ("zstd_bomb_arrow-declared", "1 GiB zstd bomb as an Arrow IPC buffer, frame size declared: refused before pyarrow allocates",
+     "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[arrow-declared]"),
+    ("zstd_bomb_arrow-undeclared", "... frame size not declared", "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[arrow-undeclared]"),
+    ("fuzz", "Fuzzed shards raise only CorruptShardError; fuzzed JSONL/Parquet ingest accounts for every record",
+     "tests/test_fuzz.py"),
+    ("secrets", "Sentinel secrets (env, storage_options) absent from DEBUG logs, errors, reprs, report, manifests, loader state",
+     "tests/test_secrets.py::test_secrets_never_leak"),
+]
+COLUMNS = ("runs", "faults", "samples_checked", "lost", "duplicated", "corrupt")
+
+
+def cell(entry: dict, key: str) -> str:
+    return str(entry[key]) if key in entry else "-"
+
+
+def main(path: str) -> None:
+    figures = json.loads(Path(path).read_text())
+    print("| Scenario | Promise | Test | " + " | ".join(COLUMNS) + " | Other figures |")
+    print("|---|---|---|" + "---|" * (len(COLUMNS) + 1))
+    for key, promise, test in SCENARIOS:
+        entry = figures.get(key)
+        if entry is None:
+            print(f"| {key} | {promise} | `{test}` | " + " | ".join("not run" for _ in COLUMNS) + " | |")
+            continue
+        other = ", ".join(f"{k}={v}" for k, v in sorted(entry.items()) if k not in COLUMNS)
+        print(f"| {key} | {promise} | `{test}` | " + " | ".join(cell(entry, c) for c in COLUMNS) + f" | {other} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench_out/reliability.json")

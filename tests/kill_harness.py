@@ -1,0 +1,312 @@
+"""Long-lived harness for the SIGKILL matrices: one process per scenario imports everything once, then
+forks a child per run and SIGKILLs it at seeded random moments (forking costs milliseconds where a
+fresh interpreter costs seconds on this machine). The harness holds no threads when it forks.
+
+    python tests/kill_harness.py build CORPUS WORKDIR POINTS SEED   -> JSON figures on stdout
+    python tests/kill_harness.py cache DATASET WORKDIR POINTS SEED  -> JSON figures on stdout
+
+build: each point kills a build once its output holds a seeded random number of shards, plus a random
+part of one shard's time; runs on the same output are chained (kill, resume, kill again, ...) and every
+output is finally completed; its manifest must equal an uninterrupted
+build's and no temporary or state file may remain.
+cache: each point starts 3 readers sharing one cache directory, SIGKILLs one at a random moment and
+requires the other two to finish (no deadlock) with every sample they read intact; a fresh reader then
+reads the whole dataset from that cache (nothing poisoned) and no temporary file remains.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+KILLS_PER_OUTPUT = 4
+DEADLINE = 60.0
+
+
+class InlineExecutor:
+    """Runs work units in the build process itself: the kill then hits the process that writes."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def map_ordered(self, fn, items, *args):
+        return (fn(item, *args) for item in items)
+
+
+def _fork(target, *args) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            target(*args)
+            code = 0
+        except BaseException as err:  # noqa: BLE001 - reported through the exit status and stderr
+            print(f"child {os.getpid()} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int, timeout: float) -> int | None:
+    """Exit status of `pid` (negative signal number when killed), None on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        time.sleep(0.002)
+    return None
+
+
+# -- build ------------------------------------------------------------------------------------------
+def _shard_count(output: str) -> int:
+    try:
+        return sum(name.startswith("shard-") and ".tmp-" not in name for name in os.listdir(output))
+    except FileNotFoundError:
+        return 0
+
+
+def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
+    import shardkit.tools.build as build_module
+    from shardkit.tools.build import BuildConfig, run_build
+
+    build_module.make_executor = lambda *args, **kwargs: InlineExecutor()
+
+    def config(output: str) -> BuildConfig:
+        return BuildConfig(inputs=(corpus,), output=output, tokenizer="byte", seq_len=63, shard_size=6_000,
+                           unit_bytes=8 * 1024, workers=1, progress=False)
+
+    began = time.monotonic()
+    reference = run_build(config(os.path.join(workdir, "reference"))).manifest
+    duration = time.monotonic() - began
+    total_shards = len(reference.shards)
+    shard_seconds = duration / total_shards
+    rng = random.Random(seed)
+    figures = {"runs": 0, "killed_mid_build": 0, "finished_before_kill": 0, "outputs": 0, "mismatches": 0,
+               "samples_checked": 0, "leftovers": 0, "build_seconds": round(duration, 3)}
+    output_index = 0
+    while figures["runs"] < points:
+        output = os.path.join(workdir, f"out-{output_index}")
+        output_index += 1
+        for _ in range(min(KILLS_PER_OUTPUT, points - figures["runs"])):
+            # The kill point: once the output holds a random number of shards (at least one more
+            # than now), plus a random fraction of one shard's time, so it lands anywhere in a write.
+            target = rng.randint(min(_shard_count(output) + 1, total_shards), total_shards)
+            extra = rng.uniform(0.0, shard_seconds)
+            pid = _fork(lambda: run_build(config(output)))
+            deadline = time.monotonic() + DEADLINE
+            while _shard_count(output) < target and time.monotonic() < deadline:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+                time.sleep(0.001)
+            time.sleep(extra)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            status = _wait(pid, DEADLINE)
+            figures["runs"] += 1
+            figures["killed_mid_build" if status == -signal.SIGKILL else "finished_before_kill"] += 1
+            if status not in (0, -signal.SIGKILL):
+                raise RuntimeError(f"a killed build's run ended with status {status}")
+        final = run_build(config(output))  # resume (or "done") to the end
+        figures["outputs"] += 1
+        if final.manifest.to_json() != reference.to_json():
+            figures["mismatches"] += 1
+        figures["samples_checked"] += final.manifest.num_samples
+        names = [os.path.relpath(os.path.join(d, f), output) for d, _, fs in os.walk(output) for f in fs]
+        figures["leftovers"] += sum(".tmp-" in n or n.startswith("_build") for n in names)
+    return figures
+
+
+# -- cache ------------------------------------------------------------------------------------------
+def _read_all(dataset: str, cache_dir: str, order: list[int], result_path: str) -> None:
+    import numpy as np
+
+    from shardkit.loaders.cache import ShardCache
+    from shardkit.manifest import load_manifest
+    from shardkit.storage import Storage
+
+    storage = Storage(dataset)
+    manifest = load_manifest(storage)
+    cache = ShardCache(storage, manifest, cache_dir)
+    starts = np.cumsum([0] + [s.samples for s in manifest.shards])
+    bad = checked = 0
+    for index in order:
+        handle = cache.open(index)
+        try:
+            tokens = handle.reader.gather(np.arange(len(handle.reader))).astype(np.int64)
+            ids = starts[index] + np.arange(len(handle.reader))
+            bad += int(((tokens[:, 0] != ids % 60000) | (tokens[:, 1] != ids // 60000)).sum())
+            checked += len(ids)
+        finally:
+            handle.close()
+    with open(result_path, "w") as fh:
+        json.dump({"bad": bad, "checked": checked, "downloads": cache.stats.downloads}, fh)
+
+
+def _busy(path: str) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def cache_matrix(dataset: str, workdir: str, points: int, seed: int) -> dict:
+    import numpy  # noqa: F401 - imported once here, before the forks
+    import shardkit.loaders.cache  # noqa: F401
+    from shardkit.manifest import load_manifest
+
+    num_shards = len(load_manifest(dataset).shards)
+    # Calibrate: how long 3 readers take to fill an empty cache.
+    began = time.monotonic()
+    calibration = os.path.join(workdir, "calibration")
+    pids = [_fork(_read_all, dataset, calibration, list(range(num_shards)), os.path.join(workdir, f"cal{i}.json"))
+            for i in range(3)]
+    if any(_wait(pid, DEADLINE) != 0 for pid in pids):
+        raise RuntimeError("calibration readers failed")
+    duration = time.monotonic() - began
+    rng = random.Random(seed)
+    figures = {"runs": 0, "killed_mid_run": 0, "kills_during_download": 0, "survivor_reads": 0, "samples_checked": 0,
+               "corrupt": 0, "deadlocks": 0, "leftovers": 0, "fill_seconds": round(duration, 3)}
+    for point in range(points):
+        cache_dir = os.path.join(workdir, f"cache-{point}")
+        orders = [rng.sample(range(num_shards), num_shards) for _ in range(3)]
+        results = [os.path.join(workdir, f"r{point}-{i}.json") for i in range(3)]
+        pids = [_fork(_read_all, dataset, cache_dir, order, path) for order, path in zip(orders, results)]
+        victim = rng.randrange(3)
+        time.sleep(rng.uniform(0.0, duration))
+        locks = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs if f.endswith(".dl")]
+        downloading = any(_busy(p) for p in locks)
+        try:
+            os.kill(pids[victim], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        statuses = [_wait(pid, DEADLINE) for pid in pids]
+        figures["runs"] += 1
+        if statuses[victim] == -signal.SIGKILL:
+            figures["killed_mid_run"] += 1
+            figures["kills_during_download"] += downloading
+        for i, status in enumerate(statuses):
+            if status is None:
+                figures["deadlocks"] += 1
+                os.kill(pids[i], signal.SIGKILL)
+                _wait(pids[i], DEADLINE)
+            elif i != victim or status == 0:
+                if status != 0:
+                    raise RuntimeError(f"reader {i} of point {point} failed with status {status}")
+                with open(results[i]) as fh:
+                    result = json.load(fh)
+                figures["survivor_reads"] += 1
+                figures["samples_checked"] += result["checked"]
+                figures["corrupt"] += result["bad"]
+        # A fresh reader afterwards: nothing the dead one left may block or poison it.
+        after = os.path.join(workdir, f"after-{point}.json")
+        if _wait(_fork(_read_all, dataset, cache_dir, list(range(num_shards)), after), DEADLINE) != 0:
+            raise RuntimeError(f"a fresh reader failed after point {point}")
+        with open(after) as fh:
+            result = json.load(fh)
+        figures["samples_checked"] += result["checked"]
+        figures["corrupt"] += result["bad"]
+        figures["leftovers"] += sum(".tmp-" in f for _, _, fs in os.walk(cache_dir) for f in fs)
+    return figures
+
+
+# -- 16 processes sharing one cache under a limit ----------------------------------------------------
+RANKS, WORKERS, EPOCHS, BATCH = 4, 3, 2, 4
+
+
+def _rank(dataset: str, cache_dir: str, cache_limit: int, rank: int, result_path: str) -> None:
+    import numpy as np
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    data = StreamingDataset(dataset, cache_dir=cache_dir, cache_limit=cache_limit, cache_wait=10.0, shuffle=True,
+                            seed=11, rank=rank, world_size=RANKS, local_rank=rank, local_world_size=RANKS,
+                            shuffle_window=64, chunk_samples=32)
+    loader = StreamingDataLoader(data, batch_size=BATCH, num_workers=WORKERS, multiprocessing_context="fork",
+                                 persistent_workers=True)
+    epochs, bad = [], 0
+    for _ in range(EPOCHS):
+        ids = []
+        for batch in loader:
+            got = batch["sample_id"].numpy()
+            tokens = batch["tokens"].numpy().astype(np.int64)
+            bad += int(((tokens[:, 0] != got % 60000) | (tokens[:, 1] != got // 60000)).sum())
+            ids.extend(int(i) for i in got)
+        epochs.append(ids)
+    with open(result_path, "w") as fh:
+        json.dump({"epochs": epochs, "bad": bad}, fh)
+
+
+def concurrency(dataset: str, workdir: str, limit_fraction: float, seed: int) -> dict:
+    import torch  # noqa: F401 - imported once here, before the forks
+
+    import shardkit.loaders.dataset  # noqa: F401
+    from shardkit.formats import open_decoded
+    from shardkit.manifest import load_manifest
+
+    manifest = load_manifest(dataset)
+    cache_dir = os.path.join(workdir, "cache")
+    # Decoded size of the whole dataset, measured by decoding it once into a scratch directory.
+    from shardkit.loaders.cache import ShardCache
+    from shardkit.storage import Storage
+
+    probe = ShardCache(Storage(dataset), manifest, os.path.join(workdir, "probe"))
+    for i in range(len(manifest.shards)):
+        probe.open(i).close()
+    dataset_bytes = sum(os.path.getsize(probe.path(i)) for i in range(len(manifest.shards)))
+    open_decoded(probe.path(0))  # the probe files are valid
+    limit = int(dataset_bytes * limit_fraction)
+    began = time.monotonic()
+    results = [os.path.join(workdir, f"rank{r}.json") for r in range(RANKS)]
+    pids = [_fork(_rank, dataset, cache_dir, limit, r, results[r]) for r in range(RANKS)]
+    statuses = [_wait(pid, 120.0) for pid in pids]
+    for pid, status in zip(pids, statuses):
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+    figures = {"processes": RANKS * (1 + WORKERS), "epochs": EPOCHS, "cache_limit": limit, "dataset_decoded_bytes":
+               dataset_bytes, "deadlocks": sum(s is None for s in statuses), "failed": sum(s not in (0, None) for s in statuses),
+               "seconds": round(time.monotonic() - began, 2)}
+    if figures["deadlocks"] or figures["failed"]:
+        return figures
+    per_epoch = [[] for _ in range(EPOCHS)]
+    bad = 0
+    for path in results:
+        with open(path) as fh:
+            result = json.load(fh)
+        bad += result["bad"]
+        for e, ids in enumerate(result["epochs"]):
+            per_epoch[e].extend(ids)
+    expected = manifest.num_samples - manifest.num_samples % (RANKS * BATCH)
+    figures.update(corrupt=bad, samples_checked=sum(len(ids) for ids in per_epoch),
+                   lost=sum(expected - len(set(ids)) for ids in per_epoch),
+                   duplicated=sum(len(ids) - len(set(ids)) for ids in per_epoch),
+                   epochs_differ=int(per_epoch[0] != per_epoch[1]),
+                   peak_cache_bytes_ok=int(_cache_bytes(cache_dir) <= limit))
+    return figures
+
+
+def _cache_bytes(cache_dir: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache_dir) for f in fs if f.endswith(".skd"))
+
+
+if __name__ == "__main__":
+    mode, source, workdir, amount, seed = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+    if mode == "concurrency":
+        print(json.dumps(concurrency(source, workdir, amount, seed)))
+    else:
+        matrix = {"build": build_matrix, "cache": cache_matrix}[mode]
+        print(json.dumps(matrix(source, workdir, int(amount), seed)))
