@@ -117,7 +117,7 @@ class OptimizerConfig:
 
     lr: float = option(3e-4, "peak learning rate")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr")
-    warmup_steps: int = option(100, "linear warm-up steps")
+    warmup_steps: int | None = option(None, "linear warm-up steps; default min(100, --steps // 10)")
     schedule: str = option("cosine", "after warm-up: 'cosine' decay, 'wsd' (warmup-stable-decay) or 'constant'",
                            choices=SCHEDULES)
     decay_fraction: float = option(0.2, "wsd: fraction of all steps spent in the final linear decay")
@@ -130,7 +130,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--lr must be positive, got {self.lr}")
         _check(0 <= self.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.warmup_steps is None or self.warmup_steps >= 0,
+               f"--warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         _check(0 < self.decay_fraction <= 1, f"--decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _check(self.weight_decay >= 0, f"--weight_decay must be >= 0, got {self.weight_decay}")
@@ -217,6 +218,9 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+        if self.optimizer.warmup_steps is None:  # resolved here so that config.json records the value used
+            object.__setattr__(self, "optimizer", dataclasses.replace(
+                self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
                f"--warmup_steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
 
