@@ -107,7 +107,8 @@ def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, sour
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
     result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size, extra=extra))
-    assert "resharded" in result.stderr + result.stdout or nproc == 2
+    if nproc != 2:  # another world size: the log says the checkpoint was resharded
+        assert "saved by 2 ranks, now %d: resharded" % nproc in result.stderr
     resumed, expected = losses(run_dir), losses(ref)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
