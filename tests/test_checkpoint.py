@@ -121,3 +121,16 @@ def test_rng_state_round_trip_is_plain_data():
     rng.set_state(state)
     second = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(first[0], second[0]) and np.array_equal(first[1], second[1]) and first[2] == second[2]
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path, rank=0)
+    save(checkpointer, 2, model, optimizer, scheduler)
+    (tmp_path / "step_00000002.old-notes").mkdir()  # names that are not checkpoints are ignored
+    train_steps(model, optimizer, scheduler, 1)
+    save(checkpointer, 2, model, optimizer, scheduler)  # e.g. a run restarted with --resume none
+    fresh = make_state(1)
+    checkpointer.load(find_latest(tmp_path), model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh[0].parameters()))
+    assert find_latest(tmp_path).name == "step_00000002"

@@ -79,3 +79,9 @@ def test_help_shows_field_docs(capsys):
     out = capsys.readouterr().out
     assert "--optimizer.lr" in out and "--lr FLOAT" in out
     assert "peak learning rate" in out and "--document_mask" in out and "--config FILE" in out
+
+
+def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
+    assert config_from_dict({"steps": 30}).optimizer.warmup_steps == 3
+    assert config_from_dict({"steps": 5000}).optimizer.warmup_steps == 100
+    assert config_from_dict({"steps": 30, "optimizer": {"warmup_steps": 7}}).optimizer.warmup_steps == 7

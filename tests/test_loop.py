@@ -107,10 +107,24 @@ def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, sour
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
     result = check_ok(run(run_dir, data, parallel=parallel, nproc=nproc, batch_size=batch_size, extra=extra))
-    assert "resharded" in result.stderr + result.stdout or nproc == 2
+    if nproc != 2:  # another world size: the log says the checkpoint was resharded
+        assert "saved by 2 ranks, now %d: resharded" % nproc in result.stderr
     resumed, expected = losses(run_dir), losses(ref)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
         assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
     assert sample_ids(run_dir) == {step: ids for step, ids in sample_ids(ref).items() if step > 4}
     assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]  # the final save completed (async too)
+
+
+def test_fsdp_bf16_accumulation_and_activation_checkpointing(tmp_path, data, reference):
+    """FSDP2 with bf16 parameters / fp32 reduction, gradient accumulation (no reduce-scatter on the
+    first micro-step) and activation checkpointing trains the same samples to nearly the same losses."""
+    run_dir = tmp_path / "run"
+    check_ok(run(run_dir, data, parallel="fsdp", batch_size=3, checkpoint_every=0,
+                 extra=("--precision", "bf16", "--grad_accum", "2", "--activation_checkpointing")))
+    resumed, expected = losses(run_dir), losses(reference("fsdp"))
+    assert sorted(resumed) == sorted(expected)
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=2e-2), step
+    assert sample_ids(run_dir) == sample_ids(reference("fsdp"))

@@ -22,6 +22,14 @@ def datasets(tmp_path_factory):
     return str(root / "train"), str(root / "eval")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, datasets):
+    """One uninterrupted 8-step run, shared by the comparisons below."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert run_training(run_dir, datasets[0]) == 0
+    return run_dir
+
+
 def run_training(run_dir, data, *, signal_at_batch=None, **options):
     values = {"steps": 8, "device": "cpu", "optimizer": {"warmup_steps": 2},
               "data": {"data": data, "batch_size": 12, "cache_dir": str(run_dir.parent / "cache")},
@@ -50,10 +58,8 @@ def run_training(run_dir, data, *, signal_at_batch=None, **options):
         close(run)
 
 
-def test_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, datasets, capsys):
+def test_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, datasets, reference, capsys):
     data, _ = datasets
-    reference = tmp_path / "reference"
-    assert run_training(reference, data) == 0
     run_dir = tmp_path / "run"
     handler_before = signal.getsignal(signal.SIGTERM)  # not always SIG_DFL: e.g. ray.init installs one
     assert run_training(run_dir, data, signal_at_batch=3) == 128 + signal.SIGTERM
@@ -64,11 +70,10 @@ def test_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, datasets, caps
     assert losses(run_dir) == losses(reference)
 
 
-def test_gradient_accumulation_matches_the_full_batch(tmp_path, datasets):
+def test_gradient_accumulation_matches_the_full_batch(tmp_path, datasets, reference):
     data, _ = datasets
-    run_training(tmp_path / "full", data)
     run_training(tmp_path / "accumulated", data, grad_accum=2, **{"data.batch_size": 6})
-    full, accumulated = losses(tmp_path / "full"), losses(tmp_path / "accumulated")
+    full, accumulated = losses(reference), losses(tmp_path / "accumulated")
     assert full.keys() == accumulated.keys()
     for step in full:  # same samples per step; only the summation order differs
         assert accumulated[step] == pytest.approx(full[step], rel=1e-5)
@@ -89,6 +94,9 @@ def test_eval_every_n_steps_and_document_mask(tmp_path, datasets):
 def test_resume_refuses_another_model(tmp_path, datasets, capsys):
     data, _ = datasets
     run_training(tmp_path / "run", data, steps=3)
+    first = losses(tmp_path / "run")
+    assert run_training(tmp_path / "run", data, steps=3) == 0  # finished already: resumes at 3, trains nothing
+    assert "at step 3" in capsys.readouterr().out and losses(tmp_path / "run") == first
     with pytest.raises(ValueError, match="--n_layer 2 \\(now 3\\)"):
         run_training(tmp_path / "run", data, steps=4, **{"model.n_layer": 3})
 
@@ -98,11 +106,10 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
         run_training(tmp_path / "run", str(tmp_path / "nowhere"))
 
 
-def test_activation_checkpointing_gives_the_same_losses(tmp_path, datasets):
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, datasets, reference):
     data, _ = datasets
-    run_training(tmp_path / "plain", data, steps=4)
-    run_training(tmp_path / "recompute", data, steps=4, activation_checkpointing=True)
-    assert losses(tmp_path / "recompute") == losses(tmp_path / "plain")
+    run_training(tmp_path / "recompute", data, activation_checkpointing=True)
+    assert losses(tmp_path / "recompute") == losses(reference)
 
 
 def test_shardkit_train_command(tmp_path, datasets, capsys):
@@ -119,3 +126,15 @@ def test_shardkit_train_command(tmp_path, datasets, capsys):
     assert (tmp_path / "run" / "curves.png").exists()
     assert main(["train", "--data", data, "--n_head", "5"]) == 2
     assert "--d_model (64) must be divisible by --n_head (5)" in capsys.readouterr().err
+
+
+@pytest.mark.s3
+def test_training_from_s3_keeps_storage_options_out_of_the_run_dir(tmp_path, s3_bucket, capsys):
+    url, options = s3_bucket
+    write_byte_dataset(url, num_samples=24, storage_options=options)
+    assert run_training(tmp_path / "run", url, steps=3, **{"data.storage_options": json.dumps(options)}) == 0
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+    saved = (tmp_path / "run" / "config.json").read_text()
+    assert '"storage_options": "<redacted>"' in saved and "endpoint_url" not in saved
+    captured = capsys.readouterr()
+    assert "endpoint_url" not in captured.out + captured.err

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import warnings
@@ -42,6 +43,7 @@ from shardkit.train import faults
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = "shardkit-checkpoint.json"
+_STEP_NAME = re.compile(r"step_\d{8,}")
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -65,10 +67,8 @@ def find_latest(directory: str | Path) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    complete = [p for p in directory.iterdir()
-                if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL_SUFFIX)
-                and (p / MARKER_NAME).is_file()]
-    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+    complete = [p for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and (p / MARKER_NAME).is_file()]
+    return max(complete, key=lambda p: int(p.name[len("step_"):]), default=None)
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
@@ -138,8 +138,6 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
-            if final.exists():  # e.g. the final save of a run that resumed at its last step
-                shutil.rmtree(final)
         _barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state,
@@ -192,14 +190,17 @@ class Checkpointer:
                 handle.flush()
                 os.fsync(handle.fileno())
             final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
+            if final.exists():  # the same step saved again (e.g. by a run started with --resume none)
+                shutil.rmtree(final)
             os.replace(partial, final)
             _fsync_dir(self.directory)
             self._prune()
         _barrier()
 
     def _prune(self) -> None:
-        complete = sorted((p for p in self.directory.glob("step_*") if (p / MARKER_NAME).is_file()
-                           and not p.name.endswith(PARTIAL_SUFFIX)), key=lambda p: int(p.name.split("_")[1]))
+        complete = sorted((p for p in self.directory.iterdir()
+                           if _STEP_NAME.fullmatch(p.name) and (p / MARKER_NAME).is_file()),
+                          key=lambda p: int(p.name[len("step_"):]))
         for old in complete[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

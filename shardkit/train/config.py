@@ -10,6 +10,7 @@ Field names are unique across sections so that the short form `--NAME` is never 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,17 @@ class DataConfig:
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
+    storage_options: str | None = field(default=None, repr=False, metadata={
+        "help": "JSON object of fsspec options for --data and --eval_data, e.g. '{\"endpoint_url\": \"http://...\"}' "
+                "(may hold credentials: never printed nor saved in the run directory)", "choices": None})
 
     def __post_init__(self) -> None:
+        if self.storage_options is not None:
+            try:
+                parsed = json.loads(self.storage_options)
+            except json.JSONDecodeError:
+                parsed = None
+            _check(isinstance(parsed, dict), "--storage_options must be a JSON object (its value is not shown)")
         _check(self.batch_size >= 1, f"--batch_size must be >= 1, got {self.batch_size}")
         _check(self.num_workers >= 0, f"--num_workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval_batches must be >= 1, got {self.eval_batches}")
@@ -107,7 +117,7 @@ class OptimizerConfig:
 
     lr: float = option(3e-4, "peak learning rate")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr")
-    warmup_steps: int = option(100, "linear warm-up steps")
+    warmup_steps: int | None = option(None, "linear warm-up steps; default min(100, --steps // 10)")
     schedule: str = option("cosine", "after warm-up: 'cosine' decay, 'wsd' (warmup-stable-decay) or 'constant'",
                            choices=SCHEDULES)
     decay_fraction: float = option(0.2, "wsd: fraction of all steps spent in the final linear decay")
@@ -120,7 +130,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"--lr must be positive, got {self.lr}")
         _check(0 <= self.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.warmup_steps is None or self.warmup_steps >= 0,
+               f"--warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         _check(0 < self.decay_fraction <= 1, f"--decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _check(self.weight_decay >= 0, f"--weight_decay must be >= 0, got {self.weight_decay}")
@@ -207,11 +218,18 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+        if self.optimizer.warmup_steps is None:  # resolved here so that config.json records the value used
+            object.__setattr__(self, "optimizer", dataclasses.replace(
+                self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
                f"--warmup_steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """All values, with `storage_options` redacted (it may hold credentials)."""
+        values = dataclasses.asdict(self)
+        if values["data"]["storage_options"] is not None:
+            values["data"]["storage_options"] = "<redacted>"
+        return values
 
 
 SECTIONS: dict[str, type] = {

@@ -7,6 +7,7 @@ after another, and keeps the loader's state in its checkpoints.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,11 @@ def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
     if segments is not None:
         segments = segments[:, :-1].to(device, non_blocking=True)
     return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
-                 sample_ids=[int(i) for i in batch["sample_id"]])
+                 sample_ids=batch["sample_id"].tolist())
+
+
+def storage_options(config: DataConfig) -> dict[str, Any] | None:
+    return json.loads(config.storage_options) if config.storage_options else None
 
 
 def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
@@ -47,12 +52,12 @@ def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
 
     return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed,
                             rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
-                            local_world_size=runtime.local_world_size)
+                            local_world_size=runtime.local_world_size, storage_options=storage_options(config))
 
 
-def check_dataset(url: str, *, seq_len: int | None, what: str) -> Manifest:
+def check_dataset(url: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
     """The dataset's manifest, after checking it holds fixed-length samples the model can take."""
-    manifest = load_manifest(url)
+    manifest = load_manifest(url, storage_options(config))
     if manifest.sample_length is None:
         raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
                          "the trainer needs packed data: rebuild it with a --seq-len")

@@ -55,6 +55,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     step: int = 0
+    resumed_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
 
 
@@ -68,9 +69,9 @@ def build(config: TrainConfig) -> Run:
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
     runtime = init_runtime(config.parallelism, device=config.device)
-    manifest = check_dataset(config.data.data, seq_len=config.model.seq_len, what="--data")
+    manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        check_dataset(config.data.eval_data, seq_len=manifest.seq_len, what="--eval_data")
+        check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
@@ -139,7 +140,7 @@ def resume(run: Run) -> None:
                          + "; use the same model options or another --checkpoint_dir")
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                    world_size=run.runtime.world_size)
-    run.step = loaded.step
+    run.step = run.resumed_step = loaded.step
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])
@@ -153,6 +154,8 @@ def resume(run: Run) -> None:
 
 
 def save_checkpoint(run: Run) -> None:
+    if run.step == run.resumed_step:
+        return  # nothing trained since the checkpoint this run resumed from: it is this state already
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}

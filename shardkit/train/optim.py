@@ -21,17 +21,18 @@ def lr_factor(step: int, *, total_steps: int, config: OptimizerConfig) -> float:
     `wsd` stays at 1 until the final `decay_fraction` of the steps and falls linearly to `min_lr_ratio`,
     and `constant` stays at 1.
     """
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
+    warmup = config.warmup_steps or 0
+    if step < warmup:
+        return (step + 1) / warmup
     floor = config.min_lr_ratio
     if config.schedule == "constant":
         return 1.0
     if config.schedule == "cosine":
-        span = max(1, total_steps - 1 - config.warmup_steps)
-        progress = min(1.0, (step - config.warmup_steps) / span)
+        span = max(1, total_steps - 1 - warmup)
+        progress = min(1.0, (step - warmup) / span)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     decay_steps = max(1, round(config.decay_fraction * total_steps))
-    decay_start = max(config.warmup_steps, total_steps - decay_steps)
+    decay_start = max(warmup, total_steps - decay_steps)
     if step < decay_start:
         return 1.0
     progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
