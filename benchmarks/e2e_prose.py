@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (tiny models take a high one)")
     parser.add_argument("--work-dir", default="/tmp/shardkit-e2e")
     parser.add_argument("--out", default="bench_out/e2e_prose.json")
     args = parser.parse_args()
@@ -80,7 +81,7 @@ def main() -> int:
     entropy = unigram_entropy(train_data)
     run_dir = work / "run"
     subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(train_data), "--eval_data", str(held_out_data),
-                    "--preset", "tiny", "--steps", str(args.steps), "--batch_size", str(args.batch_size),
+                    "--preset", "tiny", "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--lr", str(args.lr),
                     "--warmup_steps", str(max(1, args.steps // 10)), "--eval_every", str(max(1, args.steps // 3)),
                     "--eval_batches", "16", "--log_every", "25", "--run_dir", str(run_dir), "--resume", "none",
                     "--checkpoint_every", "0", "--save_final", "false", "--device", "cpu"], check=True)
@@ -88,7 +89,7 @@ def main() -> int:
     evals = [r for r in records if "eval_loss" in r]
     result = {"unigram_entropy_nats": entropy, "eval_losses": {r["step"]: r["eval_loss"] for r in evals},
               "final_eval_loss": evals[-1]["eval_loss"], "steps": args.steps, "seq_len": args.seq_len,
-              "batch_size": args.batch_size, "run_dir": str(run_dir)}
+              "batch_size": args.batch_size, "lr": args.lr, "run_dir": str(run_dir)}
     print(f"unigram entropy of the training tokens: {entropy:.3f} nats/token")
     print(f"held-out loss after {args.steps} steps:  {result['final_eval_loss']:.3f} nats/token")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

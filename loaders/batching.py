@@ -10,7 +10,8 @@ Batch fields (numpy here, torch tensors in the dataset):
   eos id, else 0), and `lengths` (int64 [B]) gives the real lengths.
 - `sample_id`: int64 [B], global sample ids (streams of a mixture follow each other).
 - `segment_ids`: int32 [B, L] when every shard stores document boundaries: the document segment
-  number of each token, 0 for the first segment of every sample; -1 on padding.
+  number of each token, 0 for the first segment of every sample; -1 on padding (the padding
+  segments bestfit packing writes, whose doc_source is -1, and the batch padding of variable-length data).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def group_rows(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return groups
 
 
-def _segment_rows(reader: ShardReader, local: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """Mark the first token of each non-first document segment of the given samples in `out`."""
+def _segment_rows(reader: ShardReader, local: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                  padding: list[tuple[int, int, int]]) -> None:
+    """Mark the first token of each non-first document segment of the given samples in `out`, and
+    append (row, start, end) of every padding segment (doc_source -1, written by bestfit packing)."""
     arrays = reader.arrays
     d0 = arrays.doc_offsets[local]
     counts = arrays.doc_offsets[local + 1] - d0
@@ -58,10 +61,13 @@ def _segment_rows(reader: ShardReader, local: np.ndarray, rows: np.ndarray, out:
     if total == 0:
         return
     row_of = np.repeat(rows, counts)
-    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = arrays.doc_starts[np.repeat(d0, counts) + within]
+    segment = np.repeat(d0, counts) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = arrays.doc_starts[segment]
     keep = starts > 0
     out[row_of[keep], starts[keep]] = 1
+    for j in np.flatnonzero(arrays.doc_source[segment] < 0).tolist():  # rare: at most one per sample
+        last = j + 1 == total or row_of[j + 1] != row_of[j]
+        padding.append((int(row_of[j]), int(starts[j]), out.shape[1] if last else int(starts[j + 1])))
 
 
 def _rows_view(reader: ShardReader, length: int) -> np.ndarray:
@@ -103,9 +109,12 @@ def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callab
     out = {"tokens": tokens, "sample_id": ids}
     if with_segments:
         segments = np.zeros((len(ids), length), dtype=np.int32)
+        padding: list[tuple[int, int, int]] = []
         for index, rows in group_rows(shard):
-            _segment_rows(reader_of(index), local[rows], rows, segments)
+            _segment_rows(reader_of(index), local[rows], rows, segments, padding)
         np.cumsum(segments, axis=1, dtype=np.int32, out=segments)
+        for row, start, end in padding:
+            segments[row, start:end] = -1
         out["segment_ids"] = segments
     return out
 

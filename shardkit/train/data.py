@@ -19,6 +19,9 @@ from shardkit.train.config import DataConfig
 from shardkit.train.parallel import Runtime
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+
+
 @dataclass
 class Batch:
     """One micro-batch on the device: inputs, next-token targets, segment ids (or None), sample ids."""
@@ -30,16 +33,26 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return self.targets.numel()
+        """Real target tokens (padding excluded)."""
+        return int((self.targets != IGNORE_INDEX).sum())
 
 
 def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
-    """Split a loader batch (`tokens` [B, seq_len + 1]) into inputs and shifted targets on `device`."""
+    """Split a loader batch (`tokens` [B, seq_len + 1]) into inputs and shifted targets on `device`.
+
+    Padding (segment id -1, written by `--pack bestfit` to fill a window) is never a target: those
+    positions get `IGNORE_INDEX`, so the loss averages over real tokens only.
+    """
     tokens = batch["tokens"].to(device, non_blocking=True).long()
+    targets = tokens[:, 1:]
     segments = batch.get("segment_ids")
     if segments is not None:
-        segments = segments[:, :-1].to(device, non_blocking=True)
-    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
+        segments = segments.to(device, non_blocking=True)
+        padding = segments[:, 1:] < 0
+        if bool(padding.any()):
+            targets = targets.masked_fill(padding, IGNORE_INDEX)
+        segments = segments[:, :-1]
+    return Batch(inputs=tokens[:, :-1], targets=targets, segment_ids=segments,
                  sample_ids=batch["sample_id"].tolist())
 
 

@@ -174,10 +174,10 @@ def _autocast(run: Run):
     return torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def _loss(run: Run, batch) -> torch.Tensor:
+def _loss(run: Run, batch, *, reduction: str = "mean") -> torch.Tensor:
     with _autocast(run):
         logits = run.model(batch.inputs, batch.segment_ids)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction=reduction)
 
 
 @contextlib.contextmanager
@@ -271,7 +271,8 @@ def evaluate(run: Run) -> float:
     with torch.no_grad():
         for raw in run.eval_data.batches():
             batch = to_batch(raw, run.runtime.device)
-            total[0] += _loss(run, batch).double() * batch.num_tokens
+            # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
+            total[0] += _loss(run, batch, reduction="sum").double()
             total[1] += batch.num_tokens
     reshard_after_eval(run.model, run.runtime.mode)
     run.model.train()

@@ -1,0 +1,57 @@
+"""Loader batches -> trainer micro-batches: padding written by `--pack bestfit` is never a target."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shardkit import StreamingDataLoader, StreamingDataset
+from shardkit.formats import Sample, write_dataset
+from shardkit.manifest import TokenizerInfo
+from shardkit.train.data import IGNORE_INDEX, to_batch
+
+SEQ_LEN = 8
+PAD = 0
+
+
+def padded_sample(i: int) -> Sample:
+    """A document of 4 + i % 4 tokens, then padding (segment source -1) up to SEQ_LEN + 1 tokens."""
+    real = 4 + i % 4
+    tokens = np.full(SEQ_LEN + 1, PAD, dtype=np.int64)
+    tokens[:real] = 10 + (np.arange(real) + i) % 200
+    return Sample(tokens, np.array([0, real]), np.array([0, -1]), np.array([i, 0]))
+
+
+def test_padding_targets_are_ignored_and_not_counted(tmp_path):
+    url = str(tmp_path / "ds")
+    write_dataset(url, (padded_sample(i) for i in range(32)), seq_len=SEQ_LEN, packing="bestfit",
+                  tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=258, pad_id=PAD))
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1,
+                               local_rank=0, local_world_size=1)
+    checked = 0
+    for raw in StreamingDataLoader(dataset, batch_size=4):
+        batch = to_batch(raw, torch.device("cpu"))
+        for row, sample_id in enumerate(batch.sample_ids):
+            real = 4 + sample_id % 4
+            # Targets are tokens 1..SEQ_LEN; those at positions >= real are padding.
+            expected = padded_sample(sample_id).tokens[1:].copy()
+            expected[real - 1:] = IGNORE_INDEX
+            assert batch.targets[row].tolist() == expected.tolist()
+        assert batch.num_tokens == sum(4 + s % 4 - 1 for s in batch.sample_ids)
+        # Whatever the logits say at padded positions, the loss is the mean over real targets only.
+        logits = torch.randn(*batch.targets.shape, 258)
+        real_only = batch.targets != IGNORE_INDEX
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        manual = F.cross_entropy(logits[real_only], batch.targets[real_only])
+        torch.testing.assert_close(loss, manual)
+        checked += len(batch.sample_ids)
+    assert checked == 32
+
+
+def test_batches_without_padding_keep_every_target():
+    tokens = torch.arange(18, dtype=torch.int64).reshape(2, 9)
+    raw = {"tokens": tokens, "sample_id": torch.tensor([0, 1]), "segment_ids": torch.zeros(2, 9, dtype=torch.int32)}
+    batch = to_batch(raw, torch.device("cpu"))
+    assert torch.equal(batch.targets, tokens[:, 1:]) and batch.num_tokens == 16
+    assert batch.segment_ids.shape == (2, 8)
