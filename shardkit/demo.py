@@ -111,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
     _shardkit(["build", str(val_jsonl), "--output", str(out / "data" / "val"), *common])
     _shardkit(["inspect", str(out / "data" / "train")])
     run_dir = out / "run"
-    _shardkit(["train", "--data", str(out / "data" / "train"), "--eval_data", str(out / "data" / "val"),
-               "--preset", "tiny", "--steps", str(args.steps), "--batch_size", "16", "--lr", "3e-3",
-               "--warmup_steps", str(max(1, args.steps // 20)), "--eval_every", str(max(1, args.steps // 6)),
-               "--run_dir", str(run_dir), "--resume", "none", "--log_every", str(max(1, args.steps // 15))])
+    _shardkit(["train", "--data", str(out / "data" / "train"), "--eval-data", str(out / "data" / "val"),
+               "--preset", "tiny", "--steps", str(args.steps), "--batch-size", "16", "--lr", "3e-3",
+               "--warmup-steps", str(max(1, args.steps // 20)), "--eval-every", str(max(1, args.steps // 6)),
+               "--run-dir", str(run_dir), "--resume", "none", "--log-every", str(max(1, args.steps // 15))])
     _shardkit(["plot", str(run_dir)])
     entropy = unigram_entropy_nats(val_jsonl)
     eval_loss = _last_eval_loss(run_dir)
