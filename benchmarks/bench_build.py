@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizers", nargs="+", default=["r50k_base", "cl100k_base"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--format", default="tar", choices=("tar", "arrow"))
+    parser.add_argument("--format", default="arrow", choices=("tar", "arrow"))
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--out", type=Path, default=REPO / "bench_out" / "build.json")
     parser.add_argument("--skip-write", action="store_true", help="skip part (c)")
