@@ -35,6 +35,8 @@ SCENARIOS = [
      "tests/test_kill_matrix.py::test_build_sigkill_matrix"),
     ("sigkill_cache_download", "Cache: 3 readers, one SIGKILLed at 20 seeded points: others finish, no partial file read",
      "tests/test_kill_matrix.py::test_cache_download_sigkill_matrix"),
+    ("sigkill_training", "Training SIGKILLed at 20 seeded points (start-up, steps, checkpoint saves), resumed: bitwise-equal losses, every sample id once",
+     "tests/test_kill_matrix.py::test_training_sigkill_matrix"),
     ("cache_16_processes", "16 processes (4 ranks x 3 workers), cache limit 75% of the dataset, 2 epochs: each sample once per epoch",
      "tests/test_kill_matrix.py::test_sixteen_processes_share_a_cache_smaller_than_the_dataset"),
     ("adversarial_manifests", "Manifest naming `../`, absolute, URL, drive, backslash, NUL shards: ManifestError",

@@ -352,6 +352,7 @@ class ShardCache:
                 raise CacheLimitError(
                     f"cache_limit={limit} bytes cannot hold the working set: {who} hold {own if alone else total} "
                     f"bytes of decoded shards in {self.cache_root} and shard {shard.name} needs {need} more. Raise "
-                    "cache_limit (a node needs about partitions_per_node x (shuffle_window / samples_per_shard + 2) "
-                    "decoded shards per open epoch) or lower shuffle_window")
+                    "cache_limit or lower shuffle_window: every reader process of the node (each rank, and each "
+                    "DataLoader worker of a rank) holds the shards of its current and next shuffle window, so a "
+                    "node needs about readers x (shuffle_window / samples_per_shard + 2) decoded shards")
             time.sleep(0.05)

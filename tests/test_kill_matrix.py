@@ -5,6 +5,7 @@ runs. Training kills are covered by the trainer's own tests (tests/test_loop.py)
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -54,6 +55,29 @@ def test_cache_download_sigkill_matrix(tmp_path, figures):
     figures.add("sigkill_cache_download", runs=result["runs"], kills=result["killed_mid_run"],
                 kills_during_download=result["kills_during_download"], samples_checked=result["samples_checked"],
                 lost=0, duplicated=0, corrupt=result["corrupt"], deadlocks=result["deadlocks"])
+
+
+def test_training_sigkill_matrix(tmp_path, figures):
+    """20 seeded random SIGKILLs of a training run (start-up, steps, checkpoint saves), each resumed
+    with --resume auto: losses bitwise equal to an uninterrupted run, every sample id once."""
+    from train_runs import write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "data"))
+    (tmp_path / "work").mkdir()
+    command = [sys.executable, str(HERE / "train_kill_harness.py"), str(tmp_path / "data"), str(tmp_path / "work"),
+               str(POINTS), "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["runs"] == POINTS and result["kills"] >= POINTS * 3 // 4, result
+    assert result["killed_before_first_checkpoint"] <= POINTS // 2, result  # most resume from a checkpoint
+    assert result["failed_resumes"] == 0 and result["loss_mismatches"] == 0 and result["id_mismatches"] == 0, result
+    assert result["duplicated"] == 0 and result["lost"] == 0 and result["samples_checked"] == POINTS * 96, result
+    figures.add("sigkill_training", runs=result["runs"], kills=result["kills"],
+                killed_before_first_checkpoint=result["killed_before_first_checkpoint"],
+                samples_checked=result["samples_checked"], lost=result["lost"], duplicated=result["duplicated"],
+                corrupt=result["loss_mismatches"])
 
 
 def test_sixteen_processes_share_a_cache_smaller_than_the_dataset(tmp_path, figures):
