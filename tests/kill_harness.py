@@ -16,7 +16,6 @@ reads the whole dataset from that cache (nothing poisoned) and no temporary file
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
@@ -155,20 +154,10 @@ def _read_all(dataset: str, cache_dir: str, order: list[int], result_path: str) 
         json.dump({"bad": bad, "checked": checked, "downloads": cache.stats.downloads}, fh)
 
 
-def _busy(path: str) -> bool:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def cache_matrix(dataset: str, workdir: str, points: int, seed: int) -> dict:
     import numpy  # noqa: F401 - imported once here, before the forks
     import shardkit.loaders.cache  # noqa: F401
+    from loader_helpers import lock_is_held
     from shardkit.manifest import load_manifest
 
     num_shards = len(load_manifest(dataset).shards)
@@ -191,7 +180,7 @@ def cache_matrix(dataset: str, workdir: str, points: int, seed: int) -> dict:
         victim = rng.randrange(3)
         time.sleep(rng.uniform(0.0, duration))
         locks = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs if f.endswith(".dl")]
-        downloading = any(_busy(p) for p in locks)
+        downloading = any(lock_is_held(p) for p in locks)
         try:
             os.kill(pids[victim], signal.SIGKILL)
         except ProcessLookupError:

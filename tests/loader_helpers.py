@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import numpy as np
 
 from shardkit.formats import Sample, write_dataset
@@ -44,3 +47,18 @@ def ids_from_tokens(tokens) -> np.ndarray:
     """Recover the global sample id that `fixed_sample` encoded in the first two tokens."""
     t = np.asarray(tokens, dtype=np.int64)
     return t[:, 0] + VOCAB * t[:, 1]
+
+
+def lock_is_held(path: str) -> bool:
+    """Whether another process holds an flock on `path` (a missing file is not held)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

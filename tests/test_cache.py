@@ -3,7 +3,6 @@ checks, LRU eviction under a limit with 8 concurrent processes, and SIGKILL duri
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing as mp
 import os
 import random
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import S3_TEST_CREDENTIALS, free_port
-from loader_helpers import ids_from_tokens, write_fixed
+from loader_helpers import ids_from_tokens, lock_is_held, write_fixed
 from loader_procs import loader_run, open_shards
 from s3_proxy import CountingProxy
 from shardkit.errors import CorruptShardError
@@ -130,17 +129,6 @@ def test_eviction_under_limit_with_eight_processes(process_pool, tmp_path):
     assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
 
 
-def _hold_lock_busy(path: str) -> bool:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.slow
 @pytest.mark.s3
 def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket, tmp_path):
@@ -157,7 +145,7 @@ def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket
                                                              storage_options=options, env=S3_TEST_CREDENTIALS))
         victim.start()
         deadline = time.monotonic() + 60
-        while not _hold_lock_busy(lock):
+        while not lock_is_held(lock):
             assert time.monotonic() < deadline and victim.is_alive(), "the victim never started its download"
             time.sleep(0.002)
         time.sleep(delay)
@@ -165,7 +153,7 @@ def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket
         victim.join()
         if probe.is_cached(0):
             break  # it finished before the kill: the file is whole (renamed atomically)
-        assert not _hold_lock_busy(lock), "a dead downloader must not keep the lock"
+        assert not lock_is_held(lock), "a dead downloader must not keep the lock"
     # a survivor opens the shard: no hang, no partial file read, stale temporaries cleaned
     handle = probe.open(0)
     np.testing.assert_array_equal(ids_from_tokens(handle.reader.gather(np.arange(1500))), np.arange(1500))
