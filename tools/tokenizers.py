@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardkit.formats.fetch import file_sha256
 from shardkit.manifest import TokenizerInfo
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,6 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
-
-
-def _sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ByteTokenizer(Tokenizer):
@@ -221,7 +214,7 @@ class HFTokenizer(Tokenizer):
 
         self.info = TokenizerInfo(kind="hf", name=spec, vocab_size=vocab_size, eos_id=pick("eos_token", _EOS_NAMES),
                                   bos_id=pick("bos_token", _BOS_NAMES), pad_id=pick("pad_token", _PAD_NAMES),
-                                  special_ids=added, vocab_sha256=_sha256_file(path))
+                                  special_ids=added, vocab_sha256=file_sha256(path))
         self._dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
 
     def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
@@ -246,7 +239,7 @@ class SentencePieceTokenizer(Tokenizer):
 
         self.info = TokenizerInfo(kind="sentencepiece", name=spec, vocab_size=size,
                                   eos_id=known(self.processor.eos_id()), bos_id=known(self.processor.bos_id()),
-                                  pad_id=known(self.processor.pad_id()), vocab_sha256=_sha256_file(path))
+                                  pad_id=known(self.processor.pad_id()), vocab_sha256=file_sha256(path))
         self._dtype = np.uint16 if size <= 2**16 else np.uint32
 
     def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
