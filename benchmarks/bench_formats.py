@@ -39,7 +39,7 @@ import numpy as np
 import zstandard
 
 from shardkit.formats import ShardReader, ShardWriter, decode_shard, write_decoded
-from shardkit.formats.codecs import check_shard_bytes
+from shardkit.formats.shard_bytes import check_shard_bytes
 from shardkit.storage import Storage
 
 SAMPLE_TOKENS = 2049

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.dataset_commands import parse_storage_options
+from shardkit.cli.dataset import parse_storage_options
 from shardkit.errors import CorruptShardError
 from shardkit.formats import Sample, ShardReader, write_dataset
 from shardkit.manifest import TokenizerInfo, load_manifest

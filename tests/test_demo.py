@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from shardkit.cli import main
-from shardkit.demo import stdlib_sources, unigram_entropy_nats, write_corpus
+from shardkit.cli.demo import stdlib_sources, unigram_entropy_nats, write_corpus
 
 
 def test_corpus_is_the_standard_library_and_holds_out_files(tmp_path):

@@ -1,6 +1,6 @@
 """Shard formats (tar and Arrow IPC, both zstd), the decoded cache file, and shard reading/writing."""
 
-from shardkit.formats.codecs import SHARD_EXTENSIONS, EncodedShard, check_shard_bytes, decode_shard, encode_shard
+from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, EncodedShard, check_shard_bytes, decode_shard, encode_shard
 from shardkit.formats.decoded import open_decoded, write_decoded
 from shardkit.formats.fetch import download_shard, read_shard
 from shardkit.formats.reader import ShardReader, check_counts

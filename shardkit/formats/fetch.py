@@ -14,7 +14,7 @@ import os
 import uuid
 
 from shardkit.errors import CorruptShardError
-from shardkit.formats.codecs import check_shard_bytes
+from shardkit.formats.shard_bytes import check_shard_bytes
 from shardkit.manifest import ShardInfo
 from shardkit.storage import Storage
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardkit.errors import CorruptShardError
-from shardkit.formats.codecs import check_shard_bytes, decode_shard
+from shardkit.formats.shard_bytes import check_shard_bytes, decode_shard
 from shardkit.formats.decoded import open_decoded
 from shardkit.formats.sample import Sample, ShardArrays
 from shardkit.manifest import Manifest, ShardInfo

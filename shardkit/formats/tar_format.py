@@ -33,7 +33,7 @@ import numpy.lib.format as npy_format
 import zstandard
 
 from shardkit.errors import CorruptShardError
-from shardkit.formats.codec import compressor, decompress_bounded
+from shardkit.formats.zstd_frames import compressor, decompress_bounded
 from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays, numpy_token_dtype
 
 BLOCK = 512

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.formats.codecs import SHARD_EXTENSIONS, encode_shard
+from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, encode_shard
 from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
 from shardkit.storage import Storage

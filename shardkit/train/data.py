@@ -60,7 +60,7 @@ def storage_options(config: DataConfig) -> dict[str, Any] | None:
 
 
 def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
-    from shardkit import StreamingDataset
+    from shardkit.loaders.dataset import StreamingDataset
 
     return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed,
                             rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
@@ -82,7 +82,7 @@ class TrainStream:
     """Endless iteration over the training loader, epoch after epoch, with resumable state."""
 
     def __init__(self, config: DataConfig, runtime: Runtime):
-        from shardkit import StreamingDataLoader
+        from shardkit.loaders.dataloader import StreamingDataLoader
 
         self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.shuffle),
                                           batch_size=config.batch_size, num_workers=config.num_workers)
@@ -114,7 +114,7 @@ class EvalData:
         self.url, self.config, self.runtime = url, config, runtime
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        from shardkit import StreamingDataLoader
+        from shardkit.loaders.dataloader import StreamingDataLoader
 
         loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False),
                                      batch_size=self.config.batch_size, num_workers=0)

@@ -17,10 +17,10 @@ from shardkit import __version__
 # Dataset commands (inspect, verify, cat), the build side (build, tokenizer), the trainer (train, plot),
 # and the end-to-end demo.
 COMMAND_PROVIDERS = (
-    "shardkit.dataset_commands",
-    "shardkit.tools.commands",
-    "shardkit.train.commands",
-    "shardkit.demo",
+    "shardkit.cli.dataset",
+    "shardkit.cli.build",
+    "shardkit.cli.train",
+    "shardkit.cli.demo",
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.dataset_commands import STORAGE_OPTION_HELP, parse_storage_options
+from shardkit.cli.dataset import STORAGE_OPTION_HELP, parse_storage_options
 
 BUILD_EPILOG = """\
 examples:
@@ -168,7 +168,7 @@ def run_build_command(args: argparse.Namespace) -> int:
 
 def run_tokenizer_train(args: argparse.Namespace) -> int:
     _configure_logging()
-    from shardkit.tools.training import train_from_inputs
+    from shardkit.tools.tokenizer_training import train_from_inputs
 
     try:
         info = train_from_inputs(args.inputs, vocab_size=args.vocab_size, output=args.output,

@@ -1,0 +1,136 @@
+"""The house rules of ../shared/STYLE.md, read from the source with `ast` (every import, also inside functions).
+
+- The core (`shardkit/*.py`, `shardkit/formats/`) imports no other part.
+- The build side (`tools/` = `shardkit.tools`) uses the core only; the loaders (`loaders/` = `shardkit.loaders`)
+  likewise: the two never import each other, and neither imports the trainer.
+- The trainer (`shardkit/train/`) uses the loaders and the core, by their modules (not the lazy face).
+- Only the face (`shardkit/__init__.py`, `shardkit/__main__.py`, `shardkit/cli/`) and the tuner, which drives
+  trainer runs, import the trainer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shardkit
+
+REPO = Path(__file__).resolve().parents[1]
+LAZY = "shardkit (a lazy name of the face)"
+LAZY_NAMES = set(shardkit._LAZY_NAMES)
+
+# Part -> the parts it may import (itself included).
+ALLOWED = {
+    "core": {"core"},
+    "build": {"core", "build"},
+    "loaders": {"core", "loaders"},
+    "trainer": {"core", "loaders", "trainer"},
+    "tune": {"core", "trainer", "tune"},
+    "face": {"core", "build", "loaders", "trainer", "tune", "face"},
+}
+
+
+def part_of_module(module: str) -> str | None:
+    """The part a `shardkit...` module name belongs to; None for modules outside shardkit."""
+    if module == LAZY:
+        return "face"
+    names = module.split(".")
+    if names[0] != "shardkit":
+        return None
+    if len(names) == 1:
+        return "face"  # `from shardkit import X` goes through the lazy face
+    return {"tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune", "cli": "face",
+            "__main__": "face"}.get(names[1], "core")
+
+
+def source_files() -> dict[Path, str]:
+    """Every source file of the package -> the dotted name of its module."""
+    roots = {REPO / "shardkit": "shardkit", REPO / "loaders": "shardkit.loaders", REPO / "tools": "shardkit.tools"}
+    files = {}
+    for root, package in roots.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            module = ".".join([package, *parts])
+            if module.startswith("shardkit.loaders") and root.name == "shardkit":
+                continue  # not a real path; loaders/ lives at the top
+            files[path] = module
+    return files
+
+
+def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name == "shardkit":
+                # `from shardkit import X`: X is a part (`train`), a lazily re-exported name of the face
+                # (`StreamingDataset`), or a plain attribute of the package root (`__version__`).
+                found.extend((node.lineno, LAZY if alias.name in LAZY_NAMES else f"shardkit.{alias.name}")
+                             for alias in node.names)
+            else:
+                found.append((node.lineno, name))
+    return found
+
+
+def violations() -> list[str]:
+    problems = []
+    for path, module in source_files().items():
+        own = part_of_module(module)
+        for line, imported in imported_modules(path, module):
+            target = part_of_module(imported)
+            if target is None:
+                continue
+            if own != "face" and imported == LAZY:
+                problems.append(f"{path.relative_to(REPO)}:{line}: {own} imports through the lazy face "
+                                "(`from shardkit import ...`); import the defining module")
+            elif own != "face" and target == "face":
+                problems.append(f"{path.relative_to(REPO)}:{line}: {own} imports the CLI ({imported})")
+            elif target not in ALLOWED[own]:
+                problems.append(f"{path.relative_to(REPO)}:{line}: {own} imports {target} ({imported})")
+    return problems
+
+
+def test_every_import_follows_the_house_rules():
+    assert violations() == []
+
+
+def test_the_parts_are_where_the_design_card_puts_them():
+    modules = set(source_files().values())
+    assert {"shardkit.cli.main", "shardkit.manifest", "shardkit.loaders.dataset", "shardkit.tools.build",
+            "shardkit.train.loop"} <= modules
+    parts = {part_of_module(m) for m in modules}
+    assert {"core", "build", "loaders", "trainer", "face"} <= parts
+
+
+@pytest.mark.parametrize("importer, line, expected", [
+    ("loaders/cache.py", "from shardkit.tools.tokenizers import load_tokenizer", "loaders imports build"),
+    ("tools/build.py", "import shardkit.loaders.order", "build imports loaders"),
+    ("shardkit/manifest.py", "from shardkit.train import loop", "core imports trainer"),
+    ("shardkit/formats/reader.py", "from ..cli.dataset import describe", "core imports the CLI"),
+    ("shardkit/train/data.py", "from shardkit import StreamingDataset", "imports through the lazy face"),
+    ("loaders/state.py", "from shardkit import train", "loaders imports trainer"),
+])
+def test_a_violation_is_reported_with_its_place(tmp_path, monkeypatch, importer, line, expected):
+    # The checker itself must catch each kind of violation: add one import to a copy of a real module.
+    original = (REPO / importer).read_text()
+    copy = {**source_files()}
+    path = REPO / importer
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: original + f"\n{line}\n" if self == path
+                        else Path.read_bytes(self).decode())
+    found = violations()
+    assert any(expected in problem and problem.startswith(importer) for problem in found), found
+    assert copy == source_files()
