@@ -10,6 +10,7 @@ Modules, one job each:
 - `cache`: the node-local shard cache (flock, verify, decode once, mmap, LRU eviction).
 - `batching`: global sample ids -> batch arrays from held shards.
 - `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches.
+- `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
 - `state`, `dataloader`: the resume state and `StreamingDataLoader`.
 
 Import the public names from `shardkit` (`from shardkit import StreamingDataset`); this package

@@ -167,13 +167,10 @@ class StreamingDataLoader(DataLoader):
     def _current_state(self, num_partitions: int | None = None) -> LoaderState:
         topology = self._topology or self._resolve()
         ds = self.dataset
+        order = {**ds.config.order_values(), "num_partitions": num_partitions or self._num_partitions}
         return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
-                           num_samples=ds.num_samples, seed=ds.seed, shuffle=ds.shuffle,
-                           num_partitions=num_partitions or self._num_partitions, block_size=ds.block_size,
-                           shuffle_window=ds.shuffle_window, partial_batches=ds.partial_batches,
-                           epoch_size=ds.epoch_size, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size, max_tokens=ds.max_tokens, token_window=ds.token_window,
-                           window_segments=self._segments)
+                           num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
+                           world_size=topology.world_size, window_segments=self._segments, **order)
 
     def state_dict(self) -> dict[str, Any]:
         """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""

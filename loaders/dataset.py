@@ -28,8 +28,9 @@ from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.order import DEFAULT_SHUFFLE_WINDOW, EpochOrder, OrderConfig
-from shardkit.loaders.partition import check_policy, rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
+from shardkit.loaders.order import EpochOrder, OrderConfig
+from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
@@ -37,8 +38,6 @@ from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_SAMPLES = 2048
-DEFAULT_TOKEN_WINDOW = 4096
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
 
@@ -61,56 +60,33 @@ class StreamingDataset(IterableDataset):
     """Streams a shardkit dataset (or a mixture) to every rank, batch by batch.
 
     Args:
-        source: dataset URL (any fsspec URL holding `shardkit.json`) or a list of `Stream`.
+        source: dataset URL (any fsspec URL holding `shardkit.json`), a `Stream`, or a list of `Stream`.
+        config: order, batching and cache options (`LoaderConfig`; default: its defaults).
         cache_dir: node-local cache directory shared by the node's processes
             (default `$SHARDKIT_CACHE_DIR` or a per-user temp directory).
-        cache_limit: bytes of decoded shards the cache may hold; None = unlimited.
-        shuffle: shuffle blocks and samples (deterministically, per epoch).
-        seed: base seed of the order.
         rank, world_size, local_rank, local_world_size: explicit topology (else resolved lazily).
         storage_options: fsspec options (e.g. S3 endpoint); never logged.
         process_group: data-parallel process group to take rank and world size from.
         device_mesh, mesh_dim: or a DeviceMesh and its data-parallel dimension.
         batch_size: samples per rank per step when iterated without `StreamingDataLoader`.
-        num_partitions: canonical partitions of the order; None = the number of nodes of the first
-            run (a resumed run takes the value from the loader state).
-        block_size: samples per shuffled block; None shuffles whole shards.
-        shuffle_window: samples shuffled together within a partition (cache needed vs quality).
-        partial_batches: "drop" the ragged end of an epoch (default) or "pad" it by repeating samples.
-        epoch_size: positions per mixture epoch (default: all samples of all streams).
-        max_tokens: token-budget batching: every batch holds at most this many tokens, every rank gets
-            the same number of batches (`shardkit.loaders.token_budget`); `batch_size` is then unused.
-        token_window: positions of the global order planned together in token-budget mode.
-        chunk_samples: samples gathered at once (amortises per-batch overhead).
-        prefetch: download upcoming shards in background threads.
-        cache_wait: seconds to wait for room under `cache_limit` before `CacheLimitError`.
+        **overrides: `LoaderConfig` fields (`shuffle=False`, `cache_limit=...`) applied over `config`.
+
+    Raises:
+        TypeError: `source` is not a URL or streams, or an override is not a `LoaderConfig` field.
+        ValueError: a bad option value (naming it), or manifests that cannot be mixed.
     """
 
-    def __init__(self, source: str | Stream | Sequence[Stream], *, cache_dir: str | None = None,
-                 cache_limit: int | None = None, shuffle: bool = True, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, local_rank: int | None = None, local_world_size: int | None = None,
+    def __init__(self, source: str | Stream | Sequence[Stream], config: LoaderConfig | None = None, *,
+                 cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
+                 local_rank: int | None = None, local_world_size: int | None = None,
                  storage_options: dict[str, Any] | None = None, process_group: Any = None, device_mesh: Any = None,
-                 mesh_dim: Any = None, batch_size: int | None = None, num_partitions: int | None = None,
-                 block_size: int | None = None, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
-                 partial_batches: str = "drop", epoch_size: int | None = None, max_tokens: int | None = None,
-                 token_window: int = DEFAULT_TOKEN_WINDOW, chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
-                 prefetch: bool = True, cache_wait: float = 60.0):
+                 mesh_dim: Any = None, batch_size: int | None = None, **overrides: Any):
         super().__init__()
-        if isinstance(source, str):
-            source = Stream(source)
-        streams = [source] if isinstance(source, Stream) else list(source)
-        if not streams or not all(isinstance(s, Stream) for s in streams):
-            raise TypeError("source must be a dataset URL, a Stream, or a non-empty list of Stream")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if chunk_samples < 1:
-            raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
-        if token_window < 1:
-            raise ValueError(f"token_window must be >= 1, got {token_window}")
-        self.partial_batches = check_policy(partial_batches)
-        self.streams = streams
+        self.config = config = loader_config(config, overrides, caller="StreamingDataset")
+        self.streams = streams = _streams_of(source)
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in streams]
         self.manifests: list[Manifest] = [load_manifest(st) for st in self.storages]
@@ -121,26 +97,18 @@ class StreamingDataset(IterableDataset):
         self.has_doc_boundaries = all(sh.has_doc_boundaries for m in self.manifests for sh in m.shards)
         tok = first.tokenizer
         self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
-        self.caches = [ShardCache(st, m, cache_dir, cache_limit=cache_limit, wait_timeout=cache_wait)
+        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait)
                        for st, m in zip(self.storages, self.manifests)]
         self._shard_owner = [(s, i) for s, m in enumerate(self.manifests) for i in range(len(m.shards))]
         self.table = ShardTable([sh.samples for m in self.manifests for sh in m.shards])
         self.num_samples = sum(m.num_samples for m in self.manifests)
-        OrderConfig(shuffle=shuffle, seed=seed, num_partitions=num_partitions or 1, block_size=block_size,
-                    shuffle_window=shuffle_window)  # validates early, before any iteration
-        if epoch_size is not None and len(streams) == 1:
+        if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")
-        self.shuffle, self.seed, self.block_size, self.shuffle_window = shuffle, seed, block_size, shuffle_window
-        self.num_partitions = num_partitions
-        self.epoch_size = epoch_size
         self.batch_size = batch_size
-        self.max_tokens, self.token_window = max_tokens, token_window
         longest = max((m.max_sample_tokens or 0) for m in self.manifests)
-        if max_tokens is not None and longest > max_tokens:
-            raise ValueError(f"max_tokens={max_tokens} is below the longest sample the manifests allow "
+        if config.max_tokens is not None and longest > config.max_tokens:
+            raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
                              f"(max_sample_tokens={longest}); raise max_tokens")
-        self.chunk_samples = chunk_samples
-        self.prefetch = prefetch
         self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
                                    local_world_size=local_world_size)
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
@@ -177,8 +145,7 @@ class StreamingDataset(IterableDataset):
         return self.num_partitions if self.num_partitions is not None else topology.num_nodes
 
     def order_config(self, num_partitions: int) -> OrderConfig:
-        return OrderConfig(shuffle=self.shuffle, seed=self.seed, num_partitions=num_partitions,
-                           block_size=self.block_size, shuffle_window=self.shuffle_window)
+        return self.config.order_config(num_partitions)
 
     def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
@@ -378,6 +345,23 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def _streams_of(source: Any) -> list[Stream]:
+    if isinstance(source, str):
+        source = Stream(source)
+    if isinstance(source, Stream):
+        return [source]
+    streams = list(source) if isinstance(source, (list, tuple)) else None
+    if not streams or not all(isinstance(s, Stream) for s in streams):
+        raise TypeError(f"source must be a dataset URL, a Stream, or a non-empty list of Stream, "
+                        f"got {type(source).__name__}")
+    return streams
+
+
+# The options read as attributes (`dataset.shuffle`, `dataset.max_tokens`, ...), all from `config`.
+for _name in sorted(LOADER_FIELDS):
+    setattr(StreamingDataset, _name, property(lambda self, _n=_name: getattr(self.config, _n)))
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_SHUFFLE_WINDOW = 8192
+from shardkit.loaders.config import DEFAULT_SHUFFLE_WINDOW
 _MAX_CACHED_WINDOWS = 256
 
 

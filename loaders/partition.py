@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-PARTIAL_POLICIES = ("drop", "pad")
+from shardkit.loaders.config import PARTIAL_POLICIES
 
 
 def check_policy(policy: str) -> str:

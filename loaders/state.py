@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW, LoaderConfig
+
 STATE_VERSION = 1
 STATE_KIND = "shardkit.StreamingDataLoader"
-# Fields that must match for the resumed order to be the same order.
-ORDER_FIELDS = ("dataset", "num_samples", "seed", "shuffle", "num_partitions", "block_size", "shuffle_window",
-                "partial_batches", "epoch_size", "max_tokens", "token_window")
+# Fields that must match for the resumed order to be the same order: the data itself and every
+# `LoaderConfig` field marked as an order field (num_partitions resolved to a number).
+ORDER_FIELDS = ("dataset", "num_samples", *LoaderConfig.order_fields())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +56,7 @@ class LoaderState:
     global_batch_size: int
     world_size: int
     max_tokens: int | None = None
-    token_window: int = 4096
+    token_window: int = DEFAULT_TOKEN_WINDOW
     window_segments: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,3 +90,8 @@ class LoaderState:
         """Order-relevant fields whose values differ, as 'field: saved X, now Y'."""
         return [f"{name}: saved {getattr(self, name)!r}, now {getattr(other, name)!r}"
                 for name in ORDER_FIELDS if getattr(self, name) != getattr(other, name)]
+
+
+_unrecorded = set(ORDER_FIELDS) - {f.name for f in fields(LoaderState)}
+if _unrecorded:  # an order field added to LoaderConfig must be recorded here too, or resumes go unchecked
+    raise TypeError(f"LoaderState lacks the order fields {sorted(_unrecorded)} of LoaderConfig")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from shardkit.cli import build_parser
-from shardkit.train.config import ModelConfig, TrainConfig, config_from_dict
+from shardkit.loaders.config import LoaderConfig
+from shardkit.train.config import ModelConfig, TrainConfig, config_from_dict, data_entries
 from shardkit.train.options import parse_train_args
 
 
@@ -26,6 +28,11 @@ def test_presets_fill_the_model_and_explicit_values_win():
     ({"parallelism": {"parallel": "fsdp", "comm_hook": "bf16"}}, "--comm_hook"),
     ({"checkpoint": {"keep": 0}}, "--keep"),
     ({"data": {"batch_size": 0}}, "--batch_size"),
+    ({"data": {"shuffle_window": 0}}, "--shuffle_window"),
+    ({"data": {"data_seed": -1}}, "--data_seed"),
+    ({"data": {"partial_batches": "keep"}}, "--partial_batches"),
+    ({"data": {"data": "/a:0.5 /b:0"}}, "/b:0"),
+    ({"data": {"loader": {"bogus": 1}}}, "bogus"),
     ({"preset": "gpt5"}, "--preset"),
     ({"model": {"bogus": 1}}, "model.bogus"),
     ({"bogus": 1}, "bogus"),
@@ -46,7 +53,7 @@ def test_command_line_short_and_sectioned_forms():
     config = parse_train_args(["--data", "/d", "--lr", "1e-3", "--model.n_layer", "3", "--grad-accum", "2",
                                "--compile", "--shuffle", "false", "--d_ff", "none", "--parallel", "fsdp"])
     assert config.data.data == "/d" and config.optimizer.lr == 1e-3 and config.model.n_layer == 3
-    assert config.grad_accum == 2 and config.compile is True and config.data.shuffle is False
+    assert config.grad_accum == 2 and config.compile is True and config.data.loader.shuffle is False
     assert config.model.d_ff is None and config.parallelism.parallel == "fsdp"
 
 
@@ -85,3 +92,35 @@ def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
     assert config_from_dict({"steps": 30}).optimizer.warmup_steps == 3
     assert config_from_dict({"steps": 5000}).optimizer.warmup_steps == 100
     assert config_from_dict({"steps": 30, "optimizer": {"warmup_steps": 7}}).optimizer.warmup_steps == 7
+
+
+def test_every_loader_option_is_a_trainer_option(capsys):
+    config = parse_train_args(["--data", "/d", "--shuffle_window", "64", "--cache-limit", "1000000", "--data_seed", "5",
+                               "--data.block_size", "16", "--seed", "7", "--partial_batches", "pad", "--prefetch", "false"])
+    assert config.data.loader == LoaderConfig(shuffle_window=64, cache_limit=1_000_000, seed=5, block_size=16,
+                                              partial_batches="pad", prefetch=False)
+    assert config.seed == 7  # --seed seeds the weights; the order's seed is --data_seed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(LoaderConfig):
+        name = "data_seed" if f.name == "seed" else f.name
+        assert f"--{name} " in out, name
+    assert "samples shuffled together within a partition" in out  # the field's own help text
+
+
+def test_config_json_round_trips_the_nested_loader_section():
+    config = parse_train_args(["--data", "/d", "--shuffle_window", "64", "--data_seed", "3"])
+    again = config_from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.data.loader.seed == 3
+
+
+def test_data_takes_several_weighted_entries():
+    config = parse_train_args(["--data", "s3://bucket/web:0.7", "s3://bucket/code:0.3", "--steps", "5"])
+    assert data_entries(config.data.data) == [("s3://bucket/web", 0.7), ("s3://bucket/code", 0.3)]
+    assert data_entries("/a/b:2,/c:1e-1") == [("/a/b", 2.0), ("/c", 0.1)]
+    # ':' inside a URL is not a weight; only a trailing :NUMBER after a path is.
+    assert data_entries("s3://bucket/x") == [("s3://bucket/x", 1.0)]
+    assert data_entries("http://host:9000") == [("http://host:9000", 1.0)]
+    assert data_entries("http://host:9000/ds:3") == [("http://host:9000/ds", 3.0)]
+    assert data_entries("/data/v2:final") == [("/data/v2:final", 1.0)]

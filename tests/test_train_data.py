@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.formats import Sample, write_dataset
+from shardkit.loaders.config import LoaderConfig
 from shardkit.manifest import TokenizerInfo
 from shardkit.train.data import IGNORE_INDEX, to_batch
 
@@ -55,3 +56,26 @@ def test_batches_without_padding_keep_every_target():
     batch = to_batch(raw, torch.device("cpu"))
     assert torch.equal(batch.targets, tokens[:, 1:]) and batch.num_tokens == 16
     assert batch.segment_ids.shape == (2, 8)
+
+
+def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
+    """`--data A:3 B:1` mixes both datasets 3:1 and every loader option arrives in the dataset."""
+    from shardkit.train.config import DataConfig
+    from shardkit.train.data import TrainStream
+    from shardkit.train.parallel import Runtime
+
+    tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=258, pad_id=PAD)
+    for name in ("a", "b"):
+        write_dataset(str(tmp_path / name), (padded_sample(i) for i in range(64)), seq_len=SEQ_LEN,
+                      packing="bestfit", tokenizer=tokenizer)
+    config = DataConfig(data=f"{tmp_path / 'a'}:3,{tmp_path / 'b'}:1", batch_size=8,
+                        cache_dir=str(tmp_path / "cache"),
+                        loader=LoaderConfig(shuffle_window=16, cache_limit=10**7, seed=4, epoch_size=64))
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                      mode="none")
+    stream = TrainStream(config, runtime)
+    dataset = stream.loader.dataset
+    assert dataset.config == config.loader and dataset.caches[0].cache_limit == 10**7
+    ids = np.concatenate([next(stream)["sample_id"].numpy() for _ in range(8)])
+    from_a = int((ids < 64).sum())
+    assert (from_a, len(ids) - from_a) == (48, 16)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardkit.loaders.config import LoaderConfig
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp")
 COMM_HOOKS = ("none", "bf16", "powersgd")
@@ -83,21 +86,54 @@ class ModelConfig:
         return 64 * ((8 * self.d_model // 3 + 63) // 64)  # SwiGLU: same parameters as a 4x GELU MLP
 
 
+# A trailing ":<number>" of a --data entry is its mixture weight; URLs hold ':' too (s3://b/x, host:port).
+_WEIGHTED_ENTRY = re.compile(r"^(?P<url>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+_SCHEME_AND_HOST = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/]*$")
+
+
+def data_entries(text: str) -> list[tuple[str, float]]:
+    """The (URL, weight) entries of a `--data` value: URLs separated by commas or spaces, each with an
+    optional trailing `:WEIGHT` (default 1).
+
+    Raises:
+        ValueError: an empty entry or a weight that is not positive, naming the entry.
+    """
+    entries = []
+    for entry in re.split(r"[,\s]+", text.strip()):
+        match = _WEIGHTED_ENTRY.match(entry)
+        # "http://host:9000" ends in a port, not a weight: a weight follows a path.
+        if match is None or _SCHEME_AND_HOST.match(match["url"]):
+            entries.append((entry, 1.0))
+            continue
+        weight = float(match["weight"])
+        _check(weight > 0, f"--data entry {entry!r}: the weight after the last ':' must be positive")
+        entries.append((match["url"], weight))
+    _check(all(url for url, _ in entries), f"--data {text!r} holds an empty entry")
+    return entries
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where the training and evaluation samples come from (shardkit datasets, any fsspec URL)."""
+    """Where the training and evaluation samples come from (shardkit datasets, any fsspec URL), and how the
+    loader orders, batches and caches them."""
 
-    data: str = option("", "training dataset URL (a directory or prefix holding shardkit.json)")
+    data: str = field(default="", metadata={
+        "help": "training dataset URL (a directory or prefix holding shardkit.json), or a mixture: several "
+                "URL:WEIGHT entries separated by spaces or commas, e.g. --data s3://b/web:0.7 s3://b/code:0.3 "
+                "(only a trailing :NUMBER is a weight)", "choices": None, "nargs": "+"})
     eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval_every steps")
     batch_size: int = option(8, "samples per rank per micro-step")
-    shuffle: bool = option(True, "shuffle the training samples (deterministically from --data_seed)")
-    data_seed: int = option(0, "seed of the sample order")
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
     storage_options: str | None = field(default=None, repr=False, metadata={
         "help": "JSON object of fsspec options for --data and --eval_data, e.g. '{\"endpoint_url\": \"http://...\"}' "
                 "(may hold credentials: never printed nor saved in the run directory)", "choices": None})
+    # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle_window, --cache_limit,
+    # ...), except the order's seed, which is --data_seed (--seed seeds the weights). The evaluation set is
+    # always read unshuffled.
+    loader: LoaderConfig = field(default_factory=LoaderConfig, metadata={
+        "help": "the loader's order, batching and cache options", "flatten": True, "rename": {"seed": "data_seed"}})
 
     def __post_init__(self) -> None:
         if self.storage_options is not None:
@@ -106,6 +142,8 @@ class DataConfig:
             except json.JSONDecodeError:
                 parsed = None
             _check(isinstance(parsed, dict), "--storage_options must be a JSON object (its value is not shown)")
+        if self.data:
+            data_entries(self.data)
         _check(self.batch_size >= 1, f"--batch_size must be >= 1, got {self.batch_size}")
         _check(self.num_workers >= 0, f"--num_workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval_batches must be >= 1, got {self.eval_batches}")
@@ -266,14 +304,59 @@ def config_from_dict(values: dict[str, Any], *, source: str = "configuration") -
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: section {key!r} must be a table/object of options")
-            known = {f.name for f in dataclasses.fields(SECTIONS[key])}
+            known = {name for name, _, _ in section_options(SECTIONS[key])}
+            nested = {f.name for f in dataclasses.fields(SECTIONS[key]) if f.metadata.get("flatten")}
             for name, item in value.items():
-                if name not in known:
+                if name not in known and not (name in nested and isinstance(item, dict)):
                     raise ValueError(f"{source}: unknown option {key}.{name} (known: {', '.join(sorted(known))})")
                 merged[key][name] = item
         elif key in top_fields:
             top[key] = value
         else:
             raise ValueError(f"{source}: unknown option {key!r}")
-    sections = {name: SECTIONS[name](**merged[name]) for name in SECTIONS}
+    sections = {name: build_section(SECTIONS[name], merged[name], source=source) for name in SECTIONS}
     return TrainConfig(**top, **sections)
+
+
+def section_options(cls: type) -> list[tuple[str, tuple[str, ...], dataclasses.Field]]:
+    """(option name, attribute path, field) for each option of section `cls`.
+
+    A field marked `flatten` holds a component's own config dataclass (e.g. `LoaderConfig`): its
+    fields become options of the section, renamed where `rename` says (to keep names unique).
+    """
+    options = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("flatten"):
+            rename = f.metadata.get("rename", {})
+            options += [(rename.get(sub.name, sub.name), (f.name, sub.name), sub)
+                        for sub in dataclasses.fields(f.default_factory)]
+        else:
+            options.append((f.name, (f.name,), f))
+    return options
+
+
+def build_section(cls: type, values: dict[str, Any], *, source: str = "configuration") -> Any:
+    """Section `cls` from option values (flattened names, or a nested table per flattened field)."""
+    paths = {name: path for name, path, _ in section_options(cls)}
+    own: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        path = paths.get(name)
+        if path is None:  # a nested table such as {"loader": {...}} (config.json records this form)
+            nested.setdefault(name, {}).update(value)
+        elif len(path) == 1:
+            own[name] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    for f in dataclasses.fields(cls):
+        if f.name in nested:
+            rename = f.metadata.get("rename", {})
+            try:
+                own[f.name] = f.default_factory(**nested[f.name])
+            except TypeError as err:
+                raise ValueError(f"{source}: {err}") from err
+            except ValueError as err:  # messages start with the field's name: say the option instead
+                message = str(err)
+                first = message.split(" ", 1)[0]
+                raise ValueError(f"--{rename.get(first, first)}{message[len(first):]}") from err
+    return cls(**own)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardkit.manifest import Manifest, load_manifest
-from shardkit.train.config import DataConfig
+from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
 
 
@@ -59,23 +59,36 @@ def storage_options(config: DataConfig) -> dict[str, Any] | None:
     return json.loads(config.storage_options) if config.storage_options else None
 
 
-def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
+def _source(spec: str) -> Any:
+    """A `--data` value as the loader's source: one URL, or a list of `Stream` for a mixture."""
+    from shardkit.loaders.mixing import Stream
+
+    entries = data_entries(spec)
+    return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
+
+
+def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
     from shardkit.loaders.dataset import StreamingDataset
 
-    return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed,
+    return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle,
                             rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
                             local_world_size=runtime.local_world_size, storage_options=storage_options(config))
 
 
-def check_dataset(url: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
-    """The dataset's manifest, after checking it holds fixed-length samples the model can take."""
-    manifest = load_manifest(url, storage_options(config))
-    if manifest.sample_length is None:
-        raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
-                         "the trainer needs packed data: rebuild it with a --seq-len")
-    if seq_len is not None and manifest.seq_len != seq_len:
-        raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq_len is {seq_len}")
-    return manifest
+def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
+    """The manifest of the dataset (the first stream of a mixture), after checking that every stream
+    holds fixed-length samples the model can take."""
+    manifests = []
+    for url, _ in data_entries(spec):
+        manifest = load_manifest(url, storage_options(config))
+        if manifest.sample_length is None:
+            raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
+                             "the trainer needs packed data: rebuild it with a --seq-len")
+        if seq_len is not None and manifest.seq_len != seq_len:
+            raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq_len is {seq_len}")
+        seq_len = manifest.seq_len  # the streams of a mixture must agree with the first
+        manifests.append(manifest)
+    return manifests[0]
 
 
 class TrainStream:
@@ -84,7 +97,7 @@ class TrainStream:
     def __init__(self, config: DataConfig, runtime: Runtime):
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.shuffle),
+        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle),
                                           batch_size=config.batch_size, num_workers=config.num_workers)
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict
+from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict, section_options
 
 _NONE_WORDS = ("none", "null", "")
 
@@ -47,16 +47,19 @@ def _converter(type_text: str):
     return parse
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None) -> None:
-    names = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None, name: str | None = None) -> None:
+    name = name or f.name
+    names = {f"--{name}", f"--{name.replace('_', '-')}"}
     if section is not None:
-        names |= {f"--{section}.{f.name}", f"--{section}.{f.name.replace('_', '-')}"}
+        names |= {f"--{section}.{name}", f"--{section}.{name.replace('_', '-')}"}
     default = f.default if f.default is not dataclasses.MISSING else None
     help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
-    kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}" if section else f.name,
+    kwargs: dict[str, Any] = {"dest": f"{section}.{name}" if section else name,
                               "default": argparse.SUPPRESS, "help": help_text, "type": _converter(str(f.type))}
     if f.metadata.get("choices"):
         kwargs["choices"] = f.metadata["choices"]
+    if f.metadata.get("nargs"):  # several values, joined with "," into the field's string
+        kwargs["nargs"] = f.metadata["nargs"]
     kwargs["metavar"] = str(f.type).replace(" | None", "").upper()
     if str(f.type) == "bool":
         kwargs.update(nargs="?", const=True, metavar="BOOL")
@@ -74,8 +77,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             _add_field(top, f, None)
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
-        for f in dataclasses.fields(cls):
-            _add_field(group, f, section)
+        for name, _, f in section_options(cls):
+            _add_field(group, f, section, name)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -105,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for dest, value in vars(args).items():
         if dest in ("config", "func", "command"):
             continue
+        if isinstance(value, list):  # an option given several values (nargs)
+            value = ",".join(value)
         section, _, name = dest.rpartition(".")
         if section:
             values.setdefault(section, {})[name] = value

@@ -1,0 +1,124 @@
+"""`LoaderConfig`: the order, batching and cache options of a `StreamingDataset`, in one frozen dataclass.
+
+Runtime objects (cache directory, rank layout, process group, device mesh, storage options) are
+arguments of `StreamingDataset`, not configuration. Each field carries its help text in
+`metadata["help"]` (the trainer generates `--shuffle_window`, `--cache_limit`, ... from it), and the
+fields marked `metadata["order"]` are the ones the global sample order depends on: the loader's
+resume state records exactly those (`shardkit.loaders.state`), so a resumed job whose order would
+differ is refused.
+
+`batch_size` is deliberately not here: the order is independent of it (a job may resume with
+another batch size or world size and continue the same global order), so it belongs to the
+`StreamingDataLoader` that cuts the order into steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardkit.loaders.order import OrderConfig
+
+# Defined here, not in `order`/`partition`, so that the trainer's `--help` (generated from this class)
+# does not import numpy; those modules take them from here.
+DEFAULT_SHUFFLE_WINDOW = 8192
+PARTIAL_POLICIES = ("drop", "pad")
+DEFAULT_CHUNK_SAMPLES = 2048
+DEFAULT_TOKEN_WINDOW = 4096
+
+
+def _option(default: Any, help: str, *, order: bool = False, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "order": order, "choices": choices})
+
+
+def _positive(name: str, value: Any, *, optional: bool = False, kind: type = int) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind) or value < 1:
+        allowed = " or None" if optional else ""
+        raise ValueError(f"{name} must be a positive {kind.__name__}{allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """How a `StreamingDataset` orders, batches and caches its samples."""
+
+    shuffle: bool = _option(True, "shuffle blocks and samples (deterministically, per epoch)", order=True)
+    seed: int = _option(0, "base seed of the sample order (non-negative)", order=True)
+    shuffle_window: int = _option(DEFAULT_SHUFFLE_WINDOW, "samples shuffled together within a partition: a "
+                                  "larger window mixes more but needs more decoded shards in the cache", order=True)
+    block_size: int | None = _option(None, "samples per shuffled block; none shuffles whole shards "
+                                     "(least download volume)", order=True)
+    num_partitions: int | None = _option(None, "canonical partitions of the order; default: the number of nodes "
+                                         "of the first run (a resumed run takes it from the loader state)",
+                                         order=True)
+    partial_batches: str = _option("drop", "the ragged end of an epoch: 'drop' it or 'pad' it by repeating samples",
+                                   order=True, choices=PARTIAL_POLICIES)
+    epoch_size: int | None = _option(None, "positions per mixture epoch; default: all samples of all streams "
+                                     "(mixtures only)", order=True)
+    max_tokens: int | None = _option(None, "token-budget batching: each batch holds at most this many tokens and "
+                                     "every rank gets the same number of batches (batch size is then unused)",
+                                     order=True)
+    token_window: int = _option(DEFAULT_TOKEN_WINDOW, "token-budget mode: positions of the global order planned "
+                                "together", order=True)
+    chunk_samples: int = _option(DEFAULT_CHUNK_SAMPLES, "samples gathered at once (amortises per-batch overhead)")
+    cache_limit: int | None = _option(None, "bytes of decoded shards the node-local cache may hold (all datasets "
+                                      "of the cache directory); none: unlimited")
+    cache_wait: float = _option(60.0, "seconds to wait for room under the cache limit before failing")
+    prefetch: bool = _option(True, "download upcoming shards in background threads")
+
+    def __post_init__(self) -> None:
+        from shardkit.loaders.partition import check_policy
+
+        for name in ("shuffle", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.order_config(self.num_partitions or 1)  # seed, shuffle_window, block_size, num_partitions
+        _positive("num_partitions", self.num_partitions, optional=True)
+        check_policy(self.partial_batches)
+        _positive("epoch_size", self.epoch_size, optional=True)
+        _positive("max_tokens", self.max_tokens, optional=True)
+        _positive("token_window", self.token_window)
+        _positive("chunk_samples", self.chunk_samples)
+        _positive("cache_limit", self.cache_limit, optional=True)
+        if isinstance(self.cache_wait, bool) or not isinstance(self.cache_wait, (int, float)) or self.cache_wait < 0:
+            raise ValueError(f"cache_wait must be a number of seconds >= 0, got {self.cache_wait!r}")
+
+    def order_config(self, num_partitions: int) -> OrderConfig:
+        """The pure order's parameters, with the number of partitions resolved."""
+        from shardkit.loaders.order import OrderConfig
+
+        return OrderConfig(shuffle=self.shuffle, seed=self.seed, num_partitions=num_partitions,
+                           block_size=self.block_size, shuffle_window=self.shuffle_window)
+
+    @classmethod
+    def order_fields(cls) -> tuple[str, ...]:
+        """Names of the fields the global order depends on (recorded in the resume state)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("order"))
+
+    def order_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.order_fields()}
+
+
+LOADER_FIELDS = frozenset(f.name for f in dataclasses.fields(LoaderConfig))
+
+
+def loader_config(config: LoaderConfig | None, overrides: dict[str, Any], *, caller: str) -> LoaderConfig:
+    """`config` (or the defaults) with keyword `overrides` applied.
+
+    Raises:
+        TypeError: `config` is not a `LoaderConfig`, or an override is not one of its fields.
+    """
+    if config is None:
+        config = LoaderConfig()
+    elif not isinstance(config, LoaderConfig):
+        raise TypeError(f"{caller}: config must be a LoaderConfig, got {type(config).__name__}")
+    unknown = sorted(set(overrides) - LOADER_FIELDS)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (loader options: "
+                        f"{', '.join(sorted(LOADER_FIELDS))})")
+    return dataclasses.replace(config, **overrides) if overrides else config
