@@ -14,8 +14,9 @@ process dies, so a crashed or SIGKILLed process can never block or poison the ot
 - `<file>.lock`: shared while a reader holds the shard open. Eviction takes it exclusive without
   waiting, so it only ever removes shards that no live reader holds.
 
-Bytes are checked against the manifest's size and SHA-256 after each download: a mismatch gets one
-re-download, then `CorruptShardError` naming the shard. With `cache_limit`, least recently used
+Downloads go through the core's one verified read (`shardkit.formats.fetch.read_shard`): bytes are
+checked against the manifest's size and SHA-256 while they decode, a mismatch gets one re-read, then
+`CorruptShardError` naming the shard's URL. With `cache_limit`, least recently used
 unheld shards are evicted to make room; when the shards held by live readers leave no room, the
 cache waits up to `wait_timeout` seconds for readers to move on, then raises `CacheLimitError`.
 """
@@ -31,8 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shardkit.errors import CorruptShardError
-from shardkit.formats import ShardReader, check_counts, check_shard_bytes, decode_shard, write_decoded
+from shardkit.formats import ShardReader, check_counts, decode_shard, read_shard, write_decoded
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.names import check_relative_name
 from shardkit.storage import Storage
@@ -84,13 +84,6 @@ class CachedShard:
 
     def __del__(self) -> None:
         self.close()
-
-
-def _check_into(errors: list, data: bytes, shard: ShardInfo) -> None:
-    try:
-        check_shard_bytes(data, shard=shard.name, sha256=shard.sha256, size=shard.compressed_bytes)
-    except CorruptShardError as err:
-        errors.append(err)
 
 
 class ShardCache:
@@ -261,36 +254,17 @@ class ShardCache:
                     pass
 
     def _download(self, shard: ShardInfo):
-        for attempt in (1, 2):
-            data = self.storage.read_bytes(shard.name, size=shard.compressed_bytes)
+        def decode(data: bytes):
+            return decode_shard(data, shard_format=self.manifest.shard_format, token_dtype=self.manifest.token_dtype,
+                                shard=shard.name, raw_bytes=shard.raw_bytes)
+
+        def count(nbytes: int) -> None:
             self.stats.downloads += 1
-            self.stats.downloaded_bytes += len(data)
-            # Hash (hashlib releases the GIL) while decoding: the decoder is built for untrusted
-            # bytes (bounded by raw_bytes, strict parsing), and its result is used only if the hash matches.
-            hash_error: list[CorruptShardError] = []
-            hasher = threading.Thread(target=_check_into, args=(hash_error, data, shard), daemon=True)
-            hasher.start()
-            try:
-                arrays = decode_shard(data, shard_format=self.manifest.shard_format,
-                                      token_dtype=self.manifest.token_dtype, shard=shard.name,
-                                      raw_bytes=shard.raw_bytes)
-                decode_error = None
-            except CorruptShardError as err:
-                arrays, decode_error = None, err
-            hasher.join()
-            if hash_error:
-                if attempt == 2:
-                    url = self.storage.url_of(shard.name)
-                    raise CorruptShardError(shard.name, f"{hash_error[0].reason}; a second download from {url} "
-                                            "did not match either") from hash_error[0]
-                logger.warning("shard %s failed its check (%s); downloading it again", shard.name,
-                               hash_error[0].reason)
-                continue
-            if decode_error is not None:
-                raise decode_error  # the bytes are what the manifest promised, yet undecodable
-            check_counts(arrays, shard)
-            return arrays
-        raise AssertionError("unreachable")  # pragma: no cover
+            self.stats.downloaded_bytes += nbytes
+
+        arrays = read_shard(self.storage, shard, decode=decode, on_read=count)
+        check_counts(arrays, shard)
+        return arrays
 
     # -- eviction ------------------------------------------------------------------------------
     def _scan(self) -> list[tuple[float, int, str]]:

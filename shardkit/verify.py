@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardkit.errors import CorruptShardError
+from shardkit.formats.fetch import read_shard
 from shardkit.formats.reader import ShardReader
 from shardkit.formats.sample import ShardArrays
 from shardkit.manifest import Manifest, ShardInfo
@@ -61,18 +62,21 @@ def check_contents(arrays: ShardArrays, shard: ShardInfo, manifest: Manifest) ->
 
 
 def verify_shard(storage: Storage, manifest: Manifest, shard: ShardInfo) -> str | None:
-    """Re-read one shard and check it; returns None when good, else the reason it is bad."""
+    """Re-read one shard and check it; returns None when good, else the reason it is bad.
+
+    The read is the loader's own (`read_shard`): bytes that fail the manifest's size or SHA-256 are
+    read once more, so one bad transfer is not reported as a corrupt shard.
+    """
     try:
-        data = storage.read_bytes(shard.name)
+        reader = read_shard(storage, shard, decode=lambda data: ShardReader.from_bytes(
+            data, shard=shard, manifest=manifest, verify=False))
+        check_contents(reader.arrays, shard, manifest)
     except FileNotFoundError:
         return f"missing: {storage.url_of(shard.name)} does not exist"
-    except OSError as err:  # StorageError after retries: the message names the URL and the cause
-        return f"unreadable: {err}"
-    try:
-        reader = ShardReader.from_bytes(data, shard=shard, manifest=manifest, verify=True)
-        check_contents(reader.arrays, shard, manifest)
     except CorruptShardError as err:
         return err.reason
+    except OSError as err:  # StorageError after retries: the message names the URL and the cause
+        return f"unreadable: {err}"
     return None
 
 

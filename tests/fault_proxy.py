@@ -80,9 +80,14 @@ class FaultProxy:
         self._thread.start()
 
     def configure(self, *, rate: float | None = None, seed: int | None = None,
-                  kinds: tuple[str, ...] | None = None) -> None:
-        """Change the fault plan and reset the counters and the per-request history."""
+                  kinds: tuple[str, ...] | None = None, first_only: bool = False) -> None:
+        """Change the fault plan and reset the counters and the per-request history.
+
+        `first_only`: fault only the first of the repeated requests for one object (and range), so
+        that a reader that repeats a request sees exactly one fault.
+        """
         with self._lock:
+            self.first_only = first_only
             if rate is not None:
                 if not 0 <= rate <= 1:
                     raise ValueError(f"rate must be in [0, 1], got {rate}")
@@ -121,6 +126,8 @@ class FaultProxy:
             self.counts["requests"] += 1
             self.counts[f"requests_{method}"] += 1
             rate, seed, kinds = self.rate, self.seed, self.kinds
+            if self.first_only and nth > 1:
+                rate = 0.0
         digest = hashlib.sha256(repr((seed, key, nth)).encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "little"))
         if rng.random() >= rate:
@@ -245,3 +252,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle()
 
     do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
+
+
+def through_proxy(options: dict, *, checksums: bool = True, botocore_attempts: int = 1) -> dict:
+    """Storage options for the proxy: botocore retries `botocore_attempts` times in all (1: every fault
+    reaches shardkit's own retry layer); without `checksums` botocore does not validate response
+    checksums, as on stores that send none and for every ranged read, so flipped bodies reach shardkit."""
+    config = {"retries": {"mode": "standard", "total_max_attempts": botocore_attempts}}
+    if not checksums:
+        config["response_checksum_validation"] = "when_required"
+    return {**options, "config_kwargs": config}

@@ -13,6 +13,7 @@ import pytest
 from shardkit.cli import main
 from shardkit.cli.dataset import parse_storage_options
 from shardkit.errors import CorruptShardError
+from shardkit.formats.fetch import SHARD_READS
 from shardkit.formats import Sample, ShardReader, write_dataset
 from shardkit.manifest import TokenizerInfo, load_manifest
 from shardkit.storage import Storage
@@ -115,7 +116,8 @@ def test_one_flipped_byte_fails_verify_and_the_reader_naming_the_shard(dataset, 
     assert main(["verify", url, "--no-progress"]) == 1
     out = capsys.readouterr()
     assert out.out.splitlines() == [f"BAD {bad.name}: sha256 is {__import__('hashlib').sha256(path.read_bytes()).hexdigest()}, "
-                                    f"the manifest says {bad.sha256}"]
+                                    f"the manifest says {bad.sha256} on each of {SHARD_READS} reads: the stored "
+                                    "object is corrupt or was replaced; rebuild the dataset or restore the shard"]
     assert f"FAILED: 1 of 3 shards of {url} are bad" in out.err
     with pytest.raises(CorruptShardError, match=f"corrupt shard {bad.name}: sha256") as info:
         ShardReader.from_bytes(path.read_bytes(), shard=bad, manifest=manifest)
@@ -143,7 +145,9 @@ def test_truncated_shard_fails_verify_and_the_reader(dataset, tmp_path, capsys):
     path.write_bytes(path.read_bytes()[: bad.compressed_bytes // 3])
     assert main(["verify", url, "--no-progress"]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        f"BAD {bad.name}: size is {bad.compressed_bytes // 3} bytes, the manifest says {bad.compressed_bytes} (truncated or replaced)"]
+        f"BAD {bad.name}: size is {bad.compressed_bytes // 3} bytes, the manifest says {bad.compressed_bytes} (truncated or "
+        f"replaced) on each of {SHARD_READS} reads: the stored object is corrupt or was replaced; rebuild the dataset or "
+        "restore the shard"]
     with pytest.raises(CorruptShardError, match=f"corrupt shard {bad.name}: size is"):
         ShardReader.from_bytes(path.read_bytes(), shard=bad, manifest=manifest)
     with pytest.raises(CorruptShardError, match=f"corrupt shard {bad.name}: .*(truncated|not a readable Arrow)"):
@@ -197,7 +201,7 @@ def test_cat_refuses_a_corrupt_shard(dataset, tmp_path, capsys):
     url, manifest = dataset
     flip_one_byte(tmp_path / "ds" / manifest.shards[0].name, 700)
     assert main(["cat", url, "--index", "3"]) == 1
-    assert f"corrupt shard {manifest.shards[0].name}" in capsys.readouterr().err
+    assert f"corrupt shard {url}/{manifest.shards[0].name}: sha256" in capsys.readouterr().err
 
 
 def test_cat_decode(tmp_path, capsys):

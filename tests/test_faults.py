@@ -5,6 +5,7 @@ and a clear error naming the object once the retry budget is spent."""
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import os
 import time
@@ -13,9 +14,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from fault_proxy import FAULT_KINDS
+from fault_proxy import FAULT_KINDS, through_proxy
 from shardkit.errors import CorruptShardError, StorageError
-from shardkit.formats import Sample, ShardReader, download_shard, read_shard, write_dataset
+from shardkit.formats import SHARD_READS, Sample, ShardReader, read_shard, write_dataset
+from shardkit.loaders.cache import ShardCache
 from shardkit.manifest import TokenizerInfo, load_manifest
 from shardkit.storage import RetryPolicy, Storage
 
@@ -27,13 +29,6 @@ pytestmark = pytest.mark.s3
 # tests give shardkit 12 tries (0.51**12 = 3e-4 per read) with millisecond waits.
 FAST_RETRY = RetryPolicy(attempts=12, initial_delay=0.005, max_delay=0.05)
 TOKENIZER = TokenizerInfo(kind="byte", name="byte", vocab_size=259, eos_id=258)
-
-
-def through_proxy(options: dict, *, checksums: bool = True, botocore_attempts: int = 1) -> dict:
-    config = {"retries": {"mode": "standard", "total_max_attempts": botocore_attempts}}
-    if not checksums:  # as on stores without end-to-end checksums, and for every ranged read
-        config["response_checksum_validation"] = "when_required"
-    return {**options, "config_kwargs": config}
 
 
 def make_samples(seed: int, count: int = 120, length: int = 65) -> list[Sample]:
@@ -132,7 +127,7 @@ def test_storage_round_trip_under_faults(faulty_bucket, rate, retry_log, figures
     injected = proxy.injected
     assert injected > 0 and retry_log.records, "the proxy injected nothing: the test proves nothing"
     # Ranged reads carry no end-to-end checksum, so a flipped bit would pass them: flips are left out
-    # here (read_shard/download_shard, which check the manifest's SHA-256, are the guard against flips).
+    # here (read_shard, which checks the manifest's SHA-256, is the guard against flips).
     proxy.configure(rate=rate, seed=12, kinds=tuple(k for k in FAULT_KINDS if k != "flip"))
     for name, data in objects.items():
         lo = len(data) // 3
@@ -199,7 +194,7 @@ def test_flipped_bytes_are_never_returned(faulty_bucket, checksums, figures):
     checked = 0
     for shard in manifest.shards:
         try:
-            data = read_shard(storage, shard, attempts=8)
+            data = read_shard(storage, shard, reads=8)
         except CorruptShardError as err:  # allowed: a clear refusal, never wrong bytes
             assert storage.url_of(shard.name) in str(err)
             continue
@@ -210,56 +205,69 @@ def test_flipped_bytes_are_never_returned(faulty_bucket, checksums, figures):
                 raw_reads_wrong_before_check=raw_wrong)
 
 
-def test_download_shard_under_faults(faulty_bucket, tmp_path, figures):
+def test_cache_fetch_under_faults(faulty_bucket, tmp_path, retry_log, figures):
+    """The loader's cache fetches through the faults with no transport checksums, flips included: a
+    flipped body reaches `read_shard` (the cache's fetch) and is read again; the decoded shards equal
+    the written samples and no temporary is left behind."""
     url, options, proxy = faulty_bucket
     storage = Storage(url, through_proxy(options, checksums=False), retry=FAST_RETRY)
-    manifest = write_dataset(storage, make_samples(seed=8), tokenizer=TOKENIZER, seq_len=64, packing="concat",
+    samples = make_samples(seed=8)
+    manifest = write_dataset(storage, samples, tokenizer=TOKENIZER, seq_len=64, packing="concat",
                              shard_format="arrow", max_samples=12)
     proxy.configure(rate=0.3, seed=41)
-    for shard in manifest.shards:
-        target = tmp_path / shard.name
-        download_shard(storage, shard, str(target), attempts=6)
-        reader = ShardReader.from_bytes(target.read_bytes(), shard=shard, manifest=manifest)
-        assert len(reader) == shard.samples
-    assert sorted(os.listdir(tmp_path)) == sorted(s.name for s in manifest.shards)  # no .tmp left behind
-    assert proxy.injected > 0
-    figures.add("download_shard_30pct", runs=1, faults=proxy.injected, samples_checked=manifest.num_samples,
-                lost=0, duplicated=0, corrupt=0)
+    cache = ShardCache(storage, manifest, str(tmp_path / "cache"))
+    got, refused = {}, []
+    for index, shard in enumerate(manifest.shards):
+        try:
+            held = cache.open(index)
+        except CorruptShardError as err:  # allowed: both reads flipped, a clear refusal naming the URL
+            assert storage.url_of(shard.name) in str(err)
+            refused.append(index)
+            continue
+        got[index] = [held.reader.sample(i) for i in range(len(held.reader))]
+        held.close()
+    flips = proxy.snapshot().get("flip", 0)
+    rereads = sum("failed its check" in r for r in retry_log.records)
+    assert flips > 0 and rereads > len(refused), "no flipped body was read again: the test proves nothing"
+    starts = np.cumsum([0] + [s.samples for s in manifest.shards])
+    corrupt = sum(not np.array_equal(g.tokens, samples[starts[index] + i].tokens)
+                  for index, shard_samples in got.items() for i, g in enumerate(shard_samples))
+    assert corrupt == 0 and len(refused) <= 1
+    # Every read is counted: one good read per served shard plus each read that failed its check.
+    assert cache.stats.downloads == len(manifest.shards) - len(refused) + rereads
+    leftovers = [n for _, _, names in os.walk(tmp_path / "cache") for n in names if ".tmp-" in n]
+    assert leftovers == []
+    served = sum(len(v) for v in got.values())
+    figures.add("cache_fetch_30pct", runs=1, faults=proxy.injected, samples_checked=served, lost=0, duplicated=0,
+                corrupt=corrupt, rereads=rereads, refused_shards=len(refused))
 
 
-def test_retry_budget_exhausted_names_the_object(faulty_bucket, figures):
-    """Every request fails (errors, throttling, resets, truncated bodies, mixed): the read ends, in
-    bounded time and requests, with a StorageError that names the object's URL."""
+def test_one_bad_read_is_read_again_by_every_reader(faulty_bucket, tmp_path, capsys):
+    """verify, cat and the cache share `read_shard`: a shard whose first GET body is flipped is read
+    again and reported good, not corrupt."""
+    from shardkit.cli.main import main
+    from shardkit.verify import verify_dataset
+
     url, options, proxy = faulty_bucket
-    policy = RetryPolicy(attempts=3, initial_delay=0.01, max_delay=0.02)
-    Storage(url, options).write_bytes("dead/object.bin", b"x" * 5000)
-    storage = Storage(url, through_proxy(options, botocore_attempts=2), retry=policy)
-    proxy.configure(rate=1.0, seed=51, kinds=("error500", "error503", "slowdown", "reset", "truncate"))
-    start = time.monotonic()
-    with pytest.raises(StorageError) as info:
-        storage.read_bytes("dead/object.bin")
-    elapsed = time.monotonic() - start
-    message = str(info.value)
-    assert f"{url}/dead/object.bin" in message and "after 3 attempts" in message, message
-    requests = proxy.snapshot()["requests"]
-    # Bounded: shardkit's 3 tries x botocore's 2 x (s3fs's 5 for payload errors, 2 for a reset).
-    assert 3 <= requests <= 3 * 2 * 5, proxy.snapshot()
-    assert elapsed < 30
-    figures.add("retry_budget_exhausted", runs=1, faults=proxy.injected, requests=requests,
-                seconds=round(elapsed, 2), error_names_url=1)
+    opts = through_proxy(options, checksums=False)
+    storage = Storage(url, opts, retry=FAST_RETRY)
+    manifest = write_dataset(storage, make_samples(seed=10, count=24), tokenizer=TOKENIZER, seq_len=64,
+                             packing="concat", shard_format="tar", max_samples=12)
+    # Every first GET of an object is flipped, and no later one: each reader sees exactly one bad read.
+    flip_first_get(proxy)
+    assert verify_dataset(storage, manifest) == []
+    assert proxy.snapshot().get("flip", 0) == len(manifest.shards)
+    flip_first_get(proxy)
+    storage.read_bytes("shardkit.json")  # the manifest's one flipped GET is spent here, not in cat
+    cli_options = [f"{key}={json.dumps(value)}" for key, value in opts.items()]
+    assert main(["cat", url, "--index", "0", *(f"-o{o}" for o in cli_options)]) == 0, capsys.readouterr().err
+    assert proxy.snapshot().get("flip", 0) == 2  # the manifest's and the shard's first GET
+    flip_first_get(proxy)
+    cache = ShardCache(storage, manifest, str(tmp_path / "cache"))
+    cache.open(1).close()
+    assert (proxy.snapshot().get("flip", 0), cache.stats.downloads) == (1, SHARD_READS)
 
 
-def test_persistently_corrupt_object_names_its_url(faulty_bucket, tmp_path):
-    url, options, proxy = faulty_bucket
-    storage = Storage(url, through_proxy(options))
-    manifest = write_dataset(storage, make_samples(seed=9, count=20), tokenizer=TOKENIZER, seq_len=64,
-                             packing="concat", shard_format="tar", max_samples=10)
-    shard = manifest.shards[1]
-    data = bytearray(storage.read_bytes(shard.name))
-    data[len(data) // 2] ^= 0x10
-    storage.write_bytes(shard.name, bytes(data))  # corrupt at rest: a re-read cannot help
-    with pytest.raises(CorruptShardError, match=f"{storage.url_of(shard.name)}.*each of 3 reads"):
-        read_shard(storage, shard)
-    with pytest.raises(CorruptShardError, match=storage.url_of(shard.name)):
-        download_shard(storage, shard, str(tmp_path / "s.tar"))
-    assert os.listdir(tmp_path) == []
+def flip_first_get(proxy) -> None:
+    """Flip the body of the first GET of every object, and of no later GET of it."""
+    proxy.configure(rate=1.0, seed=0, kinds=("flip",), first_only=True)

@@ -5,22 +5,19 @@ the loader yields exactly the fault-free sample stream."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import numpy as np
 import pytest
 
+from fault_proxy import through_proxy
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which be this".split()
-
-
-def through_proxy(options: dict) -> dict:
-    # botocore does not retry: every injected fault reaches shardkit's own retry layer.
-    return {**options, "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}}}
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +76,21 @@ def stream(url: str, options: dict, cache_dir: str, epochs: int = 1) -> tuple[np
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3])
-def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_path, rate, figures):
+def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_path, rate, figures, caplog):
     from loader_helpers import write_fixed
 
     url, options, proxy = faulty_bucket
-    options = through_proxy(options)
-    manifest = write_fixed(url, 600, seq_len=31, per_shard=40, storage_options=options)
+    # No transport checksums: flipped bodies reach the loader's own fetch (read_shard), which reads them again.
+    options = through_proxy(options, checksums=False)
+    manifest = write_fixed(url, 600, seq_len=31, per_shard=10, storage_options=options)
     clean_ids, clean_tokens = stream(url, options, str(tmp_path / "clean-cache"))
     proxy.configure(rate=rate, seed=71)
-    ids, tokens = stream(url, options, str(tmp_path / "faulty-cache"))
-    injected = proxy.injected
+    with caplog.at_level(logging.WARNING, logger="shardkit.formats.fetch"):
+        ids, tokens = stream(url, options, str(tmp_path / "faulty-cache"))
+    injected, flips = proxy.injected, proxy.snapshot().get("flip", 0)
     proxy.configure(rate=0.0)
-    assert injected > 0
+    rereads = sum("failed its check" in r.getMessage() for r in caplog.records)
+    assert injected > 0 and flips > 0 and rereads > 0, "no flipped body reached the loader's check"
     assert np.array_equal(ids, clean_ids) and np.array_equal(tokens, clean_tokens)
     # Exactly once: every sample of the epoch (the ragged tail is dropped by policy).
     assert len(np.unique(ids)) == len(ids) == manifest.num_samples - manifest.num_samples % 8
@@ -101,4 +101,4 @@ def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_pat
     assert corrupt == 0
     figures.add(f"loader_download_{int(rate * 100)}pct", runs=1, faults=injected, samples_checked=len(ids),
                 lost=manifest.num_samples - manifest.num_samples % 8 - len(np.unique(ids)),
-                duplicated=len(ids) - len(np.unique(ids)), corrupt=corrupt)
+                duplicated=len(ids) - len(np.unique(ids)), corrupt=corrupt, rereads=rereads)

@@ -258,11 +258,13 @@ def run_cat(args: argparse.Namespace) -> int:
         position, local = locate(manifest, args.index)
     except (ValueError, OSError, IndexError) as err:
         return _fail("cat", str(err))
+    from shardkit.formats.fetch import read_shard
     from shardkit.formats.reader import ShardReader
 
     shard = manifest.shards[position]
     try:
-        reader = ShardReader.from_bytes(storage.read_bytes(shard.name), shard=shard, manifest=manifest)
+        reader = read_shard(storage, shard, decode=lambda data: ShardReader.from_bytes(
+            data, shard=shard, manifest=manifest, verify=False))
     except (ValueError, OSError) as err:
         return _fail("cat", str(err), status=1)
     sample = reader.sample(local)

@@ -1,17 +1,19 @@
-"""Verified shard transfer: bytes that do not match the manifest are read again, never returned.
+"""The one verified shard read: every reader (the loader's cache, `verify`, `cat`) calls `read_shard`.
 
 `Storage` retries failed requests; it cannot know that a successful read returned the wrong bytes
 (a flipped bit in transit on a store or range read without end-to-end checksums, a truncated body a
-proxy passed as complete). The manifest's size and SHA-256 can: a shard that fails them is read
-again, up to `attempts` times, and then refused with an error naming its URL.
+proxy passed as complete). The manifest's size and SHA-256 can: bytes that fail them are read once
+more (`SHARD_READS`), and a shard that fails again is refused with an error naming its URL, so one
+bad read is never reported as a corrupt shard, and a corrupt shard is never returned.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import uuid
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from shardkit.errors import CorruptShardError
 from shardkit.formats.shard_bytes import check_shard_bytes
@@ -20,73 +22,80 @@ from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ATTEMPTS = 3
+# Reads of one shard before it is called corrupt: the first, and one re-read after a mismatch. A
+# transient fault that Storage sees (an error, a reset) is retried there, within its own budget; a
+# second read with the wrong bytes means the stored object itself differs from the manifest.
+SHARD_READS = 2
 _CHUNK = 1 << 20
 
 
-def _give_up(url: str, attempts: int, reason: str) -> CorruptShardError:
-    return CorruptShardError(url, f"{reason} on each of {attempts} reads: the stored object is corrupt or was "
-                                  "replaced; rebuild the dataset or restore the shard")
+def read_shard(storage: Storage, shard: ShardInfo, *, decode: Callable[[bytes], Any] | None = None,
+               reads: int = SHARD_READS, on_read: Callable[[int], None] | None = None) -> Any:
+    """The bytes of `shard` (or `decode(bytes)`), checked against its manifest size and SHA-256.
 
-
-def read_shard(storage: Storage, shard: ShardInfo, *, attempts: int = DEFAULT_ATTEMPTS) -> bytes:
-    """The bytes of `shard`, checked against its manifest size and SHA-256.
+    Args:
+        storage: the dataset prefix.
+        shard: the manifest's entry (name, size, SHA-256).
+        decode: optional; runs while the bytes are hashed (hashlib releases the GIL), and its result
+            is returned only when the hash matches. It must be safe on untrusted bytes (the shard
+            decoders are: bounded by the manifest's sizes, strict parsing).
+        reads: reads before giving up (`SHARD_READS` by default).
+        on_read: called with the byte count of every read (for download statistics).
 
     Raises:
-        CorruptShardError: every read failed the check; the message names the shard's URL.
-        StorageError: the storage itself failed past its retry budget.
+        CorruptShardError: every read failed the check (the message names the shard's URL), or the
+            bytes match the manifest yet do not decode.
+        StorageError, FileNotFoundError: the storage itself failed past its retry budget.
     """
-    if attempts < 1:
-        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    if reads < 1:
+        raise ValueError(f"reads must be >= 1, got {reads}")
     url = storage.url_of(shard.name)
     reason = ""
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, reads + 1):
         data = storage.read_bytes(shard.name, size=shard.compressed_bytes)
+        if on_read is not None:
+            on_read(len(data))
+        check_error, result = _check_while_decoding(data, shard, url, decode)
+        if check_error is None:
+            return result
+        reason = check_error.reason
+        logger.warning("shard %s failed its check (read %d/%d): %s", url, attempt, reads, reason)
+    raise CorruptShardError(url, f"{reason} on each of {reads} reads: the stored object is corrupt or was "
+                                 "replaced; rebuild the dataset or restore the shard")
+
+
+def _check_while_decoding(data: bytes, shard: ShardInfo, url: str,
+                          decode: Callable[[bytes], Any] | None) -> tuple[CorruptShardError | None, Any]:
+    """(check error or None, decoded value or the bytes); a decode error counts only if the bytes pass."""
+    errors: list[CorruptShardError] = []
+
+    def check() -> None:
         try:
             check_shard_bytes(data, shard=url, sha256=shard.sha256, size=shard.compressed_bytes)
-            return data
         except CorruptShardError as err:
-            reason = err.reason
-            logger.warning("shard %s failed its check (read %d/%d): %s", url, attempt, attempts, reason)
-    raise _give_up(url, attempts, reason)
+            errors.append(err)
+
+    if decode is None:
+        check()
+        return (errors[0], None) if errors else (None, data)
+    hasher = threading.Thread(target=check, name="shardkit-hash", daemon=True)
+    hasher.start()
+    try:
+        decoded, decode_error = decode(data), None
+    except CorruptShardError as err:
+        decoded, decode_error = None, err
+    hasher.join()
+    if errors:
+        return errors[0], None
+    if decode_error is not None:
+        raise decode_error  # the bytes are what the manifest promised, yet undecodable: a re-read cannot help
+    return None, decoded
 
 
 def file_sha256(path: str) -> str:
+    """SHA-256 of a local file, read in 1 MiB pieces."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def download_shard(storage: Storage, shard: ShardInfo, local_path: str, *, attempts: int = DEFAULT_ATTEMPTS) -> None:
-    """Download `shard` to `local_path`, which appears (atomically, by rename) only once verified.
-
-    The temporary file lives beside `local_path`, so a process killed mid-download leaves at most
-    a `.tmp-*` file that nothing ever reads as a shard.
-
-    Raises:
-        CorruptShardError: every download failed the check; the message names the shard's URL.
-        StorageError: the storage itself failed past its retry budget.
-    """
-    if attempts < 1:
-        raise ValueError(f"attempts must be >= 1, got {attempts}")
-    url = storage.url_of(shard.name)
-    directory = os.path.dirname(local_path) or "."
-    reason = ""
-    for attempt in range(1, attempts + 1):
-        tmp = os.path.join(directory, f".{os.path.basename(local_path)}.tmp-{uuid.uuid4().hex}")
-        try:
-            storage.download(shard.name, tmp)
-            size = os.path.getsize(tmp)
-            digest = file_sha256(tmp) if size == shard.compressed_bytes else None
-            if digest == shard.sha256:
-                os.replace(tmp, local_path)
-                return
-            reason = (f"size is {size} bytes, the manifest says {shard.compressed_bytes}" if digest is None
-                      else f"sha256 is {digest}, the manifest says {shard.sha256}")
-            logger.warning("shard %s failed its check (download %d/%d): %s", url, attempt, attempts, reason)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise _give_up(url, attempts, reason)
