@@ -13,6 +13,8 @@ process dies, so a crashed or SIGKILLed process can never block or poison the ot
   and a downloader removes the temporary files a dead predecessor left behind.
 - `<file>.lock`: shared while a reader holds the shard open. Eviction takes it exclusive without
   waiting, so it only ever removes shards that no live reader holds.
+- `<cache root>/.room.lock` (with `cache_limit` only): exclusive while one process evicts to make room
+  and writes a decoded shard, so the decoded files never exceed the limit even for a moment.
 
 Downloads go through the core's one verified read (`shardkit.formats.fetch.read_shard`): bytes are
 checked against the manifest's size and SHA-256 while they decode, a mismatch gets one re-read, then
@@ -23,6 +25,7 @@ cache waits up to `wait_timeout` seconds for readers to move on, then raises `Ca
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -40,6 +43,7 @@ from shardkit.storage import Storage
 logger = logging.getLogger(__name__)
 
 DECODED_SUFFIX = ".skd"
+ROOM_LOCK = ".room.lock"  # in the cache root: held while one process makes room and admits a shard
 # Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
 _HEADER_BOUND = 1024
 
@@ -227,13 +231,7 @@ class ShardCache:
                 return True  # another process finished it while we waited
             self._remove_stale_temporaries(path)
             arrays = self._download(shard)
-            if not self._make_room(self.decoded_size(arrays), shard=shard, exclude=path, wait=block):
-                return False
-            with self._handoff:
-                self._fresh[path] = arrays
-                self._handoff.notify_all()
-            write_decoded(path, arrays)
-            return True
+            return self._admit(path, arrays, shard=shard, wait=block)
         finally:
             with self._handoff:
                 self._fetching.discard(path)
@@ -299,24 +297,28 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def _make_room(self, need: int, *, shard: ShardInfo, exclude: str, wait: bool) -> bool:
+    def _admit(self, path: str, arrays, *, shard: ShardInfo, wait: bool) -> bool:
+        """Write the decoded shard once the limit has room for it; False when not `wait` and no room.
+
+        Making room and writing happen under one node-wide lock (`ROOM_LOCK` in the cache root), so two
+        processes never both count the same free bytes: the decoded files never exceed the limit, not
+        even for a moment. Downloads and decoding happen before, outside the lock, in parallel.
+        """
+        need = self.decoded_size(arrays)
         limit = self.cache_limit
-        if limit is None:
-            return True
-        if need > limit:
+        if limit is not None and need > limit:
             raise CacheLimitError(f"cache_limit={limit} bytes is smaller than one decoded shard ({shard.name}: "
                                   f"{need} bytes); raise cache_limit")
         deadline = time.monotonic() + self.wait_timeout
         while True:
-            entries = sorted(e for e in self._scan() if e[2] != exclude)
-            total = sum(size for _, size, _ in entries)
-            for _, size, victim in entries:
-                if total + need <= limit:
-                    break
-                if self._try_evict(victim):
-                    total -= size
-            if total + need <= limit:
-                return True
+            with self._room_lock():
+                total = self._make_room(need, exclude=path) if limit is not None else 0
+                if limit is None or total + need <= limit:
+                    with self._handoff:
+                        self._fresh[path] = arrays
+                        self._handoff.notify_all()
+                    write_decoded(path, arrays)
+                    return True
             if not wait:
                 return False
             own = self._held_bytes
@@ -329,4 +331,27 @@ class ShardCache:
                     "cache_limit or lower shuffle_window: every reader process of the node (each rank, and each "
                     "DataLoader worker of a rank) holds the shards of its current and next shuffle window, so a "
                     "node needs about readers x (shuffle_window / samples_per_shard + 2) decoded shards")
-            time.sleep(0.05)
+            time.sleep(0.05)  # readers hold every evictable shard: wait for one to move on
+
+    @contextlib.contextmanager
+    def _room_lock(self):
+        if self.cache_limit is None:  # nothing to count: no need to serialise the node's writers
+            yield
+            return
+        fd = os.open(os.path.join(self.cache_root, ROOM_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _make_room(self, need: int, *, exclude: str) -> int:
+        """Evict least recently used unheld shards until `need` more bytes fit; returns the bytes left."""
+        entries = sorted(e for e in self._scan() if e[2] != exclude)
+        total = sum(size for _, size, _ in entries)
+        for _, size, victim in entries:  # oldest use first
+            if total + need <= self.cache_limit:
+                break
+            if self._try_evict(victim):
+                total -= size
+        return total

@@ -1,5 +1,6 @@
 """The node-local cache: one download per shard per node (counted at a real S3 endpoint), hash
-checks, LRU eviction under a limit with 8 concurrent processes, and SIGKILL during a download."""
+checks, LRU eviction order, the limit held at its peak by 8 concurrent processes, and SIGKILL during a
+download."""
 
 from __future__ import annotations
 
@@ -111,21 +112,65 @@ def test_limit_smaller_than_the_working_set_says_so(tmp_path):
     held[1].close()
 
 
-@pytest.mark.slow
-def test_eviction_under_limit_with_eight_processes(process_pool, tmp_path):
+def test_eviction_removes_the_least_recently_used_shard(tmp_path):
+    """Room for 3 shards: after using 0, 1, 2 and then 0 again, shard 1 is the least recently used
+    and is the one evicted for shard 3; then 2 for shard 4 (most-recently-used eviction would take 0)."""
     url = str(tmp_path / "ds")
-    manifest = write_fixed(url, 24 * 20, seq_len=64, per_shard=20)
+    write_fixed(url, 150, per_shard=30)
+    size = decoded_file_size(tmp_path, url)
+    cache = local_cache(tmp_path, url, cache_limit=3 * size + size // 2)
+    for index in (0, 1, 2, 0, 3):
+        cache.open(index).close()
+        time.sleep(0.02)  # distinct use times, whatever the file system's timestamp resolution
+    assert [cache.is_cached(i) for i in range(5)] == [True, False, True, True, False]
+    cache.open(4).close()
+    assert [cache.is_cached(i) for i in range(5)] == [True, False, False, True, True]
+    assert cache.stats.evictions == 2
+
+
+def cache_bytes(cache_dir: str) -> int:
+    """Bytes of decoded shards under `cache_dir` now (files listed at one instant, stat'ed after)."""
+    total = 0
+    for directory, _, names in os.walk(cache_dir):
+        for name in names:
+            if name.endswith(".skd") and not name.startswith("."):
+                try:
+                    total += os.path.getsize(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass  # evicted since the listing: it no longer counts
+    return total
+
+
+@pytest.mark.slow
+def test_cache_limit_holds_at_its_peak_with_eight_processes(process_pool, tmp_path):
+    """A watcher samples the cache's size while 8 processes open shards under a limit: the peak,
+    not just the end state, stays within the limit (admission and eviction are node-wide atomic)."""
+    import threading
+
+    url = str(tmp_path / "ds")
+    write_fixed(url, 24 * 20, seq_len=64, per_shard=20)
     cache_dir = str(tmp_path / "cache")
-    shard_bytes = decoded_file_size(tmp_path, url)
-    limit = 10 * shard_bytes  # 24 shards, room for 10; 8 processes hold up to 1 each
-    rng = random.Random(5)
+    limit = 10 * decoded_file_size(tmp_path, url)
+    rng = random.Random(6)
     orders = [[rng.randrange(24) for _ in range(40)] for _ in range(8)]
-    results = process_pool.run(open_shards, [dict(url=url, cache_dir=cache_dir, order=o, cache_limit=limit, hold=0)
-                                             for o in orders])
+    peak, samples, done = [0], [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], cache_bytes(cache_dir))
+            samples[0] += 1
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        results = process_pool.run(open_shards, [dict(url=url, cache_dir=cache_dir, order=o, cache_limit=limit,
+                                                      hold=0) for o in orders])
+    finally:
+        done.set()
+        watcher.join()
     assert all(r["bad"] == 0 for r in results)
-    assert sum(r["evictions"] for r in results) > 0
-    decoded = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs if f.endswith(".skd")]
-    assert sum(os.path.getsize(p) for p in decoded) <= limit
+    assert sum(r["evictions"] for r in results) > 0 and samples[0] > 100
+    assert peak[0] <= limit, f"peak {peak[0]} bytes over the limit {limit} ({samples[0]} samples)"
     assert not [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
 
 

@@ -101,7 +101,7 @@ def test_per_node_download_volume_four_nodes(process_pool, s3_bucket, s3_endpoin
     url, options = s3_bucket
     manifest = write_fixed(url, 32 * 40, seq_len=64, per_shard=40, storage_options=options)
     total = sum(s.compressed_bytes for s in manifest.shards)
-    report = {}
+    report, measured = {}, {}
     for partitions in (None, 1):  # None: canonical partitions = nodes (4); 1: no locality, for contrast
         proxy = CountingProxy(s3_endpoint)
         try:
@@ -120,7 +120,34 @@ def test_per_node_download_volume_four_nodes(process_pool, s3_bucket, s3_endpoin
             per_node[r // 2] += result["stats"][0]["downloaded_bytes"]
         assert sum(per_node.values()) == sum(proxy.bytes_out[p] for p in proxy.gets(".tar"))
         report[f"partitions={partitions or 4}"] = {f"node{n}": round(per_node[n] / total, 3) for n in range(4)}
+        measured[partitions] = [per_node[n] for n in range(4)]
     print("\nper-node download volume (fraction of the dataset):", json.dumps(report))
-    for fraction in report["partitions=4"].values():
-        assert fraction <= (8 + 2) / 32, report  # a quarter, plus at most two boundary shards
+    # Exactly the shards the pure order gives the node's two ranks, each downloaded once per node: with
+    # whole-shard blocks and 4 partitions of 8 shards, a quarter of the shards (not "at most" a share).
+    expected = expected_node_shares(manifest, num_partitions=4, shuffle_window=40, world_size=8, batch_size=4,
+                                    ranks_per_node=2)
+    assert measured[None] == [nbytes for nbytes, _ in expected], report
+    assert [count for _, count in expected] == [8] * 4
     assert sum(report["partitions=1"].values()) > sum(report["partitions=4"].values())
+
+
+def expected_node_shares(manifest, *, num_partitions: int, shuffle_window: int, world_size: int, batch_size: int,
+                         ranks_per_node: int) -> list[tuple[float, int]]:
+    """(bytes, shard count) each node must download in epoch 0, from the pure order functions."""
+    from shardkit.loaders.order import EpochOrder, OrderConfig
+    from shardkit.loaders.partition import rank_positions, steps_in_epoch
+
+    sizes = [s.samples for s in manifest.shards]
+    order = EpochOrder(sizes, OrderConfig(num_partitions=num_partitions, shuffle_window=shuffle_window), 0)
+    steps = steps_in_epoch(order.num_positions, start=0, global_batch=batch_size * world_size)
+    ends = np.cumsum(sizes)
+    shares = []
+    for node in range(world_size // ranks_per_node):
+        shards: set[int] = set()
+        for rank in range(node * ranks_per_node, (node + 1) * ranks_per_node):
+            positions = rank_positions(np.arange(steps), start=0, num_positions=order.num_positions,
+                                       world_size=world_size, batch_size=batch_size, rank=rank,
+                                       partition_of=order.partition_of)
+            shards |= set(np.searchsorted(ends, order.sample_ids(positions).ravel(), side="right").tolist())
+        shares.append((sum(manifest.shards[i].compressed_bytes for i in shards), len(shards)))
+    return shares
