@@ -112,6 +112,8 @@ class StreamingDataLoader(DataLoader):
                     self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0)
         if finished:
             self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
+        if not self.token_mode:
+            self.dataset.check_batch_fits(self.samples_per_rank, topology)
         if self._iterator is not None and not self._workers_in_sync:
             self._iterator._shutdown_workers()
             self._iterator = None
@@ -189,6 +191,13 @@ class StreamingDataLoader(DataLoader):
         if differences:
             raise ValueError("cannot resume: the saved loader state belongs to another order ("
                              + "; ".join(differences) + ")")
+        num_positions = self.dataset.order(saved.epoch, saved.num_partitions).num_positions
+        # The last step of an epoch may overrun its end: padded (pad) or a whole token window (token budget).
+        overrun = (saved.token_window if saved.max_tokens is not None else
+                   saved.global_batch_size if saved.partial_batches == "pad" else 0)
+        if saved.samples_consumed > num_positions + overrun:
+            raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
+                             f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
         self._num_partitions = saved.num_partitions
         self._epoch, self._consumed = saved.epoch, saved.samples_consumed
         self._segments = saved.window_segments

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
 from shardkit.loaders.token_budget import plan_remaining
-from shardkit.loaders.topology import Topology, resolve_topology
+from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
 from shardkit.storage import Storage
 
@@ -84,6 +85,9 @@ class StreamingDataset(IterableDataset):
         super().__init__()
         self.config = config = loader_config(config, overrides, caller="StreamingDataset")
         self.streams = streams = _streams_of(source)
+        self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
+                                   local_world_size=local_world_size)
+        check_topology_args(**self._topology_args)
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -109,8 +113,6 @@ class StreamingDataset(IterableDataset):
         if config.max_tokens is not None and longest > config.max_tokens:
             raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
                              f"(max_sample_tokens={longest}); raise max_tokens")
-        self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
-                                   local_world_size=local_world_size)
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self._plan: IterationPlan | None = None
         self._iterations = 0
@@ -171,10 +173,25 @@ class StreamingDataset(IterableDataset):
         self._plan = plan
         self._iterations = 0
 
+    @property
+    def positions_per_epoch(self) -> int:
+        """Samples in one epoch's order (a mixture's epoch_size, else all samples)."""
+        return self.num_samples if len(self.streams) == 1 else (self.epoch_size or self.num_samples)
+
     def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0) -> int:
-        num_positions = self.num_samples if len(self.streams) == 1 else (self.epoch_size or self.num_samples)
-        return steps_in_epoch(num_positions, start=start, global_batch=batch_size * topology.world_size,
+        return steps_in_epoch(self.positions_per_epoch, start=start, global_batch=batch_size * topology.world_size,
                               policy=self.partial_batches)
+
+    def check_batch_fits(self, batch_size: int, topology: Topology) -> None:
+        """Raise when an epoch holds no whole global batch (iteration would silently yield nothing).
+
+        Raises:
+            ValueError: naming batch_size, the world size and the samples per epoch.
+        """
+        if self.batches_per_epoch(batch_size, topology) == 0:
+            raise ValueError(f"batch_size={batch_size} x world_size={topology.world_size} is larger than the "
+                             f"{self.positions_per_epoch} samples of an epoch: no batch would be yielded with "
+                             f"partial_batches={self.partial_batches!r}; lower batch_size or use partial_batches='pad'")
 
     def __len__(self) -> int:
         if self.max_tokens is not None:
@@ -192,6 +209,8 @@ class StreamingDataset(IterableDataset):
             topology = self.resolve_topology()
             plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size or 1, topology=topology,
                                  num_partitions=self.resolve_partitions(topology))
+            if self.max_tokens is None:
+                self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -348,14 +367,16 @@ class StreamingDataset(IterableDataset):
 
 
 def _streams_of(source: Any) -> list[Stream]:
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     if isinstance(source, str):
         source = Stream(source)
     if isinstance(source, Stream):
         return [source]
     streams = list(source) if isinstance(source, (list, tuple)) else None
     if not streams or not all(isinstance(s, Stream) for s in streams):
-        raise TypeError(f"source must be a dataset URL, a Stream, or a non-empty list of Stream, "
-                        f"got {type(source).__name__}")
+        raise TypeError(f"source must be a dataset URL (str), a Stream, or a non-empty list of Stream, "
+                        f"got {type(source).__name__} {source!r}"[:300])
     return streams
 
 

@@ -71,10 +71,28 @@ def _from_group(process_group: Any, device_mesh: Any, mesh_dim: Any) -> tuple[in
     return None
 
 
+def check_topology_args(**values: int | None) -> None:
+    """Explicit rank layout arguments: integers, sizes >= 1 and ranks >= 0 (None = resolve later).
+
+    Raises:
+        TypeError: a value that is not an integer, naming the argument.
+        ValueError: a size below 1 or a negative rank, naming the argument.
+    """
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        low = 1 if name.endswith("world_size") else 0
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
 def resolve_topology(*, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
                      local_world_size: int | None = None, process_group: Any = None, device_mesh: Any = None,
                      mesh_dim: Any = None) -> Topology:
     """Resolve the topology now (see the module docstring for the precedence)."""
+    check_topology_args(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size)
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size, or neither")
     env_world = _env_int("WORLD_SIZE")

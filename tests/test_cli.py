@@ -12,6 +12,7 @@ import pytest
 
 from shardkit.cli import main
 from shardkit.cli.dataset import parse_storage_options
+from conftest import shared_path
 from shardkit.errors import CorruptShardError
 from shardkit.formats.fetch import SHARD_READS
 from shardkit.formats import Sample, ShardReader, write_dataset
@@ -250,3 +251,26 @@ def test_inspect_verify_cat_on_s3_with_storage_options(s3_bucket):
     result = run_cli("verify", url, *flags)
     assert result.returncode == 1 and "missing:" in result.stdout
     assert "SECRET-SHOULD-NOT-APPEAR" not in result.stdout + result.stderr
+
+
+def test_cat_decode_refuses_another_tokenizer_unless_forced(tmp_path, capsys):
+    pytest.importorskip("shardkit.tools.tokenizers")
+    from shardkit.tools.tokenizers import load_tokenizer
+
+    gpt2 = str(shared_path("tokenizers/gpt2_hf_tokenizer.json"))
+    tokenizer = load_tokenizer(gpt2)
+    url = str(tmp_path / "ds")
+    write_dataset(url, [Sample(np.asarray(tokenizer.encode("hello, shards")))], tokenizer=tokenizer.info,
+                  seq_len=None, packing="none")
+    assert main(["cat", url, "--index", "0", "--decode", "--tokenizer", gpt2]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "hello, shards"
+    # Another size, and the same size (50257) with another vocabulary: both refused, naming what differs.
+    r50k = str(shared_path("tokenizers/r50k_base.tiktoken"))
+    for other, differs in (("byte", "vocab_size: tokenizer 258, dataset 50257"), (r50k, "vocab_sha256: tokenizer")):
+        assert main(["cat", url, "--index", "0", "--decode", "--tokenizer", other]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and f"is not the one the dataset was built with ({differs}" in captured.err
+        assert "--force" in captured.err
+    assert main(["cat", url, "--index", "0", "--decode", "--tokenizer", "byte", "--force"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: decoding with a different tokenizer" in captured.err and captured.out

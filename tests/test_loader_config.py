@@ -71,3 +71,42 @@ def test_state_order_fields_are_the_config_order_fields(tmp_path):
         with pytest.raises(ValueError, match=f"{name}: saved"):
             other.load_state_dict(saved)
     assert LoaderState.from_dict(saved).to_dict() == saved
+
+
+def test_bad_topology_and_source_arguments_are_named(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 10, per_shard=10)
+    for kwargs, message in [(dict(rank=0, world_size=0), "world_size must be >= 1, got 0"),
+                            (dict(rank=-1, world_size=2), "rank must be >= 0"),
+                            (dict(local_world_size=0), "local_world_size must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            StreamingDataset(url, cache_dir=str(tmp_path / "c"), **kwargs)
+    with pytest.raises(TypeError, match="world_size must be an integer"):
+        StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=2.0)
+    with pytest.raises(TypeError, match="source must be a dataset URL .*got int 123"):
+        StreamingDataset(123)
+    with pytest.raises(TypeError, match="source must be"):
+        StreamingDataset([])
+    assert StreamingDataset(tmp_path / "ds", cache_dir=str(tmp_path / "c")).num_samples == 10  # a Path is a URL
+
+
+def test_batch_larger_than_the_epoch_is_refused(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 10, per_shard=10)
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"batch_size=6 x world_size=2 is larger than the 10 samples"):
+        next(iter(StreamingDataLoader(dataset, batch_size=6)))
+    with pytest.raises(ValueError, match="batch_size=11"):
+        list(StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1, batch_size=11))
+    padded = StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=2, partial_batches="pad")
+    assert len(list(StreamingDataLoader(padded, batch_size=6))) == 1  # padding makes one batch: allowed
+
+
+def test_state_beyond_the_epoch_is_refused(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 100, per_shard=30)
+    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1), 5)
+    state = loader.state_dict()
+    StreamingDataLoader(loader.dataset, 5).load_state_dict({**state, "samples_consumed": 100})  # the end: fine
+    with pytest.raises(ValueError, match="samples_consumed=105 is beyond the end of epoch 0, which holds 100"):
+        StreamingDataLoader(loader.dataset, 5).load_state_dict({**state, "samples_consumed": 105})

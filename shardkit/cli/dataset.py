@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cat.add_argument("--tokenizer", metavar="SPEC", default=None,
                      help="tokenizer spec for --decode (default: the manifest's tokenizer name), e.g. byte, "
                           "a tokenizer.json path or tiktoken:cl100k_base")
+    cat.add_argument("--force", action="store_true",
+                     help="decode even with a tokenizer whose identity (name, vocab size, vocab SHA-256) differs "
+                          "from the manifest's (the text is then likely wrong)")
     cat.add_argument("--json", action="store_true", help="print one JSON object")
     cat.set_defaults(func=run_cat)
 
@@ -252,6 +255,20 @@ def _load_tokenizer(spec: str):
         raise RuntimeError(f"cannot load tokenizer {spec!r} ({err}); pass --tokenizer SPEC") from err
 
 
+def tokenizer_differences(info, expected) -> list[str]:
+    """How a loaded tokenizer's identity differs from the manifest's, as 'field: tokenizer X, dataset Y'.
+
+    The vocabulary hash decides where both sides have one; built-in tokenizers (no vocabulary file)
+    are compared by kind and name. The vocabulary size must always agree.
+    """
+    if info is None:
+        return ["the tokenizer states no identity"]
+    fields = ["vocab_size"]
+    fields += ["vocab_sha256"] if info.vocab_sha256 and expected.vocab_sha256 else ["kind", "name"]
+    return [f"{name}: tokenizer {getattr(info, name)!r}, dataset {getattr(expected, name)!r}"
+            for name in fields if getattr(info, name) != getattr(expected, name)]
+
+
 def run_cat(args: argparse.Namespace) -> int:
     try:
         storage, manifest = _open(args, "cat")
@@ -284,10 +301,14 @@ def run_cat(args: argparse.Namespace) -> int:
             tokenizer = _load_tokenizer(spec)
         except RuntimeError as err:
             return _fail("cat", str(err))
-        digest = getattr(getattr(tokenizer, "info", None), "vocab_sha256", None)
-        if digest and manifest.tokenizer.vocab_sha256 and digest != manifest.tokenizer.vocab_sha256:
-            print(f"shardkit cat: warning: tokenizer {spec!r} has vocab sha256 {digest[:12]}..., the dataset was "
-                  f"built with {manifest.tokenizer.vocab_sha256[:12]}...: the text may be wrong", file=sys.stderr)
+        differences = tokenizer_differences(getattr(tokenizer, "info", None), manifest.tokenizer)
+        if differences and not args.force:
+            return _fail("cat", f"tokenizer {spec!r} is not the one the dataset was built with ("
+                                f"{'; '.join(differences)}): its text would be wrong. Pass the dataset's tokenizer "
+                                "with --tokenizer, or --force to decode anyway")
+        if differences:
+            print(f"shardkit cat: warning: decoding with a different tokenizer ({'; '.join(differences)})",
+                  file=sys.stderr)
         pieces = segments or [{"start": 0, "end": len(tokens)}]
         texts = [tokenizer.decode(tokens[p["start"]:p["end"]]) for p in pieces]
     if args.json:
