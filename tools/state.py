@@ -74,8 +74,21 @@ def shards_to_meta(shards: list[ShardInfo]) -> list[dict[str, Any]]:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two build records, naming each changed, added or removed input file."""
     keys = sorted(set(old) | set(new))
-    return [k for k in keys if old.get(k) != new.get(k) and k not in ("fingerprint", "documents")]
+    differ = [k for k in keys if old.get(k) != new.get(k) and k not in ("fingerprint", "documents", "inputs")]
+    before = {f.get("url"): f for f in old.get("inputs") or () if isinstance(f, dict)}
+    after = {f.get("url"): f for f in new.get("inputs") or () if isinstance(f, dict)}
+    for url, file in after.items():
+        if url not in before:
+            differ.append(f"input {url} added")
+        elif before[url] != file:
+            changed = "size" if before[url].get("bytes") != file.get("bytes") else "content"
+            differ.append(f"input {url} changed ({changed})")
+    differ += [f"input {url} removed" for url in before if url not in after]
+    if not differ and [f.get("url") for f in old.get("inputs") or ()] != [f.get("url") for f in new.get("inputs") or ()]:
+        differ.append("order of the inputs")
+    return differ
 
 
 def _ours(name: str) -> bool:
