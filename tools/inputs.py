@@ -13,7 +13,6 @@ on the number of workers, so the build's output does not either.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import logging
 from collections.abc import Iterator, Sequence
@@ -160,9 +159,9 @@ def _open_raw(url: str, storage_options: dict[str, Any] | None):
 
 def _decompressing(raw, compression: str | None):
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        return _FrameStream(raw, "gzip")
     if compression == "zstd":
-        return _ZstdStream(raw)
+        return _FrameStream(raw, "zstd")
     return raw
 
 
@@ -170,35 +169,51 @@ class TruncatedInputError(EOFError):
     """A compressed input ends in the middle of a frame."""
 
 
-class _ZstdStream:
-    """Reads concatenated zstd frames and, unlike zstandard's stream reader, raises when the input
-    ends inside a frame (a truncated download or copy would otherwise look like a shorter file)."""
+class _FrameStream:
+    """Reads concatenated gzip members or zstd frames and raises when the input ends inside one (a
+    truncated download or copy would otherwise look like a shorter file). Unlike `gzip.GzipFile`, it
+    hands over every byte decompressed before an error, so every complete record of a damaged file is
+    read (and counted) before the file is reported unreadable."""
 
-    def __init__(self, raw, chunk: int = 1 << 20):
-        import zstandard
+    def __init__(self, raw, codec: str, chunk: int = 1 << 20):
+        if codec == "zstd":
+            import zstandard
 
-        self._zstd = zstandard
+            self._new = lambda: zstandard.ZstdDecompressor().decompressobj()
+            self._errors: tuple[type[BaseException], ...] = (zstandard.ZstdError,)
+        else:
+            import zlib
+
+            self._new = lambda: zlib.decompressobj(wbits=31)  # 31: the gzip container
+            self._errors = (zlib.error,)
+        self._codec = codec
         self._raw = raw
         self._chunk = chunk
-        self._obj = zstandard.ZstdDecompressor().decompressobj()
+        self._obj = self._new()
         self._in_frame = False
         self._data = b""
         self._pos = 0
         self._pieces: list[bytes] = []
+        self._failure: BaseException | None = None
 
     def read(self, size: int) -> bytes:
-        while len(self._data) - self._pos < size:
+        while len(self._data) - self._pos < size and self._failure is None:
             data = self._raw.read(self._chunk)
             if not data:
                 if self._in_frame:
-                    raise TruncatedInputError("zstd stream ends inside a frame (file truncated)")
+                    self._failure = TruncatedInputError(f"{self._codec} stream ends inside a frame (file truncated)")
                 break
-            self._feed(data)
+            try:
+                self._feed(data)
+            except ValueError as err:
+                self._failure = err  # raised once what was decompressed before it has been read
             self._data = b"".join([self._data[self._pos:], *self._pieces])
             self._pos = 0
             self._pieces = []
         out = self._data[self._pos:self._pos + size]
         self._pos += len(out)
+        if not out and self._failure is not None:
+            raise self._failure
         return out
 
     def _feed(self, data: bytes) -> None:
@@ -206,12 +221,12 @@ class _ZstdStream:
             self._in_frame = True
             try:
                 self._pieces.append(self._obj.decompress(data))
-            except self._zstd.ZstdError as err:
-                raise ValueError(f"corrupt zstd data: {err}") from err
+            except self._errors as err:
+                raise ValueError(f"corrupt {self._codec} data: {err}") from err
             if not self._obj.eof:
                 return
             data = self._obj.unused_data
-            self._obj = self._zstd.ZstdDecompressor().decompressobj()
+            self._obj = self._new()
             self._in_frame = False
 
 

@@ -96,6 +96,23 @@ def _ours(name: str) -> bool:
             or (name.startswith(_SHARD_PREFIX) and "/" not in name))
 
 
+def _links(storage: Storage) -> set[str]:
+    """Entries of a local output that are symbolic links (walked without following them).
+
+    Deleting `_build/x` where `_build` links elsewhere would delete a file outside the output, so the
+    output is walked here with links left unfollowed, whatever the filesystem layer's listing does.
+    """
+    if not storage.is_local or not os.path.isdir(storage.root):
+        return set()
+    found = set()
+    for directory, subdirectories, files in os.walk(storage.root, followlinks=False):
+        for entry in (*subdirectories, *files):
+            path = os.path.join(directory, entry)
+            if os.path.islink(path):
+                found.add(os.path.relpath(path, storage.root).replace(os.sep, "/"))
+    return found
+
+
 def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, extra_key: str) -> str:
     """Decide what to do with the output: "fresh", "resume" or "done".
 
@@ -108,11 +125,14 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
     Raises:
         FileExistsError: the output holds another build's data or foreign files and not `overwrite`.
     """
+    links = _links(storage)
     names = storage.list_names()
-    if not names:
-        return "fresh"
     hint = "pass --overwrite to replace it, or choose another --output"
     if overwrite:
+        for link in links:  # the link itself goes, never what it points at
+            if _ours(link) or link == STATE_DIR:
+                os.unlink(storage.path(link))
+        names = [n for n in names if not any(n == link or n.startswith(f"{link}/") for link in links)]
         foreign = [n for n in names if not _ours(n)]
         for name in names:
             if _ours(name):
@@ -120,6 +140,12 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
         if foreign:
             logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",
                            len(foreign), storage.url, foreign[0])
+        return "fresh"
+    ours = sorted(link for link in links if _ours(link) or link == STATE_DIR)
+    if ours:
+        raise FileExistsError(f"--output {storage.url}: {ours[0]} is a symbolic link; shardkit never reads "
+                              f"or writes through links out of its output ({hint})")
+    if not names:
         return "fresh"
     if MANIFEST_NAME in names:
         try:

@@ -138,7 +138,8 @@ def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(path))
+    ranks = _read_tokenizer_file(path, str(path), "a .tiktoken ranks file",
+                                 lambda file: load_tiktoken_bpe(str(file)))
     stem = path.name.lower()
     encoding_name = next((name for hint, name in _TIKTOKEN_NAME_HINTS if hint in stem), None)
     if encoding_name is None:
@@ -189,13 +190,30 @@ def _special_from_config(directory: Path) -> dict[str, str]:
     return found
 
 
+def _hf_from_file(path: Path):
+    from tokenizers import Tokenizer as RustTokenizer
+
+    return RustTokenizer.from_file(str(path))
+
+
+def _read_tokenizer_file(path: Path, spec: str, what: str, read):
+    """`read(path)`, with whatever the tokenizer library raises on a file it cannot use (a JSON file
+    that is not a tokenizer, a truncated model, ...) turned into one line naming the file."""
+    try:
+        return read(path)
+    except OSError as err:
+        raise OSError(f"--tokenizer {spec}: cannot read it: {err.strerror or err}") from err
+    except Exception as err:  # noqa: BLE001 - the libraries raise bare Exception / RuntimeError on bad files
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"--tokenizer {spec}: not {what} ({reason}); expected 'byte', 'tiktoken:NAME', or a "
+                         "tokenizer.json, an HF tokenizer directory, a .tiktoken or a .model file") from err
+
+
 class HFTokenizer(Tokenizer):
     """An HF `tokenizers.Tokenizer` loaded from tokenizer.json."""
 
     def __init__(self, path: Path, *, spec: str, config_dir: Path | None = None):
-        from tokenizers import Tokenizer as RustTokenizer
-
-        self.tokenizer = RustTokenizer.from_file(str(path))
+        self.tokenizer = _read_tokenizer_file(path, spec, "an HF tokenizer.json", _hf_from_file)
         self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
@@ -231,7 +249,9 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: Path, *, spec: str):
         import sentencepiece
 
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.processor = _read_tokenizer_file(
+            path, spec, "a sentencepiece .model file",
+            lambda file: sentencepiece.SentencePieceProcessor(model_file=str(file)))
         size = self.processor.get_piece_size()
 
         def known(token_id: int) -> int | None:
