@@ -83,8 +83,12 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if url not in before:
             differ.append(f"input {url} added")
         elif before[url] != file:
-            changed = "size" if before[url].get("bytes") != file.get("bytes") else "content"
-            differ.append(f"input {url} changed ({changed})")
+            if before[url].get("bytes") != file.get("bytes"):
+                differ.append(f"input {url} changed (size)")
+            elif before[url].get("sha256") is None:
+                differ.append(f"input {url} (recorded without a content hash, by an older shardkit)")
+            else:
+                differ.append(f"input {url} changed (content)")
     differ += [f"input {url} removed" for url in before if url not in after]
     if not differ and [f.get("url") for f in old.get("inputs") or ()] != [f.get("url") for f in new.get("inputs") or ()]:
         differ.append("order of the inputs")
