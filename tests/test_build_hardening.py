@@ -126,9 +126,8 @@ def test_ctrl_c_during_a_build_prints_one_line_and_exits_130(tmp_path):
 
 
 # -- 10.13: --overwrite never follows links out of the output --------------------------------------------
-def test_overwrite_never_deletes_through_a_symlink_out_of_the_output(tmp_path):
-    corpus = tmp_path / "corpus.jsonl"
-    write_jsonl(corpus, 200)
+def output_with_links_out(tmp_path):
+    """An output whose `_build` and one shard name are symbolic links to precious files outside it."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "checkpoint.npz").write_bytes(b"precious")
@@ -138,14 +137,32 @@ def test_overwrite_never_deletes_through_a_symlink_out_of_the_output(tmp_path):
     out.mkdir()
     (out / "_build").symlink_to(outside, target_is_directory=True)
     (out / "shard-000000.arrow").symlink_to(tmp_path / "precious-shard")
+    return out, outside
 
-    with pytest.raises(FileExistsError, match="_build is a symbolic link"):  # not even read without --overwrite
-        run_build(config([corpus], out))
-    assert run_build(config([corpus], out, overwrite=True)).status == "built"
+
+def assert_outside_intact(tmp_path, outside):
+    assert sorted(p.name for p in outside.iterdir()) == ["checkpoint.npz", "notes.txt"]
     assert (outside / "checkpoint.npz").read_bytes() == b"precious"
     assert (outside / "notes.txt").read_text() == "precious too"
     assert (tmp_path / "precious-shard").read_bytes() == b"precious shard"
-    assert not (out / "_build").exists() and not (out / "shard-000000.arrow").is_symlink()
+
+
+def test_overwrite_never_deletes_through_a_symlink_out_of_the_output(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, 200)
+    out, outside = output_with_links_out(tmp_path)
+    assert run_build(config([corpus], out, overwrite=True)).status == "built"
+    assert_outside_intact(tmp_path, outside)
+    assert (out / "_build").exists() is False and not (out / "shard-000000.arrow").is_symlink()
+
+
+def test_a_linked_build_state_is_refused_without_overwrite(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, 200)
+    out, outside = output_with_links_out(tmp_path)
+    with pytest.raises(FileExistsError, match="_build is a symbolic link"):  # never read or written through
+        run_build(config([corpus], out))
+    assert_outside_intact(tmp_path, outside)
 
 
 # -- 9.6: unreadable files count in the report ---------------------------------------------------------
