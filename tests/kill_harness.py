@@ -5,10 +5,11 @@ fresh interpreter costs seconds on this machine). The harness holds no threads w
     python tests/kill_harness.py build CORPUS WORKDIR POINTS SEED   -> JSON figures on stdout
     python tests/kill_harness.py cache DATASET WORKDIR POINTS SEED  -> JSON figures on stdout
 
-build: each point kills a build once its output holds a seeded random number of shards, plus a random
-part of one shard's time; runs on the same output are chained (kill, resume, kill again, ...) and every
-output is finally completed; its manifest must equal an uninterrupted
-build's and no temporary or state file may remain.
+build: each point SIGKILLs a real build (its process group: the parent and its pool of tokenizer worker
+processes) once its output holds a seeded random number of shards, plus a random part of one shard's
+time; runs on the same output are chained (kill, resume, kill again, ...) and every output is finally
+completed; its manifest must equal an uninterrupted build's, its report must say it reused the shards
+the checkpoint held (which must not have been rewritten), and no temporary, state file or worker may remain.
 cache: each point starts 3 readers sharing one cache directory, SIGKILLs one at a random moment and
 requires the other two to finish (no deadlock) with every sample they read intact; a fresh reader then
 reads the whole dataset from that cache (nothing poisoned) and no temporary file remains.
@@ -27,24 +28,13 @@ KILLS_PER_OUTPUT = 4
 DEADLINE = 60.0
 
 
-class InlineExecutor:
-    """Runs work units in the build process itself: the kill then hits the process that writes."""
-
-    forks = False  # part of the executor protocol: no worker process inherits anything
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def map_ordered(self, fn, items, *args):
-        return (fn(item, *args) for item in items)
-
-
-def _fork(target, *args) -> int:
+def _fork(target, *args, group: bool = False) -> int:
+    """Run `target(*args)` in a forked child; with `group`, the child leads its own process group (so
+    its worker processes can be killed with it, as a terminal or a batch system does)."""
     pid = os.fork()
     if pid == 0:
+        if group:
+            os.setpgid(0, 0)
         code = 1
         try:
             target(*args)
@@ -53,7 +43,24 @@ def _fork(target, *args) -> int:
             print(f"child {os.getpid()} failed: {type(err).__name__}: {err}", file=sys.stderr)
         finally:
             os._exit(code)
+    if group:
+        try:
+            os.setpgid(pid, pid)  # also here: the parent may signal the group before the child runs
+        except (PermissionError, ProcessLookupError):
+            pass  # the child already did it (and may have exec'd or exited)
     return pid
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether every process of group `pgid` has exited within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _wait(pid: int, timeout: float) -> int | None:
@@ -75,34 +82,59 @@ def _shard_count(output: str) -> int:
         return 0
 
 
-def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
-    import shardkit.tools.build as build_module
-    from shardkit.tools.build import BuildConfig, run_build
+def _finished_shards(output: str) -> dict[str, tuple[int, int]]:
+    """(inode, mtime) of each shard the output's checkpoint names as finished."""
+    from shardkit.storage import Storage
+    from shardkit.tools.state import load_checkpoint
 
-    build_module.make_executor = lambda *args, **kwargs: InlineExecutor()
+    checkpoint = load_checkpoint(Storage(output)) if os.path.isdir(output) else None
+    if checkpoint is None:
+        return {}
+    stats = {}
+    for shard in checkpoint[0]["shards"]:
+        info = os.stat(os.path.join(output, shard["name"]))
+        stats[shard["name"]] = (info.st_ino, info.st_mtime_ns)
+    return stats
+
+
+def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
+    """Kill real builds (the parent and its pool of worker processes, as one process group) at seeded
+    moments, rerun each output to the end, and check the result is the uninterrupted build's, the shards
+    finished before a kill were reused (not rewritten), and nothing temporary or orphaned is left."""
+    from shardkit.manifest import load_manifest
+    from shardkit.tools.build import BuildConfig, run_build
 
     def config(output: str) -> BuildConfig:
         return BuildConfig(inputs=(corpus,), output=output, tokenizer="byte", seq_len=63, shard_size=6_000,
-                           unit_bytes=8 * 1024, workers=1, progress=False)
+                           unit_bytes=8 * 1024, workers=2, progress=False)
+
+    def build(output: str) -> None:
+        run_build(config(output))
 
     began = time.monotonic()
-    reference = run_build(config(os.path.join(workdir, "reference"))).manifest
+    reference_dir = os.path.join(workdir, "reference")
+    if _wait(_fork(build, reference_dir, group=True), DEADLINE) != 0:
+        raise RuntimeError("the reference build failed")
     duration = time.monotonic() - began
+    reference = load_manifest(reference_dir)
     total_shards = len(reference.shards)
     shard_seconds = duration / total_shards
     rng = random.Random(seed)
     figures = {"runs": 0, "killed_mid_build": 0, "finished_before_kill": 0, "outputs": 0, "mismatches": 0,
-               "samples_checked": 0, "leftovers": 0, "build_seconds": round(duration, 3)}
+               "samples_checked": 0, "leftovers": 0, "orphaned_workers": 0, "resumed_outputs": 0,
+               "late_kill_outputs": 0, "reused_shards": 0, "reuse_mismatches": 0, "rewritten_shards": 0,
+               "shards": total_shards, "build_seconds": round(duration, 3)}
     output_index = 0
     while figures["runs"] < points:
         output = os.path.join(workdir, f"out-{output_index}")
         output_index += 1
+        finished: dict[str, tuple[int, int]] = {}
         for _ in range(min(KILLS_PER_OUTPUT, points - figures["runs"])):
             # The kill point: once the output holds a random number of shards (at least one more
             # than now), plus a random fraction of one shard's time, so it lands anywhere in a write.
             target = rng.randint(min(_shard_count(output) + 1, total_shards), total_shards)
             extra = rng.uniform(0.0, shard_seconds)
-            pid = _fork(lambda: run_build(config(output)))
+            pid = _fork(build, output, group=True)
             deadline = time.monotonic() + DEADLINE
             while _shard_count(output) < target and time.monotonic() < deadline:
                 if os.waitpid(pid, os.WNOHANG)[0]:
@@ -110,19 +142,35 @@ def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
                 time.sleep(0.001)
             time.sleep(extra)
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)  # the build and its worker processes at once
             except ProcessLookupError:
                 pass
             status = _wait(pid, DEADLINE)
+            figures["orphaned_workers"] += not _group_gone(pid, 10.0)
             figures["runs"] += 1
             figures["killed_mid_build" if status == -signal.SIGKILL else "finished_before_kill"] += 1
             if status not in (0, -signal.SIGKILL):
                 raise RuntimeError(f"a killed build's run ended with status {status}")
-        final = run_build(config(output))  # resume (or "done") to the end
+            finished.update(_finished_shards(output))
+        before = _finished_shards(output)  # what the final run should take up and never rewrite
+        figures["late_kill_outputs"] += bool(before)
+        if _wait(_fork(build, output, group=True), DEADLINE) != 0:  # resume (or "done") to the end
+            raise RuntimeError(f"the final run on {output} failed")
         figures["outputs"] += 1
-        if final.manifest.to_json() != reference.to_json():
+        final = load_manifest(output)
+        if final.to_json() != reference.to_json():
             figures["mismatches"] += 1
-        figures["samples_checked"] += final.manifest.num_samples
+        figures["samples_checked"] += final.num_samples
+        report_path = os.path.join(output, "build_report.json")
+        if before:  # a resume: its report must say it reused exactly the shards the checkpoint held
+            with open(report_path) as fh:
+                report = json.load(fh)
+            figures["resumed_outputs"] += report["resumed"]
+            figures["reused_shards"] += report["shards_from_before_resume"]
+            figures["reuse_mismatches"] += report["shards_from_before_resume"] != len(before)
+        for name, stat in finished.items():
+            info = os.stat(os.path.join(output, name))
+            figures["rewritten_shards"] += (info.st_ino, info.st_mtime_ns) != stat
         names = [os.path.relpath(os.path.join(d, f), output) for d, _, fs in os.walk(output) for f in fs]
         figures["leftovers"] += sum(".tmp-" in n or n.startswith("_build") for n in names)
     return figures

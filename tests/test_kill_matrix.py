@@ -39,9 +39,15 @@ def test_build_sigkill_matrix(tmp_path, figures):
     result = harness("build", corpus, tmp_path / "work", POINTS)
     assert result["runs"] >= POINTS and result["killed_mid_build"] >= POINTS * 3 // 4, result
     assert result["mismatches"] == 0, result  # every resumed output == the uninterrupted build's manifest
+    # A resume, not a rebuild: after a late kill the final run reports the shards it took up (exactly
+    # those the checkpoint held), and none of the shards finished before any kill was rewritten.
+    assert result["late_kill_outputs"] >= 1 and result["resumed_outputs"] == result["late_kill_outputs"], result
+    assert result["reused_shards"] > 0 and result["reuse_mismatches"] == 0 and result["rewritten_shards"] == 0, result
+    assert result["leftovers"] == 0 and result["orphaned_workers"] == 0, result
     figures.add("sigkill_build", runs=result["runs"], kills=result["killed_mid_build"],
                 samples_checked=result["samples_checked"], lost=0, duplicated=0, corrupt=result["mismatches"],
-                leftover_temporaries=result["leftovers"])
+                reused_shards=result["reused_shards"], rewritten_shards=result["rewritten_shards"],
+                leftover_temporaries=result["leftovers"], orphaned_workers=result["orphaned_workers"])
 
 
 def test_cache_download_sigkill_matrix(tmp_path, figures):

@@ -112,3 +112,66 @@ def test_gpt2_hf_matches_tiktoken_on_real_text():
     texts = [json.loads(line)["text"][:20000] for line in head][:10]
     for a, b in zip(hf.encode_batch(texts), tk.encode_batch(texts)):
         assert a.tolist() == b.tolist()
+
+
+# -- long documents are encoded in bounded pieces with the whole document's ids (#10 item 8) ----------
+TRICKY = ["a", "Zeta", "é", "ß", "ǅ", "字", "😀", " ", "  ", "\n", "\r\n", "\t", "'s", "'LL", "1", "23", "456", ".",
+          ",", "!?", "<|endoftext|>", "\u00a0", "\u3000", "e\u0301", "_", "-", "ʼ"]
+
+
+def real_prose(chars: int) -> str:
+    import zstandard
+
+    with zstandard.ZstdDecompressor().stream_reader(open(shared_path("corpora/prose.jsonl.zst"), "rb")) as reader:
+        head = reader.read(3 * chars).split(b"\n")[:-1]
+    return "\n\n".join(json.loads(line)["text"] for line in head)[:chars]
+
+
+def encoded_in_pieces(tokenizer, text: str, piece_chars: int) -> tuple[np.ndarray, int]:
+    """`tokenizer.encode(text)` with pieces of `piece_chars`, and the longest text the tokenizer itself saw."""
+    seen = []
+    encode_many = tokenizer._encode_many
+
+    def recording(texts):
+        seen.extend(len(t) for t in texts)
+        return encode_many(texts)
+
+    tokenizer._encode_many, tokenizer.piece_chars = recording, piece_chars
+    try:
+        return tokenizer.encode(text), max(seen)
+    finally:
+        del tokenizer._encode_many, tokenizer.piece_chars
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("spec", ["tokenizers/gpt2_hf_tokenizer.json", "tokenizers/cl100k_base.tiktoken",
+                                  "tokenizers/o200k_base.tiktoken", "byte"])
+def test_long_documents_are_encoded_in_pieces_with_the_whole_documents_ids(spec):
+    tokenizer = load_tokenizer(spec if spec == "byte" else str(shared_path(spec)))
+    assert tokenizer.splits_safely
+    text = real_prose(300_000)
+    whole = tokenizer._encode_many([text])[0]
+    pieced, longest = encoded_in_pieces(tokenizer, text, 997)
+    assert np.array_equal(pieced, whole) and len(whole) > 50_000
+    assert longest < 997 + 200  # the tokenizer never saw more than a piece (a cut waits for a safe point)
+    # Hostile mixtures: runs of spaces, newlines, contractions, digits, marks, emoji, CJK, specials' text.
+    import random
+
+    rng = random.Random(7)
+    for _ in range(60):
+        text = "".join(rng.choice(TRICKY) for _ in range(rng.randint(100, 400)))
+        pieced, _ = encoded_in_pieces(tokenizer, text, rng.randint(3, 50))
+        assert np.array_equal(pieced, tokenizer._encode_many([text])[0]), repr(text)
+
+
+def test_tokenizers_that_may_not_split_encode_whole(tmp_path, trained):
+    """A normalizer (or any pre-tokenizer but the byte-level regex) may join text across a cut: whole."""
+    assert load_tokenizer(str(trained)).splits_safely  # byte-level BPE, as `shardkit tokenizer train` writes
+    definition = json.loads(trained.read_text())
+    definition["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "lower.json").write_text(json.dumps(definition))
+    lower = load_tokenizer(str(tmp_path / "lower.json"))
+    assert not lower.splits_safely
+    text = "The Cat sat " * 50_000
+    lower.piece_chars = 100
+    assert lower.encode(text).tolist() == lower._encode_many([text])[0].tolist()

@@ -5,64 +5,40 @@ parallel (`executors`, `documents`), and the parent consumes the results strictl
 packs them (`packing`) and writes shards (`ShardWriter`). The sample stream therefore depends only on
 the inputs and the configuration, never on the worker count or the executor. After every shard the
 resume checkpoint is rewritten (`state`); the build report and then the manifest are written last.
+
+A build is four steps over one `BuildRun`: `prepare` (resolve the configuration, decide fresh /
+resume / done, restore a checkpoint), `emit` (tokenize, pack and write, with a `snapshot` of the
+resume state before each unit), and `finish` (report, manifest, remove the state).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import logging
-import re
+import math
+import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from shardkit.formats import ShardWriter
-from shardkit.manifest import Manifest, ShardInfo, load_manifest, token_dtype_for_vocab, write_manifest
+from shardkit.formats import Sample, ShardWriter
+from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
 from shardkit.tools import state as build_state
+from shardkit.tools.config import BuildConfig, build_record, parse_compression, parse_size, resume_key
 from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
 from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
-from shardkit.tools.executors import EXECUTORS, available_cores, make_executor
-from shardkit.tools.inputs import TXT_MODES, expand_inputs, iter_units
-from shardkit.tools.packing import PACKING_MODES, make_packer
+from shardkit.tools.executors import available_cores, make_executor
+from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
+from shardkit.tools.packing import Packer, make_packer
 from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
 
+__all__ = ["BuildConfig", "BuildInputError", "BuildResult", "parse_compression", "parse_size", "print_summary",
+           "run_build"]
+
 logger = logging.getLogger(__name__)
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_SIZE_FACTORS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-                 "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
-def parse_size(text: str | int, *, option: str = "--shard-size") -> int:
-    """Bytes in "64MB" (decimal units: KB, MB, GB), "64MiB" (binary: KiB, MiB, GiB, or K, M, G) or "1000"."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.match(text)
-        if not match or match.group(2).lower() not in _SIZE_FACTORS:
-            raise ValueError(f"{option}: cannot read {text!r} as a size (examples: 64MB, 256MiB, 1000000)")
-        value = int(float(match.group(1)) * _SIZE_FACTORS[match.group(2).lower()])
-    if value < 1:
-        raise ValueError(f"{option} must be at least 1 byte, got {text!r}")
-    return value
-
-
-def parse_compression(text: str) -> int:
-    """zstd level from "zstd" (level 3) or "zstd:LEVEL" (1-22)."""
-    codec, _, level = text.partition(":")
-    if codec != "zstd":
-        raise ValueError(f"--compression: only zstd is supported, got {text!r} (examples: zstd, zstd:9)")
-    try:
-        value = int(level) if level else 3
-    except ValueError:
-        raise ValueError(f"--compression: level must be an integer, got {level!r}") from None
-    if not 1 <= value <= 22:
-        raise ValueError(f"--compression: zstd level must be in 1-22, got {value}")
-    return value
 
 
 def _special(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
@@ -79,87 +55,6 @@ def _special(value: int | str | None, tokenizer_value: int | None, option: str, 
     return token_id
 
 
-@dataclass(frozen=True, kw_only=True)
-class BuildConfig:
-    """Everything `shardkit build` is told (one field per CLI option).
-
-    Attributes:
-        inputs: files, directories, globs or fsspec URLs.
-        output: dataset prefix (any fsspec URL).
-        tokenizer: tokenizer spec (`load_tokenizer`).
-        seq_len: training context length; packed windows hold seq_len + 1 tokens.
-        shard_format: "tar" or "arrow".
-        packing: "concat", "bestfit" or "none".
-        shard_size: raw (uncompressed) payload bytes per shard.
-        compression_level: zstd level.
-        text_field: JSON key / Parquet column holding the text.
-        txt_mode: "file" (a .txt file is one document) or "paragraph" (blank-line separated).
-        on_error: "skip" (count and report bad documents) or "fail" (stop at the first).
-        eos_id: id after each document: "auto" (the tokenizer's), an id, or None.
-        bos_id: id before each document: None (default), "auto" (the tokenizer's) or an id.
-        max_doc_chars: longer documents are rejected as enormous.
-        bestfit_buffer: documents sorted and placed together by bestfit.
-        bestfit_open: partly filled windows bestfit keeps open between buffers.
-        workers: parallel tokenizer processes / Ray tasks (None: available cores).
-        executor: "local" or "ray".
-        ray_address: Ray cluster to join (None: start a local instance).
-        overwrite: replace another build's data in `output`.
-        unit_bytes: decompressed input bytes per work unit.
-        max_examples: rejected documents listed in the report.
-        progress: show the progress bar.
-        storage_options: fsspec options for inputs and output (never logged).
-    """
-
-    inputs: tuple[str, ...]
-    output: str
-    tokenizer: str
-    seq_len: int
-    shard_format: str = "arrow"
-    packing: str = "concat"
-    shard_size: int = 64 * 10**6
-    compression_level: int = 3
-    text_field: str = "text"
-    txt_mode: str = "file"
-    on_error: str = "skip"
-    eos_id: int | str | None = "auto"
-    bos_id: int | str | None = None
-    max_doc_chars: int = 10_000_000
-    bestfit_buffer: int = 2048
-    bestfit_open: int = 512
-    workers: int | None = None
-    executor: str = "local"
-    ray_address: str | None = None
-    overwrite: bool = False
-    unit_bytes: int = 1 << 20
-    max_examples: int = 20
-    progress: bool = True
-    storage_options: dict[str, Any] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        if not self.inputs:
-            raise ValueError("give at least one INPUT")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
-        if self.shard_format not in ("tar", "arrow"):
-            raise ValueError(f"--format must be 'tar' or 'arrow', got {self.shard_format!r}")
-        if self.packing not in PACKING_MODES:
-            raise ValueError(f"--pack must be one of {', '.join(PACKING_MODES)}, got {self.packing!r}")
-        if self.on_error not in ("skip", "fail"):
-            raise ValueError(f"--on-error must be 'skip' or 'fail', got {self.on_error!r}")
-        if self.txt_mode not in TXT_MODES:
-            raise ValueError(f"--txt-mode must be one of {', '.join(TXT_MODES)}, got {self.txt_mode!r}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if not 1 <= self.compression_level <= 22:
-            raise ValueError(f"--compression level must be in 1-22, got {self.compression_level}")
-        for name in ("shard_size", "max_doc_chars", "bestfit_buffer", "unit_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-
-
 class BuildInputError(ValueError):
     """A bad document or unreadable file under `--on-error fail`."""
 
@@ -173,26 +68,40 @@ class BuildResult:
     report: dict[str, Any] | None
 
 
-def _build_record(config: BuildConfig, files, eos, bos) -> dict[str, Any]:
-    """The configuration that decides the output (recorded in the manifest; its hash is the fingerprint)."""
-    record: dict[str, Any] = {
-        "tool": "shardkit build",
-        "inputs": [{"url": f.url, "bytes": f.size} for f in files],
-        "tokenizer": config.tokenizer,
-        "seq_len": config.seq_len,
-        "packing": config.packing,
-        "shard_format": config.shard_format,
-        "shard_size": config.shard_size,
-        "compression_level": config.compression_level,
-        "text_field": config.text_field,
-        "txt_mode": config.txt_mode,
-        "eos_id": eos,
-        "bos_id": bos,
-        "max_doc_chars": config.max_doc_chars,
-    }
-    if config.packing == "bestfit":
-        record["bestfit"] = {"buffer_docs": config.bestfit_buffer, "max_open": config.bestfit_open}
-    return record
+@dataclass
+class BuildRun:
+    """What one build carries from step to step (runtime objects and counters, not configuration).
+
+    Attributes:
+        status: "fresh", "resume" or "done" (from `state.prepare_output`).
+        build: the build record (the manifest's `build` dict, with its fingerprint).
+        emitted: samples the packer has produced so far (this run and before a resume).
+        skip_samples: samples still to drop because shards written before a resume hold them.
+        boundary: the resume state at the start of the unit being packed (metadata, arrays).
+        expected_documents: records the parent's reader counted in each unit in flight, by unit index.
+    """
+
+    config: BuildConfig
+    storage: Storage
+    files: list[InputFile]
+    info: TokenizerInfo
+    token_dtype: str
+    build: dict[str, Any]
+    resume_key: str
+    status: str
+    packer: Packer
+    stats: BuildStats
+    workers: int
+    began: float
+    shards: list[ShardInfo] = field(default_factory=list)
+    reused_shards: int = 0
+    start: tuple[int, int, int] = (0, 0, 0)
+    emitted: int = 0
+    skip_samples: int = 0
+    tokens_at_start: int = 0
+    boundary: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
+    expected_documents: dict[int, int] = field(default_factory=dict)
+    writer: ShardWriter | None = None
 
 
 def run_build(config: BuildConfig) -> BuildResult:
@@ -204,136 +113,177 @@ def run_build(config: BuildConfig) -> BuildResult:
         ValueError, OSError: bad configuration, unreadable inputs, storage failures.
     """
     began = time.perf_counter()
+    # Load the tokenizer here first: a bad --tokenizer is then one clear error from this process, and
+    # forked workers inherit the loaded tokenizer.
+    worker_tokenizer(config.tokenizer)
     workers = config.workers or available_cores()
     # While the parent encodes a full shard it consumes no results; enough units in flight keep the
     # workers busy meanwhile (~0.4 input bytes per shard byte at zstd's and tiktoken's speeds).
     extra = min(64, math.ceil(0.4 * config.shard_size / config.unit_bytes))
     executor = make_executor(config.executor, workers, ray_address=config.ray_address,
-                             initializer=warm_up, initargs=(config.tokenizer,), extra_window=extra)
-    if executor.forks:
-        warm_up(config.tokenizer)  # forked workers inherit the loaded tokenizer
-    # Otherwise the workers start first: they spawn and load the tokenizer while the parent sets up.
+                             initializer=_worker_start, initargs=(config.tokenizer,), extra_window=extra)
+    # Spawned workers start first: they load the tokenizer while the parent sets up.
     with executor:
-        return _run(config, executor, workers, began)
+        run = prepare(config, workers=workers, began=began)
+        if run.status == "done":
+            logger.info("%s already holds this build; nothing to do", run.storage.url)
+            return BuildResult("done", load_manifest(run.storage), None)
+        emit(run, executor)
+    return finish(run)
 
 
-def _run(config: BuildConfig, executor, workers: int, began: float) -> BuildResult:
-    tokenizer = worker_tokenizer(config.tokenizer)  # the cached instance when already loaded
-    info = tokenizer.info
+def _worker_start(tokenizer: str) -> None:
+    """Worker initializer: Ctrl-C reaches the whole process group, and the parent alone answers it
+    (one `interrupted` line, exit 130), so workers ignore SIGINT and are shut down by the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    warm_up(tokenizer)
+
+
+def prepare(config: BuildConfig, *, workers: int, began: float) -> BuildRun:
+    """Resolve the configuration, decide fresh / resume / done, and restore a checkpoint to resume."""
+    info = worker_tokenizer(config.tokenizer).info
     eos = _special(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
     bos = _special(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
     pad = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
     used_info = replace(info, eos_id=eos, bos_id=bos, pad_id=pad)
     token_dtype = token_dtype_for_vocab(info.vocab_size)
-    files = expand_inputs(config.inputs, config.storage_options)
-    build = _build_record(config, files, eos, bos)
+    files = expand_inputs(config.inputs, config.storage_options, content_hashes=True)
+    build = build_record(config, {"inputs": [f.record() for f in files], "eos_id": eos, "bos_id": bos})
     build["fingerprint"] = build_state.fingerprint({**build, "tokenizer_info": asdict(used_info)})
     storage = Storage(config.output, config.storage_options)
     storage.makedirs()
-    extra_key = f"unit_bytes={config.unit_bytes}"
-    status = build_state.prepare_output(storage, build, overwrite=config.overwrite, extra_key=extra_key)
-    if status == "done":
-        logger.info("%s already holds this build; nothing to do", storage.url)
-        return BuildResult("done", load_manifest(storage), None)
-
+    key = resume_key(config)
+    status = build_state.prepare_output(storage, build, overwrite=config.overwrite, extra_key=key)
     packer = make_packer(config.packing, seq_len=config.seq_len, pad_id=pad, token_dtype=token_dtype,
                          buffer_docs=config.bestfit_buffer, max_open=config.bestfit_open)
-    stats = BuildStats(max_examples=config.max_examples)
-    shards: list[ShardInfo] = []
-    start, emitted, skip_samples, tokens_at_start = (0, 0, 0), 0, 0, 0
+    run = BuildRun(config=config, storage=storage, files=files, info=used_info, token_dtype=token_dtype,
+                   build=build, resume_key=key, status=status, packer=packer,
+                   stats=BuildStats(max_examples=config.max_examples, input_bytes=sum(f.size for f in files)),
+                   workers=workers, began=began)
     if status == "resume":
-        meta, arrays = build_state.load_checkpoint(storage)
-        shards = build_state.shards_from_meta(meta)
-        missing = [s.name for s in shards if not storage.exists(s.name) or storage.size(s.name) != s.compressed_bytes]
-        if missing:
-            raise OSError(f"cannot resume the build in {storage.url}: shard {missing[0]} named by the checkpoint is "
-                          "missing or has the wrong size; rerun with --overwrite to start again")
-        boundary = meta["boundary"]
-        packer.restore({**boundary["packer"], **arrays})
-        stats = BuildStats.from_dict(boundary["stats"])
-        start = tuple(boundary["position"])
-        emitted = boundary["emitted"]
-        skip_samples = sum(s.samples for s in shards) - emitted
-        tokens_at_start = packer.stats.document_tokens
-        logger.info("resuming %s: %d shards done, restarting at work unit %d", storage.url, len(shards), start[0])
+        _restore(run)
+    return run
 
-    settings = DocumentSettings(tokenizer=config.tokenizer, token_dtype=token_dtype, text_field=config.text_field,
-                                eos_id=eos, bos_id=bos, max_doc_chars=config.max_doc_chars)
 
-    def snapshot(position: tuple[int, int, int]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        state = packer.snapshot()
-        arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
-        scalars = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
-        return {"position": list(position), "emitted": emitted, "stats": copy.deepcopy(stats.as_dict()),
-                "packer": copy.deepcopy(scalars)}, arrays
+def _restore(run: BuildRun) -> None:
+    """Take up the checkpoint: shards written, packer state, counters, and where to restart."""
+    meta, arrays = build_state.load_checkpoint(run.storage)
+    run.shards = build_state.shards_from_meta(meta)
+    missing = [s.name for s in run.shards
+               if not run.storage.exists(s.name) or run.storage.size(s.name) != s.compressed_bytes]
+    if missing:
+        raise OSError(f"cannot resume the build in {run.storage.url}: shard {missing[0]} named by the checkpoint is "
+                      "missing or has the wrong size; rerun with --overwrite to start again")
+    boundary = meta["boundary"]
+    run.packer.restore({**boundary["packer"], **arrays})
+    run.stats = BuildStats.from_dict(boundary["stats"])
+    run.start = tuple(boundary["position"])
+    run.emitted = boundary["emitted"]
+    run.skip_samples = sum(s.samples for s in run.shards) - run.emitted
+    run.tokens_at_start = run.packer.stats.document_tokens
+    run.reused_shards = len(run.shards)
+    logger.info("resuming %s: reusing %d shards, restarting at work unit %d", run.storage.url, run.reused_shards,
+                run.start[0])
 
-    boundary_state = snapshot(start)
 
-    def save() -> None:
-        meta, arrays = boundary_state
-        build_state.save_checkpoint(storage, {"fingerprint": build["fingerprint"], "extra_key": extra_key,
-                                              "build": build, "shards": build_state.shards_to_meta(shards),
+def snapshot(run: BuildRun, position: tuple[int, int, int]) -> None:
+    """Remember the resume state at the start of the unit at `position` (saved with the next shard)."""
+    state = run.packer.snapshot()
+    arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+    scalars = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
+    run.boundary = ({"position": list(position), "emitted": run.emitted, "stats": copy.deepcopy(run.stats.as_dict()),
+                     "packer": copy.deepcopy(scalars)}, arrays)
+
+
+def _save_checkpoint(run: BuildRun) -> None:
+    meta, arrays = run.boundary
+    build_state.save_checkpoint(run.storage, {"fingerprint": run.build["fingerprint"], "extra_key": run.resume_key,
+                                              "build": run.build, "shards": build_state.shards_to_meta(run.shards),
                                               "boundary": meta}, arrays)
 
-    def on_shard_done(shard: ShardInfo) -> None:
-        shards.append(shard)
-        save()
 
-    if status == "fresh":
-        save()  # from the first byte on, the output says which build it belongs to
-    writer = ShardWriter(storage, shard_format=config.shard_format, token_dtype=token_dtype,
-                         max_bytes=config.shard_size, compression_level=config.compression_level,
-                         start_index=len(shards), on_shard_done=on_shard_done)
+def _shard_done(run: BuildRun, shard: ShardInfo) -> None:
+    run.shards.append(shard)
+    _save_checkpoint(run)
 
-    def emit(samples) -> None:
-        nonlocal emitted, skip_samples
-        for sample in samples:
-            emitted += 1
-            if skip_samples > 0:  # already in a shard written before the interruption
-                skip_samples -= 1
-                continue
-            writer.write(sample)
 
-    progress = Progress(files, enabled=config.progress)
-    units = iter_units(files, text_field=config.text_field, txt_mode=config.txt_mode, unit_bytes=config.unit_bytes,
-                       max_doc_chars=config.max_doc_chars, storage_options=config.storage_options, start=start)
-    next_unit = start[0]
+def _write(run: BuildRun, samples: list[Sample]) -> None:
+    for sample in samples:
+        run.emitted += 1
+        if run.skip_samples > 0:  # already in a shard written before the interruption
+            run.skip_samples -= 1
+            continue
+        run.writer.write(sample)
+
+
+def _counted(run: BuildRun, units):
+    """The units, with the records the reader saw in each noted: the workers' accepted + rejected
+    must add up to it, an independent check that no document is silently dropped."""
+    for unit in units:
+        run.expected_documents[unit.index] = unit.records_in_payload + len(unit.rejected)
+        yield unit
+
+
+def emit(run: BuildRun, executor) -> None:
+    """Tokenize every unit (in parallel), pack the documents in unit order and write the shards."""
+    config = run.config
+    snapshot(run, run.start)
+    if run.status == "fresh":
+        _save_checkpoint(run)  # from the first byte on, the output says which build it belongs to
+    settings = DocumentSettings(tokenizer=config.tokenizer, token_dtype=run.token_dtype,
+                                text_field=config.text_field, eos_id=run.info.eos_id, bos_id=run.info.bos_id,
+                                max_doc_chars=config.max_doc_chars)
+    run.writer = ShardWriter(run.storage, shard_format=config.shard_format, token_dtype=run.token_dtype,
+                             max_bytes=config.shard_size, compression_level=config.compression_level,
+                             start_index=len(run.shards), on_shard_done=lambda shard: _shard_done(run, shard))
+    units = iter_units(run.files, text_field=config.text_field, txt_mode=config.txt_mode,
+                       unit_bytes=config.unit_bytes, max_doc_chars=config.max_doc_chars,
+                       storage_options=config.storage_options, start=run.start)
+    progress = Progress(run.files, enabled=config.progress)
+    next_unit = run.start[0]
     try:
-        with writer:
-            for result in executor.map_ordered(tokenize_unit, units, settings):
-                boundary_state = snapshot((result.index, result.source, result.file_unit))
-                _account(result, files, stats, fail=config.on_error == "fail")
-                emit(packer.feed(result.tokens, result.doc_lengths, result.source, result.doc_index))
+        with run.writer:
+            for result in executor.map_ordered(tokenize_unit, _counted(run, units), settings):
+                snapshot(run, (result.index, result.source, result.file_unit))
+                _account(result, run.files, run.stats, expected=run.expected_documents.pop(result.index),
+                         fail=config.on_error == "fail")
+                _write(run, run.packer.feed(result.tokens, result.doc_lengths, result.source, result.doc_index))
                 next_unit = result.index + 1
-                progress.update(result.source, result.input_offset, stats.documents_written,
-                                packer.stats.document_tokens)
-            boundary_state = snapshot((next_unit, len(files), 0))
-            emit(packer.finish())
+                progress.update(result.source, result.input_offset, run.stats.documents_written,
+                                run.packer.stats.document_tokens)
+            snapshot(run, (next_unit, len(run.files), 0))
+            _write(run, run.packer.finish())
     finally:
         progress.close()
-    if not shards:
+
+
+def finish(run: BuildRun) -> BuildResult:
+    """Write the report and then the manifest (which publishes the dataset), and remove the state."""
+    config, stats = run.config, run.stats
+    if not run.shards:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(stats.rejected_by_reason.items())) or "none"
         unreadable = "; ".join(f"{e['file']}: {e['reason']}" for e in stats.file_errors[:3])
         raise ValueError(f"nothing to write: none of the {stats.documents_in} input documents was accepted "
                          f"(rejected by reason: {reasons}" + (f"; unreadable: {unreadable}" if unreadable else "") + ")")
-    seconds = time.perf_counter() - began
-    manifest = Manifest(shard_format=config.shard_format, token_dtype=token_dtype,
+    seconds = time.perf_counter() - run.began
+    manifest = Manifest(shard_format=config.shard_format, token_dtype=run.token_dtype,
                         seq_len=None if config.packing == "none" else config.seq_len,
-                        max_sample_tokens=config.seq_len + 1, packing=config.packing, tokenizer=used_info,
-                        shards=tuple(shards), sources=tuple(f.url for f in files),
+                        max_sample_tokens=config.seq_len + 1, packing=config.packing, tokenizer=run.info,
+                        shards=tuple(run.shards), sources=tuple(f.url for f in run.files),
                         compression={"codec": "zstd", "level": config.compression_level},
-                        build={**build, "documents": {"in": stats.documents_in, "written": stats.documents_written,
-                                                      "rejected": stats.documents_rejected}})
-    report = _report(config, manifest, stats, packer.stats.as_dict(), seconds=seconds,
-                     tokens=packer.stats.document_tokens - tokens_at_start, workers=workers,
-                     resumed=status == "resume", resumed_shards=len(shards) - len(writer.shards))
-    storage.write_bytes(build_state.REPORT_NAME, report_json(report))
-    write_manifest(storage, manifest)
-    build_state.clear_state(storage)
-    return BuildResult("resumed" if status == "resume" else "built", manifest, report)
+                        build={**run.build, "documents": {"in": stats.documents_in,
+                                                          "written": stats.documents_written,
+                                                          "rejected": stats.documents_rejected}})
+    report = _report(config, manifest, stats, run.packer.stats.as_dict(), seconds=seconds,
+                     tokens=run.packer.stats.document_tokens - run.tokens_at_start, workers=run.workers,
+                     resumed=run.status == "resume", reused_shards=run.reused_shards)
+    run.storage.write_bytes(build_state.REPORT_NAME, report_json(report))
+    write_manifest(run.storage, manifest)
+    build_state.clear_state(run.storage)
+    return BuildResult("resumed" if run.status == "resume" else "built", manifest, report)
 
 
-def _account(result: UnitResult, files, stats: BuildStats, *, fail: bool) -> None:
+def _account(result: UnitResult, files, stats: BuildStats, *, expected: int, fail: bool) -> None:
     """Count a unit's documents; under --on-error fail, stop at its first problem."""
     url = files[result.source].url
     label = record_label(result.kind)
@@ -344,24 +294,25 @@ def _account(result: UnitResult, files, stats: BuildStats, *, fail: bool) -> Non
         else:
             message = f"{url}: {result.file_error}"
         raise BuildInputError(f"{message} (--on-error fail; use --on-error skip to count and report bad input)")
-    stats.documents_in += result.documents_in
+    stats.documents_in += expected
     stats.documents_written += len(result.doc_lengths)
     stats.text_chars += result.text_chars
     for record, reason in result.rejected:
         stats.reject(url, label, record, reason)
+    stats.reached(result.source, result.input_offset)
     if result.file_error:
-        stats.file_error(url, result.file_error)
+        stats.file_error(url, result.file_error, unread_bytes=files[result.source].size - result.input_offset)
 
 
 def _report(config: BuildConfig, manifest: Manifest, stats: BuildStats, packing: dict[str, int], *,
-            seconds: float, tokens: int, workers: int, resumed: bool, resumed_shards: int) -> dict[str, Any]:
+            seconds: float, tokens: int, workers: int, resumed: bool, reused_shards: int) -> dict[str, Any]:
     totals = manifest.totals()
     sample_tokens = totals["tokens"]
     return {
         "output": config.output,
         "manifest_fingerprint": manifest.build["fingerprint"],
         "resumed": resumed,
-        "shards_from_before_resume": resumed_shards if resumed else 0,
+        "shards_from_before_resume": reused_shards,
         "totals": totals,
         "documents": {
             "in": stats.documents_in, "written": stats.documents_written, "rejected": stats.documents_rejected,
@@ -370,6 +321,8 @@ def _report(config: BuildConfig, manifest: Manifest, stats: BuildStats, packing:
             "text_characters": stats.text_chars,
         },
         "file_errors": stats.file_errors,
+        "bytes": {"in": stats.input_bytes, "read": stats.bytes_read, "unreadable": stats.unreadable_bytes,
+                  "balanced": stats.input_bytes == stats.bytes_read + stats.unreadable_bytes},
         "packing": {**packing, "mode": config.packing, "seq_len": config.seq_len,
                     "padding_fraction": packing["padding_tokens"] / sample_tokens if sample_tokens else 0.0},
         "timing": {"seconds": seconds, "tokens_this_run": tokens,

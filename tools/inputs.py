@@ -13,10 +13,10 @@ on the number of workers, so the build's output does not either.
 
 from __future__ import annotations
 
-import gzip
+import hashlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -31,12 +31,18 @@ _GLOB_CHARS = "*?["
 
 @dataclass(frozen=True, kw_only=True)
 class InputFile:
-    """One input file: its URL (a plain path for local files), reader kind, compression and size."""
+    """One input file: its URL (a plain path for local files), reader kind, compression, size and the
+    SHA-256 of its bytes (None unless asked for: it costs one read of the file)."""
 
     url: str
     kind: str
     compression: str | None
     size: int
+    sha256: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The file as the build record names it: an edit of any byte changes the record."""
+        return {"url": self.url, "bytes": self.size, "sha256": self.sha256}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +89,22 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path)
 
 
-def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | None = None) -> list[InputFile]:
+def content_sha256(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes, read in chunks (memory stays flat whatever the file's size)."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | None = None, *,
+                  content_hashes: bool = False) -> list[InputFile]:
     """Expand files, directories (recursively), globs and fsspec URLs into a deterministic file list.
 
     Inputs keep the order they are given in; the files of one directory or glob are sorted by path.
+    With `content_hashes`, each file's SHA-256 is computed (one streaming read): the build fingerprint
+    holds it, so a resumed build notices an input edited in place even when its size is unchanged.
 
     Raises:
         FileNotFoundError: an input matches nothing.
@@ -125,7 +143,12 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
                 raise ValueError(f"INPUT {url} is named twice (by {seen[url]!r} and {pattern!r}); "
                                  "each file may appear once")
             seen[url] = pattern
-            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(fs.size(match))))
+            try:
+                digest = content_sha256(fs, match) if content_hashes else None
+            except OSError as err:
+                raise OSError(f"INPUT {url}: cannot read it to fingerprint its content: {_describe(err)}") from err
+            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(fs.size(match)),
+                                   sha256=digest))
     return files
 
 
@@ -136,9 +159,9 @@ def _open_raw(url: str, storage_options: dict[str, Any] | None):
 
 def _decompressing(raw, compression: str | None):
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        return _FrameStream(raw, "gzip")
     if compression == "zstd":
-        return _ZstdStream(raw)
+        return _FrameStream(raw, "zstd")
     return raw
 
 
@@ -146,35 +169,51 @@ class TruncatedInputError(EOFError):
     """A compressed input ends in the middle of a frame."""
 
 
-class _ZstdStream:
-    """Reads concatenated zstd frames and, unlike zstandard's stream reader, raises when the input
-    ends inside a frame (a truncated download or copy would otherwise look like a shorter file)."""
+class _FrameStream:
+    """Reads concatenated gzip members or zstd frames and raises when the input ends inside one (a
+    truncated download or copy would otherwise look like a shorter file). Unlike `gzip.GzipFile`, it
+    hands over every byte decompressed before an error, so every complete record of a damaged file is
+    read (and counted) before the file is reported unreadable."""
 
-    def __init__(self, raw, chunk: int = 1 << 20):
-        import zstandard
+    def __init__(self, raw, codec: str, chunk: int = 1 << 20):
+        if codec == "zstd":
+            import zstandard
 
-        self._zstd = zstandard
+            self._new = lambda: zstandard.ZstdDecompressor().decompressobj()
+            self._errors: tuple[type[BaseException], ...] = (zstandard.ZstdError,)
+        else:
+            import zlib
+
+            self._new = lambda: zlib.decompressobj(wbits=31)  # 31: the gzip container
+            self._errors = (zlib.error,)
+        self._codec = codec
         self._raw = raw
         self._chunk = chunk
-        self._obj = zstandard.ZstdDecompressor().decompressobj()
+        self._obj = self._new()
         self._in_frame = False
         self._data = b""
         self._pos = 0
         self._pieces: list[bytes] = []
+        self._failure: BaseException | None = None
 
     def read(self, size: int) -> bytes:
-        while len(self._data) - self._pos < size:
+        while len(self._data) - self._pos < size and self._failure is None:
             data = self._raw.read(self._chunk)
             if not data:
                 if self._in_frame:
-                    raise TruncatedInputError("zstd stream ends inside a frame (file truncated)")
+                    self._failure = TruncatedInputError(f"{self._codec} stream ends inside a frame (file truncated)")
                 break
-            self._feed(data)
+            try:
+                self._feed(data)
+            except ValueError as err:
+                self._failure = err  # raised once what was decompressed before it has been read
             self._data = b"".join([self._data[self._pos:], *self._pieces])
             self._pos = 0
             self._pieces = []
         out = self._data[self._pos:self._pos + size]
         self._pos += len(out)
+        if not out and self._failure is not None:
+            raise self._failure
         return out
 
     def _feed(self, data: bytes) -> None:
@@ -182,12 +221,12 @@ class _ZstdStream:
             self._in_frame = True
             try:
                 self._pieces.append(self._obj.decompress(data))
-            except self._zstd.ZstdError as err:
-                raise ValueError(f"corrupt zstd data: {err}") from err
+            except self._errors as err:
+                raise ValueError(f"corrupt {self._codec} data: {err}") from err
             if not self._obj.eof:
                 return
             data = self._obj.unused_data
-            self._obj = self._zstd.ZstdDecompressor().decompressobj()
+            self._obj = self._new()
             self._in_frame = False
 
 
@@ -227,6 +266,7 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
     raw = None
     carry = b""
     discarding = False  # inside an oversized line, dropping bytes until its end
+    reached = 0  # input bytes consumed as of the last unit: the report checks they add up to the file's size
     try:
         raw = _open_raw(file.url, storage_options)
         stream = _decompressing(raw, file.compression)
@@ -247,7 +287,8 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
             else:
                 body, carry = data[:cut + len(separator)], data[cut + len(separator):]
                 n = count(body)
-                made = unit(first_record=record, payload=body, input_offset=raw.tell(), records_in_payload=n)
+                reached = raw.tell()
+                made = unit(first_record=record, payload=body, input_offset=reached, records_in_payload=n)
                 record += n
                 if made is not None:
                     yield made
@@ -255,15 +296,18 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
                 newline = carry.find(b"\n")
                 discarding = newline < 0
                 reason = f"line is longer than {max_line_bytes} bytes (raise --max-doc-chars to accept it)"
+                reached = raw.tell()
                 made = unit(first_record=record, payload=b"", rejected=((record, reason),),
-                            input_offset=raw.tell(), records_in_payload=0)
+                            input_offset=reached, records_in_payload=0)
                 record += 1
                 carry = b"" if discarding else carry[newline + 1:]
                 if made is not None:
                     yield made
-        if carry and not discarding:
-            n = count(carry if carry.endswith(b"\n") else carry + b"\n")
-            made = unit(first_record=record, payload=carry, input_offset=file.size, records_in_payload=n)
+        end = raw.tell()
+        if (carry and not discarding) or end > reached:
+            n = count(carry if carry.endswith(b"\n") else carry + b"\n") if carry and not discarding else 0
+            made = unit(first_record=record, payload=carry if not discarding else b"", input_offset=end,
+                        records_in_payload=n)
             record += n
             if made is not None:
                 yield made
@@ -273,7 +317,7 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
             if carry and not discarding else ()
         made = unit(first_record=record, payload=b"", rejected=partial, records_in_payload=0,
                     file_error=f"read failed after {record} complete records: {_describe(err)}",
-                    input_offset=file.size)
+                    input_offset=reached)
         if made is not None:
             yield made
     finally:
@@ -311,10 +355,10 @@ def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes
             data = raw.read()
     except OSError as err:
         yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
-                       file_error=f"read failed: {_describe(err)}", input_offset=file.size)
+                       file_error=f"read failed: {_describe(err)}", input_offset=0)
         return
     yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0, payload=data,
-                   input_offset=file.size, records_in_payload=1)
+                   input_offset=len(data), records_in_payload=1)
 
 
 def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field: str, rows_per_unit: int,
@@ -323,6 +367,8 @@ def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field:
 
     file_unit = 0
     record = 0
+    reached = 0
+    pending: WorkUnit | None = None  # held back one batch: the last one says the whole file was read
     try:
         with _open_raw(file.url, storage_options) as raw:
             parquet = pq.ParquetFile(raw)
@@ -332,18 +378,33 @@ def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field:
             for batch in parquet.iter_batches(batch_size=rows_per_unit, columns=[text_field]):
                 rows = batch.num_rows
                 file_unit += 1
+                if pending is not None:
+                    yield pending
+                    reached = pending.input_offset
+                    pending = None
                 if file_unit > skip_units:
-                    yield WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1, kind="parquet",
-                                   first_record=record, payload=batch.column(0),
-                                   input_offset=min(file.size, raw.tell()), records_in_payload=rows)
+                    pending = WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1,
+                                       kind="parquet", first_record=record, payload=batch.column(0),
+                                       input_offset=min(file.size, raw.tell()), records_in_payload=rows)
                     cursor.next_index += 1
                 record += rows
+            if pending is None and file_unit == 0:  # no rows at all: one empty unit says the file was read
+                file_unit += 1
+                if file_unit > skip_units:
+                    pending = WorkUnit(index=cursor.next_index, source=source, file_unit=0, kind="parquet",
+                                       first_record=0, payload=(), input_offset=file.size)
+                    cursor.next_index += 1
+        if pending is not None:
+            yield replace(pending, input_offset=file.size)
     except (OSError, ValueError, RuntimeError) as err:
+        if pending is not None:  # read, but the file failed after it: the rows count, the bytes do not
+            yield pending
+            reached = pending.input_offset
         file_unit += 1
         if file_unit > skip_units:
             yield WorkUnit(index=cursor.next_index, source=source, file_unit=file_unit - 1, kind="parquet",
                            first_record=record, file_error=f"read failed after {record} rows: {_describe(err)}",
-                           input_offset=file.size)
+                           input_offset=reached)
             cursor.next_index += 1
 
 

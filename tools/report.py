@@ -41,6 +41,9 @@ class BuildStats:
     examples: list[dict[str, Any]] = field(default_factory=list)
     file_errors: list[dict[str, Any]] = field(default_factory=list)
     max_examples: int = 20
+    input_bytes: int = 0
+    bytes_reached: dict[str, int] = field(default_factory=dict)
+    unreadable_bytes: int = 0
 
     def reject(self, file: str, label: str, record: int, reason: str) -> None:
         self.documents_rejected += 1
@@ -49,8 +52,20 @@ class BuildStats:
         if len(self.examples) < self.max_examples:
             self.examples.append({"file": file, label: record + 1, "reason": reason})
 
-    def file_error(self, file: str, reason: str) -> None:
-        self.file_errors.append({"file": file, "reason": reason})
+    def file_error(self, file: str, reason: str, *, unread_bytes: int) -> None:
+        """A file that could not be read to its end: the documents in its `unread_bytes` cannot be counted,
+        so its bytes are (the report's byte check: bytes in = bytes read + bytes unreadable)."""
+        self.file_errors.append({"file": file, "reason": reason, "unread_bytes": unread_bytes})
+        self.unreadable_bytes += unread_bytes
+
+    def reached(self, source: int, offset: int) -> None:
+        """Input bytes of file `source` read so far (as far as its units say)."""
+        key = str(source)  # a JSON key in checkpoints
+        self.bytes_reached[key] = max(self.bytes_reached.get(key, 0), offset)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.bytes_reached.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -108,7 +123,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("documents rejected", f"{docs['rejected']:,}" + (
             " (" + ", ".join(f"{k}: {v:,}" for k, v in sorted(docs["rejected_by_reason"].items())) + ")"
             if docs["rejected_by_reason"] else "")),
-        ("unreadable files", f"{len(report['file_errors'])}"),
+        ("unreadable files", f"{len(report['file_errors'])}" + (
+            f" ({_size(report['bytes']['unreadable'])} unread)" if report["file_errors"] else "")),
         ("document tokens", f"{packing['document_tokens']:,}"),
         ("samples", f"{totals['samples']:,}"),
         ("shards", f"{totals['shards']:,}"),
@@ -117,6 +133,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("compression ratio", f"{ratio:.2f}x"),
         ("padding", f"{packing['padding_tokens']:,} tokens ({100 * packing['padding_fraction']:.2f}%)"),
         ("split documents", f"{packing['split_documents']:,}"),
+        ("shards reused", f"{report['shards_from_before_resume']:,} (resumed)" if report.get("resumed") else "0"),
         ("wall time", f"{timing['seconds']:.1f} s" + (" (resumed)" if report.get("resumed") else "")),
         ("tokens/s", f"{timing['tokens_per_second'] / 1e6:.2f}M"),
     ]
@@ -137,7 +154,10 @@ def summary_table(report: dict[str, Any]) -> str:
         lines.append(f"  unreadable: {error['file']}: {error['reason']}")
     lines.append(f"  check: documents in {report['documents']['in']:,} = written {report['documents']['written']:,}"
                  f" + rejected {report['documents']['rejected']:,}"
-                 f" ({'holds' if report['documents']['balanced'] else 'DOES NOT HOLD'})")
+                 f" ({'holds' if report['documents']['balanced'] else 'DOES NOT HOLD'});"
+                 f" input bytes {report['bytes']['in']:,} = read {report['bytes']['read']:,}"
+                 f" + unreadable {report['bytes']['unreadable']:,}"
+                 f" ({'holds' if report['bytes']['balanced'] else 'DOES NOT HOLD'})")
     return "\n".join(lines)
 
 

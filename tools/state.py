@@ -74,13 +74,47 @@ def shards_to_meta(shards: list[ShardInfo]) -> list[dict[str, Any]]:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two build records, naming each changed, added or removed input file."""
     keys = sorted(set(old) | set(new))
-    return [k for k in keys if old.get(k) != new.get(k) and k not in ("fingerprint", "documents")]
+    differ = [k for k in keys if old.get(k) != new.get(k) and k not in ("fingerprint", "documents", "inputs")]
+    before = {f.get("url"): f for f in old.get("inputs") or () if isinstance(f, dict)}
+    after = {f.get("url"): f for f in new.get("inputs") or () if isinstance(f, dict)}
+    for url, file in after.items():
+        if url not in before:
+            differ.append(f"input {url} added")
+        elif before[url] != file:
+            if before[url].get("bytes") != file.get("bytes"):
+                differ.append(f"input {url} changed (size)")
+            elif before[url].get("sha256") is None:
+                differ.append(f"input {url} (recorded without a content hash, by an older shardkit)")
+            else:
+                differ.append(f"input {url} changed (content)")
+    differ += [f"input {url} removed" for url in before if url not in after]
+    if not differ and [f.get("url") for f in old.get("inputs") or ()] != [f.get("url") for f in new.get("inputs") or ()]:
+        differ.append("order of the inputs")
+    return differ
 
 
 def _ours(name: str) -> bool:
     return (name in (MANIFEST_NAME, REPORT_NAME) or name.startswith(f"{STATE_DIR}/")
             or (name.startswith(_SHARD_PREFIX) and "/" not in name))
+
+
+def _links(storage: Storage) -> set[str]:
+    """Entries of a local output that are symbolic links (walked without following them).
+
+    Deleting `_build/x` where `_build` links elsewhere would delete a file outside the output, so the
+    output is walked here with links left unfollowed, whatever the filesystem layer's listing does.
+    """
+    if not storage.is_local or not os.path.isdir(storage.root):
+        return set()
+    found = set()
+    for directory, subdirectories, files in os.walk(storage.root, followlinks=False):
+        for entry in (*subdirectories, *files):
+            path = os.path.join(directory, entry)
+            if os.path.islink(path):
+                found.add(os.path.relpath(path, storage.root).replace(os.sep, "/"))
+    return found
 
 
 def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, extra_key: str) -> str:
@@ -95,11 +129,14 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
     Raises:
         FileExistsError: the output holds another build's data or foreign files and not `overwrite`.
     """
+    links = _links(storage)
     names = storage.list_names()
-    if not names:
-        return "fresh"
     hint = "pass --overwrite to replace it, or choose another --output"
     if overwrite:
+        for link in links:  # the link itself goes, never what it points at
+            if _ours(link) or link == STATE_DIR:
+                os.unlink(storage.path(link))
+        names = [n for n in names if not any(n == link or n.startswith(f"{link}/") for link in links)]
         foreign = [n for n in names if not _ours(n)]
         for name in names:
             if _ours(name):
@@ -107,6 +144,12 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
         if foreign:
             logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",
                            len(foreign), storage.url, foreign[0])
+        return "fresh"
+    ours = sorted(link for link in links if _ours(link) or link == STATE_DIR)
+    if ours:
+        raise FileExistsError(f"--output {storage.url}: {ours[0]} is a symbolic link; shardkit never reads "
+                              f"or writes through links out of its output ({hint})")
+    if not names:
         return "fresh"
     if MANIFEST_NAME in names:
         try:

@@ -11,6 +11,15 @@ A spec names the tokenizer so that it can be reloaded later (it is recorded in t
 
 Every tokenizer encodes to numpy arrays and never adds special tokens itself: the build decides
 where EOS/BOS go (between documents), so all kinds behave the same way.
+
+Long documents are encoded in pieces of about `PIECE_CHARS` characters, cut only at a space that follows
+a non-space and precedes a letter. Byte-level BPE tokenizers (GPT-2 / tiktoken patterns, HF ByteLevel)
+split text into pre-tokens with a regex before merging, and that regex always starts a pre-token at such
+a space and never lets one cross it, so the pieces' ids concatenate to exactly the whole document's
+(tested on real tokenizers). Memory then stays bounded by a piece, not the document: HF `tokenizers`
+keeps ~100 bytes of offsets and strings per token, ~1 GB for a 10 MB document. Tokenizers for which
+this does not hold (sentencepiece, HF tokenizers with normalizers or other pre-tokenizers) encode
+documents whole.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,22 +51,58 @@ _TIKTOKEN_NAME_HINTS = (("o200k", "o200k_base"), ("cl100k", "cl100k_base"), ("p5
                         ("r50k", "r50k_base"), ("gpt2", "gpt2"))
 
 
+PIECE_CHARS = 1 << 18  # ~30 MB of HF encoding state per piece; larger pieces are no faster
+# A space after a non-space and before a letter: every byte-level BPE pre-tokenizer regex starts a
+# pre-token there (" word") and has no pattern that ends with or crosses it.
+_SAFE_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
+
+def safe_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[tuple[int, int]]:
+    """(start, end) of consecutive pieces of `text`, each at least `piece_chars` long (but the last),
+    cut at the first safe cut at or after every `piece_chars`; a text without one is a single piece."""
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        cut = _SAFE_CUT.search(text, start + piece_chars)
+        if cut is None:
+            break
+        pieces.append((start, cut.start()))
+        start = cut.start()
+    pieces.append((start, len(text)))
+    return pieces
+
+
 class Tokenizer:
     """A loaded tokenizer. Subclasses implement `_encode_many` and `decode`.
 
     Attributes:
         info: identity recorded in the manifest (`name` is the spec that reloads it).
+        splits_safely: encoding a text gives the same ids as encoding its `safe_pieces` one by one.
+        piece_chars: texts longer than this are encoded in pieces (when `splits_safely`).
     """
 
     info: TokenizerInfo
+    splits_safely: bool = False
+    piece_chars: int = PIECE_CHARS
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` (no special tokens added)."""
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Token ids of each text, as integer numpy arrays."""
-        return self._encode_many(list(texts))
+        """Token ids of each text, as integer numpy arrays; long texts are encoded piece by piece."""
+        texts = list(texts)
+        long = [i for i, text in enumerate(texts) if len(text) > self.piece_chars] if self.splits_safely else []
+        if not long:
+            return self._encode_many(texts)
+        out: list[np.ndarray | None] = [None] * len(texts)
+        short = [i for i, text in enumerate(texts) if len(text) <= self.piece_chars]
+        for i, ids in zip(short, self._encode_many([texts[i] for i in short])):
+            out[i] = ids
+        for i in long:
+            text = texts[i]
+            pieces = [self._encode_many([text[a:b]])[0] for a, b in safe_pieces(text, self.piece_chars)]
+            out[i] = np.concatenate(pieces)
+        return out
 
     def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
         raise NotImplementedError
@@ -70,6 +116,7 @@ class ByteTokenizer(Tokenizer):
 
     EOS = 256
     BOS = 257
+    splits_safely = True  # any cut is safe for bytes
 
     def __init__(self) -> None:
         self.info = TokenizerInfo(kind="byte", name="byte", vocab_size=258, eos_id=self.EOS, bos_id=self.BOS,
@@ -85,6 +132,8 @@ class ByteTokenizer(Tokenizer):
 
 class TiktokenTokenizer(Tokenizer):
     """A `tiktoken.Encoding`; encodes with the Rust core straight into numpy buffers."""
+
+    splits_safely = True  # regex pre-tokenization, then BPE within each pre-token
 
     def __init__(self, encoding, *, name: str, vocab_sha256: str | None):
         self.encoding = encoding
@@ -138,7 +187,8 @@ def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(path))
+    ranks = _read_tokenizer_file(path, str(path), "a .tiktoken ranks file",
+                                 lambda file: load_tiktoken_bpe(str(file)))
     stem = path.name.lower()
     encoding_name = next((name for hint, name in _TIKTOKEN_NAME_HINTS if hint in stem), None)
     if encoding_name is None:
@@ -189,13 +239,45 @@ def _special_from_config(directory: Path) -> dict[str, str]:
     return found
 
 
+def _hf_from_file(path: Path):
+    from tokenizers import Tokenizer as RustTokenizer
+
+    return RustTokenizer.from_file(str(path))
+
+
+def _byte_level_only(tokenizer) -> bool:
+    """Whether an HF tokenizer cuts text into pre-tokens with the byte-level regex alone (no normalizer,
+    no added token holding whitespace), so pieces cut by `safe_pieces` encode like the whole text."""
+    try:
+        definition = json.loads(tokenizer.to_str())
+    except (ValueError, Exception):  # noqa: BLE001 - an exotic tokenizer: encode whole, never guess
+        return False
+    pre = definition.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    if definition.get("normalizer") or len(steps) != 1 or not byte_level or not byte_level[0].get("use_regex", True):
+        return False
+    return not any(any(c.isspace() for c in token.get("content", "")) for token in definition.get("added_tokens", ()))
+
+
+def _read_tokenizer_file(path: Path, spec: str, what: str, read):
+    """`read(path)`, with whatever the tokenizer library raises on a file it cannot use (a JSON file
+    that is not a tokenizer, a truncated model, ...) turned into one line naming the file."""
+    try:
+        return read(path)
+    except OSError as err:
+        raise OSError(f"--tokenizer {spec}: cannot read it: {err.strerror or err}") from err
+    except Exception as err:  # noqa: BLE001 - the libraries raise bare Exception / RuntimeError on bad files
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"--tokenizer {spec}: not {what} ({reason}); expected 'byte', 'tiktoken:NAME', or a "
+                         "tokenizer.json, an HF tokenizer directory, a .tiktoken or a .model file") from err
+
+
 class HFTokenizer(Tokenizer):
     """An HF `tokenizers.Tokenizer` loaded from tokenizer.json."""
 
     def __init__(self, path: Path, *, spec: str, config_dir: Path | None = None):
-        from tokenizers import Tokenizer as RustTokenizer
-
-        self.tokenizer = RustTokenizer.from_file(str(path))
+        self.tokenizer = _read_tokenizer_file(path, spec, "an HF tokenizer.json", _hf_from_file)
         self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
@@ -216,6 +298,7 @@ class HFTokenizer(Tokenizer):
                                   bos_id=pick("bos_token", _BOS_NAMES), pad_id=pick("pad_token", _PAD_NAMES),
                                   special_ids=added, vocab_sha256=file_sha256(path))
         self._dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+        self.splits_safely = _byte_level_only(self.tokenizer)
 
     def _encode_many(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._encode_batch(texts, add_special_tokens=False)
@@ -231,7 +314,9 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: Path, *, spec: str):
         import sentencepiece
 
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.processor = _read_tokenizer_file(
+            path, spec, "a sentencepiece .model file",
+            lambda file: sentencepiece.SentencePieceProcessor(model_file=str(file)))
         size = self.processor.get_piece_size()
 
         def known(token_id: int) -> int | None:

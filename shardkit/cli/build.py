@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli.dataset import STORAGE_OPTION_HELP, parse_storage_options
+from shardkit.cli.dataset import parse_storage_options
 
 BUILD_EPILOG = """\
 examples:
@@ -24,79 +24,80 @@ written and rejected is saved as build_report.json next to the manifest (shardki
 """
 
 
+class _Choices:
+    """The allowed values of an option, read from the implementing module's registry on first use, so
+    registering `shardkit build` imports nothing heavy (argparse only iterates them to check a value
+    or print help)."""
+
+    def __init__(self, names) -> None:
+        self._names = names
+
+    def __contains__(self, value) -> bool:
+        return value in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+
+def _converter(f):
+    """The `type=` of a field's option: its `parse` function, else its annotation (int, str, optional)."""
+    parse = f.metadata.get("parse")
+    if parse is None:
+        base = str(f.type).replace("| None", "").strip()
+        parse = {"int": int, "str": str}[base]
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:  # argparse would print only "invalid value": keep the reason
+            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1] if str(err).startswith("--")
+                                             else str(err)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _add_field(p: argparse.ArgumentParser, f) -> None:
+    """One option generated from one `BuildConfig` field (defaults stay the dataclass's own)."""
+    from dataclasses import MISSING
+
+    meta = f.metadata
+    default = meta.get("cli_default") or f.default
+    help_text = meta["help"] + ("" if f.default is MISSING else f". Default: {default}")
+    if meta.get("positional"):
+        p.add_argument(f.name, nargs="+", metavar=meta.get("metavar"), help=help_text)
+        return
+    kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+    names = list(meta.get("flags") or (f"--{f.name.replace('_', '-')}",))
+    if str(f.type) == "bool":
+        if f.default:  # on by default: the option turns it off
+            names = [f"--no-{f.name.replace('_', '-')}"]
+            kwargs.update(action="store_false", help=f"do not {meta['help']}")
+        else:
+            kwargs.update(action="store_true")
+    elif str(f.type).startswith("dict"):
+        kwargs.update(action="append", metavar=meta.get("metavar"))
+    else:
+        kwargs.update(type=_converter(f), metavar=meta.get("metavar"), required=f.default is MISSING)
+        if meta.get("choices"):
+            kwargs["choices"] = _Choices(meta["choices"])
+            kwargs["help"] += " (one of: %(choices)s)"
+    p.add_argument(*names, **kwargs)
+
+
 def _add_build(subparsers) -> None:
+    from dataclasses import fields
+
+    from shardkit.tools.config import BuildConfig
+
     p = subparsers.add_parser(
         "build", help="tokenize and pack corpora into shards + a manifest",
         description="Tokenize raw corpora, pack the tokens into fixed-length samples and write zstd-compressed "
-                    "shards and a manifest (shardkit.json) that the loaders stream.",
+                    "shards and a manifest (shardkit.json) that the loaders stream. Every option is a field of "
+                    "shardkit.tools.config.BuildConfig.",
         epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="files, directories (searched recursively), globs or fsspec URLs (s3://...). Recognised by "
-                        "name: .jsonl, .jsonl.gz, .jsonl.zst (one JSON object per line), .parquet, .txt. "
-                        "Example: 'corpus/*.jsonl.zst'")
-    p.add_argument("--output", required=True, metavar="URL",
-                   help="dataset prefix to write: a local directory or any fsspec URL, e.g. s3://bucket/datasets/web")
-    p.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                   dest="storage_option", help=STORAGE_OPTION_HELP.replace("the dataset's filesystem",
-                                                                           "the inputs' and the output's filesystems"))
-    p.add_argument("--tokenizer", required=True, metavar="SPEC",
-                   help="'byte' (UTF-8 bytes), a tokenizer.json or HF tokenizer directory, a .tiktoken file, "
-                        "tiktoken:NAME (e.g. tiktoken:cl100k_base; honours TIKTOKEN_CACHE_DIR) or a sentencepiece "
-                        ".model file")
-    p.add_argument("--seq-len", type=int, required=True, metavar="N",
-                   help="training context length; packed samples hold N+1 tokens (input and shifted target). "
-                        "With --pack none, the longest sample is N+1 tokens. Example: --seq-len 2048")
-    p.add_argument("--format", dest="shard_format", choices=("tar", "arrow"), default="arrow",
-                   help="shard format: 'arrow' (Arrow IPC with zstd buffers: compact, ~1.5x smaller than raw "
-                        "tokens, fastest to decode) or 'tar' (per-sample zstd .npy members, readable by "
-                        "webdataset and tar; 512-byte headers per member make it larger). Default: arrow")
-    p.add_argument("--pack", dest="packing", choices=("concat", "bestfit", "none"), default="concat",
-                   help="'concat': join documents with EOS and cut windows (the last partial window is padded and "
-                        "reported); 'bestfit': best-fit-decreasing packing of whole documents, splitting only "
-                        "documents longer than a window (padding fraction and split count are reported); 'none': "
-                        "one document per sample, split at N+1 tokens. Default: concat")
-    p.add_argument("--shard-size", default="64MB", metavar="SIZE",
-                   help="uncompressed payload per shard: 64MB (decimal KB/MB/GB), 256MiB (binary KiB/MiB/GiB) or "
-                        "bytes. Default: 64MB")
-    p.add_argument("--compression", default="zstd", metavar="zstd[:LEVEL]",
-                   help="shard compression: zstd with an optional level 1-22, e.g. zstd:9. Default: zstd (level 3)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="parallel tokenizer processes (or Ray tasks in flight). Default: the cores available to "
-                        "this process. The output does not depend on it")
-    p.add_argument("--executor", choices=("local", "ray"), default="local",
-                   help="'local': worker processes on this machine; 'ray': Ray tasks (see --ray-address). "
-                        "Same output either way. Default: local")
-    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="Ray cluster to run on with --executor ray, e.g. 'auto' or ray://head:10001. "
-                        "Default: start a local Ray instance with --workers CPUs")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="JSON key (JSONL) or column (Parquet) that holds the text. Default: text")
-    p.add_argument("--txt-mode", choices=("file", "paragraph"), default="file",
-                   help="what one document of a .txt file is: 'file' (the whole file) or 'paragraph' (text "
-                        "separated by one or more blank lines). Default: file")
-    p.add_argument("--on-error", choices=("skip", "fail"), default="skip",
-                   help="bad input (malformed JSON, missing or non-string text, invalid UTF-8, empty or enormous "
-                        "documents, unreadable or truncated files): 'skip' counts it and lists examples in the "
-                        "report and summary; 'fail' stops with the file and line and exits non-zero. Default: skip")
-    p.add_argument("--max-doc-chars", type=int, default=10_000_000, metavar="N",
-                   help="documents with more characters are rejected as enormous. Default: 10000000")
-    p.add_argument("--eos-id", default="auto", metavar="ID|auto|none",
-                   help="token id placed after every document: 'auto' (the tokenizer's EOS, e.g. <|endoftext|>), "
-                        "an integer, or 'none'. Default: auto")
-    p.add_argument("--bos-id", default="none", metavar="ID|auto|none",
-                   help="token id placed before every document: 'none', 'auto' (the tokenizer's BOS) or an "
-                        "integer. Default: none")
-    p.add_argument("--bestfit-buffer", type=int, default=2048, metavar="DOCS",
-                   help="with --pack bestfit: documents sorted and placed together (bounds memory). Default: 2048")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace another build's shards, manifest and state in --output (otherwise refused). "
-                        "Rerunning the same command never needs it: it resumes or does nothing")
-    p.add_argument("--unit-size", default="1MiB", metavar="SIZE",
-                   help="input bytes per work unit handed to a worker (resumption restarts at most one unit). "
-                        "Default: 1MiB")
-    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
-    p.add_argument("--report-examples", type=int, default=20, metavar="N",
-                   help="rejected documents listed by file and line in the report. Default: 20")
+    for f in fields(BuildConfig):
+        _add_field(p, f)
     p.set_defaults(func=run_build_command)
 
 
@@ -136,20 +137,24 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+def config_from_args(args: argparse.Namespace):
+    """The `BuildConfig` the parsed options describe (options not given keep the dataclass defaults)."""
+    from dataclasses import fields
+
+    from shardkit.tools.config import BuildConfig
+
+    given = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}
+    if "storage_options" in given:
+        given["storage_options"] = parse_storage_options(given["storage_options"])
+    return BuildConfig(**given)
+
+
 def run_build_command(args: argparse.Namespace) -> int:
     _configure_logging()
-    from shardkit.tools.build import BuildConfig, BuildInputError, parse_compression, parse_size, print_summary, run_build
+    from shardkit.tools.build import BuildInputError, print_summary, run_build
 
     try:
-        config = BuildConfig(
-            inputs=tuple(args.inputs), output=args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
-            shard_format=args.shard_format, packing=args.packing, shard_size=parse_size(args.shard_size),
-            compression_level=parse_compression(args.compression), text_field=args.text_field,
-            txt_mode=args.txt_mode, on_error=args.on_error, eos_id=args.eos_id, bos_id=args.bos_id,
-            max_doc_chars=args.max_doc_chars, bestfit_buffer=args.bestfit_buffer, workers=args.workers,
-            executor=args.executor, ray_address=args.ray_address, overwrite=args.overwrite,
-            unit_bytes=parse_size(args.unit_size, option="--unit-size"), max_examples=args.report_examples,
-            progress=not args.no_progress, storage_options=parse_storage_options(args.storage_option))
+        config = config_from_args(args)
         result = run_build(config)
     except BuildInputError as err:
         print(f"shardkit build: bad input: {err}", file=sys.stderr)
@@ -158,7 +163,7 @@ def run_build_command(args: argparse.Namespace) -> int:
         print(f"shardkit build: error: {err}", file=sys.stderr)
         return 1
     if result.status == "done":
-        print(f"shardkit build: {args.output} already holds this build "
+        print(f"shardkit build: {config.output} already holds this build "
               f"({result.manifest.num_samples:,} samples in {len(result.manifest.shards)} shards); nothing to do",
               file=sys.stderr)
         return 0

@@ -1,0 +1,239 @@
+"""`BuildConfig`: everything `shardkit build` is told, one frozen field per command-line option.
+
+Each field carries its CLI help in `metadata` (`shardkit.cli.build` generates the options from the
+fields, as `shardkit.train.options` does for the trainer) and says how it relates to the output:
+
+- `records="output"`: the value decides the bytes of the shards; it is recorded in the manifest's
+  `build` dict and its hash is the build fingerprint (`build_record`), so changing it makes a rerun
+  refuse to resume or to call the output done;
+- `records="resume"`: it changes no byte of the output but a checkpoint written under another
+  value cannot be resumed (the work-unit size decides where a resumed build restarts);
+- unmarked: how the build runs (workers, executor, progress bar, ...), never recorded.
+
+Allowed values come from the registries of the code that implements them (`PACKING_MODES`,
+`SHARD_FORMATS`, `TXT_MODES`, `EXECUTORS`), loaded only when needed so `shardkit --help` and
+`shardkit inspect` stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+ON_ERROR_MODES = ("skip", "fail")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SIZE_FACTORS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+                 "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str | int, *, option: str = "--shard-size") -> int:
+    """Bytes in "64MB" (decimal units: KB, MB, GB), "64MiB" (binary: KiB, MiB, GiB, or K, M, G) or "1000"."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(text)
+        if not match or match.group(2).lower() not in _SIZE_FACTORS:
+            raise ValueError(f"{option}: cannot read {text!r} as a size (examples: 64MB, 256MiB, 1000000)")
+        value = int(float(match.group(1)) * _SIZE_FACTORS[match.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"{option} must be at least 1 byte, got {text!r}")
+    return value
+
+
+def parse_compression(text: str) -> int:
+    """zstd level from "zstd" (level 3) or "zstd:LEVEL" (1-22)."""
+    codec, _, level = text.partition(":")
+    if codec != "zstd":
+        raise ValueError(f"--compression: only zstd is supported, got {text!r} (examples: zstd, zstd:9)")
+    try:
+        value = int(level) if level else 3
+    except ValueError:
+        raise ValueError(f"--compression: level must be an integer, got {level!r}") from None
+    if not 1 <= value <= 22:
+        raise ValueError(f"--compression: zstd level must be in 1-22, got {value}")
+    return value
+
+
+def _special_spec(text: str) -> int | str | None:
+    """"auto", "none" or an integer id (checked against the vocabulary once the tokenizer is loaded)."""
+    lowered = text.strip().lower()
+    if lowered == "none":
+        return None
+    if lowered == "auto":
+        return "auto"
+    try:
+        return int(lowered)
+    except ValueError:
+        raise ValueError(f"expected an integer id, 'auto' or 'none', got {text!r}") from None
+
+
+def registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
+    """The allowed values of an option: the names in `module.name` (a tuple or a dict), imported on use."""
+
+    def names() -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(module), name))
+
+    names.__qualname__ = f"{module}.{name}"
+    return names
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, records: str | None = None,
+           choices: Callable[[], tuple[str, ...]] | None = None, flags: tuple[str, ...] = (),
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None,
+           when: Callable[[Any], bool] | None = None, positional: bool = False,
+           cli_default: str | None = None, repr: bool = True) -> Any:
+    """A `BuildConfig` field and what the CLI and the fingerprint need to know about it.
+
+    Args:
+        default: the value when the option is not given (MISSING: required).
+        help: the option's help text.
+        records: "output" (decides the output's bytes), "resume" (decides where a resume restarts) or None.
+        choices: returns the allowed values (from the implementing module's registry).
+        flags: command-line names used instead of `--FIELD-NAME` (kept for compatibility).
+        parse: converts the command-line text (sizes, "zstd:9", "auto"); the default is the field's type.
+        metavar: the value's name in `--help`.
+        when: a recorded field is recorded only when `when(config)` holds (bestfit's settings).
+        positional: the field is the positional INPUT list.
+        cli_default: the default as the command line spells it (e.g. "64MB"), for `--help`.
+    """
+    metadata = {"help": help, "records": records, "choices": choices, "flags": flags, "parse": parse,
+                "metavar": metavar, "when": when, "positional": positional, "cli_default": cli_default}
+    if default is dataclasses.MISSING:
+        return field(metadata=metadata, repr=repr)
+    return field(default=default, metadata=metadata, repr=repr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    """Everything `shardkit build` is told (one field per command-line option)."""
+
+    inputs: tuple[str, ...] = option(
+        help="files, directories (searched recursively), globs or fsspec URLs (s3://...). Recognised by name: "
+             ".jsonl, .jsonl.gz, .jsonl.zst (one JSON object per line), .parquet, .txt. Example: 'corpus/*.jsonl.zst'",
+        records="output", positional=True, metavar="INPUT")
+    output: str = option(help="dataset prefix to write: a local directory or any fsspec URL, e.g. "
+                              "s3://bucket/datasets/web", metavar="URL")
+    tokenizer: str = option(
+        help="'byte' (UTF-8 bytes), a tokenizer.json or HF tokenizer directory, a .tiktoken file, tiktoken:NAME "
+             "(e.g. tiktoken:cl100k_base; honours TIKTOKEN_CACHE_DIR) or a sentencepiece .model file",
+        records="output", metavar="SPEC")
+    seq_len: int = option(help="training context length; packed samples hold N+1 tokens (input and shifted "
+                               "target). With --pack none, the longest sample is N+1 tokens. Example: --seq-len 2048",
+                          records="output", metavar="N")
+    shard_format: str = option(
+        "arrow", "shard format: 'arrow' (Arrow IPC with zstd buffers: compact, ~1.5x smaller than raw tokens, "
+        "fastest to decode) or 'tar' (per-sample zstd .npy members, readable by webdataset and tar; 512-byte "
+        "headers per member make it larger)",
+        records="output", choices=registry("shardkit.manifest", "SHARD_FORMATS"), flags=("--format",), metavar="FORMAT")
+    packing: str = option(
+        "concat", "'concat': join documents with EOS and cut windows (the last partial window is padded and "
+        "reported); 'bestfit': best-fit-decreasing packing of whole documents, splitting only documents longer "
+        "than a window (padding fraction and split count are reported); 'none': one document per sample, split "
+        "at N+1 tokens", records="output", choices=registry("shardkit.tools.packing", "PACKING_MODES"),
+        flags=("--pack",), metavar="MODE")
+    shard_size: int = option(
+        64 * 10**6, "uncompressed payload per shard: 64MB (decimal KB/MB/GB), 256MiB (binary KiB/MiB/GiB) or bytes",
+        records="output", parse=parse_size, metavar="SIZE", cli_default="64MB")
+    compression_level: int = option(
+        3, "shard compression: zstd with an optional level 1-22, e.g. zstd:9", records="output",
+        parse=parse_compression, flags=("--compression",), metavar="zstd[:LEVEL]", cli_default="zstd (level 3)")
+    text_field: str = option("text", "JSON key (JSONL) or column (Parquet) that holds the text",
+                             records="output", metavar="NAME")
+    txt_mode: str = option("file", "what one document of a .txt file is: 'file' (the whole file) or 'paragraph' "
+                                   "(text separated by one or more blank lines)",
+                           records="output", choices=registry("shardkit.tools.inputs", "TXT_MODES"), metavar="MODE")
+    on_error: str = option(
+        "skip", "bad input (malformed JSON, missing or non-string text, invalid UTF-8, empty or enormous documents, "
+        "unreadable or truncated files): 'skip' counts it and lists examples in the report and summary; 'fail' "
+        "stops with the file and line and exits non-zero", choices=registry(__name__, "ON_ERROR_MODES"), metavar="MODE")
+    eos_id: int | str | None = option(
+        "auto", "token id placed after every document: 'auto' (the tokenizer's EOS, e.g. <|endoftext|>), an "
+        "integer, or 'none'", records="output", parse=_special_spec, metavar="ID|auto|none")
+    bos_id: int | str | None = option(
+        None, "token id placed before every document: 'none', 'auto' (the tokenizer's BOS) or an integer",
+        records="output", parse=_special_spec, metavar="ID|auto|none", cli_default="none")
+    max_doc_chars: int = option(10_000_000, "documents with more characters are rejected as enormous",
+                                records="output", metavar="N")
+    bestfit_buffer: int = option(2048, "with --pack bestfit: documents sorted and placed together (bounds memory)",
+                                 records="output", when=lambda config: config.packing == "bestfit", metavar="DOCS")
+    bestfit_open: int = option(512, "with --pack bestfit: partly filled windows kept open between buffers (the "
+                                    "fullest are closed, padded, when there are more)",
+                               records="output", when=lambda config: config.packing == "bestfit", metavar="WINDOWS")
+    workers: int | None = option(None, "parallel tokenizer processes (or Ray tasks in flight); default: the cores "
+                                       "available to this process. The output does not depend on it", metavar="N")
+    executor: str = option("local", "'local': worker processes on this machine; 'ray': Ray tasks (see "
+                                    "--ray-address). Same output either way",
+                           choices=registry("shardkit.tools.executors", "EXECUTORS"), metavar="KIND")
+    ray_address: str | None = option(None, "Ray cluster to run on with --executor ray, e.g. 'auto' or "
+                                           "ray://head:10001; default: start a local Ray instance with --workers CPUs",
+                                     metavar="ADDRESS")
+    overwrite: bool = option(False, "replace another build's shards, manifest and state in --output (otherwise "
+                                    "refused). Rerunning the same command never needs it: it resumes or does nothing")
+    unit_bytes: int = option(1 << 20, "input bytes per work unit handed to a worker (resumption restarts at most "
+                                      "one unit)", records="resume", parse=lambda text: parse_size(text, option="--unit-size"),
+                             flags=("--unit-size",), metavar="SIZE", cli_default="1MiB")
+    max_examples: int = option(20, "rejected documents listed by file and line in the report",
+                               flags=("--report-examples",), metavar="N")
+    progress: bool = option(True, "show the progress bar")
+    storage_options: dict[str, Any] | None = option(
+        None, "fsspec option for the inputs' and the output's filesystems, e.g. -o endpoint_url=http://host:9000; "
+              "repeat for several (values are never logged)",
+        flags=("--storage-option", "-o"), metavar="KEY=VALUE", repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        if not self.inputs:
+            raise ValueError("give at least one INPUT")
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
+        for f in dataclasses.fields(self):
+            allowed = f.metadata["choices"]() if f.metadata.get("choices") else None
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ValueError(f"{flag(f)} must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not 1 <= self.compression_level <= 22:
+            raise ValueError(f"--compression level must be in 1-22, got {self.compression_level}")
+        for name in ("shard_size", "max_doc_chars", "bestfit_buffer", "unit_bytes", "bestfit_open"):
+            least = 0 if name == "bestfit_open" else 1  # bestfit may close every window after each buffer
+            if getattr(self, name) < least:
+                raise ValueError(f"{flag(fields()[name])} must be >= {least}, got {getattr(self, name)}")
+
+
+def fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(BuildConfig)}
+
+
+def flag(f: dataclasses.Field) -> str:
+    """The option's name as the command line spells it (its first flag, else `--field-name`)."""
+    flags = [name for name in f.metadata.get("flags", ()) if name.startswith("--")]
+    return flags[0] if flags else f"--{f.name.replace('_', '-')}"
+
+
+def recorded_fields(config: BuildConfig, kind: str) -> list[str]:
+    """Names of the fields marked `records=kind` that apply to `config`."""
+    names = []
+    for f in dataclasses.fields(config):
+        when = f.metadata.get("when")
+        if f.metadata.get("records") == kind and (when is None or when(config)):
+            names.append(f.name)
+    return names
+
+
+def build_record(config: BuildConfig, resolved: dict[str, Any]) -> dict[str, Any]:
+    """The configuration that decides the output: every `records="output"` field, with the values the
+    build resolved in place of what was asked (`resolved`: inputs as files with their content hashes,
+    "auto" special ids as ids). Recorded in the manifest; its hash is the build fingerprint."""
+    record: dict[str, Any] = {"tool": "shardkit build"}
+    for name in recorded_fields(config, "output"):
+        record[name] = resolved[name] if name in resolved else getattr(config, name)
+    return record
+
+
+def resume_key(config: BuildConfig) -> str:
+    """What must match, besides the fingerprint, for a checkpoint to be resumed (`records="resume"` fields)."""
+    return ",".join(f"{name}={getattr(config, name)}" for name in recorded_fields(config, "resume"))
