@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardkit.train import faults, rng
-from shardkit.train.checkpoint import Checkpointer, find_latest, read_marker
+from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, to_batch
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
@@ -56,6 +56,7 @@ class Run:
     peak_flops: float | None
     step: int = 0
     resumed_step: int | None = None
+    resumed_path: str | None = None
     stop_signal: list[int] = field(default_factory=list)
 
 
@@ -117,6 +118,8 @@ def build(config: TrainConfig) -> Run:
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
                                 resume_step=run.step)
+    if run.resumed_step is not None:  # the record tests (and people) check: which checkpoint this run continued
+        run.metrics.log({"step": run.step, "resumed_from": run.resumed_path}, echo=False)
     if config.logging.log_sample_ids:
         run.sample_log = SampleLog(run_dir, rank=runtime.rank)
     return run
@@ -127,8 +130,14 @@ def resume(run: Run) -> None:
     choice = run.config.checkpoint.resume
     if choice == "none":
         return
-    path = find_latest(run.checkpointer.directory) if choice == "auto" else Path(choice)
+    path, skipped = find_resumable(run.checkpointer.directory) if choice == "auto" else (Path(choice), [])
+    for bad, problem in skipped:
+        logger.warning("skipping damaged checkpoint %s: %s", bad, problem)
     if path is None:
+        if skipped:
+            raise ValueError(f"no valid checkpoint in {run.checkpointer.directory}: "
+                             + "; ".join(f"{bad.name}: {problem}" for bad, problem in skipped)
+                             + "; delete them or start over with --resume none")
         return
     saved_model = read_marker(path).get("model", {})
     current = dataclasses.asdict(run.config.model)
@@ -141,6 +150,7 @@ def resume(run: Run) -> None:
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                    world_size=run.runtime.world_size)
     run.step = run.resumed_step = loaded.step
+    run.resumed_path = path.name
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])
@@ -150,7 +160,8 @@ def resume(run: Run) -> None:
         logger.warning("checkpoint %s was saved by %s ranks, now %d: resharded; RNG streams restart from the seed",
                        path, loaded.meta.get("world_size"), run.runtime.world_size)
     if run.runtime.is_main:
-        print(f"resumed from {path} at step {run.step}", flush=True)
+        skipped_note = "".join(f" (skipped damaged {bad.name})" for bad, _ in skipped)
+        print(f"resumed from {path} at step {run.step}{skipped_note}", flush=True)
 
 
 def save_checkpoint(run: Run) -> None:
