@@ -11,8 +11,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from shardkit.errors import CorruptShardError
+from shardkit.formats import write_dataset
+from shardkit.manifest import TokenizerInfo
+from shardkit.train.checkpoint import checkpoint_problem, find_latest
+from shardkit.train.config import config_from_dict
+from shardkit.train.loop import build, close, train
 from train_runs import (NUM_SAMPLES, check_ok, checkpoints, eval_losses, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
@@ -128,3 +135,47 @@ def test_fsdp_bf16_accumulation_and_activation_checkpointing(tmp_path, data, ref
     for step in expected:
         assert resumed[step] == pytest.approx(expected[step], rel=2e-2), step
     assert sample_ids(run_dir) == sample_ids(reference("fsdp"))
+
+
+def test_an_eval_set_from_another_tokenizer_fails_before_step_1(tmp_path, data, capsys):
+    """Ids of a 50257-word vocabulary in the eval set of a byte-level model: refused at start-up, naming
+    both datasets and what differs (it used to fail with IndexError after the last step, unsaved)."""
+    from shardkit.cli import main
+
+    rng = np.random.default_rng(0)
+    held_out = tmp_path / "gpt2-held-out"
+    write_dataset(str(held_out), (rng.integers(0, 50257, 33).astype(np.uint16) for _ in range(24)),
+                  tokenizer=TokenizerInfo(kind="tiktoken", name="gpt2", vocab_size=50257), seq_len=32,
+                  packing="concat")
+    code = main(["train", "--data", data, "--eval_data", str(held_out), "--steps", "2", "--warmup_steps", "1",
+                 "--device", "cpu", "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"),
+                 "--tensorboard", "false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"--eval_data {held_out} does not match --data {data}" in err
+    assert "tokenizer tiktoken:gpt2 vs byte:byte" in err and "vocab_size 50257 vs 256" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
+
+
+@pytest.mark.parametrize("eval_every, failing_step", [(0, 4), (2, 2)], ids=["final-eval", "periodic-eval"])
+def test_a_failing_evaluation_saves_the_training_state_first(tmp_path, data, eval_every, failing_step):
+    """The eval set passes the start-up check, then its shard is damaged on disk: the evaluation that
+    reads it fails, and a complete checkpoint of the step it failed at is left (no --checkpoint_every)."""
+    held_out = tmp_path / "held-out"
+    shutil.copytree(Path(data).parent / "held-out", held_out)
+    values = {"steps": 4, "device": "cpu", "eval_every": eval_every, "optimizer": {"warmup_steps": 1},
+              "data": {"data": data, "eval_data": str(held_out), "batch_size": 4, "eval_batches": 1,
+                       "cache_dir": str(tmp_path / "cache")},
+              "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False}}
+    run = build(config_from_dict(values))
+    try:
+        for shard in held_out.glob("shard-*"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)
+        with pytest.raises(CorruptShardError):
+            train(run)
+    finally:
+        close(run)
+    checkpoint = find_latest(tmp_path / "run" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == f"step_{failing_step:08d}"
+    assert checkpoint_problem(checkpoint) is None
+    assert sorted(losses(tmp_path / "run")) == list(range(1, failing_step + 1))

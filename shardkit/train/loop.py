@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig
-from shardkit.train.data import EvalData, TrainStream, check_dataset, to_batch
+from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
 from shardkit.train.model import Transformer, flops_per_token
 from shardkit.train.optim import build_optimizer, build_scheduler
@@ -57,6 +57,7 @@ class Run:
     step: int = 0
     resumed_step: int | None = None
     resumed_path: str | None = None
+    saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
 
 
@@ -72,7 +73,9 @@ def build(config: TrainConfig) -> Run:
     runtime = init_runtime(config.parallelism, device=config.device)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
+        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
+        check_same_tokens(manifest, held_out, what=f"--eval_data {config.data.eval_data}",
+                          against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
@@ -165,13 +168,14 @@ def resume(run: Run) -> None:
 
 
 def save_checkpoint(run: Run) -> None:
-    if run.step == run.resumed_step:
-        return  # nothing trained since the checkpoint this run resumed from: it is this state already
+    if run.step in (run.resumed_step, run.saved_step):
+        return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                           rank_state=rank_state, meta=meta)
+    run.saved_step = run.step
 
 
 def _barrier() -> None:
@@ -267,20 +271,21 @@ def _train_steps(run: Run) -> int:
             return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
         if every and run.step % every == 0 and run.step < config.steps:
             save_checkpoint(run)
+    if config.checkpoint.save_final:  # before the final evaluation: nothing after training may lose it
+        save_checkpoint(run)
     if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
-    if config.checkpoint.save_final:
-        save_checkpoint(run)
     return 0
 
 
 def evaluate(run: Run) -> float:
     """Mean loss over the held-out batches, averaged over ranks. Runs under no_grad: a DDP forward
     with grad enabled would expect a backward before the next one."""
+    batches = _read_eval_batches(run)
     run.model.eval()
     total = torch.zeros(2, device=run.runtime.device, dtype=torch.float64)
     with torch.no_grad():
-        for raw in run.eval_data.batches():
+        for raw in batches:
             batch = to_batch(raw, run.runtime.device)
             # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
             total[0] += _loss(run, batch, reduction="sum").double()
@@ -290,6 +295,27 @@ def evaluate(run: Run) -> float:
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def _read_eval_batches(run: Run) -> list:
+    """Every eval batch of this rank, read before any collective, so that the ranks can agree on a read
+    failure (a corrupt or unreachable eval shard) and save the training state before it ends the run."""
+    failure: BaseException | None = None
+    try:
+        batches = list(run.eval_data.batches())
+    except Exception as err:  # noqa: BLE001 - re-raised below, once the state is saved
+        batches, failure = [], err
+    failed = torch.tensor([float(failure is not None)], device=run.runtime.device)
+    if dist.is_initialized():
+        dist.all_reduce(failed)
+    if failed.item():
+        logger.error("evaluation at step %d failed to read --eval_data; saving the training state first", run.step)
+        save_checkpoint(run)
+        if failure is not None:
+            raise failure
+        raise ValueError(f"evaluation at step {run.step} failed on another rank (its log names the cause); "
+                         "the training state is saved")
+    return batches
 
 
 def close(run: Run | None) -> None:
