@@ -85,3 +85,22 @@ def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
     assert config_from_dict({"steps": 30}).optimizer.warmup_steps == 3
     assert config_from_dict({"steps": 5000}).optimizer.warmup_steps == 100
     assert config_from_dict({"steps": 30, "optimizer": {"warmup_steps": 7}}).optimizer.warmup_steps == 7
+
+
+def test_help_states_every_presets_values_from_the_table(monkeypatch, capsys):
+    """`--lr` used to say 3e-4 while the default preset trains at 3e-3: the help of every option a preset
+    sets names the default preset's value and the others', read from PRESETS (changed here on purpose)."""
+    import re
+
+    import shardkit.train.config as config_module
+
+    monkeypatch.setitem(config_module.PRESETS, "tiny", {**config_module.PRESETS["tiny"], "optimizer": {"lr": 7e-3}})
+    with pytest.raises(SystemExit):
+        parse_train_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert re.search(r"--optimizer\.lr FLOAT peak learning rate \(default: 0\.007, set by --preset tiny; other "
+                     r"presets: gpt2-124m 0\.0006, gpt2-350m 0\.0003, llama-1b 0\.0003\)", text), text
+    for preset, table in config_module.PRESETS.items():
+        described = " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+        assert f"{preset} = {described}" in text
+    assert "RoPE base (llama style) (default: 10000.0; --preset llama-1b 500000.0)" in text

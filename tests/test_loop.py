@@ -8,6 +8,7 @@ bit (fp32), and over the whole run consume every sample id of the epoch exactly 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -179,3 +180,32 @@ def test_a_failing_evaluation_saves_the_training_state_first(tmp_path, data, eva
     assert checkpoint is not None and checkpoint.name == f"step_{failing_step:08d}"
     assert checkpoint_problem(checkpoint) is None
     assert sorted(losses(tmp_path / "run")) == list(range(1, failing_step + 1))
+
+
+def learning_rates(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_extending_steps_on_resume_rescales_the_schedule_and_says_so(tmp_path, data, capsys):
+    """Trained for --steps 4, resumed with --steps 8: from step 5 on, the learning rates are those of a
+    run planned for 8 steps from the start (before the fix, step 5 still ran at the old schedule's rate)."""
+    def train_for(run_dir, steps):
+        values = {"steps": steps, "device": "cpu", "optimizer": {"warmup_steps": 1},
+                  "data": {"data": data, "batch_size": 4, "cache_dir": str(tmp_path / "cache")},
+                  "logging": {"run_dir": str(run_dir), "tensorboard": False}}
+        run = build(config_from_dict(values))
+        try:
+            assert train(run) == 0
+        finally:
+            close(run)
+
+    train_for(tmp_path / "planned", 8)
+    train_for(tmp_path / "extended", 4)
+    capsys.readouterr()
+    train_for(tmp_path / "extended", 8)
+    out = capsys.readouterr().out
+    assert "--steps changed from 4 (checkpoint) to 8: the learning-rate schedule is rescaled to 8 steps" in out
+    planned, extended = learning_rates(tmp_path / "planned"), learning_rates(tmp_path / "extended")
+    assert {step: extended[step] for step in range(5, 9)} == {step: planned[step] for step in range(5, 9)}
+    assert extended[4] != planned[4]  # the first 4 steps followed the 4-step schedule

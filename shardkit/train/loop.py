@@ -29,7 +29,7 @@ from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
 from shardkit.train.model import Transformer, flops_per_token
-from shardkit.train.optim import build_optimizer, build_scheduler
+from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import (Runtime, close_runtime, gradient_sync, init_runtime, reshard_after_eval,
                                      wrap_model)
 
@@ -154,6 +154,7 @@ def resume(run: Run) -> None:
                                    world_size=run.runtime.world_size)
     run.step = run.resumed_step = loaded.step
     run.resumed_path = path.name
+    _rescale_schedule(run, loaded.meta.get("steps"))
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])
@@ -167,11 +168,27 @@ def resume(run: Run) -> None:
         print(f"resumed from {path} at step {run.step}{skipped_note}", flush=True)
 
 
+def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
+    """A run resumed with another `--steps` follows the schedule for the new total from its next step on
+    (say, a WSD run extended while stable), and says what that does to the learning rate."""
+    if saved_steps is None or saved_steps == run.config.steps:
+        return
+    # The optimizer came back holding the old schedule's rate for the next step: replace it now.
+    old_lr = run.optimizer.param_groups[0]["lr"]
+    factor = lr_factor(run.step, total_steps=run.config.steps, config=run.config.optimizer)
+    for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
+        group["lr"] = base * factor
+    if run.runtime.is_main:
+        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.steps}: the learning-rate schedule "
+              f"is rescaled to {run.config.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
+              f"(the old schedule's: {old_lr:.3e})", flush=True)
+
+
 def save_checkpoint(run: Run) -> None:
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
-            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
+            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                           rank_state=rank_state, meta=meta)
