@@ -15,7 +15,7 @@ from typing import Any
 
 from shardkit.errors import ManifestError
 from shardkit.names import check_relative_name
-from shardkit.storage import Storage
+from shardkit.storage import Storage, http_answer
 
 MANIFEST_NAME = "shardkit.json"
 # Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
@@ -299,7 +299,7 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
         raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
-                            "(was the build interrupted before it finished?)") from err
+                            f"(was the build interrupted before it finished?){http_answer(err)}") from err
     return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
 
 
