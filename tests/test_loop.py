@@ -209,3 +209,51 @@ def test_extending_steps_on_resume_rescales_the_schedule_and_says_so(tmp_path, d
     planned, extended = learning_rates(tmp_path / "planned"), learning_rates(tmp_path / "extended")
     assert {step: extended[step] for step in range(5, 9)} == {step: planned[step] for step in range(5, 9)}
     assert extended[4] != planned[4]  # the first 4 steps followed the 4-step schedule
+
+
+KILLS_PER_MODE = 2
+
+
+@pytest.mark.parametrize("parallel, seed", [("ddp", 1), ("fsdp", 2)])
+def test_sigkill_at_random_moments_from_outside_then_exact_resume(tmp_path, data, reference, parallel, seed,
+                                                                 figures):
+    """The self-inflicted kills above happen only at step boundaries. Here a watcher process, outside the
+    run's process tree, SIGKILLs the launcher and every rank at a seeded random moment after a seeded
+    checkpoint (mid-step, in a collective, during a save, in an evaluation). The resumed run must say it
+    continued from the newest complete checkpoint the kill left and repeat the reference exactly."""
+    import random
+    import subprocess
+    import sys
+
+    from train_kill_harness import resumed_from
+
+    rng = random.Random(seed)
+    ref = reference(parallel)
+    counts = {"runs": 0, "kills": 0, "resumed_from_checkpoint": 0, "steps_redone": 0, "loss_mismatches": 0,
+              "id_mismatches": 0}
+    for point in range(KILLS_PER_MODE):
+        run_dir = tmp_path / f"run-{point}"
+        # A step takes ~25 ms here, a save a few times that: the moment falls in the next few steps or saves.
+        target, delay = rng.choice((2, 4)), rng.uniform(0.0, 0.2)
+        watcher = subprocess.Popen([sys.executable, str(Path(__file__).with_name("train_kill_harness.py")),
+                                    "kill-torchrun", str(run_dir), str(target), str(delay)],
+                                   stdout=subprocess.PIPE, text=True)
+        killed = run(run_dir, data, parallel=parallel, checkpoint_every=2)
+        kill = json.loads(watcher.communicate(timeout=150)[0].strip().splitlines()[-1])
+        assert kill["killed"] >= 3 and killed.returncode != 0, (kill, killed.returncode, killed.stderr[-2000:])
+        counts["runs"] += 1
+        counts["kills"] += 1
+        latest = find_latest(run_dir / "checkpoints")
+        counts["steps_redone"] += max(losses(run_dir), default=0) - int(latest.name[5:]) if latest else 0
+        resumed = check_ok(run(run_dir, data, parallel=parallel, checkpoint_every=2))
+        assert latest is not None and latest.name != "step_00000008", (latest, kill)  # killed mid-run
+        assert f"resumed from {latest} at step {int(latest.name[5:])}" in resumed.stdout, resumed.stdout
+        assert resumed_from(run_dir) == [latest.name]
+        counts["resumed_from_checkpoint"] += 1
+        counts["loss_mismatches"] += losses(run_dir) != losses(ref)
+        counts["id_mismatches"] += sample_ids(run_dir) != sample_ids(ref)
+        assert losses(run_dir) == losses(ref) and eval_losses(run_dir) == eval_losses(ref)
+        assert sample_ids(run_dir) == sample_ids(ref)
+        assert_each_sample_once(run_dir)
+    assert counts["resumed_from_checkpoint"] == KILLS_PER_MODE, counts
+    figures.add(f"sigkill_training_{parallel}_outside", **counts)
