@@ -233,7 +233,8 @@ def filesystem_options(url: str, storage_options: dict[str, Any]) -> dict[str, A
     """`storage_options` for fsspec, with botocore's own retries turned off on S3 unless the user
     configured them: `retry_call` is the one retry policy, so that tries do not multiply (botocore's
     5 legacy retries x s3fs's x ours made a refused connection take about a minute to fail)."""
-    if url.split("://", 1)[0] not in _S3_PROTOCOLS if "://" in url else True:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol not in _S3_PROTOCOLS:
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})

@@ -389,7 +389,7 @@ class _NotS3Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.s3
-def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_endpoint):
+def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_endpoint, figures):
     pytest.importorskip("s3fs")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotS3Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -397,6 +397,7 @@ def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_
         options = {"endpoint_url": f"http://127.0.0.1:{server.server_address[1]}",
                    "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
         storage = Storage("s3://bucket/data", options)
+        named = 0
         for call, what in ((lambda: storage.read_bytes("shard-000000.tar"), "read"),
                            (lambda: storage.read_range("shard-000000.tar", 0, 8), "read"),
                            (lambda: storage.write_bytes("shard-000000.tar", b"x"), "write")):
@@ -405,15 +406,18 @@ def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_
             message = str(info.value)
             assert message.startswith(f"{what} s3://bucket/data/shard-000000.tar: not found"), message
             assert "HTTP 404" in message and "is endpoint_url an S3 API endpoint?" in message, message
+            named += 1
         with pytest.raises(ValueError, match=r"no dataset at s3://bucket/data: .*HTTP 404 .*S3 API endpoint"):
             load_manifest("s3://bucket/data", options)
+        named += 1
+        figures.add("storage_non_s3_endpoint", runs=1, errors_naming_url_and_cause=named)
     finally:
         server.shutdown()
         server.server_close()
 
 
 @pytest.mark.s3
-def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint, caplog):
+def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint, caplog, figures):
     """Nothing listens on the port: shardkit's 6 tries only (botocore's and s3fs's retries are off), so it
     fails after about 6 s of backoff; it took 46-54 s when the three retry layers multiplied."""
     pytest.importorskip("s3fs")
@@ -426,13 +430,16 @@ def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint,
     with pytest.raises(StorageError, match=r"read s3://bucket/data/shardkit.json failed after 6 attempts: "
                                            r"EndpointConnectionError: Could not connect"):
         storage.read_bytes("shardkit.json")
-    assert time.monotonic() - began < 20  # a bound on the failure, not a speed measurement
-    assert len([r for r in caplog.records if "retrying in" in r.message]) == 5
+    seconds = time.monotonic() - began
+    assert seconds < 20  # a bound on the failure, not a speed measurement
+    retries = len([r for r in caplog.records if "retrying in" in r.message])
+    assert retries == 5
+    figures.add("storage_refused_connection", runs=1, attempts=retries + 1, seconds=round(seconds, 2))
 
 
 @pytest.mark.s3
 @pytest.mark.parametrize("kind", ["error503", "slowdown"])
-def test_shardkit_is_the_only_retry_layer_by_default(faulty_bucket, kind):
+def test_shardkit_is_the_only_retry_layer_by_default(faulty_bucket, kind, figures):
     """Every failing request reaches the proxy once per shardkit try: botocore's legacy retries (x5) and
     s3fs's own (x5) no longer multiply them. A user's own botocore retries are kept under ours."""
     url, options, proxy = faulty_bucket
@@ -443,6 +450,8 @@ def test_shardkit_is_the_only_retry_layer_by_default(faulty_bucket, kind):
     with pytest.raises(StorageError, match=f"read {url}/a.bin failed after 3 attempts"):
         in_a_worker.read_range("a.bin", 0, 4)
     assert proxy.snapshot()["requests"] == 3
+    figures.add("storage_single_retry_layer", runs=1, faults=proxy.injected, shardkit_attempts=3,
+                requests=proxy.snapshot()["requests"])
     theirs = {**options, "config_kwargs": {"retries": {"total_max_attempts": 2, "mode": "standard"}}}
     proxy.configure(rate=1.0, seed=3, kinds=(kind,))
     with pytest.raises(StorageError):
@@ -451,7 +460,7 @@ def test_shardkit_is_the_only_retry_layer_by_default(faulty_bucket, kind):
 
 
 @pytest.mark.s3
-def test_a_throttling_store_is_still_waited_for(faulty_bucket, caplog):
+def test_a_throttling_store_is_still_waited_for(faulty_bucket, caplog, figures):
     """40% of the requests answered 503 SlowDown: shardkit's backoff carries the reads through, and each
     throttled answer is one logged retry (no hidden layer retries it first)."""
     url, options, proxy = faulty_bucket
@@ -463,6 +472,7 @@ def test_a_throttling_store_is_still_waited_for(faulty_bucket, caplog):
     assert {name: storage.read_range(name, 0, 100) for name in payloads} == payloads
     throttled = proxy.snapshot().get("slowdown", 0)
     assert throttled >= 3 and len([r for r in caplog.records if "SlowDown" in r.message]) == throttled
+    figures.add("storage_throttled_40pct", runs=1, faults=throttled, objects_checked=len(payloads), corrupt=0)
 
 
 def test_no_try_starts_after_the_deadline():
