@@ -1,7 +1,8 @@
 """Print the docs/RELIABILITY.md table from the figures the reliability tests wrote.
 
     python -m pytest -q tests/test_faults.py tests/test_adversarial.py tests/test_pipeline_faults.py \
-        tests/test_kill_matrix.py tests/test_secrets.py tests/test_fuzz.py
+        tests/test_kill_matrix.py tests/test_secrets.py tests/test_fuzz.py tests/test_checkpoint.py \
+        tests/test_storage.py tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume
     python benchmarks/reliability_table.py [bench_out/reliability.json]
 """
 
@@ -35,8 +36,21 @@ SCENARIOS = [
      "tests/test_kill_matrix.py::test_build_sigkill_matrix"),
     ("sigkill_cache_download", "Cache: 3 readers, one SIGKILLed at 20 seeded points: others finish, no partial file read",
      "tests/test_kill_matrix.py::test_cache_download_sigkill_matrix"),
-    ("sigkill_training", "Training SIGKILLed at 20 seeded points (start-up, steps, checkpoint saves), resumed: bitwise-equal losses, every sample id once",
+    ("sigkill_training", "Training SIGKILLed at 20 seeded points (start-up, steps, checkpoint saves), resumed: reports the newest checkpoint it resumed from, bitwise-equal losses, every sample id once",
      "tests/test_kill_matrix.py::test_training_sigkill_matrix"),
+    ("sigkill_training_ddp_outside", "DDP run (2 ranks) SIGKILLed with its launcher at seeded random moments by a watcher outside its process tree: resumes from the newest checkpoint, bitwise-equal losses and sample ids",
+     "tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume[ddp-1]"),
+    ("sigkill_training_fsdp_outside", "... FSDP", "tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume[fsdp-2]"),
+    ("damaged_checkpoint", "Newest checkpoint truncated / a file deleted / marker cut: --resume auto skips it naming it, resumes the previous one exactly; none valid: one-line error",
+     "tests/test_checkpoint.py::test_resume_auto_falls_back_past_a_damaged_newest_checkpoint"),
+    ("storage_single_retry_layer", "S3 requests that always fail: the store sees exactly shardkit's tries (botocore's and s3fs's retries off by default)",
+     "tests/test_storage.py::test_shardkit_is_the_only_retry_layer_by_default"),
+    ("storage_refused_connection", "S3 endpoint refusing connections: StorageError naming URL and cause after shardkit's 6 tries",
+     "tests/test_storage.py::test_a_refused_connection_fails_in_seconds_naming_url_and_cause"),
+    ("storage_throttled_40pct", "40% of requests answered 503 SlowDown: every read still returns the written bytes",
+     "tests/test_storage.py::test_a_throttling_store_is_still_waited_for"),
+    ("storage_non_s3_endpoint", "A non-S3 endpoint answering 404: errors name the object URL, the HTTP status and the likely cause",
+     "tests/test_storage.py::test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause"),
     ("cache_16_processes", "16 processes (4 ranks x 3 workers), cache limit 75% of the dataset, 2 epochs: each sample once per epoch",
      "tests/test_kill_matrix.py::test_sixteen_processes_share_a_cache_smaller_than_the_dataset"),
     ("adversarial_manifests", "Manifest naming `../`, absolute, URL, drive, backslash, NUL shards: ManifestError",

@@ -15,9 +15,11 @@ from typing import Any
 
 from shardkit.errors import ManifestError
 from shardkit.names import check_relative_name
-from shardkit.storage import Storage
+from shardkit.storage import Storage, http_answer
 
 MANIFEST_NAME = "shardkit.json"
+# Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
+MAX_NESTING = 64
 FORMAT_VERSION = 1
 SHARD_FORMATS = ("tar", "arrow")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -269,7 +271,25 @@ class Manifest:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ManifestError(f"{source}: not valid JSON ({err})") from err
+        except RecursionError:
+            # json's decoder recurses once per level: a hostile file nested thousands deep exhausts the stack.
+            raise ManifestError(f"{source}: JSON nested too deeply (a manifest has at most "
+                                f"{MAX_NESTING} levels)") from None
+        if _nesting_depth(data) > MAX_NESTING:
+            # Parsed, but deep enough that later recursive walks (to_dict, json.dumps) could overflow.
+            raise ManifestError(f"{source}: JSON nested more than {MAX_NESTING} levels deep")
         return cls.from_dict(data, source=source)
+
+
+def _nesting_depth(data: Any) -> int:
+    """Deepest level of lists and objects in parsed JSON, counted without recursion."""
+    deepest, pending = 0, [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None = None) -> Manifest:
@@ -279,7 +299,7 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
         raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
-                            "(was the build interrupted before it finished?)") from err
+                            f"(was the build interrupted before it finished?){http_answer(err)}") from err
     return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
 
 

@@ -87,6 +87,7 @@ class RetryPolicy:
         max_delay: cap on one wait.
         multiplier: growth of the wait per try.
         jitter: the wait is drawn uniformly from [delay * (1 - jitter), delay].
+        deadline: seconds after the first try past which no new try starts (None: attempts alone bound it).
     """
 
     attempts: int = 6
@@ -94,6 +95,7 @@ class RetryPolicy:
     max_delay: float = 8.0
     multiplier: float = 2.0
     jitter: float = 0.5
+    deadline: float | None = 120.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -102,6 +104,8 @@ class RetryPolicy:
             raise ValueError("RetryPolicy delays must be >= 0")
         if not 0 <= self.jitter <= 1:
             raise ValueError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+        if self.deadline is not None and self.deadline <= 0:
+            raise ValueError(f"RetryPolicy.deadline must be positive or None, got {self.deadline}")
 
     def delays(self, rng: random.Random) -> Iterator[float]:
         """The waits between tries: `attempts - 1` values."""
@@ -148,8 +152,29 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A one-line cause, without credentials (only exception types and messages)."""
-    return redact_url(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
+    """A one-line cause, without credentials (only exception types and messages), with the HTTP status
+    of an object-store answer when the message leaves it out (s3fs turns a 404 into `Not Found`)."""
+    text = redact_url(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
+    return text + http_answer(exc)
+
+
+def http_answer(exc: BaseException) -> str:
+    """' (HTTP 404 ...)' for an error caused by an object store's answer, else ''."""
+    for err in _error_chain(exc):
+        response = getattr(err, "response", None)
+        if not isinstance(response, dict):
+            continue
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(response.get("Error", {}).get("Code", ""))
+        operation = str(getattr(err, "operation_name", "") or "")
+        if status is None:
+            return ""
+        # S3 answers every request but HEAD with an XML error code (NoSuchKey, NoSuchBucket, ...):
+        # none means the endpoint is not an S3 API (a web server, a wrong port or path).
+        if code in ("", str(status)) and operation and not operation.startswith("Head"):
+            return (f" (HTTP {status} to {operation} with no S3 error code: is endpoint_url an S3 API endpoint?)")
+        return f" (HTTP {status}{', ' + code if code and code != str(status) else ''})"
+    return ""
 
 
 def retry_call(
@@ -165,22 +190,29 @@ def retry_call(
 
     Raises:
         StorageError: after the last try, or at once for a non-transient error; names `url`.
-        FileNotFoundError: passed through unchanged (callers often test for absence).
+        FileNotFoundError: kept a FileNotFoundError (callers test for absence), its message naming `url`.
     """
     delays = policy.delays(rng or random.Random())
+    clock = time.monotonic
+    started = clock()
     attempt = 0
     while True:
         attempt += 1
         try:
             return fn()
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as err:
+            missing = FileNotFoundError(f"{what} {url}: not found ({describe_error(err)})")
+            missing.errno = errno.ENOENT
+            raise missing from err
         except Exception as err:  # noqa: BLE001 - classified below, re-raised with context
             transient = is_transient(err)
             delay = next(delays, None) if transient else None
+            if delay is not None and policy.deadline is not None and clock() - started + delay > policy.deadline:
+                delay = None  # the next try would start past the deadline
             if delay is None:
                 tries = f" after {attempt} attempts" if transient else ""
-                raise StorageError(f"{what} {url} failed{tries}: {describe_error(err)}") from err
+                spent = f" ({clock() - started:.1f}s)" if transient else ""
+                raise StorageError(f"{what} {url} failed{tries}: {describe_error(err)}{spent}") from err
             logger.warning("%s %s failed (attempt %d/%d, retrying in %.2fs): %s",
                            what, url, attempt, policy.attempts, delay, describe_error(err))
             sleep(delay)
@@ -192,6 +224,29 @@ _USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
 def redact_url(url: str) -> str:
     """`url` (or any text holding URLs) with user-info parts masked (`s3://key:secret@bucket` -> `s3://***@bucket`)."""
     return _USERINFO.sub(r"\1***@", url)
+
+
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def filesystem_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """`storage_options` for fsspec, with botocore's own retries turned off on S3 unless the user
+    configured them: `retry_call` is the one retry policy, so that tries do not multiply (botocore's
+    5 legacy retries x s3fs's x ours made a refused connection take about a minute to fail)."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol not in _S3_PROTOCOLS:
+        return storage_options
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    return {**storage_options, "config_kwargs": config}
+
+
+def _single_retry_policy(fs: fsspec.AbstractFileSystem) -> None:
+    # s3fs retries some errors itself (`S3FileSystem.retries`, a class attribute, 5 tries, no option to
+    # change it): one try each. Retries a user configures in botocore stay, under ours.
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if set(protocol) & set(_S3_PROTOCOLS):
+        fs.retries = 1
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -217,7 +272,8 @@ class Storage:
         self.url = url if not stripped or stripped.endswith(":") else stripped
         self.storage_options = dict(storage_options or {})
         self.retry = retry
-        self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.fs, root = fsspec.core.url_to_fs(self.url, **filesystem_options(self.url, self.storage_options))
+        _single_retry_policy(self.fs)
         root = root or self.fs.root_marker  # "memory://" is the memory filesystem's "/"
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)
@@ -226,6 +282,10 @@ class Storage:
     def display_url(self) -> str:
         """The URL for messages: a password in its user-info part (`https://user:pw@host/`) is masked."""
         return redact_url(self.url)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _single_retry_policy(self.fs)  # an unpickled filesystem is built afresh
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"Storage({self.display_url!r})"

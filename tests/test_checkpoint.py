@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
+import re
 import time
 
 import numpy as np
@@ -13,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardkit.train import rng
-from shardkit.train.checkpoint import Checkpointer, SafeLoadPlanner, find_latest, read_marker
+from shardkit.train.checkpoint import (MARKER_NAME, Checkpointer, SafeLoadPlanner, checkpoint_problem, find_latest,
+                                       find_resumable, read_marker)
 from shardkit.train.config import ModelConfig, OptimizerConfig
 from shardkit.train.model import Transformer
 from shardkit.train.optim import build_optimizer, build_scheduler
@@ -134,3 +137,98 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     checkpointer.load(find_latest(tmp_path), model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh[0].parameters()))
     assert find_latest(tmp_path).name == "step_00000002"
+
+
+def damage(checkpoint, how: str) -> str:
+    """Truncate the largest DCP file, delete the metadata, or cut the marker short; returns the file's name."""
+    if how == "truncate":
+        victim = max((p for p in checkpoint.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif how == "delete":
+        victim = checkpoint / ".metadata"
+        victim.unlink()
+    else:
+        victim = checkpoint / MARKER_NAME
+        victim.write_text(victim.read_text()[:40])
+    return victim.name
+
+
+@pytest.mark.parametrize("how, problem", [("truncate", "has .* bytes, the marker says"),
+                                          ("delete", r"\.metadata is missing"),
+                                          ("marker", f"{MARKER_NAME} is damaged")])
+def test_a_damaged_checkpoint_is_detected_before_loading_and_skipped(tmp_path, how, problem):
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path, rank=0)
+    for step in (1, 2):
+        train_steps(model, optimizer, scheduler, 1)
+        save(checkpointer, step, model, optimizer, scheduler)
+    assert checkpoint_problem(tmp_path / "step_00000002") is None
+    assert set(read_marker(tmp_path / "step_00000002")["files"]) == {".metadata", "__0_0.distcp"}
+    damage(tmp_path / "step_00000002", how)
+    newest, skipped = find_resumable(tmp_path)
+    assert newest.name == "step_00000001"
+    assert [path.name for path, _ in skipped] == ["step_00000002"] and re.search(problem, skipped[0][1])
+    fresh = make_state(1)
+    with pytest.raises(ValueError, match=f"checkpoint .*step_00000002 is damaged: (.* )?{problem}"):
+        checkpointer.load(tmp_path / "step_00000002", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+                          world_size=1)
+    assert checkpointer.load(newest, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1).step == 1
+    damage(tmp_path / "step_00000001", how)
+    assert find_resumable(tmp_path)[0] is None and len(find_resumable(tmp_path)[1]) == 2
+
+
+def test_same_size_damage_is_a_clear_error_naming_the_checkpoint(tmp_path):
+    """Bytes overwritten in place keep the sizes the marker lists: DCP's failure is named, not dumped."""
+    model, optimizer, scheduler = make_state(0)
+    Checkpointer(tmp_path, rank=0).save(1, model=model, optimizer=optimizer, scheduler=scheduler,
+                                        rank_state={}, meta={"world_size": 1})
+    metadata = tmp_path / "step_00000001" / ".metadata"
+    metadata.write_bytes(b"\0" * metadata.stat().st_size)
+    fresh = make_state(1)
+    with pytest.raises(ValueError, match="checkpoint .*step_00000001 cannot be loaded"):
+        Checkpointer(tmp_path, rank=0).load(tmp_path / "step_00000001", model=fresh[0], optimizer=fresh[1],
+                                            scheduler=fresh[2], world_size=1)
+
+
+def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys, caplog, figures):
+    """End to end through the training loop: the newest checkpoint damaged (each way) -> the run resumes
+    from the previous one, says which it skipped, and repeats the lost steps exactly; none valid -> one line."""
+    from shardkit.cli import main
+    from train_runs import losses, write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "data"), num_samples=48)
+    argv = ["train", "--data", str(tmp_path / "data"), "--steps", "4", "--warmup_steps", "1", "--batch_size", "4",
+            "--checkpoint_every", "2", "--device", "cpu", "--run_dir", str(tmp_path / "run"),
+            "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false"]
+    assert main(argv) == 0
+    reference = losses(tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    counts = {"runs": 1, "damaged": 0, "resumed_from_previous": 0, "loss_mismatches": 0, "refused_in_one_line": 0}
+    for how in ("truncate", "delete", "marker"):
+        damaged = damage(checkpoints / "step_00000004", how)
+        counts["damaged"] += 1
+        capsys.readouterr()
+        caplog.clear()
+        assert main(argv) == 0
+        counts["runs"] += 1
+        out = capsys.readouterr().out
+        assert "step_00000002 at step 2 (skipped damaged step_00000004)" in out, out
+        counts["resumed_from_previous"] += 1
+        assert any("skipping damaged checkpoint" in r.message and "step_00000004" in r.message
+                   and damaged in r.message for r in caplog.records)
+        counts["loss_mismatches"] += losses(tmp_path / "run") != reference  # steps 3 and 4 again, bit for bit
+        records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["resumed_from"] for r in records if "resumed_from" in r] == ["step_00000002"] * counts["resumed_from_previous"]
+    assert counts["loss_mismatches"] == 0
+    # Every rerun saved a sound step 4 over the damaged one; now damage every checkpoint.
+    for checkpoint in checkpoints.iterdir():
+        damage(checkpoint, "delete")
+        counts["damaged"] += 1
+    assert main(argv) == 2
+    counts["runs"] += 1
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert "error: no valid checkpoint in" in errors[0] and "step_00000004: .metadata is missing" in errors[0], err
+    counts["refused_in_one_line"] += 1
+    figures.add("damaged_checkpoint", **counts)

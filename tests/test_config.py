@@ -124,3 +124,22 @@ def test_data_takes_several_weighted_entries():
     assert data_entries("http://host:9000") == [("http://host:9000", 1.0)]
     assert data_entries("http://host:9000/ds:3") == [("http://host:9000/ds", 3.0)]
     assert data_entries("/data/v2:final") == [("/data/v2:final", 1.0)]
+
+
+def test_help_states_every_presets_values_from_the_table(monkeypatch, capsys):
+    """`--lr` used to say 3e-4 while the default preset trains at 3e-3: the help of every option a preset
+    sets names the default preset's value and the others', read from PRESETS (changed here on purpose)."""
+    import re
+
+    import shardkit.train.config as config_module
+
+    monkeypatch.setitem(config_module.PRESETS, "tiny", {**config_module.PRESETS["tiny"], "optimizer": {"lr": 7e-3}})
+    with pytest.raises(SystemExit):
+        parse_train_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert re.search(r"--optimizer\.lr FLOAT peak learning rate \(default: 0\.007, set by --preset tiny; other "
+                     r"presets: gpt2-124m 0\.0006, gpt2-350m 0\.0003, llama-1b 0\.0003\)", text), text
+    for preset, table in config_module.PRESETS.items():
+        described = " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+        assert f"{preset} = {described}" in text
+    assert "RoPE base (llama style) (default: 10000.0; --preset llama-1b 500000.0)" in text

@@ -79,9 +79,12 @@ def test_training_sigkill_matrix(tmp_path, figures):
     assert result["runs"] == POINTS and result["kills"] >= POINTS * 3 // 4, result
     assert result["killed_before_first_checkpoint"] <= POINTS // 2, result  # most resume from a checkpoint
     assert result["failed_resumes"] == 0 and result["loss_mismatches"] == 0 and result["id_mismatches"] == 0, result
+    # Each resumed run said which checkpoint it continued, the newest the kill left: starting over fails this.
+    assert result["resume_mismatches"] == 0 and result["resumed_from_checkpoint"] >= POINTS // 2, result
     assert result["duplicated"] == 0 and result["lost"] == 0 and result["samples_checked"] == POINTS * 96, result
     figures.add("sigkill_training", runs=result["runs"], kills=result["kills"],
                 killed_before_first_checkpoint=result["killed_before_first_checkpoint"],
+                resumed_from_checkpoint=result["resumed_from_checkpoint"], resume_mismatches=result["resume_mismatches"],
                 samples_checked=result["samples_checked"], lost=result["lost"], duplicated=result["duplicated"],
                 corrupt=result["loss_mismatches"])
 

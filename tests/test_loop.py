@@ -8,11 +8,19 @@ bit (fp32), and over the whole run consume every sample id of the epoch exactly 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from shardkit.errors import CorruptShardError
+from shardkit.formats import write_dataset
+from shardkit.manifest import TokenizerInfo
+from shardkit.train.checkpoint import checkpoint_problem, find_latest
+from shardkit.train.config import config_from_dict
+from shardkit.train.loop import build, close, train
 from train_runs import (NUM_SAMPLES, check_ok, checkpoints, eval_losses, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
@@ -128,3 +136,124 @@ def test_fsdp_bf16_accumulation_and_activation_checkpointing(tmp_path, data, ref
     for step in expected:
         assert resumed[step] == pytest.approx(expected[step], rel=2e-2), step
     assert sample_ids(run_dir) == sample_ids(reference("fsdp"))
+
+
+def test_an_eval_set_from_another_tokenizer_fails_before_step_1(tmp_path, data, capsys):
+    """Ids of a 50257-word vocabulary in the eval set of a byte-level model: refused at start-up, naming
+    both datasets and what differs (it used to fail with IndexError after the last step, unsaved)."""
+    from shardkit.cli import main
+
+    rng = np.random.default_rng(0)
+    held_out = tmp_path / "gpt2-held-out"
+    write_dataset(str(held_out), (rng.integers(0, 50257, 33).astype(np.uint16) for _ in range(24)),
+                  tokenizer=TokenizerInfo(kind="tiktoken", name="gpt2", vocab_size=50257), seq_len=32,
+                  packing="concat")
+    code = main(["train", "--data", data, "--eval_data", str(held_out), "--steps", "2", "--warmup_steps", "1",
+                 "--device", "cpu", "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"),
+                 "--tensorboard", "false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"--eval_data {held_out} does not match --data {data}" in err
+    assert "tokenizer tiktoken:gpt2 vs byte:byte" in err and "vocab_size 50257 vs 256" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
+
+
+@pytest.mark.parametrize("eval_every, failing_step", [(0, 4), (2, 2)], ids=["final-eval", "periodic-eval"])
+def test_a_failing_evaluation_saves_the_training_state_first(tmp_path, data, eval_every, failing_step):
+    """The eval set passes the start-up check, then its shard is damaged on disk: the evaluation that
+    reads it fails, and a complete checkpoint of the step it failed at is left (no --checkpoint_every)."""
+    held_out = tmp_path / "held-out"
+    shutil.copytree(Path(data).parent / "held-out", held_out)
+    values = {"steps": 4, "device": "cpu", "eval_every": eval_every, "optimizer": {"warmup_steps": 1},
+              "data": {"data": data, "eval_data": str(held_out), "batch_size": 4, "eval_batches": 1,
+                       "cache_dir": str(tmp_path / "cache")},
+              "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False}}
+    run = build(config_from_dict(values))
+    try:
+        for shard in held_out.glob("shard-*"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)
+        with pytest.raises(CorruptShardError):
+            train(run)
+    finally:
+        close(run)
+    checkpoint = find_latest(tmp_path / "run" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == f"step_{failing_step:08d}"
+    assert checkpoint_problem(checkpoint) is None
+    assert sorted(losses(tmp_path / "run")) == list(range(1, failing_step + 1))
+
+
+def learning_rates(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_extending_steps_on_resume_rescales_the_schedule_and_says_so(tmp_path, data, capsys):
+    """Trained for --steps 4, resumed with --steps 8: from step 5 on, the learning rates are those of a
+    run planned for 8 steps from the start (before the fix, step 5 still ran at the old schedule's rate)."""
+    def train_for(run_dir, steps):
+        values = {"steps": steps, "device": "cpu", "optimizer": {"warmup_steps": 1},
+                  "data": {"data": data, "batch_size": 4, "cache_dir": str(tmp_path / "cache")},
+                  "logging": {"run_dir": str(run_dir), "tensorboard": False}}
+        run = build(config_from_dict(values))
+        try:
+            assert train(run) == 0
+        finally:
+            close(run)
+
+    train_for(tmp_path / "planned", 8)
+    train_for(tmp_path / "extended", 4)
+    capsys.readouterr()
+    train_for(tmp_path / "extended", 8)
+    out = capsys.readouterr().out
+    assert "--steps changed from 4 (checkpoint) to 8: the learning-rate schedule is rescaled to 8 steps" in out
+    planned, extended = learning_rates(tmp_path / "planned"), learning_rates(tmp_path / "extended")
+    assert {step: extended[step] for step in range(5, 9)} == {step: planned[step] for step in range(5, 9)}
+    assert extended[4] != planned[4]  # the first 4 steps followed the 4-step schedule
+
+
+KILLS_PER_MODE = 2
+
+
+@pytest.mark.parametrize("parallel, seed", [("ddp", 1), ("fsdp", 2)])
+def test_sigkill_at_random_moments_from_outside_then_exact_resume(tmp_path, data, reference, parallel, seed,
+                                                                 figures):
+    """The self-inflicted kills above happen only at step boundaries. Here a watcher process, outside the
+    run's process tree, SIGKILLs the launcher and every rank at a seeded random moment after a seeded
+    checkpoint (mid-step, in a collective, during a save, in an evaluation). The resumed run must say it
+    continued from the newest complete checkpoint the kill left and repeat the reference exactly."""
+    import random
+    import subprocess
+    import sys
+
+    from train_kill_harness import resumed_from
+
+    rng = random.Random(seed)
+    ref = reference(parallel)
+    counts = {"runs": 0, "kills": 0, "resumed_from_checkpoint": 0, "steps_redone": 0, "loss_mismatches": 0,
+              "id_mismatches": 0}
+    for point in range(KILLS_PER_MODE):
+        run_dir = tmp_path / f"run-{point}"
+        # A step takes ~25 ms here, a save a few times that: the moment falls in the next few steps or saves.
+        target, delay = rng.choice((2, 4)), rng.uniform(0.0, 0.2)
+        watcher = subprocess.Popen([sys.executable, str(Path(__file__).with_name("train_kill_harness.py")),
+                                    "kill-torchrun", str(run_dir), str(target), str(delay)],
+                                   stdout=subprocess.PIPE, text=True)
+        killed = run(run_dir, data, parallel=parallel, checkpoint_every=2)
+        kill = json.loads(watcher.communicate(timeout=150)[0].strip().splitlines()[-1])
+        assert kill["killed"] >= 3 and killed.returncode != 0, (kill, killed.returncode, killed.stderr[-2000:])
+        counts["runs"] += 1
+        counts["kills"] += 1
+        latest = find_latest(run_dir / "checkpoints")
+        counts["steps_redone"] += max(losses(run_dir), default=0) - int(latest.name[5:]) if latest else 0
+        resumed = check_ok(run(run_dir, data, parallel=parallel, checkpoint_every=2))
+        assert latest is not None and latest.name != "step_00000008", (latest, kill)  # killed mid-run
+        assert f"resumed from {latest} at step {int(latest.name[5:])}" in resumed.stdout, resumed.stdout
+        assert resumed_from(run_dir) == [latest.name]
+        counts["resumed_from_checkpoint"] += 1
+        counts["loss_mismatches"] += losses(run_dir) != losses(ref)
+        counts["id_mismatches"] += sample_ids(run_dir) != sample_ids(ref)
+        assert losses(run_dir) == losses(ref) and eval_losses(run_dir) == eval_losses(ref)
+        assert sample_ids(run_dir) == sample_ids(ref)
+        assert_each_sample_once(run_dir)
+    assert counts["resumed_from_checkpoint"] == KILLS_PER_MODE, counts
+    figures.add(f"sigkill_training_{parallel}_outside", **counts)

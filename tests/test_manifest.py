@@ -298,3 +298,17 @@ def test_json_seq_len_is_never_silently_truncated():
 def test_wrongly_shaped_json_fields_are_manifest_errors(changes, match):
     with pytest.raises(ManifestError, match=match):
         Manifest.from_dict(manifest_dict(**changes))
+
+
+@pytest.mark.parametrize("depth, match", [(5000, "nested too deeply"), (200, "more than 64 levels")])
+def test_deeply_nested_manifest_is_a_manifest_error_not_a_traceback(tmp_path, depth, match):
+    """Thousands of levels overflow json's recursive decoder; a few hundred parse but would overflow
+    later recursive walks. Both are a one-line error from `verify`."""
+    data = manifest_dict()
+    text = json.dumps(data)[:-1] + ', "extra": ' + "[" * depth + "]" * depth + "}"
+    (tmp_path / MANIFEST_NAME).write_text(text)
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "shardkit", "verify", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and match in done.stderr and "Traceback" not in done.stderr, done.stderr

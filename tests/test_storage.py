@@ -10,6 +10,7 @@ import random
 import socket
 import struct
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -364,3 +365,124 @@ def test_passwords_in_urls_never_reach_messages(flaky_server):
     for text in (str(info.value), repr(storage), storage.url_of("s.tar")):
         assert "hunter2pw" not in text
     assert "***@127.0.0.1" in str(info.value)
+
+
+# -- one retry policy, bounded time, errors that name the URL and the cause (issue 10.7) ------------------
+
+class _NotS3Handler(http.server.BaseHTTPRequestHandler):
+    """A web server that is no S3 API: 404 with no S3 error body to every request."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _not_found(self):
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_PUT = do_POST = _not_found
+
+
+@pytest.mark.s3
+def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_endpoint, figures):
+    pytest.importorskip("s3fs")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotS3Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = {"endpoint_url": f"http://127.0.0.1:{server.server_address[1]}",
+                   "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
+        storage = Storage("s3://bucket/data", options)
+        named = 0
+        for call, what in ((lambda: storage.read_bytes("shard-000000.tar"), "read"),
+                           (lambda: storage.read_range("shard-000000.tar", 0, 8), "read"),
+                           (lambda: storage.write_bytes("shard-000000.tar", b"x"), "write")):
+            with pytest.raises(FileNotFoundError) as info:  # still a FileNotFoundError: callers test for absence
+                call()
+            message = str(info.value)
+            assert message.startswith(f"{what} s3://bucket/data/shard-000000.tar: not found"), message
+            assert "HTTP 404" in message and "is endpoint_url an S3 API endpoint?" in message, message
+            named += 1
+        with pytest.raises(ValueError, match=r"no dataset at s3://bucket/data: .*HTTP 404 .*S3 API endpoint"):
+            load_manifest("s3://bucket/data", options)
+        named += 1
+        figures.add("storage_non_s3_endpoint", runs=1, errors_naming_url_and_cause=named)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.s3
+def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint, caplog, figures):
+    """Nothing listens on the port: shardkit's 6 tries only (botocore's and s3fs's retries are off), so it
+    fails after about 6 s of backoff; it took 46-54 s when the three retry layers multiplied."""
+    pytest.importorskip("s3fs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when the block ends: connections are refused
+    storage = Storage("s3://bucket/data", {"endpoint_url": f"http://127.0.0.1:{port}",
+                                           "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True})
+    began = time.monotonic()
+    with pytest.raises(StorageError, match=r"read s3://bucket/data/shardkit.json failed after 6 attempts: "
+                                           r"EndpointConnectionError: Could not connect"):
+        storage.read_bytes("shardkit.json")
+    seconds = time.monotonic() - began
+    assert seconds < 20  # a bound on the failure, not a speed measurement
+    retries = len([r for r in caplog.records if "retrying in" in r.message])
+    assert retries == 5
+    figures.add("storage_refused_connection", runs=1, attempts=retries + 1, seconds=round(seconds, 2))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["error503", "slowdown"])
+def test_shardkit_is_the_only_retry_layer_by_default(faulty_bucket, kind, figures):
+    """Every failing request reaches the proxy once per shardkit try: botocore's legacy retries (x5) and
+    s3fs's own (x5) no longer multiply them. A user's own botocore retries are kept under ours."""
+    url, options, proxy = faulty_bucket
+    Storage(url, options).write_bytes("a.bin", b"payload")
+    policy = RetryPolicy(attempts=3, initial_delay=0.01, max_delay=0.02)
+    proxy.configure(rate=1.0, seed=3, kinds=(kind,))
+    in_a_worker = pickle.loads(pickle.dumps(Storage(url, options, retry=policy)))  # as the loader's workers get it
+    with pytest.raises(StorageError, match=f"read {url}/a.bin failed after 3 attempts"):
+        in_a_worker.read_range("a.bin", 0, 4)
+    assert proxy.snapshot()["requests"] == 3
+    figures.add("storage_single_retry_layer", runs=1, faults=proxy.injected, shardkit_attempts=3,
+                requests=proxy.snapshot()["requests"])
+    theirs = {**options, "config_kwargs": {"retries": {"total_max_attempts": 2, "mode": "standard"}}}
+    proxy.configure(rate=1.0, seed=3, kinds=(kind,))
+    with pytest.raises(StorageError):
+        Storage(url, theirs, retry=policy).read_range("a.bin", 0, 4)
+    assert proxy.snapshot()["requests"] == 6
+
+
+@pytest.mark.s3
+def test_a_throttling_store_is_still_waited_for(faulty_bucket, caplog, figures):
+    """40% of the requests answered 503 SlowDown: shardkit's backoff carries the reads through, and each
+    throttled answer is one logged retry (no hidden layer retries it first)."""
+    url, options, proxy = faulty_bucket
+    storage = Storage(url, options, retry=RetryPolicy(attempts=10, initial_delay=0.01, max_delay=0.05))
+    payloads = {f"{i}.bin": bytes([i]) * 100 for i in range(12)}
+    for name, data in payloads.items():
+        storage.write_bytes(name, data)
+    proxy.configure(rate=0.4, seed=5, kinds=("slowdown",))
+    assert {name: storage.read_range(name, 0, 100) for name in payloads} == payloads
+    throttled = proxy.snapshot().get("slowdown", 0)
+    assert throttled >= 3 and len([r for r in caplog.records if "SlowDown" in r.message]) == throttled
+    figures.add("storage_throttled_40pct", runs=1, faults=throttled, objects_checked=len(payloads), corrupt=0)
+
+
+def test_no_try_starts_after_the_deadline():
+    calls = []
+
+    def always_failing():
+        calls.append(time.monotonic())
+        raise ConnectionResetError(errno.ECONNRESET, "reset by peer")
+
+    policy = RetryPolicy(attempts=1000, initial_delay=0.01, multiplier=1.0, jitter=0.0, deadline=0.2)
+    with pytest.raises(StorageError, match="failed after .* attempts"):
+        retry_call(always_failing, url="memory://x", what="read", policy=policy)
+    assert 5 < len(calls) < 1000 and calls[-1] - calls[0] <= 0.2

@@ -67,6 +67,10 @@ def test_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, datasets, refe
     assert find_latest(run_dir / "checkpoints").name == "step_00000003"
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the loop restored the handlers
     assert run_training(run_dir, data) == 0
+    # Starting over would reproduce the reference too: the run must say it continued from step 3.
+    assert "step_00000003 at step 3" in capsys.readouterr().out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["resumed_from"] for r in records if "resumed_from" in r] == ["step_00000003"]
     assert losses(run_dir) == losses(reference)
 
 

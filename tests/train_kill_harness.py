@@ -6,8 +6,17 @@ then forks one training run per point and SIGKILLs it at a seeded random moment.
 
 Each point: a run checkpointing every step is killed once it has checkpointed a seeded random number
 of steps, plus a random part of a step (so during start-up, a step, or a checkpoint save), then resumed with `--resume auto` to the
-end. Its per-step losses must equal an uninterrupted run's bitwise, and over the whole run every
-sample id must be consumed exactly once, in the same steps as the reference.
+end. Its per-step losses must equal an uninterrupted run's bitwise, over the whole run every sample id
+must be consumed exactly once, in the same steps as the reference, and the resumed run must report
+(`resumed_from` in metrics.jsonl) the newest checkpoint the kill left: a run that started over would
+reproduce the reference too.
+
+    python tests/train_kill_harness.py kill-torchrun RUN_DIR TARGET DELAY   -> JSON on stdout
+
+The watcher for multi-process runs, from outside their process tree: it finds the torchrun launcher
+whose command line names RUN_DIR, waits for its ranks and for a complete checkpoint of step >= TARGET,
+sleeps DELAY seconds (a seeded random moment: in a step, a collective, a save), then SIGKILLs the
+launcher and every rank at once (the ranks run in sessions of their own, out of the launcher's group).
 """
 
 from __future__ import annotations
@@ -49,6 +58,12 @@ def _train(data: str, run_dir: str, cache_dir: str) -> None:
         raise SystemExit(code)
 
 
+def resumed_from(run_dir: Path) -> list[str]:
+    """The checkpoints the attempts of a run resumed from, in order (the loop's `resumed_from` records)."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["resumed_from"] for r in records if "resumed_from" in r]
+
+
 def _latest_step(run_dir: Path) -> int:
     """Newest complete checkpoint's step (checkpoints appear by rename once complete), 0 if none."""
     try:
@@ -72,6 +87,7 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
     want_losses, want_ids = losses(reference), sample_ids(reference)
     figures = {"runs": points, "kills": 0, "killed_before_first_checkpoint": 0, "loss_mismatches": 0,
                "id_mismatches": 0, "samples_checked": 0, "duplicated": 0, "lost": 0, "failed_resumes": 0,
+               "resume_mismatches": 0, "resumed_from_checkpoint": 0,
                "reference_seconds": round(duration, 2)}
     for point in range(points):
         run_dir = Path(workdir) / f"run-{point:02d}"
@@ -86,10 +102,15 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
         os.kill(pid, signal.SIGKILL)
         status = _wait(pid, DEADLINE)
         figures["kills"] += status == -signal.SIGKILL
-        figures["killed_before_first_checkpoint"] += _latest_step(run_dir) == 0
+        latest = _latest_step(run_dir)
+        figures["killed_before_first_checkpoint"] += latest == 0
         if _wait(_fork(_train, data, str(run_dir), cache_dir), DEADLINE) != 0:
             figures["failed_resumes"] += 1
             continue
+        # A run that started over would also reproduce the reference: it must say it resumed, and from
+        # the newest checkpoint the kill left (none: a fresh start).
+        figures["resume_mismatches"] += resumed_from(run_dir) != ([f"step_{latest:08d}"] if latest else [])
+        figures["resumed_from_checkpoint"] += bool(resumed_from(run_dir))
         got_ids = sample_ids(run_dir)
         figures["loss_mismatches"] += losses(run_dir) != want_losses
         figures["id_mismatches"] += got_ids != want_ids
@@ -102,5 +123,62 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
     return figures
 
 
+def _process_tree(root: int) -> list[int]:
+    """`root` and its descendants, from /proc (parent pids), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, pending = [], [root]
+    while pending:
+        pid = pending.pop(0)
+        tree.append(pid)
+        pending.extend(children.get(pid, []))
+    return tree
+
+
+def _find_launcher(run_dir: str) -> int | None:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    argv = handle.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "torch.distributed.run" in argv and run_dir in argv:
+                return int(entry)
+    return None
+
+
+def kill_torchrun(run_dir: str, target: int, delay: float) -> dict:
+    give_up = time.monotonic() + DEADLINE
+    launcher = None
+    while launcher is None and time.monotonic() < give_up:
+        launcher = _find_launcher(run_dir)
+        time.sleep(0.01)
+    if launcher is None:
+        return {"killed": 0, "reason": "no torchrun names " + run_dir}
+    while len(_process_tree(launcher)) < 3 and time.monotonic() < give_up:  # the launcher and two ranks
+        time.sleep(0.01)
+    while _latest_step(Path(run_dir)) < target and time.monotonic() < give_up:
+        time.sleep(0.002)
+    time.sleep(delay)
+    tree = _process_tree(launcher)  # before the launcher dies: its orphaned ranks could not be found after
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return {"killed": len(tree), "latest_step_at_kill": _latest_step(Path(run_dir))}
+
+
 if __name__ == "__main__":
-    print(json.dumps(train_matrix(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    if sys.argv[1] == "kill-torchrun":
+        print(json.dumps(kill_torchrun(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))))
+    else:
+        print(json.dumps(train_matrix(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))

@@ -6,9 +6,11 @@ Layout under the checkpoint directory:
     step_00000200.partial/    a save in progress, or one a crash interrupted: never loaded
 
 A save writes into `step_N.partial/`; once every rank's DCP files are written, rank 0 writes the
-marker `shardkit-checkpoint.json` and renames the directory to `step_N/` (one atomic rename on a
-POSIX filesystem). A crash at any moment before the rename leaves the previous checkpoint as the
-newest complete one. Model and optimizer go through `get_state_dict`, whose fully-qualified names
+marker `shardkit-checkpoint.json` (the run's metadata and every file with its size) and renames the
+directory to `step_N/` (one atomic rename on a POSIX filesystem). A crash at any moment before the
+rename leaves the previous checkpoint as the newest complete one. A complete checkpoint damaged later
+(a file truncated, deleted or half-copied) fails `checkpoint_problem` before DCP reads it, and
+`--resume auto` falls back to the newest one that passes. Model and optimizer go through `get_state_dict`, whose fully-qualified names
 do not depend on DDP or FSDP and whose FSDP tensors are DTensors, so DCP reshards on load: a
 checkpoint resumes at another world size or parallel mode.
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -62,22 +65,77 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _complete(directory: Path) -> list[Path]:
+    """Complete checkpoints (those with a marker) in `directory`, newest first."""
+    if not directory.is_dir():
+        return []
+    complete = [p for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and (p / MARKER_NAME).is_file()]
+    return sorted(complete, key=lambda p: int(p.name[len("step_"):]), reverse=True)
+
+
 def find_latest(directory: str | Path) -> Path | None:
     """The complete checkpoint with the highest step in `directory`, or None."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    complete = [p for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and (p / MARKER_NAME).is_file()]
-    return max(complete, key=lambda p: int(p.name[len("step_"):]), default=None)
+    return next(iter(_complete(Path(directory))), None)
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
-    marker = Path(path) / MARKER_NAME
     try:
-        return json.loads(marker.read_text())
+        return _parse_marker(Path(path))
     except FileNotFoundError:
         raise ValueError(f"{path} is not a complete shardkit checkpoint ({MARKER_NAME} is missing: "
                          "the save was interrupted; use an older checkpoint or --resume auto)") from None
+    except ValueError as err:
+        raise ValueError(f"checkpoint {path}: {err}") from err
+
+
+def _parse_marker(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / MARKER_NAME).read_text())
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{MARKER_NAME} is damaged ({type(err).__name__})") from err
+    if not isinstance(meta, dict):
+        raise ValueError(f"{MARKER_NAME} is damaged (not a JSON object)")
+    return meta
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, or None when its files are the ones its marker
+    lists, at the listed sizes (a truncated, deleted or half-copied file is caught before DCP reads it)."""
+    path = Path(path)
+    try:
+        files = _parse_marker(path).get("files")
+    except FileNotFoundError:
+        return f"{MARKER_NAME} is missing"
+    except ValueError as err:
+        return str(err)
+    if files is None:
+        return None  # saved before markers listed their files: nothing to check against
+    if not isinstance(files, dict):
+        return f"{MARKER_NAME} is damaged (its file list is not an object)"
+    for name, size in sorted(files.items()):
+        if "/" in name or name in ("", ".", "..") or not isinstance(size, int):
+            return f"{MARKER_NAME} is damaged (file entry {name!r})"
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the marker says {size}"
+    return None
+
+
+def find_resumable(directory: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint that passes `checkpoint_problem`, and the newer ones skipped
+    with their problem. (None, [...]) when every checkpoint is damaged; (None, []) when there is none."""
+    skipped = []
+    for path in _complete(Path(directory)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
 @dataclass(frozen=True)
@@ -185,8 +243,10 @@ class Checkpointer:
         _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
         if self.rank == 0:
             marker = partial / MARKER_NAME
+            # Every rank's files, with their sizes: a later resume checks them before DCP reads any.
+            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
             with open(marker, "w") as handle:
-                json.dump(meta, handle, indent=1, sort_keys=True)
+                json.dump({**meta, "files": files}, handle, indent=1, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
             final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
@@ -198,28 +258,43 @@ class Checkpointer:
         _barrier()
 
     def _prune(self) -> None:
-        complete = sorted((p for p in self.directory.iterdir()
-                           if _STEP_NAME.fullmatch(p.name) and (p / MARKER_NAME).is_file()),
-                          key=lambda p: int(p.name[len("step_"):]))
-        for old in complete[: -self.keep]:
+        for old in _complete(self.directory)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              world_size: int) -> LoadedCheckpoint:
         """Load a complete checkpoint into model, optimizer and scheduler (collective)."""
         path = Path(path)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}; resume from another one "
+                             "(--resume auto skips damaged ones) or start over with --resume none")
         meta = read_marker(path)
         same_topology = meta.get("world_size") == world_size
         model_state, optim_state = get_state_dict(model, optimizer)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
         state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
-        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        try:
+            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as err:
+            # Files of the listed sizes whose bytes are damaged: name the checkpoint, not DCP's internals.
+            raise ValueError(f"checkpoint {path} cannot be loaded ({_first_failure(err)}); resume from another "
+                             "one with --resume DIR, or start over with --resume none") from err
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])
         logger.info("resumed from %s at step %d", path, step)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta)
+
+
+def _first_failure(err: BaseException) -> str:
+    """One line for a failed DCP load: a CheckpointException carries one (exception, traceback) per rank."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = min(failures.items())
+        err = failure[0] if isinstance(failure, tuple) else failure
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
 def _fsync_dir(path: Path) -> None:

@@ -234,7 +234,8 @@ class TrainConfig:
     """The whole run: the training loop's own options plus one section per component."""
 
     preset: str = option("tiny", "model preset: " + ", ".join(("tiny", "gpt2-124m", "gpt2-350m", "llama-1b")))
-    steps: int = option(1000, "optimizer steps to train for")
+    steps: int = option(1000, "optimizer steps to train for; resuming with another value rescales the "
+                        "learning-rate schedule to the new total from the next step (the run prints the change)")
     grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync only on the last)")
     precision: str = option("auto", "'bf16' autocast / FSDP mixed precision, 'fp32', or 'auto' (bf16 on GPU)",
                             choices=PRECISIONS)

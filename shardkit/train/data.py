@@ -140,3 +140,20 @@ class EvalData:
             if index >= count:
                 break
             yield batch
+
+
+def check_same_tokens(reference: Manifest, other: Manifest, *, what: str, against: str) -> None:
+    """Refuse a dataset whose token ids mean something else than the reference's (checked before step 1:
+    an eval set from another tokenizer would otherwise fail only at the first evaluation, or score garbage)."""
+    mine, theirs = reference.tokenizer, other.tokenizer
+    same_vocabulary = (mine.vocab_sha256 == theirs.vocab_sha256 if mine.vocab_sha256 and theirs.vocab_sha256
+                       else (mine.kind, mine.name) == (theirs.kind, theirs.name))
+    differences = [] if same_vocabulary else [f"tokenizer {theirs.kind}:{theirs.name} vs {mine.kind}:{mine.name}"]
+    for label, want, got in (("vocab_size", mine.vocab_size, theirs.vocab_size),
+                             ("token_dtype", reference.token_dtype, other.token_dtype),
+                             ("seq_len", reference.seq_len, other.seq_len)):
+        if want != got:
+            differences.append(f"{label} {got} vs {want}")
+    if differences:
+        raise ValueError(f"{what} does not match {against}: " + ", ".join(differences)
+                         + "; build both with the same tokenizer and --seq-len")

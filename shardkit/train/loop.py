@@ -24,12 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardkit.train import faults, rng
-from shardkit.train.checkpoint import Checkpointer, find_latest, read_marker
+from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig
-from shardkit.train.data import EvalData, TrainStream, check_dataset, to_batch
+from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
 from shardkit.train.model import Transformer, flops_per_token
-from shardkit.train.optim import build_optimizer, build_scheduler
+from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import (Runtime, close_runtime, gradient_sync, init_runtime, reshard_after_eval,
                                      wrap_model)
 
@@ -56,6 +56,8 @@ class Run:
     peak_flops: float | None
     step: int = 0
     resumed_step: int | None = None
+    resumed_path: str | None = None
+    saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
 
 
@@ -71,7 +73,9 @@ def build(config: TrainConfig) -> Run:
     runtime = init_runtime(config.parallelism, device=config.device)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
+        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
+        check_same_tokens(manifest, held_out, what=f"--eval_data {config.data.eval_data}",
+                          against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
@@ -117,6 +121,8 @@ def build(config: TrainConfig) -> Run:
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
                                 resume_step=run.step)
+    if run.resumed_step is not None:  # the record tests (and people) check: which checkpoint this run continued
+        run.metrics.log({"step": run.step, "resumed_from": run.resumed_path}, echo=False)
     if config.logging.log_sample_ids:
         run.sample_log = SampleLog(run_dir, rank=runtime.rank)
     return run
@@ -127,8 +133,14 @@ def resume(run: Run) -> None:
     choice = run.config.checkpoint.resume
     if choice == "none":
         return
-    path = find_latest(run.checkpointer.directory) if choice == "auto" else Path(choice)
+    path, skipped = find_resumable(run.checkpointer.directory) if choice == "auto" else (Path(choice), [])
+    for bad, problem in skipped:
+        logger.warning("skipping damaged checkpoint %s: %s", bad, problem)
     if path is None:
+        if skipped:
+            raise ValueError(f"no valid checkpoint in {run.checkpointer.directory}: "
+                             + "; ".join(f"{bad.name}: {problem}" for bad, problem in skipped)
+                             + "; delete them or start over with --resume none")
         return
     saved_model = read_marker(path).get("model", {})
     current = dataclasses.asdict(run.config.model)
@@ -141,6 +153,8 @@ def resume(run: Run) -> None:
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                    world_size=run.runtime.world_size)
     run.step = run.resumed_step = loaded.step
+    run.resumed_path = path.name
+    _rescale_schedule(run, loaded.meta.get("steps"))
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])
@@ -150,17 +164,35 @@ def resume(run: Run) -> None:
         logger.warning("checkpoint %s was saved by %s ranks, now %d: resharded; RNG streams restart from the seed",
                        path, loaded.meta.get("world_size"), run.runtime.world_size)
     if run.runtime.is_main:
-        print(f"resumed from {path} at step {run.step}", flush=True)
+        skipped_note = "".join(f" (skipped damaged {bad.name})" for bad, _ in skipped)
+        print(f"resumed from {path} at step {run.step}{skipped_note}", flush=True)
+
+
+def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
+    """A run resumed with another `--steps` follows the schedule for the new total from its next step on
+    (say, a WSD run extended while stable), and says what that does to the learning rate."""
+    if saved_steps is None or saved_steps == run.config.steps:
+        return
+    # The optimizer came back holding the old schedule's rate for the next step: replace it now.
+    old_lr = run.optimizer.param_groups[0]["lr"]
+    factor = lr_factor(run.step, total_steps=run.config.steps, config=run.config.optimizer)
+    for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
+        group["lr"] = base * factor
+    if run.runtime.is_main:
+        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.steps}: the learning-rate schedule "
+              f"is rescaled to {run.config.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
+              f"(the old schedule's: {old_lr:.3e})", flush=True)
 
 
 def save_checkpoint(run: Run) -> None:
-    if run.step == run.resumed_step:
-        return  # nothing trained since the checkpoint this run resumed from: it is this state already
+    if run.step in (run.resumed_step, run.saved_step):
+        return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
-            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
+            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                           rank_state=rank_state, meta=meta)
+    run.saved_step = run.step
 
 
 def _barrier() -> None:
@@ -256,20 +288,21 @@ def _train_steps(run: Run) -> int:
             return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
         if every and run.step % every == 0 and run.step < config.steps:
             save_checkpoint(run)
+    if config.checkpoint.save_final:  # before the final evaluation: nothing after training may lose it
+        save_checkpoint(run)
     if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
-    if config.checkpoint.save_final:
-        save_checkpoint(run)
     return 0
 
 
 def evaluate(run: Run) -> float:
     """Mean loss over the held-out batches, averaged over ranks. Runs under no_grad: a DDP forward
     with grad enabled would expect a backward before the next one."""
+    batches = _read_eval_batches(run)
     run.model.eval()
     total = torch.zeros(2, device=run.runtime.device, dtype=torch.float64)
     with torch.no_grad():
-        for raw in run.eval_data.batches():
+        for raw in batches:
             batch = to_batch(raw, run.runtime.device)
             # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
             total[0] += _loss(run, batch, reduction="sum").double()
@@ -279,6 +312,27 @@ def evaluate(run: Run) -> float:
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def _read_eval_batches(run: Run) -> list:
+    """Every eval batch of this rank, read before any collective, so that the ranks can agree on a read
+    failure (a corrupt or unreachable eval shard) and save the training state before it ends the run."""
+    failure: BaseException | None = None
+    try:
+        batches = list(run.eval_data.batches())
+    except Exception as err:  # noqa: BLE001 - re-raised below, once the state is saved
+        batches, failure = [], err
+    failed = torch.tensor([float(failure is not None)], device=run.runtime.device)
+    if dist.is_initialized():
+        dist.all_reduce(failed)
+    if failed.item():
+        logger.error("evaluation at step %d failed to read --eval_data; saving the training state first", run.step)
+        save_checkpoint(run)
+        if failure is not None:
+            raise failure
+        raise ValueError(f"evaluation at step {run.step} failed on another rank (its log names the cause); "
+                         "the training state is saved")
+    return batches
 
 
 def close(run: Run | None) -> None:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict, section_options
+from shardkit.train.config import PRESETS, SECTIONS, TrainConfig, config_from_dict, section_options
 
 _NONE_WORDS = ("none", "null", "")
 
@@ -47,12 +47,31 @@ def _converter(type_text: str):
     return parse
 
 
+def _with_presets(default: Any, section: str | None, name: str) -> Any:
+    """The default as `--help` states it: a field the presets set shows the default preset's value and
+    every preset's (read from `PRESETS`, so the help cannot drift from what a run uses)."""
+    if section is None and name == "preset":
+        return f"{default}; " + "; ".join(
+            f"{preset} = " + " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+            for preset, table in PRESETS.items())
+    by_preset = {preset: table[section][name] for preset, table in PRESETS.items()
+                 if name in table.get(section or "", {})}
+    if not by_preset:
+        return default
+    chosen = TrainConfig.__dataclass_fields__["preset"].default
+    others = ", ".join(f"{preset} {value}" for preset, value in by_preset.items() if preset != chosen)
+    if chosen in by_preset:
+        return f"{by_preset[chosen]}, set by --preset {chosen}; other presets: {others}"
+    return f"{default}; --preset {others}"
+
+
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None, name: str | None = None) -> None:
     name = name or f.name
     names = {f"--{name}", f"--{name.replace('_', '-')}"}
     if section is not None:
         names |= {f"--{section}.{name}", f"--{section}.{name.replace('_', '-')}"}
     default = f.default if f.default is not dataclasses.MISSING else None
+    default = _with_presets(default, section, f.name)
     help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
     kwargs: dict[str, Any] = {"dest": f"{section}.{name}" if section else name,
                               "default": argparse.SUPPRESS, "help": help_text, "type": _converter(str(f.type))}
