@@ -1,4 +1,5 @@
-"""StreamingDataLoader in one process: batch contract, exact resume, epochs, workers, state checks."""
+"""StreamingDataLoader in one process: batch contract, epochs, workers, state checks (the exact resume
+contract of every loader mode is in test_dataloader_resume.py)."""
 
 from __future__ import annotations
 
@@ -47,20 +48,6 @@ def test_batch_contract(dataset_url, tmp_path):
     assert batch["tokens"].long().max() < 60000
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_exact_resume_mid_epoch(dataset_url, tmp_path, num_workers):
-    ds = make(dataset_url, tmp_path)
-    full = [b["sample_id"] for b in run(StreamingDataLoader(ds, batch_size=4, num_workers=num_workers))]
-    first = StreamingDataLoader(ds, batch_size=4, num_workers=num_workers)
-    before = [b["sample_id"] for b in run(first, limit=37)]
-    state = first.state_dict()
-    assert state["samples_consumed"] == 37 * 4 and state["epoch"] == 0
-    second = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=4, num_workers=num_workers)
-    second.load_state_dict(state)
-    after = [b["sample_id"] for b in run(second)]
-    assert torch.equal(torch.cat(before + after), torch.cat(full))
-
-
 def test_epochs_reshuffle_and_persistent_workers_neither_shorten_nor_repeat(dataset_url, tmp_path):
     ds = make(dataset_url, tmp_path)
     plain = StreamingDataLoader(ds, batch_size=8)
@@ -82,19 +69,6 @@ def test_break_then_iterate_again_continues_the_same_epoch(dataset_url, tmp_path
     rest = [b["sample_id"] for b in loader]
     assert torch.equal(torch.cat(part + rest), whole)
     assert loader.epoch == 1
-
-
-def test_resume_at_epoch_end_starts_next_epoch(dataset_url, tmp_path):
-    ds = make(dataset_url, tmp_path)
-    loader = StreamingDataLoader(ds, batch_size=8)
-    run(loader)
-    second_epoch = torch.cat([b["sample_id"] for b in loader])
-    state = loader.state_dict()
-    assert state["epoch"] == 2 and state["samples_consumed"] == 0
-    resumed = StreamingDataLoader(ds, batch_size=8)
-    resumed.load_state_dict({**state, "epoch": 1, "samples_consumed": len(second_epoch)})
-    third = torch.cat([b["sample_id"] for b in resumed])
-    assert not torch.equal(third, second_epoch) and len(third) == len(second_epoch)
 
 
 def test_pad_policy_gives_full_batches(dataset_url, tmp_path):
