@@ -96,3 +96,27 @@ def test_standalone_dataset_iteration_needs_batch_size(dataset_url, tmp_path):
     ds = make(dataset_url, tmp_path, batch_size=10, rank=1, world_size=2)
     batches = list(ds)
     assert len(batches) == len(ds) == 25 and batches[0]["tokens"].shape == (10, 17)
+
+
+def test_loader_state_format_and_validation(dataset_url, tmp_path):
+    from dataclasses import FrozenInstanceError
+
+    from shardkit.loaders.dataset import DEFAULT_TOKEN_WINDOW
+    from shardkit.loaders.state import LoaderState
+
+    state = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8).state_dict()
+    assert state["version"] == 1  # the saved format: a new version must be a deliberate change
+    saved = LoaderState.from_dict(state)
+    # optional fields absent (a fixed-length state of an earlier release) take their defaults
+    old = {k: v for k, v in state.items() if k not in ("max_tokens", "token_window", "window_segments")}
+    loaded = LoaderState.from_dict(old)
+    assert (loaded.max_tokens, loaded.token_window, loaded.window_segments) == (None, DEFAULT_TOKEN_WINDOW, ())
+    with pytest.raises(ValueError, match="lacks seed"):
+        LoaderState.from_dict({k: v for k, v in state.items() if k != "seed"})
+    for epoch, consumed in ((-1, 0), (0, -1)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            LoaderState.from_dict({**state, "epoch": epoch, "samples_consumed": consumed})
+    with pytest.raises(FrozenInstanceError):
+        saved.epoch = 3
+    with pytest.raises(TypeError):  # keyword-only: a positional call cannot swap two integers silently
+        LoaderState(*[getattr(saved, f) for f in saved.__dataclass_fields__])
