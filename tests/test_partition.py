@@ -74,3 +74,16 @@ def test_worker_steps_round_robin():
     assert worker_steps(7, worker=1, num_workers=3).tolist() == [1, 4]
     with pytest.raises(ValueError, match="worker"):
         worker_steps(7, worker=3, num_workers=3)
+
+
+def test_edges_of_the_step_and_rank_arithmetic():
+    from shardkit.loaders.partition import worker_of_step
+
+    # without bundling, workers take single steps round robin
+    assert worker_of_step(np.arange(5), num_workers=2).tolist() == [0, 1, 0, 1, 0]
+    same = dict(start=0, num_positions=10, world_size=2, batch_size=2, partition_of=np.zeros_like)
+    with pytest.raises(ValueError, match="rank 2"):
+        rank_positions(np.arange(1), rank=2, **same)
+    # pad policy on a one-sample epoch: every padded position wraps to that sample
+    assert rank_positions(np.arange(2), start=0, num_positions=1, world_size=1, batch_size=3, rank=0,
+                          partition_of=np.zeros_like).tolist() == [[0, 0, 0], [0, 0, 0]]

@@ -1,0 +1,132 @@
+"""The loader's resume contract, checked the same way for every loader mode (torchdata's
+`run_test_save_load_state` idea).
+
+`check_resume(make_loader, ...)`: run `world_size` ranks uninterrupted for `epochs` epochs (the
+reference), then for each save point (the start, mid-epoch, right after the epoch's last batch, and
+after the epoch's loop has finished) save `state_dict()` from a loader stopped there, resume a *fresh*
+loader from it and require, rank by rank, exactly the reference's remaining batches (sample ids in
+order, batch by batch) up to the end of the last epoch.
+
+`check_elastic_resume(make_loader, ...)`: save mid-epoch with `before` ranks, resume with `after`
+ranks, and require that the union over ranks of the rest of the epoch is the uninterrupted remainder
+of the global order: nothing repeated, nothing lost (see the function for the exact statement per mode).
+
+`make_loader(rank, world_size)` must build a new `StreamingDataset` and `StreamingDataLoader` each call
+(public API, keyword arguments), so that nothing but the state dict carries over.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from loader_helpers import ids_from_tokens
+
+SAVE_POINTS = ("start", "mid", "epoch_end", "after_epoch")
+
+
+def batch_ids(batch) -> np.ndarray:
+    ids = batch["sample_id"].numpy().copy()
+    if "lengths" not in batch:  # fixed-length samples encode their id: the tokens are that sample's
+        np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), ids)
+    return ids
+
+
+def stream_until(loader, epochs: int) -> list[np.ndarray]:
+    """Batches (as sample ids) from where `loader` stands to the end of epoch `epochs - 1`."""
+    out: list[np.ndarray] = []
+    while loader.epoch < epochs:
+        out.extend(batch_ids(b) for b in loader)
+    return out
+
+
+def take(loader, n: int) -> list[np.ndarray]:
+    """The first `n` batches of a pass (islice pulls nothing past them), leaving the pass open."""
+    return [batch_ids(b) for b in itertools.islice(loader, n)]
+
+
+def assert_same_stream(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} batches, the uninterrupted run has {len(want)}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"{what}: batch {step} differs")
+
+
+def check_resume(make_loader: Callable, *, world_size: int = 1, epochs: int = 2) -> dict[str, int]:
+    """Exact resume at every save point. Returns the batches per rank of epoch 0 and of the run."""
+    reference = []
+    for rank in range(world_size):
+        loader = make_loader(rank, world_size)
+        first = stream_until(loader, 1)
+        reference.append((first, first + stream_until(loader, epochs)))
+    per_epoch = {len(first) for first, _ in reference}
+    assert len(per_epoch) == 1, f"ranks get unequal batch counts in an epoch: {per_epoch}"
+    steps = per_epoch.pop()
+    assert steps >= 2, "the contract needs at least two batches per rank per epoch"
+    stops = {"start": 0, "mid": steps // 2, "epoch_end": steps, "after_epoch": steps}
+    for point in SAVE_POINTS:
+        states = []
+        for rank in range(world_size):
+            loader = make_loader(rank, world_size)
+            # after_epoch: the pass runs to its end, so the loader itself moves on to epoch 1
+            got = stream_until(loader, 1) if point == "after_epoch" else take(loader, stops[point])
+            assert_same_stream(got, reference[rank][1][:stops[point]], f"rank {rank} before saving at {point}")
+            states.append(loader.state_dict())
+        assert all(s == states[0] for s in states), f"{point}: the state differs between ranks (it must be global)"
+        for rank in range(world_size):
+            resumed = make_loader(rank, world_size)
+            resumed.load_state_dict(states[0])
+            assert_same_stream(stream_until(resumed, epochs), reference[rank][1][stops[point]:],
+                               f"rank {rank} resumed from {point}")
+    return {"steps_per_epoch": steps, "steps": len(reference[0][1])}
+
+
+def check_elastic_resume(make_loader: Callable, *, before: int, after: int, token_budget: bool = False) -> None:
+    """Save mid-epoch with `before` ranks, resume with `after` ranks, finish the epoch.
+
+    Fixed-length batches (drop or pad policy, mixtures): every global step of the resumed run, the
+    union of its ranks' batches, holds exactly the next `after x batch_size` positions of the epoch's
+    global order (wrapping past the end under the pad policy), and the resumed run has as many steps
+    as the policy leaves. The global order comes from the dataset's public `order()`; the uninterrupted
+    run is checked against it too. Token-budget batches (the plan depends on the world size): what was
+    read before and after together is every sample of the epoch, and the only repeats are fillers,
+    batches of one sample that fill an otherwise empty batch.
+    """
+    first = [make_loader(rank, before) for rank in range(before)]
+    steps = len(stream_until(make_loader(0, before), 1))
+    consumed_batches = [take(loader, steps // 2) for loader in first]
+    state = first[0].state_dict()
+    assert all(loader.state_dict() == state for loader in first[1:])
+    resumed = []
+    for rank in range(after):
+        loader = make_loader(rank, after)
+        loader.load_state_dict(state)
+        resumed.append(stream_until(loader, 1))
+    assert len({len(r) for r in resumed}) == 1, "ranks get unequal batch counts after the elastic resume"
+    dataset = first[0].dataset
+    if token_budget:
+        seen = [b for rank in consumed_batches + resumed for b in rank]
+        counts = Counter(int(i) for b in seen for i in b)
+        assert sorted(counts) == list(range(dataset.num_samples)), "a sample was lost across the elastic resume"
+        repeated = [i for i, n in counts.items() if n > 1]
+        singles = Counter(int(b[0]) for b in seen if len(b) == 1)
+        for i in repeated:
+            assert counts[i] - 1 <= singles[i], f"sample {i} was repeated outside a filler batch"
+        return
+    num_positions = dataset.order(0, state["num_partitions"]).num_positions
+    order = dataset.order(0, state["num_partitions"]).sample_ids(np.arange(num_positions))
+    batch = len(consumed_batches[0][0])
+    start = state["samples_consumed"]
+    assert start == steps // 2 * before * batch
+    policy_steps = ((num_positions - start) // (after * batch) if dataset.partial_batches == "drop"
+                    else -(-(num_positions - start) // (after * batch)))
+    assert len(resumed[0]) == policy_steps, (len(resumed[0]), policy_steps)
+    for what, runs, begin in (("before", consumed_batches, 0), ("after", resumed, start)):
+        width = len(runs) * batch
+        for step in range(len(runs[0])):
+            union = np.sort(np.concatenate([r[step] for r in runs]))
+            positions = (begin + step * width + np.arange(width)) % num_positions
+            np.testing.assert_array_equal(union, np.sort(order[positions]),
+                                          err_msg=f"{what} the elastic resume, global step {step}")
