@@ -62,9 +62,13 @@ def storage_options(config: DataConfig) -> dict[str, Any] | None:
 def _dataset(url: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
     from shardkit.loaders.dataset import StreamingDataset
 
-    return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed,
-                            rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
-                            local_world_size=runtime.local_world_size, storage_options=storage_options(config))
+    # Data follows the mesh: rank and world size are the data-parallel coordinate and size, so the
+    # tensor- and pipeline-parallel peers of one dp rank read the same batches.
+    mesh = dict(device_mesh=runtime.mesh, mesh_dim="dp") if runtime.mesh is not None else {}
+    local_world_size = runtime.dp_local_world_size
+    return StreamingDataset(url, cache_dir=config.cache_dir, shuffle=shuffle, seed=config.data_seed, **mesh,
+                            local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
+                            storage_options=storage_options(config))
 
 
 def check_dataset(url: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
