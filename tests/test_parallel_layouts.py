@@ -34,6 +34,10 @@ LAYOUTS = {  # name: (processes, dp ranks, options)
     "pp2_tp2": (4, 1, ("--pp", "2", "--tp", "2")),
     "dp_replicate2_dp_shard2": (4, 4, ("--dp_replicate", "2", "--dp_shard", "2")),
 }
+GPT2 = {  # the other model style (learned positions, LayerNorm, biases), against its own reference
+    "gpt2_single": (1, 1, ("--style", "gpt2")),
+    "gpt2_tp2": (2, 1, ("--style", "gpt2", "--tp", "2")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def data(tmp_path_factory):
 
 
 def launch(run_dir: Path, data: str, layout: str, **kwargs):
-    nproc, dp, options = LAYOUTS[layout] if layout != "single" else (1, 1, ())
+    nproc, dp, options = {**LAYOUTS, **GPT2}.get(layout, (1, 1, ()))
     return torchrun(run_dir, data, nproc=nproc, parallel="auto", batch_size=GLOBAL_BATCH // dp, steps=STEPS,
                     checkpoint_every=3, extra=(*MODEL, *options), **kwargs)
 
@@ -91,6 +95,10 @@ def test_layout_matches_one_process(runs, layout):
         # dp distinct lists (one per data-parallel rank), together the reference step's samples, once each.
         assert len(lists) == dp, (step, lists)
         assert sorted(i for ids in lists for i in ids) == sorted(expected[step][0]), step
+
+
+def test_gpt2_style_tensor_parallel_matches_one_process(runs):
+    assert_close(losses(runs("gpt2_tp2")), losses(runs("gpt2_single")), range(1, STEPS + 1))
 
 
 def test_sigkill_after_checkpoint_resumes_bitwise_in_a_2d_layout(tmp_path, data, runs):
