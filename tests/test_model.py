@@ -67,7 +67,8 @@ def test_document_mask_requires_segment_ids():
 def test_weight_tying_init_and_gqa():
     model = make_model("llama", document_mask=False, n_kv_head=2)
     assert model.lm_head.weight is model.tok_emb.weight
-    assert model.blocks[0].attn.qkv.out_features == (4 + 2 * 2) * 8
+    attn = model.blocks[0].attn
+    assert (attn.q.out_features, attn.k.out_features, attn.v.out_features) == (4 * 8, 2 * 8, 2 * 8)
     out_std = model.blocks[0].mlp.down.weight.std().item()
     assert 0.02 / 2 * 0.7 < out_std < 0.02 / 2 * 1.3  # residual projections scaled by 1/sqrt(2 * n_layer)
     logits = model(torch.randint(0, VOCAB, (2, SEQ)))

@@ -50,6 +50,6 @@ def test_weight_decay_groups():
     decay, no_decay = build_optimizer(model, OptimizerConfig()).param_groups
     ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
     assert id(model.tok_emb.weight) in ids(no_decay)  # tied embedding / output projection
-    assert id(model.blocks[0].attn.qkv.weight) in ids(decay)
+    assert id(model.blocks[0].attn.q.weight) in ids(decay)
     assert id(model.blocks[0].norm1.weight) in ids(no_decay)
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

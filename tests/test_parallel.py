@@ -11,10 +11,14 @@ import torch.multiprocessing as mp
 
 from shardkit.train.config import ModelConfig, ParallelConfig
 from shardkit.train.model import Transformer
-from shardkit.train.parallel import gradient_sync, init_runtime, wrap_model
+from shardkit.train.parallel import gradient_sync, init_runtime, parallelize
 from train_runs import free_port
 
 MODEL = ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
+
+
+def wrap_model(model, runtime, config, *, bf16):
+    return parallelize(model, runtime, config, bf16=bf16, compile=False, activation_checkpointing=False).model
 
 
 def _grads(module):
@@ -80,7 +84,7 @@ def test_runtime_rejects_impossible_layouts(monkeypatch):
     with pytest.raises(ValueError, match="--parallel none"):
         init_runtime(ParallelConfig(parallel="none"), device="cpu")
     monkeypatch.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ValueError, match="--shard_size 4"):
+    with pytest.raises(ValueError, match="--shard_size 4"):  # no divisor: 6 ranks in shard groups of 4
         init_runtime(ParallelConfig(parallel="hsdp", shard_size=4), device="cpu")
 
 

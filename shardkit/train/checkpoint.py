@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardkit.train import faults
 
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 MARKER_NAME = "shardkit-checkpoint.json"
 _STEP_NAME = re.compile(r"step_\d{8,}")
 PARTIAL_SUFFIX = ".partial"
+# Optimizer state and param groups keyed by parameter name: pipeline stages hold different
+# parameters, and a per-group list of names saved by every stage would collide in DCP.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -197,7 +200,7 @@ class Checkpointer:
             for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
         _barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_state, "optim": optim_state,
                  "scheduler": json.dumps(scheduler.state_dict()),
                  "train": json.dumps({"step": step}),
@@ -271,7 +274,7 @@ class Checkpointer:
                              "(--resume auto skips damaged ones) or start over with --resume none")
         meta = read_marker(path)
         same_topology = meta.get("world_size") == world_size
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
         state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
         try:
@@ -280,7 +283,8 @@ class Checkpointer:
             # Files of the listed sizes whose bytes are damaged: name the checkpoint, not DCP's internals.
             raise ValueError(f"checkpoint {path} cannot be loaded ({_first_failure(err)}); resume from another "
                              "one with --resume DIR, or start over with --resume none") from err
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=STATE_DICT_OPTIONS)
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])

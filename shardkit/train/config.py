@@ -19,6 +19,7 @@ from shardkit.loaders.config import LoaderConfig
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp")
 COMM_HOOKS = ("none", "bf16", "powersgd")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 MODEL_STYLES = ("gpt2", "llama")
@@ -179,10 +180,27 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the model is replicated or sharded over the ranks torchrun starts."""
+    """How the model is replicated, sharded, split by tensors and by layers over the ranks torchrun starts.
 
-    parallel: str = option("auto", "'ddp', 'fsdp' (FSDP2), 'hsdp' (shard in a node, replicate across nodes), "
-                           "'none' (one process), or 'auto' (ddp when several ranks)", choices=PARALLEL_MODES)
+    The ranks form one device mesh (pp, dp_replicate, dp_shard, tp); the product of the four sizes is
+    the world size, and one of them may be -1 ("the rest"). See docs/PARALLELISM.md.
+    """
+
+    parallel: str = option("auto", "shorthand for the data-parallel dims: 'ddp' (--dp_replicate -1), 'fsdp' "
+                           "(--dp_shard -1), 'hsdp' (shard within --shard_size ranks, replicate across), 'none' "
+                           "(no data parallelism), or 'auto' (ddp, or fsdp when --tp/--pp > 1)", choices=PARALLEL_MODES)
+    dp_replicate: int | None = option(None, "data-parallel replicas (gradients all-reduced); -1: the rest; "
+                                      "default: from --parallel")
+    dp_shard: int | None = option(None, "data-parallel ranks that shard parameters, gradients and optimizer "
+                                  "state (FSDP2); -1: the rest; default: from --parallel")
+    tp: int = option(1, "tensor-parallel ranks: each block's matrices split by heads and columns; -1: the rest")
+    pp: int = option(1, "pipeline stages: the block stack split by layer ranges; -1: the rest")
+    pp_schedule: str = option("1f1b", "pipeline schedule: 'gpipe', '1f1b', or 'interleaved1f1b' "
+                              "(2 stages per rank)", choices=PP_SCHEDULES)
+    pp_microbatches: int | None = option(None, "micro-batches per pipeline step (each --batch_size batch is "
+                                         "split into them); default: --pp (2 x --pp when interleaved)")
+    comm_stats: bool = option(True, "count the bytes each collective kind moves per step (metrics.jsonl); "
+                              "a dispatch mode with a little CPU overhead per op")
     comm_hook: str = option("none", "ddp gradient communication: 'none', 'bf16' (compress to bf16) or "
                             "'powersgd' (low-rank)", choices=COMM_HOOKS)
     powersgd_rank: int = option(4, "matrix rank of the PowerSGD approximation")
@@ -197,6 +215,17 @@ class ParallelConfig:
                f"--comm_hook {self.comm_hook} applies to --parallel ddp only, not {self.parallel}")
         _check(self.powersgd_rank >= 1, f"--powersgd_rank must be >= 1, got {self.powersgd_rank}")
         _check(self.shard_size is None or self.shard_size >= 1, f"--shard_size must be >= 1, got {self.shard_size}")
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+        for name, size in sizes.items():
+            _check(size is None or size == -1 or size >= 1, f"--{name} must be >= 1 or -1 (the rest), got {size}")
+        rest = [name for name, size in sizes.items() if size == -1]
+        _check(len(rest) <= 1, f"only one mesh dimension may be -1 (the rest), got {', '.join('--' + n for n in rest)}")
+        _check(self.parallel == "auto" or (self.dp_replicate is None and self.dp_shard is None),
+               f"--parallel {self.parallel} sets the data-parallel dims itself: drop it (or use --parallel auto) "
+               "when giving --dp_replicate/--dp_shard")
+        _check(self.pp_schedule in PP_SCHEDULES, f"--pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
+               f"--pp_microbatches must be >= 1, got {self.pp_microbatches}")
 
 
 @dataclass(frozen=True, kw_only=True)

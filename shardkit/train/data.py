@@ -70,9 +70,13 @@ def _source(spec: str) -> Any:
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
     from shardkit.loaders.dataset import StreamingDataset
 
-    return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle,
-                            rank=runtime.rank, world_size=runtime.world_size, local_rank=runtime.local_rank,
-                            local_world_size=runtime.local_world_size, storage_options=storage_options(config))
+    # Data follows the mesh: rank and world size are the data-parallel coordinate and size, so the
+    # tensor- and pipeline-parallel peers of one dp rank read the same batches.
+    mesh = dict(device_mesh=runtime.mesh, mesh_dim="dp") if runtime.mesh is not None else {}
+    local_world_size = runtime.dp_local_world_size
+    return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **mesh,
+                            local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
+                            storage_options=storage_options(config))
 
 
 def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:

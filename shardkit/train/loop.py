@@ -21,17 +21,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
-from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
+from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
+                                    step_metrics)
 from shardkit.train.model import Transformer, flops_per_token
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
-from shardkit.train.parallel import (Runtime, close_runtime, gradient_sync, init_runtime, reshard_after_eval,
-                                     wrap_model)
+from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ class Run:
     config: TrainConfig
     runtime: Runtime
     run_dir: Path
-    model: torch.nn.Module  # wrapped for the parallel mode
+    model: torch.nn.Module  # wrapped for the parallel layout (under pipeline parallelism: this rank's stages)
+    parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: TrainStream
@@ -55,6 +55,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     step: int = 0
+    data_wait: float = 0.0  # seconds the current step waited for batches
     resumed_step: int | None = None
     resumed_path: str | None = None
     saved_step: int | None = None
@@ -70,7 +71,7 @@ def build(config: TrainConfig) -> Run:
     """Set up the process group, model, optimizer, data, metrics and checkpoints; resume if asked."""
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
-    runtime = init_runtime(config.parallelism, device=config.device)
+    runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
         held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
@@ -89,12 +90,10 @@ def build(config: TrainConfig) -> Run:
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(runtime.device)
-    model.activation_checkpointing = config.activation_checkpointing
     num_parameters = model.num_parameters()
-    if config.compile:
-        for block in model.blocks:
-            block.compile()
-    wrapped = wrap_model(model, runtime, config.parallelism, bf16=bf16)
+    parallel = parallelize(model, runtime, config.parallelism, bf16=bf16, compile=config.compile,
+                           activation_checkpointing=config.activation_checkpointing)
+    wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
     scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
     # Dropout draws differ per rank; seeded so that a run is reproducible.
@@ -103,7 +102,7 @@ def build(config: TrainConfig) -> Run:
     checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
     checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save)
-    run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, optimizer=optimizer,
+    run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=TrainStream(config.data, runtime),
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
               checkpointer=checkpointer, metrics=None, sample_log=None, bf16=bf16,  # type: ignore[arg-type]
@@ -116,7 +115,7 @@ def build(config: TrainConfig) -> Run:
         if config.logging.log_sample_ids:
             SampleLog.truncate_all(run_dir, run.step)
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
-                    num_parameters / 1e6, runtime.mode, runtime.world_size, "bf16" if bf16 else "fp32", run_dir)
+                    num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, "bf16" if bf16 else "fp32", run_dir)
     _barrier()
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
@@ -187,7 +186,7 @@ def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
 def save_checkpoint(run: Run) -> None:
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
-    meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
+    meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
@@ -206,10 +205,6 @@ def _autocast(run: Run):
     return torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def _loss(run: Run, batch, *, reduction: str = "mean") -> torch.Tensor:
-    with _autocast(run):
-        logits = run.model(batch.inputs, batch.segment_ids)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction=reduction)
 
 
 @contextlib.contextmanager
@@ -235,30 +230,18 @@ def train(run: Run) -> int:
 def _train_steps(run: Run) -> int:
     config, runtime = run.config, run.runtime
     run.model.train()
-    tokens_per_step = config.data.batch_size * config.model.seq_len * config.grad_accum * runtime.world_size
+    # Each data-parallel batch once: tensor and pipeline peers of a dp rank train on the same tokens.
+    tokens_per_step = config.data.batch_size * config.model.seq_len * config.grad_accum * runtime.dp_size
     every = config.checkpoint.checkpoint_every
     while run.step < config.steps:
         faults.inject_now("step", run.step + 1, runtime.rank)
-        started, data_wait = time.perf_counter(), 0.0
-        loss_sum = torch.zeros((), device=runtime.device)
+        started = time.perf_counter()
         sample_ids: list[int] = []
-        for micro in range(config.grad_accum):
-            waited = time.perf_counter()
-            batch = to_batch(next(run.data), runtime.device)
-            data_wait += time.perf_counter() - waited
-            sample_ids += batch.sample_ids
-            # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
-            with gradient_sync(run.model, runtime.mode, enabled=micro == config.grad_accum - 1):
-                loss = _loss(run, batch)
-                (loss / config.grad_accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optimizer.grad_clip or math.inf)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        lr = run.optimizer.param_groups[0]["lr"]
-        run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        # Counts the bytes each collective kind moves in this step's forward, backward and update.
+        comm = CollectiveCounter() if config.parallelism.comm_stats and runtime.distributed else contextlib.nullcontext()
+        with comm:
+            loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
+        data_wait = run.data_wait
         run.step += 1
         # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
         # many ranks finished writing a background checkpoint (it completes once all have).
@@ -277,7 +260,8 @@ def _train_steps(run: Run) -> int:
         run.metrics.log(step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                                      step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
                                      world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device)))
+                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
+                                     comm=comm.record() if isinstance(comm, CollectiveCounter) else None))
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
             run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
         if stop:
@@ -295,6 +279,30 @@ def _train_steps(run: Run) -> int:
     return 0
 
 
+def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The micro-steps of one optimizer step (their sample ids appended to `sample_ids`), gradient
+    clipping and the update; returns (summed micro-step losses, grad norm, lr)."""
+    config = run.config
+    run.data_wait = 0.0
+    loss_sum = torch.zeros((), device=run.runtime.device)
+    for micro in range(config.grad_accum):
+        waited = time.perf_counter()
+        batch = to_batch(next(run.data), run.runtime.device)
+        run.data_wait += time.perf_counter() - waited
+        sample_ids += batch.sample_ids
+        # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
+        with _autocast(run):
+            loss = run.parallel.forward_backward(batch.inputs, batch.targets, batch.segment_ids,
+                                                 scale=1 / config.grad_accum, sync=micro == config.grad_accum - 1)
+        loss_sum += loss
+    grad_norm = run.parallel.clip_grad_norm_(config.optimizer.grad_clip or math.inf)
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, lr
+
+
 def evaluate(run: Run) -> float:
     """Mean loss over the held-out batches, averaged over ranks. Runs under no_grad: a DDP forward
     with grad enabled would expect a backward before the next one."""
@@ -305,9 +313,10 @@ def evaluate(run: Run) -> float:
         for raw in batches:
             batch = to_batch(raw, run.runtime.device)
             # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
-            total[0] += _loss(run, batch, reduction="sum").double()
+            with _autocast(run):
+                total[0] += run.parallel.loss(batch.inputs, batch.targets, batch.segment_ids).double()
             total[1] += batch.num_tokens
-    reshard_after_eval(run.model, run.runtime.mode)
+    run.parallel.reshard_after_eval()
     run.model.train()
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -9,8 +9,16 @@ the model's own arithmetic counts: activation-checkpoint recomputation does not,
 lowers MFU, as it should. The peaks below are dense (no sparsity) tensor-core figures from NVIDIA's
 data sheets; fp32 runs are measured against the TF32 peak. MFU is "n/a" on CPUs and unknown GPUs.
 
+Tokens per step count each data-parallel batch once (tensor and pipeline peers of one dp rank
+process the same tokens), and the per-device rate divides by every device of the mesh, so MFU is
+per device whatever the layout.
+
 The data-wait fraction is the time a step spent blocked on the loader's `next()` over the step's
 wall time, averaged over ranks: near zero means the input pipeline keeps up.
+
+Communication per step (`comm_bytes_*`) is measured, not estimated: `CollectiveCounter` sees every
+collective this rank issues (c10d ops from FSDP, DDP and pipeline send/recv, and the functional
+collectives DTensor uses for tensor parallelism) and adds up the bytes of each (see `collective_bytes`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +66,89 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+# Collective op name (c10d's in-place ops and the functional ops DTensor issues) -> reported kind.
+COLLECTIVE_KINDS: dict[str, str] = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "send": "send_recv", "recv_": "send_recv", "recv_any_source_": "send_recv",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+}
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "all_to_all")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def collective_bytes(args: tuple, output: Any) -> int:
+    """Bytes of the full buffer one collective works on, as this rank sees it: the reduced tensor of an
+    all-reduce, the gathered output of an all-gather, the input of a reduce-scatter, the tensor sent or
+    received. That is the largest tensor argument (or output, for functional all-gathers)."""
+    return max([_tensor_bytes(arg) for arg in args] + [_tensor_bytes(output)])
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives issued under it and the bytes each kind moves (`counts`, `bytes`).
+
+    A dispatch mode, so it sees the ops of every library that issues collectives through the
+    dispatcher (FSDP2, DDP's reducer, pipelining's send/recv, DTensor). Barriers are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+        self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            # Modes run before tensor subclasses: let DTensor turn the op into local ops and
+            # collectives first, which then come back here (as CommDebugMode does).
+            return NotImplemented
+        output = func(*args, **(kwargs or {}))
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            kind = COLLECTIVE_KINDS.get(func.__name__.split(".")[0])
+            if kind is not None:
+                self.counts[kind] += 1
+                self.bytes[kind] += collective_bytes(args, output)
+        return output
+
+    def record(self) -> dict[str, int]:
+        """`comm_bytes_KIND` and `comm_count_KIND` for every kind seen (for metrics.jsonl)."""
+        record: dict[str, int] = {}
+        for kind in COMM_KINDS:
+            if self.counts[kind]:
+                record[f"comm_bytes_{kind}"] = self.bytes[kind]
+                record[f"comm_count_{kind}"] = self.counts[kind]
+        return record
+
+
 def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, step_time: float, data_wait: float,
                  tokens: int, world_size: int, flops_per_token: float, peak: float | None,
-                 memory_gib: float) -> dict[str, Any]:
-    """One step's record (a pure function of the measurements, so it is testable)."""
+                 memory_gib: float, comm: dict[str, int] | None = None) -> dict[str, Any]:
+    """One step's record (a pure function of the measurements, so it is testable).
+
+    Args:
+        tokens: tokens the whole mesh trained on this step (each data-parallel batch once).
+        world_size: all devices of the mesh (MFU and the per-device rate are per device).
+        comm: `CollectiveCounter.record()` of this step, if counted.
+    """
     tokens_per_s = tokens / step_time if step_time > 0 else 0.0
     per_device = tokens_per_s / world_size
-    return {
+    return {**(comm or {}),
         "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
         "mfu": flops_per_token * per_device / peak if peak else None,
@@ -74,10 +159,20 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, step_ti
 
 def format_line(record: dict[str, Any], total_steps: int) -> str:
     mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+    comm = " ".join(f"{kind.replace('_', '-')} {_bytes(record[f'comm_bytes_{kind}'])}" for kind in COMM_KINDS
+                    if record.get(f"comm_bytes_{kind}"))
     return (f"step {record['step']:>6}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {_si(record['tokens_per_s'])} tok/s "
             f"({_si(record['tokens_per_s_per_device'])}/dev) | mfu {mfu} | "
-            f"data wait {100 * record['data_wait_fraction']:.1f}% | mem {record['peak_memory_gib']:.2f} GiB")
+            f"data wait {100 * record['data_wait_fraction']:.1f}% | mem {record['peak_memory_gib']:.2f} GiB"
+            + (f" | comm {comm}" if comm else ""))
+
+
+def _bytes(value: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}B"
 
 
 def _si(value: float) -> str:

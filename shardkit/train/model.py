@@ -72,18 +72,21 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.head_dim = config.d_model // config.n_head
         bias = config.style == "gpt2"
-        self.qkv = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=bias)
+        # Separate q, k and v projections (not one fused matrix) so that tensor parallelism can split
+        # each by heads: a column split of a fused [q; k; v] matrix would hand one rank all of q.
+        self.q = nn.Linear(config.d_model, self.n_head * self.head_dim, bias=bias)
+        self.k = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=bias)
+        self.v = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=bias)
         self.out = nn.Linear(config.d_model, config.d_model, bias=bias)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
-                                     self.n_kv_head * self.head_dim], dim=-1)
-        q = q.view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds n_head / tp query and key/value heads.
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = F.scaled_dot_product_attention(
@@ -95,15 +98,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gated = config.style == "llama"
         hidden, bias = config.hidden_size, config.style == "gpt2"
-        self.up = nn.Linear(config.d_model, hidden * (2 if self.gated else 1), bias=bias)
+        # SwiGLU's gate is its own matrix (not fused with `up`) so tensor parallelism can split both by columns.
+        self.gate = nn.Linear(config.d_model, hidden, bias=False) if config.style == "llama" else None
+        self.up = nn.Linear(config.d_model, hidden, bias=bias)
         self.down = nn.Linear(hidden, config.d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = self.up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
@@ -134,6 +137,9 @@ class Transformer(nn.Module):
             raise ValueError("the model needs --vocab_size and --seq_len (normally taken from the dataset manifest)")
         self.config = config
         self.activation_checkpointing = False
+        # Tensor parallelism with sequence parallelism hands each block 1/tp of the sequence; positions
+        # are computed for the whole sequence (see `shardkit.train.parallel.tensor`).
+        self.sequence_shards = 1
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.style == "gpt2" else None
         self.rope = (RotaryEmbedding(config.d_model // config.n_head, config.seq_len, config.rope_theta)
@@ -176,28 +182,47 @@ class Transformer(nn.Module):
             segment_ids: document segment number per token [B, T]; used only when the config's
                 `document_mask` is on, to keep attention within each document and restart positions.
         """
-        seq = tokens.shape[1]
-        if seq > self.config.seq_len:
-            raise ValueError(f"input has {seq} tokens, more than the model's --seq_len {self.config.seq_len}")
-        mask = None
-        positions = torch.arange(seq, device=tokens.device)
-        if self.config.document_mask:
-            if segment_ids is None:
-                raise ValueError("--document_mask needs segment ids: the dataset's shards store no document "
-                                 "boundaries (rebuild with boundaries or turn --document_mask off)")
-            mask = document_attention_mask(segment_ids)
-            positions = document_positions(segment_ids)
-        x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        rope = self.rope(positions) if self.rope is not None else None
-        x = self.drop(x)
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, mask, use_reentrant=False)
-            else:
-                x = block(x, rope, mask)
-        return self.lm_head(self.norm(x))
+        return forward_layers(self, tokens, segment_ids)
+
+
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks `module` runs, in order (a pipeline stage keeps a `ModuleDict` of its
+    layer range, so that parameter names stay `blocks.N...` as in the whole model)."""
+    blocks = module.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward pass over the layers `module` holds: a whole `Transformer`, or a pipeline stage
+    whose `tok_emb` is None (its input is the previous stage's hidden state) or whose `lm_head` is
+    None (it returns the hidden state)."""
+    config = module.config
+    seq = inputs.shape[1] * (1 if module.tok_emb is not None else module.sequence_shards)
+    if seq > config.seq_len:
+        raise ValueError(f"input has {seq} tokens, more than the model's --seq_len {config.seq_len}")
+    mask = None
+    positions = torch.arange(seq, device=inputs.device)
+    if config.document_mask:
+        if segment_ids is None:
+            raise ValueError("--document_mask needs segment ids: the dataset's shards store no document "
+                             "boundaries (rebuild with boundaries or turn --document_mask off)")
+        mask = document_attention_mask(segment_ids)
+        positions = document_positions(segment_ids)
+    x = inputs
+    if module.tok_emb is not None:
+        x = module.tok_emb(inputs)
+        if module.pos_emb is not None:
+            x = x + module.pos_emb(positions)
+        x = module.drop(x)
+    rope = module.rope(positions) if module.rope is not None else None
+    for block in blocks_of(module):
+        if module.activation_checkpointing and module.training:
+            x = checkpoint(block, x, rope, mask, use_reentrant=False)
+        else:
+            x = block(x, rope, mask)
+    if module.lm_head is None:
+        return x
+    return module.lm_head(module.norm(x))
 
 
 def flops_per_token(config: ModelConfig, num_parameters: int) -> float:

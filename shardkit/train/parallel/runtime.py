@@ -1,0 +1,130 @@
+"""Process group, device and device mesh for the ranks torchrun starts.
+
+The backend follows the device (NCCL for CUDA, gloo for CPU) unless `--backend` says otherwise. The
+rank, world size and local layout come from torchrun's environment once, here, and are passed on as
+arguments; nothing else reads them from ambient state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardkit.train.config import ParallelConfig
+from shardkit.train.parallel.mesh import ParallelDims, build_mesh, resolve_dims
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """Where this process runs: rank layout, device, the mesh sizes and the mesh itself."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: Any = None  # a DeviceMesh with dims pp, dp_replicate, dp_shard, tp (+ flattened dp); None alone
+
+    @property
+    def mode(self) -> str:
+        """How the data-parallel dims are applied: 'none', 'ddp', 'fsdp' or 'hsdp'."""
+        return self.dims.data_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate: TP and PP peers share it (and read the same batches)."""
+        return self.mesh.get_local_rank("dp") if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_local_world_size(self) -> int:
+        """Data-parallel coordinates on this node (tp and pp are innermost, so a node holds whole groups)."""
+        per_node = max(1, self.local_world_size // (self.dims.tp * self.dims.pp))
+        return per_node if self.dp_size % per_node == 0 else self.dp_size
+
+    def group(self, name: str):
+        """The process group of mesh dim `name` ('tp', 'pp', 'dp', ...), or None without a mesh."""
+        return self.mesh.get_group(name) if self.mesh is not None else None
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init_runtime(config: ParallelConfig, *, device: str = "auto", batch_size: int = 1) -> Runtime:
+    """Check the layout, join the process group torchrun describes (if any), pick the device, build the mesh."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available")
+    torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(torch_device)
+    # Before any process-group work: an impossible layout is a message naming the option, not a hang.
+    dims = resolve_dims(config, world_size=world_size, local_world_size=local_world_size, batch_size=batch_size)
+    mesh = None
+    if world_size > 1 or config.parallel not in ("none", "auto"):
+        if not dist.is_initialized():
+            backend = config.backend if config.backend != "auto" else ("nccl" if use_cuda else "gloo")
+            if "MASTER_ADDR" not in os.environ:  # one process without torchrun: a private group
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            timeout = datetime.timedelta(minutes=10)
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    store=_attempt_store(world_size, timeout),
+                                    device_id=torch_device if use_cuda else None)
+            logger.info("rank %d/%d joined the %s process group on %s", rank, world_size, backend, torch_device)
+        mesh = build_mesh(dims, torch_device.type)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                   device=torch_device, dims=dims, mesh=mesh)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta):
+    """Under torchrun's agent store, a store whose keys are private to this restart attempt; else None.
+
+    torch 2.13's torchrun keeps one store across `--max-restarts` attempts and its workers use it
+    without a per-attempt prefix, so after a restart a fast rank can read the address a rank of the
+    previous attempt published and fail with gloo's "connectFullMesh ... Connection refused". The
+    prefix (run id + restart count) makes every attempt rendezvous afresh.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardkit/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}", store)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def close_runtime() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
