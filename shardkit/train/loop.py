@@ -27,6 +27,7 @@ from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_latest, read_marker
 from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, to_batch
+from shardkit.train.diloco import NoSync, build_sync
 from shardkit.train.metrics import MetricsLogger, SampleLog, peak_flops, peak_memory_gib, step_metrics
 from shardkit.train.model import Transformer, flops_per_token
 from shardkit.train.optim import build_optimizer, build_scheduler
@@ -54,6 +55,7 @@ class Run:
     bf16: bool
     flops_per_token: float
     peak_flops: float | None
+    sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
     step: int = 0
     resumed_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
@@ -104,7 +106,9 @@ def build(config: TrainConfig) -> Run:
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
               checkpointer=checkpointer, metrics=None, sample_log=None, bf16=bf16,  # type: ignore[arg-type]
               flops_per_token=flops_per_token(model_config, num_parameters),
-              peak_flops=peak_flops(runtime.device, bf16=bf16))
+              peak_flops=peak_flops(runtime.device, bf16=bf16),
+              sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
+                              world_size=runtime.world_size))
     resume(run)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +143,8 @@ def resume(run: Run) -> None:
                          + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
                          + "; use the same model options or another --checkpoint_dir")
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                   world_size=run.runtime.world_size)
+                                   world_size=run.runtime.world_size, extra=run.sync.resume_state(read_marker(path)))
+    run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
@@ -157,10 +162,10 @@ def save_checkpoint(run: Run) -> None:
     if run.step == run.resumed_step:
         return  # nothing trained since the checkpoint this run resumed from: it is this state already
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
-            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
+            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                          rank_state=rank_state, meta=meta)
+                          rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
 
 
 def _barrier() -> None:
@@ -228,6 +233,7 @@ def _train_steps(run: Run) -> int:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
+        run.sync.after_inner_step(run.step)
         # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
         # many ranks finished writing a background checkpoint (it completes once all have).
         flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
@@ -245,7 +251,8 @@ def _train_steps(run: Run) -> int:
         run.metrics.log(step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                                      step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
                                      world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device)))
+                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device))
+                        | run.sync.step_metrics(run.step, tokens_per_step))
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
             run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
         if stop:

@@ -114,7 +114,7 @@ def wrap_model(model: nn.Module, runtime: Runtime, config: ParallelConfig, *, bf
     block's parameters are gathered at a time. With bf16 on, FSDP computes in bf16 parameters and
     reduces gradients in fp32; DDP and single-process runs use autocast instead (see the loop).
     """
-    if runtime.mode == "none":
+    if runtime.mode in ("none", "diloco"):  # diloco replicas train alone: shardkit.train.diloco syncs them
         return model
     if runtime.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
