@@ -59,6 +59,20 @@ def unigram_entropy(url: Path) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def prepare_data(work: Path, seq_len: int, shared: Path = SHARED) -> tuple[Path, Path]:
+    """The prose corpus split 9:1 and built with the GPT-2 tokenizer under `work` (reused when there)."""
+    corpus, tokenizer = shared / "corpora" / "prose.jsonl.zst", shared / "tokenizers" / "gpt2_hf_tokenizer.json"
+    for path in (corpus, tokenizer):
+        if not path.exists():
+            raise SystemExit(f"{path} is absent: this benchmark needs ../shared beside the repository")
+    work.mkdir(parents=True, exist_ok=True)
+    train_corpus, held_out_corpus = split_corpus(corpus, work)
+    train_data, held_out_data = work / f"prose-train-{seq_len}", work / f"prose-heldout-{seq_len}"
+    build(train_corpus, train_data, tokenizer, seq_len)
+    build(held_out_corpus, held_out_data, tokenizer, seq_len)
+    return train_data, held_out_data
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -68,16 +82,8 @@ def main() -> int:
     parser.add_argument("--work-dir", default="/tmp/shardkit-e2e")
     parser.add_argument("--out", default="bench_out/e2e_prose.json")
     args = parser.parse_args()
-    corpus, tokenizer = SHARED / "corpora" / "prose.jsonl.zst", SHARED / "tokenizers" / "gpt2_hf_tokenizer.json"
-    for path in (corpus, tokenizer):
-        if not path.exists():
-            raise SystemExit(f"{path} is absent: this benchmark needs ../shared beside the repository")
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    train_corpus, held_out_corpus = split_corpus(corpus, work)
-    train_data, held_out_data = work / f"prose-train-{args.seq_len}", work / f"prose-heldout-{args.seq_len}"
-    build(train_corpus, train_data, tokenizer, args.seq_len)
-    build(held_out_corpus, held_out_data, tokenizer, args.seq_len)
+    train_data, held_out_data = prepare_data(work, args.seq_len)
     entropy = unigram_entropy(train_data)
     run_dir = work / "run"
     subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(train_data), "--eval_data", str(held_out_data),

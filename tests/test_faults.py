@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fault_proxy import FAULT_KINDS, through_proxy
-from shardkit.errors import CorruptShardError, StorageError
+from shardkit.errors import CorruptShardError
 from shardkit.formats import SHARD_READS, Sample, ShardReader, read_shard, write_dataset
 from shardkit.loaders.cache import ShardCache
 from shardkit.manifest import TokenizerInfo, load_manifest

@@ -21,6 +21,7 @@ uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -150,12 +151,14 @@ class LoadedCheckpoint:
         rank_state: this rank's saved state, or rank 0's when `same_topology` is False.
         same_topology: whether it was saved at the current world size.
         meta: the marker's metadata (world size, parallel mode, model config, ...).
+        extra: the `extra` state asked for, loaded (tensors in place, other values replaced).
     """
 
     step: int
     rank_state: dict[str, Any]
     same_topology: bool
     meta: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _barrier() -> None:
@@ -190,8 +193,11 @@ class Checkpointer:
             self._async_group = dist.new_group(backend="gloo")
 
     def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             rank_state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save the state after `step` optimizer steps (collective: every rank calls it)."""
+             rank_state: dict[str, Any], meta: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """Save the state after `step` optimizer steps (collective: every rank calls it).
+
+        `extra` holds more top-level entries (e.g. DiLoCo's outer state); keys saved by every rank
+        are kept once, so per-rank values need rank-specific keys."""
         self.wait()
         final = self.directory / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -204,7 +210,7 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state,
                  "scheduler": json.dumps(scheduler.state_dict()),
                  "train": json.dumps({"step": step}),
-                 f"rank_{self.rank}": json.dumps(rank_state)}
+                 f"rank_{self.rank}": json.dumps(rank_state), **(extra or {})}
         meta = {**meta, "step": step}
         started = time.perf_counter()
         if self.async_save:
@@ -265,8 +271,9 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             world_size: int) -> LoadedCheckpoint:
-        """Load a complete checkpoint into model, optimizer and scheduler (collective)."""
+             world_size: int, extra: dict[str, Any] | None = None) -> LoadedCheckpoint:
+        """Load a complete checkpoint into model, optimizer and scheduler (collective), and the
+        entries named in `extra` (shaped like what was saved; tensors are loaded in place)."""
         path = Path(path)
         problem = checkpoint_problem(path)
         if problem is not None:
@@ -276,7 +283,8 @@ class Checkpointer:
         same_topology = meta.get("world_size") == world_size
         model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
-        state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: ""}
+        state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: "",
+                 **(extra or {})}
         try:
             dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as err:
@@ -289,7 +297,8 @@ class Checkpointer:
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])
         logger.info("resumed from %s at step %d", path, step)
-        return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta)
+        return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta,
+                                extra={key: state[key] for key in extra or {}})
 
 
 def _first_failure(err: BaseException) -> str:

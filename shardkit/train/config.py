@@ -17,7 +17,9 @@ from typing import Any
 
 from shardkit.loaders.config import LoaderConfig
 
-PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp")
+PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
+OPTIMIZERS = ("adamw", "sgd")
+SYNC_DTYPES = ("fp32", "bf16")
 COMM_HOOKS = ("none", "bf16", "powersgd")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -152,8 +154,10 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW and its learning-rate schedule."""
+    """The (inner) optimizer, AdamW or plain SGD, and its learning-rate schedule."""
 
+    optimizer_name: str = option("adamw", "'adamw', or 'sgd' (plain SGD, no momentum; weight decay is then "
+                                 "coupled L2)", choices=OPTIMIZERS)
     lr: float = option(3e-4, "peak learning rate")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr")
     warmup_steps: int | None = option(None, "linear warm-up steps; default min(100, --steps // 10)")
@@ -167,6 +171,8 @@ class OptimizerConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables clipping)")
 
     def __post_init__(self) -> None:
+        _check(self.optimizer_name in OPTIMIZERS,
+               f"--optimizer_name must be one of {OPTIMIZERS}, got {self.optimizer_name!r}")
         _check(self.lr > 0, f"--lr must be positive, got {self.lr}")
         _check(0 <= self.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.warmup_steps is None or self.warmup_steps >= 0,
@@ -187,8 +193,9 @@ class ParallelConfig:
     """
 
     parallel: str = option("auto", "shorthand for the data-parallel dims: 'ddp' (--dp_replicate -1), 'fsdp' "
-                           "(--dp_shard -1), 'hsdp' (shard within --shard_size ranks, replicate across), 'none' "
-                           "(no data parallelism), or 'auto' (ddp, or fsdp when --tp/--pp > 1)", choices=PARALLEL_MODES)
+                           "(--dp_shard -1), 'hsdp' (shard within --shard_size ranks, replicate across), 'diloco' "
+                           "(--dp_replicate -1 without gradient sync: local SGD with an outer optimizer, see the "
+                           "diloco options), 'none' (no data parallelism), or 'auto' (ddp, or fsdp when --tp/--pp > 1)", choices=PARALLEL_MODES)
     dp_replicate: int | None = option(None, "data-parallel replicas (gradients all-reduced); -1: the rest; "
                                       "default: from --parallel")
     dp_shard: int | None = option(None, "data-parallel ranks that shard parameters, gradients and optimizer "
@@ -226,6 +233,32 @@ class ParallelConfig:
         _check(self.pp_schedule in PP_SCHEDULES, f"--pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
                f"--pp_microbatches must be >= 1, got {self.pp_microbatches}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilocoConfig:
+    """--parallel diloco: H local steps without gradient communication, then an outer optimizer step
+    (SGD with Nesterov momentum) on the rank-averaged parameter change (see docs/PARALLELISM.md)."""
+
+    sync_every: int = option(50, "H: inner optimizer steps between two synchronisations of a fragment")
+    outer_lr: float = option(0.7, "outer optimizer learning rate (1 with momentum 0: plain parameter averaging)")
+    outer_momentum: float = option(0.9, "outer optimizer momentum")
+    outer_nesterov: bool = option(True, "Nesterov momentum in the outer optimizer")
+    sync_fragments: int = option(1, "F: split the model into F fragments synchronised at staggered steps "
+                                 "(streaming DiLoCo: the peak bandwidth drops by F)")
+    sync_dtype: str = option("fp32", "dtype of the pseudo-gradient all-reduce: 'fp32' or 'bf16' (half the bytes)",
+                             choices=SYNC_DTYPES)
+    sync_delay: int = option(0, "1: launch the outer all-reduce asynchronously and apply it at the next "
+                             "synchronisation of the fragment (bounded staleness 1); 0: apply it at once")
+
+    def __post_init__(self) -> None:
+        _check(self.sync_every >= 1, f"--sync_every must be >= 1, got {self.sync_every}")
+        _check(self.outer_lr > 0, f"--outer_lr must be positive, got {self.outer_lr}")
+        _check(0 <= self.outer_momentum < 1, f"--outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        _check(1 <= self.sync_fragments <= self.sync_every,
+               f"--sync_fragments must be between 1 and --sync_every ({self.sync_every}), got {self.sync_fragments}")
+        _check(self.sync_dtype in SYNC_DTYPES, f"--sync_dtype must be one of {SYNC_DTYPES}, got {self.sync_dtype!r}")
+        _check(self.sync_delay in (0, 1), f"--sync_delay must be 0 or 1, got {self.sync_delay}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +310,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallelism: ParallelConfig = field(default_factory=ParallelConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -286,6 +320,9 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+        _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
+               "the diloco options (--sync_every, --outer_lr, ...) apply to --parallel diloco only, "
+               f"not {self.parallelism.parallel}")
         if self.optimizer.warmup_steps is None:  # resolved here so that config.json records the value used
             object.__setattr__(self, "optimizer", dataclasses.replace(
                 self.optimizer, warmup_steps=min(100, self.steps // 10)))
@@ -302,7 +339,7 @@ class TrainConfig:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-    "parallelism": ParallelConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "parallelism": ParallelConfig, "diloco": DilocoConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
 }
 
 # Presets fill in the model section (and a sensible learning rate); anything given explicitly wins.

@@ -28,6 +28,7 @@ from shardkit.train.config import TrainConfig
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
                                     step_metrics)
+from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
@@ -54,6 +55,7 @@ class Run:
     bf16: bool
     flops_per_token: float
     peak_flops: float | None
+    sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
     step: int = 0
     data_wait: float = 0.0  # seconds the current step waited for batches
     resumed_step: int | None = None
@@ -107,7 +109,9 @@ def build(config: TrainConfig) -> Run:
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
               checkpointer=checkpointer, metrics=None, sample_log=None, bf16=bf16,  # type: ignore[arg-type]
               flops_per_token=flops_per_token(model_config, num_parameters),
-              peak_flops=peak_flops(runtime.device, bf16=bf16))
+              peak_flops=peak_flops(runtime.device, bf16=bf16),
+              sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
+                              world_size=runtime.world_size))
     resume(run)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +154,8 @@ def resume(run: Run) -> None:
                          + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
                          + "; use the same model options or another --checkpoint_dir")
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                   world_size=run.runtime.world_size)
+                                   world_size=run.runtime.world_size, extra=run.sync.resume_state(read_marker(path)))
+    run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     run.resumed_path = path.name
     _rescale_schedule(run, loaded.meta.get("steps"))
@@ -187,10 +192,11 @@ def save_checkpoint(run: Run) -> None:
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
-            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps}
+            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
+            **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                          rank_state=rank_state, meta=meta)
+                          rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
     run.saved_step = run.step
 
 
@@ -243,6 +249,7 @@ def _train_steps(run: Run) -> int:
             loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
         data_wait = run.data_wait
         run.step += 1
+        run.sync.after_inner_step(run.step)
         # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
         # many ranks finished writing a background checkpoint (it completes once all have).
         flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
@@ -261,7 +268,8 @@ def _train_steps(run: Run) -> int:
                                      step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
                                      world_size=runtime.world_size, flops_per_token=run.flops_per_token,
                                      peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
-                                     comm=comm.record() if isinstance(comm, CollectiveCounter) else None))
+                                     comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
+                        | run.sync.step_metrics(run.step, tokens_per_step))
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
             run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
         if stop:

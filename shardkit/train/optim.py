@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule.
+"""AdamW (decoupled weight decay on matrices only) or plain SGD, and the learning-rate schedule.
 
 The schedule is a pure function of the step (`lr_factor`), so resuming needs only the step count;
 the `LambdaLR` wrapper exists so that the scheduler's state is checkpointed like any other.
@@ -39,11 +39,14 @@ def lr_factor(step: int, *, total_steps: int, config: OptimizerConfig) -> float:
     return 1.0 - (1 - floor) * progress
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, *, fused: bool = False) -> torch.optim.AdamW:
-    """AdamW; weight decay only on parameters with two or more dimensions except embeddings.
+def build_optimizer(model: nn.Module, config: OptimizerConfig, *, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW or plain SGD (`--optimizer_name`); weight decay only on parameters with two or more
+    dimensions except embeddings.
 
     Norm gains and biases are not decayed (decaying them only fights the normalisation), nor is the
     embedding table, which with tied weights is also the output projection, as in Llama and OLMo.
+    SGD has no momentum: it is the inner optimizer that makes `--parallel diloco` with one local step
+    and an outer learning rate of 1 the same algorithm as DDP (see docs/PARALLELISM.md).
     """
     decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -52,6 +55,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, *, fused: bool = 
             continue
         (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer_name == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=0.0, fused=fused or None)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
                              fused=fused or None)
 

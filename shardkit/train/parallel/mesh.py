@@ -36,6 +36,7 @@ class ParallelDims:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
+    local_sgd: bool = False  # --parallel diloco: the dp_replicate replicas train alone between outer syncs
 
     @property
     def world_size(self) -> int:
@@ -52,10 +53,13 @@ class ParallelDims:
 
     @property
     def data_parallel(self) -> str:
-        """How the dp dims are applied: 'none', 'ddp' (1-D replication), 'fsdp' or 'hsdp' (FSDP2).
+        """How the dp dims are applied: 'none', 'ddp' (1-D replication), 'fsdp' or 'hsdp' (FSDP2), or
+        'diloco' (replicas not wrapped at all: shardkit.train.parallel.diloco synchronises them).
 
         Replication composed with TP or PP goes through FSDP2's HSDP with shard groups of one
         (DDP does not compose with DTensor parameters nor with pipeline stages)."""
+        if self.local_sgd:
+            return "diloco"
         if self.dp == 1:
             return "none"
         if self.dp_shard == 1 and self.tp == 1 and self.pp == 1:
@@ -78,7 +82,7 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
             mode = "ddp" if tp == 1 and pp == 1 else "fsdp"
         if mode == "none":
             replicate, shard = 1, 1
-        elif mode == "ddp":
+        elif mode in ("ddp", "diloco"):
             replicate, shard = -1, 1
         elif mode == "fsdp":
             replicate, shard = 1, -1
@@ -118,7 +122,11 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
                          f"multiple of --pp ({sizes['pp']})")
     if sizes["dp_replicate"] * sizes["dp_shard"] > 1 and config.comm_hook != "none" and (sizes["dp_shard"] > 1 or tp > 1 or pp > 1):
         raise ValueError(f"--comm_hook {config.comm_hook} applies to plain DDP (--dp_replicate only) layouts")
-    return ParallelDims(**sizes, pp_schedule=config.pp_schedule, pp_microbatches=microbatches if sizes["pp"] > 1 else 1)
+    local_sgd = config.parallel == "diloco"
+    if local_sgd and (sizes["dp_shard"] > 1 or sizes["tp"] > 1 or sizes["pp"] > 1):
+        raise ValueError("--parallel diloco replicates the whole model on every rank: it does not compose with "
+                         "--dp_shard, --tp or --pp yet (drop them)")
+    return ParallelDims(**sizes, local_sgd=local_sgd, pp_schedule=config.pp_schedule, pp_microbatches=microbatches if sizes["pp"] > 1 else 1)
 
 
 def check_model_fits(dims: ParallelDims, model: ModelConfig) -> None:

@@ -36,7 +36,7 @@ class Runtime:
 
     @property
     def mode(self) -> str:
-        """How the data-parallel dims are applied: 'none', 'ddp', 'fsdp' or 'hsdp'."""
+        """How the data-parallel dims are applied: 'none', 'ddp', 'fsdp', 'hsdp' or 'diloco'."""
         return self.dims.data_parallel
 
     @property
