@@ -153,12 +153,17 @@ def resume(run: Run) -> None:
         raise ValueError(f"checkpoint {path} was saved for another model: "
                          + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
                          + "; use the same model options or another --checkpoint_dir")
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                    world_size=run.runtime.world_size, extra=run.sync.resume_state(read_marker(path)))
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     run.resumed_path = path.name
     _rescale_schedule(run, loaded.meta.get("steps"))
+    # This run's hyperparameters win over the checkpoint's (`shardkit tune --sampler pbt` perturbs them on resume).
+    run.scheduler.base_lrs = [options["initial_lr"] for options in fresh]
+    for group, options, factor in zip(run.optimizer.param_groups, fresh, run.scheduler.lr_lambdas):
+        group.update(options, lr=options["initial_lr"] * factor(run.scheduler.last_epoch))
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])

@@ -1,0 +1,155 @@
+"""`shardkit tune`: hyperparameter search over real trainer runs (Optuna samplers and pruners, or PBT).
+
+The trainer's options given here are every trial's base configuration; `--space` names the ones to
+search. Light imports only: Optuna and torch load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from shardkit.train.options import _add_field, add_train_arguments
+    from shardkit.tune.config import TuneConfig
+
+    parser = subparsers.add_parser(
+        "tune", help="search hyperparameters over real trainer runs (TPE, random, grid, CMA-ES, PBT)",
+        allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage_options
+        usage="shardkit tune --data URL --eval_data URL --space NAME=KIND:ARGS [--space ...] [--trials N] "
+              "[--sampler S] [trainer options]",
+        description="Run trainer trials with hyperparameters drawn from --space, in an Optuna study stored in "
+                    "a database (default OUTPUT/study.db; a rerun continues it), or train a population with "
+                    "--sampler pbt. Writes trials.csv, best.toml (a trainer --config) and PNG plots to "
+                    "--output. See docs/TUNING.md.")
+    group = parser.add_argument_group("tuning")
+    group.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS",
+                       help="a trainer option to search, e.g. lr=loguniform:1e-4:1e-2, warmup_steps=int:0:200, "
+                            "dropout=uniform:0:0.2, schedule=choice:cosine,wsd (repeat for several)")
+    for field in dataclasses.fields(TuneConfig):
+        _add_field(group, field, None)
+    add_train_arguments(parser)
+    parser.set_defaults(func=_tune)
+
+
+def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None]:
+    """The trainer options given (`--config` file, then the command line), nested by section, and
+    `--storage_options` apart (it may hold credentials: it never goes into a file)."""
+    from shardkit.train.options import load_config_file
+
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    for dest, value in vars(args).items():
+        if dest in skip:
+            continue
+        section, _, name = dest.rpartition(".")
+        (values.setdefault(section, {}) if section else values)[name] = value
+    secret = values.get("data", {}).pop("storage_options", None)
+    return values, secret
+
+
+def _prepare(args: argparse.Namespace):
+    from shardkit.train.config import config_from_dict
+    from shardkit.tune.config import TuneConfig
+    from shardkit.tune.space import check_against_trainer, parse_space
+
+    names = {f.name for f in dataclasses.fields(TuneConfig)}
+    config = TuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if not args.space:
+        raise ValueError("give at least one --space NAME=KIND:ARGS (e.g. --space lr=loguniform:1e-4:1e-2)")
+    params = parse_space(args.space)
+    values, secret = _values(args, names | {"space", "config", "func", "command"})
+    base = config_from_dict(values, source="trainer options")
+    if not base.data.data:
+        raise ValueError("--data is required: the URL of the training dataset")
+    if config.objective == "eval_loss" and not base.data.eval_data:
+        raise ValueError("--objective eval_loss needs --eval_data (a held-out dataset), or use --objective loss")
+    if config.sampler != "pbt" and config.pruner != "none" and not base.eval_every:
+        raise ValueError(f"--pruner {config.pruner} needs --eval_every N (intermediate results to prune on), "
+                         "or use --pruner none")
+    if config.sampler == "pbt" and any(p.name == "steps" for p in params):
+        raise ValueError("--sampler pbt sets --steps round by round: it cannot be searched")
+    check_against_trainer(params, values)
+    return config, params, values, secret
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config, params, values, secret = _prepare(args)
+        output = Path(config.output)
+        output.mkdir(parents=True, exist_ok=True)
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        # The heartbeat is recorded by the runner here (ask-and-tell), which Optuna does not expect.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        if config.sampler == "pbt":
+            return _run_pbt(config, params, values, secret, output)
+        return _run_study(config, params, values, secret, output)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"shardkit tune: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # trials kept failing
+        print(f"shardkit tune: {err}", file=sys.stderr)
+        return 1
+
+
+def _run_study(config, params, values, secret, output: Path) -> int:
+    import optuna
+
+    from shardkit.tune import plots, report
+    from shardkit.tune.storage import default_url, open_storage
+    from shardkit.tune.study import StudyRun, check_fingerprint, make_pruner, make_sampler
+
+    storage = open_storage(config.storage or default_url(output), heartbeat_s=config.heartbeat_s)
+    study = optuna.create_study(study_name=config.study, storage=storage, direction="minimize", load_if_exists=True,
+                                pruner=make_pruner(config, steps=int(values.get("steps", 1000)),
+                                                   eval_every=int(values.get("eval_every", 0)) or 1))
+    check_fingerprint(study, {"space": [p.spec for p in params], "trainer_options": values,
+                              "objective": config.objective})
+    # Seeded by the trials already there: a continued study does not redraw the first run's values.
+    study.sampler = make_sampler(config, params, seed=config.sampler_seed + len(study.trials))
+    try:
+        StudyRun(study=study, config=config, params=params, base_values=values, output=output,
+                 storage_options=secret).run()
+    finally:
+        rows = report.trial_rows(study)
+        report.write_csv(rows, output / "trials.csv")
+        best = report.write_best(study, output / "best.toml", objective=config.objective)
+        written = [p for p in (plots.plot_history(study, output / "history.png", objective=config.objective),
+                               plots.plot_importances(study, output / "importances.png")) if p]
+        print(report.format_table(rows))
+        for path in [output / "trials.csv", best, *written]:
+            if path:
+                print(f"wrote {path}")
+    return 0
+
+
+def _run_pbt(config, params, values, secret, output: Path) -> int:
+    from shardkit.tune import plots
+    from shardkit.tune.pbt import PopulationRun
+    from shardkit.tune.report import format_table
+
+    population = PopulationRun(config=config, params=params, base_values=values, output=output,
+                               storage_options=secret)
+    state = population.run()
+    last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
+    rows = [{"member": e["member"], "objective": e["score"], **e["params"]} for e in last]
+    print(format_table(sorted(rows, key=lambda r: r["objective"])))
+    best = population.write_best(state, output / "best.toml")
+    exploits = [e for e in state["lineage"] if e["action"] == "exploit"]
+    curves = plots.plot_population(population.curves(), exploits, output / "population.png",
+                                   objective=config.objective)
+    for path in (population.directory / "lineage.json", population.directory / "lineage.csv", best, curves):
+        if path:
+            print(f"wrote {path}")
+    return 0

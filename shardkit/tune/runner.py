@@ -1,0 +1,147 @@
+"""One trainer run as a subprocess: launch it, follow its evaluations as they are written, stop it early.
+
+A trial is a real `python -m shardkit.train` (one rank) or `python -m torch.distributed.run -m
+shardkit.train` (K ranks) with its own run directory, started with this interpreter so that the same
+environment is used. Its options go in `RUN_DIR/trial.toml` (passed as `--config`), except
+`--storage_options`, which may hold credentials and so is never written to disk. The trainer appends
+a record per step and `{"step": S, "eval_loss": X}` at every `--eval_every` to `RUN_DIR/metrics.jsonl`;
+the runner reads the file as it grows and hands each record to a callback, which may stop the run
+(pruning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardkit.tune import tomlfile
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "trial.toml"
+LOG_NAME = "trial.log"
+STOP_GRACE_S = 30.0  # after SIGTERM the trainer finishes its step and saves; then SIGKILL
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What to run: nested trainer option values (run_dir included), ranks, and the secret option."""
+
+    run_dir: Path
+    values: dict[str, Any]
+    nproc: int = 1
+    storage_options: str | None = None
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """How a run ended. `stopped`: the runner terminated it (pruned, or the tuner is stopping)."""
+
+    returncode: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stopped: bool = False
+    seconds: float = 0.0
+    log: Path | None = None
+
+    def tail(self, lines: int = 5) -> str:
+        """The end of the trial's log, for error messages."""
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def command(config_path: Path, *, nproc: int, storage_options: str | None) -> list[str]:
+    """The trainer command line: torchrun only when it adds ranks."""
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                    "-m", "shardkit.train"]
+    else:
+        launcher = [sys.executable, "-m", "shardkit.train"]
+    secret = ["--storage_options", storage_options] if storage_options else []
+    return [*launcher, "--config", str(config_path), *secret]
+
+
+class MetricsFollower:
+    """Reads the records appended to a metrics.jsonl since the last call (complete lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _terminate(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("trainer %d ignored SIGTERM for %.0fs: killing it", process.pid, STOP_GRACE_S)
+        process.kill()
+        process.wait()
+
+
+def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] | None = None,
+                stop: threading.Event | None = None, tick: Callable[[], None] | None = None,
+                poll_s: float = 0.2) -> Outcome:
+    """Run the trainer to its end, or until `on_record(record)` returns True or `stop` is set.
+
+    Args:
+        launch: what to run.
+        on_record: called for each metrics record in order as it appears; True stops the run.
+        stop: set by another thread to stop the run (the tuner is shutting down).
+        tick: called every poll (the tuner's heartbeat).
+    """
+    launch.run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = tomlfile.write(launch.run_dir / CONFIG_NAME, launch.values,
+                                 header="trainer options of this trial, written by shardkit tune")
+    log_path = launch.run_dir / LOG_NAME
+    follower = MetricsFollower(launch.run_dir / "metrics.jsonl")
+    outcome = Outcome(returncode=0, log=log_path)
+    started = time.monotonic()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command(config_path, nproc=launch.nproc, storage_options=launch.storage_options),
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            while True:
+                finished = process.poll() is not None  # read the file once more after the process ended
+                for record in follower.new_records():
+                    if outcome.stopped:
+                        break
+                    outcome.records.append(record)
+                    if on_record is not None and on_record(record):
+                        outcome.stopped = True
+                        _terminate(process)
+                if stop is not None and stop.is_set() and not finished:
+                    outcome.stopped = True
+                    _terminate(process)
+                if finished or process.poll() is not None and outcome.stopped:
+                    break
+                if tick is not None:
+                    tick()
+                time.sleep(poll_s)
+        finally:
+            _terminate(process)  # also on an exception in this thread: never leave a trainer behind
+    outcome.returncode = process.returncode
+    outcome.seconds = time.monotonic() - started
+    return outcome

@@ -1,0 +1,48 @@
+"""Write the trainer's nested option values as a `--config` TOML file (the standard library only reads TOML)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        # repr is the shortest text that reads back as the same double; TOML floats need a '.' or exponent.
+        text = repr(value)
+        return text if any(c in text for c in ".e") else text + ".0"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {type(value).__name__} value {value!r} to TOML")
+
+
+def dumps(values: dict[str, Any], *, header: str = "") -> str:
+    """Top-level keys first, then one [section] per nested dict; None values are left out (the default)."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    lines += [f"{key} = {_value(v)}" for key, v in values.items() if not isinstance(v, dict) and v is not None]
+    for section, table in values.items():
+        if isinstance(table, dict):
+            items = [f"{key} = {_value(v)}" for key, v in table.items() if v is not None]
+            if items:
+                lines += ["", f"[{section}]", *items]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, values: dict[str, Any], *, header: str = "") -> Path:
+    """Write atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(dumps(values, header=header), encoding="utf-8")
+    os.replace(partial, path)
+    return path

@@ -1,0 +1,53 @@
+"""Helpers for the `shardkit tune` tests: a tiny dataset pair and the tuner's command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from train_runs import write_byte_dataset
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def make_datasets(root: Path) -> tuple[str, str]:
+    """(training, evaluation) dataset URLs: byte-level samples of this repository's sources."""
+    write_byte_dataset(str(root / "train"), num_samples=64, seq_len=32, seed=0)
+    write_byte_dataset(str(root / "eval"), num_samples=16, seq_len=32, seed=1)
+    return str(root / "train"), str(root / "eval")
+
+
+def trainer_args(datasets: tuple[str, str], cache: Path, *, steps: int, eval_every: int) -> list[str]:
+    train, evaluation = datasets
+    return ["--data", train, "--eval_data", evaluation, "--steps", str(steps), "--eval_every", str(eval_every),
+            "--eval_batches", "1", "--batch_size", "4", "--warmup_steps", "1", "--device", "cpu",
+            "--tensorboard", "false", "--log_every", "1000", "--cache_dir", str(cache)]
+
+
+def tune_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shardkit", "tune", *args]
+
+
+def run_tune(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    result = subprocess.run(tune_command(*args), env=ENV, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"shardkit tune failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def metrics(run_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def final_eval(run_dir: str | Path, step: int) -> float:
+    return [r["eval_loss"] for r in metrics(run_dir) if "eval_loss" in r and r["step"] == step][-1]
+
+
+def load_study(output: Path, name: str = "shardkit"):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{output / 'study.db'}")
