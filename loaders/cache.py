@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shardkit import metrics
 from shardkit.errors import CorruptShardError
 from shardkit.formats import ShardReader, check_counts, check_shard_bytes, decode_shard, write_decoded
 from shardkit.manifest import Manifest, ShardInfo
@@ -119,6 +120,7 @@ class ShardCache:
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._init_handoff()
+        metrics.watch_cache_dir(self.cache_root)
 
     def _init_handoff(self) -> None:
         # A shard a prefetch thread of this process has just decoded is handed to a waiting reader
@@ -180,7 +182,9 @@ class ShardCache:
             fresh = None
             if os.path.exists(path):
                 self.stats.hits += 1
+                metrics.cache_lookup(self._storage.url, hit=True)
             else:
+                metrics.cache_lookup(self._storage.url, hit=False)
                 fresh = self._wait_for_fresh(path)
                 if fresh is None:
                     self._fetch(shard, path, block=True)
@@ -195,6 +199,7 @@ class ShardCache:
             raise
         with self._lock:
             self._held_bytes += nbytes
+        metrics.inc("shardkit_cache_held_bytes", nbytes)
         return CachedShard(reader, fd, nbytes, self)
 
     def _wait_for_fresh(self, path: str):
@@ -208,6 +213,7 @@ class ShardCache:
         if self._lock is not None:
             with self._lock:
                 self._held_bytes -= nbytes
+            metrics.inc("shardkit_cache_held_bytes", -nbytes)
 
     def prefetch(self, index: int) -> bool:
         """Fetch shard `index` unless another process is already fetching it; True when cached."""
@@ -262,7 +268,9 @@ class ShardCache:
 
     def _download(self, shard: ShardInfo):
         for attempt in (1, 2):
+            started = time.perf_counter()
             data = self.storage.read_bytes(shard.name, size=shard.compressed_bytes)
+            metrics.shard_downloaded(self._storage.url, self.manifest.shard_format, len(data), time.perf_counter() - started)
             self.stats.downloads += 1
             self.stats.downloaded_bytes += len(data)
             # Hash (hashlib releases the GIL) while decoding: the decoder is built for untrusted
@@ -270,11 +278,13 @@ class ShardCache:
             hash_error: list[CorruptShardError] = []
             hasher = threading.Thread(target=_check_into, args=(hash_error, data, shard), daemon=True)
             hasher.start()
+            started = time.perf_counter()
             try:
                 arrays = decode_shard(data, shard_format=self.manifest.shard_format,
                                       token_dtype=self.manifest.token_dtype, shard=shard.name,
                                       raw_bytes=shard.raw_bytes)
                 decode_error = None
+                metrics.shard_decoded(self._storage.url, self.manifest.shard_format, time.perf_counter() - started)
             except CorruptShardError as err:
                 arrays, decode_error = None, err
             hasher.join()
@@ -319,6 +329,7 @@ class ShardCache:
         try:
             os.unlink(path)
             self.stats.evictions += 1
+            metrics.inc("shardkit_cache_evictions_total")
             return True
         except FileNotFoundError:
             return False

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
 
@@ -171,6 +172,7 @@ def retry_call(
     attempt = 0
     while True:
         attempt += 1
+        metrics.storage_attempt(what)
         try:
             return fn()
         except FileNotFoundError:
@@ -181,6 +183,7 @@ def retry_call(
             if delay is None:
                 tries = f" after {attempt} attempts" if transient else ""
                 raise StorageError(f"{what} {url} failed{tries}: {describe_error(err)}") from err
+            metrics.storage_retry(what, err)
             logger.warning("%s %s failed (attempt %d/%d, retrying in %.2fs): %s",
                            what, url, attempt, policy.attempts, delay, describe_error(err))
             sleep(delay)

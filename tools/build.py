@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit import metrics
 from shardkit.formats import ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
@@ -277,6 +278,7 @@ def _run(config: BuildConfig, executor, workers: int, began: float) -> BuildResu
 
     def on_shard_done(shard: ShardInfo) -> None:
         shards.append(shard)
+        metrics.shard_written(config.shard_format, shard.compressed_bytes)
         save()
 
     if status == "fresh":
@@ -300,9 +302,11 @@ def _run(config: BuildConfig, executor, workers: int, began: float) -> BuildResu
     next_unit = start[0]
     try:
         with writer:
-            for result in executor.map_ordered(tokenize_unit, units, settings):
+            for result, busy in executor.map_ordered(metrics.timed_call, units, tokenize_unit, settings):
                 boundary_state = snapshot((result.index, result.source, result.file_unit))
                 _account(result, files, stats, fail=config.on_error == "fail")
+                metrics.build_unit_done(documents_in=result.documents_in, written=len(result.doc_lengths),
+                                        tokens=int(result.doc_lengths.sum()), busy_seconds=busy)
                 emit(packer.feed(result.tokens, result.doc_lengths, result.source, result.doc_index))
                 next_unit = result.index + 1
                 progress.update(result.source, result.input_offset, stats.documents_written,

@@ -95,6 +95,8 @@ def _add_build(subparsers) -> None:
                    help="input bytes per work unit handed to a worker (resumption restarts at most one unit). "
                         "Default: 1MiB")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)")
     p.add_argument("--report-examples", type=int, default=20, metavar="N",
                    help="rejected documents listed by file and line in the report. Default: 20")
     p.set_defaults(func=run_build_command)
@@ -141,6 +143,9 @@ def run_build_command(args: argparse.Namespace) -> int:
     from shardkit.tools.build import BuildConfig, BuildInputError, parse_compression, parse_size, print_summary, run_build
 
     try:
+        if args.metrics_port:
+            from shardkit.metrics import start_metrics_server
+            start_metrics_server(args.metrics_port)
         config = BuildConfig(
             inputs=tuple(args.inputs), output=args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
             shard_format=args.shard_format, packing=args.packing, shard_size=parse_size(args.shard_size),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_latest, read_marker
 from shardkit.train.config import TrainConfig
@@ -57,6 +58,7 @@ class Run:
     step: int = 0
     resumed_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
+    watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -105,6 +107,7 @@ def build(config: TrainConfig) -> Run:
               checkpointer=checkpointer, metrics=None, sample_log=None, bf16=bf16,  # type: ignore[arg-type]
               flops_per_token=flops_per_token(model_config, num_parameters),
               peak_flops=peak_flops(runtime.device, bf16=bf16))
+    run.watch = _trainer_metrics(config, runtime)
     resume(run)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +123,13 @@ def build(config: TrainConfig) -> Run:
     if config.logging.log_sample_ids:
         run.sample_log = SampleLog(run_dir, rank=runtime.rank)
     return run
+
+
+def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
+    log = config.logging
+    return TrainerMetrics(rank=runtime.rank, port=log.metrics_port and log.metrics_port + runtime.local_rank,
+                          window=log.starvation_window, threshold=log.starvation_threshold, warn=runtime.is_main,
+                          num_workers=config.data.num_workers)
 
 
 def resume(run: Run) -> None:
@@ -138,8 +148,9 @@ def resume(run: Run) -> None:
         raise ValueError(f"checkpoint {path} was saved for another model: "
                          + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
                          + "; use the same model options or another --checkpoint_dir")
-    loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                   world_size=run.runtime.world_size)
+    with run.watch.checkpoint("load"):
+        loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                       world_size=run.runtime.world_size)
     run.step = run.resumed_step = loaded.step
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
@@ -159,8 +170,9 @@ def save_checkpoint(run: Run) -> None:
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.mode,
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
-    run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                          rank_state=rank_state, meta=meta)
+    with run.watch.checkpoint("save"):
+        run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                              rank_state=rank_state, meta=meta)
 
 
 def _barrier() -> None:
@@ -242,10 +254,12 @@ def _train_steps(run: Run) -> int:
         step_time = time.perf_counter() - started
         if run.sample_log is not None:
             run.sample_log.log(run.step, sample_ids)
-        run.metrics.log(step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
-                                     step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
-                                     world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device)))
+        record = step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
+                              step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
+                              world_size=runtime.world_size, flops_per_token=run.flops_per_token,
+                              peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device))
+        run.metrics.log(record)
+        run.watch.step(record, tokens=tokens_per_step)
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
             run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
         if stop:
