@@ -336,7 +336,8 @@ def shard_written(shard_format: str, nbytes: int) -> None:
 # -- the trainer ---------------------------------------------------------------------------------
 @dataclass
 class StarvationAlarm:
-    """Fires once when the mean data-wait fraction of the last `window` steps exceeds `threshold`.
+    """Fires once when the data-wait fraction of the last `window` steps together (seconds waited over
+    seconds stepped) exceeds `threshold`.
 
     The first step of a run is left out: it always waits for the first shards.
     """
@@ -346,21 +347,22 @@ class StarvationAlarm:
     fired: bool = False
 
     def __post_init__(self) -> None:
-        self.fractions: deque[float] = deque(maxlen=self.window)
+        self.steps: deque[tuple[float, float]] = deque(maxlen=self.window)  # (seconds waited, step seconds)
         self.seen = 0
 
-    def update(self, fraction: float) -> bool:
+    def update(self, waited: float, seconds: float) -> bool:
         self.seen += 1
         if self.seen == 1 or self.fired:
             return False
-        self.fractions.append(fraction)
-        if len(self.fractions) == self.window and sum(self.fractions) / self.window > self.threshold:
+        self.steps.append((waited, seconds))
+        if len(self.steps) == self.window and self.fraction > self.threshold:
             self.fired = True
         return self.fired
 
     @property
-    def mean(self) -> float:
-        return sum(self.fractions) / max(1, len(self.fractions))
+    def fraction(self) -> float:
+        total = sum(seconds for _, seconds in self.steps)
+        return sum(waited for waited, _ in self.steps) / total if total > 0 else 0.0
 
 
 LOADER_COUNTERS = ("shardkit_loader_download_seconds_total", "shardkit_loader_decode_seconds_total",
@@ -412,19 +414,20 @@ class TrainerMetrics:
         if record.get("mfu") is not None:
             _child("shardkit_train_mfu_ratio", {"rank": rank}).set(record["mfu"])
         _child("shardkit_train_data_wait_ratio", {"rank": rank}).set(record["data_wait_fraction"])
-        inc("shardkit_train_data_wait_seconds_total", record["data_wait_fraction"] * record["step_time_s"], rank=rank)
+        waited = record["data_wait_fraction"] * record["step_time_s"]
+        inc("shardkit_train_data_wait_seconds_total", waited, rank=rank)
         _child("shardkit_train_step_seconds", {"rank": rank}).observe(record["step_time_s"])
         _child("shardkit_train_peak_memory_bytes", {"rank": rank}).set(record["peak_memory_gib"] * 2**30)
         self._history.append({name: value(name) for name in LOADER_COUNTERS})
         alarm = self.alarm
-        if alarm is not None and alarm.update(record["data_wait_fraction"]):
+        if alarm is not None and alarm.update(waited, record["step_time_s"]):
             self.alarm = None  # one warning per run
             if self.warn:
                 deltas = {k: self._history[-1][k] - self._history[0][k] for k in LOADER_COUNTERS}
                 inc("shardkit_train_starvation_warnings_total", rank=rank)
                 logger.warning("data starvation: the last %d steps spent %.0f%% of their time waiting for data "
                                "(over --starvation_threshold %.2f). Likely cause: %s", alarm.window,
-                               100 * alarm.mean, alarm.threshold, likely_cause(deltas, num_workers=self.num_workers))
+                               100 * alarm.fraction, alarm.threshold, likely_cause(deltas, num_workers=self.num_workers))
 
     @contextlib.contextmanager
     def checkpoint(self, operation: str) -> Iterator[None]:
