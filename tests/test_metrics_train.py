@@ -118,6 +118,8 @@ def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
     run goes, as it does on any dataset larger than one chunk."""
     config = config_from_dict({
         "steps": 12, "device": "cpu", "optimizer": {"warmup_steps": 2},
+        # Steps of ~0.1 s: a normal loader keeps up; one that waits 1 s per store request does not.
+        "model": {"d_model": 128, "n_layer": 2},
         "data": {"data": data, "batch_size": 16, "cache_dir": str(run_dir.parent / "cache"),
                  "storage_options": json.dumps(options)},
         "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
@@ -145,7 +147,7 @@ def test_starvation_warning_names_slow_downloads_and_stays_silent_on_a_normal_ru
     assert _starvation_warnings(caplog) == []
 
     slow_seconds = proxy.slow_seconds
-    proxy.slow_seconds = 0.5
+    proxy.slow_seconds = 1.0
     proxy.configure(rate=1.0, kinds=("slow",))
     try:
         train_small_chunks(tmp_path / "slow" / "run", url, options)
