@@ -107,9 +107,9 @@ def shard_statistics(arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     per_sample = np.diff(doc_offsets)
     owner = np.repeat(np.arange(len(lengths)), per_sample)
     starts = offsets[owner] + np.asarray(arrays.doc_starts, dtype=np.int64)
+    # A segment ends where the next one starts: every sample's first segment starts at its first token
+    # (the writer checks it), so a sample's last segment ends where the next sample begins.
     ends = np.append(starts[1:], offsets[-1])
-    last = doc_offsets[1:][per_sample > 0] - 1  # a sample's last segment runs to the sample's end
-    ends[last] = offsets[1:][per_sample > 0]
     return lengths, np.asarray(arrays.doc_source, dtype=np.int64), ends - starts
 
 
