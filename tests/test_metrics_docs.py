@@ -115,3 +115,30 @@ def test_likely_cause_reads_the_loader_counters(download, decode, cause):
               "shardkit_loader_wait_seconds_total": 4.0, "shardkit_storage_retries_total": 2}
     text = metrics.likely_cause(deltas, num_workers=2)
     assert text.startswith(cause) and "--num_workers (now 2" in text
+
+
+class Throttled(Exception):
+    """Shaped like botocore's ClientError: the error code lives in `response`."""
+
+    def __init__(self, code: str, status: int):
+        super().__init__(f"An error occurred ({code})")
+        self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def test_storage_retries_are_counted_by_operation_and_cause():
+    from shardkit.storage import RetryPolicy, retry_call
+
+    failures = [Throttled("SlowDown", 503), ConnectionResetError(104, "reset by peer")]
+
+    def flaky():
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    labels = [("read", "SlowDown"), ("read", "ConnectionResetError")]
+    before = [metrics.value("shardkit_storage_retries_total", operation=o, cause=c) for o, c in labels]
+    attempts = metrics.value("shardkit_storage_requests_total", operation="read")
+    assert retry_call(flaky, url="memory://x/y", what="read", policy=RetryPolicy(initial_delay=0), sleep=lambda _: None) == "ok"
+    after = [metrics.value("shardkit_storage_retries_total", operation=o, cause=c) for o, c in labels]
+    assert [a - b for a, b in zip(after, before)] == [1, 1]
+    assert metrics.value("shardkit_storage_requests_total", operation="read") - attempts == 3
