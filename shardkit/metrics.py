@@ -111,7 +111,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_train_data_wait_seconds_total", "counter",
          "Seconds of steps spent waiting for data (data-wait fraction times step time).", ("rank",)),
         ("shardkit_train_step_seconds", "histogram", "Wall time of an optimizer step.", ("rank",)),
-        ("shardkit_train_checkpoint_seconds_total", "counter", "Seconds spent saving or loading checkpoints.",
+        ("shardkit_train_checkpoint_seconds_total", "counter", "Seconds spent saving (the blocking part of an async save) or loading checkpoints.",
          ("rank", "operation")),
         ("shardkit_train_checkpoints_total", "counter", "Checkpoints saved or loaded.", ("rank", "operation")),
         ("shardkit_train_peak_memory_bytes", "gauge",
@@ -194,8 +194,7 @@ def value(name: str, **labels: Any) -> float:
     total = 0.0
     for family in _metrics[name].collect():
         for sample in family.samples:
-            if sample.name in (name, f"{name}_total" if not name.endswith("_total") else name) and all(
-                    sample.labels.get(k) == str(v) for k, v in labels.items()):
+            if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()):
                 total += sample.value
     return total
 

@@ -103,8 +103,9 @@ def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tm
         assert total(last, "shardkit_train_data_wait_seconds_total", rank=str(rank)) == pytest.approx(
             sum(records[s]["data_wait_fraction"] * records[s]["step_time_s"] for s in range(1, step + 1)),
             rel=1e-6) if rank == 0 else True  # other ranks time their own steps
+        # Saves at step 30 and after the last step; a scrape can fall between a step and its save.
         saves = total(last, "shardkit_train_checkpoints_total", rank=str(rank), operation="save")
-        assert saves == (1 if step >= 30 else 0)
+        assert (step > 30) + (step == steps) >= saves >= (step > 30)
         assert total(last, "shardkit_loader_batches_total") >= step
 
 
