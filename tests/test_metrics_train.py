@@ -114,17 +114,17 @@ def _starvation_warnings(caplog) -> list[str]:
 
 
 def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
-    """Train 12 steps of 16 samples (one shard each) with the starvation alarm over 4 steps; returns the
-    warnings. The loader gathers 16 samples at a time (instead of 2048), so it fetches shards as the
-    run goes, as it does on any dataset larger than one chunk."""
+    """Train 8 steps of 16 samples in order (one shard each) with the starvation alarm over 3 steps. The
+    loader gathers 16 samples at a time (instead of 2048), so it fetches shards as the run goes (one
+    step ahead), as it does on any dataset larger than one chunk."""
     config = config_from_dict({
-        "steps": 12, "device": "cpu", "optimizer": {"warmup_steps": 2},
-        # Steps of ~0.1 s: a normal loader keeps up; one that waits 1 s per store request does not.
+        "steps": 8, "device": "cpu", "optimizer": {"warmup_steps": 2},
+        # Steps of ~0.1 s: a normal loader keeps up; one that waits 2 s per store request does not.
         "model": {"d_model": 128, "n_layer": 2},
-        "data": {"data": data, "batch_size": 16, "cache_dir": str(run_dir.parent / "cache"),
+        "data": {"data": data, "batch_size": 16, "shuffle": False, "cache_dir": str(run_dir.parent / "cache"),
                  "storage_options": json.dumps(options)},
         "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
-                    "starvation_window": 4, "starvation_threshold": 0.5}})
+                    "starvation_window": 3, "starvation_threshold": 0.5}})
     run = build(config)
     run.data.loader.dataset.chunk_samples = 16
     try:
@@ -141,14 +141,14 @@ def _starvation_warnings(caplog) -> list[str]:
 @pytest.mark.s3
 def test_starvation_warning_names_slow_downloads_and_stays_silent_on_a_normal_run(tmp_path, faulty_bucket, caplog):
     url, options, proxy = faulty_bucket
-    write_byte_dataset(url, num_samples=16 * 16, storage_options=options)
+    write_byte_dataset(url, num_samples=16 * 8, storage_options=options)
     caplog.set_level(logging.WARNING, logger="shardkit.metrics")
 
     train_small_chunks(tmp_path / "normal" / "run", url, options)
     assert _starvation_warnings(caplog) == []
 
     slow_seconds = proxy.slow_seconds
-    proxy.slow_seconds = 1.0
+    proxy.slow_seconds = 2.0
     proxy.configure(rate=1.0, kinds=("slow",))
     try:
         train_small_chunks(tmp_path / "slow" / "run", url, options)
