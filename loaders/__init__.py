@@ -16,3 +16,7 @@ Modules, one job each:
 Import the public names from `shardkit` (`from shardkit import StreamingDataset`); this package
 imports torch only in `dataset` and `dataloader`.
 """
+
+from shardkit.metrics import start_metrics_server  # Prometheus endpoint for users' own loops
+
+__all__ = ["start_metrics_server"]

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shardkit import metrics
 from shardkit.formats import ShardReader, check_counts, decode_shard, read_shard, write_decoded
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.names import check_relative_name
@@ -116,6 +117,7 @@ class ShardCache:
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._init_handoff()
+        metrics.watch_cache_dir(self.cache_root)
 
     def _init_handoff(self) -> None:
         # A shard a prefetch thread of this process has just decoded is handed to a waiting reader
@@ -177,7 +179,9 @@ class ShardCache:
             fresh = None
             if os.path.exists(path):
                 self.stats.hits += 1
+                metrics.cache_lookup(self._storage.url, hit=True)
             else:
+                metrics.cache_lookup(self._storage.url, hit=False)
                 fresh = self._wait_for_fresh(path)
                 if fresh is None:
                     self._fetch(shard, path, block=True)
@@ -192,6 +196,7 @@ class ShardCache:
             raise
         with self._lock:
             self._held_bytes += nbytes
+        metrics.inc("shardkit_cache_held_bytes", nbytes)
         return CachedShard(reader, fd, nbytes, self)
 
     def _wait_for_fresh(self, path: str):
@@ -205,6 +210,7 @@ class ShardCache:
         if self._lock is not None:
             with self._lock:
                 self._held_bytes -= nbytes
+            metrics.inc("shardkit_cache_held_bytes", -nbytes)
 
     def prefetch(self, index: int) -> bool:
         """Fetch shard `index` unless another process is already fetching it; True when cached."""
@@ -252,13 +258,22 @@ class ShardCache:
                     pass
 
     def _download(self, shard: ShardInfo):
+        download_started = time.perf_counter()
+
         def decode(data: bytes):
-            return decode_shard(data, shard_format=self.manifest.shard_format, token_dtype=self.manifest.token_dtype,
-                                shard=shard.name, raw_bytes=shard.raw_bytes)
+            started = time.perf_counter()
+            arrays = decode_shard(data, shard_format=self.manifest.shard_format, token_dtype=self.manifest.token_dtype,
+                                  shard=shard.name, raw_bytes=shard.raw_bytes)
+            metrics.shard_decoded(self._storage.url, self.manifest.shard_format, time.perf_counter() - started)
+            return arrays
 
         def count(nbytes: int) -> None:
+            nonlocal download_started
             self.stats.downloads += 1
             self.stats.downloaded_bytes += nbytes
+            metrics.shard_downloaded(self._storage.url, self.manifest.shard_format, nbytes,
+                                     time.perf_counter() - download_started)
+            download_started = time.perf_counter()
 
         arrays = read_shard(self.storage, shard, decode=decode, on_read=count)
         check_counts(arrays, shard)
@@ -291,6 +306,7 @@ class ShardCache:
         try:
             os.unlink(path)
             self.stats.evictions += 1
+            metrics.inc("shardkit_cache_evictions_total")
             return True
         except FileNotFoundError:
             return False

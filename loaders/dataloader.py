@@ -13,11 +13,14 @@ complete epoch, the rest of the same epoch after a `break`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+
+from shardkit import metrics
 
 from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDataset, batch_to_tensors
 from shardkit.loaders.partition import dropped_in_epoch
@@ -39,8 +42,9 @@ def unbundle(items: Iterator[Any]) -> Iterator[dict]:
 
 
 def keep_batch(batch: Any) -> Any:
-    """Collate function of the underlying DataLoader: batches are already whole."""
-    return batch
+    """Collate function of the underlying DataLoader (runs in the worker): batches are already whole;
+    the worker's metric increments travel with them to the parent."""
+    return metrics.attach_worker_counters(batch)
 
 
 class StreamingDataLoader(DataLoader):
@@ -133,8 +137,10 @@ class StreamingDataLoader(DataLoader):
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
         source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
         pin = self.pin_batches and torch.cuda.is_available()
+        asked = time.perf_counter()
         for arrays in source:
             progress = arrays.pop(PROGRESS_KEY, None)
+            metrics.merge_worker_counters(arrays.pop(metrics.WORKER_KEY, None))
             batch = batch_to_tensors(arrays)
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
@@ -143,7 +149,9 @@ class StreamingDataLoader(DataLoader):
                 self._consumed += global_batch
             else:
                 self._advance_window(progress, topology.world_size)
+            metrics.loader_batch(time.perf_counter() - asked)
             yield batch
+            asked = time.perf_counter()
         self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
         self._workers_in_sync = self.persistent_workers
 

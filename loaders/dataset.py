@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from shardkit import metrics
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
@@ -340,7 +341,8 @@ class StreamingDataset(IterableDataset):
         for index in mine + others:
             stream, local = self._shard_owner[index]
             if not self.caches[stream].is_cached(local):
-                executor.submit(self._prefetch_one, stream, local)
+                metrics.prefetch_submitted()
+                executor.submit(self._prefetch_one, stream, local).add_done_callback(metrics.prefetch_done)
 
     def _prefetch_one(self, stream: int, local: int) -> None:
         try:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
 
@@ -198,6 +199,7 @@ def retry_call(
     attempt = 0
     while True:
         attempt += 1
+        metrics.storage_attempt(what)
         try:
             return fn()
         except FileNotFoundError as err:
@@ -213,6 +215,7 @@ def retry_call(
                 tries = f" after {attempt} attempts" if transient else ""
                 spent = f" ({clock() - started:.1f}s)" if transient else ""
                 raise StorageError(f"{what} {url} failed{tries}: {describe_error(err)}{spent}") from err
+            metrics.storage_retry(what, err)
             logger.warning("%s %s failed (attempt %d/%d, retrying in %.2fs): %s",
                            what, url, attempt, policy.attempts, delay, describe_error(err))
             sleep(delay)

@@ -101,7 +101,7 @@ def test_standalone_dataset_iteration_needs_batch_size(dataset_url, tmp_path):
 def test_loader_state_format_and_validation(dataset_url, tmp_path):
     from dataclasses import FrozenInstanceError
 
-    from shardkit.loaders.dataset import DEFAULT_TOKEN_WINDOW
+    from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW
     from shardkit.loaders.state import LoaderState
 
     state = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8).state_dict()

@@ -63,6 +63,7 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
     from shardkit.train.config import DataConfig
     from shardkit.train.data import TrainStream
     from shardkit.train.parallel import Runtime
+    from shardkit.train.parallel.mesh import ParallelDims
 
     tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=258, pad_id=PAD)
     for name in ("a", "b"):
@@ -72,7 +73,7 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
                         cache_dir=str(tmp_path / "cache"),
                         loader=LoaderConfig(shuffle_window=16, cache_limit=10**7, seed=4, epoch_size=64))
     runtime = Runtime(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
-                      mode="none")
+                      dims=ParallelDims())
     stream = TrainStream(config, runtime)
     dataset = stream.loader.dataset
     assert dataset.config == config.loader and dataset.caches[0].cache_limit == 10**7

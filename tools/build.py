@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit import metrics
 from shardkit.formats import Sample, ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
@@ -31,7 +32,7 @@ from shardkit.tools.config import BuildConfig, build_record, parse_compression, 
 from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
 from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
 from shardkit.tools.executors import available_cores, make_executor
-from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
+from shardkit.tools.inputs import InputFile, expand_inputs, iter_units
 from shardkit.tools.packing import Packer, make_packer
 from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
 
@@ -204,6 +205,7 @@ def _save_checkpoint(run: BuildRun) -> None:
 
 def _shard_done(run: BuildRun, shard: ShardInfo) -> None:
     run.shards.append(shard)
+    metrics.shard_written(run.config.shard_format, shard.compressed_bytes)
     _save_checkpoint(run)
 
 
@@ -243,10 +245,12 @@ def emit(run: BuildRun, executor) -> None:
     next_unit = run.start[0]
     try:
         with run.writer:
-            for result in executor.map_ordered(tokenize_unit, _counted(run, units), settings):
+            for result, busy in executor.map_ordered(metrics.timed_call, _counted(run, units), tokenize_unit, settings):
                 snapshot(run, (result.index, result.source, result.file_unit))
-                _account(result, run.files, run.stats, expected=run.expected_documents.pop(result.index),
-                         fail=config.on_error == "fail")
+                expected = run.expected_documents.pop(result.index)
+                _account(result, run.files, run.stats, expected=expected, fail=config.on_error == "fail")
+                metrics.build_unit_done(documents_in=expected, written=len(result.doc_lengths),
+                                        tokens=int(result.doc_lengths.sum()), busy_seconds=busy)
                 _write(run, run.packer.feed(result.tokens, result.doc_lengths, result.source, result.doc_index))
                 next_unit = result.index + 1
                 progress.update(result.source, result.input_offset, run.stats.documents_written,

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkit import metrics
 from shardkit.tools.inputs import InputFile
 
 
@@ -49,6 +50,7 @@ class BuildStats:
         self.documents_rejected += 1
         category = reason_category(reason)
         self.rejected_by_reason[category] = self.rejected_by_reason.get(category, 0) + 1
+        metrics.inc("shardkit_build_documents_rejected_total", reason=category)
         if len(self.examples) < self.max_examples:
             self.examples.append({"file": file, label: record + 1, "reason": reason})
 
@@ -96,6 +98,7 @@ class Progress:
         position = self.starts[source] + offset if source < len(self.starts) else self.position
         if position > self.position:
             self.bar.update(position - self.position)
+            metrics.inc("shardkit_build_input_bytes_total", position - self.position)
             self.position = position
         self.tokens = tokens
         elapsed = max(time.perf_counter() - self.began, 1e-9)

@@ -98,6 +98,9 @@ def _add_build(subparsers) -> None:
         epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(BuildConfig):
         _add_field(p, f)
+    # Not a BuildConfig field: where metrics are served changes nothing in the output or its fingerprint.
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)")
     p.set_defaults(func=run_build_command)
 
 
@@ -154,6 +157,9 @@ def run_build_command(args: argparse.Namespace) -> int:
     from shardkit.tools.build import BuildInputError, print_summary, run_build
 
     try:
+        if args.metrics_port:
+            from shardkit.metrics import start_metrics_server
+            start_metrics_server(args.metrics_port)
         config = config_from_args(args)
         result = run_build(config)
     except BuildInputError as err:

@@ -56,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_common(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     inspect.add_argument("--shards", action="store_true", help="also list every shard (name, samples, tokens, bytes)")
+    inspect.add_argument("--plot", metavar="PNG", default=None,
+                         help="also draw the sample-length histogram and tokens per source into PNG (reads shards)")
+    inspect.add_argument("--plot-shards", type=int, default=64, metavar="N",
+                         help="with --plot: read at most N shards, spread evenly over the dataset. Default: 64")
     inspect.set_defaults(func=run_inspect)
 
     verify = subparsers.add_parser(
@@ -191,6 +195,26 @@ def run_inspect(args: argparse.Namespace) -> int:
         return _fail("inspect", str(err))
     info = describe(manifest, storage.display_url, shards=args.shards)
     print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_table(info))
+    if args.plot:
+        return _plot_dataset(args, storage, manifest)
+    return 0
+
+
+def _plot_dataset(args: argparse.Namespace, storage, manifest) -> int:
+    from shardkit.formats import ShardReader
+    from shardkit.train.plot import plot_dataset
+
+    if args.plot_shards < 1:
+        return _fail("inspect", f"--plot-shards must be >= 1, got {args.plot_shards}")
+    count = len(manifest.shards)
+    chosen = sorted({i * count // min(count, args.plot_shards) for i in range(min(count, args.plot_shards))})
+    arrays = (ShardReader.from_bytes(storage.read_bytes(manifest.shards[i].name, size=manifest.shards[i].compressed_bytes),
+                                     shard=manifest.shards[i], manifest=manifest).arrays for i in chosen)
+    try:
+        drawn = plot_dataset(arrays, sources=tuple(manifest.sources), title=storage.display_url, output=args.plot)
+    except (ValueError, OSError) as err:
+        return _fail("inspect", str(err), status=1)
+    print(f"wrote {args.plot} ({drawn['samples']:,} samples of {drawn['shards']} of {count} shards)", file=sys.stderr)
     return 0
 
 

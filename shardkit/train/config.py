@@ -286,9 +286,18 @@ class LoggingConfig:
     log_every: int = option(10, "print a metrics line every N steps (every step goes to metrics.jsonl)")
     tensorboard: bool = option(True, "also write TensorBoard events when tensorboard is installed")
     log_sample_ids: bool = option(False, "write the sample ids each rank consumes per step to RUN_DIR/samples/")
+    metrics_port: int = option(0, "serve Prometheus metrics at http://HOST:PORT/metrics, each rank on PORT + its "
+                               "local rank (0: off)")
+    starvation_window: int = option(50, "steps over which the data-wait fraction is averaged for the starvation "
+                                    "warning")
+    starvation_threshold: float = option(0.5, "warn once when the data-wait fraction over --starvation_window steps "
+                                         "exceeds this (1 disables the warning)")
 
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, f"--log_every must be >= 1, got {self.log_every}")
+        _check(0 <= self.metrics_port < 65536, f"--metrics_port must be in 0-65535, got {self.metrics_port}")
+        _check(self.starvation_window >= 1, f"--starvation_window must be >= 1, got {self.starvation_window}")
+        _check(0 < self.starvation_threshold, f"--starvation_threshold must be > 0, got {self.starvation_threshold}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig
@@ -62,6 +63,7 @@ class Run:
     resumed_path: str | None = None
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
+    watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -112,6 +114,7 @@ def build(config: TrainConfig) -> Run:
               peak_flops=peak_flops(runtime.device, bf16=bf16),
               sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
                               world_size=runtime.world_size))
+    run.watch = _trainer_metrics(config, runtime)
     resume(run)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +132,13 @@ def build(config: TrainConfig) -> Run:
     if config.logging.log_sample_ids:
         run.sample_log = SampleLog(run_dir, rank=runtime.rank)
     return run
+
+
+def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
+    log = config.logging
+    return TrainerMetrics(rank=runtime.rank, port=log.metrics_port and log.metrics_port + runtime.local_rank,
+                          window=log.starvation_window, threshold=log.starvation_threshold, warn=runtime.is_main,
+                          num_workers=config.data.num_workers)
 
 
 def resume(run: Run) -> None:
@@ -154,8 +164,10 @@ def resume(run: Run) -> None:
                          + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
                          + "; use the same model options or another --checkpoint_dir")
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-    loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                   world_size=run.runtime.world_size, extra=run.sync.resume_state(read_marker(path)))
+    with run.watch.checkpoint("load"):
+        loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                       world_size=run.runtime.world_size,
+                                       extra=run.sync.resume_state(read_marker(path)))
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     run.resumed_path = path.name
@@ -200,8 +212,9 @@ def save_checkpoint(run: Run) -> None:
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
-    run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                          rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
+    with run.watch.checkpoint("save"):
+        run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                              rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
     run.saved_step = run.step
 
 
@@ -269,12 +282,14 @@ def _train_steps(run: Run) -> int:
         step_time = time.perf_counter() - started
         if run.sample_log is not None:
             run.sample_log.log(run.step, sample_ids)
-        run.metrics.log(step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
-                                     step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
-                                     world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                                     peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
-                                     comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
-                        | run.sync.step_metrics(run.step, tokens_per_step))
+        record = step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
+                              step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
+                              world_size=runtime.world_size, flops_per_token=run.flops_per_token,
+                              peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
+                              comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
+        record |= run.sync.step_metrics(run.step, tokens_per_step)
+        run.metrics.log(record)
+        run.watch.step(record, tokens=tokens_per_step)
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
             run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
         if stop:

@@ -1,0 +1,161 @@
+"""The trainer's metrics: a 2-rank torchrun scraped over HTTP (and by a real Prometheus server), and
+the starvation warning on a deliberately slow store versus a normal run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from metrics_scrape import Scraper, check_counters_increase, total
+from shardkit.train.config import config_from_dict
+from shardkit.train.loop import build, close, train
+from train_runs import check_ok, torchrun, write_byte_dataset
+
+pytest.importorskip("prometheus_client")
+
+
+def start_prometheus(directory: Path, targets: list[str]) -> tuple[subprocess.Popen, int]:
+    """A real Prometheus on a free loopback port scraping `targets` every 200 ms (temp config and storage)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the Prometheus server is not installed (Debian: apt-get install prometheus); "
+                    "the scrape-config test needs it")
+    port = free_port()
+    config = directory / "prometheus.yml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "global": {"scrape_interval": "200ms", "scrape_timeout": "150ms"},
+        "scrape_configs": [{"job_name": "shardkit-train", "static_configs": [{"targets": targets}]}]}))
+    process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={directory / 'data'}",
+                                f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=0.5).read()
+            return process, port
+        except OSError:
+            if process.poll() is not None:
+                raise AssertionError(f"prometheus exited: {process.stderr.read()[-2000:]}")
+            time.sleep(0.1)
+    process.terminate()
+    raise AssertionError("prometheus did not become ready in 10 s")
+
+
+def prometheus_query(port: int, query: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        answer = json.loads(response.read())
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+@pytest.mark.slow
+def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tmp_path):
+    data = str(tmp_path / "data")
+    write_byte_dataset(data, num_samples=480)
+    port = free_port()
+    while free_port() == port + 1:  # P and P + 1 (local rank 1) must both be free; free_port is a hint
+        port = free_port()
+    prometheus_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+    targets = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    with_prometheus = shutil.which("prometheus") is not None
+    server = start_prometheus(prometheus_dir, targets) if with_prometheus else None
+    run_dir = tmp_path / "run"
+    steps, batch_size = 60, 4
+    try:
+        with Scraper([port, port + 1], interval=0.05) as scraper:
+            check_ok(torchrun(run_dir, data, steps=steps, batch_size=batch_size, checkpoint_every=30,
+                              extra=("--metrics_port", str(port))))
+        if server is not None:
+            # The targets are gone: range functions still see the samples (stale markers are skipped).
+            step_series = prometheus_query(server[1], "max_over_time(shardkit_train_step[10m])")
+            assert {r["metric"]["rank"] for r in step_series} == {"0", "1"}
+            assert {r["metric"]["instance"] for r in step_series} == set(targets)
+            assert all(0 < float(r["value"][1]) <= steps for r in step_series)
+            assert prometheus_query(server[1], "max_over_time(shardkit_loader_downloaded_bytes_total[10m])")
+    finally:
+        if server is not None:
+            server[0].terminate()
+            server[0].wait(timeout=30)
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r}
+    tokens_per_step = 2 * batch_size * 32
+    for rank, rank_port in enumerate((port, port + 1)):
+        series = scraper.series[rank_port]
+        assert len(series) >= 3, f"rank {rank}'s endpoint was not reachable while it trained"
+        assert check_counters_increase(series) > 0
+        last = series[-1]
+        step = int(total(last, "shardkit_train_step", rank=str(rank)))
+        assert step >= 1
+        # What the endpoint said at its last scrape is what metrics.jsonl says of that step.
+        assert total(last, "shardkit_train_loss", rank=str(rank)) == records[step]["loss"]
+        assert total(last, "shardkit_train_tokens_total", rank=str(rank)) == step * tokens_per_step
+        assert total(last, "shardkit_train_step_seconds_count", rank=str(rank)) == step
+        assert total(last, "shardkit_train_data_wait_seconds_total", rank=str(rank)) == pytest.approx(
+            sum(records[s]["data_wait_fraction"] * records[s]["step_time_s"] for s in range(1, step + 1)),
+            rel=1e-6) if rank == 0 else True  # other ranks time their own steps
+        # Saves at step 30 and after the last step; a scrape can fall between a step and its save.
+        saves = total(last, "shardkit_train_checkpoints_total", rank=str(rank), operation="save")
+        assert (step > 30) + (step == steps) >= saves >= (step > 30)
+        assert total(last, "shardkit_loader_batches_total") >= step
+
+
+def _starvation_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "shardkit.metrics" and "starvation" in r.getMessage()]
+
+
+def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
+    """Train 8 steps of 16 samples in order (one shard each) with the starvation alarm over 3 steps. The
+    loader gathers 16 samples at a time (instead of 2048), so it fetches shards as the run goes (one
+    step ahead), as it does on any dataset larger than one chunk."""
+    config = config_from_dict({
+        "steps": 8, "device": "cpu", "optimizer": {"warmup_steps": 2},
+        # Steps of ~0.1 s: a normal loader keeps up; one that waits 2 s per store request does not.
+        "model": {"d_model": 128, "n_layer": 2},
+        "data": {"data": data, "batch_size": 16, "shuffle": False, "cache_dir": str(run_dir.parent / "cache"),
+                 "storage_options": json.dumps(options)},
+        "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
+                    "starvation_window": 3, "starvation_threshold": 0.5}})
+    run = build(config)
+    run.data.loader.dataset.chunk_samples = 16
+    try:
+        assert train(run) == 0
+    finally:
+        close(run)
+
+
+def _starvation_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "shardkit.metrics" and "starvation" in r.getMessage()]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_starvation_warning_names_slow_downloads_and_stays_silent_on_a_normal_run(tmp_path, faulty_bucket, caplog):
+    url, options, proxy = faulty_bucket
+    write_byte_dataset(url, num_samples=16 * 8, storage_options=options)
+    caplog.set_level(logging.WARNING, logger="shardkit.metrics")
+
+    train_small_chunks(tmp_path / "normal" / "run", url, options)
+    assert _starvation_warnings(caplog) == []
+
+    slow_seconds = proxy.slow_seconds
+    proxy.slow_seconds = 2.0
+    proxy.configure(rate=1.0, kinds=("slow",))
+    try:
+        train_small_chunks(tmp_path / "slow" / "run", url, options)
+    finally:
+        proxy.configure(rate=0.0)
+        proxy.slow_seconds = slow_seconds
+    warnings = _starvation_warnings(caplog)
+    assert len(warnings) == 1, warnings  # one warning per run
+    assert "downloads are behind" in warnings[0] and "--num_workers" in warnings[0]
+    assert options["endpoint_url"] not in warnings[0]
