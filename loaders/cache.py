@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from shardkit import metrics
-from shardkit.formats import ShardReader, check_counts, decode_shard, read_shard, write_decoded
+from shardkit.formats import ShardReader, check_decoded, decode_shard, read_shard, write_decoded
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.names import check_relative_name
 from shardkit.storage import Storage
@@ -276,7 +276,7 @@ class ShardCache:
             download_started = time.perf_counter()
 
         arrays = read_shard(self.storage, shard, decode=decode, on_read=count)
-        check_counts(arrays, shard)
+        check_decoded(arrays, shard, vocab_size=self.manifest.tokenizer.vocab_size)
         return arrays
 
     # -- eviction ------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class ShardReader:
             check_shard_bytes(data, shard=shard.name, sha256=shard.sha256, size=shard.compressed_bytes)
         arrays = decode_shard(data, shard_format=manifest.shard_format, token_dtype=manifest.token_dtype,
                               shard=shard.name, raw_bytes=shard.raw_bytes)
-        check_counts(arrays, shard)
+        check_decoded(arrays, shard, vocab_size=manifest.tokenizer.vocab_size)
         return cls(arrays, name=shard.name)
 
     def __len__(self) -> int:
@@ -97,10 +97,17 @@ class ShardReader:
             raise IndexError(f"sample index out of range for shard {self.name} ({self.num_samples} samples): {err}") from None
 
 
-def check_counts(arrays: ShardArrays, shard: ShardInfo) -> None:
-    """Raise `CorruptShardError` unless decoded counts match the manifest's."""
+def check_decoded(arrays: ShardArrays, shard: ShardInfo, *, vocab_size: int) -> None:
+    """Raise `CorruptShardError` unless the decoded shard matches the manifest: its counts, and every token
+    id below the tokenizer's `vocab_size` (an id outside the embedding table must stop here, naming the shard
+    and sample, not as a device-side assert deep inside the model)."""
     if arrays.num_samples != shard.samples or arrays.tokens.size != shard.tokens:
         raise CorruptShardError(shard.name, f"holds {arrays.num_samples} samples / {arrays.tokens.size} tokens, "
                                             f"the manifest says {shard.samples} / {shard.tokens}")
     if arrays.has_doc_boundaries != shard.has_doc_boundaries:
         raise CorruptShardError(shard.name, "document boundaries present/absent contrary to the manifest")
+    if arrays.tokens.size and int(arrays.tokens.max()) >= vocab_size:
+        position = int(np.argmax(arrays.tokens >= vocab_size))
+        sample = int(np.searchsorted(arrays.sample_offsets, position, side="right")) - 1
+        raise CorruptShardError(shard.name, f"sample {sample} holds token id {int(arrays.tokens[position])}, outside "
+                                            f"the tokenizer's vocabulary of {vocab_size} ids")
