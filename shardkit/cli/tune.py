@@ -39,15 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None]:
     """The trainer options given (`--config` file, then the command line), nested by section, and
     `--storage_options` apart (it may hold credentials: it never goes into a file)."""
-    from shardkit.train.options import load_config_file
+    from shardkit.train.options import option_values
 
-    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
-    for dest, value in vars(args).items():
-        if dest in skip:
-            continue
-        section, _, name = dest.rpartition(".")
-        (values.setdefault(section, {}) if section else values)[name] = value
+    values = option_values(args, skip=skip)
     secret = values.get("data", {}).pop("storage_options", None)
     return values, secret
 

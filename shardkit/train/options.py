@@ -120,22 +120,25 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Merge preset, `--config FILE` and command-line options into a validated `TrainConfig`."""
+def option_values(args: argparse.Namespace, *, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The `--config FILE` values overlaid with the options given on the command line, nested by section
+    (the input of `config_from_dict`); `skip` names parser destinations that are not trainer options."""
     values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
     values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
     for dest, value in vars(args).items():
-        if dest in ("config", "func", "command"):
+        if dest in {"config", "func", "command", *skip}:
             continue
         if isinstance(value, list):  # an option given several values (nargs)
             value = ",".join(value)
         section, _, name = dest.rpartition(".")
-        if section:
-            values.setdefault(section, {})[name] = value
-        else:
-            values[name] = value
+        (values.setdefault(section, {}) if section else values)[name] = value
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Merge preset, `--config FILE` and command-line options into a validated `TrainConfig`."""
     source = f"--config {args.config} and the command line" if getattr(args, "config", None) else "command line"
-    return config_from_dict(values, source=source)
+    return config_from_dict(option_values(args), source=source)
 
 
 def parse_train_args(argv: list[str] | None = None, *, prog: str = "python -m shardkit.train") -> TrainConfig:
