@@ -60,10 +60,14 @@ def test_build_endpoint_counts_what_the_report_says(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_loader_endpoint_aggregates_its_workers_and_shows_no_credentials(tmp_path, s3_bucket):
+def test_loader_endpoint_aggregates_its_workers_and_shows_no_credentials(tmp_path, s3_bucket, monkeypatch):
     """Two DataLoader workers over S3 with secrets in storage_options: their downloads reach the parent's
     endpoint (exactly the shards' stored bytes), and no secret appears in any label or value."""
-    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit import StreamingDataLoader, StreamingDataset, metrics
+
+    # The cache-bytes gauge covers every cache directory this process has used: earlier tests in the same
+    # pytest process used others (the default one among them), so this test starts the gauge afresh.
+    monkeypatch.setattr(metrics, "_cache_roots", set())
     from shardkit.loaders import start_metrics_server
     from train_runs import write_byte_dataset
 

@@ -121,12 +121,12 @@ def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
         "steps": 8, "device": "cpu", "optimizer": {"warmup_steps": 2},
         # Steps of ~0.1 s: a normal loader keeps up; one that waits 2 s per store request does not.
         "model": {"d_model": 128, "n_layer": 2},
-        "data": {"data": data, "batch_size": 16, "shuffle": False, "cache_dir": str(run_dir.parent / "cache"),
-                 "storage_options": json.dumps(options)},
+        "data": {"data": data, "batch_size": 16, "cache_dir": str(run_dir.parent / "cache"),
+                 "storage_options": json.dumps(options), "loader": {"shuffle": False, "chunk_samples": 16}},
         "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
                     "starvation_window": 3, "starvation_threshold": 0.5}})
     run = build(config)
-    run.data.loader.dataset.chunk_samples = 16
+    assert run.data.loader.dataset.chunk_samples == 16
     try:
         assert train(run) == 0
     finally:
