@@ -18,7 +18,14 @@ process dies, so a crashed or SIGKILLed process can never block or poison the ot
 
 Downloads go through the core's one verified read (`shardkit.formats.fetch.read_shard`): bytes are
 checked against the manifest's size and SHA-256 while they decode, a mismatch gets one re-read, then
-`CorruptShardError` naming the shard's URL. With `cache_limit`, least recently used
+`CorruptShardError` naming the shard's URL. Each decoded file records the SHA-256 of the shard it came
+from and a CRC-32 of its bytes (`shardkit.formats.decoded`); a file that fails either check on open
+(stale, truncated, damaged) is removed with a warning naming it and decoded again, never served.
+
+The cache root and every directory below it must belong to the user and be writable by no one else:
+shardkit creates them with mode 0700 and refuses any other (`UnsafeCacheDirError`). The default root has a
+predictable name, so on a shared node another user could otherwise create it first and plant decoded
+files that every reader of the node would serve. With `cache_limit`, least recently used
 unheld shards are evicted to make room; when the shards held by live readers leave no room, the
 cache waits up to `wait_timeout` seconds for readers to move on, then raises `CacheLimitError`.
 """
@@ -30,13 +37,15 @@ import fcntl
 import hashlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 from shardkit import metrics
-from shardkit.formats import ShardReader, check_decoded, decode_shard, read_shard, write_decoded
+from shardkit.errors import CorruptShardError
+from shardkit.formats import ShardReader, check_decoded, decode_shard, open_decoded, read_shard, write_decoded
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.names import check_relative_name
 from shardkit.storage import Storage
@@ -51,6 +60,40 @@ _HEADER_BOUND = 1024
 
 class CacheLimitError(OSError):
     """`cache_limit` is too small for the shards that live readers need at the same time."""
+
+
+class UnsafeCacheDirError(PermissionError):
+    """A cache directory belongs to another user or others can write to it."""
+
+
+def private_directory(path: str) -> None:
+    """Create directory `path` with mode 0700 if missing; refuse it unless it is ours and only ours to write.
+
+    Whoever can write a cache directory decides which tokens every reader of the node is served, so a
+    directory owned by another user, or writable by group or others (sticky bit or not), is refused.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    uid = os.geteuid()
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+        problem = f"a symbolic link owned by another user (uid {link.st_uid})"
+    else:
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            problem = "not a directory"
+        elif st.st_uid != uid:
+            problem = f"owned by another user (uid {st.st_uid}, this process runs as uid {uid})"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            problem = f"writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} (mode {stat.S_IMODE(st.st_mode):04o})"
+        else:
+            return
+    raise UnsafeCacheDirError(
+        f"refusing cache directory {path}: it is {problem}, so another user could plant decoded shards in it "
+        "that would be served as training data. Pass cache_dir= (loader) or --cache_dir (trainer) a private "
+        "directory of your own (shardkit creates a missing one with mode 0700), or chmod 700 it if it is yours")
 
 
 def default_cache_dir() -> str:
@@ -114,6 +157,7 @@ class ShardCache:
         self.cache_limit = cache_limit
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
+        self._private_dirs(self.directory)
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._init_handoff()
@@ -148,6 +192,18 @@ class ShardCache:
         self._init_handoff()
 
     # -- paths ---------------------------------------------------------------------------------
+    def _private_dirs(self, directory: str) -> None:
+        """Create or check every level from the cache root down to `directory` (see `private_directory`)."""
+        parent = os.path.dirname(self.cache_root)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)  # above the root: not shardkit's to police
+        levels = os.path.relpath(directory, self.cache_root).split(os.sep)
+        current = self.cache_root
+        private_directory(current)
+        for level in levels if levels != ["."] else []:
+            current = os.path.join(current, level)
+            private_directory(current)
+
     def path(self, index: int) -> str:
         """Decoded file of shard `index` (never outside the cache directory)."""
         shard = self.manifest.shards[index]
@@ -172,7 +228,7 @@ class ShardCache:
         """Hold shard `index` for reading, downloading it first if no process of the node has."""
         shard = self.manifest.shards[index]
         path = self.path(index)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._private_dirs(os.path.dirname(path))
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -189,7 +245,7 @@ class ShardCache:
                 reader, nbytes = ShardReader(fresh, name=shard.name), self.decoded_size(fresh)
             else:
                 os.utime(path)  # mtime is the last use: eviction order is least recently used
-                reader = ShardReader.open_decoded(path, name=shard.name)
+                reader = self._open_bound(shard, path)
                 nbytes = os.path.getsize(path)
         except BaseException:
             os.close(fd)
@@ -198,6 +254,32 @@ class ShardCache:
             self._held_bytes += nbytes
         metrics.inc("shardkit_cache_held_bytes", nbytes)
         return CachedShard(reader, fd, nbytes, self)
+
+    def _open_bound(self, shard: ShardInfo, path: str) -> ShardReader:
+        """Map the decoded file of `shard`; one not bound to it (stale, truncated, damaged) is decoded again."""
+        try:
+            found = os.stat(path)
+            return ShardReader(open_decoded(path, shard=shard.name, shard_sha256=shard.sha256), name=shard.name)
+        except CorruptShardError as err:
+            logger.warning("discarding decoded cache file %s: %s; decoding shard %s again from its verified "
+                           "bytes", path, err.reason, shard.name)
+        with self._download_lock(path):
+            # Under the download lock no process is writing this file: remove it unless another process
+            # already replaced the bad file (a rename gives a new inode).
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == found.st_ino:
+                    os.unlink(path)
+        self._fetch(shard, path, block=True)
+        return ShardReader(open_decoded(path, shard=shard.name, shard_sha256=shard.sha256), name=shard.name)
+
+    @contextlib.contextmanager
+    def _download_lock(self, path: str):
+        fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _wait_for_fresh(self, path: str):
         """Arrays of `path` if a thread of this process is fetching it (waits for its decode)."""
@@ -217,7 +299,7 @@ class ShardCache:
         path = self.path(index)
         if os.path.exists(path):
             return True
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._private_dirs(os.path.dirname(path))
         try:
             return self._fetch(self.manifest.shards[index], path, block=False)
         except CacheLimitError:
@@ -333,7 +415,7 @@ class ShardCache:
                     with self._handoff:
                         self._fresh[path] = arrays
                         self._handoff.notify_all()
-                    write_decoded(path, arrays)
+                    write_decoded(path, arrays, shard_sha256=shard.sha256)
                     return True
             if not wait:
                 return False
