@@ -87,7 +87,15 @@ def test_a_cache_dir_owned_by_another_user_is_refused(dataset, tmp_path, figures
     link = tmp_path / "link"
     link.symlink_to(theirs)
     refused(dataset, str(link), link)  # following a link does not launder the owner
-    figures.add("cache_dir_unsafe", refused=2)
+    # A link another user planted at the cache's name, pointing into one of our own private directories.
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    planted = tmp_path / "planted"
+    planted.symlink_to(mine)
+    os.lchown(planted, NOBODY, NOBODY)
+    err = refused(dataset, str(planted), planted)
+    assert f"a symbolic link owned by another user (uid {NOBODY})" in str(err)
+    figures.add("cache_dir_unsafe", refused=3)
 
 
 def test_a_fresh_cache_is_private(dataset, tmp_path):
@@ -123,9 +131,10 @@ def forge(path: str, good: str, other: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["forged", "stale", "damaged", "truncated"])
 def test_a_decoded_file_not_bound_to_its_shard_is_decoded_again(dataset, tmp_path, caplog, figures, kind):
-    reference = StreamingDataset(dataset, cache_dir=str(tmp_path / "reference"), shuffle=False)
-    read_all(reference)
-    good = [reference.caches[0].path(i) for i in range(3)]
+    reference = StreamingDataset(dataset, cache_dir=str(tmp_path / "reference")).caches[0]
+    for i in range(3):  # decoded synchronously (the loader's prefetch threads may still be writing)
+        reference.open(i).close()
+    good = [reference.path(i) for i in range(3)]
     victim = StreamingDataset(dataset, shuffle=False)  # the default cache, where a poisoner would put files
     target = victim.caches[0].path(1)
     forge(target, good[1], good[2], kind)
