@@ -2,7 +2,8 @@
 
     python -m pytest -q tests/test_faults.py tests/test_adversarial.py tests/test_pipeline_faults.py \
         tests/test_kill_matrix.py tests/test_secrets.py tests/test_fuzz.py tests/test_checkpoint.py \
-        tests/test_storage.py tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume
+        tests/test_storage.py tests/test_cache_security.py \
+        tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume
     python benchmarks/reliability_table.py [bench_out/reliability.json]
 """
 
@@ -67,6 +68,12 @@ SCENARIOS = [
     ("zstd_bomb_arrow-undeclared", "... frame size not declared", "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[arrow-undeclared]"),
     ("fuzz", "Fuzzed shards raise only CorruptShardError; fuzzed JSONL/Parquet ingest accounts for every record",
      "tests/test_fuzz.py"),
+    ("cache_dir_writable", "Cache root (explicit or default) or dataset directory writable by others (0777, 1777, 0770, 0722): UnsafeCacheDirError naming it and cache_dir=/--cache_dir",
+     "tests/test_cache_security.py::test_a_cache_dir_others_can_write_is_refused"),
+    ("cache_dir_other_owner", "Cache directory owned by another user, a link to one, or a link another user planted: refused the same way",
+     "tests/test_cache_security.py::test_a_cache_dir_owned_by_another_user_is_refused"),
+    ("cache_poisoned_decoded_file", "A forged, stale (another shard's), damaged or truncated .skd where the loader looks: warned, decoded again from the verified shard, never served",
+     "tests/test_cache_security.py::test_a_decoded_file_not_bound_to_its_shard_is_decoded_again"),
     ("secrets", "Sentinel secrets (env, storage_options) absent from DEBUG logs, errors, reprs, report, manifests, loader state",
      "tests/test_secrets.py::test_secrets_never_leak"),
 ]

@@ -72,7 +72,7 @@ def test_a_cache_dir_others_can_write_is_refused(dataset, tmp_path, figures, mod
     inner = StreamingDataset(dataset).caches[0].directory  # created private
     os.chmod(inner, mode)
     refused(dataset, None, inner)
-    figures.add("cache_dir_unsafe", runs=1, refused=3)
+    figures.add("cache_dir_writable", runs=1, refused=3)
 
 
 def test_a_cache_dir_owned_by_another_user_is_refused(dataset, tmp_path, figures):
@@ -95,7 +95,7 @@ def test_a_cache_dir_owned_by_another_user_is_refused(dataset, tmp_path, figures
     os.lchown(planted, NOBODY, NOBODY)
     err = refused(dataset, str(planted), planted)
     assert f"a symbolic link owned by another user (uid {NOBODY})" in str(err)
-    figures.add("cache_dir_unsafe", refused=3)
+    figures.add("cache_dir_other_owner", runs=1, refused=3)
 
 
 def test_a_fresh_cache_is_private(dataset, tmp_path):
