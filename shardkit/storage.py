@@ -252,6 +252,15 @@ def _single_retry_policy(fs: fsspec.AbstractFileSystem) -> None:
         fs.retries = 1
 
 
+def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """`(filesystem, path)` of `url`, built the one way shardkit builds them: its options (see
+    `filesystem_options`) and one try per call in s3fs, so that `retry_call` is the only retry layer."""
+    options = dict(storage_options or {})
+    fs, path = fsspec.core.url_to_fs(url, **filesystem_options(url, options))
+    _single_retry_policy(fs)
+    return fs, path
+
+
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
@@ -275,8 +284,7 @@ class Storage:
         self.url = url if not stripped or stripped.endswith(":") else stripped
         self.storage_options = dict(storage_options or {})
         self.retry = retry
-        self.fs, root = fsspec.core.url_to_fs(self.url, **filesystem_options(self.url, self.storage_options))
-        _single_retry_policy(self.fs)
+        self.fs, root = open_filesystem(self.url, self.storage_options)
         root = root or self.fs.root_marker  # "memory://" is the memory filesystem's "/"
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = _is_local(self.fs)

@@ -151,3 +151,33 @@ def test_tokenize_unit_adds_eos_and_bos(tmp_path):
     assert result.doc_lengths.tolist() == [4, 3] and result.doc_index.tolist() == [0, 2]
     assert result.documents_in == 3 and result.rejected[0][0] == 1
     assert result.tokens.dtype == np.uint16
+
+
+@pytest.mark.s3
+def test_remote_inputs_are_read_under_the_core_retry_policy(faulty_bucket, caplog):
+    """Inputs on S3 are read through `shardkit.storage`'s filesystems and `retry_call`: every fault the
+    store answers reaches shardkit's retry layer (one logged retry each, none hidden in botocore or s3fs,
+    whose own retries `open_filesystem` turns off), and every record still arrives once."""
+    import logging
+
+    from shardkit.storage import Storage
+
+    url, options, proxy = faulty_bucket
+    texts = [f"document {i} " * (i % 7 + 1) for i in range(300)]
+    Storage(url, options).write_bytes("in/a.jsonl.gz", gzip.compress(lines(*({"text": t} for t in texts))))
+    Storage(url, options).write_bytes("in/b.parquet", parquet_bytes(texts[:50]))
+    files = expand_inputs([f"{url}/in"], options)
+    proxy.configure(rate=0.5, seed=7, kinds=("error500", "error503", "slowdown"))
+    with caplog.at_level(logging.WARNING, logger="shardkit.storage"):
+        units = parse_all(files, unit_bytes=4096, storage_options=options)
+    assert not [u.file_error for u, *_ in units if u.file_error]
+    assert [t for _, _, unit_texts, _, _ in units for t in unit_texts] == texts + texts[:50]
+    retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+    assert proxy.injected >= 1 and len(retries) == proxy.injected
+    assert {f.url for f in files} == {f"{url}/in/a.jsonl.gz", f"{url}/in/b.parquet"}
+
+
+def parquet_bytes(texts) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": texts}), sink)
+    return sink.getvalue().to_pybytes()

@@ -13,13 +13,17 @@ on the number of workers, so the build's output does not either.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
+
+from shardkit.storage import open_filesystem, redact_url, retry_call
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +96,7 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def content_sha256(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 20) -> str:
     """SHA-256 of a file's bytes, read in chunks (memory stays flat whatever the file's size)."""
     digest = hashlib.sha256()
-    with fs.open(path, "rb") as fh:
+    with _RetryingInput(fs, path, redact_url(_display(fs, path))) as fh:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -115,15 +119,9 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
     files: list[InputFile] = []
     seen: dict[str, str] = {}
     for pattern in patterns:
-        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
-        explicit = False
-        if any(c in path for c in _GLOB_CHARS):
-            matches = sorted(p for p in fs.glob(path) if not fs.isdir(p))
-        elif fs.isdir(path):
-            matches = sorted(fs.find(path))
-        elif fs.exists(path):
-            matches, explicit = [path], True
-        else:
+        fs, path = open_filesystem(pattern, storage_options)
+        matches, explicit = retry_call(lambda: _matches(fs, path), url=redact_url(pattern), what="list")
+        if matches is None:
             raise FileNotFoundError(f"INPUT {pattern}: no such file, directory or URL")
         chosen = []
         for match in matches:
@@ -147,14 +145,90 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
                 digest = content_sha256(fs, match) if content_hashes else None
             except OSError as err:
                 raise OSError(f"INPUT {url}: cannot read it to fingerprint its content: {_describe(err)}") from err
-            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(fs.size(match)),
-                                   sha256=digest))
+            size = retry_call(lambda: fs.size(match), url=redact_url(url), what="stat")
+            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(size), sha256=digest))
     return files
 
 
-def _open_raw(url: str, storage_options: dict[str, Any] | None):
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs.open(path, "rb")
+def _matches(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str] | None, bool]:
+    """(files that `path` names, whether it named one file explicitly); None when it names nothing."""
+    if any(c in path for c in _GLOB_CHARS):
+        return sorted(p for p in fs.glob(path) if not fs.isdir(p)), False
+    if fs.isdir(path):
+        return sorted(fs.find(path)), False
+    if fs.exists(path):
+        return [path], True
+    return None, False
+
+
+def _open_raw(url: str, storage_options: dict[str, Any] | None) -> _RetryingInput:
+    fs, path = open_filesystem(url, storage_options)
+    return _RetryingInput(fs, path, redact_url(url))
+
+
+class _RetryingInput(io.RawIOBase):
+    """An input file read through the core's `retry_call`, like every other storage call: a transient
+    failure reopens the file at the offset already reached and reads again, so a long streaming read
+    of a remote input gets the same retry policy and deadline as the shards (and s3fs's and botocore's
+    own retries stay off, see `shardkit.storage.open_filesystem`)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, url: str):
+        super().__init__()
+        self._fs, self._path, self._url = fs, path, url
+        self._file = None
+        self._position = 0
+
+    def _attempt(self, operation):
+        def call():
+            if self._file is None:
+                self._file = self._fs.open(self._path, "rb")
+                if self._position:
+                    self._file.seek(self._position)
+            try:
+                return operation(self._file)
+            except Exception:
+                self._discard()  # the next try reopens at self._position
+                raise
+        return retry_call(call, url=self._url, what="read")
+
+    def _discard(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(Exception):
+                file.close()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._attempt(lambda file: file.read(size))
+        self._position += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        def seek(file) -> int:
+            file.seek(offset, whence)
+            return file.tell()
+        self._position = self._attempt(seek)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._discard()
+        super().close()
 
 
 def _decompressing(raw, compression: str | None):
