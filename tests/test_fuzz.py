@@ -252,12 +252,6 @@ def test_fuzz_parquet_ingest_accounts_or_reports(tmp_path_factory, counted, case
     path.write_bytes(data)
     try:
         got = ingest(str(path))
-    except UnicodeDecodeError:
-        # Known bug (tools/documents.py, see the xfail test below): damaged bytes that leave invalid
-        # UTF-8 in a string page escape as a bare UnicodeDecodeError. Counted, not hidden.
-        assert not intact
-        counted["undecodable_parquet_unnamed"] += 1
-        return
     except (ValueError, OSError) as err:  # documented: an unreadable Parquet file is named in the error
         assert not intact, f"an intact Parquet file was refused: {err}"
         assert "input.parquet" in str(err), err
@@ -272,12 +266,20 @@ def test_fuzz_parquet_ingest_accounts_or_reports(tmp_path_factory, counted, case
         assert accepted == len(documents) and accepted + rejected == records
 
 
-@pytest.mark.xfail(strict=True, reason="bug in tools/documents.py _records: Parquet to_pylist() raises a bare "
-                   "UnicodeDecodeError on invalid UTF-8 in a string column (no file, no row), instead of "
-                   "rejecting that row as the JSONL reader does")
 def test_invalid_utf8_in_a_parquet_string_column_rejects_that_row(tmp_path):
-    column = pa.array([b"ok", b"\x00\x80"], pa.binary()).view(pa.string())  # bytes that are not UTF-8
+    """pyarrow reads string pages without validating them: a bad row is rejected like a bad JSONL line
+    (same reason, counted, named by file and row in the build report), and only that row."""
+    from shardkit.tools.build import BuildConfig, run_build
+
+    column = pa.array([b"ok", b"\x00\x80", None, b"fine"], pa.binary()).view(pa.string())  # row 2: not UTF-8
     path = tmp_path / "input.parquet"
     pq.write_table(pa.table({"text": column}), path)
     records, accepted, rejected, errors, documents = ingest(str(path))
-    assert (records, accepted, rejected, documents) == (2, 1, 1, ["ok"])
+    assert (records, accepted, rejected, documents) == (4, 2, 2, ["ok", "fine"])
+    (tmp_path / "input.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\x00\x80"}\n')
+    report = run_build(BuildConfig(inputs=(str(path), str(tmp_path / "input.jsonl")), output=str(tmp_path / "out"),
+                                   tokenizer="byte", seq_len=16, progress=False, workers=1)).report["documents"]
+    assert report["rejected_by_reason"] == {"invalid UTF-8": 2, "'text' is null": 1}
+    examples = [(e["file"], e.get("row", e.get("line")), e["reason"]) for e in report["examples"]]
+    assert (str(path), 2, "invalid UTF-8 at byte 1: invalid start byte") in examples
+    assert (str(tmp_path / "input.jsonl"), 2, "invalid UTF-8 at byte 11: invalid start byte") in examples

@@ -101,9 +101,8 @@ def _tokenizer(spec: str) -> Tokenizer:
 def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
     """(record index, text-or-rejection) pairs; a rejection is an `_Reject`."""
     if unit.kind == "parquet":
-        values = unit.payload.to_pylist() if hasattr(unit.payload, "to_pylist") else list(unit.payload)
         return [(unit.first_record + i, v if v is not None else _Reject(f"'{text_field}' is null"))
-                for i, v in enumerate(values)]
+                for i, v in enumerate(_column_values(unit.payload))]
     data: bytes = unit.payload
     if not data:
         return []
@@ -127,6 +126,23 @@ def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
         else:
             out.append((record, _parse_json_line(line, text_field)))
     return out
+
+
+def _column_values(column) -> list:
+    """The values of a Parquet text column; a row that is not valid UTF-8 becomes a rejection.
+
+    pyarrow does not validate string pages when it reads them, and `to_pylist()` fails for the whole
+    batch at the first bad row (a bare UnicodeDecodeError naming no file or row): decode row by row
+    then, as the JSONL reader does line by line, so only the bad rows are rejected."""
+    if not hasattr(column, "to_pylist"):
+        return list(column)
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        import pyarrow as pa
+
+        binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+        return [raw if raw is None else _decode(raw) for raw in column.view(binary).to_pylist()]
 
 
 class _Reject(str):
