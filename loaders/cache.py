@@ -87,7 +87,8 @@ def private_directory(path: str) -> None:
         elif st.st_uid != uid:
             problem = f"owned by another user (uid {st.st_uid}, this process runs as uid {uid})"
         elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            problem = f"writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} (mode {stat.S_IMODE(st.st_mode):04o})"
+            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+            problem = f"writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
         else:
             return
     raise UnsafeCacheDirError(

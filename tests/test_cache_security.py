@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loader_helpers import ids_from_tokens, write_fixed
-from shardkit.formats import open_decoded, write_decoded
 from shardkit import StreamingDataLoader, StreamingDataset
+from shardkit.formats import open_decoded, write_decoded
 from shardkit.loaders.cache import UnsafeCacheDirError, default_cache_dir
 
 NOBODY = 65534

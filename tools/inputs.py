@@ -14,6 +14,7 @@ on the number of workers, so the build's output does not either.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -120,7 +121,7 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
     seen: dict[str, str] = {}
     for pattern in patterns:
         fs, path = open_filesystem(pattern, storage_options)
-        matches, explicit = retry_call(lambda: _matches(fs, path), url=redact_url(pattern), what="list")
+        matches, explicit = retry_call(functools.partial(_matches, fs, path), url=redact_url(pattern), what="list")
         if matches is None:
             raise FileNotFoundError(f"INPUT {pattern}: no such file, directory or URL")
         chosen = []
@@ -145,7 +146,7 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
                 digest = content_sha256(fs, match) if content_hashes else None
             except OSError as err:
                 raise OSError(f"INPUT {url}: cannot read it to fingerprint its content: {_describe(err)}") from err
-            size = retry_call(lambda: fs.size(match), url=redact_url(url), what="stat")
+            size = retry_call(functools.partial(fs.size, match), url=redact_url(url), what="stat")
             files.append(InputFile(url=url, kind=kind, compression=compression, size=int(size), sha256=digest))
     return files
 
