@@ -32,7 +32,7 @@ from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_step_chunks
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
@@ -225,33 +225,39 @@ class StreamingDataset(IterableDataset):
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
-                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+    def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[np.ndarray]:
+        """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
+
+        Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
+        into the epoch) costs O(chunk), whatever the epoch's length.
+        """
         order = self.order(epoch, plan.num_partitions)
         topo, batch = plan.topology, plan.batch_size
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
                                policy=self.partial_batches)
-        steps = worker_steps(total, worker=worker, num_workers=num_workers, bundle=plan.bundle)
-        per_chunk = max(1, self.chunk_samples // batch)
-        chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
-
-        def ids_of(chunk_steps: np.ndarray) -> np.ndarray:
-            positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
+        for steps in worker_step_chunks(total, worker=worker, num_workers=num_workers, bundle=plan.bundle,
+                                        chunk=max(1, self.chunk_samples // batch)):
+            positions = rank_positions(steps, start=start, num_positions=order.num_positions,
                                        world_size=topo.world_size, batch_size=batch, rank=topo.rank,
                                        partition_of=order.partition_of)
             # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
             ids = order.sample_ids(positions)
             ids.sort(axis=1)
-            return ids
+            yield ids
 
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+        topo = plan.topology
+        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers)
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
                     if self.prefetch else None)
         try:
-            upcoming = ids_of(chunks[0]) if chunks else None
-            for c in range(len(chunks)):
+            upcoming = next(chunks, None)
+            while upcoming is not None:
                 ids = upcoming
-                upcoming = ids_of(chunks[c + 1]) if c + 1 < len(chunks) else None
+                upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
                 needed = self._shards_in_order(ids)
                 if executor is not None:
                     self._prefetch(executor, needed, topo)
