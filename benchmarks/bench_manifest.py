@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,15 +30,29 @@ SAMPLES_PER_SHARD = 13_000
 SAMPLE_TOKENS = 2_049
 
 
-def write_synthetic(directory: Path, shards: int) -> Path:
-    """A dataset prefix holding a valid manifest of `shards` shards (no shard files)."""
-    import numpy as np
-
+def write_synthetic(directory: Path, shards: int, with_index: bool = True) -> Path:
+    """A dataset prefix holding a valid manifest of `shards` shards (no shard files), with or without
+    the binary index beside it."""
     from shardkit.manifest import MANIFEST_NAME
 
     prefix = directory / f"shards-{shards}"
-    if (prefix / MANIFEST_NAME).exists():
+    if not (prefix / MANIFEST_NAME).exists():
+        write_json(prefix, shards)
+    index = prefix / "shardkit.index"
+    try:  # the binary index the build writes beside the JSON (when this shardkit has one)
+        from shardkit.manifest import write_index
+    except ImportError:
         return prefix
+    if with_index and not index.exists():
+        write_index(str(prefix))
+    elif not with_index and index.exists():
+        index.unlink()
+    return prefix
+
+
+def write_json(prefix: Path, shards: int) -> None:
+    import numpy as np
+
     prefix.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     raw = SAMPLES_PER_SHARD * SAMPLE_TOKENS * 2
@@ -64,14 +79,7 @@ def write_synthetic(directory: Path, shards: int) -> Path:
         fh.write(",\n".join(entry.format(c=compressed, i=i, r=raw, s=SAMPLES_PER_SHARD, h=digests[i].tobytes().hex(),
                                          t=tokens) for i in range(shards)))
         fh.write("\n ]\n}\n")
-    os.replace(prefix / "shardkit.json.tmp", prefix / MANIFEST_NAME)
-    try:  # the binary index the build writes beside the JSON (when this shardkit has one)
-        from shardkit.manifest import write_index_for
-    except ImportError:
-        pass
-    else:
-        write_index_for(str(prefix))
-    return prefix
+    os.replace(prefix / "shardkit.json.tmp", prefix / "shardkit.json")
 
 
 def measure_once(prefix: str, cache_dir: str) -> dict:
@@ -80,15 +88,15 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
     from shardkit.loaders.dataset import StreamingDataset
     from shardkit.manifest import load_manifest
     import_s = time.perf_counter() - t0
+    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # python + numpy + torch
 
-    t0 = time.perf_counter()
-    manifest = load_manifest(prefix)
-    load_s = time.perf_counter() - t0
-    del manifest
     t0 = time.perf_counter()
     dataset = StreamingDataset(prefix, cache_dir=cache_dir, rank=0, world_size=1, local_rank=0, local_world_size=1,
                                batch_size=8)
     construct_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    load_manifest(prefix)  # a bare load (no node cache record: hashes the JSON when there is an index)
+    load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
         ids = first_chunk_ids(dataset)
@@ -99,6 +107,7 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"import_s": import_s, "load_manifest_s": load_s, "construct_s": construct_s, "first_plan_s": plan_s,
             "total_s": construct_s + plan_s, "peak_rss_mb": peak_mb,
+            "baseline_rss_mb": baseline_mb,
             "first_ids": None if ids is None else ids[:4].tolist()}
 
 
@@ -130,6 +139,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--data-dir", default="bench_data/manifest")
     parser.add_argument("--out", default="bench_out/manifest.json")
+    parser.add_argument("--no-index", action="store_true", help="measure the JSON path (no binary index)")
     parser.add_argument("--label", default="", help="recorded with the results (e.g. before / after)")
     parser.add_argument("--child", nargs=2, metavar=("PREFIX", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,26 +154,32 @@ def main() -> None:
     rows = []
     for shards in args.shards:
         t0 = time.perf_counter()
-        prefix = write_synthetic(Path(args.data_dir), shards)
+        prefix = write_synthetic(Path(args.data_dir), shards, with_index=not args.no_index)
         print(f"{shards:,} shards: manifest ready in {time.perf_counter() - t0:.1f} s "
               f"({(prefix / 'shardkit.json').stat().st_size / 1e6:.0f} MB)", file=sys.stderr)
-        runs = []
-        for run in range(args.runs):
-            cache = Path(args.data_dir) / f"cache-{shards}-{run}"
-            out = subprocess.run([sys.executable, __file__, "--child", str(prefix), str(cache)], check=True,
-                                 capture_output=True, text=True)
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        row = {"shards": shards, "runs": runs}
-        for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb"):
-            row[key] = statistics.median(r[key] for r in runs)
-        rows.append(row)
+        for process in ("first", "other"):
+            # "first": the node's first process (its cache has no record of the manifest yet: it
+            # hashes the JSON once); "other": a later process of the same node (same cache).
+            runs = []
+            for run in range(args.runs):
+                cache = Path(args.data_dir) / f"cache-{shards}-{run}"
+                if process == "first":
+                    shutil.rmtree(cache, ignore_errors=True)
+                out = subprocess.run([sys.executable, __file__, "--child", str(prefix), str(cache)], check=True,
+                                     capture_output=True, text=True)
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            row = {"shards": shards, "process": process, "runs": runs}
+            for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb", "baseline_rss_mb"):
+                row[key] = statistics.median(r.get(key, float("nan")) for r in runs)
+            rows.append(row)
 
-    print(f"\n{'shards':>10} {'load_manifest s':>16} {'construct s':>12} {'first plan s':>13} {'total s':>8} "
-          f"{'peak RSS MB':>12}")
+    print(f"\n{'shards':>10} {'process':>8} {'load_manifest s':>16} {'construct s':>12} {'first plan s':>13} {'total s':>8} "
+          f"{'peak RSS MB':>12} {'RSS after imports MB':>21}")
     for row in rows:
-        print(f"{row['shards']:>10,} {row['load_manifest_s']:>16.3f} {row['construct_s']:>12.3f} "
-              f"{row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} {row['peak_rss_mb']:>12.0f}")
-    result = {"label": args.label, "machine": platform.platform(), "python": platform.python_version(),
+        print(f"{row['shards']:>10,} {row['process']:>8} {row['load_manifest_s']:>16.3f} {row['construct_s']:>12.3f} "
+              f"{row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} {row['peak_rss_mb']:>12.0f} "
+              f"{row['baseline_rss_mb']:>21.0f}")
+    result = {"label": args.label, "index": not args.no_index, "machine": platform.platform(), "python": platform.python_version(),
               "cpus": os.cpu_count(), "runs": args.runs, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

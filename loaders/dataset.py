@@ -28,14 +28,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardkit import metrics
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.cache import ShardCache
+from shardkit.loaders.cache import ShardCache, fetch_manifest
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_step_chunks
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
-from shardkit.manifest import Manifest, load_manifest
+from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -94,18 +94,18 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in streams]
-        self.manifests: list[Manifest] = [load_manifest(st) for st in self.storages]
+        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir) for st in self.storages]
         self._check_compatible()
         first = self.manifests[0]
         self.sample_length = first.sample_length
         self.token_dtype = numpy_token_dtype(first.token_dtype)
-        self.has_doc_boundaries = all(sh.has_doc_boundaries for m in self.manifests for sh in m.shards)
+        self.has_doc_boundaries = all(bool(m.columns.has_doc_boundaries.all()) for m in self.manifests)
         tok = first.tokenizer
         self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
         self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait)
                        for st, m in zip(self.storages, self.manifests)]
-        self._shard_owner = [(s, i) for s, m in enumerate(self.manifests) for i in range(len(m.shards))]
-        self.table = ShardTable([sh.samples for m in self.manifests for sh in m.shards])
+        self._shard_owner = ShardOwners([len(m.shards) for m in self.manifests])
+        self.table = ShardTable(np.concatenate([m.columns.samples for m in self.manifests]))
         self.num_samples = sum(m.num_samples for m in self.manifests)
         if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")
@@ -116,6 +116,7 @@ class StreamingDataset(IterableDataset):
                              f"(max_sample_tokens={longest}); raise max_tokens")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self._plan: IterationPlan | None = None
+        self._fingerprint: str | None = None
         self._iterations = 0
         self.epoch = 0
 
@@ -154,15 +155,31 @@ class StreamingDataset(IterableDataset):
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
         config = self.order_config(num_partitions)
         if len(self.manifests) == 1:
-            return EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
-        return MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
+            return EpochOrder(self.manifests[0].columns.samples, config, epoch)
+        return MixtureOrder([m.columns.samples for m in self.manifests],
                             [s.weight for s in self.streams], config, epoch, self.epoch_size)
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
-        content = [[[sh.name, sh.samples, sh.sha256] for sh in m.shards] for m in self.manifests]
-        weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
-        return hashlib.sha256(json.dumps([content, weights]).encode()).hexdigest()[:32]
+        if self._fingerprint is None:
+            # The SHA-256 of json.dumps([[[[name, samples, sha256], ...], ...], weights]), fed shard by
+            # shard: the same value as before for any size, without a million-entry list in memory.
+            digest = hashlib.sha256(b"[[")
+            for s, manifest in enumerate(self.manifests):
+                digest.update(b"[" if s == 0 else b", [")
+                columns = manifest.columns
+                names, hexes = columns.names.decode(), columns.sha256.tobytes().hex()
+                offsets, samples = columns.name_offsets.tolist(), columns.samples.tolist()
+                ascii_names = names.isascii()  # byte offsets index the decoded text only then
+                for i, count in enumerate(samples):
+                    name = names[offsets[i]:offsets[i + 1]] if ascii_names else columns.name(i)
+                    entry = json.dumps([name, count, hexes[64 * i:64 * i + 64]]).encode()
+                    digest.update(entry if i == 0 else b", " + entry)
+                digest.update(b"]")
+            weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
+            digest.update(b"], " + json.dumps(weights).encode() + b"]")
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration (the loader manages epochs itself)."""
@@ -340,6 +357,12 @@ class StreamingDataset(IterableDataset):
         return [int(s) for s in uniq[np.argsort(first)]]
 
     def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
+        # Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
+        # numbers), so nodes that need the same shards do not all ask the store for the first one at
+        # once; the samples' order is untouched, only the order of the prefetch requests.
+        if len(shards) > 1:
+            offset = (topo.node * 0x9E3779B1) % len(shards)
+            shards = shards[offset:] + shards[:offset]
         # Each local rank starts with the shards it "owns", so a node's processes download
         # different shards in parallel instead of queueing on the same lock.
         mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
@@ -372,6 +395,23 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+class ShardOwners:
+    """(stream, shard index in its manifest) of each global shard index, by arithmetic on the streams'
+    shard counts (no per-shard object, whatever the number of shards)."""
+
+    def __init__(self, shard_counts: Sequence[int]):
+        self._ends = np.cumsum(np.asarray(shard_counts, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {index} is outside [0, {len(self)})")
+        stream = int(np.searchsorted(self._ends, index, side="right"))
+        return stream, int(index - (self._ends[stream - 1] if stream else 0))
 
 
 def _streams_of(source: Any) -> list[Stream]:
