@@ -82,21 +82,28 @@ def write_json(prefix: Path, shards: int) -> None:
     os.replace(prefix / "shardkit.json.tmp", prefix / "shardkit.json")
 
 
+def peak_rss_mb() -> float:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child would report the parent's
+    # peak (the parent parses the whole JSON to write the index).
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def measure_once(prefix: str, cache_dir: str) -> dict:
     """One fresh-process measurement (runs inside the child)."""
     t0 = time.perf_counter()
     from shardkit.loaders.dataset import StreamingDataset
     from shardkit.manifest import load_manifest
     import_s = time.perf_counter() - t0
-    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # python + numpy + torch
+    baseline_mb = peak_rss_mb()  # python + numpy + torch
 
     t0 = time.perf_counter()
     dataset = StreamingDataset(prefix, cache_dir=cache_dir, rank=0, world_size=1, local_rank=0, local_world_size=1,
                                batch_size=8)
     construct_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    load_manifest(prefix)  # a bare load (no node cache record: hashes the JSON when there is an index)
-    load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
         ids = first_chunk_ids(dataset)
@@ -104,7 +111,11 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
         ids, plan_s = None, float("inf")
     else:
         plan_s = time.perf_counter() - t0
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_rss_mb()  # what one rank holds at its peak, up to the first batch's plan
+    del dataset
+    t0 = time.perf_counter()
+    load_manifest(prefix)  # a bare load (no node cache record: hashes the JSON when there is an index)
+    load_s = time.perf_counter() - t0
     return {"import_s": import_s, "load_manifest_s": load_s, "construct_s": construct_s, "first_plan_s": plan_s,
             "total_s": construct_s + plan_s, "peak_rss_mb": peak_mb,
             "baseline_rss_mb": baseline_mb,

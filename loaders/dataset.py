@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
+_GOLDEN = (5**0.5 - 1) / 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,17 +358,7 @@ class StreamingDataset(IterableDataset):
         return [int(s) for s in uniq[np.argsort(first)]]
 
     def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
-        # Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
-        # numbers), so nodes that need the same shards do not all ask the store for the first one at
-        # once; the samples' order is untouched, only the order of the prefetch requests.
-        if len(shards) > 1:
-            offset = (topo.node * 0x9E3779B1) % len(shards)
-            shards = shards[offset:] + shards[:offset]
-        # Each local rank starts with the shards it "owns", so a node's processes download
-        # different shards in parallel instead of queueing on the same lock.
-        mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
-        others = [s for s in shards if s % topo.local_world_size != topo.local_rank]
-        for index in mine + others:
+        for index in prefetch_order(shards, topo):
             stream, local = self._shard_owner[index]
             if not self.caches[stream].is_cached(local):
                 metrics.prefetch_submitted()
@@ -395,6 +386,21 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
+    """The order in which this process asks for `shards` (the samples' order is not affected).
+
+    Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
+    numbers), so nodes that need the same shards do not all ask the store for the first one at once;
+    then each local rank starts with the shards it "owns", so a node's processes download different
+    shards in parallel instead of queueing on the same lock.
+    """
+    if len(shards) > 1:
+        offset = int(len(shards) * ((topo.node * _GOLDEN) % 1.0))  # node k at frac(k x 0.618...): well spread
+        shards = shards[offset:] + shards[:offset]
+    mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
+    return mine + [s for s in shards if s % topo.local_world_size != topo.local_rank]
 
 
 class ShardOwners:

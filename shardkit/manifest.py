@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -449,21 +450,31 @@ def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | No
     if not storage.exists(INDEX_NAME):
         return None
     index_url = url[:-len(MANIFEST_NAME)] + INDEX_NAME if url.endswith(MANIFEST_NAME) else INDEX_NAME
-    try:
-        header, shards = decode_index(storage.read_bytes(INDEX_NAME), source=index_url)
-        if _nesting_depth(header) > MAX_NESTING:
-            raise ManifestError(f"{index_url}: header nested more than {MAX_NESTING} levels deep")
-    except ManifestError as err:
-        logger.warning("%s; reading %s instead", err, url)
-        return None
-    size, digest = known_digest or json_digest(storage)
+    # Hashing the JSON (~250 MB at a million shards) overlaps with reading and checking the index:
+    # hashlib and file reads release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest-hash") as pool:
+        pending = None if known_digest else pool.submit(json_digest, storage)
+        try:
+            header, shards = decode_index(storage.read_bytes(INDEX_NAME), source=index_url)
+            if _nesting_depth(header) > MAX_NESTING:
+                raise ManifestError(f"{index_url}: header nested more than {MAX_NESTING} levels deep")
+        except ManifestError as err:
+            logger.warning("%s; reading %s instead", err, url)
+            return None
+        problem = None
+        if checked_index is None or checked_index != index_stamp(storage):
+            try:
+                shards.check(source=url)
+            except ManifestError as err:
+                problem = err  # reported only if the index is this JSON's (else the JSON decides)
+        size, digest = known_digest or pending.result()
     recorded = header.get("index", {})
     if (size, digest) != (recorded.get("json_bytes"), recorded.get("json_sha256")):
         logger.warning("%s was not made from this %s (it was rewritten after the build); reading the JSON, "
                        "which is slow for many shards: rebuild the index with write_index", index_url, url)
         return None
-    if checked_index is None or checked_index != index_stamp(storage):
-        shards.check(source=url)
+    if problem is not None:
+        raise problem
     return Manifest._from_fields(header, shards, source=url)
 
 

@@ -70,6 +70,11 @@ def test_small_manifests_get_no_index_and_lose_a_stale_one(indexed):
 @pytest.mark.parametrize("bad, match", [
     ("../escape.tar", "has an empty, '.' or '..' component"),
     ("s3://elsewhere/x.tar", "names a drive or a URL scheme"),
+    ("C:x.tar", "names a drive or a URL scheme"),
+    ("/abs.tar", "is an absolute path"),
+    ("dir/", "has an empty, '.' or '..' component"),
+    ("dir/..", "has an empty, '.' or '..' component"),
+    ("a\x00b", "contains a NUL byte"),
     ("DUPLICATE", "names the same shard twice"),
     (MANIFEST_NAME, f"may not be called {MANIFEST_NAME}"),
 ])
@@ -176,3 +181,16 @@ def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkey
         assert cache_module.fetch_manifest(Storage(url), str(tmp_path / "node")) == manifest
     assert len(calls) == 1  # once per node
     assert json_digest(Storage(url))[0] == len(manifest.to_json().encode())
+
+
+def test_prefetch_starts_at_a_node_dependent_offset():
+    from shardkit.loaders.dataset import prefetch_order
+    from shardkit.loaders.topology import Topology
+
+    shards = list(range(40))
+    firsts = [prefetch_order(shards, Topology(rank=node * 2, world_size=32, local_rank=0, local_world_size=2))[0]
+              for node in range(16)]
+    assert len(set(firsts)) >= 12  # the 16 nodes do not all start with the same shard
+    for node in range(16):  # each still asks for every shard once, its local rank's own first
+        order = prefetch_order(shards, Topology(rank=node * 2 + 1, world_size=32, local_rank=1, local_world_size=2))
+        assert sorted(order) == shards and all(s % 2 == 1 for s in order[:20])
