@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -45,8 +46,24 @@ from dataclasses import dataclass
 
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
-from shardkit.formats import ShardReader, check_decoded, decode_shard, open_decoded, read_shard, write_decoded
-from shardkit.manifest import Manifest, ShardInfo
+from shardkit.formats import (
+    ShardReader,
+    check_decoded,
+    decode_shard,
+    open_decoded,
+    read_shard,
+    write_decoded,
+)
+from shardkit.manifest import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardInfo,
+    index_stamp,
+    json_digest,
+    load_manifest,
+)
 from shardkit.names import check_relative_name
 from shardkit.storage import Storage
 
@@ -95,6 +112,19 @@ def private_directory(path: str) -> None:
         f"refusing cache directory {path}: it is {problem}, so another user could plant decoded shards in it "
         "that would be served as training data. Pass cache_dir= (loader) or --cache_dir (trainer) a private "
         "directory of your own (shardkit creates a missing one with mode 0700), or chmod 700 it if it is yours")
+
+
+def private_tree(root: str, directory: str) -> None:
+    """Create or check every level from cache root `root` down to `directory` (see `private_directory`)."""
+    parent = os.path.dirname(root)
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)  # above the root: not shardkit's to police
+    levels = os.path.relpath(directory, root).split(os.sep)
+    current = root
+    private_directory(current)
+    for level in levels if levels != ["."] else []:
+        current = os.path.join(current, level)
+        private_directory(current)
 
 
 def default_cache_dir() -> str:
@@ -194,16 +224,7 @@ class ShardCache:
 
     # -- paths ---------------------------------------------------------------------------------
     def _private_dirs(self, directory: str) -> None:
-        """Create or check every level from the cache root down to `directory` (see `private_directory`)."""
-        parent = os.path.dirname(self.cache_root)
-        if parent and not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)  # above the root: not shardkit's to police
-        levels = os.path.relpath(directory, self.cache_root).split(os.sep)
-        current = self.cache_root
-        private_directory(current)
-        for level in levels if levels != ["."] else []:
-            current = os.path.join(current, level)
-            private_directory(current)
+        private_tree(self.cache_root, directory)
 
     def path(self, index: int) -> str:
         """Decoded file of shard `index` (never outside the cache directory)."""
@@ -264,12 +285,11 @@ class ShardCache:
         except CorruptShardError as err:
             logger.warning("discarding decoded cache file %s: %s; decoding shard %s again from its verified "
                            "bytes", path, err.reason, shard.name)
-        with self._download_lock(path):
-            # Under the download lock no process is writing this file: remove it unless another process
-            # already replaced the bad file (a rename gives a new inode).
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == found.st_ino:
-                    os.unlink(path)
+        # Under the download lock no process is writing this file: remove it unless another process
+        # already replaced the bad file (a rename gives a new inode).
+        with self._download_lock(path), contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == found.st_ino:
+                os.unlink(path)
         self._fetch(shard, path, block=True)
         return ShardReader(open_decoded(path, shard=shard.name, shard_sha256=shard.sha256), name=shard.name)
 
@@ -454,3 +474,89 @@ class ShardCache:
             if self._try_evict(victim):
                 total -= size
         return total
+
+
+# -- the manifest, once per node -------------------------------------------------------------------
+def fetch_manifest(storage: Storage, cache_dir: str | None = None) -> Manifest:
+    """The dataset's manifest, fetched and checked once per node through the node cache.
+
+    Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
+    stat). The first process that finds the node's record missing or different takes the node's
+    manifest lock (a flock, as for a shard), downloads `shardkit.json` and the binary index (when the
+    dataset has one) into the cache with atomic renames, hashes the JSON once, and writes a record
+    of identity, size and SHA-256 last, once the manifest passed every check. The node's other
+    processes wait on the lock and read the local copy, trusting the record's hash instead of hashing
+    the JSON again, and its checks of the index's names instead of repeating them: a thousand ranks on 125
+    nodes cost 125 manifest GETs and 125 hashes, not 1,000. Local datasets are read in place (only
+    the record is kept in the cache). Errors name the store's URL.
+    """
+    url = storage.url_of(MANIFEST_NAME)
+    try:
+        identity = storage.identity(MANIFEST_NAME)
+    except FileNotFoundError as err:
+        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
+                            "(was the build interrupted before it finished?)") from err
+    root = os.path.abspath(cache_dir or default_cache_dir())
+    directory = os.path.join(root, dataset_cache_key(storage.url))
+    private_tree(root, directory)  # the record below is trusted instead of a hash: nobody else may write it
+    local = storage if storage.is_local else Storage(directory)
+    record_path = os.path.join(directory, MANIFEST_NAME + ".record")
+    record = _read_record(record_path, identity)
+    if record is None:
+        fd = os.open(os.path.join(directory, MANIFEST_NAME + ".dl"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            record = _read_record(record_path, identity)  # another process may have just done it
+            if record is None:
+                return _fetch_manifest_locked(storage, local, directory, identity, record_path)
+        finally:
+            os.close(fd)  # releases the lock
+    size, digest, checked_index = record
+    return load_manifest(local, display_url=url, known_digest=(size, digest), checked_index=checked_index)
+
+
+def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, identity: str,
+                           record_path: str) -> Manifest:
+    """The node's first process: download, hash and fully check the manifest, then record it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record_path)  # the copies below are being replaced: invalid until rewritten
+    if not storage.is_local:
+        _download_atomic(storage, MANIFEST_NAME, directory)
+        try:
+            _download_atomic(storage, INDEX_NAME, directory)  # one GET, not a HEAD and a LIST to ask first
+        except FileNotFoundError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, INDEX_NAME))
+        logger.debug("fetched %s into the node cache %s", storage.url_of(MANIFEST_NAME), directory)
+    size, digest = json_digest(local)
+    manifest = load_manifest(local, display_url=storage.url_of(MANIFEST_NAME), known_digest=(size, digest))
+    _write_atomic(record_path, json.dumps([identity, size, digest, index_stamp(local)]))
+    return manifest
+
+
+def _read_record(path: str, identity: str) -> tuple[int, str, str | None] | None:
+    """(size, SHA-256, checked index stamp) of the node's manifest copy when its record is for
+    `identity`, else None."""
+    try:
+        with open(path) as fh:
+            recorded, size, digest, stamp = json.load(fh)
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+    return (size, digest, stamp) if recorded == identity else None
+
+
+def _download_atomic(storage: Storage, name: str, directory: str) -> None:
+    temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        storage.download(name, temporary)
+        os.replace(temporary, os.path.join(directory, name))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as fh:
+        fh.write(text)
+    os.replace(temporary, path)

@@ -28,20 +28,21 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardkit import metrics
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.cache import ShardCache
+from shardkit.loaders.cache import ShardCache, fetch_manifest
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_step_chunks
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
-from shardkit.manifest import Manifest, load_manifest
+from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
+_GOLDEN = (5**0.5 - 1) / 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,18 +95,18 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in streams]
-        self.manifests: list[Manifest] = [load_manifest(st) for st in self.storages]
+        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir) for st in self.storages]
         self._check_compatible()
         first = self.manifests[0]
         self.sample_length = first.sample_length
         self.token_dtype = numpy_token_dtype(first.token_dtype)
-        self.has_doc_boundaries = all(sh.has_doc_boundaries for m in self.manifests for sh in m.shards)
+        self.has_doc_boundaries = all(bool(m.columns.has_doc_boundaries.all()) for m in self.manifests)
         tok = first.tokenizer
         self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
         self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait)
                        for st, m in zip(self.storages, self.manifests)]
-        self._shard_owner = [(s, i) for s, m in enumerate(self.manifests) for i in range(len(m.shards))]
-        self.table = ShardTable([sh.samples for m in self.manifests for sh in m.shards])
+        self._shard_owner = ShardOwners([len(m.shards) for m in self.manifests])
+        self.table = ShardTable(np.concatenate([m.columns.samples for m in self.manifests]))
         self.num_samples = sum(m.num_samples for m in self.manifests)
         if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")
@@ -116,6 +117,7 @@ class StreamingDataset(IterableDataset):
                              f"(max_sample_tokens={longest}); raise max_tokens")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self._plan: IterationPlan | None = None
+        self._fingerprint: str | None = None
         self._iterations = 0
         self.epoch = 0
 
@@ -154,15 +156,31 @@ class StreamingDataset(IterableDataset):
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
         config = self.order_config(num_partitions)
         if len(self.manifests) == 1:
-            return EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
-        return MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
+            return EpochOrder(self.manifests[0].columns.samples, config, epoch)
+        return MixtureOrder([m.columns.samples for m in self.manifests],
                             [s.weight for s in self.streams], config, epoch, self.epoch_size)
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
-        content = [[[sh.name, sh.samples, sh.sha256] for sh in m.shards] for m in self.manifests]
-        weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
-        return hashlib.sha256(json.dumps([content, weights]).encode()).hexdigest()[:32]
+        if self._fingerprint is None:
+            # The SHA-256 of json.dumps([[[[name, samples, sha256], ...], ...], weights]), fed shard by
+            # shard: the same value as before for any size, without a million-entry list in memory.
+            digest = hashlib.sha256(b"[[")
+            for s, manifest in enumerate(self.manifests):
+                digest.update(b"[" if s == 0 else b", [")
+                columns = manifest.columns
+                names, hexes = columns.names.decode(), columns.sha256.tobytes().hex()
+                offsets, samples = columns.name_offsets.tolist(), columns.samples.tolist()
+                ascii_names = names.isascii()  # byte offsets index the decoded text only then
+                for i, count in enumerate(samples):
+                    name = names[offsets[i]:offsets[i + 1]] if ascii_names else columns.name(i)
+                    entry = json.dumps([name, count, hexes[64 * i:64 * i + 64]]).encode()
+                    digest.update(entry if i == 0 else b", " + entry)
+                digest.update(b"]")
+            weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
+            digest.update(b"], " + json.dumps(weights).encode() + b"]")
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration (the loader manages epochs itself)."""
@@ -225,33 +243,39 @@ class StreamingDataset(IterableDataset):
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
-                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+    def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[np.ndarray]:
+        """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
+
+        Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
+        into the epoch) costs O(chunk), whatever the epoch's length.
+        """
         order = self.order(epoch, plan.num_partitions)
         topo, batch = plan.topology, plan.batch_size
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
                                policy=self.partial_batches)
-        steps = worker_steps(total, worker=worker, num_workers=num_workers, bundle=plan.bundle)
-        per_chunk = max(1, self.chunk_samples // batch)
-        chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
-
-        def ids_of(chunk_steps: np.ndarray) -> np.ndarray:
-            positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
+        for steps in worker_step_chunks(total, worker=worker, num_workers=num_workers, bundle=plan.bundle,
+                                        chunk=max(1, self.chunk_samples // batch)):
+            positions = rank_positions(steps, start=start, num_positions=order.num_positions,
                                        world_size=topo.world_size, batch_size=batch, rank=topo.rank,
                                        partition_of=order.partition_of)
             # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
             ids = order.sample_ids(positions)
             ids.sort(axis=1)
-            return ids
+            yield ids
 
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
+                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+        topo = plan.topology
+        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers)
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
                     if self.prefetch else None)
         try:
-            upcoming = ids_of(chunks[0]) if chunks else None
-            for c in range(len(chunks)):
+            upcoming = next(chunks, None)
+            while upcoming is not None:
                 ids = upcoming
-                upcoming = ids_of(chunks[c + 1]) if c + 1 < len(chunks) else None
+                upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
                 needed = self._shards_in_order(ids)
                 if executor is not None:
                     self._prefetch(executor, needed, topo)
@@ -334,11 +358,7 @@ class StreamingDataset(IterableDataset):
         return [int(s) for s in uniq[np.argsort(first)]]
 
     def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
-        # Each local rank starts with the shards it "owns", so a node's processes download
-        # different shards in parallel instead of queueing on the same lock.
-        mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
-        others = [s for s in shards if s % topo.local_world_size != topo.local_rank]
-        for index in mine + others:
+        for index in prefetch_order(shards, topo):
             stream, local = self._shard_owner[index]
             if not self.caches[stream].is_cached(local):
                 metrics.prefetch_submitted()
@@ -366,6 +386,38 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
+    """The order in which this process asks for `shards` (the samples' order is not affected).
+
+    Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
+    numbers), so nodes that need the same shards do not all ask the store for the first one at once;
+    then each local rank starts with the shards it "owns", so a node's processes download different
+    shards in parallel instead of queueing on the same lock.
+    """
+    if len(shards) > 1:
+        offset = int(len(shards) * ((topo.node * _GOLDEN) % 1.0))  # node k at frac(k x 0.618...): well spread
+        shards = shards[offset:] + shards[:offset]
+    mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
+    return mine + [s for s in shards if s % topo.local_world_size != topo.local_rank]
+
+
+class ShardOwners:
+    """(stream, shard index in its manifest) of each global shard index, by arithmetic on the streams'
+    shard counts (no per-shard object, whatever the number of shards)."""
+
+    def __init__(self, shard_counts: Sequence[int]):
+        self._ends = np.cumsum(np.asarray(shard_counts, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {index} is outside [0, {len(self)})")
+        stream = int(np.searchsorted(self._ends, index, side="right"))
+        return stream, int(index - (self._ends[stream - 1] if stream else 0))
 
 
 def _streams_of(source: Any) -> list[Stream]:

@@ -15,7 +15,7 @@ full global step; "pad" completes the last step with positions wrapped to the st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -52,14 +52,43 @@ def worker_of_step(step: int | np.ndarray, *, num_workers: int, bundle: int = 1)
     return (step // bundle) % num_workers
 
 
+def worker_step_count(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> int:
+    """How many of the first `num_steps` steps worker `worker` produces (arithmetic, O(1))."""
+    _check_worker(worker, num_workers, bundle)
+    cycle = bundle * num_workers
+    full, rest = divmod(num_steps, cycle)
+    return full * bundle + min(bundle, max(0, rest - worker * bundle))
+
+
+def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1,
+                       chunk: int) -> Iterator[np.ndarray]:
+    """The steps worker `worker` produces, in order, as arrays of `chunk` steps (the last may be shorter).
+
+    Computed chunk by chunk from the step arithmetic of `worker_of_step`, so starting (or resuming
+    anywhere in) an epoch of billions of steps costs O(chunk), not O(steps in the epoch).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
+    for first in range(0, count, chunk):
+        i = np.arange(first, min(first + chunk, count), dtype=np.int64)
+        # The i-th step of this worker: bundle i // bundle of its own, at offset i % bundle.
+        yield (i // bundle) * (bundle * num_workers) + worker * bundle + i % bundle
+
+
 def worker_steps(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> np.ndarray:
     """The steps that DataLoader worker `worker` produces, in order (see `worker_of_step`)."""
+    count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
+    chunks = worker_step_chunks(num_steps, worker=worker, num_workers=num_workers, bundle=bundle,
+                                chunk=max(count, 1))
+    return next(chunks, np.zeros(0, dtype=np.int64))
+
+
+def _check_worker(worker: int, num_workers: int, bundle: int) -> None:
     if not 0 <= worker < num_workers:
         raise ValueError(f"worker {worker} is outside [0, {num_workers})")
     if bundle < 1:
         raise ValueError(f"bundle must be >= 1, got {bundle}")
-    steps = np.arange(num_steps, dtype=np.int64)
-    return steps[worker_of_step(steps, num_workers=num_workers, bundle=bundle) == worker]
 
 
 def rank_positions(steps: np.ndarray, *, start: int, num_positions: int, world_size: int, batch_size: int,

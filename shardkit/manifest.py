@@ -8,16 +8,26 @@ partial shard. The exact format is documented in docs/FORMAT.md.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from shardkit.errors import ManifestError
 from shardkit.names import check_relative_name
+from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index
 from shardkit.storage import Storage, http_answer
 
+logger = logging.getLogger(__name__)
+
 MANIFEST_NAME = "shardkit.json"
+RESERVED_NAMES = (MANIFEST_NAME, INDEX_NAME)
 # Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
 MAX_NESTING = 64
 FORMAT_VERSION = 1
@@ -25,6 +35,26 @@ SHARD_FORMATS = ("tar", "arrow")
 TOKEN_DTYPES = ("uint16", "uint32")
 PACKING_MODES = ("concat", "bestfit", "none", "custom")
 HASH_ALGORITHM = "sha256"
+# Bounds on what a manifest may declare (see `check_counts`). A shard is read whole into memory,
+# so a declared size of a TiB is a corrupt or hostile manifest, never a real shard.
+MAX_SHARD_BYTES = 2**40
+# zstd's densest encoding is an RLE block: a 3-byte block header and 1 byte that decode to a whole
+# block of at most 128 KiB, i.e. 4 bytes -> 131,072 bytes. Every other block type (raw, compressed
+# with at least a literals header, a sequences header and a bitstream) decodes fewer bytes per
+# stored byte, and frame headers only lower the ratio. So no stored byte decodes to more than 32,768
+# bytes: raw_bytes (decoded payload, both formats) <= 32,768 x compressed_bytes.
+MAX_ZSTD_RATIO = 131072 // 4
+# A tar sample is at least its tokens' .npy file, whose header alone is 64 bytes (a multiple of 64
+# by the .npy format) and counts in raw_bytes (FORMAT.md section 4): even an empty sample costs it.
+MIN_TAR_SAMPLE_RAW_BYTES = 64
+# An arrow sample is at least its 4-byte list offset, which raw_bytes counts (FORMAT.md section 5).
+MIN_ARROW_SAMPLE_RAW_BYTES = 4
+# Positions, steps and totals are int64: totals stay far below its limit.
+MAX_TOTAL = 2**62
+_TOKEN_BYTES = {"uint16": 2, "uint32": 4}
+_DIGEST_CHUNK = 1 << 24
+# From this many shards the build writes the binary index (JSON parsing costs ~20 us per shard).
+INDEX_MIN_SHARDS = 10_000
 
 
 def token_dtype_for_vocab(vocab_size: int) -> str:
@@ -97,8 +127,8 @@ class ShardInfo:
         check_relative_name(self.name, what="shard name")
         for label in ("samples", "tokens", "compressed_bytes", "raw_bytes"):
             value = getattr(self, label)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ManifestError(f"shard {self.name}: {label} must be a non-negative integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+                raise ManifestError(f"shard {self.name}: {label} must be a non-negative integer below 2^63, got {value!r}")
         if not (isinstance(self.sha256, str) and len(self.sha256) == 64
                 and all(c in "0123456789abcdef" for c in self.sha256)):
             raise ManifestError(f"shard {self.name}: sha256 must be 64 lowercase hex digits")
@@ -162,22 +192,29 @@ class Manifest:
         # a ManifestError naming the field (a string `sources` would otherwise become its characters).
         if not isinstance(self.tokenizer, TokenizerInfo):
             raise ManifestError(f"tokenizer must be a TokenizerInfo, got {type(self.tokenizer).__name__}")
-        if isinstance(self.shards, (str, bytes, dict)) or not all(isinstance(s, ShardInfo) for s in self.shards):
+        columnar = isinstance(self.shards, ShardColumns)  # checked column-wise where it was read
+        if not columnar and (isinstance(self.shards, (str, bytes, dict))
+                             or not all(isinstance(s, ShardInfo) for s in self.shards)):
             raise ManifestError("shards must be a list of shard entries")
         if isinstance(self.sources, (str, bytes, dict)) or not all(isinstance(s, str) for s in self.sources):
             raise ManifestError(f"sources must be a list of strings, got {self.sources!r:.80}")
         for label in ("compression", "build"):
             if not isinstance(getattr(self, label), dict):
                 raise ManifestError(f"{label} must be a JSON object, got {getattr(self, label)!r:.80}")
-        object.__setattr__(self, "shards", tuple(self.shards))
+        if not columnar:
+            object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "sources", tuple(self.sources))
         if self.max_sample_tokens is None and self.seq_len is not None:
             object.__setattr__(self, "max_sample_tokens", self.seq_len + 1)
-        names = [s.name for s in self.shards]
-        if len(set(names)) != len(names):
-            raise ManifestError("manifest names the same shard twice")
-        if MANIFEST_NAME in names:
-            raise ManifestError(f"a shard may not be called {MANIFEST_NAME}")
+        if columnar:
+            reserved = [n for n in RESERVED_NAMES if self.shards.find(n) is not None]
+        else:
+            names = [s.name for s in self.shards]
+            if len(set(names)) != len(names):
+                raise ManifestError("manifest names the same shard twice")
+            reserved = [n for n in RESERVED_NAMES if n in set(names)]
+        if reserved:
+            raise ManifestError(f"a shard may not be called {reserved[0]}")
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -186,28 +223,44 @@ class Manifest:
         return None if self.seq_len is None or self.packing == "none" else self.seq_len + 1
 
     @property
+    def columns(self) -> ShardColumns:
+        """The shards as numpy columns (`columns.samples`, ...): what readers of many shards use."""
+        if isinstance(self.shards, ShardColumns):
+            return self.shards
+        cached = self.__dict__.get("_columns")
+        if cached is None or len(cached) != len(self.shards):
+            cached = ShardColumns.from_shards(self.shards)
+            object.__setattr__(self, "_columns", cached)
+        return cached
+
+    def _sum(self, field_name: str) -> int:
+        if isinstance(self.shards, ShardColumns):  # bounded by check_counts: the int64 sum is exact
+            return int(np.sum(getattr(self.shards, field_name)))
+        return sum(getattr(s, field_name) for s in self.shards)
+
+    @property
     def num_samples(self) -> int:
-        return sum(s.samples for s in self.shards)
+        return self._sum("samples")
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.tokens for s in self.shards)
+        return self._sum("tokens")
 
     def totals(self) -> dict[str, int]:
         return {
             "shards": len(self.shards),
             "samples": self.num_samples,
             "tokens": self.num_tokens,
-            "compressed_bytes": sum(s.compressed_bytes for s in self.shards),
-            "raw_bytes": sum(s.raw_bytes for s in self.shards),
+            "compressed_bytes": self._sum("compressed_bytes"),
+            "raw_bytes": self._sum("raw_bytes"),
         }
 
     def with_shards(self, shards: Sequence[ShardInfo]) -> Manifest:
         return replace(self, shards=tuple(shards))
 
     # -- JSON --------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
+        data = {
             "format": "shardkit",
             "format_version": self.format_version,
             "shardkit_version": self.shardkit_version,
@@ -220,10 +273,13 @@ class Manifest:
             "compression": dict(self.compression),
             "hash": HASH_ALGORITHM,
             "totals": self.totals(),
-            "shards": [asdict(s) for s in self.shards],
+            "shards": [asdict(s) for s in self.shards] if with_shards else None,
             "sources": list(self.sources),
             "build": self.build,
         }
+        if not with_shards:
+            del data["shards"]
+        return data
 
     def to_json(self) -> str:
         """Deterministic JSON: the same manifest always gives the same bytes."""
@@ -233,13 +289,22 @@ class Manifest:
     def from_dict(cls, data: Any, *, source: str = "manifest") -> Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expected a JSON object")
-        if data.get("format") != "shardkit":
-            raise ManifestError(f"{source}: not a shardkit manifest (field 'format' is {data.get('format')!r})")
-        if data.get("hash", HASH_ALGORITHM) != HASH_ALGORITHM:
-            raise ManifestError(f"{source}: unsupported hash {data.get('hash')!r}")
+        _check_kind(data, source)
+        try:
+            shards = tuple(ShardInfo(**s) for s in data["shards"])
+        except ManifestError as err:
+            raise ManifestError(f"{source}: {err}") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise ManifestError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from err
+        return cls._from_fields(data, shards, source=source)
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any], shards: tuple[ShardInfo, ...] | ShardColumns, *,
+                     source: str) -> Manifest:
+        """The manifest of the JSON fields `data` (its "shards" entry ignored) and `shards`, checked."""
+        _check_kind(data, source)
         try:
             seq_len = data["seq_len"]
-            shards = tuple(ShardInfo(**s) for s in data["shards"])
             manifest = cls(
                 format_version=data["format_version"],
                 shardkit_version=data.get("shardkit_version", ""),
@@ -260,6 +325,7 @@ class Manifest:
             raise ManifestError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from err
         if manifest.compression.get("codec") != "zstd":
             raise ManifestError(f"{source}: unsupported compression {manifest.compression!r}")
+        check_counts(manifest, source=source)
         totals = data.get("totals")
         if totals is not None and totals != manifest.totals():
             raise ManifestError(f"{source}: totals {totals} do not match the sum over shards {manifest.totals()}")
@@ -281,6 +347,13 @@ class Manifest:
         return cls.from_dict(data, source=source)
 
 
+def _check_kind(data: dict[str, Any], source: str) -> None:
+    if data.get("format") != "shardkit":
+        raise ManifestError(f"{source}: not a shardkit manifest (field 'format' is {data.get('format')!r})")
+    if data.get("hash", HASH_ALGORITHM) != HASH_ALGORITHM:
+        raise ManifestError(f"{source}: unsupported hash {data.get('hash')!r}")
+
+
 def _nesting_depth(data: Any) -> int:
     """Deepest level of lists and objects in parsed JSON, counted without recursion."""
     deepest, pending = 0, [(data, 1)]
@@ -292,17 +365,176 @@ def _nesting_depth(data: Any) -> int:
     return deepest
 
 
-def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Read and validate the manifest of the dataset at `source` (a URL or a `Storage`)."""
+def check_counts(manifest: Manifest, *, source: str) -> None:
+    """Refuse declared counts that no shard of the declared size could hold, before anything is planned.
+
+    A manifest is read before any shard, so its counts decide how much the loader plans; these
+    bounds (see the constants above) tie each shard's samples and tokens to its stored size, so a
+    manifest claiming 1e15 samples fails here, in milliseconds, naming the shard, instead of
+    sizing a plan on them. The shard's real size is then checked against `compressed_bytes` on the
+    first read of it (`shardkit.formats.fetch`).
+
+    Raises:
+        ManifestError: naming `source`, the first offending shard and what it declares.
+    """
+    c = manifest.columns
+    if not len(c):
+        return
+    samples, tokens, stored, raw = c.samples, c.tokens, c.compressed_bytes, c.raw_bytes
+    # Every bound is written with divisions, not products, so no int64 overflows whatever is declared.
+    rules = [
+        (stored > MAX_SHARD_BYTES, f"compressed_bytes above {MAX_SHARD_BYTES:,} (a shard is read whole into memory)"),
+        (-(-raw // MAX_ZSTD_RATIO) > stored, f"raw_bytes more than {MAX_ZSTD_RATIO:,} x compressed_bytes "
+                                              "(zstd's maximum ratio)"),
+        (tokens > raw // _TOKEN_BYTES[manifest.token_dtype], f"more {manifest.token_dtype} tokens than raw_bytes hold"),
+    ]
+    if manifest.shard_format == "tar":
+        rules.append((samples > raw // MIN_TAR_SAMPLE_RAW_BYTES,
+                      f"more samples than raw_bytes / {MIN_TAR_SAMPLE_RAW_BYTES} (a tar sample's .npy header)"))
+    else:
+        rules.append((samples > raw // MIN_ARROW_SAMPLE_RAW_BYTES,
+                      f"more samples than raw_bytes / {MIN_ARROW_SAMPLE_RAW_BYTES} (an arrow sample's list offset)"))
+    length = manifest.sample_length
+    if length is not None:
+        rules.append(((tokens % length != 0) | (tokens // length != samples),
+                      f"tokens != samples x {length} (every sample holds seq_len + 1 tokens)"))
+    elif manifest.max_sample_tokens is not None:
+        rules.append((-(-tokens // manifest.max_sample_tokens) > samples,
+                      f"more tokens than samples x max_sample_tokens ({manifest.max_sample_tokens})"))
+    first, reason = min(((int(np.argmax(bad)), why) for bad, why in rules if bad.any()), default=(None, ""),
+                        key=lambda item: item[0])
+    if first is not None:
+        raise ManifestError(f"{source}: shard {c.name(first)} declares {int(samples[first])} samples, "
+                            f"{int(tokens[first])} tokens, {int(raw[first])} raw bytes in {int(stored[first])} "
+                            f"compressed bytes: {reason}; the manifest is corrupt or was edited, rebuild it")
+    for label, column in (("samples", samples), ("tokens", tokens), ("raw_bytes", raw), ("compressed_bytes", stored)):
+        if float(np.sum(column, dtype=np.float64)) > MAX_TOTAL:
+            raise ManifestError(f"{source}: the shards declare more than 2^62 {label} in total; "
+                                "the manifest is corrupt or was edited")
+
+
+def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None = None, *,
+                  display_url: str | None = None, known_digest: tuple[int, str] | None = None,
+                  checked_index: str | None = None) -> Manifest:
+    """Read and validate the manifest of the dataset at `source` (a URL or a `Storage`).
+
+    When the build wrote a binary index (`shardkit.index`) and it records this very JSON (size and
+    SHA-256, the JSON hashed in bounded memory), the shards are read from the index as columns:
+    a million shards load in well under a second and a few hundred MB. Otherwise (older datasets,
+    an index that is stale or damaged: logged) the JSON is parsed.
+
+    Args:
+        display_url: the URL that errors name (e.g. the store's, when `source` is a local copy).
+        known_digest: the JSON's (size, SHA-256) when the caller has already computed it for this
+            very file (the node cache does, once per node), so it is not read again.
+        checked_index: `index_stamp` of a local index file whose names this node has already checked
+            (the node cache's record): the name checks are skipped while the file is that one.
+    """
     storage = source if isinstance(source, Storage) else Storage(source, storage_options)
+    url = display_url or storage.url_of(MANIFEST_NAME)
     try:
+        manifest = _load_indexed(storage, url, known_digest, checked_index)
+        if manifest is not None:
+            return manifest
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
+        where = url.rsplit("/", 1)[0] if display_url else storage.display_url
+        raise ManifestError(f"no dataset at {where}: {MANIFEST_NAME} not found "
                             f"(was the build interrupted before it finished?){http_answer(err)}") from err
-    return Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME))
+    return Manifest.from_json(text, source=url)
 
 
-def write_manifest(storage: Storage, manifest: Manifest) -> None:
-    """Publish the manifest atomically. Call it only after every shard it names is written."""
-    storage.write_bytes(MANIFEST_NAME, manifest.to_json().encode())
+def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | None,
+                  checked_index: str | None) -> Manifest | None:
+    """The manifest from its binary index, or None when there is no usable index for this JSON."""
+    # One read that may find nothing, not an existence check first: on an object store `exists` costs
+    # a HEAD and a LIST for a missing key, on every open of every dataset without an index.
+    try:
+        index_bytes = storage.read_bytes(INDEX_NAME)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    index_url = url[:-len(MANIFEST_NAME)] + INDEX_NAME if url.endswith(MANIFEST_NAME) else INDEX_NAME
+    # Hashing the JSON (~250 MB at a million shards) overlaps with decoding and checking the index:
+    # hashlib and file reads release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest-hash") as pool:
+        pending = None if known_digest else pool.submit(json_digest, storage)
+        try:
+            header, shards = decode_index(index_bytes, source=index_url)
+            if _nesting_depth(header) > MAX_NESTING:
+                raise ManifestError(f"{index_url}: header nested more than {MAX_NESTING} levels deep")
+        except ManifestError as err:
+            logger.warning("%s; reading %s instead", err, url)
+            return None
+        problem = None
+        if checked_index is None or checked_index != index_stamp(storage):
+            try:
+                shards.check(source=url)
+            except ManifestError as err:
+                problem = err  # reported only if the index is this JSON's (else the JSON decides)
+        size, digest = known_digest or pending.result()
+    recorded = header.get("index", {})
+    if (size, digest) != (recorded.get("json_bytes"), recorded.get("json_sha256")):
+        logger.warning("%s was not made from this %s (it was rewritten after the build); reading the JSON, "
+                       "which is slow for many shards: rebuild the index with write_index", index_url, url)
+        return None
+    if problem is not None:
+        raise problem
+    return Manifest._from_fields(header, shards, source=url)
+
+
+def index_stamp(storage: Storage) -> str | None:
+    """Identity of a local dataset's index file (size, mtime, inode), None when it has none."""
+    if not storage.is_local:
+        return None
+    try:
+        st = os.stat(storage.path(INDEX_NAME))
+    except FileNotFoundError:
+        return None
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def json_digest(storage: Storage) -> tuple[int, str]:
+    """(size, SHA-256) of the manifest JSON, read in pieces (bounded memory)."""
+    digest, size = hashlib.sha256(), 0
+    if storage.is_local:
+        with open(storage.path(MANIFEST_NAME), "rb") as fh:
+            while chunk := fh.read(_DIGEST_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        return size, digest.hexdigest()
+    total = storage.size(MANIFEST_NAME)
+    for start in range(0, total, _DIGEST_CHUNK):
+        chunk = storage.read_range(MANIFEST_NAME, start, min(start + _DIGEST_CHUNK, total))
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def write_manifest(storage: Storage, manifest: Manifest, *, index: bool | None = None) -> None:
+    """Publish the manifest atomically. Call it only after every shard it names is written.
+
+    Args:
+        index: write the binary index beside it; None (default) when it has `INDEX_MIN_SHARDS` shards
+            or more (below that the JSON parses in milliseconds and the dataset stays one file).
+
+    The index goes first: a reader that sees the new JSON finds the index made from it; one that
+    still sees the old JSON finds an index that does not match it and reads the JSON.
+    """
+    text = manifest.to_json().encode()
+    if index if index is not None else len(manifest.shards) >= INDEX_MIN_SHARDS:
+        _write_index(storage, manifest, text)
+    elif storage.exists(INDEX_NAME):
+        storage.delete(INDEX_NAME)  # made from an earlier manifest: it would only be read and refused
+    storage.write_bytes(MANIFEST_NAME, text)
+
+
+def write_index(source: str | Storage, storage_options: dict[str, Any] | None = None) -> None:
+    """(Re)write the binary index of an existing dataset from its JSON (datasets built before it)."""
+    storage = source if isinstance(source, Storage) else Storage(source, storage_options)
+    text = storage.read_bytes(MANIFEST_NAME)
+    _write_index(storage, Manifest.from_json(text, source=storage.url_of(MANIFEST_NAME)), text)
+
+
+def _write_index(storage: Storage, manifest: Manifest, text: bytes) -> None:
+    storage.write_bytes(INDEX_NAME, encode_index(manifest.to_dict(with_shards=False), manifest.columns,
+                                                 json_bytes=text))

@@ -333,6 +333,17 @@ class Storage:
         self._fresh(path)
         return int(self._call(lambda: self.fs.size(path), name, "stat"))
 
+    def identity(self, name: str) -> str:
+        """What changes when the object is replaced: its size and the store's ETag (else mtime).
+
+        One metadata request (a HEAD on object stores); a node cache compares it with the copy it holds.
+        """
+        path = self.path(name)
+        self._fresh(path)
+        info = self._call(lambda: self.fs.info(path), name, "stat")
+        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
+        return f"{info.get('size')}:{tag}"
+
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
         """The whole object. Pass `size` when it is known (e.g. from the manifest): on remote
         filesystems the object is then read through one buffered file with large blocks, which

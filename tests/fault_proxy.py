@@ -101,6 +101,9 @@ class FaultProxy:
                 self.kinds = tuple(kinds)
             self.counts: Counter[str] = Counter()
             self.log: list[tuple[str, str, str]] = []
+            # (method, object key, User-Agent, status) of every request moto answered (storm tests
+            # tell simulated nodes apart by a User-Agent suffix).
+            self.answered: list[tuple[str, str, str, int]] = []
             self._seen: Counter[tuple] = Counter()
 
     @property
@@ -227,6 +230,9 @@ class _Handler(BaseHTTPRequestHandler):
             status, reason, out_headers = response.status, response.reason, response.getheaders()
         finally:
             upstream.close()
+        with owner._lock:
+            owner.answered.append((method, urlsplit(self.path).path.lstrip("/").partition("/")[2],
+                                   self.headers.get("User-Agent", ""), status))
         if kind == "reset":  # after the server applied it: the client cannot know it succeeded
             owner._record(kind, method, self.path)
             self._reset()

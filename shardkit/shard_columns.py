@@ -1,0 +1,252 @@
+"""The shards of a manifest as columns, and the binary index (`shardkit.index`) that stores them.
+
+A manifest of a million shards is ~250 MB of JSON: `json.loads` builds a million dicts (~1.3 GB,
+~20 s here) before a single check runs. The build therefore writes, beside the JSON, a binary index
+of the same manifest: the JSON's top-level fields (everything but `shards`) and one array per
+shard field. A reader maps the arrays with `np.frombuffer` (no per-shard object), validates them a
+column at a time, and creates a `ShardInfo` only for a shard it actually touches. The JSON stays the
+source of truth: the index records the JSON's size and SHA-256, and a reader uses the index only
+when the JSON it has matches them (see `shardkit.manifest.load_manifest`).
+
+Layout (little-endian; docs/FORMAT.md section "Binary index"):
+`SKINDEX1` | u64 header length | header (UTF-8 JSON) | zero padding to 8 bytes |
+samples, tokens, compressed_bytes, raw_bytes: i64[N] each | name offsets i64[N+1] |
+sha256 u8[N, 32] | has_doc_boundaries u8[N] | names (UTF-8, concatenated) |
+SHA-256 of every byte before it (32 bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardkit.errors import ManifestError
+from shardkit.names import check_relative_name
+
+INDEX_NAME = "shardkit.index"
+INDEX_MAGIC = b"SKINDEX1"
+COUNT_FIELDS = ("samples", "tokens", "compressed_bytes", "raw_bytes")
+# Any of these inside a name marks it unsafe (see names.py): a NUL, an empty, '.' or '..' component,
+# a backslash, a URL scheme. The ends of names (leading '/', "./", drive letters...) are checked apart.
+_UNSAFE_PARTS = (b"\x00", b"//", b"/./", b"/../", b"\\", b"://")
+_HASH_CHUNK = 1 << 17
+MAX_NAME_BYTES = 1024  # S3's limit for a whole key; also bounds the name-hashing loop  # names hashed this many at a time (bounds the temporary byte matrix)
+
+
+class ShardColumns(Sequence):
+    """The shards of a manifest, one numpy array per field; `ShardInfo` objects made on access.
+
+    Built by `from_shards` (a list of `ShardInfo`) or `decode_index`; compares equal to the tuple of
+    the same shards, so a manifest read through the index equals the one the build wrote.
+    """
+
+    def __init__(self, *, names: bytes, name_offsets: np.ndarray, sha256: np.ndarray,
+                 has_doc_boundaries: np.ndarray, **counts: np.ndarray):
+        self.names = names
+        self.name_offsets = name_offsets
+        self.sha256 = sha256
+        self.has_doc_boundaries = has_doc_boundaries
+        self.samples, self.tokens = counts["samples"], counts["tokens"]
+        self.compressed_bytes, self.raw_bytes = counts["compressed_bytes"], counts["raw_bytes"]
+
+    @classmethod
+    def from_shards(cls, shards: Sequence[Any]) -> ShardColumns:
+        encoded = [s.name.encode() for s in shards]
+        offsets = np.zeros(len(shards) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=offsets[1:])
+        counts = {f: np.fromiter((getattr(s, f) for s in shards), dtype=np.int64, count=len(shards))
+                  for f in COUNT_FIELDS}
+        sha = np.frombuffer(b"".join(bytes.fromhex(s.sha256) for s in shards), dtype=np.uint8).reshape(-1, 32)
+        docs = np.fromiter((s.has_doc_boundaries for s in shards), dtype=bool, count=len(shards))
+        return cls(names=b"".join(encoded), name_offsets=offsets, sha256=sha, has_doc_boundaries=docs, **counts)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def name(self, index: int) -> str:
+        return self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode()
+
+    def find(self, name: str) -> int | None:
+        """Index of the shard called `name`, or None (a byte search, no per-shard strings)."""
+        target, at = name.encode(), -1
+        while (at := self.names.find(target, at + 1)) >= 0:
+            i = int(np.searchsorted(self.name_offsets, at, side="right")) - 1
+            if self.name_offsets[i] == at and self.name_offsets[i + 1] == at + len(target):
+                return i
+        return None
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        from shardkit.manifest import ShardInfo  # manifest.py imports this module
+
+        i = range(len(self))[index]
+        return ShardInfo(name=self.name(i), samples=int(self.samples[i]), tokens=int(self.tokens[i]),
+                         compressed_bytes=int(self.compressed_bytes[i]), raw_bytes=int(self.raw_bytes[i]),
+                         sha256=self.sha256[i].tobytes().hex(), has_doc_boundaries=bool(self.has_doc_boundaries[i]))
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardColumns):
+            return (len(self) == len(other) and self.names == other.names
+                    and all(np.array_equal(getattr(self, f), getattr(other, f))
+                            for f in ("name_offsets", "sha256", "has_doc_boundaries", *COUNT_FIELDS)))
+        if isinstance(other, (tuple, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # mutable arrays inside: like a list, not hashable
+
+    def __repr__(self) -> str:
+        return f"ShardColumns({len(self)} shards)"
+
+    def check(self, *, source: str) -> None:
+        """Column-at-a-time checks of what `ShardInfo.__post_init__` checks one shard at a time,
+        plus unique names. Raises `ManifestError` naming `source` and the first bad shard."""
+        for field in COUNT_FIELDS:
+            bad = np.flatnonzero(getattr(self, field) < 0)
+            if bad.size:
+                raise ManifestError(f"{source}: shard {self.name(int(bad[0]))}: {field} must be a non-negative "
+                                    f"integer, got {int(getattr(self, field)[bad[0]])}")
+        try:
+            self.names.decode()
+        except UnicodeDecodeError as err:
+            raise ManifestError(f"{source}: a shard name is not valid UTF-8 ({err})") from None
+        self._check_names(source)
+        self._check_unique(source)
+
+    def _check_names(self, source: str) -> None:
+        lengths = np.diff(self.name_offsets)
+        bad = np.flatnonzero(lengths == 0)
+        if bad.size:
+            raise ManifestError(f"{source}: shard {int(bad[0])} has an empty name")
+        bad = np.flatnonzero(lengths > MAX_NAME_BYTES)
+        if bad.size:
+            raise ManifestError(f"{source}: shard {int(bad[0])}'s name is longer than {MAX_NAME_BYTES} bytes")
+        # C-speed substring searches over the concatenated names instead of a Python call per name. A
+        # hit is checked exactly on the names it touches (one that spans two names, "a" + "//b", is
+        # judged by those names), then the first and last bytes of every name are checked at once.
+        blob = self.names
+        for part in _UNSAFE_PARTS:
+            at = blob.find(part)
+            while at >= 0:
+                first = int(np.searchsorted(self.name_offsets, at, side="right")) - 1
+                last = int(np.searchsorted(self.name_offsets, at + len(part) - 1, side="right")) - 1
+                for index in range(first, last + 1):
+                    self._check_one(index, source)
+                at = blob.find(part, at + 1)
+        data = np.frombuffer(blob, dtype=np.uint8)
+
+        def byte(position: np.ndarray) -> np.ndarray:  # the byte at each position, 0 past the name
+            inside = (position >= self.name_offsets[:-1]) & (position < self.name_offsets[1:])
+            return np.where(inside, data[np.clip(position, 0, max(len(data) - 1, 0))], 0)
+
+        start, end = self.name_offsets[:-1], self.name_offsets[1:]
+        b0, b1, b2 = byte(start), byte(start + 1), byte(start + 2)
+        z1, z2, z3 = byte(end - 1), byte(end - 2), byte(end - 3)
+        dot, slash = ord("."), ord("/")
+        letter = ((b0 | 0x20) >= ord("a")) & ((b0 | 0x20) <= ord("z"))
+        bad = ((b0 == slash) | (z1 == slash)                                    # absolute, or an empty last part
+               | ((b0 == dot) & ((b1 == slash) | (lengths == 1)))               # "./..." or "."
+               | ((b0 == dot) & (b1 == dot) & ((b2 == slash) | (lengths == 2)))  # "../..." or ".."
+               | ((z1 == dot) & (z2 == slash))                                  # ".../."
+               | ((z1 == dot) & (z2 == dot) & (z3 == slash))                    # ".../.."
+               | (letter & (b1 == ord(":"))))                                   # a drive letter
+        for index in np.flatnonzero(bad)[:1].tolist():
+            self._check_one(index, source)
+
+    def _check_one(self, index: int, source: str) -> None:
+        name = self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode(errors="replace")
+        try:
+            check_relative_name(name, what="shard name")
+        except ValueError as err:
+            raise ManifestError(f"{source}: {err}") from None
+
+    def _check_unique(self, source: str) -> None:
+        # A 64-bit hash per name (vectorised over byte positions), then exact comparison of the names
+        # whose hashes collide: no million Python strings and no set of them.
+        hashes = np.empty(len(self), dtype=np.uint64)
+        buffer = np.frombuffer(self.names, dtype=np.uint8)
+        with np.errstate(over="ignore"):
+            for first in range(0, len(self), _HASH_CHUNK):
+                offsets = self.name_offsets[first:first + _HASH_CHUNK + 1]
+                starts, lengths = offsets[:-1], np.diff(offsets)
+                h = lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                for k in range(int(lengths.max(initial=0))):
+                    live = lengths > k
+                    byte = np.zeros(len(starts), dtype=np.uint64)
+                    byte[live] = buffer[starts[live] + k]
+                    h = (h ^ byte) * np.uint64(0x100000001B3)
+                hashes[first:first + len(starts)] = h
+        ordered = np.sort(hashes)
+        if not np.any(ordered[1:] == ordered[:-1]):
+            return  # the usual case: no two hashes equal, so no two names equal
+        order = np.argsort(hashes, kind="stable")
+        same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])
+        seen: dict[str, int] = {}
+        for i in np.unique(np.concatenate([order[same], order[same + 1]])).tolist():
+            name = self.name(i)
+            if name in seen:
+                raise ManifestError(f"{source}: manifest names the same shard twice ({name!r}, shards "
+                                    f"{seen[name]} and {i})")
+            seen[name] = i
+
+
+def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: bytes) -> bytes:
+    """The binary index of a manifest whose JSON is `json_bytes` (`header` = its fields but `shards`)."""
+    head = dict(header, index={"json_bytes": len(json_bytes), "json_sha256": hashlib.sha256(json_bytes).hexdigest(),
+                               "shards": len(shards)})
+    head_bytes = json.dumps(head, sort_keys=True).encode()
+    parts = [INDEX_MAGIC, np.uint64(len(head_bytes)).tobytes(), head_bytes, b"\0" * (-len(head_bytes) % 8)]
+    parts += [np.ascontiguousarray(getattr(shards, f), dtype="<i8").tobytes() for f in COUNT_FIELDS]
+    parts += [np.ascontiguousarray(shards.name_offsets, dtype="<i8").tobytes(),
+              np.ascontiguousarray(shards.sha256, dtype=np.uint8).tobytes(),
+              np.ascontiguousarray(shards.has_doc_boundaries, dtype=np.uint8).tobytes(), shards.names]
+    body = b"".join(parts)
+    return body + hashlib.sha256(body).digest()
+
+
+def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColumns]:
+    """(header, shards) of an index; the header's "index" entry holds the JSON's size and SHA-256.
+
+    Raises:
+        ManifestError: the bytes are not a complete, self-consistent index (naming `source`).
+    """
+    if len(data) < 48 or data[:8] != INDEX_MAGIC:
+        raise ManifestError(f"{source}: not a shardkit index")
+    body, digest = memoryview(data)[:-32], data[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
+    head_len = int(np.frombuffer(data, dtype="<u8", count=1, offset=8)[0])
+    try:
+        header = json.loads(bytes(body[16:16 + head_len]))
+        n = int(header["index"]["shards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ManifestError(f"{source}: malformed index header ({err})") from None
+    offset = 16 + head_len + (-head_len % 8)
+    fixed = offset + 8 * (4 * n + n + 1) + 33 * n
+    if n < 0 or fixed > len(body):
+        raise ManifestError(f"{source}: index too short for {n} shards")
+
+    def take(dtype: str, count: int) -> np.ndarray:
+        nonlocal offset
+        array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        offset += array.nbytes
+        return array
+
+    counts = {f: take("<i8", n) for f in COUNT_FIELDS}
+    name_offsets, sha = take("<i8", n + 1), take("u1", 32 * n).reshape(n, 32)
+    docs = take("u1", n)
+    names = bytes(body[offset:])
+    if name_offsets[0] != 0 or name_offsets[-1] != len(names) or np.any(np.diff(name_offsets) < 0):
+        raise ManifestError(f"{source}: index name offsets are inconsistent")
+    if np.any(docs > 1):
+        raise ManifestError(f"{source}: index has_doc_boundaries values must be 0 or 1")
+    return header, ShardColumns(names=names, name_offsets=name_offsets, sha256=sha,
+                                has_doc_boundaries=docs.view(bool), **counts)

@@ -1,0 +1,196 @@
+"""The binary manifest index, the declared-count checks and the lazy start of an epoch.
+
+Issue 14 item 3 (many shards, long epochs) and issue 10 item 6 (absurd declared counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from loader_helpers import write_fixed
+
+from shardkit.errors import ManifestError
+from shardkit.loaders.dataset import StreamingDataset
+from shardkit.loaders.partition import worker_step_chunks
+from shardkit.manifest import INDEX_NAME, MANIFEST_NAME, json_digest, load_manifest, write_index, write_manifest
+from shardkit.shard_columns import ShardColumns
+from shardkit.storage import Storage
+
+
+@pytest.fixture
+def indexed(tmp_path):
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 300, seq_len=8, per_shard=50)
+    write_manifest(Storage(url), manifest, index=True)
+    return url, manifest
+
+
+def test_index_loads_the_same_manifest_as_columns(indexed):
+    url, manifest = indexed
+    loaded = load_manifest(url)
+    assert isinstance(loaded.shards, ShardColumns)  # read through the index, not the JSON
+    assert loaded == manifest and list(loaded.shards) == list(manifest.shards)
+    assert loaded.totals() == manifest.totals() and loaded.to_json() == manifest.to_json()
+    assert np.array_equal(loaded.columns.samples, [s.samples for s in manifest.shards])
+
+
+def test_stale_or_damaged_index_falls_back_to_the_json(indexed, caplog):
+    url, manifest = indexed
+    storage = Storage(url)
+    edited = manifest.with_shards(manifest.shards[:-1])  # a JSON rewritten without its index
+    storage.write_bytes(MANIFEST_NAME, edited.to_json().encode())
+    with caplog.at_level(logging.WARNING, logger="shardkit.manifest"):
+        loaded = load_manifest(url)
+    assert loaded == edited and not isinstance(loaded.shards, ShardColumns)
+    assert "was not made from this" in caplog.text
+    write_index(url)
+    assert isinstance(load_manifest(url).shards, ShardColumns)
+    path = storage.path(INDEX_NAME)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(path, "wb").write(bytes(data))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardkit.manifest"):
+        assert load_manifest(url) == edited
+    assert "index checksum mismatch" in caplog.text
+
+
+def test_small_manifests_get_no_index_and_lose_a_stale_one(indexed):
+    url, manifest = indexed
+    write_manifest(Storage(url), manifest)  # 6 shards: below INDEX_MIN_SHARDS
+    assert not Storage(url).exists(INDEX_NAME)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("../escape.tar", "has an empty, '.' or '..' component"),
+    ("s3://elsewhere/x.tar", "names a drive or a URL scheme"),
+    ("C:x.tar", "names a drive or a URL scheme"),
+    ("/abs.tar", "is an absolute path"),
+    ("dir/", "has an empty, '.' or '..' component"),
+    ("dir/..", "has an empty, '.' or '..' component"),
+    ("a\x00b", "contains a NUL byte"),
+    ("DUPLICATE", "names the same shard twice"),
+    (MANIFEST_NAME, f"may not be called {MANIFEST_NAME}"),
+])
+def test_index_names_are_checked_column_wise(indexed, bad, match):
+    url, manifest = indexed
+    shards = list(manifest.shards)
+    name = shards[0].name if bad == "DUPLICATE" else bad
+    columns = ShardColumns.from_shards(shards)
+    names = [s.name for s in shards]
+    names[3] = name
+    encoded = [n.encode() for n in names]
+    offsets = np.concatenate([[0], np.cumsum([len(e) for e in encoded])]).astype(np.int64)
+    forged = ShardColumns(names=b"".join(encoded), name_offsets=offsets, sha256=columns.sha256,
+                          has_doc_boundaries=columns.has_doc_boundaries,
+                          **{f: getattr(columns, f) for f in ("samples", "tokens", "compressed_bytes", "raw_bytes")})
+    from shardkit.shard_columns import encode_index
+    storage = Storage(url)
+    text = open(storage.path(MANIFEST_NAME), "rb").read()
+    storage.write_bytes(INDEX_NAME, encode_index(manifest.to_dict(with_shards=False), forged, json_bytes=text))
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(url)
+
+
+def _claim(url: str, samples: int, *, sizes: bool) -> None:
+    """Edit shard 1 of the manifest to declare `samples` samples, totals kept consistent; with
+    `sizes`, its byte sizes too, as far as every bound allows (a careful forger)."""
+    path = Storage(url).path(MANIFEST_NAME)
+    data = json.load(open(path))
+    shard = data["shards"][1]
+    shard["samples"], shard["tokens"] = samples, samples * 9
+    if sizes:
+        shard["raw_bytes"] = shard["tokens"] * 2 + 64 * samples
+        shard["compressed_bytes"] = -(-shard["raw_bytes"] // 32768)
+    for key in ("samples", "tokens", "raw_bytes", "compressed_bytes"):
+        data["totals"][key] = sum(s[key] for s in data["shards"])
+    open(path, "w").write(json.dumps(data))
+
+
+@pytest.mark.parametrize("samples", [400_000_000, 10**15])
+def test_absurd_sample_counts_fail_early_small_and_named(tmp_path, samples):
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 200, seq_len=8, per_shard=50)
+    _claim(url, samples, sizes=False)
+    tracemalloc.start()
+    started = time.perf_counter()
+    with pytest.raises(ManifestError) as err:
+        StreamingDataset(url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1, batch_size=4)
+    elapsed, (_, peak) = time.perf_counter() - started, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    message = str(err.value)
+    assert f"{url}/{MANIFEST_NAME}" in message and manifest.shards[1].name in message
+    assert f"declares {samples} samples" in message and "more" in message
+    assert peak < 20 * 2**20 and elapsed < 10  # megabytes and a blink, not GBs (generous: shared CI)
+
+
+def test_counts_forged_with_sizes_fail_at_load_or_at_the_first_read_of_that_shard(tmp_path):
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 200, seq_len=8, per_shard=50)
+    _claim(url, 10**15, sizes=True)  # would need a 2.5 TB shard: refused before any plan
+    with pytest.raises(ManifestError, match=f"{manifest.shards[1].name} .*compressed_bytes above"):
+        StreamingDataset(url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1, batch_size=4)
+    samples = 400_000_000  # possible for a 2 GB shard: the first read of the real 1 KB shard refutes it
+    write_fixed(url, 200, seq_len=8, per_shard=50)
+    _claim(url, samples, sizes=True)
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1, batch_size=4,
+                               shuffle=False)
+    assert dataset.num_samples == 150 + samples
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=manifest.shards[1].name):
+        for _ in dataset:  # the plan is lazy: reaching shard 1 costs nothing more than reaching shard 0
+            pass
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 50 * 2**20
+
+
+def test_totals_beyond_int64_arithmetic_are_refused(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 100, seq_len=8, per_shard=50)
+    path = Storage(url).path(MANIFEST_NAME)
+    data = json.load(open(path))
+    data["shards"][0]["samples"] = 2**63
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(ManifestError, match="below 2\\^63"):
+        load_manifest(url)
+
+
+def test_first_chunk_of_an_epoch_of_1e15_steps_is_immediate():
+    started = time.perf_counter()
+    chunks = worker_step_chunks(10**15, worker=1, num_workers=3, bundle=2, chunk=4)
+    assert next(chunks).tolist() == [2, 3, 8, 9]
+    assert next(chunks).tolist() == [14, 15, 20, 21]
+    assert time.perf_counter() - started < 1
+
+
+def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkeypatch):
+    from shardkit.loaders import cache as cache_module
+
+    url, manifest = indexed
+    calls = []
+    real = cache_module.json_digest
+    monkeypatch.setattr(cache_module, "json_digest", lambda storage: calls.append(1) or real(storage))
+    for _ in range(3):
+        assert cache_module.fetch_manifest(Storage(url), str(tmp_path / "node")) == manifest
+    assert len(calls) == 1  # once per node
+    assert json_digest(Storage(url))[0] == len(manifest.to_json().encode())
+
+
+def test_prefetch_starts_at_a_node_dependent_offset():
+    from shardkit.loaders.dataset import prefetch_order
+    from shardkit.loaders.topology import Topology
+
+    shards = list(range(40))
+    firsts = [prefetch_order(shards, Topology(rank=node * 2, world_size=32, local_rank=0, local_world_size=2))[0]
+              for node in range(16)]
+    assert len(set(firsts)) >= 12  # the 16 nodes do not all start with the same shard
+    for node in range(16):  # each still asks for every shard once, its local rank's own first
+        order = prefetch_order(shards, Topology(rank=node * 2 + 1, world_size=32, local_rank=1, local_world_size=2))
+        assert sorted(order) == shards and all(s % 2 == 1 for s in order[:20])
