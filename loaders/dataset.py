@@ -102,7 +102,8 @@ class StreamingDataset(IterableDataset):
         self.has_doc_boundaries = all(sh.has_doc_boundaries for m in self.manifests for sh in m.shards)
         tok = first.tokenizer
         self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
-        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait)
+        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait,
+                                  cache_mode=config.cache_mode)
                        for st, m in zip(self.storages, self.manifests)]
         self._shard_owner = [(s, i) for s, m in enumerate(self.manifests) for i in range(len(m.shards))]
         self.table = ShardTable([sh.samples for m in self.manifests for sh in m.shards])
@@ -254,13 +255,15 @@ class StreamingDataset(IterableDataset):
                 upcoming = ids_of(chunks[c + 1]) if c + 1 < len(chunks) else None
                 needed = self._shards_in_order(ids)
                 if executor is not None:
-                    self._prefetch(executor, needed, topo)
+                    # Shards read block by block complete themselves: prefetching them whole now would
+                    # make the first batch wait for whole shards.
+                    self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
                     if upcoming is not None:
                         self._prefetch(executor, self._shards_in_order(upcoming), topo)
                 for index in needed:
                     if index not in held:
                         stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local)
+                        held[index] = self.caches[stream].open(local, on_demand=True)
                 keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
                 yield from self._batches(ids, held)
                 for index in [i for i in held if i not in keep]:
@@ -288,7 +291,8 @@ class StreamingDataset(IterableDataset):
                 for index in needed:
                     if index not in held:
                         stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local)
+                        held[index] = self.caches[stream].open(local, on_demand=True)
+                self._ensure(ids, held)
                 lengths = self._lengths(ids, held)
                 first = window_start == start
                 prior = segments if first else ()
@@ -350,7 +354,31 @@ class StreamingDataset(IterableDataset):
         except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
             logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
 
+    def _serves_blocks(self, index: int) -> bool:
+        stream, local = self._shard_owner[index]
+        cache = self.caches[stream]
+        return cache._serves_blocks(local, cache.path(local))
+
+    def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
+        """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
+        shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
+        for index in np.unique(shard).tolist():
+            handle = held[index]
+            if not handle.complete:
+                handle.ensure(local[shard == index])
+
     def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+        if any(not held[i].complete for i in self._shards_in_order(ids)):
+            # Cold shards: fetch what each batch needs just before it, so the first batch waits for its
+            # own blocks only (a chunk spans most blocks of a shuffled shard).
+            for b in range(ids.shape[0] if ids.ndim == 2 else len(ids)):
+                rows = ids[b:b + 1]
+                self._ensure(rows, held)
+                yield from self._gather(rows, held)
+            return
+        yield from self._gather(ids, held)
+
+    def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         def reader_of(index: int):
             return held[index].reader
 
