@@ -59,6 +59,9 @@ DECODED_SUFFIX = ".skd"
 COMPRESSED_SUFFIX = ".skz"
 # Parallel ranged reads of the blocks one batch needs (threads wait on I/O; hashing and zstd drop the GIL).
 _BLOCK_READ_THREADS = 8
+# Shards up to this size are read whole even when cold: one request beats an index read, a block read
+# and a completion read, and decoding 2 MiB takes about a millisecond.
+WHOLE_READ_BYTES = 2 << 20
 ROOM_LOCK = ".room.lock"  # in the cache root: held while one process makes room and admits a shard
 # Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
 _HEADER_BOUND = 1024
@@ -106,8 +109,11 @@ class CachedShard:
 
     def ensure(self, local_samples) -> None:
         """Make the given samples (indices within the shard) readable: fetch and verify their blocks."""
-        if self.partial is not None:
-            self.partial.ensure(local_samples)
+        if self.partial is None or self.partial.complete:
+            return
+        if self._cache._adopt_stored(self):
+            return  # another process of the node stored the shard: read that copy from now on
+        self.partial.ensure(local_samples)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -277,10 +283,11 @@ class ShardCache:
 
     # -- block by block (format v2) and the modes without a decoded copy --------------------------
     def _serves_blocks(self, index: int, path: str) -> bool:
-        """Whether opening shard `index` now would read blocks: a v2 shard, not in this mode's cache file,
-        not being fetched whole by a thread of this process (waiting for that one is quicker)."""
+        """Whether opening shard `index` now would read blocks: a v2 shard above `WHOLE_READ_BYTES`, not
+        in this mode's cache file, not being fetched whole by a thread of this process (waiting for that
+        one is quicker)."""
         shard = self.manifest.shards[index]
-        if not shard.has_block_index or not shard.samples:
+        if not shard.has_block_index or not shard.samples or shard.compressed_bytes <= WHOLE_READ_BYTES:
             return False
         if path in self._partial or path in self._fetching:
             return False
@@ -297,8 +304,31 @@ class ShardCache:
         self.stats.downloaded_bytes += nbytes
 
     def _open_partial(self, index: int, path: str) -> CachedShard:
+        """A handle on a shard read block by block. One process of the node (the holder of the shard's
+        download lock, taken without waiting) completes it in the background and stores it as the mode
+        says; the others read the blocks they need on demand until the stored copy appears, then adopt it
+        (`_adopt_stored`): the node downloads the shard once, plus the blocks needed before it is stored.
+        In "none" mode every process streams its own shards (there is no shared copy to wait for)."""
         shard = self.manifest.shards[index]
+        lock_fd = None
+        if self.cache_mode != "none":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock_fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                lock_fd = None
+        completes = self.cache_mode == "none" or lock_fd is not None
         store = {"decoded": self._store_decoded, "compressed": self._store_compressed, "none": None}[self.cache_mode]
+        released = threading.Event()
+
+        def release() -> None:  # once, whether completion succeeds or fails
+            if not released.is_set():
+                released.set()
+                self._partial.pop(path, None)
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the download lock once the copy is in place
 
         def on_complete(arrays, data: bytes) -> None:
             self.stats.downloads += 1
@@ -306,30 +336,40 @@ class ShardCache:
                 if store is not None:
                     store(index, arrays, data)
             finally:
-                self._partial.pop(path, None)
+                release()
 
         metrics.cache_lookup(self._storage.url, hit=False)
         partial = PartialShard(lambda: self.storage, shard, self.manifest, executor=self._blocks_executor(),
-                               on_read=self._count_range, on_complete=on_complete)
-        self._partial[path] = partial
-        partial.start_completion()
-        return CachedShard(partial.reader, None, 0, self, partial=partial)
+                               on_read=self._count_range, on_complete=on_complete if completes else None)
+        if completes:
+            self._partial[path] = partial
+            partial.complete_in_background(on_failure=release)
+        handle = CachedShard(partial.reader, None, 0, self, partial=partial)
+        handle.index = index
+        return handle
+
+    def _adopt_stored(self, handle: CachedShard) -> bool:
+        """Switch a block-by-block handle to the node's stored copy once one exists; True when switched."""
+        index = handle.index
+        if self.cache_mode == "none" or self.path(index) in self._partial or not self.is_cached(index):
+            return False
+        try:
+            stored = self.open(index)
+        except FileNotFoundError:
+            return False  # evicted in between: keep reading blocks
+        handle.reader, handle.nbytes, handle._fd, handle.partial = stored.reader, stored.nbytes, stored._fd, None
+        stored._fd = None  # the handle owns the shared lock now
+        return True
 
     def _store_decoded(self, index: int, arrays, data: bytes) -> None:
-        """Write the decoded file of a shard completed block by block, unless a process of the node is
-        writing it or has (the download lock, not waited for: this process has its arrays already)."""
+        """Write the decoded file of a shard completed block by block (the caller holds the download lock)."""
         path = self.path(index)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if not os.path.exists(path):
                 self._remove_stale_temporaries(path)
                 self._admit(path, arrays, shard=self.manifest.shards[index], wait=False)
-        except (BlockingIOError, CacheLimitError) as err:
+        except CacheLimitError as err:
             logger.debug("shard %s not stored in the cache: %s", self.manifest.shards[index].name, err)
-        finally:
-            os.close(fd)
 
     def _store_compressed(self, index: int, arrays, data: bytes) -> None:
         path = self.compressed_path(index)

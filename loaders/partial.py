@@ -5,7 +5,8 @@ batch is gathered, `ensure(samples)` fetches the blocks holding those samples wi
 parallel), checks each against its SHA-256 from the block index (itself checked against the manifest),
 decodes it and checks its token ids: no byte is used before its hash matched. A background thread
 fetches the rest in large coalesced ranges, then checks the whole file's SHA-256 as for any shard and
-hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing).
+hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing); it
+starts after the first `ensure`, so the first batch's blocks have the link to themselves.
 
 A corrupt block gets one re-read, then `CorruptShardError` naming the shard and the block; an error in
 the background is raised by the next `ensure`, so a corrupt shard is reported even when the samples a
@@ -46,7 +47,8 @@ class PartialShard:
         manifest: the dataset's manifest (format, token dtype, sample length, vocabulary).
         executor: runs the block reads of one `ensure` in parallel.
         on_read: called with the byte count of every read (download statistics).
-        on_complete: called once with (arrays, shard bytes) when every byte has been verified.
+        on_complete: called once with (arrays, shard bytes) when every byte has been verified (by the
+            background completion, `complete_in_background`; without it, blocks are read on demand only).
     """
 
     def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
@@ -71,6 +73,8 @@ class PartialShard:
         length = manifest.sample_length
         self.reader = ShardReader(self.arrays, name=shard.name, fixed_length=length if self._fixed_offsets else None)
         self._completion: threading.Thread | None = None
+        self._on_failure: Callable[[], None] | None = None
+        self._wants_completion = False
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -96,6 +100,8 @@ class PartialShard:
             if self._index is not None:
                 return self._index
             index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
+            # Its bytes are part of the whole shard's hash: keep them rather than read them again.
+            self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = index.to_bytes()
             if self.shard.has_doc_boundaries:
                 count = index.doc_count
                 arrays = self.arrays
@@ -141,6 +147,7 @@ class PartialShard:
         for k in needed:  # blocks another thread (the background completion) claimed first
             self._events[k].wait()
         self._raise_failure()
+        self._start_completion()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -187,12 +194,20 @@ class PartialShard:
                 getattr(target, name)[block.doc_start:block.doc_end] = getattr(arrays, name)
 
     # -- background -----------------------------------------------------------------------------
-    def start_completion(self) -> None:
-        """Fetch every block not yet fetched in a daemon thread, then verify the whole shard."""
-        if self._completion is None:
+    def complete_in_background(self, on_failure: Callable[[], None] | None = None) -> None:
+        """After the first `ensure` (so that the first batch's blocks do not share the link with it), fetch
+        every block not yet fetched in a daemon thread, then verify the whole shard (`on_failure` runs in
+        that thread if it fails)."""
+        self._on_failure = on_failure
+        self._wants_completion = True
+
+    def _start_completion(self) -> None:
+        with self._lock:
+            if not self._wants_completion or self._completion is not None:
+                return
             self._completion = threading.Thread(target=self._complete, name=f"shardkit-complete-{self.shard.name}",
                                                 daemon=True)
-            self._completion.start()
+        self._completion.start()
 
     def wait_complete(self, timeout: float | None = None) -> bool:
         if self._completion is not None:
@@ -226,6 +241,8 @@ class PartialShard:
             for event in self._events:  # wake readers waiting on blocks this thread had claimed
                 event.set()
             logger.warning("background completion of shard %s failed: %s", self.shard.name, err)
+            if self._on_failure is not None:
+                self._on_failure()
 
     def _claim_run(self) -> tuple[int, int] | None:
         """Claim the next run of consecutive missing blocks (up to `COMPLETION_RANGE_BYTES`)."""
@@ -244,16 +261,17 @@ class PartialShard:
 
     def _read_gaps(self, index: BlockIndex) -> None:
         """The bytes outside every block (format headers, the index, footers): checked by the whole hash."""
+        known = sorted([(b.byte_start, b.byte_end) for b in index.blocks]
+                       + [(self.shard.index_offset, self.shard.index_offset + self.shard.index_bytes)])
         cursor = 0
         storage = self._storage_of()
-        for b in (*index.blocks, None):
-            end = b.byte_start if b is not None else self.shard.compressed_bytes
-            if end > cursor:
-                data = storage.read_range(self.shard.name, cursor, end)
+        for start, end in [*known, (self.shard.compressed_bytes, self.shard.compressed_bytes)]:
+            if start > cursor:
+                data = storage.read_range(self.shard.name, cursor, start)
                 if self._on_read is not None:
                     self._on_read(len(data))
                 self._buffer[cursor:cursor + len(data)] = data
-            cursor = b.byte_end if b is not None else cursor
+            cursor = max(cursor, end)
 
     def _verified_whole(self) -> bytes:
         """The whole shard, checked against the manifest's SHA-256 like any shard; a mismatch here can

@@ -53,17 +53,18 @@ def batch_raw_bytes(batch: pa.RecordBatch) -> int:
     return total
 
 
-def samples_per_batch(arrays: ShardArrays) -> int:
+def samples_per_batch(arrays: ShardArrays, batch_bytes: int = BATCH_RAW_BYTES) -> int:
     if arrays.num_samples == 0:
         return 1
     per_sample = max(1, arrays.raw_nbytes // arrays.num_samples)
-    return max(1, BATCH_RAW_BYTES // per_sample)
+    return max(1, batch_bytes // per_sample)
 
 
-def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int) -> tuple[bytes, int]:
-    """Serialise a shard; returns (file bytes, raw_bytes)."""
+def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
+                 batch_bytes: int = BATCH_RAW_BYTES) -> tuple[bytes, int]:
+    """Serialise a shard; returns (file bytes, raw_bytes). `batch_bytes`: raw bytes per record batch."""
     schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
-    step = samples_per_batch(arrays)
+    step = samples_per_batch(arrays, batch_bytes)
     sink = pa.BufferOutputStream()
     options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
     raw = 0

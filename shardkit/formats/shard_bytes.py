@@ -35,25 +35,28 @@ class EncodedShard:
 
 
 def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, level: int = 3,
-                 format_version: int = 2) -> EncodedShard:
+                 format_version: int = 2, block_bytes: int = BLOCK_RAW_BYTES) -> EncodedShard:
     """Serialise a shard. Version 2 (the default) adds a block index (`shardkit.formats.blocks`); an
-    empty shard has no blocks, so it is written as version 1 either way."""
+    empty shard has no blocks, so it is written as version 1 either way. `block_bytes`: raw bytes per
+    block (tar member groups and Arrow record batches alike)."""
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     if format_version not in SHARD_FORMAT_VERSIONS:
         raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
     if shard_format == "tar":
         data, raw = encode_tar(arrays, level=level)
     elif shard_format == "arrow":
-        data, raw = encode_arrow(arrays, token_dtype=token_dtype, level=level)
+        data, raw = encode_arrow(arrays, token_dtype=token_dtype, level=level, batch_bytes=block_bytes)
     else:
         raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
     index_fields: dict = {}
     if format_version == 2 and arrays.num_samples:
-        data, index_fields = _with_block_index(data, arrays, shard_format)
+        data, index_fields = _with_block_index(data, arrays, shard_format, block_bytes)
     return EncodedShard(data, arrays.num_samples, int(arrays.tokens.size), raw,
                         hashlib.sha256(data).hexdigest(), arrays.has_doc_boundaries, **index_fields)
 
 
-def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str) -> tuple[bytes, dict]:
+def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block_bytes: int) -> tuple[bytes, dict]:
     """The shard bytes with the block index inserted, and the manifest's index fields.
 
     Where it goes keeps every existing reader working: after a tar's end-of-archive marker (tar
@@ -68,14 +71,14 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str) -> tu
         cuts, acc = [0], 0
         for i, raw in enumerate(per_sample.tolist()):
             acc += raw
-            if acc >= BLOCK_RAW_BYTES or i + 1 == n:
+            if acc >= block_bytes or i + 1 == n:
                 cuts.append(i + 1)
                 acc = 0
         ranges = [(starts[a], starts[b]) for a, b in zip(cuts[:-1], cuts[1:])]
         raws = [int(per_sample[a:b].sum()) for a, b in zip(cuts[:-1], cuts[1:])]
         insert_at = len(data)
     else:
-        step = samples_per_batch(arrays)
+        step = samples_per_batch(arrays, block_bytes)
         cuts = [*range(0, n, step), n]
         ranges = record_batch_ranges(data)
         raws = [_arrow_block_raw(arrays, a, b) for a, b in zip(cuts[:-1], cuts[1:])]

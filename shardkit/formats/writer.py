@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.formats.blocks import BLOCK_RAW_BYTES
 from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
 from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
@@ -37,13 +38,15 @@ class ShardWriter:
         storage_options: fsspec options when `url` is a string.
         format_version: 2 (default) writes a block index into each shard so that readers can verify and
             decode one block before the shard is local; 1 writes the original format.
+        block_bytes: raw bytes per block (format v2; tar member groups and Arrow record batches).
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
                  max_samples: int | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES,
                  compression_level: int = 3, name_template: str = "shard-{index:06d}", start_index: int = 0,
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
-                 storage_options: dict[str, Any] | None = None, format_version: int = 2):
+                 storage_options: dict[str, Any] | None = None, format_version: int = 2,
+                 block_bytes: int = BLOCK_RAW_BYTES):
         if format_version not in SHARD_FORMAT_VERSIONS:
             raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
         if shard_format not in SHARD_EXTENSIONS:
@@ -60,6 +63,7 @@ class ShardWriter:
         self.max_bytes = max_bytes
         self.compression_level = compression_level
         self.format_version = format_version
+        self.block_bytes = block_bytes
         self.name_template = name_template
         self.next_index = start_index
         self.on_shard_done = on_shard_done
@@ -114,7 +118,7 @@ class ShardWriter:
     def _write_shard(self, samples: list[Sample]) -> ShardInfo:
         arrays = arrays_from_samples(samples, self.token_dtype)
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
-                               level=self.compression_level, format_version=self.format_version)
+                               level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes)
         name = self.name_template.format(index=self.next_index) + SHARD_EXTENSIONS[self.shard_format]
         self.storage.write_bytes(name, encoded.data)
         info = ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
