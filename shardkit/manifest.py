@@ -111,9 +111,6 @@ class ShardInfo:
             if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in index[:2]) or not _is_sha256(index[2]):
                 raise ManifestError(f"shard {self.name}: index_offset, index_bytes and index_sha256 must be given "
                                     "together (two non-negative integers and 64 lowercase hex digits)")
-            if self.index_offset + self.index_bytes > self.compressed_bytes:
-                raise ManifestError(f"shard {self.name}: its block index (bytes {self.index_offset}+"
-                                    f"{self.index_bytes}) lies past the shard's {self.compressed_bytes} bytes")
         for label in ("samples", "tokens", "compressed_bytes", "raw_bytes"):
             value = getattr(self, label)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

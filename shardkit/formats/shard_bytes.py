@@ -12,6 +12,8 @@ from shardkit.formats.arrow_format import (decode_arrow, decode_arrow_block, enc
                                            samples_per_batch)
 from shardkit.formats.blocks import BLOCK_RAW_BYTES, Block, BlockIndex, block_of
 from shardkit.formats.sample import ShardArrays
+from shardkit.formats.tar_format import BLOCK as TAR_BLOCK
+from shardkit.formats.tar_format import RECORD as TAR_RECORD
 from shardkit.formats.tar_format import decode_tar, decode_tar_block, encode_tar, sample_member_starts, sample_raw_bytes
 
 SHARD_EXTENSIONS = {"tar": ".tar", "arrow": ".arrow"}
@@ -60,7 +62,8 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block
     """The shard bytes with the block index inserted, and the manifest's index fields.
 
     Where it goes keeps every existing reader working: after a tar's end-of-archive marker (tar
-    readers stop there), and in an Arrow file between the end-of-stream marker and the footer (Arrow
+    readers stop there), in the zero padding up to tar's 10,240-byte record (one more record when it
+    does not fit), and in an Arrow file between the end-of-stream marker and the footer (Arrow
     readers find the footer from the file's end and the batches through the footer's offsets, which
     stay valid because nothing before the insertion point moves).
     """
@@ -76,7 +79,7 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block
                 acc = 0
         ranges = [(starts[a], starts[b]) for a, b in zip(cuts[:-1], cuts[1:])]
         raws = [int(per_sample[a:b].sum()) for a, b in zip(cuts[:-1], cuts[1:])]
-        insert_at = len(data)
+        insert_at = starts[-1] + 2 * TAR_BLOCK  # right after the end-of-archive blocks, in the record padding
     else:
         step = samples_per_batch(arrays, block_bytes)
         cuts = [*range(0, n, step), n]
@@ -92,7 +95,11 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block
                        raw_bytes=raw)
               for (s, e), a, b, raw in zip(ranges, cuts[:-1], cuts[1:], raws)]
     index = BlockIndex(tuple(blocks)).to_bytes()
-    out = data[:insert_at] + index + data[insert_at:]
+    if shard_format == "tar":  # the index replaces padding; the file stays a whole number of tar records
+        out = data[:insert_at] + index
+        out += b"\0" * (-len(out) % TAR_RECORD)
+    else:
+        out = data[:insert_at] + index + data[insert_at:]
     return out, {"index_offset": insert_at, "index_bytes": len(index),
                  "index_sha256": hashlib.sha256(index).hexdigest()}
 
