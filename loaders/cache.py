@@ -116,6 +116,8 @@ class CachedShard:
         self.partial.ensure(local_samples)
 
     def close(self) -> None:
+        if self.partial is not None and self._cache.cache_mode == "none":
+            self.partial.cancel()  # nothing would keep the rest: stop fetching it
         if self._fd is not None:
             os.close(self._fd)  # releases the shared lock
             self._fd = None
@@ -292,6 +294,11 @@ class ShardCache:
         if path in self._partial or path in self._fetching:
             return False
         return not self.is_cached(index)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the background completions of this process (e.g. before deleting the cache directory)."""
+        for partial in list(self._partial.values()):
+            partial.wait_complete(timeout)
 
     def _blocks_executor(self) -> ThreadPoolExecutor:
         with self._lock:

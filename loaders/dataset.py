@@ -258,12 +258,12 @@ class StreamingDataset(IterableDataset):
                     # Shards read block by block complete themselves: prefetching them whole now would
                     # make the first batch wait for whole shards.
                     self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
-                    if upcoming is not None:
-                        self._prefetch(executor, self._shards_in_order(upcoming), topo)
                 for index in needed:
                     if index not in held:
                         stream, local = self._shard_owner[index]
                         held[index] = self.caches[stream].open(local, on_demand=True)
+                if executor is not None and upcoming is not None:  # after the opens, for the same reason
+                    self._prefetch(executor, self._shards_in_order(upcoming), topo)
                 keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
                 yield from self._batches(ids, held)
                 for index in [i for i in held if i not in keep]:

@@ -75,6 +75,7 @@ class PartialShard:
         self._completion: threading.Thread | None = None
         self._on_failure: Callable[[], None] | None = None
         self._wants_completion = False
+        self._cancelled = False
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -209,6 +210,10 @@ class PartialShard:
                                                 daemon=True)
         self._completion.start()
 
+    def cancel(self) -> None:
+        """Stop the background completion after its current read (nothing is stored, nothing raised)."""
+        self._cancelled = True
+
     def wait_complete(self, timeout: float | None = None) -> bool:
         if self._completion is not None:
             self._completion.join(timeout)
@@ -217,7 +222,7 @@ class PartialShard:
     def _complete(self) -> None:
         try:
             index = self._load_index()
-            while (run := self._claim_run()) is not None:
+            while not self._cancelled and (run := self._claim_run()) is not None:
                 first, last = run
                 start, end = index.blocks[first].byte_start, index.blocks[last].byte_end
                 data = self._storage_of().read_range(self.shard.name, start, end)
@@ -226,6 +231,10 @@ class PartialShard:
                 for k in range(first, last + 1):
                     b = index.blocks[k]
                     self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
+            if self._cancelled:
+                if self._on_failure is not None:
+                    self._on_failure()
+                return
             for event in self._events:
                 event.wait()
             self._raise_failure()

@@ -10,7 +10,7 @@ import numpy as np
 from shardkit.errors import CorruptShardError
 from shardkit.formats.arrow_format import (decode_arrow, decode_arrow_block, encode_arrow, record_batch_ranges,
                                            samples_per_batch)
-from shardkit.formats.blocks import BLOCK_RAW_BYTES, Block, BlockIndex, block_of
+from shardkit.formats.blocks import DEFAULT_BLOCK_BYTES, Block, BlockIndex, block_of
 from shardkit.formats.sample import ShardArrays
 from shardkit.formats.tar_format import BLOCK as TAR_BLOCK
 from shardkit.formats.tar_format import RECORD as TAR_RECORD
@@ -37,10 +37,12 @@ class EncodedShard:
 
 
 def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, level: int = 3,
-                 format_version: int = 2, block_bytes: int = BLOCK_RAW_BYTES) -> EncodedShard:
+                 format_version: int = 2, block_bytes: int | None = None) -> EncodedShard:
     """Serialise a shard. Version 2 (the default) adds a block index (`shardkit.formats.blocks`); an
     empty shard has no blocks, so it is written as version 1 either way. `block_bytes`: raw bytes per
-    block (tar member groups and Arrow record batches alike)."""
+    block (tar member groups and Arrow record batches alike; default `DEFAULT_BLOCK_BYTES`)."""
+    if block_bytes is None:
+        block_bytes = DEFAULT_BLOCK_BYTES.get(shard_format, 1 << 20)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     if format_version not in SHARD_FORMAT_VERSIONS:

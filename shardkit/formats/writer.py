@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.formats.blocks import BLOCK_RAW_BYTES
 from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
 from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
@@ -38,7 +37,8 @@ class ShardWriter:
         storage_options: fsspec options when `url` is a string.
         format_version: 2 (default) writes a block index into each shard so that readers can verify and
             decode one block before the shard is local; 1 writes the original format.
-        block_bytes: raw bytes per block (format v2; tar member groups and Arrow record batches).
+        block_bytes: raw bytes per block (format v2; tar member groups and Arrow record batches; default
+            per format, `shardkit.formats.blocks.DEFAULT_BLOCK_BYTES`).
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
@@ -46,7 +46,7 @@ class ShardWriter:
                  compression_level: int = 3, name_template: str = "shard-{index:06d}", start_index: int = 0,
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
                  storage_options: dict[str, Any] | None = None, format_version: int = 2,
-                 block_bytes: int = BLOCK_RAW_BYTES):
+                 block_bytes: int | None = None):
         if format_version not in SHARD_FORMAT_VERSIONS:
             raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
         if shard_format not in SHARD_EXTENSIONS:
