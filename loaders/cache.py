@@ -101,6 +101,8 @@ class CachedShard:
         self._fd: int | None = lock_fd
         self._cache = cache
         self.partial = partial
+        self.adoptable = False  # a block-by-block handle on a shard another process of the node completes
+        self.index = -1
 
     @property
     def complete(self) -> bool:
@@ -111,7 +113,7 @@ class CachedShard:
         """Make the given samples (indices within the shard) readable: fetch and verify their blocks."""
         if self.partial is None or self.partial.complete:
             return
-        if self._cache._adopt_stored(self):
+        if self.adoptable and self._cache._adopt_stored(self):
             return  # another process of the node stored the shard: read that copy from now on
         self.partial.ensure(local_samples)
 
@@ -352,13 +354,13 @@ class ShardCache:
             self._partial[path] = partial
             partial.complete_in_background(on_failure=release)
         handle = CachedShard(partial.reader, None, 0, self, partial=partial)
-        handle.index = index
+        handle.index, handle.adoptable = index, not completes
         return handle
 
     def _adopt_stored(self, handle: CachedShard) -> bool:
         """Switch a block-by-block handle to the node's stored copy once one exists; True when switched."""
         index = handle.index
-        if self.cache_mode == "none" or self.path(index) in self._partial or not self.is_cached(index):
+        if not self.is_cached(index):
             return False
         try:
             stored = self.open(index)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
+_COLD_STEP_BATCHES = 32  # most batches gathered per block check while shards arrive block by block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,15 +369,19 @@ class StreamingDataset(IterableDataset):
                 handle.ensure(local[shard == index])
 
     def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
-        if any(not held[i].complete for i in self._shards_in_order(ids)):
-            # Cold shards: fetch what each batch needs just before it, so the first batch waits for its
-            # own blocks only (a chunk spans most blocks of a shuffled shard).
-            for b in range(ids.shape[0] if ids.ndim == 2 else len(ids)):
-                rows = ids[b:b + 1]
-                self._ensure(rows, held)
-                yield from self._gather(rows, held)
-            return
-        yield from self._gather(ids, held)
+        incomplete = [held[i] for i in self._shards_in_order(ids) if not held[i].complete]
+        b, step = 0, 1
+        while incomplete and b < len(ids):
+            # Cold shards: fetch what the next batches need just before them, so the first batch waits for
+            # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
+            # a time, which amortises the per-call cost, until the shards are whole.
+            rows = ids[b:b + step]
+            self._ensure(rows, held)
+            yield from self._gather(rows, held)
+            b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
+            incomplete = [h for h in incomplete if not h.complete]
+        if b < len(ids):
+            yield from self._gather(ids[b:], held)
 
     def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         def reader_of(index: int):

@@ -6,7 +6,7 @@ parallel), checks each against its SHA-256 from the block index (itself checked 
 decodes it and checks its token ids: no byte is used before its hash matched. A background thread
 fetches the rest in large coalesced ranges, then checks the whole file's SHA-256 as for any shard and
 hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing); it
-starts after the first `ensure`, so the first batch's blocks have the link to themselves.
+starts at the second `ensure`, so the first batch's blocks have the link (and the CPU) to themselves.
 
 A corrupt block gets one re-read, then `CorruptShardError` naming the shard and the block; an error in
 the background is raised by the next `ensure`, so a corrupt shard is reported even when the samples a
@@ -67,7 +67,9 @@ class PartialShard:
         self._state: list[int] = []
         self._events: list[threading.Event] = []
         self._failure: BaseException | None = None
-        self._buffer = bytearray(shard.compressed_bytes)
+        # Uninitialised (pages are touched only as bytes arrive): zeroing a 64 MiB buffer cost more than
+        # the first batch's blocks.
+        self._buffer = np.empty(shard.compressed_bytes, dtype=np.uint8)
         self.complete = False
         self.arrays = self._allocate()
         length = manifest.sample_length
@@ -76,6 +78,7 @@ class PartialShard:
         self._on_failure: Callable[[], None] | None = None
         self._wants_completion = False
         self._cancelled = False
+        self._ensured = 0
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -102,7 +105,8 @@ class PartialShard:
                 return self._index
             index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
             # Its bytes are part of the whole shard's hash: keep them rather than read them again.
-            self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = index.to_bytes()
+            self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
+                np.frombuffer(index.to_bytes(), dtype=np.uint8)
             if self.shard.has_doc_boundaries:
                 count = index.doc_count
                 arrays = self.arrays
@@ -131,13 +135,17 @@ class PartialShard:
             mine = [k for k in needed if self._state[k] == _MISSING]
             for k in mine:
                 self._state[k] = _CLAIMED
-        futures = [self._executor.submit(self._load_block, k) for k in mine[1:]]
+        # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
+        # them to threads costs more than it saves on a busy machine.
+        parallel = mine[1:] if not self._storage_of().is_local else []
+        futures = [self._executor.submit(self._load_block, k) for k in parallel]
         errors: list[BaseException] = []
-        if mine:
+        for k in mine[:len(mine) - len(parallel)]:
             try:
-                self._load_block(mine[0])
+                self._load_block(k)
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
                 errors.append(err)
+                break
         for future in futures:
             try:
                 future.result()
@@ -148,7 +156,9 @@ class PartialShard:
         for k in needed:  # blocks another thread (the background completion) claimed first
             self._events[k].wait()
         self._raise_failure()
-        self._start_completion()
+        self._ensured += 1
+        if self._ensured > 1:  # not before the first batch is out: starting a thread costs it milliseconds
+            self._start_completion()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -164,7 +174,7 @@ class PartialShard:
                                   token_dtype=self.manifest.token_dtype, has_docs=self.shard.has_doc_boundaries,
                                   shard=url)
             self._place(block, arrays, number, url)
-            self._buffer[block.byte_start:block.byte_end] = raw
+            self._buffer[block.byte_start:block.byte_end] = np.frombuffer(raw, dtype=np.uint8)
             with self._lock:
                 self._state[number] = _DONE
         except BaseException as err:
@@ -196,7 +206,7 @@ class PartialShard:
 
     # -- background -----------------------------------------------------------------------------
     def complete_in_background(self, on_failure: Callable[[], None] | None = None) -> None:
-        """After the first `ensure` (so that the first batch's blocks do not share the link with it), fetch
+        """From the second `ensure` on (so that the first batch does not share the link with it), fetch
         every block not yet fetched in a daemon thread, then verify the whole shard (`on_failure` runs in
         that thread if it fails)."""
         self._on_failure = on_failure
@@ -242,7 +252,7 @@ class PartialShard:
             data = self._verified_whole()
             check_decoded(self.arrays, self.shard, vocab_size=self.manifest.tokenizer.vocab_size)
             self.complete = True
-            self._buffer = bytearray()
+            self._buffer = np.empty(0, dtype=np.uint8)
             if self._on_complete is not None:
                 self._on_complete(self.arrays, data)
         except BaseException as err:  # noqa: BLE001 - raised in the foreground by the next ensure()
@@ -279,13 +289,13 @@ class PartialShard:
                 data = storage.read_range(self.shard.name, cursor, start)
                 if self._on_read is not None:
                     self._on_read(len(data))
-                self._buffer[cursor:cursor + len(data)] = data
+                self._buffer[cursor:cursor + len(data)] = np.frombuffer(data, dtype=np.uint8)
             cursor = max(cursor, end)
 
     def _verified_whole(self) -> bytes:
         """The whole shard, checked against the manifest's SHA-256 like any shard; a mismatch here can
         only lie outside the blocks (each block was checked), so the shard is read whole once more."""
-        data = bytes(self._buffer)
+        data = self._buffer.tobytes()
         try:
             check_shard_bytes(data, shard=self.url, sha256=self.shard.sha256, size=self.shard.compressed_bytes)
             return data

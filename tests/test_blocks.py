@@ -177,9 +177,10 @@ def test_bytes_outside_the_blocks_are_checked_by_the_whole_shard_hash(tmp_path, 
     cache = cache_module.ShardCache(storage, manifest, str(tmp_path / "cache"), cache_mode="none")
     handle = cache.open(0, on_demand=True)
     handle.ensure([0])
+    handle.ensure([1])  # the background completion starts from the second batch on
     handle.partial.wait_complete(30)
     with pytest.raises(CorruptShardError, match=rf"{shard.name}: sha256 is .* on each of 2 reads"):
-        handle.ensure([1])
+        handle.ensure([2])
     assert not handle.complete
 
 
