@@ -5,8 +5,9 @@ batch is gathered, `ensure(samples)` fetches the blocks holding those samples wi
 parallel), checks each against its SHA-256 from the block index (itself checked against the manifest),
 decodes it and checks its token ids: no byte is used before its hash matched. A background thread
 fetches the rest in large coalesced ranges, then checks the whole file's SHA-256 as for any shard and
-hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing); it
-starts at the second `ensure`, so the first batch's blocks have the link (and the CPU) to themselves.
+hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing). It
+starts at the second `ensure`, so the first batch's blocks have the link (and the CPU) to themselves, and
+from then on serves the blocks readers wait for first.
 
 A corrupt block gets one re-read, then `CorruptShardError` naming the shard and the block; an error in
 the background is raised by the next `ensure`, so a corrupt shard is reported even when the samples a
@@ -79,6 +80,7 @@ class PartialShard:
         self._wants_completion = False
         self._cancelled = False
         self._ensured = 0
+        self._wanted: set[int] = set()  # blocks readers wait for: the completion reads them first
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -131,20 +133,35 @@ class PartialShard:
             return
         index = self._load_index()
         needed = index.blocks_of(np.asarray(local_samples, dtype=np.int64).reshape(-1))
+        # The first batch reads its own blocks. Later ones leave them to the background completion, which
+        # reads the blocks they wait for first, in runs of up to 8 MiB: a block per request would cost
+        # hundreds of requests per shard (and throttling from object stores) for bytes it fetches anyway.
+        delegate = self._wants_completion and self._ensured > 0
         with self._lock:
-            mine = [k for k in needed if self._state[k] == _MISSING]
-            for k in mine:
-                self._state[k] = _CLAIMED
+            missing = [k for k in needed if self._state[k] == _MISSING]
+            if delegate:
+                self._wanted.update(missing)
+                mine = []
+            else:
+                mine = missing
+                for k in mine:
+                    self._state[k] = _CLAIMED
+        if delegate:
+            self._start_completion()
         # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
         # them to threads costs more than it saves on a busy machine.
         parallel = mine[1:] if not self._storage_of().is_local else []
         futures = [self._executor.submit(self._load_block, k) for k in parallel]
         errors: list[BaseException] = []
-        for k in mine[:len(mine) - len(parallel)]:
+        own = mine[:len(mine) - len(parallel)]
+        for position, k in enumerate(own):
             try:
                 self._load_block(k)
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
                 errors.append(err)
+                with self._lock:  # unclaim the rest, so that nobody waits for blocks no one will read
+                    for rest in own[position + 1:]:
+                        self._state[rest] = _MISSING
                 break
         for future in futures:
             try:
@@ -157,8 +174,6 @@ class PartialShard:
             self._events[k].wait()
         self._raise_failure()
         self._ensured += 1
-        if self._ensured > 1:  # not before the first batch is out: starting a thread costs it milliseconds
-            self._start_completion()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -207,8 +222,8 @@ class PartialShard:
     # -- background -----------------------------------------------------------------------------
     def complete_in_background(self, on_failure: Callable[[], None] | None = None) -> None:
         """From the second `ensure` on (so that the first batch does not share the link with it), fetch
-        every block not yet fetched in a daemon thread, then verify the whole shard (`on_failure` runs in
-        that thread if it fails)."""
+        every block not yet fetched in a daemon thread, those readers wait for first, then verify the whole
+        shard (`on_failure` runs in that thread if it fails)."""
         self._on_failure = on_failure
         self._wants_completion = True
 
@@ -267,9 +282,12 @@ class PartialShard:
         """Claim the next run of consecutive missing blocks (up to `COMPLETION_RANGE_BYTES`)."""
         blocks = self._index.blocks
         with self._lock:
-            first = next((k for k, s in enumerate(self._state) if s == _MISSING), None)
+            wanted = sorted(k for k in self._wanted if self._state[k] == _MISSING)
+            self._wanted.clear()
+            first = wanted[0] if wanted else next((k for k, s in enumerate(self._state) if s == _MISSING), None)
             if first is None:
                 return None
+            self._wanted.update(wanted[1:])
             last = first
             self._state[first] = _CLAIMED
             while (last + 1 < len(blocks) and self._state[last + 1] == _MISSING

@@ -190,15 +190,16 @@ def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_b
     from shardkit.loaders.dataloader import StreamingDataLoader
     from shardkit.loaders.dataset import StreamingDataset
 
-    url = str(tmp_path / "ds")
+    url, reference = str(tmp_path / "ds"), str(tmp_path / "v1")
     write_blocks(url, 480, per_shard=120)
+    write_blocks(reference, 480, per_shard=120, format_version=1)  # read whole, as before format v2
 
-    def run(mode: str, cache: str) -> list[np.ndarray]:
-        dataset = StreamingDataset(url, cache_dir=cache, shuffle_window=200, cache_mode=mode)
-        return [np.concatenate([b["sample_id"].numpy(), ids_from_tokens(b["tokens"])])
+    def run(mode: str, cache: str, source: str = url) -> list[np.ndarray]:
+        dataset = StreamingDataset(source, cache_dir=cache, shuffle_window=200, cache_mode=mode)
+        return [np.concatenate([b["sample_id"].numpy(), b["tokens"].numpy().ravel(), b["segment_ids"].numpy().ravel()])
                 for b in StreamingDataLoader(dataset, batch_size=8)]
 
-    want = run("decoded", str(tmp_path / "reference"))
+    want = run("decoded", str(tmp_path / "reference"), reference)
     fresh = itertools.count()
     for mode in CACHE_MODES:
         cache = str(tmp_path / f"cache-{mode}")
@@ -215,3 +216,24 @@ def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_b
         if mode == "none":
             left = [name for _, _, names in os.walk(tmp_path) if "none" in _ for name in names]
             assert left == [], left
+
+
+def test_variable_length_samples_stream_block_by_block(tmp_path, cold_blocks):
+    """Variable-length shards (offsets known only once a block is decoded) give the decoded stream."""
+    from shardkit.loaders.dataset import StreamingDataset
+
+    rng = np.random.default_rng(3)
+    samples = [fixed_sample(i, int(rng.integers(3, 90))) for i in range(300)]
+    for version in (1, 2):
+        write_dataset(str(tmp_path / f"v{version}"), samples, seq_len=None, packing="none", max_samples=300,
+                      tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=VOCAB, pad_id=0),
+                      block_bytes=BLOCK_BYTES, format_version=version)
+
+    def run(version: int, mode: str) -> list[np.ndarray]:
+        dataset = StreamingDataset(str(tmp_path / f"v{version}"), cache_dir=str(tmp_path / mode), batch_size=4,
+                                   shuffle_window=300, cache_mode=mode)
+        return [np.concatenate([b["sample_id"].numpy(), b["lengths"].numpy(), b["tokens"].numpy().ravel()])
+                for b in dataset]
+
+    want, got = run(1, "decoded"), run(2, "none")
+    assert len(got) == len(want) == 75 and all(np.array_equal(a, b) for a, b in zip(got, want))
