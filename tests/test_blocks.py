@@ -214,7 +214,8 @@ def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_b
 
         check_resume(make_loader, world_size=2)
         if mode == "none":
-            left = [name for _, _, names in os.walk(tmp_path) if "none" in _ for name in names]
+            left = [os.path.join(top, name) for top, _, names in os.walk(tmp_path)
+                    if "none" in os.path.relpath(top, tmp_path) for name in names]
             assert left == [], left
 
 
