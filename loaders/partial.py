@@ -34,8 +34,9 @@ from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-# The background completion reads up to this many bytes per request: few requests, bounded memory.
-COMPLETION_RANGE_BYTES = 8 << 20
+# The background completion reads up to this many bytes per request: a 64 MiB shard in a few requests
+# (each costs a round trip, a request fee, and on moto a read of the whole object), bounded memory.
+COMPLETION_RANGE_BYTES = 32 << 20
 _MISSING, _CLAIMED, _DONE = 0, 1, 2
 
 
@@ -134,7 +135,7 @@ class PartialShard:
         index = self._load_index()
         needed = index.blocks_of(np.asarray(local_samples, dtype=np.int64).reshape(-1))
         # The first batch reads its own blocks. Later ones leave them to the background completion, which
-        # reads the blocks they wait for first, in runs of up to 8 MiB: a block per request would cost
+        # reads the blocks they wait for first, in runs of up to 32 MiB: a block per request would cost
         # hundreds of requests per shard (and throttling from object stores) for bytes it fetches anyway.
         delegate = self._wants_completion and self._ensured > 0
         with self._lock:
