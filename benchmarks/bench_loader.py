@@ -8,6 +8,16 @@ shuffling on, from a warm local cache; each figure is the median of --runs runs 
 batches (time to first batch excluded from throughput, reported apart). Also measured: time to first
 batch from a cold S3 endpoint (moto on loopback), time to first batch after resuming at 0%, 50% and
 99% of the epoch, and the loader's anonymous memory per rank. Prints a table, writes JSON.
+
+    python benchmarks/bench_loader.py --cold [--tokens 25e6] [--out bench_out/loader_cold.json]
+
+Cold mode (issue 14): the same samples as format v1 shards read the way shardkit did before format v2
+("before": the whole first shard downloaded, hashed, decoded and written before the first batch) and as
+v2 shards with each `cache_mode` ("after"), tar and arrow, locally and from moto S3 on loopback. Each run
+starts from a fresh cache directory and makes one pass with 0 workers: time to first batch (dataset
+construction included) and samples/s over the whole pass, beside the single-thread zstd limit: the time
+to decompress every zstd frame of the same shards from memory, in this run. Also: resume at 50% of the
+epoch on a fresh node (empty cache). Medians of --runs runs.
 """
 
 from __future__ import annotations
@@ -271,6 +281,216 @@ def memory_per_rank(url: str, cache: str, batch: int, batches: int) -> dict:
     return {"rss_anon_growth_mb": round(peak_rss - before, 1), "python_heap_peak_mb": round(peak / 2**20, 1)}
 
 
+# -- cold start: fresh cache, one pass (issue 14) ------------------------------------------------
+COLD_CONFIGS = ((1, "decoded"), (2, "decoded"), (2, "compressed"), (2, "none"))
+
+
+def build_versions(data_dir: Path, flat: Path, samples: int, shard_bytes: int) -> dict[tuple[str, int], str]:
+    """The benchmark samples as tar and arrow shards of format versions 1 and 2: {(format, version): url}."""
+    from shardkit.formats import ShardWriter
+    from shardkit.manifest import Manifest, TokenizerInfo, write_manifest
+    from shardkit.storage import Storage
+
+    urls = {}
+    data = np.memmap(flat, dtype=np.uint16, mode="r", shape=(samples, SEQ + 1))
+    for shard_format in ("tar", "arrow"):
+        for version in (1, 2):
+            url = data_dir / f"cold-{shard_format}-v{version}"
+            stamp = data_dir / f"cold-{shard_format}-v{version}-{samples}-{shard_bytes}"
+            urls[shard_format, version] = str(url)
+            if stamp.exists():
+                continue
+            shutil.rmtree(url, ignore_errors=True)
+            with ShardWriter(str(url), shard_format=shard_format, token_dtype="uint16", max_bytes=shard_bytes,
+                             format_version=version) as writer:
+                for row in data:
+                    writer.write(np.array(row))
+            manifest = Manifest(shard_format=shard_format, token_dtype="uint16", seq_len=SEQ, packing="concat",
+                                tokenizer=TokenizerInfo(kind="byte", name="random", vocab_size=VOCAB),
+                                shards=writer.shards)
+            write_manifest(Storage(str(url)), manifest)
+            stamp.touch()
+    return urls
+
+
+def zstd_limit(url: str, runs: int) -> dict:
+    """Samples/s of decompressing every zstd frame of the dataset's shards in one thread, from memory
+    (tar: one frame per member; arrow: one frame per compressed Arrow buffer): the work no loader of
+    these bytes can skip."""
+    import struct
+
+    import pyarrow as pa
+    import zstandard
+
+    from shardkit.formats.arrow_ipc import record_batch_buffers
+    from shardkit.formats.tar_format import iter_tar_members
+    from shardkit.manifest import load_manifest
+
+    manifest = load_manifest(url)
+    frames: list[tuple[bytes, int]] = []
+    for shard in manifest.shards:
+        data = (Path(url) / shard.name).read_bytes()
+        if manifest.shard_format == "tar":
+            frames += [(bytes(payload), -1) for _, payload in iter_tar_members(data, shard.name)]
+            continue
+        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(data).slice(8)))
+        for message in messages:
+            if message.type != "record batch":
+                continue
+            body = message.body.to_pybytes()
+            buffers, _ = record_batch_buffers(message.metadata.to_pybytes(), shard.name)
+            for offset, length in buffers:
+                declared = struct.unpack_from("<q", body, offset)[0] if length >= 8 else -1
+                if declared > 0:
+                    frames.append((body[offset + 8:offset + length], declared))
+    rates = []
+    for _ in range(runs):
+        dctx = zstandard.ZstdDecompressor()
+        start = time.perf_counter()
+        for frame, size in frames:
+            dctx.decompress(frame, max_output_size=size) if size > 0 else dctx.decompress(frame)
+        rates.append(manifest.num_samples / (time.perf_counter() - start))
+    return {"samples_per_s": statistics.median(rates), "frames": len(frames)}
+
+
+def cold_pass(url: str, batch: int, runs: int, *, cache_mode: str, options: dict | None = None,
+              resume_at: float | None = None) -> dict:
+    """Fresh cache each run: time to first batch (dataset construction included) and samples/s over the
+    whole pass (first batch included); with `resume_at`, resume from that fraction of the epoch and time
+    the first batch only (a fresh node taking over a job)."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    firsts, rates = [], []
+    for _ in range(runs):
+        cache = tempfile.mkdtemp(prefix="shardkit-bench-cold-")
+        try:
+            start = time.perf_counter()
+            dataset = StreamingDataset(url, cache_dir=cache, rank=0, world_size=1, cache_mode=cache_mode,
+                                       storage_options=options)
+            loader = StreamingDataLoader(dataset, batch_size=batch)
+            if resume_at is not None:
+                state = loader.state_dict()
+                loader.load_state_dict({**state, "samples_consumed": int(len(loader) * resume_at) * batch})
+            iterator = iter(loader)
+            next(iterator)
+            firsts.append(time.perf_counter() - start)
+            if resume_at is None:
+                count = 1 + sum(1 for _ in iterator)
+                rates.append(count * batch / (time.perf_counter() - start))
+            del iterator, loader
+            for cache_of_stream in dataset.caches:  # background completions, before the directory goes
+                cache_of_stream.drain()
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    out = {"first_batch_s": statistics.median(firsts), "first_batch_runs": [round(t, 4) for t in firsts]}
+    if rates:
+        out["samples_per_s"] = statistics.median(rates)
+    return out
+
+
+class MotoServer:
+    """A moto S3 server in its own process on loopback (in-process it would compete for the GIL)."""
+
+    def __enter__(self) -> MotoServer:
+        import socket
+        import subprocess
+        import sys
+
+        import boto3
+
+        for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            os.environ.setdefault(key, value)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        endpoint = f"http://127.0.0.1:{port}"
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client.create_bucket(Bucket="bench")
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                if time.monotonic() > deadline:
+                    self.__exit__()
+                    raise
+                time.sleep(0.2)
+        self.options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"},
+                        "skip_instance_cache": True}
+        return self
+
+    def upload(self, url: str, name: str) -> str:
+        for path in sorted(Path(url).iterdir()):
+            self.client.upload_file(str(path), "bench", f"{name}/{path.name}")
+        return f"s3://bench/{name}"
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+def cold_benchmark(args: argparse.Namespace) -> dict:
+    data_dir = Path(args.data_dir)
+    _, flat, samples = build_data(data_dir, int(args.tokens), args.shard_mb * 2**20)
+    urls = build_versions(data_dir, flat, samples, args.shard_mb * 2**20)
+    batch, runs = args.batch, args.runs
+    rows: dict[str, dict] = {}
+
+    def record(where: str, shard_format: str, version: int, mode: str, row: dict) -> None:
+        label = f"{where}, {shard_format} v{version}, cache_mode={mode}"
+        rows[label] = row
+        rate = f"{row['samples_per_s']:>10,.0f} samples/s" if "samples_per_s" in row else ""
+        print(f"  {label:<50} first batch {row['first_batch_s']:.3f} s {rate}", flush=True)
+
+    limits = {fmt: zstd_limit(urls[fmt, 2], runs) for fmt in ("tar", "arrow")}
+    for fmt, limit in limits.items():
+        print(f"  zstd limit, {fmt}: {limit['samples_per_s']:,.0f} samples/s ({limit['frames']} frames)", flush=True)
+    for fmt in ("tar", "arrow"):
+        for version, mode in COLD_CONFIGS:
+            record("local", fmt, version, mode, cold_pass(urls[fmt, version], batch, runs, cache_mode=mode))
+    resume = {}
+    for fmt in ("tar", "arrow"):
+        for version, mode in ((1, "decoded"), (2, "decoded"), (2, "none")):
+            row = cold_pass(urls[fmt, version], batch, runs, cache_mode=mode, resume_at=0.5)
+            resume[f"local, {fmt} v{version}, cache_mode={mode}"] = row
+            print(f"  resume at 50% on a fresh node, {fmt} v{version} {mode}: {row['first_batch_s']:.3f} s", flush=True)
+    if not args.skip_s3:
+        with MotoServer() as moto:
+            for fmt in ("tar", "arrow"):
+                for version in (1, 2):
+                    s3_url = moto.upload(urls[fmt, version], f"{fmt}-v{version}")
+                    for v, mode in COLD_CONFIGS:
+                        if v == version and mode != "compressed":
+                            record("moto S3", fmt, v, mode, cold_pass(s3_url, batch, runs, cache_mode=mode,
+                                                                       options=moto.options))
+                    row = cold_pass(s3_url, batch, runs, cache_mode="decoded", options=moto.options, resume_at=0.5)
+                    resume[f"moto S3, {fmt} v{version}, cache_mode=decoded"] = row
+                    print(f"  resume at 50% on a fresh node, moto S3, {fmt} v{version}: {row['first_batch_s']:.3f} s",
+                          flush=True)
+    return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "note": "shared 2-core machine"},
+            "data": {"samples": samples, "tokens_per_sample": SEQ + 1, "token_dtype": "uint16", "batch": batch,
+                     "shard_mb": args.shard_mb, "runs": runs, "workers": 0},
+            "zstd_limit": limits, "cold": rows, "cold_resume_50pct": resume}
+
+
+def print_cold(result: dict) -> None:
+    limits = result["zstd_limit"]
+    print(f"\n{'cold, one pass, workers=0':<56} {'first batch s':>13} {'samples/s':>11} {'% of zstd limit':>16}")
+    for name, row in result["cold"].items():
+        fmt = "tar" if ", tar " in name else "arrow"
+        rate = row.get("samples_per_s")
+        share = f"{100 * rate / limits[fmt]['samples_per_s']:.0f}%" if rate else ""
+        print(f"{name:<56} {row['first_batch_s']:>13.3f} {rate or 0:>11,.0f} {share:>16}")
+    for fmt, limit in limits.items():
+        print(f"{'zstd limit (one thread), ' + fmt:<56} {'':>13} {limit['samples_per_s']:>11,.0f}")
+    print(f"\n{'resume at 50% on a fresh node':<56} {'first batch s':>13}")
+    for name, row in result["cold_resume_50pct"].items():
+        print(f"{name:<56} {row['first_batch_s']:>13.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_out/loader.json", help="JSON output path")
@@ -281,7 +501,17 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4096, help="batches per timed run")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--skip-s3", action="store_true", help="skip the cold S3 measurement")
+    parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
+                        "v1 vs v2 and each cache_mode, local and moto S3, and resume on a fresh node")
     args = parser.parse_args()
+    if args.cold:
+        result = cold_benchmark(args)
+        print_cold(result)
+        out = Path(args.out if args.out != "bench_out/loader.json" else "bench_out/loader_cold.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return
 
     url, flat, samples = build_data(Path(args.data_dir), int(args.tokens), args.shard_mb * 2**20)
     cache = str(Path(args.data_dir) / "cache")

@@ -16,6 +16,13 @@ process dies, so a crashed or SIGKILLed process can never block or poison the ot
 - `<cache root>/.room.lock` (with `cache_limit` only): exclusive while one process evicts to make room
   and writes a decoded shard, so the decoded files never exceed the limit even for a moment.
 
+`cache_mode` says what the cache keeps (see docs/LOADING.md for the trade-off): "decoded" (the above),
+"compressed" (`<shard name>.<16 hex>.skz`: the verified shard file as stored, decoded into memory at each
+open) or "none" (nothing on disk: every open reads from storage into memory). With `open(...,
+on_demand=True)` (the dataset's cold path), a format v2 shard that is not local yet is served block by
+block (`loaders/partial.py`): the blocks the first batches need come by ranged reads, verified against
+their hashes, and the shard is completed in the background and then stored as the mode says.
+
 Downloads go through the core's one verified read (`shardkit.formats.fetch.read_shard`): bytes are
 checked against the manifest's size and SHA-256 while they decode, a mismatch gets one re-read, then
 `CorruptShardError` naming the shard's URL. Each decoded file records the SHA-256 of the shard it came
@@ -42,6 +49,7 @@ import stat
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shardkit import metrics
@@ -49,11 +57,14 @@ from shardkit.errors import CorruptShardError
 from shardkit.formats import (
     ShardReader,
     check_decoded,
+    check_shard_bytes,
     decode_shard,
     open_decoded,
     read_shard,
     write_decoded,
 )
+from shardkit.loaders.config import CACHE_MODES
+from shardkit.loaders.partial import PartialShard
 from shardkit.manifest import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -70,6 +81,12 @@ from shardkit.storage import Storage
 logger = logging.getLogger(__name__)
 
 DECODED_SUFFIX = ".skd"
+COMPRESSED_SUFFIX = ".skz"
+# Parallel ranged reads of the blocks one batch needs (threads wait on I/O; hashing and zstd drop the GIL).
+_BLOCK_READ_THREADS = 8
+# Shards up to this size are read whole even when cold: one request beats an index read, a block read
+# and a completion read, and decoding 2 MiB takes about a millisecond.
+WHOLE_READ_BYTES = 2 << 20
 ROOM_LOCK = ".room.lock"  # in the cache root: held while one process makes room and admits a shard
 # Decoded files hold a header (well under 1 KiB) and 64-byte-aligned arrays.
 _HEADER_BOUND = 1024
@@ -144,18 +161,38 @@ class CacheStats:
     downloaded_bytes: int = 0
     hits: int = 0
     evictions: int = 0
+    range_reads: int = 0  # ranged reads of format v2 blocks and indexes (also counted in downloaded_bytes)
 
 
 class CachedShard:
     """A shard held open for reading; `close()` lets eviction remove it again."""
 
-    def __init__(self, reader: ShardReader, lock_fd: int, nbytes: int, cache: ShardCache):
+    def __init__(self, reader: ShardReader, lock_fd: int | None, nbytes: int, cache: ShardCache,
+                 partial: PartialShard | None = None):
         self.reader = reader
         self.nbytes = nbytes
         self._fd: int | None = lock_fd
         self._cache = cache
+        self.partial = partial
+        self.adoptable = False  # a block-by-block handle on a shard another process of the node completes
+        self.index = -1
+
+    @property
+    def complete(self) -> bool:
+        """Whether every sample is readable now; otherwise `ensure` the samples before reading them."""
+        return self.partial is None or self.partial.complete
+
+    def ensure(self, local_samples) -> None:
+        """Make the given samples (indices within the shard) readable: fetch and verify their blocks."""
+        if self.partial is None or self.partial.complete:
+            return
+        if self.adoptable and self._cache._adopt_stored(self):
+            return  # another process of the node stored the shard: read that copy from now on
+        self.partial.ensure(local_samples)
 
     def close(self) -> None:
+        if self.partial is not None and self._cache.cache_mode == "none":
+            self.partial.cancel()  # nothing would keep the rest: stop fetching it
         if self._fd is not None:
             os.close(self._fd)  # releases the shared lock
             self._fd = None
@@ -174,12 +211,16 @@ class ShardCache:
         cache_dir: node-local directory shared by all processes of the node.
         cache_limit: bytes of decoded shards allowed under `cache_dir` (all datasets), None = no limit.
         wait_timeout: seconds to wait for live readers to free room before `CacheLimitError`.
+        cache_mode: "decoded", "compressed" or "none" (what the cache keeps on disk; module docstring).
     """
 
     def __init__(self, storage: Storage, manifest: Manifest, cache_dir: str | None = None, *,
-                 cache_limit: int | None = None, wait_timeout: float = 60.0):
+                 cache_limit: int | None = None, wait_timeout: float = 60.0, cache_mode: str = "decoded"):
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit must be a positive number of bytes or None, got {cache_limit}")
+        if cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
+        self.cache_mode = cache_mode
         self._storage = storage
         self._pid = os.getpid()
         self.manifest = manifest
@@ -200,6 +241,8 @@ class ShardCache:
         self._handoff = threading.Condition()
         self._fetching: set[str] = set()
         self._fresh: dict[str, object] = {}
+        self._partial: dict[str, PartialShard] = {}  # shards this process is reading block by block
+        self._block_executor: ThreadPoolExecutor | None = None
 
     @property
     def storage(self) -> Storage:
@@ -213,7 +256,7 @@ class ShardCache:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["stats"], state["_held_bytes"], state["_lock"] = CacheStats(), 0, None
-        for name in ("_handoff", "_fetching", "_fresh"):
+        for name in ("_handoff", "_fetching", "_fresh", "_partial", "_block_executor"):
             state.pop(name, None)
         return state
 
@@ -236,7 +279,13 @@ class ShardCache:
         return full
 
     def is_cached(self, index: int) -> bool:
-        return os.path.exists(self.path(index))
+        if self.cache_mode == "none":
+            return False
+        return os.path.exists(self.path(index) if self.cache_mode == "decoded" else self.compressed_path(index))
+
+    def compressed_path(self, index: int) -> str:
+        """Compressed cache file of shard `index` ("compressed" mode): the decoded file's name, `.skz`."""
+        return self.path(index)[:-len(DECODED_SUFFIX)] + COMPRESSED_SUFFIX
 
     @staticmethod
     def decoded_size(arrays) -> int:
@@ -246,10 +295,18 @@ class ShardCache:
         return _HEADER_BOUND + sum(-(-a.nbytes // 64) * 64 for a in parts if a is not None)
 
     # -- reading -------------------------------------------------------------------------------
-    def open(self, index: int) -> CachedShard:
-        """Hold shard `index` for reading, downloading it first if no process of the node has."""
+    def open(self, index: int, *, on_demand: bool = False) -> CachedShard:
+        """Hold shard `index` for reading, downloading it first if no process of the node has.
+
+        With `on_demand`, a format v2 shard that is not local is returned at once, to be read block by
+        block: call `ensure(samples)` on the handle before reading those samples (until `complete`).
+        """
         shard = self.manifest.shards[index]
         path = self.path(index)
+        if on_demand and self._serves_blocks(index, path):
+            return self._open_partial(index, path)
+        if self.cache_mode != "decoded":
+            return self._open_in_memory(index)
         self._private_dirs(os.path.dirname(path))
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -318,6 +375,10 @@ class ShardCache:
     def prefetch(self, index: int) -> bool:
         """Fetch shard `index` unless another process is already fetching it; True when cached."""
         path = self.path(index)
+        if self.cache_mode == "none" or path in self._partial:
+            return False  # nothing to keep, or this process is completing it block by block already
+        if self.cache_mode == "compressed":
+            return self._fetch_compressed(index)
         if os.path.exists(path):
             return True
         self._private_dirs(os.path.dirname(path))
@@ -325,6 +386,156 @@ class ShardCache:
             return self._fetch(self.manifest.shards[index], path, block=False)
         except CacheLimitError:
             return False  # no room now: the reader will fetch it when it needs it
+
+    # -- block by block (format v2) and the modes without a decoded copy --------------------------
+    def _serves_blocks(self, index: int, path: str) -> bool:
+        """Whether opening shard `index` now would read blocks: a v2 shard above `WHOLE_READ_BYTES`, not
+        in this mode's cache file, not being fetched whole by a thread of this process (waiting for that
+        one is quicker)."""
+        shard = self.manifest.shards[index]
+        if not shard.has_block_index or not shard.samples or shard.compressed_bytes <= WHOLE_READ_BYTES:
+            return False
+        if path in self._partial or path in self._fetching:
+            return False
+        return not self.is_cached(index)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the background completions of this process (e.g. before deleting the cache directory)."""
+        for partial in list(self._partial.values()):
+            partial.wait_complete(timeout)
+
+    def _blocks_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._block_executor is None:
+                self._block_executor = ThreadPoolExecutor(_BLOCK_READ_THREADS, thread_name_prefix="shardkit-blocks")
+            return self._block_executor
+
+    def _count_range(self, nbytes: int) -> None:
+        self.stats.range_reads += 1
+        self.stats.downloaded_bytes += nbytes
+
+    def _open_partial(self, index: int, path: str) -> CachedShard:
+        """A handle on a shard read block by block. One process of the node (the holder of the shard's
+        download lock, taken without waiting) completes it in the background and stores it as the mode
+        says; the others read the blocks they need on demand until the stored copy appears, then adopt it
+        (`_adopt_stored`): the node downloads the shard once, plus the blocks needed before it is stored.
+        In "none" mode every process streams its own shards (there is no shared copy to wait for)."""
+        shard = self.manifest.shards[index]
+        lock_fd = None
+        if self.cache_mode != "none":
+            self._private_dirs(os.path.dirname(path))
+            lock_fd = os.open(path + ".dl", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                lock_fd = None
+        completes = self.cache_mode == "none" or lock_fd is not None
+        store = {"decoded": self._store_decoded, "compressed": self._store_compressed, "none": None}[self.cache_mode]
+        released = threading.Event()
+
+        def release() -> None:  # once, whether completion succeeds or fails
+            if not released.is_set():
+                released.set()
+                self._partial.pop(path, None)
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the download lock once the copy is in place
+
+        def on_complete(arrays, data: bytes) -> None:
+            self.stats.downloads += 1
+            try:
+                if store is not None:
+                    store(index, arrays, data)
+            finally:
+                release()
+
+        metrics.cache_lookup(self._storage.url, hit=False)
+        partial = PartialShard(lambda: self.storage, shard, self.manifest, executor=self._blocks_executor(),
+                               on_read=self._count_range, on_complete=on_complete if completes else None)
+        if completes:
+            self._partial[path] = partial
+            partial.complete_in_background(on_failure=release)
+        handle = CachedShard(partial.reader, None, 0, self, partial=partial)
+        handle.index, handle.adoptable = index, not completes
+        return handle
+
+    def _adopt_stored(self, handle: CachedShard) -> bool:
+        """Switch a block-by-block handle to the node's stored copy once one exists; True when switched."""
+        index = handle.index
+        if not self.is_cached(index):
+            return False
+        try:
+            stored = self.open(index)
+        except FileNotFoundError:
+            return False  # evicted in between: keep reading blocks
+        handle.reader, handle.nbytes, handle._fd, handle.partial = stored.reader, stored.nbytes, stored._fd, None
+        stored._fd = None  # the handle owns the shared lock now
+        return True
+
+    def _store_decoded(self, index: int, arrays, data: bytes) -> None:
+        """Write the decoded file of a shard completed block by block (the caller holds the download lock)."""
+        path = self.path(index)
+        try:
+            if not os.path.exists(path):
+                self._remove_stale_temporaries(path)
+                self._admit(path, arrays, shard=self.manifest.shards[index], wait=False)
+        except CacheLimitError as err:
+            logger.debug("shard %s not stored in the cache: %s", self.manifest.shards[index].name, err)
+
+    def _store_compressed(self, index: int, arrays, data: bytes) -> None:
+        path = self.compressed_path(index)
+        self._private_dirs(os.path.dirname(path))
+        directory = os.path.dirname(path)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{os.path.basename(path)}.tmp-", delete=False) as fh:
+            try:
+                fh.write(data)
+            except BaseException:
+                os.unlink(fh.name)
+                raise
+        os.replace(fh.name, path)  # atomic: a reader finds the whole verified file or none
+
+    def _fetch_compressed(self, index: int) -> bool:
+        """Download shard `index` whole (verified) into the compressed cache file; True when it is there."""
+        path = self.compressed_path(index)
+        if not os.path.exists(path):
+            data = read_shard(self.storage, self.manifest.shards[index], on_read=self._count_whole)
+            self._store_compressed(index, None, data)
+        return True
+
+    def _count_whole(self, nbytes: int) -> None:
+        self.stats.downloads += 1
+        self.stats.downloaded_bytes += nbytes
+
+    def _open_in_memory(self, index: int) -> CachedShard:
+        """"compressed" and "none" modes: the verified shard bytes (from the compressed cache file, or from
+        storage) decoded into memory. A compressed cache file is checked against the manifest's SHA-256 at
+        every open, like bytes from storage: a local file is no more trusted than a remote one."""
+        shard = self.manifest.shards[index]
+        data = None
+        if self.cache_mode == "compressed":
+            path = self.compressed_path(index)
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+                check_shard_bytes(data, shard=path, sha256=shard.sha256, size=shard.compressed_bytes)
+                self.stats.hits += 1
+                metrics.cache_lookup(self._storage.url, hit=True)
+            except FileNotFoundError:
+                data = None
+            except CorruptShardError as err:
+                logger.warning("compressed cache file %s failed its check (%s): fetching the shard again", path,
+                               err.reason)
+                os.unlink(path)
+                data = None
+        if data is None:
+            metrics.cache_lookup(self._storage.url, hit=False)
+            data = read_shard(self.storage, shard, on_read=self._count_whole)
+            if self.cache_mode == "compressed":
+                self._store_compressed(index, None, data)
+        arrays = decode_shard(data, shard_format=self.manifest.shard_format, token_dtype=self.manifest.token_dtype,
+                              shard=shard.name, raw_bytes=shard.raw_bytes)
+        check_decoded(arrays, shard, vocab_size=self.manifest.tokenizer.vocab_size)
+        return CachedShard(ShardReader(arrays, name=shard.name), None, 0, self)
 
     # -- downloading ---------------------------------------------------------------------------
     def _fetch(self, shard: ShardInfo, path: str, *, block: bool) -> bool:

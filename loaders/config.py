@@ -29,6 +29,7 @@ DEFAULT_SHUFFLE_WINDOW = 8192
 PARTIAL_POLICIES = ("drop", "pad")
 DEFAULT_CHUNK_SAMPLES = 2048
 DEFAULT_TOKEN_WINDOW = 4096
+CACHE_MODES = ("decoded", "compressed", "none")
 
 
 def _option(default: Any, help: str, *, order: bool = False, choices: tuple[str, ...] | None = None) -> Any:
@@ -70,6 +71,9 @@ class LoaderConfig:
                                       "of the cache directory); none: unlimited")
     cache_wait: float = _option(60.0, "seconds to wait for room under the cache limit before failing")
     prefetch: bool = _option(True, "download upcoming shards in background threads")
+    cache_mode: str = _option("decoded", "what the node-local cache keeps: 'decoded' shards (fastest rereads, "
+                              "largest), 'compressed' shard files (decoded into memory at each open), or 'none' "
+                              "(single pass: stream from storage, nothing on disk)", choices=CACHE_MODES)
 
     def __post_init__(self) -> None:
         from shardkit.loaders.partition import check_policy
@@ -80,6 +84,8 @@ class LoaderConfig:
         self.order_config(self.num_partitions or 1)  # seed, shuffle_window, block_size, num_partitions
         _positive("num_partitions", self.num_partitions, optional=True)
         check_policy(self.partial_batches)
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         _positive("epoch_size", self.epoch_size, optional=True)
         _positive("max_tokens", self.max_tokens, optional=True)
         _positive("token_window", self.token_window)

@@ -35,7 +35,7 @@ from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_step_chunks
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
-from shardkit.manifest import Manifest
+from shardkit.manifest import Manifest, load_manifest
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
 _GOLDEN = (5**0.5 - 1) / 2
+_COLD_STEP_BATCHES = 32  # most batches gathered per block check while shards arrive block by block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +96,9 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in streams]
-        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir) for st in self.storages]
+        # cache_mode "none" keeps nothing on disk, not even the node's manifest copy: every process reads it.
+        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir) if config.cache_mode != "none"
+                                          else load_manifest(st) for st in self.storages]
         self._check_compatible()
         first = self.manifests[0]
         self.sample_length = first.sample_length
@@ -103,7 +106,8 @@ class StreamingDataset(IterableDataset):
         self.has_doc_boundaries = all(bool(m.columns.has_doc_boundaries.all()) for m in self.manifests)
         tok = first.tokenizer
         self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
-        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait)
+        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait,
+                                  cache_mode=config.cache_mode)
                        for st, m in zip(self.storages, self.manifests)]
         self._shard_owner = ShardOwners([len(m.shards) for m in self.manifests])
         self.table = ShardTable(np.concatenate([m.columns.samples for m in self.manifests]))
@@ -278,13 +282,15 @@ class StreamingDataset(IterableDataset):
                 upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
                 needed = self._shards_in_order(ids)
                 if executor is not None:
-                    self._prefetch(executor, needed, topo)
-                    if upcoming is not None:
-                        self._prefetch(executor, self._shards_in_order(upcoming), topo)
+                    # Shards read block by block complete themselves: prefetching them whole now would
+                    # make the first batch wait for whole shards.
+                    self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
                 for index in needed:
                     if index not in held:
                         stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local)
+                        held[index] = self.caches[stream].open(local, on_demand=True)
+                if executor is not None and upcoming is not None:  # after the opens, for the same reason
+                    self._prefetch(executor, self._shards_in_order(upcoming), topo)
                 keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
                 yield from self._batches(ids, held)
                 for index in [i for i in held if i not in keep]:
@@ -312,7 +318,8 @@ class StreamingDataset(IterableDataset):
                 for index in needed:
                     if index not in held:
                         stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local)
+                        held[index] = self.caches[stream].open(local, on_demand=True)
+                self._ensure(ids, held)
                 lengths = self._lengths(ids, held)
                 first = window_start == start
                 prior = segments if first else ()
@@ -370,7 +377,35 @@ class StreamingDataset(IterableDataset):
         except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
             logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
 
+    def _serves_blocks(self, index: int) -> bool:
+        stream, local = self._shard_owner[index]
+        cache = self.caches[stream]
+        return cache._serves_blocks(local, cache.path(local))
+
+    def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
+        """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
+        shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
+        for index in np.unique(shard).tolist():
+            handle = held[index]
+            if not handle.complete:
+                handle.ensure(local[shard == index])
+
     def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+        incomplete = [held[i] for i in self._shards_in_order(ids) if not held[i].complete]
+        b, step = 0, 1
+        while incomplete and b < len(ids):
+            # Cold shards: fetch what the next batches need just before them, so the first batch waits for
+            # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
+            # a time, which amortises the per-call cost, until the shards are whole.
+            rows = ids[b:b + step]
+            self._ensure(rows, held)
+            yield from self._gather(rows, held)
+            b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
+            incomplete = [h for h in incomplete if not h.complete]
+        if b < len(ids):
+            yield from self._gather(ids[b:], held)
+
+    def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         def reader_of(index: int):
             return held[index].reader
 

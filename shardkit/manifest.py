@@ -30,7 +30,8 @@ MANIFEST_NAME = "shardkit.json"
 RESERVED_NAMES = (MANIFEST_NAME, INDEX_NAME)
 # Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
 MAX_NESTING = 64
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the writer produces when shards carry block indexes (docs/FORMAT.md)
+FORMAT_VERSIONS = (1, 2)  # what this reader accepts
 SHARD_FORMATS = ("tar", "arrow")
 TOKEN_DTYPES = ("uint16", "uint32")
 PACKING_MODES = ("concat", "bestfit", "none", "custom")
@@ -113,6 +114,9 @@ class ShardInfo:
         raw_bytes: size of its payload before compression (docs/FORMAT.md defines it per format).
         sha256: SHA-256 hex digest of the shard file as stored.
         has_doc_boundaries: whether per-sample document boundaries and provenance are stored.
+        index_offset, index_bytes, index_sha256: format version 2 only (None in version 1, and for an
+            empty shard): where the shard's block index lies in the file and its SHA-256, which lets a
+            reader verify and decode one block at a time (`shardkit.formats.blocks`).
     """
 
     name: str
@@ -122,16 +126,35 @@ class ShardInfo:
     raw_bytes: int
     sha256: str
     has_doc_boundaries: bool
+    index_offset: int | None = None
+    index_bytes: int | None = None
+    index_sha256: str | None = None
+
+    @property
+    def has_block_index(self) -> bool:
+        return self.index_sha256 is not None
 
     def __post_init__(self) -> None:
         check_relative_name(self.name, what="shard name")
+        index = (self.index_offset, self.index_bytes, self.index_sha256)
+        if any(v is not None for v in index):
+            if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in index[:2]) or not _is_sha256(index[2]):
+                raise ManifestError(f"shard {self.name}: index_offset, index_bytes and index_sha256 must be given "
+                                    "together (two non-negative integers and 64 lowercase hex digits)")
         for label in ("samples", "tokens", "compressed_bytes", "raw_bytes"):
             value = getattr(self, label)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
                 raise ManifestError(f"shard {self.name}: {label} must be a non-negative integer below 2^63, got {value!r}")
-        if not (isinstance(self.sha256, str) and len(self.sha256) == 64
-                and all(c in "0123456789abcdef" for c in self.sha256)):
+        if not _is_sha256(self.sha256):
             raise ManifestError(f"shard {self.name}: sha256 must be 64 lowercase hex digits")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest entry; a version 1 shard has no index fields at all."""
+        return {k: v for k, v in asdict(self).items() if v is not None or not k.startswith("index_")}
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +174,8 @@ class Manifest:
         build: the build configuration (free-form JSON object).
         max_sample_tokens: longest sample allowed (seq_len + 1 for packed data).
         shardkit_version: version of the writer.
-        format_version: version of this manifest format.
+        format_version: version of this manifest format: 2 when any shard has a block index, else 1
+            (derived when not given).
     """
 
     shard_format: str
@@ -165,12 +189,17 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)
     max_sample_tokens: int | None = None
     shardkit_version: str = ""
-    format_version: int = FORMAT_VERSION
+    format_version: int | None = None
 
     def __post_init__(self) -> None:
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version is None:
+            indexed = (self.shards.has_block_index.any() if isinstance(self.shards, ShardColumns)
+                       else any(isinstance(s, ShardInfo) and s.has_block_index for s in self.shards))
+            object.__setattr__(self, "format_version", 2 if indexed else 1)
+        if self.format_version not in FORMAT_VERSIONS:
             raise ManifestError(f"manifest format_version {self.format_version} is not supported "
-                                f"(this shardkit reads version {FORMAT_VERSION}); upgrade shardkit")
+                                f"(this shardkit reads versions {', '.join(map(str, FORMAT_VERSIONS))}); "
+                                "upgrade shardkit")
         if self.shard_format not in SHARD_FORMATS:
             raise ManifestError(f"shard_format must be one of {SHARD_FORMATS}, got {self.shard_format!r}")
         if self.token_dtype not in TOKEN_DTYPES:
@@ -207,12 +236,16 @@ class Manifest:
         if self.max_sample_tokens is None and self.seq_len is not None:
             object.__setattr__(self, "max_sample_tokens", self.seq_len + 1)
         if columnar:
+            indexed = self.shards.has_block_index.any()
             reserved = [n for n in RESERVED_NAMES if self.shards.find(n) is not None]
         else:
+            indexed = any(s.has_block_index for s in self.shards)
             names = [s.name for s in self.shards]
             if len(set(names)) != len(names):
                 raise ManifestError("manifest names the same shard twice")
             reserved = [n for n in RESERVED_NAMES if n in set(names)]
+        if self.format_version == 1 and indexed:
+            raise ManifestError("a format_version 1 manifest cannot hold block indexes (index_* fields: version 2)")
         if reserved:
             raise ManifestError(f"a shard may not be called {reserved[0]}")
 
@@ -273,7 +306,7 @@ class Manifest:
             "compression": dict(self.compression),
             "hash": HASH_ALGORITHM,
             "totals": self.totals(),
-            "shards": [asdict(s) for s in self.shards] if with_shards else None,
+            "shards": [s.to_dict() for s in self.shards] if with_shards else None,
             "sources": list(self.sources),
             "build": self.build,
         }

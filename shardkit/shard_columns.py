@@ -11,8 +11,10 @@ when the JSON it has matches them (see `shardkit.manifest.load_manifest`).
 Layout (little-endian; docs/FORMAT.md section "Binary index"):
 `SKINDEX1` | u64 header length | header (UTF-8 JSON) | zero padding to 8 bytes |
 samples, tokens, compressed_bytes, raw_bytes: i64[N] each | name offsets i64[N+1] |
-sha256 u8[N, 32] | has_doc_boundaries u8[N] | names (UTF-8, concatenated) |
-SHA-256 of every byte before it (32 bytes).
+sha256 u8[N, 32] | has_doc_boundaries u8[N] | [only when the header's "index" entry says
+"block_index": true (format version 2 shards): zero padding to 8 bytes | index_offset, index_bytes:
+i64[N] each, -1 for a shard without a block index | index_sha256 u8[N, 32]] | names (UTF-8,
+concatenated) | SHA-256 of every byte before it (32 bytes).
 """
 
 from __future__ import annotations
@@ -45,13 +47,23 @@ class ShardColumns(Sequence):
     """
 
     def __init__(self, *, names: bytes, name_offsets: np.ndarray, sha256: np.ndarray,
-                 has_doc_boundaries: np.ndarray, **counts: np.ndarray):
+                 has_doc_boundaries: np.ndarray, block_index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 **counts: np.ndarray):
         self.names = names
         self.name_offsets = name_offsets
         self.sha256 = sha256
         self.has_doc_boundaries = has_doc_boundaries
         self.samples, self.tokens = counts["samples"], counts["tokens"]
         self.compressed_bytes, self.raw_bytes = counts["compressed_bytes"], counts["raw_bytes"]
+        # Format version 2: (index_offset, index_bytes, index_sha256) per shard, offsets -1 where a
+        # shard has none (an empty shard); None when no shard has one (version 1).
+        self.block_index = block_index
+
+    @property
+    def has_block_index(self) -> np.ndarray:
+        if self.block_index is None:
+            return np.zeros(len(self), dtype=bool)
+        return self.block_index[0] >= 0
 
     @classmethod
     def from_shards(cls, shards: Sequence[Any]) -> ShardColumns:
@@ -62,7 +74,15 @@ class ShardColumns(Sequence):
                   for f in COUNT_FIELDS}
         sha = np.frombuffer(b"".join(bytes.fromhex(s.sha256) for s in shards), dtype=np.uint8).reshape(-1, 32)
         docs = np.fromiter((s.has_doc_boundaries for s in shards), dtype=bool, count=len(shards))
-        return cls(names=b"".join(encoded), name_offsets=offsets, sha256=sha, has_doc_boundaries=docs, **counts)
+        block_index = None
+        if any(s.index_sha256 is not None for s in shards):
+            block_index = (
+                np.fromiter((-1 if s.index_offset is None else s.index_offset for s in shards), np.int64, len(shards)),
+                np.fromiter((-1 if s.index_bytes is None else s.index_bytes for s in shards), np.int64, len(shards)),
+                np.frombuffer(b"".join(bytes.fromhex(s.index_sha256 or "0" * 64) for s in shards),
+                              dtype=np.uint8).reshape(-1, 32))
+        return cls(names=b"".join(encoded), name_offsets=offsets, sha256=sha, has_doc_boundaries=docs,
+                   block_index=block_index, **counts)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -85,9 +105,15 @@ class ShardColumns(Sequence):
         from shardkit.manifest import ShardInfo  # manifest.py imports this module
 
         i = range(len(self))[index]
+        block = {}
+        if self.block_index is not None and self.block_index[0][i] >= 0:
+            offsets, sizes, digests = self.block_index
+            block = {"index_offset": int(offsets[i]), "index_bytes": int(sizes[i]),
+                     "index_sha256": digests[i].tobytes().hex()}
         return ShardInfo(name=self.name(i), samples=int(self.samples[i]), tokens=int(self.tokens[i]),
                          compressed_bytes=int(self.compressed_bytes[i]), raw_bytes=int(self.raw_bytes[i]),
-                         sha256=self.sha256[i].tobytes().hex(), has_doc_boundaries=bool(self.has_doc_boundaries[i]))
+                         sha256=self.sha256[i].tobytes().hex(), has_doc_boundaries=bool(self.has_doc_boundaries[i]),
+                         **block)
 
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(len(self)))
@@ -96,7 +122,10 @@ class ShardColumns(Sequence):
         if isinstance(other, ShardColumns):
             return (len(self) == len(other) and self.names == other.names
                     and all(np.array_equal(getattr(self, f), getattr(other, f))
-                            for f in ("name_offsets", "sha256", "has_doc_boundaries", *COUNT_FIELDS)))
+                            for f in ("name_offsets", "sha256", "has_doc_boundaries", *COUNT_FIELDS))
+                    and (self.block_index is None) == (other.block_index is None)
+                    and (self.block_index is None
+                         or all(np.array_equal(a, b) for a, b in zip(self.block_index, other.block_index))))
         if isinstance(other, (tuple, list)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -114,6 +143,12 @@ class ShardColumns(Sequence):
             if bad.size:
                 raise ManifestError(f"{source}: shard {self.name(int(bad[0]))}: {field} must be a non-negative "
                                     f"integer, got {int(getattr(self, field)[bad[0]])}")
+        if self.block_index is not None:
+            offsets, sizes = self.block_index[:2]
+            bad = np.flatnonzero((offsets < -1) | (sizes < -1) | ((offsets < 0) != (sizes < 0)))
+            if bad.size:
+                raise ManifestError(f"{source}: shard {self.name(int(bad[0]))}: index_offset and index_bytes must "
+                                    "both be non-negative, or both absent")
         try:
             self.names.decode()
         except UnicodeDecodeError as err:
@@ -201,13 +236,18 @@ class ShardColumns(Sequence):
 def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: bytes) -> bytes:
     """The binary index of a manifest whose JSON is `json_bytes` (`header` = its fields but `shards`)."""
     head = dict(header, index={"json_bytes": len(json_bytes), "json_sha256": hashlib.sha256(json_bytes).hexdigest(),
-                               "shards": len(shards)})
+                               "shards": len(shards), "block_index": shards.block_index is not None})
     head_bytes = json.dumps(head, sort_keys=True).encode()
     parts = [INDEX_MAGIC, np.uint64(len(head_bytes)).tobytes(), head_bytes, b"\0" * (-len(head_bytes) % 8)]
     parts += [np.ascontiguousarray(getattr(shards, f), dtype="<i8").tobytes() for f in COUNT_FIELDS]
     parts += [np.ascontiguousarray(shards.name_offsets, dtype="<i8").tobytes(),
               np.ascontiguousarray(shards.sha256, dtype=np.uint8).tobytes(),
-              np.ascontiguousarray(shards.has_doc_boundaries, dtype=np.uint8).tobytes(), shards.names]
+              np.ascontiguousarray(shards.has_doc_boundaries, dtype=np.uint8).tobytes()]
+    if shards.block_index is not None:
+        offsets, sizes, digests = shards.block_index
+        parts += [b"\0" * (-len(shards) % 8), np.ascontiguousarray(offsets, dtype="<i8").tobytes(),
+                  np.ascontiguousarray(sizes, dtype="<i8").tobytes(), np.ascontiguousarray(digests, np.uint8).tobytes()]
+    parts.append(shards.names)
     body = b"".join(parts)
     return body + hashlib.sha256(body).digest()
 
@@ -227,10 +267,13 @@ def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColu
     try:
         header = json.loads(bytes(body[16:16 + head_len]))
         n = int(header["index"]["shards"])
-    except (ValueError, KeyError, TypeError) as err:
+        blocks = header["index"].get("block_index", False) is True
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ManifestError(f"{source}: malformed index header ({err})") from None
     offset = 16 + head_len + (-head_len % 8)
     fixed = offset + 8 * (4 * n + n + 1) + 33 * n
+    if blocks:
+        fixed += -n % 8 + 16 * n + 32 * n
     if n < 0 or fixed > len(body):
         raise ManifestError(f"{source}: index too short for {n} shards")
 
@@ -243,10 +286,14 @@ def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColu
     counts = {f: take("<i8", n) for f in COUNT_FIELDS}
     name_offsets, sha = take("<i8", n + 1), take("u1", 32 * n).reshape(n, 32)
     docs = take("u1", n)
+    block_index = None
+    if blocks:
+        offset += -n % 8
+        block_index = (take("<i8", n), take("<i8", n), take("u1", 32 * n).reshape(n, 32))
     names = bytes(body[offset:])
     if name_offsets[0] != 0 or name_offsets[-1] != len(names) or np.any(np.diff(name_offsets) < 0):
         raise ManifestError(f"{source}: index name offsets are inconsistent")
     if np.any(docs > 1):
         raise ManifestError(f"{source}: index has_doc_boundaries values must be 0 or 1")
     return header, ShardColumns(names=names, name_offsets=name_offsets, sha256=sha,
-                                has_doc_boundaries=docs.view(bool), **counts)
+                                has_doc_boundaries=docs.view(bool), block_index=block_index, **counts)

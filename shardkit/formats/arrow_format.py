@@ -53,17 +53,18 @@ def batch_raw_bytes(batch: pa.RecordBatch) -> int:
     return total
 
 
-def samples_per_batch(arrays: ShardArrays) -> int:
+def samples_per_batch(arrays: ShardArrays, batch_bytes: int = BATCH_RAW_BYTES) -> int:
     if arrays.num_samples == 0:
         return 1
     per_sample = max(1, arrays.raw_nbytes // arrays.num_samples)
-    return max(1, BATCH_RAW_BYTES // per_sample)
+    return max(1, batch_bytes // per_sample)
 
 
-def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int) -> tuple[bytes, int]:
-    """Serialise a shard; returns (file bytes, raw_bytes)."""
+def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
+                 batch_bytes: int = BATCH_RAW_BYTES) -> tuple[bytes, int]:
+    """Serialise a shard; returns (file bytes, raw_bytes). `batch_bytes`: raw bytes per record batch."""
     schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
-    step = samples_per_batch(arrays)
+    step = samples_per_batch(arrays, batch_bytes)
     sink = pa.BufferOutputStream()
     options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
     raw = 0
@@ -101,33 +102,45 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
     expected = arrow_schema(token_dtype, has_docs)
     if not reader.schema.remove_metadata().equals(expected.remove_metadata()):
         raise CorruptShardError(shard, f"wrong Arrow schema: expected {expected.remove_metadata()}, found {reader.schema.remove_metadata()}")
-    parts: dict[str, list[np.ndarray]] = {"tokens": [], "lengths": [], "doc_counts": [], "doc_starts": [], "doc_source": [], "doc_index": []}
+    parts = _new_parts()
     seen_raw = 0
     try:
         for b, batch in enumerate(_bounded_batches(buffer, reader, shard, raw_bytes)):
             seen_raw += batch_raw_bytes(batch)
             if seen_raw > raw_bytes:
                 raise CorruptShardError(shard, f"decompresses past the {raw_bytes} raw bytes the manifest allows")
-            # Nulls inside the lists count too: numpy would turn them into arbitrary token ids.
-            if any(batch.column(i).null_count or batch.column(i).flatten().null_count for i in range(batch.num_columns)):
-                raise CorruptShardError(shard, f"record batch {b} holds nulls")
-            offsets, values = _flat(batch.column("tokens"), dtype)
-            parts["tokens"].append(values)
-            parts["lengths"].append(np.diff(offsets))
-            if has_docs:
-                doc_offsets, starts = _flat(batch.column("doc_starts"), DOC_STARTS_DTYPE)
-                for name, kind in (("doc_source", DOC_SOURCE_DTYPE), ("doc_index", DOC_INDEX_DTYPE)):
-                    other_offsets, values = _flat(batch.column(name), kind)
-                    if not np.array_equal(other_offsets, doc_offsets):
-                        raise CorruptShardError(shard, f"record batch {b}: {name} does not line up with doc_starts")
-                    parts[name].append(values)
-                parts["doc_starts"].append(starts)
-                parts["doc_counts"].append(np.diff(doc_offsets))
+            _add_batch(parts, batch, dtype=dtype, has_docs=has_docs, shard=shard, number=b)
     except (pa.ArrowException, OSError) as err:
         raise CorruptShardError(shard, f"Arrow data is corrupt ({err})") from err
     if seen_raw != raw_bytes:
         raise CorruptShardError(shard, f"payload is {seen_raw} bytes, the manifest says {raw_bytes}")
+    return _assemble(parts, dtype=dtype, has_docs=has_docs, shard=shard)
 
+
+def _new_parts() -> dict[str, list[np.ndarray]]:
+    return {"tokens": [], "lengths": [], "doc_counts": [], "doc_starts": [], "doc_source": [], "doc_index": []}
+
+
+def _add_batch(parts: dict[str, list[np.ndarray]], batch: pa.RecordBatch, *, dtype: np.dtype, has_docs: bool,
+               shard: str, number: int) -> None:
+    # Nulls inside the lists count too: numpy would turn them into arbitrary token ids.
+    if any(batch.column(i).null_count or batch.column(i).flatten().null_count for i in range(batch.num_columns)):
+        raise CorruptShardError(shard, f"record batch {number} holds nulls")
+    offsets, values = _flat(batch.column("tokens"), dtype)
+    parts["tokens"].append(values)
+    parts["lengths"].append(np.diff(offsets))
+    if has_docs:
+        doc_offsets, starts = _flat(batch.column("doc_starts"), DOC_STARTS_DTYPE)
+        for name, kind in (("doc_source", DOC_SOURCE_DTYPE), ("doc_index", DOC_INDEX_DTYPE)):
+            other_offsets, values = _flat(batch.column(name), kind)
+            if not np.array_equal(other_offsets, doc_offsets):
+                raise CorruptShardError(shard, f"record batch {number}: {name} does not line up with doc_starts")
+            parts[name].append(values)
+        parts["doc_starts"].append(starts)
+        parts["doc_counts"].append(np.diff(doc_offsets))
+
+
+def _assemble(parts: dict[str, list[np.ndarray]], *, dtype: np.dtype, has_docs: bool, shard: str) -> ShardArrays:
     def concat(key: str, kind: np.dtype) -> np.ndarray:
         return np.concatenate(parts[key]).astype(kind, copy=False) if parts[key] else np.zeros(0, kind)
 
@@ -144,6 +157,47 @@ def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_
                              concat("doc_source", DOC_SOURCE_DTYPE), concat("doc_index", DOC_INDEX_DTYPE))
     arrays.validate(shard)
     return arrays
+
+
+def record_batch_ranges(data: bytes) -> list[tuple[int, int]]:
+    """Byte range [start, end) of every record batch message of an Arrow IPC file, in order (format v2
+    blocks); the schema message before them and the end-of-stream marker after are not included."""
+    source = pa.BufferReader(pa.py_buffer(data).slice(_FILE_MAGIC_BYTES))
+    messages = pa.ipc.MessageReader.open_stream(source)
+    ranges, start = [], _FILE_MAGIC_BYTES
+    while True:
+        try:
+            message = messages.read_next_message()
+        except StopIteration:
+            return ranges
+        end = _FILE_MAGIC_BYTES + source.tell()
+        if message.type == "record batch":
+            ranges.append((start, end))
+        start = end
+
+
+def decode_arrow_block(data: bytes, *, token_dtype: str, has_docs: bool, shard: str, raw_bytes: int,
+                       number: int) -> ShardArrays:
+    """Decode one record batch message (a format v2 block) with the schema the manifest implies; its
+    declared buffer sizes are bounded by the block's `raw_bytes` before pyarrow decompresses anything."""
+    dtype = numpy_token_dtype(token_dtype)
+    parts = _new_parts()
+    try:
+        message = pa.ipc.read_message(pa.py_buffer(data))
+        if message.type != "record batch":
+            raise CorruptShardError(shard, f"block {number} is an Arrow {message.type} message, not a record batch")
+        declared, count = declared_batch_bytes(message.metadata, message.body or b"", shard)
+        if declared > raw_bytes + _SLACK_PER_BUFFER * count:
+            raise CorruptShardError(shard, f"block {number} declares {declared} uncompressed bytes, more than its "
+                                           f"{raw_bytes} raw bytes (refused before decompressing)")
+        batch = pa.ipc.read_record_batch(message, arrow_schema(token_dtype, has_docs))
+        if batch_raw_bytes(batch) != raw_bytes:
+            raise CorruptShardError(shard, f"block {number} holds {batch_raw_bytes(batch)} raw bytes, its index "
+                                           f"entry says {raw_bytes}")
+        _add_batch(parts, batch, dtype=dtype, has_docs=has_docs, shard=shard, number=number)
+    except (pa.ArrowException, OSError) as err:
+        raise CorruptShardError(shard, f"block {number}: Arrow data is corrupt ({err})") from err
+    return _assemble(parts, dtype=dtype, has_docs=has_docs, shard=shard)
 
 
 def _bounded_batches(buffer: pa.Buffer, reader: pa.ipc.RecordBatchFileReader, shard: str, raw_bytes: int):

@@ -1,4 +1,5 @@
-"""The one verified shard read: every reader (the loader's cache, `verify`, `cat`) calls `read_shard`.
+"""The one verified shard read: every reader (the loader's cache, `verify`, `cat`) calls `read_shard`,
+and for format v2 shards read a block at a time, `read_block_index` then `read_block`.
 
 `Storage` retries failed requests; it cannot know that a successful read returned the wrong bytes
 (a flipped bit in transit on a store or range read without end-to-end checksums, a truncated body a
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardkit.errors import CorruptShardError
+from shardkit.formats.blocks import Block, BlockIndex, check_block_bytes
 from shardkit.formats.shard_bytes import check_shard_bytes
 from shardkit.manifest import ShardInfo
 from shardkit.storage import Storage
@@ -99,3 +101,61 @@ def file_sha256(path: str) -> str:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_block_index(storage: Storage, shard: ShardInfo, *, reads: int = SHARD_READS,
+                     on_read: Callable[[int], None] | None = None) -> BlockIndex:
+    """The block index of a format v2 shard (one ranged read), checked against the manifest's
+    `index_sha256` (one re-read on a mismatch, then `CorruptShardError` naming the shard's URL)."""
+    url = storage.url_of(shard.name)
+    start, end = shard.index_offset, shard.index_offset + shard.index_bytes
+
+    def check(data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != shard.index_bytes or digest != shard.index_sha256:
+            raise CorruptShardError(url, f"block index (bytes {start}-{end}): {len(data)} bytes with sha256 "
+                                         f"{digest}, the manifest says {shard.index_bytes} with {shard.index_sha256}")
+
+    data = _read_checked_range(storage, shard.name, start, end, check, reads=reads, on_read=on_read)
+    return BlockIndex.from_bytes(data, shard=url, samples=shard.samples, tokens=shard.tokens,
+                                 raw_bytes=shard.raw_bytes, index_offset=shard.index_offset)
+
+
+def read_block(storage: Storage, shard: ShardInfo, block: Block, number: int, *, reads: int = SHARD_READS,
+               on_read: Callable[[int], None] | None = None, data: bytes | None = None) -> bytes:
+    """The bytes of one block, checked against its SHA-256 from the (verified) block index.
+
+    `data` is a first read the caller already holds (a coalesced range): it is checked, and read again
+    only on a mismatch. Bytes that fail every read raise `CorruptShardError` naming the shard's URL and
+    the block; they are never returned.
+    """
+    url = storage.url_of(shard.name)
+
+    def check(candidate: bytes) -> None:
+        check_block_bytes(candidate, block, shard=url, number=number)
+
+    return _read_checked_range(storage, shard.name, block.byte_start, block.byte_end, check, reads=reads,
+                               on_read=on_read, first=data)
+
+
+def _read_checked_range(storage: Storage, name: str, start: int, end: int, check: Callable[[bytes], None], *,
+                        reads: int, on_read: Callable[[int], None] | None, first: bytes | None = None) -> bytes:
+    if reads < 1:
+        raise ValueError(f"reads must be >= 1, got {reads}")
+    url = storage.url_of(name)
+    error: CorruptShardError | None = None
+    for attempt in range(1, reads + 1):
+        if attempt == 1 and first is not None:
+            data = first
+        else:
+            data = storage.read_range(name, start, end)
+            if on_read is not None:
+                on_read(len(data))
+        try:
+            check(data)
+            return data
+        except CorruptShardError as err:
+            error = err
+            logger.warning("shard %s failed its check (read %d/%d): %s", url, attempt, reads, err.reason)
+    raise CorruptShardError(url, f"{error.reason} on each of {reads} reads: the stored object is corrupt or was "
+                                 "replaced; rebuild the dataset or restore the shard")

@@ -24,13 +24,17 @@ class ShardReader:
     Args:
         arrays: the shard's flat arrays.
         name: the shard's name, used in error messages.
+        fixed_length: tokens per sample when known beforehand (a shard still being filled block by block,
+            whose offsets are not all known yet); otherwise derived from the offsets.
     """
 
-    def __init__(self, arrays: ShardArrays, *, name: str):
+    def __init__(self, arrays: ShardArrays, *, name: str, fixed_length: int | None = None):
         self.arrays = arrays
         self.name = name
-        lengths = np.diff(arrays.sample_offsets)
-        self.fixed_length: int | None = int(lengths[0]) if len(lengths) and np.all(lengths == lengths[0]) else None
+        if fixed_length is None and arrays.sample_offsets[-1] == arrays.tokens.size:
+            lengths = np.diff(arrays.sample_offsets)
+            fixed_length = int(lengths[0]) if len(lengths) and np.all(lengths == lengths[0]) else None
+        self.fixed_length: int | None = fixed_length or None
         self._tokens_2d = (arrays.tokens.reshape(-1, self.fixed_length)
                            if self.fixed_length else None)
 

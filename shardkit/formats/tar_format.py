@@ -217,8 +217,13 @@ def _read_npy(payload: bytes, shard: str, member: str) -> np.ndarray:
     return np.frombuffer(payload, dtype=dtype, count=count, offset=end).reshape(shape)
 
 
-def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
-    """Parse and decompress a tar shard into flat arrays; `raw_bytes` (from the manifest) bounds it."""
+def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int,
+               first_sample: int = 0) -> ShardArrays:
+    """Parse and decompress a tar shard into flat arrays; `raw_bytes` (from the manifest) bounds it.
+
+    `first_sample` is the key of the first member: a format v2 block of a shard (`decode_tar_block`)
+    starts at its own first sample.
+    """
     dtype = numpy_token_dtype(token_dtype)
     # Members are grouped by key, WebDataset-style; keys must run 0, 1, 2, ... without gaps.
     tokens: list[np.ndarray | None] = []
@@ -227,10 +232,11 @@ def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_by
     dctx = zstandard.ZstdDecompressor()
     for member, payload in iter_tar_members(data, shard):
         match = _MEMBER_NAME.match(member)
-        key, field = int(match.group(1)), match.group(2)
+        key, field = int(match.group(1)) - first_sample, match.group(2)
         if key != len(tokens) - 1:
             if key != len(tokens):
-                raise CorruptShardError(shard, f"member {member}: expected sample {len(tokens):09d} (samples must be in order)")
+                raise CorruptShardError(shard, f"member {member}: expected sample {first_sample + len(tokens):09d} "
+                                               "(samples must be in order)")
             tokens.append(None)
             docs.append(None)
         slot = tokens if field == "tokens" else docs
@@ -271,6 +277,38 @@ def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_by
                              table[:, 1].astype(DOC_SOURCE_DTYPE), table[:, 2].astype(DOC_INDEX_DTYPE))
     arrays.validate(shard)
     return arrays
+
+
+def sample_raw_bytes(arrays: ShardArrays) -> np.ndarray:
+    """Each sample's share of `raw_bytes`: the sizes of its decompressed .npy members."""
+    itemsize = arrays.tokens.dtype.itemsize
+    descr = npy_format.dtype_to_descr(arrays.tokens.dtype)
+    lengths = np.diff(arrays.sample_offsets)
+    raw = np.array([len(_npy_header(descr, (int(n),))) for n in lengths.tolist()], dtype=np.int64) + lengths * itemsize
+    if arrays.doc_offsets is not None:
+        counts = np.diff(arrays.doc_offsets)
+        raw += np.array([len(_npy_header("<i8", (int(k), 3))) for k in counts.tolist()], dtype=np.int64) + counts * 24
+    return raw
+
+
+def decode_tar_block(data: bytes, *, token_dtype: str, shard: str, raw_bytes: int, first_sample: int) -> ShardArrays:
+    """Decode one format v2 block: the members of consecutive samples, without the end-of-archive marker."""
+    return decode_tar(data + b"\0" * (2 * BLOCK), token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes,
+                      first_sample=first_sample)
+
+
+def sample_member_starts(data: bytes, num_samples: int) -> list[int]:
+    """Byte offset of each sample's first member header, plus where the end-of-archive marker starts
+    (the writer's side of format v2: blocks are cut at these offsets). `data` is a shard just encoded."""
+    starts, pos = [], 0
+    while data[pos:pos + BLOCK] != b"\0" * BLOCK:
+        size = int(data[pos + 124:pos + 135], 8)
+        if int(data[pos:pos + 9]) == len(starts):
+            starts.append(pos)
+        pos += BLOCK + size + (-size % BLOCK)
+    if len(starts) != num_samples:
+        raise ValueError(f"found {len(starts)} samples in the encoded tar shard, expected {num_samples}")
+    return [*starts, pos]
 
 
 def wds_decode_hook(key: str, data: bytes):

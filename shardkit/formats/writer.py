@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, encode_shard
+from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
 from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
 from shardkit.storage import Storage
@@ -35,13 +35,20 @@ class ShardWriter:
         start_index: index of the first shard (lets a resumed build continue numbering).
         on_shard_done: called with each finished shard's `ShardInfo`.
         storage_options: fsspec options when `url` is a string.
+        format_version: 2 (default) writes a block index into each shard so that readers can verify and
+            decode one block before the shard is local; 1 writes the original format.
+        block_bytes: raw bytes per block (format v2; tar member groups and Arrow record batches; default
+            per format, `shardkit.formats.blocks.DEFAULT_BLOCK_BYTES`).
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
                  max_samples: int | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES,
                  compression_level: int = 3, name_template: str = "shard-{index:06d}", start_index: int = 0,
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
-                 storage_options: dict[str, Any] | None = None):
+                 storage_options: dict[str, Any] | None = None, format_version: int = 2,
+                 block_bytes: int | None = None):
+        if format_version not in SHARD_FORMAT_VERSIONS:
+            raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
         if shard_format not in SHARD_EXTENSIONS:
             raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
         numpy_token_dtype(token_dtype)
@@ -55,6 +62,8 @@ class ShardWriter:
         self.max_samples = max_samples
         self.max_bytes = max_bytes
         self.compression_level = compression_level
+        self.format_version = format_version
+        self.block_bytes = block_bytes
         self.name_template = name_template
         self.next_index = start_index
         self.on_shard_done = on_shard_done
@@ -109,12 +118,14 @@ class ShardWriter:
     def _write_shard(self, samples: list[Sample]) -> ShardInfo:
         arrays = arrays_from_samples(samples, self.token_dtype)
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
-                               level=self.compression_level)
+                               level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes)
         name = self.name_template.format(index=self.next_index) + SHARD_EXTENSIONS[self.shard_format]
         self.storage.write_bytes(name, encoded.data)
         info = ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
                          compressed_bytes=len(encoded.data), raw_bytes=encoded.raw_bytes,
-                         sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries)
+                         sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries,
+                         index_offset=encoded.index_offset, index_bytes=encoded.index_bytes,
+                         index_sha256=encoded.index_sha256)
         self.next_index += 1
         self.shards.append(info)
         if self.on_shard_done is not None:

@@ -1,0 +1,324 @@
+"""`PartialShard`: a format v2 shard read block by block, before it is local.
+
+The shard's arrays are allocated whole from the manifest's counts and filled as blocks arrive. Before a
+batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
+parallel), checks each against its SHA-256 from the block index (itself checked against the manifest),
+decodes it and checks its token ids: no byte is used before its hash matched. A background thread
+fetches the rest in large coalesced ranges, then checks the whole file's SHA-256 as for any shard and
+hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing). It
+starts at the second `ensure`, so the first batch's blocks have the link (and the CPU) to themselves, and
+from then on serves the blocks readers wait for first.
+
+A corrupt block gets one re-read, then `CorruptShardError` naming the shard and the block; an error in
+the background is raised by the next `ensure`, so a corrupt shard is reported even when the samples a
+rank needs happened to be intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+
+import numpy as np
+
+from shardkit.errors import CorruptShardError
+from shardkit.formats import ShardReader, check_decoded, check_shard_bytes, read_shard
+from shardkit.formats.blocks import BlockIndex
+from shardkit.formats.fetch import read_block, read_block_index
+from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays
+from shardkit.formats.shard_bytes import decode_block
+from shardkit.manifest import Manifest, ShardInfo
+from shardkit.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+# The background completion reads up to this many bytes per request: a 64 MiB shard in a few requests
+# (each costs a round trip, a request fee, and on moto a read of the whole object), bounded memory.
+COMPLETION_RANGE_BYTES = 32 << 20
+_MISSING, _CLAIMED, _DONE = 0, 1, 2
+
+
+class PartialShard:
+    """A v2 shard whose blocks are fetched, verified and decoded on demand, and completed in the background.
+
+    Args:
+        storage_of: returns the dataset's `Storage` (the cache re-creates it after a fork).
+        shard: the manifest entry (must have a block index and samples).
+        manifest: the dataset's manifest (format, token dtype, sample length, vocabulary).
+        executor: runs the block reads of one `ensure` in parallel.
+        on_read: called with the byte count of every read (download statistics).
+        on_complete: called once with (arrays, shard bytes) when every byte has been verified (by the
+            background completion, `complete_in_background`; without it, blocks are read on demand only).
+    """
+
+    def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
+                 executor: Executor, on_read: Callable[[int], None] | None = None,
+                 on_complete: Callable[[ShardArrays, bytes], None] | None = None):
+        if not shard.has_block_index or not shard.samples:
+            raise ValueError(f"shard {shard.name} has no block index (format v1 or empty): read it whole")
+        self._storage_of = storage_of
+        self.shard = shard
+        self.manifest = manifest
+        self._executor = executor
+        self._on_read = on_read
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._index: BlockIndex | None = None
+        self._state: list[int] = []
+        self._events: list[threading.Event] = []
+        self._failure: BaseException | None = None
+        # Uninitialised (pages are touched only as bytes arrive): zeroing a 64 MiB buffer cost more than
+        # the first batch's blocks.
+        self._buffer = np.empty(shard.compressed_bytes, dtype=np.uint8)
+        self.complete = False
+        self.arrays = self._allocate()
+        length = manifest.sample_length
+        self.reader = ShardReader(self.arrays, name=shard.name, fixed_length=length if self._fixed_offsets else None)
+        self._completion: threading.Thread | None = None
+        self._on_failure: Callable[[], None] | None = None
+        self._wants_completion = False
+        self._cancelled = False
+        self._ensured = 0
+        self._wanted: set[int] = set()  # blocks readers wait for: the completion reads them first
+
+    def _allocate(self) -> ShardArrays:
+        shard, length = self.shard, self.manifest.sample_length
+        tokens = np.empty(shard.tokens, dtype=self.manifest.token_dtype)
+        # Fixed-length data: every offset is known now, and each block's decoded offsets must agree.
+        fixed = length is not None and shard.tokens == shard.samples * length
+        offsets = (np.arange(shard.samples + 1, dtype=OFFSETS_DTYPE) * length if fixed
+                   else np.zeros(shard.samples + 1, dtype=OFFSETS_DTYPE))
+        self._fixed_offsets = fixed
+        if not shard.has_doc_boundaries:
+            return ShardArrays(tokens, offsets)
+        # Segment arrays are sized when the index arrives (their count is in it, not in the manifest).
+        return ShardArrays(tokens, offsets, np.zeros(shard.samples + 1, dtype=OFFSETS_DTYPE),
+                           np.zeros(0, DOC_STARTS_DTYPE), np.zeros(0, DOC_SOURCE_DTYPE), np.zeros(0, DOC_INDEX_DTYPE))
+
+    @property
+    def url(self) -> str:
+        return self._storage_of().url_of(self.shard.name)
+
+    # -- the index ------------------------------------------------------------------------------
+    def _load_index(self) -> BlockIndex:
+        with self._lock:
+            if self._index is not None:
+                return self._index
+            index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
+            # Its bytes are part of the whole shard's hash: keep them rather than read them again.
+            self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
+                np.frombuffer(index.to_bytes(), dtype=np.uint8)
+            if self.shard.has_doc_boundaries:
+                count = index.doc_count
+                arrays = self.arrays
+                self.arrays = ShardArrays(arrays.tokens, arrays.sample_offsets, arrays.doc_offsets,
+                                          np.empty(count, DOC_STARTS_DTYPE), np.empty(count, DOC_SOURCE_DTYPE),
+                                          np.empty(count, DOC_INDEX_DTYPE))
+                self.reader.arrays = self.arrays
+            self._state = [_MISSING] * len(index.blocks)
+            self._events = [threading.Event() for _ in index.blocks]
+            self._index = index
+            return index
+
+    # -- foreground -----------------------------------------------------------------------------
+    def ensure(self, local_samples: Iterable[int] | np.ndarray) -> None:
+        """Return once the given samples (indices within the shard) are verified and decoded.
+
+        Raises:
+            CorruptShardError: a block failed its check twice, or the background completion failed.
+        """
+        self._raise_failure()
+        if self.complete:
+            return
+        index = self._load_index()
+        needed = index.blocks_of(np.asarray(local_samples, dtype=np.int64).reshape(-1))
+        # The first batch reads its own blocks. Later ones leave them to the background completion, which
+        # reads the blocks they wait for first, in runs of up to 32 MiB: a block per request would cost
+        # hundreds of requests per shard (and throttling from object stores) for bytes it fetches anyway.
+        delegate = self._wants_completion and self._ensured > 0
+        with self._lock:
+            missing = [k for k in needed if self._state[k] == _MISSING]
+            if delegate:
+                self._wanted.update(missing)
+                mine = []
+            else:
+                mine = missing
+                for k in mine:
+                    self._state[k] = _CLAIMED
+        if delegate:
+            self._start_completion()
+        # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
+        # them to threads costs more than it saves on a busy machine.
+        parallel = mine[1:] if not self._storage_of().is_local else []
+        futures = [self._executor.submit(self._load_block, k) for k in parallel]
+        errors: list[BaseException] = []
+        own = mine[:len(mine) - len(parallel)]
+        for position, k in enumerate(own):
+            try:
+                self._load_block(k)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
+                errors.append(err)
+                with self._lock:  # unclaim the rest, so that nobody waits for blocks no one will read
+                    for rest in own[position + 1:]:
+                        self._state[rest] = _MISSING
+                break
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        for k in needed:  # blocks another thread (the background completion) claimed first
+            self._events[k].wait()
+        self._raise_failure()
+        self._ensured += 1
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _load_block(self, number: int, data: bytes | None = None) -> None:
+        """Read (or check `data`), verify, decode and place block `number`; on failure record it and raise."""
+        block = self._index.blocks[number]
+        try:
+            raw = read_block(self._storage_of(), self.shard, block, number, on_read=self._on_read, data=data)
+            url = self.url
+            arrays = decode_block(raw, block, number=number, shard_format=self.manifest.shard_format,
+                                  token_dtype=self.manifest.token_dtype, has_docs=self.shard.has_doc_boundaries,
+                                  shard=url)
+            self._place(block, arrays, number, url)
+            self._buffer[block.byte_start:block.byte_end] = np.frombuffer(raw, dtype=np.uint8)
+            with self._lock:
+                self._state[number] = _DONE
+        except BaseException as err:
+            self._failure = self._failure or err
+            raise
+        finally:
+            self._events[number].set()
+
+    def _place(self, block, arrays: ShardArrays, number: int, url: str) -> None:
+        vocab = self.manifest.tokenizer.vocab_size
+        if arrays.tokens.size and int(arrays.tokens.max()) >= vocab:
+            position = int(np.argmax(arrays.tokens >= vocab))
+            sample = block.sample_start + int(np.searchsorted(arrays.sample_offsets, position, side="right")) - 1
+            raise CorruptShardError(url, f"{block.describe(number)}: sample {sample} holds token id "
+                                         f"{int(arrays.tokens[position])}, outside the tokenizer's vocabulary of "
+                                         f"{vocab} ids")
+        target = self.arrays
+        offsets = block.token_start + arrays.sample_offsets
+        s0, s1 = block.sample_start, block.sample_end
+        if self._fixed_offsets and not np.array_equal(target.sample_offsets[s0:s1 + 1], offsets):
+            raise CorruptShardError(url, f"{block.describe(number)} holds samples of another length than the "
+                                         f"manifest's {self.manifest.sample_length} tokens")
+        target.tokens[block.token_start:block.token_end] = arrays.tokens
+        target.sample_offsets[s0:s1 + 1] = offsets
+        if target.doc_offsets is not None:
+            target.doc_offsets[s0:s1 + 1] = block.doc_start + arrays.doc_offsets
+            for name in ("doc_starts", "doc_source", "doc_index"):
+                getattr(target, name)[block.doc_start:block.doc_end] = getattr(arrays, name)
+
+    # -- background -----------------------------------------------------------------------------
+    def complete_in_background(self, on_failure: Callable[[], None] | None = None) -> None:
+        """From the second `ensure` on (so that the first batch does not share the link with it), fetch
+        every block not yet fetched in a daemon thread, those readers wait for first, then verify the whole
+        shard (`on_failure` runs in that thread if it fails)."""
+        self._on_failure = on_failure
+        self._wants_completion = True
+
+    def _start_completion(self) -> None:
+        with self._lock:
+            if not self._wants_completion or self._completion is not None:
+                return
+            self._completion = threading.Thread(target=self._complete, name=f"shardkit-complete-{self.shard.name}",
+                                                daemon=True)
+        self._completion.start()
+
+    def cancel(self) -> None:
+        """Stop the background completion after its current read (nothing is stored, nothing raised)."""
+        self._cancelled = True
+
+    def wait_complete(self, timeout: float | None = None) -> bool:
+        if self._completion is not None:
+            self._completion.join(timeout)
+        return self.complete
+
+    def _complete(self) -> None:
+        try:
+            index = self._load_index()
+            while not self._cancelled and (run := self._claim_run()) is not None:
+                first, last = run
+                start, end = index.blocks[first].byte_start, index.blocks[last].byte_end
+                data = self._storage_of().read_range(self.shard.name, start, end)
+                if self._on_read is not None:
+                    self._on_read(len(data))
+                for k in range(first, last + 1):
+                    b = index.blocks[k]
+                    self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
+            if self._cancelled:
+                if self._on_failure is not None:
+                    self._on_failure()
+                return
+            for event in self._events:
+                event.wait()
+            self._raise_failure()
+            self._read_gaps(index)
+            data = self._verified_whole()
+            check_decoded(self.arrays, self.shard, vocab_size=self.manifest.tokenizer.vocab_size)
+            self.complete = True
+            self._buffer = np.empty(0, dtype=np.uint8)
+            if self._on_complete is not None:
+                self._on_complete(self.arrays, data)
+        except BaseException as err:  # noqa: BLE001 - raised in the foreground by the next ensure()
+            self._failure = self._failure or err
+            for event in self._events:  # wake readers waiting on blocks this thread had claimed
+                event.set()
+            logger.warning("background completion of shard %s failed: %s", self.shard.name, err)
+            if self._on_failure is not None:
+                self._on_failure()
+
+    def _claim_run(self) -> tuple[int, int] | None:
+        """Claim the next run of consecutive missing blocks (up to `COMPLETION_RANGE_BYTES`)."""
+        blocks = self._index.blocks
+        with self._lock:
+            wanted = sorted(k for k in self._wanted if self._state[k] == _MISSING)
+            self._wanted.clear()
+            first = wanted[0] if wanted else next((k for k, s in enumerate(self._state) if s == _MISSING), None)
+            if first is None:
+                return None
+            self._wanted.update(wanted[1:])
+            last = first
+            self._state[first] = _CLAIMED
+            while (last + 1 < len(blocks) and self._state[last + 1] == _MISSING
+                   and blocks[last + 1].byte_end - blocks[first].byte_start <= COMPLETION_RANGE_BYTES):
+                last += 1
+                self._state[last] = _CLAIMED
+            return first, last
+
+    def _read_gaps(self, index: BlockIndex) -> None:
+        """The bytes outside every block (format headers, the index, footers): checked by the whole hash."""
+        known = sorted([(b.byte_start, b.byte_end) for b in index.blocks]
+                       + [(self.shard.index_offset, self.shard.index_offset + self.shard.index_bytes)])
+        cursor = 0
+        storage = self._storage_of()
+        for start, end in [*known, (self.shard.compressed_bytes, self.shard.compressed_bytes)]:
+            if start > cursor:
+                data = storage.read_range(self.shard.name, cursor, start)
+                if self._on_read is not None:
+                    self._on_read(len(data))
+                self._buffer[cursor:cursor + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            cursor = max(cursor, end)
+
+    def _verified_whole(self) -> bytes:
+        """The whole shard, checked against the manifest's SHA-256 like any shard; a mismatch here can
+        only lie outside the blocks (each block was checked), so the shard is read whole once more."""
+        data = self._buffer.tobytes()
+        try:
+            check_shard_bytes(data, shard=self.url, sha256=self.shard.sha256, size=self.shard.compressed_bytes)
+            return data
+        except CorruptShardError as err:
+            logger.warning("shard %s assembled from its blocks failed its check (%s): reading it whole", self.url,
+                           err.reason)
+            return read_shard(self._storage_of(), self.shard, on_read=self._on_read)

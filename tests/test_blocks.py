@@ -1,0 +1,240 @@
+"""Format v2 (per-block SHA-256 index) and the loader's cold path: blocks read by range before the shard
+is local, each verified (a corrupt block is re-read once, then named), the shard completed in the
+background, and every `cache_mode` yielding the same stream as "decoded", resume included."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from loader_helpers import VOCAB, fixed_sample, ids_from_tokens, write_fixed
+from resume_contract import check_resume
+from s3_proxy import CountingProxy
+from shardkit.errors import CorruptShardError
+from shardkit.formats import decode_shard, write_dataset
+from shardkit.formats.blocks import BlockIndex
+from shardkit.formats.shard_bytes import decode_block
+from shardkit.loaders import cache as cache_module
+from shardkit.loaders.config import CACHE_MODES
+from shardkit.loaders.partial import PartialShard
+from shardkit.manifest import MANIFEST_NAME, TokenizerInfo, load_manifest
+from shardkit.storage import Storage
+
+SEQ = 64
+BLOCK_BYTES = 2048  # ~15 samples of 65 uint16 tokens per block: many blocks in a small shard
+
+
+@pytest.fixture
+def cold_blocks(monkeypatch):
+    """Read every v2 shard block by block, however small (the real threshold is 2 MiB)."""
+    monkeypatch.setattr(cache_module, "WHOLE_READ_BYTES", 0)
+
+
+def write_blocks(url: str, num_samples: int = 480, *, per_shard: int = 240, shard_format: str = "tar",
+                 format_version: int = 2, storage_options: dict | None = None):
+    samples = (fixed_sample(i, SEQ + 1) for i in range(num_samples))
+    return write_dataset(url, samples, tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=VOCAB),
+                         seq_len=SEQ, packing="concat", shard_format=shard_format, max_samples=per_shard,
+                         format_version=format_version, block_bytes=BLOCK_BYTES, storage_options=storage_options)
+
+
+def block_index(url: str, shard) -> BlockIndex:
+    data = Storage(url).read_bytes(shard.name)
+    return BlockIndex.from_bytes(data[shard.index_offset:shard.index_offset + shard.index_bytes], shard=shard.name,
+                                 samples=shard.samples, tokens=shard.tokens, raw_bytes=shard.raw_bytes,
+                                 index_offset=shard.index_offset)
+
+
+@pytest.mark.parametrize("shard_format", ["tar", "arrow"])
+def test_each_block_decodes_alone_to_its_part_of_the_shard(tmp_path, shard_format):
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240, shard_format=shard_format)
+    assert manifest.format_version == 2
+    shard = manifest.shards[0]
+    data = Storage(url).read_bytes(shard.name)
+    whole = decode_shard(data, shard_format=shard_format, token_dtype="uint16", shard=shard.name,
+                         raw_bytes=shard.raw_bytes)
+    index = block_index(url, shard)
+    assert len(index.blocks) > 10
+    for number, block in enumerate(index.blocks):
+        part = decode_block(data[block.byte_start:block.byte_end], block, number=number, shard_format=shard_format,
+                            token_dtype="uint16", has_docs=True, shard=shard.name)
+        np.testing.assert_array_equal(part.tokens, whole.tokens[block.token_start:block.token_end])
+        np.testing.assert_array_equal(part.doc_index, whole.doc_index[block.doc_start:block.doc_end])
+
+
+def test_version_1_shards_still_read(tmp_path, cold_blocks):
+    """A v1 dataset (no index fields, format_version 1) loads and streams exactly like its v2 twin."""
+    v1, v2 = str(tmp_path / "v1"), str(tmp_path / "v2")
+    write_blocks(v1, format_version=1)
+    write_blocks(v2)
+    text = json.loads((tmp_path / "v1" / MANIFEST_NAME).read_text())
+    assert text["format_version"] == 1 and not any("index_sha256" in s for s in text["shards"])
+    assert load_manifest(v2).format_version == 2
+    from shardkit.loaders.dataset import StreamingDataset
+
+    def stream(url: str, cache: str) -> list[np.ndarray]:
+        dataset = StreamingDataset(url, cache_dir=str(tmp_path / cache), batch_size=8, shuffle_window=100)
+        return [b["sample_id"].numpy().copy() for b in dataset]
+
+    got, want = stream(v1, "c1"), stream(v2, "c2")
+    assert len(got) == 60 and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.s3
+def test_cold_first_batch_comes_from_ranged_reads(s3_bucket, s3_endpoint, tmp_path, cold_blocks, monkeypatch):
+    """The first batch of a cold shard costs the index and a few blocks, counted at a real S3 endpoint;
+    the background completion then fetches the rest once and stores the decoded shard."""
+    url, direct = s3_bucket
+    manifest = write_blocks(url, 960, per_shard=960, storage_options=direct)
+    shard = manifest.shards[0]
+    # Hold the background completion until the first batch is out, so the count is the first batch's alone.
+    first_batch_out = threading.Event()
+    complete = PartialShard._complete
+    monkeypatch.setattr(PartialShard, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
+    proxy = CountingProxy(s3_endpoint)
+    try:
+        from shardkit.loaders.dataset import StreamingDataset
+
+        dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), batch_size=8, shuffle_window=960,
+                                   storage_options={**direct, "endpoint_url": proxy.url})
+        batches = iter(dataset)
+        first = next(batches)
+        path = proxy.gets(".tar")
+        first_bytes = sum(n for p, n in proxy.bytes_out.items() if p.endswith(shard.name))
+        assert first_bytes < shard.compressed_bytes / 4, (first_bytes, shard.compressed_bytes)
+        assert sum(path.values()) <= 1 + 8  # the index, then at most one ranged GET per sample's block
+        first_batch_out.set()
+        rest = [b["sample_id"].numpy() for b in batches]
+        ids = np.concatenate([first["sample_id"].numpy(), *rest])
+        np.testing.assert_array_equal(np.sort(ids), np.arange(960))
+        np.testing.assert_array_equal(ids_from_tokens(first["tokens"]), first["sample_id"].numpy())
+        cache = dataset.caches[0]
+        for _ in range(100):  # the completion thread stores the decoded copy after the whole-shard check
+            if cache.is_cached(0):
+                break
+            threading.Event().wait(0.05)
+        assert cache.is_cached(0)
+        total = sum(n for p, n in proxy.bytes_out.items() if p.endswith(shard.name))
+        assert total <= shard.compressed_bytes + first_bytes  # the rest once, not the whole shard again
+    finally:
+        proxy.close()
+
+
+def flip_byte(url: str, name: str, position: int) -> None:
+    storage = Storage(url)
+    data = bytearray(storage.read_bytes(name))
+    data[position] ^= 0x01
+    storage.write_bytes(name, bytes(data))
+
+
+@pytest.mark.parametrize("shard_format", ["tar", "arrow"])
+def test_corrupt_block_is_read_twice_then_named_and_never_yielded(tmp_path, cold_blocks, monkeypatch, shard_format):
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240, shard_format=shard_format)
+    shard = manifest.shards[0]
+    index = block_index(url, shard)
+    bad = index.blocks[5]
+    flip_byte(url, shard.name, (bad.byte_start + bad.byte_end) // 2)
+    reads_of_bad: list[tuple[int, int]] = []
+    read_range = Storage.read_range
+
+    def counting(self, name, start, end):
+        if start <= bad.byte_start and end >= bad.byte_end:
+            reads_of_bad.append((start, end))
+        return read_range(self, name, start, end)
+
+    monkeypatch.setattr(Storage, "read_range", counting)
+    from shardkit.loaders.dataset import StreamingDataset
+
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), batch_size=4, shuffle=False,
+                               cache_mode="none")
+    seen: list[np.ndarray] = []
+    with pytest.raises(CorruptShardError, match=rf"{shard.name}: block 5 \(bytes {bad.byte_start}-{bad.byte_end}, "
+                                                rf"samples {bad.sample_start}-{bad.sample_end}\).* on each of 2 reads"):
+        for batch in dataset:
+            np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
+            seen.append(batch["sample_id"].numpy().copy())
+    seen_ids = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+    assert not np.any((seen_ids >= bad.sample_start) & (seen_ids < bad.sample_end))
+    assert len(reads_of_bad) == 2, reads_of_bad  # the first read and one re-read
+
+
+def test_bytes_outside_the_blocks_are_checked_by_the_whole_shard_hash(tmp_path, cold_blocks):
+    """A flipped byte in no block (the tar padding) passes every block check; the whole-shard SHA-256 at
+    completion catches it, and the next read of the shard raises naming it."""
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240)
+    shard = manifest.shards[0]
+    last = block_index(url, shard).blocks[-1]
+    flip_byte(url, shard.name, last.byte_end + 700)  # inside the end-of-archive blocks
+    storage = Storage(url)
+    cache = cache_module.ShardCache(storage, manifest, str(tmp_path / "cache"), cache_mode="none")
+    handle = cache.open(0, on_demand=True)
+    handle.ensure([0])
+    handle.ensure([1])  # the background completion starts from the second batch on
+    handle.partial.wait_complete(30)
+    with pytest.raises(CorruptShardError, match=rf"{shard.name}: sha256 is .* on each of 2 reads"):
+        handle.ensure([2])
+    assert not handle.complete
+
+
+def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_blocks):
+    """Each mode, cold and warm, gives exactly "decoded"'s batches; resuming on a fresh node (a new cache
+    directory per loader) continues them exactly; "none" leaves no file in its cache directory."""
+    from shardkit.loaders.dataloader import StreamingDataLoader
+    from shardkit.loaders.dataset import StreamingDataset
+
+    url, reference = str(tmp_path / "ds"), str(tmp_path / "v1")
+    write_blocks(url, 480, per_shard=120)
+    write_blocks(reference, 480, per_shard=120, format_version=1)  # read whole, as before format v2
+
+    def run(mode: str, cache: str, source: str = url) -> list[np.ndarray]:
+        dataset = StreamingDataset(source, cache_dir=cache, shuffle_window=200, cache_mode=mode)
+        return [np.concatenate([b["sample_id"].numpy(), b["tokens"].numpy().ravel(), b["segment_ids"].numpy().ravel()])
+                for b in StreamingDataLoader(dataset, batch_size=8)]
+
+    want = run("decoded", str(tmp_path / "reference"), reference)
+    fresh = itertools.count()
+    for mode in CACHE_MODES:
+        cache = str(tmp_path / f"cache-{mode}")
+        for _ in range(2):  # cold, then warm
+            got = run(mode, cache)
+            assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), mode
+
+        def make_loader(rank: int, world_size: int, mode=mode):
+            dataset = StreamingDataset(url, cache_dir=str(tmp_path / f"node-{mode}-{next(fresh)}"), rank=rank,
+                                       world_size=world_size, shuffle_window=200, cache_mode=mode)
+            return StreamingDataLoader(dataset, batch_size=4)
+
+        check_resume(make_loader, world_size=2)
+        if mode == "none":
+            left = [os.path.join(top, name) for top, _, names in os.walk(tmp_path)
+                    if "none" in os.path.relpath(top, tmp_path) for name in names]
+            assert left == [], left
+
+
+def test_variable_length_samples_stream_block_by_block(tmp_path, cold_blocks):
+    """Variable-length shards (offsets known only once a block is decoded) give the decoded stream."""
+    from shardkit.loaders.dataset import StreamingDataset
+
+    rng = np.random.default_rng(3)
+    samples = [fixed_sample(i, int(rng.integers(3, 90))) for i in range(300)]
+    for version in (1, 2):
+        write_dataset(str(tmp_path / f"v{version}"), samples, seq_len=None, packing="none", max_samples=300,
+                      tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=VOCAB, pad_id=0),
+                      block_bytes=BLOCK_BYTES, format_version=version)
+
+    def run(version: int, mode: str) -> list[np.ndarray]:
+        dataset = StreamingDataset(str(tmp_path / f"v{version}"), cache_dir=str(tmp_path / mode), batch_size=4,
+                                   shuffle_window=300, cache_mode=mode)
+        return [np.concatenate([b["sample_id"].numpy(), b["lengths"].numpy(), b["tokens"].numpy().ravel()])
+                for b in dataset]
+
+    want, got = run(1, "decoded"), run(2, "none")
+    assert len(got) == len(want) == 75 and all(np.array_equal(a, b) for a, b in zip(got, want))
