@@ -12,6 +12,7 @@ loop received. Iterated on its own, it needs `batch_size` and starts each iterat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,6 +31,9 @@ from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
+from shardkit.loaders.remix import MixtureRecord, changed_record, fresh_record, single_dataset_record
+from shardkit.loaders.schedule import Schedule, weight_spec
+from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
@@ -114,8 +118,13 @@ class StreamingDataset(IterableDataset):
         if config.max_tokens is not None and longest > config.max_tokens:
             raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
                              f"(max_sample_tokens={longest}); raise max_tokens")
+        if config.max_tokens is not None and any(isinstance(s.weight, Schedule) for s in streams):
+            raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
+                             "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self._plan: IterationPlan | None = None
+        self._mixture: MixtureRecord | None = None  # see mixture_record()
+        self._resume: tuple[int, int] | None = None  # standalone iteration: (start, num_partitions) after a load
         self._iterations = 0
         self.epoch = 0
 
@@ -153,16 +162,104 @@ class StreamingDataset(IterableDataset):
     def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
         config = self.order_config(num_partitions)
-        if len(self.manifests) == 1:
+        record = self.mixture_record()
+        if record is None:
             return EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
         return MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
-                            [s.weight for s in self.streams], config, epoch, self.epoch_size)
+                            [s.weight for s in self.streams], config, epoch, plan=record.plan)
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
         content = [[[sh.name, sh.samples, sh.sha256] for sh in m.shards] for m in self.manifests]
-        weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
-        return hashlib.sha256(json.dumps([content, weights]).encode()).hexdigest()[:32]
+        weights = [weight_spec(s.weight) for s in self.streams] if len(self.streams) > 1 else []
+        return _fingerprint(content, weights)
+
+    def stream_fingerprints(self) -> list[str]:
+        """Per stream, the fingerprint it has as a dataset of its own (a stream's identity in a mixture)."""
+        return [_fingerprint([[[sh.name, sh.samples, sh.sha256] for sh in m.shards]], []) for m in self.manifests]
+
+    # -- mixture plan and its changes (shardkit.loaders.remix) ------------------------------------
+    def mixture_record(self) -> MixtureRecord | None:
+        """The mixture's record (None for a single dataset that never changed its mixture)."""
+        if self._mixture is None and len(self.streams) > 1:
+            self._mixture = fresh_record([s.url for s in self.streams], self.stream_fingerprints(),
+                                         [s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
+                                         policy=self.partial_batches)
+        return self._mixture
+
+    def pin_global_batch(self, global_batch: int) -> None:
+        """Fix the positions per step of weight schedules: the first run's global batch, kept on resume."""
+        record = self.mixture_record()
+        if record is not None:
+            self._mixture = record.pinned(global_batch)
+
+    def resume_from(self, saved: LoaderState, *, allow_mixture_change: bool = False) -> None:
+        """Check that `saved` continues this dataset's order and adopt its mixture record; with
+        `allow_mixture_change`, continue from the saved position with this dataset's streams and weights.
+
+        Raises:
+            ValueError: the order differs (every difference named), or only the mixture does and
+                `allow_mixture_change` is off, or the change cannot be made exactly.
+        """
+        explicit = self.num_partitions
+        values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
+                  "num_partitions": explicit if explicit is not None else saved.num_partitions}
+        current = dataclasses.replace(saved, **values)
+        differences = saved.differences(current)
+        if saved.differences(current, ignore=MIXTURE_FIELDS) or (differences and not allow_mixture_change):
+            hint = ("" if saved.differences(current, ignore=MIXTURE_FIELDS) else
+                    "; to continue with the new mixture from the saved position, pass allow_mixture_change=True "
+                    "(shardkit train: --allow_mixture_change)")
+            raise ValueError("cannot resume: the saved loader state belongs to another order ("
+                             + "; ".join(differences) + ")" + hint)
+        saved_record = MixtureRecord.from_dict(saved.mixture) if saved.mixture is not None else None
+        if not differences:
+            if saved_record is not None:
+                self._check_same_streams(saved_record)
+            self._mixture = saved_record
+            return
+        self._mixture = self._changed(saved, saved_record)
+        change = self._mixture.changes[-1]
+        logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
+                    saved.samples_consumed, change["old"], change["new"])
+
+    def _check_same_streams(self, record: MixtureRecord) -> None:
+        mine = fresh_record([s.url for s in self.streams], self.stream_fingerprints(),
+                            [s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
+                            policy=self.partial_batches)
+        if ([(s.identity, s.weight) for s in record.streams] != [(s.identity, s.weight) for s in mine.streams]
+                or record.epoch_size != self.positions_per_epoch):
+            raise ValueError("cannot resume: the loader state's mixture record does not describe this mixture's "
+                             "streams and weights (a damaged or edited state)")
+
+    def _changed(self, saved: LoaderState, record: MixtureRecord | None) -> MixtureRecord:
+        if saved.window_segments:
+            raise ValueError("cannot change the mixture in the middle of a token-budget window: resume once with "
+                             "the saved mixture until the window ends (the state's window_segments is empty)")
+        fingerprints = self.stream_fingerprints()
+        if record is None:  # a single dataset's state (or one saved before mixtures kept a record)
+            if saved.dataset not in fingerprints:
+                raise ValueError("cannot change the mixture: the saved loader state records no mixture and its "
+                                 f"dataset ({saved.dataset}) is none of the current streams, so what each stream "
+                                 "consumed is unknown; resume with the saved streams and weights first")
+            record = single_dataset_record(saved.dataset, num_samples=saved.num_samples, policy=saved.partial_batches,
+                                           global_batch=saved.global_batch_size)
+        record = record.pinned(saved.global_batch_size)
+        return changed_record(record, epoch=saved.epoch, position=saved.samples_consumed,
+                              urls=[s.url for s in self.streams], fingerprints=fingerprints,
+                              weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch)
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader
+        calls `resume_from` itself); see `resume_from` for `allow_mixture_change`.
+
+        Raises:
+            ValueError: the state is malformed or belongs to another order.
+        """
+        saved = LoaderState.from_dict(state)
+        self.resume_from(saved, allow_mixture_change=allow_mixture_change)
+        self.set_epoch(saved.epoch)
+        self._resume = (saved.samples_consumed, saved.num_partitions)
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration (the loader manages epochs itself)."""
@@ -208,8 +305,11 @@ class StreamingDataset(IterableDataset):
             if self.batch_size is None and self.max_tokens is None:
                 raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
             topology = self.resolve_topology()
-            plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=self.resolve_partitions(topology))
+            start, partitions = self._resume or (0, self.resolve_partitions(topology))
+            self._resume = None
+            self.pin_global_batch((self.batch_size or 1) * topology.world_size)
+            plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
+                                 num_partitions=partitions)
             if self.max_tokens is None:
                 self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
@@ -366,6 +466,10 @@ class StreamingDataset(IterableDataset):
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
                                       pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+
+
+def _fingerprint(content: list, weights: list) -> str:
+    return hashlib.sha256(json.dumps([content, weights]).encode()).hexdigest()[:32]
 
 
 def _streams_of(source: Any) -> list[Stream]:
