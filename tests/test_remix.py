@@ -13,6 +13,7 @@ from loader_helpers import ids_from_tokens, write_fixed
 from loader_procs import loader_run
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.loaders.mixing import MIX_PERIOD, Stream, mixture_quotas
+from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.schedule import Schedule
 from shardkit.train.config import data_entries
 
@@ -68,6 +69,23 @@ def blocks(steps: list[np.ndarray], size: int) -> list[np.ndarray]:
     return [np.sort(flat[i:i + size]) for i in range(0, len(flat) - size + 1, size)]
 
 
+def own_order(name: str, seed_key: int, count: int, state: dict) -> list[int]:
+    """The first `count` items of a stream's own endless order (its reshuffled epochs, seeded by its key),
+    as the ids its tokens encode: what the mixture must have taken from it, whatever the changes."""
+    size, first = {"a": (600, 0), "b": (600, 600), "c": (300, 1200)}[name]
+    config = OrderConfig(seed=state["seed"] + 1_000_003 * seed_key, num_partitions=state["num_partitions"],
+                         shuffle_window=state["shuffle_window"])
+    ids = [EpochOrder([50] * (size // 50), config, e).sample_ids(np.arange(size)) for e in range(-(-count // size))]
+    return sorted((np.concatenate(ids)[:count] + first).tolist())
+
+
+def check_streams_continue(ids: np.ndarray, seed_keys: dict[str, int], state: dict) -> None:
+    """Every stream gave exactly the next items of its own order: nothing repeated, nothing skipped."""
+    for name, key in seed_keys.items():
+        mine = ids[stream_of(ids) == "abc".index(name)]
+        assert sorted(mine.tolist()) == own_order(name, key, len(mine), state), f"stream {name} left its order"
+
+
 def check_within_tolerance(steps: list[np.ndarray], weights: dict[str, float], what: str) -> None:
     """Each step is a run of consecutive positions: stream counts within +-max(1, k - 1) of their quota."""
     quotas = mixture_quotas(list(weights.values()))
@@ -111,6 +129,7 @@ def test_reweight_mid_epoch_on_two_ranks_then_three_is_exact(process_pool, strea
     steps_after = step_unions([r["ids"] for r in after]) + step_unions(rest2)
     every = np.concatenate(steps_before + steps_after)
     assert len(every) == 500 + (EPOCH - 500) // 8 * 8 and len(np.unique(every)) == len(every)
+    check_streams_continue(every, {"a": 0, "b": 1}, end)
     check_within_tolerance(steps_before, {"a": 0.5, "b": 0.5}, "before the change")
     check_within_tolerance(steps_after, {"a": 0.9, "b": 0.1}, "after the change")
     from_b = int(np.sum(stream_of(np.concatenate(steps_after)) == 1))
@@ -131,6 +150,7 @@ def test_add_remove_and_re_add_a_stream_continue_every_stream(streams):
     assert seen == [{"a", "b"}, {"a", "b", "c"}, {"a", "c"}, {"a", "b", "c"}]
     ids = np.concatenate(every)
     assert len(ids) == EPOCH and len(np.unique(ids)) == EPOCH  # b re-added continues where it stopped
+    check_streams_continue(ids, {"a": 0, "b": 1, "c": 2}, state)
     changes = state["mixture"]["changes"]
     assert [(c["step"], c["position"], len(c["old"]), len(c["new"])) for c in changes] == \
         [(10, 80, 2, 3), (20, 160, 3, 2), (30, 240, 2, 3)]
@@ -193,6 +213,7 @@ def test_schedule_resumes_exactly_and_elastically(streams, interpolate):
         assert [b.tolist() for b in head[rank] + tail[rank]] == [b.tolist() for b in reference[rank]]
     elastic, _ = run_ranks(streams, weights, world=3, state=state, **options)  # the schedule stays at its samples
     ref_steps = step_unions(reference)
+    check_streams_continue(np.concatenate(ref_steps), {"a": 0, "b": 1}, ref_state)
     assert [b.tolist() for b in blocks(step_unions(elastic), 24)] == \
         [b.tolist() for b in blocks(ref_steps[200:], 24)][:len(blocks(step_unions(elastic), 24))]
     # The proportions follow the schedule: per step for the constant schedule, per 512-step piece for linear.
