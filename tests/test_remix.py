@@ -4,6 +4,7 @@ the new proportions within the stated tolerance from the change on, elastic, rec
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -241,3 +242,40 @@ def test_schedule_and_trainer_option_validation():
         ("/c", 2.0)]
     with pytest.raises(ValueError, match="--data entry '/a:\\[\\[0,-1\\]\\]'.*weight must be"):
         data_entries("/a:[[0,-1]]")
+
+
+def test_trainer_reweights_on_resume_only_with_allow_mixture_change(tmp_path, caplog):
+    from shardkit.train.config import config_from_dict
+    from shardkit.train.loop import build, close, train
+    from train_runs import write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "web"))  # 96 samples each: global ids 0-95 (web), 96-191 (code)
+    write_byte_dataset(str(tmp_path / "code"), seed=1)
+    run_dir = tmp_path / "run"
+
+    def run_training(data: str, steps: int, **data_options) -> int:
+        values = {"steps": steps, "device": "cpu", "optimizer": {"warmup_steps": 1},
+                  "model": {"n_layer": 1, "d_model": 32, "n_head": 2},
+                  "data": {"data": data, "batch_size": 12, "cache_dir": str(tmp_path / "cache"), **data_options},
+                  "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
+                              "log_sample_ids": True}}
+        run = build(config_from_dict(values))
+        try:
+            return train(run)
+        finally:
+            close(run)
+
+    assert run_training(f"{tmp_path}/web:0.5 {tmp_path}/code:0.5", 3) == 0
+    reweighted = f"{tmp_path}/web:0.9,{tmp_path}/code:0.1"
+    with pytest.raises(ValueError, match="allow_mixture_change"):
+        run_training(reweighted, 6)
+    with caplog.at_level("INFO", logger="shardkit.loaders.dataset"):
+        assert run_training(reweighted, 6, allow_mixture_change=True) == 0
+    assert "mixture changed at step 3 (epoch 0, position 36)" in caplog.text
+    log = [json.loads(line) for line in (run_dir / "samples" / "rank-0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    ids = np.concatenate([r["ids"] for r in log])
+    assert len(np.unique(ids)) == len(ids) == 72  # nothing repeated across the change
+    from_code = [int(np.sum(np.asarray(r["ids"]) >= 96)) for r in log]
+    quota = 12 * mixture_quotas([0.9, 0.1])[1] / MIX_PERIOD
+    assert all(abs(n - 6) <= 1 for n in from_code[:3]) and all(abs(n - quota) <= 1 for n in from_code[3:])
