@@ -7,6 +7,12 @@ smoothly (item j of stream s sits at (j + 1/2) / m_s). Stream s's k-th item is i
 stream's own endless sequence of epochs (each reshuffled with the stream's epoch number), so
 streams of any size can be mixed with any weights.
 
+A `MixturePlan` generalises this to weights that change: from an anchor (the run's start, or the
+position of a mid-run change, see `remix`), positions are counted continuously across epochs and cut
+into pieces of constant quotas (at the steps where a `Schedule` changes); each piece interleaves from
+its own start, and a stream's k continues from its count at the piece's start, so nothing a stream
+gave is repeated before its epoch ends.
+
 Tolerance: with k streams, in any run of n consecutive positions stream s appears
 n * m_s / MIX_PERIOD times within +-max(1, k - 1), and |m_s / MIX_PERIOD - weight_s / sum(weights)|
 <= 1 / MIX_PERIOD. (In a prefix, stream s's count is floor(tau * m_s + 1/2) for the threshold tau
