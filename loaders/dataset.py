@@ -31,7 +31,7 @@ from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.remix import MixtureRecord, changed_record, fresh_record, single_dataset_record
+from shardkit.loaders.remix import MixtureRecord, MixtureStreams, fresh_record, resumed_record
 from shardkit.loaders.schedule import Schedule, weight_spec
 from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
@@ -179,12 +179,15 @@ class StreamingDataset(IterableDataset):
         return [_fingerprint([[[sh.name, sh.samples, sh.sha256] for sh in m.shards]], []) for m in self.manifests]
 
     # -- mixture plan and its changes (shardkit.loaders.remix) ------------------------------------
+    def _mixture_streams(self) -> MixtureStreams:
+        return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_fingerprints(),
+                              weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
+                              policy=self.partial_batches)
+
     def mixture_record(self) -> MixtureRecord | None:
         """The mixture's record (None for a single dataset that never changed its mixture)."""
         if self._mixture is None and len(self.streams) > 1:
-            self._mixture = fresh_record([s.url for s in self.streams], self.stream_fingerprints(),
-                                         [s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
-                                         policy=self.partial_batches)
+            self._mixture = fresh_record(self._mixture_streams())
         return self._mixture
 
     def pin_global_batch(self, global_batch: int) -> None:
@@ -205,49 +208,17 @@ class StreamingDataset(IterableDataset):
         values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
                   "num_partitions": explicit if explicit is not None else saved.num_partitions}
         current = dataclasses.replace(saved, **values)
-        differences = saved.differences(current)
-        if saved.differences(current, ignore=MIXTURE_FIELDS) or (differences and not allow_mixture_change):
-            hint = ("" if saved.differences(current, ignore=MIXTURE_FIELDS) else
-                    "; to continue with the new mixture from the saved position, pass allow_mixture_change=True "
-                    "(shardkit train: --allow_mixture_change)")
+        differences, fixed = saved.differences(current), saved.differences(current, ignore=MIXTURE_FIELDS)
+        if fixed or (differences and not allow_mixture_change):
+            hint = ("" if fixed else "; to continue with the new mixture from the saved position, pass "
+                    "allow_mixture_change=True (shardkit train: --allow_mixture_change)")
             raise ValueError("cannot resume: the saved loader state belongs to another order ("
                              + "; ".join(differences) + ")" + hint)
-        saved_record = MixtureRecord.from_dict(saved.mixture) if saved.mixture is not None else None
-        if not differences:
-            if saved_record is not None:
-                self._check_same_streams(saved_record)
-            self._mixture = saved_record
-            return
-        self._mixture = self._changed(saved, saved_record)
-        change = self._mixture.changes[-1]
-        logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
-                    saved.samples_consumed, change["old"], change["new"])
-
-    def _check_same_streams(self, record: MixtureRecord) -> None:
-        mine = fresh_record([s.url for s in self.streams], self.stream_fingerprints(),
-                            [s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
-                            policy=self.partial_batches)
-        if ([(s.identity, s.weight) for s in record.streams] != [(s.identity, s.weight) for s in mine.streams]
-                or record.epoch_size != self.positions_per_epoch):
-            raise ValueError("cannot resume: the loader state's mixture record does not describe this mixture's "
-                             "streams and weights (a damaged or edited state)")
-
-    def _changed(self, saved: LoaderState, record: MixtureRecord | None) -> MixtureRecord:
-        if saved.window_segments:
-            raise ValueError("cannot change the mixture in the middle of a token-budget window: resume once with "
-                             "the saved mixture until the window ends (the state's window_segments is empty)")
-        fingerprints = self.stream_fingerprints()
-        if record is None:  # a single dataset's state (or one saved before mixtures kept a record)
-            if saved.dataset not in fingerprints:
-                raise ValueError("cannot change the mixture: the saved loader state records no mixture and its "
-                                 f"dataset ({saved.dataset}) is none of the current streams, so what each stream "
-                                 "consumed is unknown; resume with the saved streams and weights first")
-            record = single_dataset_record(saved.dataset, num_samples=saved.num_samples, policy=saved.partial_batches,
-                                           global_batch=saved.global_batch_size)
-        record = record.pinned(saved.global_batch_size)
-        return changed_record(record, epoch=saved.epoch, position=saved.samples_consumed,
-                              urls=[s.url for s in self.streams], fingerprints=fingerprints,
-                              weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch)
+        self._mixture = resumed_record(saved, self._mixture_streams(), changed=bool(differences))
+        if differences:
+            change = self._mixture.changes[-1]
+            logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
+                        saved.samples_consumed, change["old"], change["new"])
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader

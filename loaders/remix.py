@@ -21,6 +21,7 @@ from typing import Any
 
 from shardkit.loaders.mixing import MixturePlan
 from shardkit.loaders.schedule import Schedule, weight_from_spec, weight_spec
+from shardkit.loaders.state import LoaderState
 
 RECORD_VERSION = 1
 
@@ -110,23 +111,55 @@ def identities(fingerprints: list[str]) -> list[str]:
     return out
 
 
-def fresh_record(urls: list[str], fingerprints: list[str], weights: list[float | Schedule], *, epoch_size: int,
-                 policy: str) -> MixtureRecord:
+@dataclass(frozen=True, kw_only=True)
+class MixtureStreams:
+    """A dataset's streams as the record needs them (in the dataset's order)."""
+
+    urls: list[str]
+    fingerprints: list[str]  # each stream's data fingerprint (as a dataset of its own)
+    weights: list[float | Schedule]
+    epoch_size: int
+    policy: str
+
+
+def fresh_record(streams: MixtureStreams) -> MixtureRecord:
     """The record of a mixture used from the run's start (seed keys = list positions, as ever)."""
-    streams = tuple(StreamEntry(url=u, identity=i, seed_key=k, weight=w)
-                    for k, (u, i, w) in enumerate(zip(urls, identities(fingerprints), weights)))
-    return MixtureRecord(streams=streams, epoch_size=epoch_size, policy=policy)
+    entries = tuple(StreamEntry(url=u, identity=i, seed_key=k, weight=w)
+                    for k, (u, i, w) in enumerate(zip(streams.urls, identities(streams.fingerprints), streams.weights)))
+    return MixtureRecord(streams=entries, epoch_size=streams.epoch_size, policy=streams.policy)
 
 
-def single_dataset_record(fingerprint: str, *, num_samples: int, policy: str,
-                          global_batch: int) -> MixtureRecord:
-    """A single dataset's order as a one-stream mixture (the same order: seed key 0, epoch = its samples)."""
-    return MixtureRecord(streams=(StreamEntry(url="(the saved dataset)", identity=fingerprint, seed_key=0),),
-                         epoch_size=num_samples, policy=policy, global_batch=global_batch)
+def resumed_record(saved: LoaderState, streams: MixtureStreams, *, changed: bool) -> MixtureRecord | None:
+    """The record a resume from `saved` continues with: the saved one, or (`changed`) a new plan from
+    the saved position with `streams`.
+
+    Raises:
+        ValueError: the saved record does not describe `streams` although nothing changed (a damaged
+            state), or the change cannot be made exactly (mid token window, unknown consumption).
+    """
+    record = MixtureRecord.from_dict(saved.mixture) if saved.mixture is not None else None
+    if not changed:
+        if record is not None and ([(s.identity, s.weight) for s in record.streams]
+                                   != [(s.identity, s.weight) for s in fresh_record(streams).streams]):
+            raise ValueError("cannot resume: the loader state's mixture record does not describe this mixture's "
+                             "streams and weights (a damaged or edited state)")
+        return record
+    if saved.window_segments:
+        raise ValueError("cannot change the mixture in the middle of a token-budget window: resume once with "
+                         "the saved mixture until the window ends (the state's window_segments is empty)")
+    if record is None:  # a single dataset's state (or one saved before mixtures kept a record)
+        if saved.dataset not in streams.fingerprints:
+            raise ValueError("cannot change the mixture: the saved loader state records no mixture and its "
+                             f"dataset ({saved.dataset}) is none of the current streams, so what each stream "
+                             "consumed is unknown; resume with the saved streams and weights first")
+        # A single dataset's order is a one-stream mixture's: seed key 0, an epoch of all its samples.
+        record = MixtureRecord(streams=(StreamEntry(url="(the saved dataset)", identity=saved.dataset, seed_key=0),),
+                               epoch_size=saved.num_samples, policy=saved.partial_batches)
+    return changed_record(record.pinned(saved.global_batch_size), epoch=saved.epoch,
+                          position=saved.samples_consumed, streams=streams)
 
 
-def changed_record(old: MixtureRecord, *, epoch: int, position: int, urls: list[str], fingerprints: list[str],
-                   weights: list[float | Schedule], epoch_size: int) -> MixtureRecord:
+def changed_record(old: MixtureRecord, *, epoch: int, position: int, streams: MixtureStreams) -> MixtureRecord:
     """The record continuing `old` at `position` of `epoch` with new streams and weights.
 
     Each stream known to `old` (current or retired, by data identity) keeps its seed key and continues
@@ -137,19 +170,19 @@ def changed_record(old: MixtureRecord, *, epoch: int, position: int, urls: list[
     known = {s.identity: replace(s, count=int(c)) for s, c in zip(old.streams, counts)}
     known.update({s.identity: s for s in old.retired if s.identity not in known})
     next_key = max([s.seed_key for s in known.values()], default=-1) + 1
-    streams = []
-    for url, identity, weight in zip(urls, identities(fingerprints), weights):
+    entries = []
+    for url, identity, weight in zip(streams.urls, identities(streams.fingerprints), streams.weights):
         before = known.get(identity)
         if before is None:
             before = StreamEntry(url=url, identity=identity, seed_key=next_key)
             next_key += 1
-        streams.append(replace(before, url=url, weight=weight))
-    kept = {s.identity for s in streams}
+        entries.append(replace(before, url=url, weight=weight))
+    kept = {s.identity for s in entries}
     retired = tuple(s for s in known.values() if s.identity not in kept)
     change = {"step": step, "epoch": epoch, "position": position,
               "old": [[s.url, weight_spec(s.weight)] for s in old.streams],
-              "new": [[s.url, weight_spec(s.weight)] for s in streams]}
-    return MixtureRecord(streams=tuple(replace(s, count=0) for s in streams), epoch_size=epoch_size,
+              "new": [[s.url, weight_spec(s.weight)] for s in entries]}
+    return MixtureRecord(streams=tuple(replace(s, count=0) for s in entries), epoch_size=streams.epoch_size,
                          policy=old.policy, anchor_epoch=epoch, anchor_position=position, anchor_step=step,
-                         counts=tuple(s.count for s in streams), global_batch=old.global_batch, retired=retired,
+                         counts=tuple(s.count for s in entries), global_batch=old.global_batch, retired=retired,
                          changes=(*old.changes, change))
