@@ -4,7 +4,9 @@ Modules, one job each:
 
 - `order`: the global sample order of an epoch (pure numpy; two-level shuffle, canonical partitions).
 - `partition`: which positions each rank and DataLoader worker reads at each step (pure).
-- `mixing`: `Stream` and the mixture order (pure integer arithmetic).
+- `mixing`: `Stream` and the mixture order (pure integer arithmetic), pieces of constant weights.
+- `schedule`: `Schedule`, a stream weight by loader step.
+- `remix`: the mixture record of the loader state and mid-run mixture changes.
 - `token_budget`: equal-count, token-balanced batches for variable-length data (pure).
 - `topology`: rank, world size and node layout, resolved lazily.
 - `cache`: the node-local shard cache (flock, verify, decode once, mmap, LRU eviction).

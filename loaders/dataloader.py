@@ -111,6 +111,7 @@ class StreamingDataLoader(DataLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
         global_batch = self.samples_per_rank * topology.world_size
+        self.dataset.pin_global_batch(global_batch)
         num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
         finished = (self._consumed >= num_positions if self.token_mode else
                     self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0)
@@ -177,29 +178,34 @@ class StreamingDataLoader(DataLoader):
     def _current_state(self, num_partitions: int | None = None) -> LoaderState:
         topology = self._topology or self._resolve()
         ds = self.dataset
+        ds.pin_global_batch(self.samples_per_rank * topology.world_size)
+        record = ds.mixture_record()
         order = {**ds.config.order_values(), "num_partitions": num_partitions or self._num_partitions}
         return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
                            num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size, window_segments=self._segments, **order)
+                           world_size=topology.world_size, window_segments=self._segments,
+                           mixture=record.to_dict() if record is not None else None, **order)
 
     def state_dict(self) -> dict[str, Any]:
         """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""
         return self._current_state().to_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` output, possibly saved with another world size or batch size.
+
+        Args:
+            state: the saved state.
+            allow_mixture_change: continue from the saved position with this dataset's streams and
+                weights when they differ from the saved mixture (recorded in the state; see
+                `shardkit.loaders.remix`). Off: such a state is refused.
 
         Raises:
             ValueError: the state is malformed or its order differs (dataset, seed, partitions...).
         """
         saved = LoaderState.from_dict(state)
-        explicit = self.dataset.num_partitions
-        current = self._current_state(num_partitions=explicit if explicit is not None else saved.num_partitions)
-        differences = saved.differences(current)
-        if differences:
-            raise ValueError("cannot resume: the saved loader state belongs to another order ("
-                             + "; ".join(differences) + ")")
-        num_positions = self.dataset.order(saved.epoch, saved.num_partitions).num_positions
+        self.dataset.resume_from(saved, allow_mixture_change=allow_mixture_change)
+        # The saved position is checked against the epoch it was saved in (a change may shorten it).
+        num_positions = saved.epoch_size or saved.num_samples
         # The last step of an epoch may overrun its end: padded (pad) or a whole token window (token budget).
         overrun = (saved.token_window if saved.max_tokens is not None else
                    saved.global_batch_size if saved.partial_batches == "pad" else 0)

@@ -12,6 +12,7 @@ loop received. Iterated on its own, it needs `batch_size` and starts each iterat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,18 +24,31 @@ from typing import Any
 
 import numpy as np
 import torch
+from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
+from shardkit.loaders.cache import ShardCache, fetch_manifest
+from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
+from shardkit.loaders.mixing import MixtureOrder, Stream
+from shardkit.loaders.order import EpochOrder, OrderConfig
+from shardkit.loaders.partition import (
+    rank_positions,
+    steps_in_epoch,
+    worker_of_step,
+    worker_step_chunks,
+)
+from shardkit.loaders.remix import (
+    MixtureRecord,
+    MixtureStreams,
+    fresh_record,
+    resumed_record,
+)
+from shardkit.loaders.schedule import Schedule, weight_spec
+from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
+from shardkit.loaders.token_budget import plan_remaining
+from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardkit import metrics
 from shardkit.formats.sample import numpy_token_dtype
-from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.cache import ShardCache, fetch_manifest
-from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
-from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_step_chunks
-from shardkit.loaders.token_budget import plan_remaining
-from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
 from shardkit.storage import Storage
 
@@ -119,9 +133,14 @@ class StreamingDataset(IterableDataset):
         if config.max_tokens is not None and longest > config.max_tokens:
             raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
                              f"(max_sample_tokens={longest}); raise max_tokens")
+        if config.max_tokens is not None and any(isinstance(s.weight, Schedule) for s in streams):
+            raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
+                             "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self._plan: IterationPlan | None = None
-        self._fingerprint: str | None = None
+        self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
+        self._mixture: MixtureRecord | None = None  # see mixture_record()
+        self._resume: tuple[int, int] | None = None  # standalone iteration: (start, num_partitions) after a load
         self._iterations = 0
         self.epoch = 0
 
@@ -159,32 +178,81 @@ class StreamingDataset(IterableDataset):
     def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
         config = self.order_config(num_partitions)
-        if len(self.manifests) == 1:
+        record = self.mixture_record()
+        if record is None:
             return EpochOrder(self.manifests[0].columns.samples, config, epoch)
         return MixtureOrder([m.columns.samples for m in self.manifests],
-                            [s.weight for s in self.streams], config, epoch, self.epoch_size)
+                            [s.weight for s in self.streams], config, epoch, plan=record.plan)
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
-        if self._fingerprint is None:
-            # The SHA-256 of json.dumps([[[[name, samples, sha256], ...], ...], weights]), fed shard by
-            # shard: the same value as before for any size, without a million-entry list in memory.
-            digest = hashlib.sha256(b"[[")
-            for s, manifest in enumerate(self.manifests):
-                digest.update(b"[" if s == 0 else b", [")
-                columns = manifest.columns
-                names, hexes = columns.names.decode(), columns.sha256.tobytes().hex()
-                offsets, samples = columns.name_offsets.tolist(), columns.samples.tolist()
-                ascii_names = names.isascii()  # byte offsets index the decoded text only then
-                for i, count in enumerate(samples):
-                    name = names[offsets[i]:offsets[i + 1]] if ascii_names else columns.name(i)
-                    entry = json.dumps([name, count, hexes[64 * i:64 * i + 64]]).encode()
-                    digest.update(entry if i == 0 else b", " + entry)
-                digest.update(b"]")
-            weights = [s.weight for s in self.streams] if len(self.streams) > 1 else []
-            digest.update(b"], " + json.dumps(weights).encode() + b"]")
-            self._fingerprint = digest.hexdigest()[:32]
-        return self._fingerprint
+        if "all" not in self._fingerprints:
+            weights = [weight_spec(s.weight) for s in self.streams] if len(self.streams) > 1 else []
+            self._fingerprints["all"] = _fingerprint(self.manifests, weights)
+        return self._fingerprints["all"]
+
+    def stream_fingerprints(self) -> list[str]:
+        """Per stream, the fingerprint it has as a dataset of its own (a stream's identity in a mixture)."""
+        if len(self.manifests) == 1:
+            return [self._fingerprints.setdefault("all", _fingerprint(self.manifests, []))]
+        for i, manifest in enumerate(self.manifests):
+            if i not in self._fingerprints:
+                self._fingerprints[i] = _fingerprint([manifest], [])
+        return [self._fingerprints[i] for i in range(len(self.manifests))]
+
+    # -- mixture plan and its changes (shardkit.loaders.remix) ------------------------------------
+    def _mixture_streams(self) -> MixtureStreams:
+        return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_fingerprints(),
+                              weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
+                              policy=self.partial_batches)
+
+    def mixture_record(self) -> MixtureRecord | None:
+        """The mixture's record (None for a single dataset that never changed its mixture)."""
+        if self._mixture is None and len(self.streams) > 1:
+            self._mixture = fresh_record(self._mixture_streams())
+        return self._mixture
+
+    def pin_global_batch(self, global_batch: int) -> None:
+        """Fix the positions per step of weight schedules: the first run's global batch, kept on resume."""
+        record = self.mixture_record()
+        if record is not None:
+            self._mixture = record.pinned(global_batch)
+
+    def resume_from(self, saved: LoaderState, *, allow_mixture_change: bool = False) -> None:
+        """Check that `saved` continues this dataset's order and adopt its mixture record; with
+        `allow_mixture_change`, continue from the saved position with this dataset's streams and weights.
+
+        Raises:
+            ValueError: the order differs (every difference named), or only the mixture does and
+                `allow_mixture_change` is off, or the change cannot be made exactly.
+        """
+        explicit = self.num_partitions
+        values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
+                  "num_partitions": explicit if explicit is not None else saved.num_partitions}
+        current = dataclasses.replace(saved, **values)
+        differences, fixed = saved.differences(current), saved.differences(current, ignore=MIXTURE_FIELDS)
+        if fixed or (differences and not allow_mixture_change):
+            hint = ("" if fixed else "; to continue with the new mixture from the saved position, pass "
+                    "allow_mixture_change=True (shardkit train: --allow_mixture_change)")
+            raise ValueError("cannot resume: the saved loader state belongs to another order ("
+                             + "; ".join(differences) + ")" + hint)
+        self._mixture = resumed_record(saved, self._mixture_streams(), changed=bool(differences))
+        if differences:
+            change = self._mixture.changes[-1]
+            logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
+                        saved.samples_consumed, change["old"], change["new"])
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader
+        calls `resume_from` itself); see `resume_from` for `allow_mixture_change`.
+
+        Raises:
+            ValueError: the state is malformed or belongs to another order.
+        """
+        saved = LoaderState.from_dict(state)
+        self.resume_from(saved, allow_mixture_change=allow_mixture_change)
+        self.set_epoch(saved.epoch)
+        self._resume = (saved.samples_consumed, saved.num_partitions)
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration (the loader manages epochs itself)."""
@@ -230,8 +298,11 @@ class StreamingDataset(IterableDataset):
             if self.batch_size is None and self.max_tokens is None:
                 raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
             topology = self.resolve_topology()
-            plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=self.resolve_partitions(topology))
+            start, partitions = self._resume or (0, self.resolve_partitions(topology))
+            self._resume = None
+            self.pin_global_batch((self.batch_size or 1) * topology.world_size)
+            plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
+                                 num_partitions=partitions)
             if self.max_tokens is None:
                 self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
@@ -453,6 +524,25 @@ class ShardOwners:
             raise IndexError(f"shard {index} is outside [0, {len(self)})")
         stream = int(np.searchsorted(self._ends, index, side="right"))
         return stream, int(index - (self._ends[stream - 1] if stream else 0))
+
+
+def _fingerprint(manifests: Sequence[Manifest], weights: list) -> str:
+    """SHA-256 (32 hex digits) of json.dumps([[[[name, samples, sha256], ...] per manifest], weights]),
+    fed shard by shard from the manifests' columns: no million-entry list in memory at a million shards."""
+    digest = hashlib.sha256(b"[[")
+    for s, manifest in enumerate(manifests):
+        digest.update(b"[" if s == 0 else b", [")
+        columns = manifest.columns
+        names, hexes = columns.names.decode(), columns.sha256.tobytes().hex()
+        offsets, samples = columns.name_offsets.tolist(), columns.samples.tolist()
+        ascii_names = names.isascii()  # byte offsets index the decoded text only then
+        for i, count in enumerate(samples):
+            name = names[offsets[i]:offsets[i + 1]] if ascii_names else columns.name(i)
+            entry = json.dumps([name, count, hexes[64 * i:64 * i + 64]]).encode()
+            digest.update(entry if i == 0 else b", " + entry)
+        digest.update(b"]")
+    digest.update(b"], " + json.dumps(weights).encode() + b"]")
+    return digest.hexdigest()[:32]
 
 
 def _streams_of(source: Any) -> list[Stream]:

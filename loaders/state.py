@@ -20,6 +20,8 @@ STATE_KIND = "shardkit.StreamingDataLoader"
 # Fields that must match for the resumed order to be the same order: the data itself and every
 # `LoaderConfig` field marked as an order field (num_partitions resolved to a number).
 ORDER_FIELDS = ("dataset", "num_samples", *LoaderConfig.order_fields())
+# The order fields a mixture change may alter (`load_state_dict(..., allow_mixture_change=True)`).
+MIXTURE_FIELDS = ("dataset", "num_samples", "epoch_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,9 @@ class LoaderState:
         max_tokens, token_window: token-budget batching parameters (None / unused otherwise).
         window_segments: token-budget mode only: [world_size, steps] consumed in the current window
             (starting at `samples_consumed`), one entry per world size that read from it.
+        mixture: mixtures only: the mixture record (`shardkit.loaders.remix`): streams with their
+            weights or schedules, the plan's anchor (the last change) and every change (step,
+            position, old and new weights).
     """
 
     epoch: int
@@ -58,6 +63,7 @@ class LoaderState:
     max_tokens: int | None = None
     token_window: int = DEFAULT_TOKEN_WINDOW
     window_segments: tuple[tuple[int, int], ...] = ()
+    mixture: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
@@ -68,6 +74,8 @@ class LoaderState:
     def to_dict(self) -> dict[str, Any]:
         state = {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
         state["window_segments"] = [list(s) for s in self.window_segments]
+        if self.mixture is None:  # a single dataset's state stays as it was
+            del state["mixture"]
         return state
 
     @classmethod
@@ -86,10 +94,10 @@ class LoaderState:
             raise ValueError(f"loader state lacks {', '.join(missing)}")
         return cls(**{k: data[k] for k in names if k in data})
 
-    def differences(self, other: LoaderState) -> list[str]:
-        """Order-relevant fields whose values differ, as 'field: saved X, now Y'."""
+    def differences(self, other: LoaderState, *, ignore: tuple[str, ...] = ()) -> list[str]:
+        """Order-relevant fields (but `ignore`) whose values differ, as 'field: saved X, now Y'."""
         return [f"{name}: saved {getattr(self, name)!r}, now {getattr(other, name)!r}"
-                for name in ORDER_FIELDS if getattr(self, name) != getattr(other, name)]
+                for name in ORDER_FIELDS if name not in ignore and getattr(self, name) != getattr(other, name)]
 
 
 _unrecorded = set(ORDER_FIELDS) - {f.name for f in fields(LoaderState)}

@@ -16,6 +16,7 @@ _LAZY_NAMES = {
     "StreamingDataset": "shardkit.loaders.dataset",
     "StreamingDataLoader": "shardkit.loaders.dataloader",
     "Stream": "shardkit.loaders.mixing",
+    "Schedule": "shardkit.loaders.schedule",
     "LoaderConfig": "shardkit.loaders.config",
     "Manifest": "shardkit.manifest",
     "ShardInfo": "shardkit.manifest",

@@ -15,7 +15,7 @@ def _set_env(env: dict | None) -> None:
 def loader_run(*, url: str, cache_dir: str, batch_size: int, rank: int | None = None, world_size: int | None = None,
                port: int | None = None, limit: int | None = None, state: dict | None = None, num_workers: int = 0,
                env: dict | None = None, dataset_kwargs: dict | None = None, storage_options: dict | None = None,
-               mesh: bool = False) -> dict:
+               mesh: bool = False, allow_mixture_change: bool = False) -> dict:
     """Iterate a StreamingDataLoader as one rank; with `port`, inside a real gloo process group.
 
     The dataset is created *before* init_process_group and given no rank, so the rank must come
@@ -52,7 +52,7 @@ def loader_run(*, url: str, cache_dir: str, batch_size: int, rank: int | None = 
         loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                                      multiprocessing_context="fork" if num_workers else None)
         if state is not None:
-            loader.load_state_dict(state)
+            loader.load_state_dict(state, allow_mixture_change=allow_mixture_change)
         ids, mismatched = [], 0
         for batch in itertools.islice(loader, limit):
             ids.append(batch["sample_id"].numpy().copy())

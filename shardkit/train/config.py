@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.loaders.config import LoaderConfig
+from shardkit.loaders.schedule import Schedule, parse_schedule
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -92,17 +93,37 @@ class ModelConfig:
 # A trailing ":<number>" of a --data entry is its mixture weight; URLs hold ':' too (s3://b/x, host:port).
 _WEIGHTED_ENTRY = re.compile(r"^(?P<url>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
 _SCHEME_AND_HOST = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/]*$")
+# A trailing ":[[step,weight],...]" (optionally ":linear:[[...]]") is a weight schedule.
+_SCHEDULED_ENTRY = re.compile(r"^(?P<url>.+?):(?P<schedule>(?:[A-Za-z]+:)?\[.*\])$")
 
 
-def data_entries(text: str) -> list[tuple[str, float]]:
-    """The (URL, weight) entries of a `--data` value: URLs separated by commas or spaces, each with an
-    optional trailing `:WEIGHT` (default 1).
+def _split_outside_brackets(text: str) -> list[str]:
+    parts, current, depth = [], [], 0
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if depth == 0 and (char == "," or char.isspace()):
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return [p for p in parts if p]
+
+
+def data_entries(text: str) -> list[tuple[str, float | Schedule]]:
+    """The (URL, weight) entries of a `--data` value: URLs separated by commas or spaces (outside
+    brackets), each with an optional trailing `:WEIGHT` (default 1) or `:[[STEP,WEIGHT],...]` schedule.
 
     Raises:
-        ValueError: an empty entry or a weight that is not positive, naming the entry.
+        ValueError: an empty entry, a weight that is not positive or a bad schedule, naming the entry.
     """
-    entries = []
-    for entry in re.split(r"[,\s]+", text.strip()):
+    entries: list[tuple[str, float | Schedule]] = []
+    # Split on commas and spaces outside brackets: a schedule's JSON holds commas.
+    for entry in _split_outside_brackets(text):
+        scheduled = _SCHEDULED_ENTRY.match(entry)
+        if scheduled is not None:
+            entries.append((scheduled["url"], parse_schedule(scheduled["schedule"], what=f"--data entry {entry!r}")))
+            continue
         match = _WEIGHTED_ENTRY.match(entry)
         # "http://host:9000" ends in a port, not a weight: a weight follows a path.
         if match is None or _SCHEME_AND_HOST.match(match["url"]):
@@ -111,7 +132,7 @@ def data_entries(text: str) -> list[tuple[str, float]]:
         weight = float(match["weight"])
         _check(weight > 0, f"--data entry {entry!r}: the weight after the last ':' must be positive")
         entries.append((match["url"], weight))
-    _check(all(url for url, _ in entries), f"--data {text!r} holds an empty entry")
+    _check(bool(entries) and all(url for url, _ in entries), f"--data {text!r} holds an empty entry")
     return entries
 
 
@@ -123,7 +144,13 @@ class DataConfig:
     data: str = field(default="", metadata={
         "help": "training dataset URL (a directory or prefix holding shardkit.json), or a mixture: several "
                 "URL:WEIGHT entries separated by spaces or commas, e.g. --data s3://b/web:0.7 s3://b/code:0.3 "
-                "(only a trailing :NUMBER is a weight)", "choices": None, "nargs": "+"})
+                "(only a trailing :NUMBER is a weight); a weight may be a schedule by loader step, as JSON: "
+                "URL:[[0,0.9],[10000,0.5]] (piecewise constant) or URL:linear:[[0,0.9],[10000,0.5]]",
+        "choices": None, "nargs": "+"})
+    allow_mixture_change: bool = option(False, "on resume, continue from the checkpoint's position with the "
+                                        "--data streams and weights given now, although they differ from the saved "
+                                        "mixture (no sample of a stream's current epoch is repeated; the loader "
+                                        "state records the change); without it such a resume is refused")
     eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval_every steps")
     batch_size: int = option(8, "samples per rank per micro-step")
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")

@@ -103,6 +103,7 @@ class TrainStream:
 
         self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle),
                                           batch_size=config.batch_size, num_workers=config.num_workers)
+        self.allow_mixture_change = config.allow_mixture_change
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -120,7 +121,7 @@ class TrainStream:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(state, allow_mixture_change=self.allow_mixture_change)
         self._iterator = None
 
 
