@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW, LoaderConfig
+from shardkit.loaders.skipping import normalize_skip
 
 STATE_VERSION = 1
 STATE_KIND = "shardkit.StreamingDataLoader"
@@ -40,6 +41,8 @@ class LoaderState:
         max_tokens, token_window: token-budget batching parameters (None / unused otherwise).
         window_segments: token-budget mode only: [world_size, steps] consumed in the current window
             (starting at `samples_consumed`), one entry per world size that read from it.
+        skip_samples: the sample ids and (source, doc) documents left out of every epoch (positions
+            count in the order without them).
     """
 
     epoch: int
@@ -58,9 +61,11 @@ class LoaderState:
     max_tokens: int | None = None
     token_window: int = DEFAULT_TOKEN_WINDOW
     window_segments: tuple[tuple[int, int], ...] = ()
+    skip_samples: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
+        object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
         if self.epoch < 0 or self.samples_consumed < 0:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
@@ -68,6 +73,7 @@ class LoaderState:
     def to_dict(self) -> dict[str, Any]:
         state = {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
         state["window_segments"] = [list(s) for s in self.window_segments]
+        state["skip_samples"] = [list(e) if isinstance(e, tuple) else e for e in self.skip_samples]
         return state
 
     @classmethod
