@@ -174,8 +174,8 @@ def resume(run: Run) -> None:
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     # Skipped steps stay skipped: a resume without (or with other) --skip_steps adds the checkpoint's.
-    skipped = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
-    run.config = dataclasses.replace(run.config, skip_steps=format_steps(skipped))
+    skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
+    run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
     run.resumed_path = path.name
     _rescale_schedule(run, loaded.meta.get("steps"))
     # This run's hyperparameters win over the checkpoint's (`shardkit tune --sampler pbt` perturbs them on resume).
