@@ -66,7 +66,7 @@ def test_skipped_ids_are_absent_the_rest_once_per_epoch_balanced_and_in_the_orig
     assert len({len(batches) for batches in per_rank}) == 1, "ranks got unequal batch counts"
     steps = len(per_rank[0]) // epochs
     kept = NUM_SAMPLES - len(SKIP)
-    assert steps == kept // (world * 4)  # the drop policy leaves kept mod 12 out of each epoch
+    assert steps == kept // (world * 4) == len(loader(dataset_url, 1, world, skip_samples=SKIP))  # drops kept % 12
     for epoch in range(epochs):
         got = Counter(int(i) for batches in per_rank for b in batches[epoch * steps:(epoch + 1) * steps] for i in b)
         assert not SKIP & set(got) and max(got.values()) == 1 and len(got) == steps * world * 4
