@@ -68,3 +68,17 @@ def test_skip_steps_are_parsed_and_bad_ones_named():
     for bad in ("0", "5-3", "x", "3-"):
         with pytest.raises(ValueError, match=f"--skip_steps entry '{bad}'"):
             TrainConfig(skip_steps=bad)
+
+
+def test_the_trainer_leaves_skip_samples_out_of_training_only(tmp_path):
+    data, held_out = str(tmp_path / "train"), str(tmp_path / "held_out")
+    write_byte_dataset(data)
+    write_byte_dataset(held_out, num_samples=48, seed=1)
+    skip = set(range(60, 72))  # ids past the held-out set's 48: they name training samples only
+    run_dir = tmp_path / "run"
+    assert run_training(run_dir, data, steps=4, eval_every=2, **{
+        "data.skip_samples": "60-71", "data.eval_data": held_out, "data.eval_batches": 1,
+        "logging.log_sample_ids": True}) == 0
+    trained = [i for ids in sample_ids(run_dir).values() for i in ids]
+    assert len(trained) == len(set(trained)) == 48 and not skip & set(trained)
+    assert sorted(json.loads((run_dir / "config.json").read_text())["data"]["loader"]["skip_samples"]) == sorted(skip)
