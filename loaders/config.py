@@ -32,8 +32,11 @@ DEFAULT_TOKEN_WINDOW = 4096
 CACHE_MODES = ("decoded", "compressed", "none")
 
 
-def _option(default: Any, help: str, *, order: bool = False, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "order": order, "choices": choices})
+def _option(default: Any, help: str, *, order: bool = False, choices: tuple[str, ...] | None = None,
+            cli_type: str | None = None) -> Any:
+    # cli_type: how the command line reads a field whose Python type it cannot parse (e.g. a set given as text).
+    metadata = {"help": help, "order": order, "choices": choices}
+    return field(default=default, metadata=metadata | ({"cli_type": cli_type} if cli_type else {}))
 
 
 def _positive(name: str, value: Any, *, optional: bool = False, kind: type = int) -> None:
@@ -66,6 +69,10 @@ class LoaderConfig:
                                      order=True)
     token_window: int = _option(DEFAULT_TOKEN_WINDOW, "token-budget mode: positions of the global order planned "
                                 "together", order=True)
+    skip_samples: tuple = _option((), "samples to leave out of every epoch: sample ids and (source, doc) documents, "
+                                  "or text '5,17 100-120 web.jsonl#3' (ids, inclusive ranges, SOURCE#DOC); the rest "
+                                  "keep their order, balanced over ranks (single datasets only)", order=True,
+                                  cli_type="str")
     chunk_samples: int = _option(DEFAULT_CHUNK_SAMPLES, "samples gathered at once (amortises per-batch overhead)")
     cache_limit: int | None = _option(None, "bytes of decoded shards the node-local cache may hold (all datasets "
                                       "of the cache directory); none: unlimited")
@@ -90,6 +97,9 @@ class LoaderConfig:
         _positive("max_tokens", self.max_tokens, optional=True)
         _positive("token_window", self.token_window)
         _positive("chunk_samples", self.chunk_samples)
+        from shardkit.loaders.skipping import normalize_skip
+
+        object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
         _positive("cache_limit", self.cache_limit, optional=True)
         if isinstance(self.cache_wait, bool) or not isinstance(self.cache_wait, (int, float)) or self.cache_wait < 0:
             raise ValueError(f"cache_wait must be a number of seconds >= 0, got {self.cache_wait!r}")

@@ -42,6 +42,7 @@ from shardkit.loaders.remix import (
     resumed_record,
 )
 from shardkit.loaders.schedule import Schedule, weight_spec
+from shardkit.loaders.skipping import SkippingOrder, resolve_skipped
 from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
@@ -128,6 +129,9 @@ class StreamingDataset(IterableDataset):
         self.num_samples = sum(m.num_samples for m in self.manifests)
         if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")
+        if config.skip_samples and len(streams) > 1:
+            raise ValueError(f"skip_samples applies to a single dataset, not a mixture of {len(streams)} Streams")
+        self._skipped: np.ndarray | None = None  # skip_samples resolved to sample ids (on first use)
         self.batch_size = batch_size
         longest = max((m.max_sample_tokens or 0) for m in self.manifests)
         if config.max_tokens is not None and longest > config.max_tokens:
@@ -180,7 +184,8 @@ class StreamingDataset(IterableDataset):
         config = self.order_config(num_partitions)
         record = self.mixture_record()
         if record is None:
-            return EpochOrder(self.manifests[0].columns.samples, config, epoch)
+            order = EpochOrder(self.manifests[0].columns.samples, config, epoch)
+            return SkippingOrder(order, self.skipped_ids()) if self.skip_samples else order
         return MixtureOrder([m.columns.samples for m in self.manifests],
                             [s.weight for s in self.streams], config, epoch, plan=record.plan)
 
@@ -264,10 +269,19 @@ class StreamingDataset(IterableDataset):
         self._plan = plan
         self._iterations = 0
 
+    def skipped_ids(self) -> np.ndarray:
+        """The sample ids `skip_samples` leaves out (resolved once, in the process that first asks: the
+        loader's main process, before workers start, so documents are looked up only there)."""
+        if self._skipped is None:
+            self._skipped = resolve_skipped(self.skip_samples, self.manifests[0], self.caches[0])
+        return self._skipped
+
     @property
     def positions_per_epoch(self) -> int:
-        """Samples in one epoch's order (a mixture's epoch_size, else all samples)."""
-        return self.num_samples if len(self.streams) == 1 else (self.epoch_size or self.num_samples)
+        """Samples in one epoch's order (a mixture's epoch_size, else all samples not skipped)."""
+        if len(self.streams) == 1:
+            return self.num_samples - (len(self.skipped_ids()) if self.skip_samples else 0)
+        return self.epoch_size or self.num_samples
 
     def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0) -> int:
         return steps_in_epoch(self.positions_per_epoch, start=start, global_batch=batch_size * topology.world_size,

@@ -172,6 +172,37 @@ class EpochOrder:
         return self._block_sample[block] + (x - self._block_begin[block])
 
 
+    def positions_of(self, sample_ids: np.ndarray) -> np.ndarray:
+        """The inverse of `sample_ids`: the position of each sample id in this epoch's order.
+
+        Costs O(len(sample_ids)) plus one window permutation per window touched, never O(samples):
+        `skip_samples` finds the positions it removes this way.
+
+        Raises:
+            IndexError: a sample id outside [0, num_samples).
+        """
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_samples):
+            raise IndexError(f"sample id out of range for a dataset of {self.num_samples} samples")
+        by_sample = np.argsort(self._block_sample, kind="stable")
+        block = by_sample[np.searchsorted(self._block_sample[by_sample], ids, side="right") - 1]
+        x = self._block_begin[block] + (ids - self._block_sample[block])  # offset in the block stream X
+        p = self.config.num_partitions
+        parts = np.arange(p, dtype=np.int64)
+        part_starts = parts * self._part_len + np.minimum(parts, self._extra)
+        part = np.searchsorted(part_starts, x, side="right") - 1
+        item = x - part_starts[part]
+        if self.config.shuffle and ids.size:
+            w = self.config.shuffle_window
+            part_len = self._part_len + (part < self._extra)
+            window, shuffled = item // w, item % w
+            window_size = np.minimum(w, part_len - window * w)
+            for i in range(ids.size):  # few ids: one window permutation each (cached)
+                perm = self._window_perm(int(part[i]), int(window[i]), int(window_size[i]))
+                item[i] = window[i] * w + int(np.flatnonzero(perm == shuffled[i])[0])
+        return np.where(item < self._part_len, item * p + part, p * self._part_len + part)
+
+
 def epoch_order(shard_sizes: Sequence[int] | np.ndarray, *, seed: int = 0, epoch: int = 0, num_partitions: int = 1,
                 shuffle: bool = True, block_size: int | None = None,
                 shuffle_window: int = DEFAULT_SHUFFLE_WINDOW) -> EpochOrder:

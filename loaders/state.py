@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW, LoaderConfig
+from shardkit.loaders.skipping import normalize_skip
 
 STATE_VERSION = 1
 STATE_KIND = "shardkit.StreamingDataLoader"
@@ -45,6 +46,8 @@ class LoaderState:
         mixture: mixtures only: the mixture record (`shardkit.loaders.remix`): streams with their
             weights or schedules, the plan's anchor (the last change) and every change (step,
             position, old and new weights).
+        skip_samples: the sample ids and (source, doc) documents left out of every epoch (positions
+            count in the order without them).
     """
 
     epoch: int
@@ -64,9 +67,11 @@ class LoaderState:
     token_window: int = DEFAULT_TOKEN_WINDOW
     window_segments: tuple[tuple[int, int], ...] = ()
     mixture: dict[str, Any] | None = None
+    skip_samples: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
+        object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
         if self.epoch < 0 or self.samples_consumed < 0:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
@@ -76,6 +81,7 @@ class LoaderState:
         state["window_segments"] = [list(s) for s in self.window_segments]
         if self.mixture is None:  # a single dataset's state stays as it was
             del state["mixture"]
+        state["skip_samples"] = [list(e) if isinstance(e, tuple) else e for e in self.skip_samples]
         return state
 
     @classmethod

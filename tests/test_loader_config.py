@@ -63,7 +63,7 @@ def test_state_order_fields_are_the_config_order_fields(tmp_path):
     saved = StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1),
                                 batch_size=5).state_dict()
     changes = {"shuffle": False, "seed": 1, "shuffle_window": 7, "block_size": 10, "num_partitions": 2,
-               "partial_batches": "pad", "max_tokens": 64, "token_window": 100}
+               "partial_batches": "pad", "max_tokens": 64, "token_window": 100, "skip_samples": (3,)}
     assert set(changes) == set(marked) - {"epoch_size"}  # epoch_size: mixtures only, see the mixture tests
     for name, changed in changes.items():  # every order field is recorded; a change to it refuses the resume
         dataset = StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1, **{name: changed})

@@ -255,16 +255,13 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def locate(manifest, index: int) -> tuple[int, int]:
     """(shard position, index within the shard) of global sample `index` (negative counts from the end)."""
-    import bisect
-    import itertools
+    from shardkit.lineage import locate_samples
 
     total = manifest.num_samples
     if not -total <= index < total:
         raise IndexError(f"sample {index} is out of range: the dataset holds {total:,} samples")
-    index %= total
-    ends = list(itertools.accumulate(s.samples for s in manifest.shards))
-    position = bisect.bisect_right(ends, index)
-    return position, index - (ends[position - 1] if position else 0)
+    [(position, local)] = locate_samples(manifest, [index % total])
+    return position, local
 
 
 def _load_tokenizer(spec: str):
@@ -308,16 +305,11 @@ def run_cat(args: argparse.Namespace) -> int:
             data, shard=shard, manifest=manifest, verify=False))
     except (ValueError, OSError) as err:
         return _fail("cat", str(err), status=1)
-    sample = reader.sample(local)
-    tokens = [int(t) for t in sample.tokens]
-    segments = []
-    if sample.doc_starts is not None:
-        bounds = [*(int(s) for s in sample.doc_starts), len(tokens)]
-        for j in range(len(sample.doc_starts)):
-            source = int(sample.doc_source[j])
-            segments.append({"start": bounds[j], "end": bounds[j + 1], "source": source,
-                             "source_name": manifest.sources[source] if 0 <= source < len(manifest.sources) else None,
-                             "document": int(sample.doc_index[j])})
+    from shardkit.lineage import sample_segments
+
+    tokens = [int(t) for t in reader.sample(local).tokens]
+    segments = [{"start": s.start, "end": s.end, "source": s.source, "source_name": s.source_name, "document": s.doc}
+                for s in sample_segments(manifest, reader.arrays, local)]
     texts = None
     if args.decode:
         spec = args.tokenizer or manifest.tokenizer.name

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 from shardkit import __version__
 
-# Dataset commands (inspect, verify, cat), the build side (build, tokenizer), the trainer (train, plot),
+# Dataset commands (inspect, verify, cat), lineage (trace), the build side (build, tokenizer), the trainer (train, plot),
 # and the end-to-end demo.
 COMMAND_PROVIDERS = (
     "shardkit.cli.dataset",
+    "shardkit.cli.trace",
     "shardkit.cli.build",
     "shardkit.cli.train",
     "shardkit.cli.tune",

@@ -341,6 +341,10 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "recompute block activations in the backward pass")
     eval_every: int = option(0, "evaluate on --eval_data every N steps (0: only at the end)")
     seed: int = option(1234, "seed of the weight init and dropout")
+    skip_steps: str = option("", "steps whose batches are drawn and dropped without an optimizer step (after a "
+                             "loss spike), e.g. '1200-1260,3100'; every other step gets the batch it would have "
+                             "had, the step counter and learning-rate schedule advance as usual; kept in the "
+                             "checkpoint, so a resumed run goes on skipping them")
     device: str = option("auto", "'auto' (cuda when available), 'cuda' or 'cpu'", choices=("auto", "cuda", "cpu"))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -356,6 +360,7 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+        object.__setattr__(self, "skip_steps", format_steps(parse_steps(self.skip_steps)))
         _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
                "the diloco options (--sync_every, --outer_lr, ...) apply to --parallel diloco only, "
                f"not {self.parallelism.parallel}")
@@ -371,6 +376,35 @@ class TrainConfig:
         if values["data"]["storage_options"] is not None:
             values["data"]["storage_options"] = "<redacted>"
         return values
+
+
+def parse_steps(text: str) -> frozenset[int]:
+    """The steps of a `--skip_steps` value: step numbers (from 1) and inclusive ranges A-B, separated by commas.
+
+    Raises:
+        ValueError: an entry that is neither, naming it.
+    """
+    steps: set[int] = set()
+    for entry in re.split(r"[,\s]+", str(text or "").strip()):
+        if not entry:
+            continue
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
+        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
+        _check(match is not None and 1 <= first <= last,
+               f"--skip_steps entry {entry!r}: expected a step N >= 1 or a range A-B with 1 <= A <= B")
+        steps.update(range(first, last + 1))
+    return frozenset(steps)
+
+
+def format_steps(steps: frozenset[int] | set[int]) -> str:
+    """The canonical text of a set of steps: sorted, runs joined as ranges ('3-5,9')."""
+    runs: list[list[int]] = []
+    for step in sorted(steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 SECTIONS: dict[str, type] = {

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
-from shardkit.train.config import TrainConfig
+from shardkit.train.config import TrainConfig, format_steps, parse_steps
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
                                     step_metrics)
@@ -64,6 +65,7 @@ class Run:
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
+    skip_steps: frozenset[int] = frozenset()  # --skip_steps and those the resumed checkpoint recorded
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -116,9 +118,10 @@ def build(config: TrainConfig) -> Run:
                               world_size=runtime.world_size))
     run.watch = _trainer_metrics(config, runtime)
     resume(run)
+    run.skip_steps = parse_steps(run.config.skip_steps)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1) + "\n")
+        (run_dir / "config.json").write_text(json.dumps(run.config.to_dict(), indent=1) + "\n")
         if config.logging.log_sample_ids:
             SampleLog.truncate_all(run_dir, run.step)
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
@@ -170,6 +173,9 @@ def resume(run: Run) -> None:
                                        extra=run.sync.resume_state(read_marker(path)))
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
+    # Skipped steps stay skipped: a resume without (or with other) --skip_steps adds the checkpoint's.
+    skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
+    run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
     run.resumed_path = path.name
     _rescale_schedule(run, loaded.meta.get("steps"))
     # This run's hyperparameters win over the checkpoint's (`shardkit tune --sampler pbt` perturbs them on resume).
@@ -210,6 +216,7 @@ def save_checkpoint(run: Run) -> None:
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
             "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
+            "skip_steps": run.config.skip_steps,
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     with run.watch.checkpoint("save"):
@@ -259,6 +266,9 @@ def _train_steps(run: Run) -> int:
     every = config.checkpoint.checkpoint_every
     while run.step < config.steps:
         faults.inject_now("step", run.step + 1, runtime.rank)
+        if run.step + 1 in run.skip_steps:
+            _skip_step(run)
+            continue
         started = time.perf_counter()
         sample_ids: list[int] = []
         # Counts the bytes each collective kind moves in this step's forward, backward and update.
@@ -305,6 +315,29 @@ def _train_steps(run: Run) -> int:
     if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
     return 0
+
+
+def _skip_step(run: Run) -> None:
+    """--skip_steps: draw this step's batches and drop them (no forward, no update). The step counter and
+    the learning-rate schedule advance as if the step were taken, so every other step gets the batch and
+    the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
+    sample_ids: list[int] = []
+    for _ in range(run.config.grad_accum):
+        sample_ids += next(run.data)["sample_id"].tolist()
+    run.step += 1
+    with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.step()
+    run.sync.after_inner_step(run.step)
+    if run.sample_log is not None:
+        run.sample_log.log(run.step, sample_ids, skipped=True)
+    run.metrics.log({"step": run.step, "skipped": True, "samples": len(sample_ids)}, echo=False)
+    if run.runtime.is_main:
+        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip_steps): {len(sample_ids)} samples per rank "
+              "drawn and dropped", flush=True)
+    every = run.config.checkpoint.checkpoint_every
+    if every and run.step % every == 0 and run.step < run.config.steps:
+        save_checkpoint(run)
 
 
 def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -265,8 +265,9 @@ class SampleLog:
         for path in (run_dir / "samples").glob("rank-*.jsonl"):
             truncate_jsonl(path, last_step)
 
-    def log(self, step: int, sample_ids: list[int]) -> None:
-        self._file.write(json.dumps({"step": step, "rank": self.rank, "ids": sample_ids}) + "\n")
+    def log(self, step: int, sample_ids: list[int], *, skipped: bool = False) -> None:
+        record = {"step": step, "rank": self.rank, "ids": sample_ids} | ({"skipped": True} if skipped else {})
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()

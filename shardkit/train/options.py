@@ -74,12 +74,12 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: st
     default = _with_presets(default, section, f.name)
     help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
     kwargs: dict[str, Any] = {"dest": f"{section}.{name}" if section else name,
-                              "default": argparse.SUPPRESS, "help": help_text, "type": _converter(str(f.type))}
+                              "default": argparse.SUPPRESS, "help": help_text, "type": _converter(f.metadata.get("cli_type") or str(f.type))}
     if f.metadata.get("choices"):
         kwargs["choices"] = f.metadata["choices"]
     if f.metadata.get("nargs"):  # several values, joined with "," into the field's string
         kwargs["nargs"] = f.metadata["nargs"]
-    kwargs["metavar"] = str(f.type).replace(" | None", "").upper()
+    kwargs["metavar"] = (f.metadata.get("cli_type") or str(f.type)).replace(" | None", "").upper()
     if str(f.type) == "bool":
         kwargs.update(nargs="?", const=True, metavar="BOOL")
     group.add_argument(*sorted(names, key=lambda n: ("." in n, "-" in n[2:], n)), **kwargs)

@@ -1,0 +1,317 @@
+"""`shardkit trace`: the lineage of training data, both ways.
+
+- `shardkit trace RUN_DIR --step N [--rank R] [--text]`: what a step trained on. The run's sample-id logs
+  (`--log_sample_ids`: RUN_DIR/samples/rank-R.jsonl) give the ids, the shards' provenance the document
+  segments (input file, document index) each sample holds; `--text` decodes them with the dataset's tokenizer.
+- `shardkit trace DATASET --source FILE --doc I [--run RUN_DIR]`: which samples hold a piece of that
+  document, and, given a run, at which steps and ranks it was trained on.
+
+Only shards are read (verified), never the corpus. Options are the fields of `TraceConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardkit.cli.dataset import STORAGE_OPTION_HELP, parse_storage_options
+
+
+def _option(default: Any, help: str, *, metavar: str | None = None, flags: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "metavar": metavar, "flags": flags})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    """What `shardkit trace` looks up (one field per option)."""
+
+    target: str = field(metadata={"help": "RUN_DIR (with --step) or DATASET URL (with --source and --doc)",
+                                  "positional": True, "metavar": "RUN_DIR|DATASET"})
+    step: int | None = _option(None, "forward: the optimizer step (from 1) whose samples to show", metavar="N")
+    rank: int | None = _option(None, "forward: only this data-parallel rank's samples (default: all ranks)",
+                               metavar="R")
+    text: bool = _option(False, "print the decoded text of every document segment (reads the tokenizer)")
+    source: str | None = _option(None, "reverse: the input file (as the manifest's sources name it, or a path or "
+                                 "file name that matches one of them)", metavar="FILE")
+    doc: int | None = _option(None, "reverse: the document's index in that input (0-based line, row or paragraph)",
+                              metavar="I")
+    run: str | None = _option(None, "reverse: also list the steps and ranks of this run that trained on those "
+                              "samples", metavar="RUN_DIR")
+    data: str | None = _option(None, "forward: the dataset URL (default: the run's config.json --data)",
+                               metavar="URL")
+    tokenizer: str | None = _option(None, "tokenizer spec for --text (default: the manifest's)", metavar="SPEC")
+    force: bool = _option(False, "with --text: decode even with a tokenizer that is not the dataset's")
+    json: bool = _option(False, "print one JSON object")
+
+    def __post_init__(self) -> None:
+        forward, reverse = self.step is not None, self.source is not None or self.doc is not None
+        if forward == reverse:
+            raise ValueError("give either --step N (RUN_DIR: what a step trained on) or --source FILE --doc I "
+                             "(DATASET: which samples hold a document)")
+        if forward:
+            if self.step < 1:
+                raise ValueError(f"--step must be >= 1, got {self.step}")
+            if self.rank is not None and self.rank < 0:
+                raise ValueError(f"--rank must be >= 0, got {self.rank}")
+            if self.run is not None:
+                raise ValueError("--run goes with --source/--doc; with --step the positional RUN_DIR is the run")
+        else:
+            if self.source is None or self.doc is None:
+                raise ValueError("--source and --doc go together")
+            if self.doc < 0:
+                raise ValueError(f"--doc must be >= 0, got {self.doc}")
+            for name in ("rank", "data"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name} goes with --step")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "trace", help="lineage: the documents a training step read, or the samples and steps holding a document",
+        description="shardkit trace RUN_DIR --step N [--rank R] [--text]: the samples every rank trained on at "
+                    "step N (from the run's --log_sample_ids logs), each with its shard and the document segments "
+                    "it holds (input file, document index). shardkit trace DATASET --source FILE --doc I "
+                    "[--run RUN_DIR]: the samples holding a piece of that document, and the steps that trained "
+                    "on them. Reads verified shards, never the corpus.")
+    for f in dataclasses.fields(TraceConfig):
+        meta = f.metadata
+        if meta.get("positional"):
+            parser.add_argument(f.name, metavar=meta["metavar"], help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
+        if str(f.type) == "bool":
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=int if str(f.type).startswith("int") else str, metavar=meta["metavar"])
+        parser.add_argument(*(meta["flags"] or (f"--{f.name}",)), **kwargs)
+    parser.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                        dest="storage_option", help=STORAGE_OPTION_HELP)
+    parser.set_defaults(func=run_trace)
+
+
+def _fail(message: str) -> int:
+    print(f"shardkit trace: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceConfig) if hasattr(args, f.name)}
+    try:
+        config = TraceConfig(**values)
+        options = parse_storage_options(args.storage_option)
+        result = trace_step(config, options) if config.step is not None else trace_document(config, options)
+    except (ValueError, OSError, IndexError, RuntimeError) as err:
+        return _fail(str(err))
+    if config.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(format_step(result) if config.step is not None else format_document(result))
+    return 0
+
+
+# -- the run's logs -------------------------------------------------------------------------------
+
+def _sample_logs(run_dir: Path) -> list[Path]:
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    logs = sorted((run_dir / "samples").glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]))
+    if not logs:
+        raise FileNotFoundError(f"{run_dir} holds no sample-id logs (samples/rank-R.jsonl): "
+                                "train with --log_sample_ids to trace its steps")
+    return logs
+
+
+def _records(run_dir: Path):
+    """Every (step, rank, ids, skipped) record of the run's sample logs."""
+    for path in _sample_logs(run_dir):
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    yield int(record["step"]), int(record["rank"]), record["ids"], bool(record.get("skipped"))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ValueError(f"{path} line {number} is not a sample-id record ({err})") from err
+
+
+def _run_streams(run_dir: Path, data: str | None) -> list[str]:
+    """The dataset URLs of the run, in mixture order (global sample ids count through them in turn)."""
+    from shardkit.train.config import data_entries
+
+    if data is None:
+        config_path = run_dir / "config.json"
+        try:
+            data = json.loads(config_path.read_text())["data"]["data"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"cannot read the run's dataset from {config_path} ({err}); pass --data URL") from err
+    return [url for url, _ in data_entries(data)]
+
+
+# -- forward: a step's samples ---------------------------------------------------------------------
+
+class _Dataset:
+    """One dataset's manifest and the shards read so far (each at most once, verified)."""
+
+    def __init__(self, url: str, options: dict[str, Any]):
+        from shardkit.manifest import load_manifest
+        from shardkit.storage import Storage
+
+        self.storage = Storage(url, options)
+        self.manifest = load_manifest(self.storage)
+        self._arrays: dict[int, Any] = {}
+
+    def arrays(self, position: int):
+        if position not in self._arrays:
+            from shardkit.formats.fetch import read_shard
+            from shardkit.formats.reader import ShardReader
+
+            shard = self.manifest.shards[position]
+            self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
+                data, shard=shard, manifest=self.manifest, verify=False)).arrays
+        return self._arrays[position]
+
+
+def _decoder(config: TraceConfig, manifest):
+    from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
+
+    spec = config.tokenizer or manifest.tokenizer.name
+    tokenizer = _load_tokenizer(spec)
+    differences = tokenizer_differences(getattr(tokenizer, "info", None), manifest.tokenizer)
+    if differences and not config.force:
+        raise ValueError(f"tokenizer {spec!r} is not the one the dataset was built with ({'; '.join(differences)}): "
+                         "its text would be wrong. Pass the dataset's tokenizer with --tokenizer, or --force")
+    return tokenizer
+
+
+def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """The samples of `config.step` (all ranks or `config.rank`) with their shards and segments."""
+    from shardkit.lineage import locate_samples, sample_segments
+
+    run_dir = Path(config.target)
+    found: dict[int, tuple[list[int], bool]] = {}
+    steps_seen = [None, None]
+    for step, rank, ids, skipped in _records(run_dir):
+        steps_seen = [min(steps_seen[0] or step, step), max(steps_seen[1] or step, step)]
+        if step == config.step and (config.rank is None or rank == config.rank):
+            found[rank] = (ids, skipped)  # a later record (after a resume) replaces an earlier one
+    if not found:
+        where = f"rank {config.rank} of " if config.rank is not None else ""
+        logged = f"steps {steps_seen[0]}-{steps_seen[1]}" if steps_seen[0] is not None else "no step"
+        raise ValueError(f"step {config.step} is not in the sample-id logs of {where}{run_dir} (they hold {logged})")
+    datasets = [_Dataset(url, options) for url in _run_streams(run_dir, config.data)]
+    offsets, total = [], 0
+    for dataset in datasets:
+        offsets.append(total)
+        total += dataset.manifest.num_samples
+    decoders = [_decoder(config, d.manifest) for d in datasets] if config.text else None
+    samples = []
+    for rank in sorted(found):
+        ids, skipped = found[rank]
+        for sample_id in ids:
+            if not 0 <= sample_id < total:
+                raise ValueError(f"sample id {sample_id} (step {config.step}, rank {rank}) is outside the run's data "
+                                 f"({total:,} samples): is --data the dataset this run trained on?")
+            stream = max(s for s, offset in enumerate(offsets) if offset <= sample_id)
+            dataset = datasets[stream]
+            [(position, local)] = locate_samples(dataset.manifest, [sample_id - offsets[stream]])
+            arrays = dataset.arrays(position)
+            segments = [dataclasses.asdict(s) for s in sample_segments(dataset.manifest, arrays, local)]
+            entry = {"rank": rank, "sample_id": sample_id, "dataset": dataset.storage.display_url,
+                     "shard": dataset.manifest.shards[position].name, "shard_index": local, "skipped": skipped,
+                     "segments": segments}
+            if decoders is not None:
+                tokens = arrays.sample(local).tokens
+                pieces = segments or [{"start": 0, "end": len(tokens)}]
+                for piece in pieces:
+                    piece["text"] = decoders[stream].decode([int(t) for t in tokens[piece["start"]:piece["end"]]])
+                if not segments:
+                    entry["text"] = pieces[0]["text"]
+            samples.append(entry)
+    return {"run": str(run_dir), "step": config.step, "samples": samples}
+
+
+def _segment_line(segment: dict[str, Any]) -> str:
+    where = segment["source_name"] or ("padding" if segment["source"] == -1 else f"source {segment['source']}")
+    doc = "" if segment["source"] == -1 else f" document {segment['doc']}"
+    return f"    tokens [{segment['start']}, {segment['end']}): {where}{doc}"
+
+
+def format_step(result: dict[str, Any]) -> str:
+    lines = [f"# {result['run']} step {result['step']}: {len(result['samples'])} samples"]
+    rank = None
+    for sample in result["samples"]:
+        if sample["rank"] != rank:
+            rank = sample["rank"]
+            lines.append(f"## rank {rank}" + (" (batch skipped by --skip_steps)" if sample["skipped"] else ""))
+        lines.append(f"sample {sample['sample_id']}: shard {sample['shard']} #{sample['shard_index']}")
+        for segment in sample["segments"]:
+            lines.append(_segment_line(segment))
+            if "text" in segment:
+                lines.append("      " + json.dumps(segment["text"], ensure_ascii=False))
+        if "text" in sample:
+            lines.append("      " + json.dumps(sample["text"], ensure_ascii=False))
+    return "\n".join(lines)
+
+
+# -- reverse: a document's samples -----------------------------------------------------------------
+
+def trace_document(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """The samples holding a piece of document (`config.source`, `config.doc`), and the run's steps."""
+    from shardkit.lineage import find_documents, locate_samples, sample_segments, source_index
+
+    dataset = _Dataset(config.target, options)
+    manifest = dataset.manifest
+    source = source_index(manifest, config.source)
+    ids = find_documents(manifest, [(source, config.doc)], dataset.arrays)[(source, config.doc)]
+    samples = []
+    for sample_id, (position, local) in zip(ids.tolist(), locate_samples(manifest, ids.tolist())):
+        segments = [s for s in sample_segments(manifest, dataset.arrays(position), local)
+                    if (s.source, s.doc) == (source, config.doc)]
+        samples.append({"sample_id": sample_id, "shard": manifest.shards[position].name, "shard_index": local,
+                        "tokens": [[s.start, s.end] for s in segments]})
+    result: dict[str, Any] = {"dataset": dataset.storage.display_url, "source": manifest.sources[source],
+                              "doc": config.doc, "samples": samples}
+    if config.run is not None:
+        result["steps"] = _steps_of(Path(config.run), config.target, set(ids.tolist()), options)
+    return result
+
+
+def _steps_of(run_dir: Path, dataset_url: str, ids: set[int], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """(step, rank, sample ids) of the run's records that consumed any of `ids` (ids of `dataset_url`)."""
+    streams = _run_streams(run_dir, None)
+    offset = 0
+    if len(streams) > 1:  # a mixture numbers its streams' samples one stream after the other
+        from shardkit.manifest import load_manifest
+
+        same = [i for i, url in enumerate(streams) if url.rstrip("/") == dataset_url.rstrip("/")]
+        if not same:
+            raise ValueError(f"{dataset_url} is not one of the datasets of run {run_dir} ({', '.join(streams)})")
+        offset = sum(load_manifest(url, options).num_samples for url in streams[:same[0]])
+    wanted = {i + offset for i in ids}
+    hits = []
+    for step, rank, logged, skipped in _records(run_dir):
+        matched = sorted(wanted.intersection(logged))
+        if matched:
+            hits.append({"step": step, "rank": rank, "sample_ids": [i - offset for i in matched], "skipped": skipped})
+    return sorted(hits, key=lambda h: (h["step"], h["rank"]))
+
+
+def format_document(result: dict[str, Any]) -> str:
+    lines = [f"# {result['dataset']}: document {result['doc']} of {result['source']} is in "
+             f"{len(result['samples'])} samples"]
+    for sample in result["samples"]:
+        spans = ", ".join(f"tokens [{a}, {b})" for a, b in sample["tokens"])
+        lines.append(f"sample {sample['sample_id']}: shard {sample['shard']} #{sample['shard_index']}, {spans}")
+    if "steps" in result:
+        lines.append(f"# trained on at {len(result['steps'])} step/rank records of the run")
+        for hit in result["steps"]:
+            note = " (skipped by --skip_steps)" if hit["skipped"] else ""
+            lines.append(f"step {hit['step']} rank {hit['rank']}: samples "
+                         + ", ".join(map(str, hit["sample_ids"])) + note)
+    return "\n".join(lines)
