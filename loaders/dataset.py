@@ -32,7 +32,8 @@ from shardkit.loaders.cache import ShardCache
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.partition import partial_batch, rank_positions, steps_in_epoch, worker_of_step, worker_steps
+from shardkit.loaders.quarantine import filter_order, resolve_quarantine_list
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from shardkit.manifest import Manifest, load_manifest
@@ -56,6 +57,8 @@ class IterationPlan:
     numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
     bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
     segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
+    quarantine: tuple[tuple[int, int, int], ...] = ()  # (shard, epoch, position) left out (loaders.quarantine)
+    steps: int | None = None  # read at most this many steps of the first epoch (on_corrupt="skip": one segment)
 
 
 class StreamingDataset(IterableDataset):
@@ -115,6 +118,13 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
                              f"(max_sample_tokens={longest}); raise max_tokens")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
+        if config.on_corrupt == "skip" and config.max_tokens is not None:
+            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
+                             "use a quarantine_list, or on_corrupt='raise'")
+        self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
+                                                          [s.url for s in streams])
+                                  if config.quarantine_list is not None else ())
+        self._filtered: dict[tuple, Any] = {}
         self._plan: IterationPlan | None = None
         self._iterations = 0
         self.epoch = 0
@@ -150,13 +160,34 @@ class StreamingDataset(IterableDataset):
     def order_config(self, num_partitions: int) -> OrderConfig:
         return self.config.order_config(num_partitions)
 
-    def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
-        """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
+    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()):
+        """The global order of `epoch` (pure function of manifests, seed, epoch and partitions), without the
+        positions of quarantined shards (`quarantine` entries, see `shardkit.loaders.quarantine`)."""
         config = self.order_config(num_partitions)
         if len(self.manifests) == 1:
-            return EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
-        return MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
-                            [s.weight for s in self.streams], config, epoch, self.epoch_size)
+            order = EpochOrder([sh.samples for sh in self.manifests[0].shards], config, epoch)
+        else:
+            order = MixtureOrder([[sh.samples for sh in m.shards] for m in self.manifests],
+                                 [s.weight for s in self.streams], config, epoch, self.epoch_size)
+        if not quarantine:
+            return order
+        key = (epoch, num_partitions, tuple(quarantine))
+        if key not in self._filtered:  # a filter scans the epoch's order: keep the last few
+            if len(self._filtered) >= 4:
+                self._filtered.pop(next(iter(self._filtered)))
+            self._filtered[key] = filter_order(order, self.table.ends, quarantine, epoch)
+        return self._filtered[key]
+
+    def shard_owner(self, index: int) -> tuple[int, int]:
+        """(stream, shard within the stream) of shard `index` over all streams."""
+        return self._shard_owner[index]
+
+    def agreement_group(self) -> Any:
+        """The data-parallel process group (None: the default group)."""
+        mesh, dim = self._group_args["device_mesh"], self._group_args["mesh_dim"]
+        if mesh is not None:
+            return mesh.get_group(dim) if dim is not None else mesh.get_group()
+        return self._group_args["process_group"]
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
@@ -179,9 +210,11 @@ class StreamingDataset(IterableDataset):
         """Samples in one epoch's order (a mixture's epoch_size, else all samples)."""
         return self.num_samples if len(self.streams) == 1 else (self.epoch_size or self.num_samples)
 
-    def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0) -> int:
-        return steps_in_epoch(self.positions_per_epoch, start=start, global_batch=batch_size * topology.world_size,
-                              policy=self.partial_batches)
+    def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0,
+                          num_positions: int | None = None) -> int:
+        """Steps left from `start` in an epoch of `num_positions` (default: `positions_per_epoch`)."""
+        return steps_in_epoch(self.positions_per_epoch if num_positions is None else num_positions, start=start,
+                              global_batch=batch_size * topology.world_size, policy=self.partial_batches)
 
     def check_batch_fits(self, batch_size: int, topology: Topology) -> None:
         """Raise when an epoch holds no whole global batch (iteration would silently yield nothing).
@@ -209,7 +242,8 @@ class StreamingDataset(IterableDataset):
                 raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
             topology = self.resolve_topology()
             plan = IterationPlan(epoch=self.epoch, start=0, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=self.resolve_partitions(topology))
+                                 num_partitions=self.resolve_partitions(topology),
+                                 quarantine=tuple((s, 0, 0) for s in self.listed_quarantine))
             if self.max_tokens is None:
                 self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
@@ -220,29 +254,65 @@ class StreamingDataset(IterableDataset):
             batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
                                             worker, num_workers)
         else:
-            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers)
+            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers,
+                                     limit=plan.steps if offset == 0 else None)
         if info is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
-                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
-        order = self.order(epoch, plan.num_partitions)
+    def _step_chunks(self, order: Any, start: int, steps: np.ndarray, plan: IterationPlan) -> list[np.ndarray]:
+        """`steps` cut into chunks of `chunk_samples`; the smaller last step of "partial" alone in its chunk."""
+        total = steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
+                               policy=self.partial_batches)
+        per_chunk = max(1, self.chunk_samples // plan.batch_size)
+        tail = []
+        if self._last_batch(order, start, plan) is not None and len(steps) and steps[-1] == total - 1:
+            steps, tail = steps[:-1], [steps[-1:]]
+        return [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)] + tail
+
+    def _last_batch(self, order: Any, start: int, plan: IterationPlan) -> int | None:
+        return partial_batch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
+                             world_size=plan.topology.world_size, policy=self.partial_batches)
+
+    def _step_ids(self, order: Any, start: int, chunk_steps: np.ndarray, plan: IterationPlan) -> np.ndarray:
+        """This rank's sample ids [steps, batch] of one chunk of `_step_chunks`."""
         topo, batch = plan.topology, plan.batch_size
+        last = self._last_batch(order, start, plan)
         total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
                                policy=self.partial_batches)
+        width = last if last is not None and chunk_steps[-1] == total - 1 else batch
+        positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
+                                   world_size=topo.world_size, batch_size=width, rank=topo.rank,
+                                   partition_of=order.partition_of, stride=batch * topo.world_size)
+        # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
+        ids = order.sample_ids(positions)
+        ids.sort(axis=1)
+        return ids
+
+    def steps_left(self, order: Any, start: int, plan: IterationPlan) -> int:
+        return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
+                              policy=self.partial_batches)
+
+    def rank_shards(self, order: Any, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
+        """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
+        wanted = np.arange(min(steps, self.steps_left(order, start, plan)), dtype=np.int64)
+        shards: dict[int, None] = {}
+        for chunk in self._step_chunks(order, start, wanted, plan):
+            shards.update(dict.fromkeys(self._shards_in_order(self._step_ids(order, start, chunk, plan))))
+        return list(shards)
+
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
+                  limit: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        order = self.order(epoch, plan.num_partitions, plan.quarantine)
+        total = self.steps_left(order, start, plan)
+        if limit is not None:  # a bounded iteration (on_corrupt="skip": one checked segment)
+            total = min(total, limit)
         steps = worker_steps(total, worker=worker, num_workers=num_workers, bundle=plan.bundle)
-        per_chunk = max(1, self.chunk_samples // batch)
-        chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
+        chunks = self._step_chunks(order, start, steps, plan)
+        topo = plan.topology
 
         def ids_of(chunk_steps: np.ndarray) -> np.ndarray:
-            positions = rank_positions(chunk_steps, start=start, num_positions=order.num_positions,
-                                       world_size=topo.world_size, batch_size=batch, rank=topo.rank,
-                                       partition_of=order.partition_of)
-            # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
-            ids = order.sample_ids(positions)
-            ids.sort(axis=1)
-            return ids
+            return self._step_ids(order, start, chunk_steps, plan)
 
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
@@ -274,7 +344,7 @@ class StreamingDataset(IterableDataset):
     def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
                          worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
         """Token-budget batches: plan each window of the global order (see `token_budget`)."""
-        order = self.order(epoch, plan.num_partitions)
+        order = self.order(epoch, plan.num_partitions, plan.quarantine)
         topo, total = plan.topology, order.num_positions
         step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
         held: dict[int, Any] = {}

@@ -40,6 +40,8 @@ class LoaderState:
         max_tokens, token_window: token-budget batching parameters (None / unused otherwise).
         window_segments: token-budget mode only: [world_size, steps] consumed in the current window
             (starting at `samples_consumed`), one entry per world size that read from it.
+        quarantine: (shard index, epoch, position) of each quarantined shard: its samples are left out
+            of the order from that position of that epoch's unfiltered order on (`loaders.quarantine`).
     """
 
     epoch: int
@@ -58,9 +60,18 @@ class LoaderState:
     max_tokens: int | None = None
     token_window: int = DEFAULT_TOKEN_WINDOW
     window_segments: tuple[tuple[int, int], ...] = ()
+    quarantine: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
+        try:
+            quarantine = tuple((int(s), int(e), int(p)) for s, e, p in self.quarantine)
+        except (TypeError, ValueError):
+            raise ValueError(f"loader state: quarantine must be a list of [shard, epoch, position], got "
+                             f"{self.quarantine!r}"[:300]) from None
+        if any(min(entry) < 0 for entry in quarantine):
+            raise ValueError(f"loader state: quarantine entries must be >= 0, got {quarantine!r}"[:300])
+        object.__setattr__(self, "quarantine", quarantine)
         if self.epoch < 0 or self.samples_consumed < 0:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
@@ -68,6 +79,7 @@ class LoaderState:
     def to_dict(self) -> dict[str, Any]:
         state = {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
         state["window_segments"] = [list(s) for s in self.window_segments]
+        state["quarantine"] = [list(q) for q in self.quarantine]
         return state
 
     @classmethod
