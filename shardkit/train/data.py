@@ -67,7 +67,7 @@ def _source(spec: str) -> Any:
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
 
 
-def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
+def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, **overrides: Any):
     from shardkit.loaders.dataset import StreamingDataset
 
     # Data follows the mesh: rank and world size are the data-parallel coordinate and size, so the
@@ -76,7 +76,7 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool):
     local_world_size = runtime.dp_local_world_size
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **mesh,
                             local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
-                            storage_options=storage_options(config))
+                            storage_options=storage_options(config), **overrides)
 
 
 def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
@@ -133,7 +133,8 @@ class EvalData:
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False),
+        # --quarantine_list names shards of the training data, not of the held-out set.
+        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, quarantine_list=None),
                                      batch_size=self.config.batch_size, num_workers=0)
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
