@@ -78,12 +78,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_shard_corrupt_on_one_node_is_skipped_on_every_rank(process_pool, store):
-    store["proxy"].corrupt = None
-    clean = run_two_nodes(process_pool, store, "clean")
-    # Corrupt a shard that only rank 1 reads (its node's partition), so no sample of it is read before
-    # the ranks agree: the epoch must then hold every other sample exactly once.
-    mine = set(flat(clean[1]).tolist())
-    victim = next(i for i in range(13) if shard_range(i) <= mine)
+    from shardkit.loaders.order import epoch_order
+
+    # Corrupt a shard of the partition that only rank 1's node reads (two nodes: two canonical partitions),
+    # so no sample of it is read before the ranks agree: the epoch must hold every other sample once.
+    sizes = [shard.samples for shard in store["manifest"].shards]
+    order = epoch_order(sizes, seed=TWO_NODES["seed"], num_partitions=2, shuffle_window=TWO_NODES["shuffle_window"])
+    positions = np.arange(SAMPLES)
+    shard_of = np.searchsorted(np.cumsum(sizes), order.sample_ids(positions), side="right")
+    victim = next(i for i in range(len(sizes)) if np.all(order.partition_of(positions[shard_of == i]) == 1))
     name = store["manifest"].shards[victim].name
     store["proxy"].corrupt = name
     runs = run_two_nodes(process_pool, store, "corrupt")
@@ -113,7 +116,7 @@ def test_on_corrupt_raise_names_the_shard(store, tmp_path):
     from shardkit import StreamingDataLoader, StreamingDataset
     from shardkit.errors import CorruptShardError
 
-    name = store["manifest"].shards[3].name
+    name = store["manifest"].shards[0].name  # the first shard read: fails at once
     store["proxy"].corrupt = name
     dataset = StreamingDataset(store["url"], cache_dir=str(tmp_path / "cache"), storage_options=store["through"],
                                shuffle=False, prefetch=False)
