@@ -232,7 +232,7 @@ class StreamingDataLoader(DataLoader):
         if differences:
             raise ValueError("cannot resume: the saved loader state belongs to another order ("
                              + "; ".join(differences) + ")")
-        shards = len(self.dataset._shard_owner)
+        shards = len(self.dataset.table.ends)
         bad = [entry for entry in saved.quarantine if not 0 <= entry[0] < shards]
         if bad:
             raise ValueError(f"cannot resume: the state quarantines shard {bad[0][0]}, but the dataset has {shards}")
