@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 # Defined here, not in `order`/`partition`, so that the trainer's `--help` (generated from this class)
 # does not import numpy; those modules take them from here.
 DEFAULT_SHUFFLE_WINDOW = 8192
-PARTIAL_POLICIES = ("drop", "pad")
+PARTIAL_POLICIES = ("drop", "pad", "partial")
+CORRUPT_POLICIES = ("raise", "skip")
 DEFAULT_CHUNK_SAMPLES = 2048
 DEFAULT_TOKEN_WINDOW = 4096
 CACHE_MODES = ("decoded", "compressed", "none")
@@ -60,7 +61,9 @@ class LoaderConfig:
     num_partitions: int | None = _option(None, "canonical partitions of the order; default: the number of nodes "
                                          "of the first run (a resumed run takes it from the loader state)",
                                          order=True)
-    partial_batches: str = _option("drop", "the ragged end of an epoch: 'drop' it or 'pad' it by repeating samples",
+    partial_batches: str = _option("drop", "the ragged end of an epoch: 'drop' it, 'pad' it by repeating samples, "
+                                   "or 'partial': a smaller last batch (every sample once; padded by fewer than "
+                                   "world_size samples only when the rest does not split evenly over the ranks)",
                                    order=True, choices=PARTIAL_POLICIES)
     epoch_size: int | None = _option(None, "positions per mixture epoch; default: all samples of all streams "
                                      "(mixtures only)", order=True)
@@ -81,6 +84,11 @@ class LoaderConfig:
     cache_mode: str = _option("decoded", "what the node-local cache keeps: 'decoded' shards (fastest rereads, "
                               "largest), 'compressed' shard files (decoded into memory at each open), or 'none' "
                               "(single pass: stream from storage, nothing on disk)", choices=CACHE_MODES)
+    on_corrupt: str = _option("raise", "a shard still corrupt after its re-read: 'raise' (stop), or 'skip' it on "
+                              "every rank alike (quarantine: agreed over the process group, counted, logged)",
+                              choices=CORRUPT_POLICIES)
+    quarantine_list: str | None = _option(None, "JSON file of shards to leave out of the order from the start "
+                                          "(written by `shardkit verify --quarantine-list FILE`)")
 
     def __post_init__(self) -> None:
         from shardkit.loaders.partition import check_policy
@@ -93,6 +101,10 @@ class LoaderConfig:
         check_policy(self.partial_batches)
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.on_corrupt not in CORRUPT_POLICIES:
+            raise ValueError(f"on_corrupt must be one of {CORRUPT_POLICIES}, got {self.on_corrupt!r}")
+        if self.quarantine_list is not None and (not isinstance(self.quarantine_list, str) or not self.quarantine_list):
+            raise ValueError(f"quarantine_list must be a file path or None, got {self.quarantine_list!r}")
         _positive("epoch_size", self.epoch_size, optional=True)
         _positive("max_tokens", self.max_tokens, optional=True)
         _positive("token_window", self.token_window)

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from shardkit import metrics
 
 from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDataset, batch_to_tensors
-from shardkit.loaders.partition import dropped_in_epoch
+from shardkit.loaders.partition import dropped_in_epoch, partial_batch
+from shardkit.loaders.quarantine import Quarantine
 from shardkit.loaders.state import LoaderState
 from shardkit.loaders.topology import Topology
 
@@ -82,6 +83,7 @@ class StreamingDataLoader(DataLoader):
         self._consumed = 0  # positions of the epoch's global order handed to the training loop
         self._num_partitions: int | None = dataset.num_partitions
         self._topology: Topology | None = None
+        self._quarantine = Quarantine(dataset, dataset.listed_quarantine)
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
         self._workers_in_sync = False
 
@@ -101,7 +103,12 @@ class StreamingDataLoader(DataLoader):
         """
         if self.token_mode:
             raise TypeError("len() is unknown in token-budget mode: batches depend on the sample lengths")
-        return self.dataset.batches_per_epoch(self.samples_per_rank, self._resolve())
+        topology = self._resolve()
+        return self.dataset.batches_per_epoch(self.samples_per_rank, topology, num_positions=self._positions(self._epoch))
+
+    def _positions(self, epoch: int) -> int:
+        """Positions of `epoch`'s order without the quarantined shards."""
+        return self.dataset.order(epoch, self._num_partitions, self._quarantine.entries).num_positions
 
     @property
     def epoch(self) -> int:
@@ -110,29 +117,56 @@ class StreamingDataLoader(DataLoader):
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
-        global_batch = self.samples_per_rank * topology.world_size
-        self.dataset.pin_global_batch(global_batch)
-        num_positions = self.dataset.order(self._epoch, self._num_partitions).num_positions
+        self.dataset.pin_global_batch(self.samples_per_rank * topology.world_size)
+        num_positions = self._positions(self._epoch)
         finished = (self._consumed >= num_positions if self.token_mode else
-                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed) == 0)
+                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+                                                   num_positions=num_positions) == 0)
         if finished:
             self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
+            num_positions = self._positions(self._epoch)
         if not self.token_mode:
             self.dataset.check_batch_fits(self.samples_per_rank, topology)
+        if self._consumed == 0 and not self.token_mode:
+            self._log_epoch(num_positions, topology)
+        if not self._quarantine.checking:
+            yield from self._read(topology, steps=None)
+        else:  # one checked segment at a time (see shardkit.loaders.quarantine)
+            segment = max(1, self.dataset.chunk_samples // self.samples_per_rank)
+            while True:
+                plan = self._plan(topology)
+                self._quarantine.check(epoch=self._epoch, start=self._consumed, steps=segment, plan=plan)
+                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+                                                  num_positions=self._positions(self._epoch)) == 0:
+                    break
+                yield from self._read(topology, steps=segment)
+        self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
+        self._workers_in_sync = self.persistent_workers and not self._quarantine.checking
+
+    def _plan(self, topology: Topology, steps: int | None = None) -> IterationPlan:
+        return IterationPlan(epoch=self._epoch, start=self._consumed, batch_size=self.samples_per_rank,
+                             topology=topology, num_partitions=self._num_partitions, numpy_batches=True,
+                             bundle=self._bundle_size() if self.num_workers else 1, segments=self._segments,
+                             quarantine=self._quarantine.entries, steps=steps)
+
+    def _log_epoch(self, num_positions: int, topology: Topology) -> None:
+        global_batch = self.samples_per_rank * topology.world_size
+        policy = self.dataset.partial_batches
+        left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=policy,
+                                world_size=topology.world_size)
+        last = partial_batch(num_positions, start=0, global_batch=global_batch, world_size=topology.world_size,
+                             policy=policy)
+        logger.info("epoch %d: %d batches per rank, global batch %d, %s %d positions (partial_batches=%s%s)",
+                    self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left), policy,
+                    f": last batch {last} samples per rank" if last is not None else "")
+
+    def _read(self, topology: Topology, *, steps: int | None) -> Iterator[dict[str, torch.Tensor]]:
+        """Hand out the batches of one reader run: the rest of the epoch, or `steps` steps of it."""
         if self._iterator is not None and not self._workers_in_sync:
             self._iterator._shutdown_workers()
             self._iterator = None
         if self._iterator is None or self.num_workers == 0:
-            self.dataset.set_plan(IterationPlan(epoch=self._epoch, start=self._consumed,
-                                                batch_size=self.samples_per_rank, topology=topology,
-                                                num_partitions=self._num_partitions, numpy_batches=True,
-                                                bundle=self._bundle_size() if self.num_workers else 1,
-                                                segments=self._segments))
-        if self._consumed == 0 and not self.token_mode:
-            left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=self.dataset.partial_batches)
-            logger.info("epoch %d: %d batches per rank, global batch %d, %s %d positions (partial_batches=%s)",
-                        self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left),
-                        self.dataset.partial_batches)
+            self.dataset.set_plan(self._plan(topology, steps))
         self._workers_in_sync = False
         # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
@@ -146,15 +180,13 @@ class StreamingDataLoader(DataLoader):
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             # Count before handing out: a state saved after receiving this batch includes it.
-            if progress is None:
-                self._consumed += global_batch
+            if progress is None:  # every rank's batch has this size ("partial": the last step is smaller)
+                self._consumed += len(arrays["sample_id"]) * topology.world_size
             else:
                 self._advance_window(progress, topology.world_size)
             metrics.loader_batch(time.perf_counter() - asked)
             yield batch
             asked = time.perf_counter()
-        self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
-        self._workers_in_sync = self.persistent_workers
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
@@ -184,7 +216,8 @@ class StreamingDataLoader(DataLoader):
         return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
                            num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, window_segments=self._segments,
-                           mixture=record.to_dict() if record is not None else None, **order)
+                           mixture=record.to_dict() if record is not None else None,
+                           quarantine=self._quarantine.state(), **order)
 
     def state_dict(self) -> dict[str, Any]:
         """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""
@@ -203,16 +236,24 @@ class StreamingDataLoader(DataLoader):
             ValueError: the state is malformed or its order differs (dataset, seed, partitions...).
         """
         saved = LoaderState.from_dict(state)
-        self.dataset.resume_from(saved, allow_mixture_change=allow_mixture_change)
-        # The saved position is checked against the epoch it was saved in (a change may shorten it).
-        num_positions = saved.epoch_size or saved.num_samples
-        # The last step of an epoch may overrun its end: padded (pad) or a whole token window (token budget).
+        shards = len(self.dataset.table.ends)
+        bad = [entry for entry in saved.quarantine if not 0 <= entry[0] < shards]
+        if bad:
+            raise ValueError(f"cannot resume: the state quarantines shard {bad[0][0]}, but the dataset has {shards}")
+        changed = self.dataset.resume_from(saved, allow_mixture_change=allow_mixture_change)
+        # The saved position is checked against the epoch it was saved in: a mixture change may shorten
+        # it, so then the saved epoch's length bounds it (quarantined positions only shorten an epoch).
+        num_positions = (saved.epoch_size or saved.num_samples if changed else
+                         self.dataset.order(saved.epoch, saved.num_partitions, saved.quarantine).num_positions)
+        # The last step of an epoch may overrun its end: padded (pad, partial) or a whole token window (token budget).
         overrun = (saved.token_window if saved.max_tokens is not None else
-                   saved.global_batch_size if saved.partial_batches == "pad" else 0)
+                   saved.global_batch_size if saved.partial_batches in ("pad", "partial") else 0)
         if saved.samples_consumed > num_positions + overrun:
             raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
                              f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
         self._num_partitions = saved.num_partitions
         self._epoch, self._consumed = saved.epoch, saved.samples_consumed
         self._segments = saved.window_segments
+        self._quarantine.restore(saved.quarantine, epoch=saved.epoch, consumed=saved.samples_consumed,
+                                 num_partitions=saved.num_partitions)
         self._workers_in_sync = False

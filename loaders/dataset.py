@@ -30,11 +30,13 @@ from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import (
+    partial_batch,
     rank_positions,
     steps_in_epoch,
     worker_of_step,
     worker_step_chunks,
 )
+from shardkit.loaders.quarantine import filter_order, resolve_quarantine_list
 from shardkit.loaders.remix import (
     MixtureRecord,
     MixtureStreams,
@@ -73,6 +75,8 @@ class IterationPlan:
     numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
     bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
     segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
+    quarantine: tuple[tuple[int, int, int], ...] = ()  # (shard, epoch, position) left out (loaders.quarantine)
+    steps: int | None = None  # read at most this many steps of the first epoch (on_corrupt="skip": one segment)
 
 
 class StreamingDataset(IterableDataset):
@@ -141,10 +145,18 @@ class StreamingDataset(IterableDataset):
             raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
                              "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
+        if config.on_corrupt == "skip" and config.max_tokens is not None:
+            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
+                             "use a quarantine_list, or on_corrupt='raise'")
+        self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
+                                                          [s.url for s in streams])
+                                  if config.quarantine_list is not None else ())
+        self._filtered: dict[tuple, Any] = {}
         self._plan: IterationPlan | None = None
         self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
         self._mixture: MixtureRecord | None = None  # see mixture_record()
-        self._resume: tuple[int, int] | None = None  # standalone iteration: (start, num_partitions) after a load
+        # A standalone iteration after load_state_dict: (start, num_partitions, quarantine entries).
+        self._resume: tuple[int, int, tuple] | None = None
         self._iterations = 0
         self.epoch = 0
 
@@ -179,15 +191,37 @@ class StreamingDataset(IterableDataset):
     def order_config(self, num_partitions: int) -> OrderConfig:
         return self.config.order_config(num_partitions)
 
-    def order(self, epoch: int, num_partitions: int) -> EpochOrder | MixtureOrder:
-        """The global order of `epoch` (pure function of manifests, seed, epoch and partitions)."""
+    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()):
+        """The global order of `epoch` (pure function of manifests, seed, epoch and partitions), without the
+        positions of quarantined shards (`quarantine` entries, see `shardkit.loaders.quarantine`)."""
         config = self.order_config(num_partitions)
         record = self.mixture_record()
         if record is None:
             order = EpochOrder(self.manifests[0].columns.samples, config, epoch)
-            return SkippingOrder(order, self.skipped_ids()) if self.skip_samples else order
-        return MixtureOrder([m.columns.samples for m in self.manifests],
-                            [s.weight for s in self.streams], config, epoch, plan=record.plan)
+            if self.skip_samples:
+                order = SkippingOrder(order, self.skipped_ids())
+        else:
+            order = MixtureOrder([m.columns.samples for m in self.manifests],
+                                 [s.weight for s in self.streams], config, epoch, plan=record.plan)
+        if not quarantine:
+            return order
+        key = (epoch, num_partitions, tuple(quarantine))
+        if key not in self._filtered:  # a filter scans the epoch's order: keep the last few
+            if len(self._filtered) >= 4:
+                self._filtered.pop(next(iter(self._filtered)))
+            self._filtered[key] = filter_order(order, self.table.ends, quarantine, epoch)
+        return self._filtered[key]
+
+    def shard_owner(self, index: int) -> tuple[int, int]:
+        """(stream, shard within the stream) of shard `index` over all streams."""
+        return self._shard_owner[index]
+
+    def agreement_group(self) -> Any:
+        """The data-parallel process group (None: the default group)."""
+        mesh, dim = self._group_args["device_mesh"], self._group_args["mesh_dim"]
+        if mesh is not None:
+            return mesh.get_group(dim) if dim is not None else mesh.get_group()
+        return self._group_args["process_group"]
 
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
@@ -223,9 +257,10 @@ class StreamingDataset(IterableDataset):
         if record is not None:
             self._mixture = record.pinned(global_batch)
 
-    def resume_from(self, saved: LoaderState, *, allow_mixture_change: bool = False) -> None:
+    def resume_from(self, saved: LoaderState, *, allow_mixture_change: bool = False) -> bool:
         """Check that `saved` continues this dataset's order and adopt its mixture record; with
         `allow_mixture_change`, continue from the saved position with this dataset's streams and weights.
+        True when the mixture changed.
 
         Raises:
             ValueError: the order differs (every difference named), or only the mixture does and
@@ -246,6 +281,7 @@ class StreamingDataset(IterableDataset):
             change = self._mixture.changes[-1]
             logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
                         saved.samples_consumed, change["old"], change["new"])
+        return bool(differences)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader
@@ -257,7 +293,7 @@ class StreamingDataset(IterableDataset):
         saved = LoaderState.from_dict(state)
         self.resume_from(saved, allow_mixture_change=allow_mixture_change)
         self.set_epoch(saved.epoch)
-        self._resume = (saved.samples_consumed, saved.num_partitions)
+        self._resume = (saved.samples_consumed, saved.num_partitions, saved.quarantine)
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration (the loader manages epochs itself)."""
@@ -283,9 +319,11 @@ class StreamingDataset(IterableDataset):
             return self.num_samples - (len(self.skipped_ids()) if self.skip_samples else 0)
         return self.epoch_size or self.num_samples
 
-    def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0) -> int:
-        return steps_in_epoch(self.positions_per_epoch, start=start, global_batch=batch_size * topology.world_size,
-                              policy=self.partial_batches)
+    def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0,
+                          num_positions: int | None = None) -> int:
+        """Steps left from `start` in an epoch of `num_positions` (default: `positions_per_epoch`)."""
+        return steps_in_epoch(self.positions_per_epoch if num_positions is None else num_positions, start=start,
+                              global_batch=batch_size * topology.world_size, policy=self.partial_batches)
 
     def check_batch_fits(self, batch_size: int, topology: Topology) -> None:
         """Raise when an epoch holds no whole global batch (iteration would silently yield nothing).
@@ -312,11 +350,12 @@ class StreamingDataset(IterableDataset):
             if self.batch_size is None and self.max_tokens is None:
                 raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
             topology = self.resolve_topology()
-            start, partitions = self._resume or (0, self.resolve_partitions(topology))
+            start, partitions, quarantine = self._resume or (
+                0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
             self._resume = None
             self.pin_global_batch((self.batch_size or 1) * topology.world_size)
             plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=partitions)
+                                 num_partitions=partitions, quarantine=quarantine)
             if self.max_tokens is None:
                 self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
@@ -327,36 +366,66 @@ class StreamingDataset(IterableDataset):
             batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
                                             worker, num_workers)
         else:
-            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers)
+            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers,
+                                     limit=plan.steps if offset == 0 else None)
         if info is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
-    def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int,
-                  num_workers: int) -> Iterator[np.ndarray]:
+    def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
+                  limit: int | None = None) -> Iterator[np.ndarray]:
         """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
 
         Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
-        into the epoch) costs O(chunk), whatever the epoch's length.
+        into the epoch) costs O(chunk), whatever the epoch's length. The smaller last step of
+        partial_batches="partial" comes alone in its chunk. `limit`: at most that many steps from
+        `start` (on_corrupt="skip" reads one checked segment at a time).
         """
-        order = self.order(epoch, plan.num_partitions)
-        topo, batch = plan.topology, plan.batch_size
-        total = steps_in_epoch(order.num_positions, start=start, global_batch=batch * topo.world_size,
-                               policy=self.partial_batches)
-        for steps in worker_step_chunks(total, worker=worker, num_workers=num_workers, bundle=plan.bundle,
-                                        chunk=max(1, self.chunk_samples // batch)):
-            positions = rank_positions(steps, start=start, num_positions=order.num_positions,
-                                       world_size=topo.world_size, batch_size=batch, rank=topo.rank,
-                                       partition_of=order.partition_of)
-            # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
-            ids = order.sample_ids(positions)
-            ids.sort(axis=1)
-            yield ids
+        order = self.order(epoch, plan.num_partitions, plan.quarantine)
+        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit)
 
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int,
-                  num_workers: int) -> Iterator[dict[str, np.ndarray]]:
+    def _chunk_ids(self, order: Any, start: int, plan: IterationPlan, worker: int, num_workers: int,
+                   limit: int | None) -> Iterator[np.ndarray]:
+        batch = plan.batch_size
+        total = self.steps_left(order, start, plan)
+        last = partial_batch(order.num_positions, start=start, global_batch=batch * plan.topology.world_size,
+                             world_size=plan.topology.world_size, policy=self.partial_batches)
+        for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
+                                        num_workers=num_workers, bundle=plan.bundle,
+                                        chunk=max(1, self.chunk_samples // batch)):
+            if last is not None and steps[-1] == total - 1:  # the epoch's smaller last step
+                if len(steps) > 1:
+                    yield self._step_ids(order, start, steps[:-1], plan, batch)
+                yield self._step_ids(order, start, steps[-1:], plan, last)
+            else:
+                yield self._step_ids(order, start, steps, plan, batch)
+
+    def _step_ids(self, order: Any, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
+        """This rank's sample ids [steps, width] (width: samples per rank in these steps)."""
         topo = plan.topology
-        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers)
+        positions = rank_positions(steps, start=start, num_positions=order.num_positions,
+                                   world_size=topo.world_size, batch_size=width, rank=topo.rank,
+                                   partition_of=order.partition_of, stride=plan.batch_size * topo.world_size)
+        # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
+        ids = order.sample_ids(positions)
+        ids.sort(axis=1)
+        return ids
+
+    def steps_left(self, order: Any, start: int, plan: IterationPlan) -> int:
+        return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
+                              policy=self.partial_batches)
+
+    def rank_shards(self, order: Any, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
+        """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
+        shards: dict[int, None] = {}
+        for ids in self._chunk_ids(order, start, plan, worker=0, num_workers=1, limit=steps):
+            shards.update(dict.fromkeys(self._shards_in_order(ids)))
+        return list(shards)
+
+    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
+                  limit: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        topo = plan.topology
+        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers, limit)
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
                     if self.prefetch else None)
@@ -389,7 +458,7 @@ class StreamingDataset(IterableDataset):
     def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
                          worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
         """Token-budget batches: plan each window of the global order (see `token_budget`)."""
-        order = self.order(epoch, plan.num_partitions)
+        order = self.order(epoch, plan.num_partitions, plan.quarantine)
         topo, total = plan.topology, order.num_positions
         step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
         held: dict[int, Any] = {}

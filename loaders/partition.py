@@ -10,7 +10,11 @@ balanced, with less locality.
 
 The ragged tail of an epoch is handled by an explicit policy: "drop" (default) stops after the last
 full global step; "pad" completes the last step with positions wrapped to the start of the epoch
-(the repeated samples carry their real `sample_id`, so they can be recognised).
+(the repeated samples carry their real `sample_id`, so they can be recognised); "partial" makes the
+last step smaller: its `rest` positions are split over the ranks, `ceil(rest / world_size)` each, so
+every rank still gets the same number of batches and every sample comes exactly once. Only when
+`rest` is not a multiple of the world size does that last step repeat (pad) fewer than `world_size`
+positions from the start of the epoch, so that the ranks' last batches stay equal in size.
 """
 
 from __future__ import annotations
@@ -37,10 +41,25 @@ def steps_in_epoch(num_positions: int, *, start: int, global_batch: int, policy:
     return remaining // global_batch if policy == "drop" else -(-remaining // global_batch)
 
 
-def dropped_in_epoch(num_positions: int, *, global_batch: int, policy: str = "drop") -> int:
-    """Positions of a whole epoch that the policy leaves out ("drop") or repeats ("pad", negative)."""
+def dropped_in_epoch(num_positions: int, *, global_batch: int, policy: str = "drop", world_size: int = 1) -> int:
+    """Positions of a whole epoch that the policy leaves out ("drop") or repeats ("pad", "partial": negative)."""
     steps = steps_in_epoch(num_positions, start=0, global_batch=global_batch, policy=policy)
-    return num_positions - steps * global_batch
+    last = partial_batch(num_positions, start=0, global_batch=global_batch, world_size=world_size, policy=policy)
+    read = steps * global_batch if last is None else (steps - 1) * global_batch + last * world_size
+    return num_positions - read
+
+
+def partial_batch(num_positions: int, *, start: int, global_batch: int, world_size: int, policy: str) -> int | None:
+    """Samples per rank of the epoch's last step when the "partial" policy makes it smaller, else None.
+
+    The `rest` positions of the ragged last step are split evenly: ceil(rest / world_size) per rank
+    (the ranks' batches must stay equal in size); the < world_size positions this rounds up wrap to
+    the start of the epoch, as "pad" does.
+    """
+    if policy != "partial":
+        return None
+    rest = max(0, num_positions - start) % global_batch
+    return -(-rest // world_size) if rest else None
 
 
 def worker_of_step(step: int | np.ndarray, *, num_workers: int, bundle: int = 1):
@@ -92,7 +111,7 @@ def _check_worker(worker: int, num_workers: int, bundle: int) -> None:
 
 
 def rank_positions(steps: np.ndarray, *, start: int, num_positions: int, world_size: int, batch_size: int,
-                   rank: int, partition_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+                   rank: int, partition_of: Callable[[np.ndarray], np.ndarray], stride: int | None = None) -> np.ndarray:
     """Global positions [len(steps), batch_size] that `rank` reads at the given steps.
 
     Args:
@@ -103,14 +122,17 @@ def rank_positions(steps: np.ndarray, *, start: int, num_positions: int, world_s
         batch_size: samples per rank per step.
         rank: this rank.
         partition_of: maps positions to canonical partitions (the order's `partition_of`).
+        stride: positions per step (default world_size x batch_size; the smaller last step of the
+            "partial" policy reads fewer positions than a step spans).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size})")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     global_batch = world_size * batch_size
+    stride = global_batch if stride is None else stride
     steps = np.asarray(steps, dtype=np.int64)
-    positions = start + steps[:, None] * global_batch + np.arange(global_batch, dtype=np.int64)[None, :]
+    positions = start + steps[:, None] * stride + np.arange(global_batch, dtype=np.int64)[None, :]
     positions %= max(num_positions, 1)
     if world_size == 1:
         return positions

@@ -48,6 +48,8 @@ class LoaderState:
             position, old and new weights).
         skip_samples: the sample ids and (source, doc) documents left out of every epoch (positions
             count in the order without them).
+        quarantine: (shard index, epoch, position) of each quarantined shard: its samples are left out
+            of the order from that position of that epoch's unfiltered order on (`loaders.quarantine`).
     """
 
     epoch: int
@@ -68,10 +70,19 @@ class LoaderState:
     window_segments: tuple[tuple[int, int], ...] = ()
     mixture: dict[str, Any] | None = None
     skip_samples: tuple = ()
+    quarantine: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
         object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
+        try:
+            quarantine = tuple((int(s), int(e), int(p)) for s, e, p in self.quarantine)
+        except (TypeError, ValueError):
+            raise ValueError(f"loader state: quarantine must be a list of [shard, epoch, position], got "
+                             f"{self.quarantine!r}"[:300]) from None
+        if any(min(entry) < 0 for entry in quarantine):
+            raise ValueError(f"loader state: quarantine entries must be >= 0, got {quarantine!r}"[:300])
+        object.__setattr__(self, "quarantine", quarantine)
         if self.epoch < 0 or self.samples_consumed < 0:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
@@ -82,6 +93,7 @@ class LoaderState:
         if self.mixture is None:  # a single dataset's state stays as it was
             del state["mixture"]
         state["skip_samples"] = [list(e) if isinstance(e, tuple) else e for e in self.skip_samples]
+        state["quarantine"] = [list(q) for q in self.quarantine]
         return state
 
     @classmethod

@@ -91,6 +91,11 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_loader_batches_total", "counter", "Batches the data loader handed to the consumer.", ()),
         ("shardkit_loader_prefetch_queue_depth", "gauge",
          "Shard prefetches submitted and not yet finished (this process and its DataLoader workers).", ()),
+        ("shardkit_loader_quarantined_shards_total", "counter",
+         "Shards quarantined while loading: corrupt after their re-read (on_corrupt='skip'), or named by a "
+         "quarantine_list given at a resume.", ("stream",)),
+        ("shardkit_loader_quarantined_samples_total", "counter",
+         "Samples left out of an epoch because their shard was quarantined.", ("stream",)),
         ("shardkit_cache_hits_total", "counter", "Shard opens served from the node-local cache.", ("stream",)),
         ("shardkit_cache_misses_total", "counter", "Shard opens that had to fetch the shard first.", ("stream",)),
         ("shardkit_cache_evictions_total", "counter", "Decoded shards evicted to stay under cache_limit.", ()),
@@ -286,6 +291,11 @@ def shard_decoded(url: str, shard_format: str, seconds: float) -> None:
 def loader_batch(waited: float) -> None:
     inc("shardkit_loader_wait_seconds_total", waited)
     inc("shardkit_loader_batches_total")
+
+
+def shard_quarantined(url: str, samples: int) -> None:
+    inc("shardkit_loader_quarantined_shards_total", stream=stream_label(url))
+    inc("shardkit_loader_quarantined_samples_total", samples, stream=stream_label(url))
 
 
 def prefetch_submitted() -> None:

@@ -101,3 +101,63 @@ def verify_dataset(storage: Storage, manifest: Manifest, *, jobs: int = 1,
             if on_shard_checked is not None:
                 on_shard_checked(shard, reason)
     return [ShardProblem(s.name, reasons[s.name]) for s in manifest.shards if s.name in reasons]
+
+
+# -- quarantine lists -----------------------------------------------------------------------------
+
+QUARANTINE_KIND = "shardkit.quarantine"
+QUARANTINE_VERSION = 1
+
+
+def write_quarantine_list(path: str, storage: Storage, manifest: Manifest, problems: list[ShardProblem]) -> None:
+    """Write the bad shards as a quarantine list that a loader takes up front (`quarantine_list=`).
+
+    Shards are named by manifest name *and* SHA-256, so a list never applies to a rebuilt shard of the
+    same name, and by URL for people reading it. The file is replaced atomically.
+    """
+    import json
+    import os
+
+    by_name = {shard.name: shard for shard in manifest.shards}
+    shards = [{"name": p.shard, "sha256": by_name[p.shard].sha256, "samples": by_name[p.shard].samples,
+               "url": storage.url_of(p.shard),
+               "reason": p.reason} for p in problems]
+    document = {"kind": QUARANTINE_KIND, "version": QUARANTINE_VERSION, "dataset": storage.display_url,
+                "shards": shards}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(document, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def read_quarantine_list(path: str) -> list[tuple[str, str]]:
+    """(shard name, SHA-256) of each shard a quarantine list names.
+
+    Raises:
+        ValueError: the file is missing, not JSON, or not a quarantine list (the message names it).
+    """
+    import json
+
+    try:
+        with open(path) as fh:
+            document = json.load(fh)
+    except OSError as err:
+        raise ValueError(f"quarantine_list {path}: cannot read it ({err.strerror or err})") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"quarantine_list {path}: not JSON (line {err.lineno}: {err.msg}); write it with "
+                         "`shardkit verify URL --quarantine-list FILE`") from err
+    if not isinstance(document, dict) or document.get("kind") != QUARANTINE_KIND:
+        raise ValueError(f"quarantine_list {path}: not a shardkit quarantine list (kind must be {QUARANTINE_KIND!r})")
+    if document.get("version") != QUARANTINE_VERSION:
+        raise ValueError(f"quarantine_list {path}: version {document.get('version')!r} is not supported "
+                         f"(this shardkit reads version {QUARANTINE_VERSION})")
+    entries = document.get("shards")
+    if not isinstance(entries, list):
+        raise ValueError(f"quarantine_list {path}: 'shards' must be a list")
+    named = []
+    for number, entry in enumerate(entries, start=1):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("sha256"), str)):
+            raise ValueError(f"quarantine_list {path}: shard entry {number} lacks a 'name' and 'sha256' string")
+        named.append((entry["name"], entry["sha256"]))
+    return named

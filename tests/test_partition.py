@@ -87,3 +87,32 @@ def test_edges_of_the_step_and_rank_arithmetic():
     # pad policy on a one-sample epoch: every padded position wraps to that sample
     assert rank_positions(np.arange(2), start=0, num_positions=1, world_size=1, batch_size=3, rank=0,
                           partition_of=np.zeros_like).tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+@settings(max_examples=120, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=10).filter(lambda s: sum(s) > 0),
+       partitions=st.integers(1, 4), world=st.integers(1, 5), batch=st.integers(1, 5), seed=st.integers(0, 100))
+def test_partial_policy_every_sample_once_equal_batches(sizes, partitions, world, batch, seed):
+    from shardkit.loaders.partition import partial_batch
+
+    order = epoch_order(sizes, seed=seed, num_partitions=partitions, shuffle_window=7)
+    n, global_batch = order.num_positions, world * batch
+    total = steps_in_epoch(n, start=0, global_batch=global_batch, policy="partial")
+    last = partial_batch(n, start=0, global_batch=global_batch, world_size=world, policy="partial")
+    full = np.arange(total if last is None else total - 1)
+    per_rank = []
+    for r in range(world):
+        ids = [order.sample_ids(rank_positions(full, start=0, num_positions=n, world_size=world, batch_size=batch,
+                                               rank=r, partition_of=order.partition_of)).reshape(-1)]
+        if last is not None:
+            ids.append(order.sample_ids(rank_positions(np.array([total - 1]), start=0, num_positions=n,
+                                                       world_size=world, batch_size=last, rank=r,
+                                                       partition_of=order.partition_of, stride=global_batch)).reshape(-1))
+        per_rank.append(np.concatenate(ids))
+    got = np.concatenate(per_rank)
+    assert len({len(r) for r in per_rank}) == 1  # equal batch counts and sizes on every rank
+    assert set(got.tolist()) == set(range(n))  # every sample
+    padded = len(got) - n
+    assert padded == -dropped_in_epoch(n, global_batch=global_batch, policy="partial", world_size=world)
+    assert 0 <= padded < world and (padded == 0) == ((n % global_batch) % world == 0)
+    assert last is None or last <= batch

@@ -72,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--jobs", "-j", type=int, default=4, metavar="N",
                         help="shards checked at once (threads; default 4)")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    verify.add_argument("--quarantine-list", metavar="FILE", default=None, dest="quarantine_list",
+                        help="also write the bad shards (name, SHA-256, URL, reason) to FILE as JSON, an empty list "
+                             "when all are good: a run leaves them out of its order with --quarantine_list FILE")
     verify.set_defaults(func=run_verify)
 
     cat = subparsers.add_parser(
@@ -241,6 +244,14 @@ def run_verify(args: argparse.Namespace) -> int:
             bar.update(1)
         problems = verify_dataset(storage, manifest, jobs=args.jobs, on_shard_checked=advance)
     totals = manifest.totals()
+    if args.quarantine_list is not None:
+        from shardkit.verify import write_quarantine_list
+
+        try:
+            write_quarantine_list(args.quarantine_list, storage, manifest, problems)
+        except OSError as err:
+            return _fail("verify", f"cannot write --quarantine-list {args.quarantine_list}: {err.strerror or err}")
+        print(f"wrote {args.quarantine_list} ({len(problems)} bad shards)", file=sys.stderr)
     if not problems:
         print(f"OK: {totals['shards']:,} shards, {totals['samples']:,} samples, {totals['tokens']:,} tokens "
               f"match the manifest of {storage.display_url}")

@@ -134,8 +134,9 @@ class EvalData:
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        # skip_samples names samples of the training data, not of the held-out set.
-        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, skip_samples=()),
+        # skip_samples and --quarantine_list name samples and shards of the training data, not of the held-out set.
+        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, skip_samples=(),
+                                              quarantine_list=None),
                                      batch_size=self.config.batch_size, num_workers=0)
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.

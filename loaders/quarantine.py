@@ -1,0 +1,211 @@
+"""Quarantine: leave corrupt shards out of the order, exactly, balanced and the same on every rank.
+
+A quarantined shard's samples are removed from the global order from an *activation point* on: the
+shards of a quarantine list (`shardkit verify --quarantine-list`) from the first position of the
+run, a shard found corrupt during a run (`on_corrupt="skip"`) from the position the job had consumed
+when the ranks agreed on it, and from the start of every later epoch. The order itself never
+changes; `FilteredOrder` drops the excluded positions and renumbers the rest, so partitions,
+batching, padding and elastic resume work on it unchanged, every rank gets the same number of
+batches, and the positions consumed before the activation point keep their meaning. The entries
+`(shard, epoch, position)` are part of the loader state, so a resume rebuilds the same filter.
+
+How the ranks agree (`on_corrupt="skip"`). A rank cannot just skip a shard it finds corrupt: the
+others, whose view of the store may be fine, would keep their batches, and the ranks would disagree
+on what was consumed. So the loader consumes an epoch in *segments* of one chunk of steps
+(`chunk_samples / batch_size`). Before handing out a segment, every rank's main process fetches the
+shards that its own positions of the segment need into the node cache (a verified read: size,
+SHA-256 and decode, one re-read on a mismatch; shards already cached were verified when cached),
+then the ranks all-gather what they found corrupt. The union is quarantined from the segment's first
+position on, identically everywhere, and the check repeats on the re-planned segment until nothing
+new is found. Only then do the readers (the rank itself or its DataLoader workers) read the
+segment, bounded to it, so no reader ever meets an unverified shard. The price, paid only with
+"skip": one all-gather per segment, shards fetched by the main process before its readers open them
+(from the cache), and DataLoader workers restarted at every segment.
+
+Finding the excluded positions scans the epoch's order once per epoch and quarantine change (about
+`num_positions / 10^7` seconds), only when some shard is quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardkit import metrics
+from shardkit.errors import CorruptShardError
+
+logger = logging.getLogger(__name__)
+
+_SCAN_POSITIONS = 1 << 20
+# (shard index over all streams, epoch, position of that epoch's unfiltered order) it is excluded from.
+Entry = tuple[int, int, int]
+
+
+class FilteredOrder:
+    """An epoch order without the positions in `excluded` (sorted), renumbered 0..num_positions-1."""
+
+    def __init__(self, order: Any, excluded: np.ndarray, excluded_shards: np.ndarray):
+        self.order = order
+        self.excluded = excluded
+        self.excluded_shards = excluded_shards
+        self._shifted = excluded - np.arange(len(excluded), dtype=np.int64)
+        self.num_positions = order.num_positions - len(excluded)
+
+    def original(self, positions: np.ndarray | int) -> np.ndarray:
+        """Positions of the unfiltered order (the k-th kept position is k plus the exclusions up to it)."""
+        p = np.asarray(positions, dtype=np.int64)
+        return p + np.searchsorted(self._shifted, p, side="right")
+
+    def partition_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.order.partition_of(self.original(positions))
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
+        return self.order.sample_ids(self.original(positions))
+
+
+def original_position(order: Any, position: int) -> int:
+    """Position of the unfiltered order where effective `position` lies (its end past the last)."""
+    if position >= order.num_positions:
+        return getattr(order, "order", order).num_positions
+    return int(order.original(position)) if isinstance(order, FilteredOrder) else position
+
+
+def active_from(entries: Sequence[Entry], epoch: int) -> dict[int, int]:
+    """Shard -> first unfiltered position excluded in `epoch` (entries of later epochs do not apply yet)."""
+    active: dict[int, int] = {}
+    for shard, since_epoch, since_position in entries:
+        if since_epoch <= epoch:
+            start = 0 if since_epoch < epoch else since_position
+            active[shard] = min(start, active.get(shard, start))
+    return active
+
+
+def filter_order(order: Any, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> Any:
+    """`order` without the positions of quarantined shards from their activation on (the order itself
+    when nothing applies to `epoch`)."""
+    active = active_from(entries, epoch)
+    if not active:
+        return order
+    shards = np.array(sorted(active), dtype=np.int64)
+    starts = np.array([active[s] for s in shards.tolist()], dtype=np.int64)
+    found, owners = [], []
+    for lo in range(0, order.num_positions, _SCAN_POSITIONS):
+        positions = np.arange(lo, min(lo + _SCAN_POSITIONS, order.num_positions), dtype=np.int64)
+        shard = np.searchsorted(shard_ends, order.sample_ids(positions), side="right")
+        slot = np.minimum(np.searchsorted(shards, shard), len(shards) - 1)
+        hit = (shards[slot] == shard) & (positions >= starts[slot])
+        found.append(positions[hit])
+        owners.append(shard[hit])
+    return FilteredOrder(order, np.concatenate(found), np.concatenate(owners))
+
+
+def resolve_quarantine_list(path: str, manifests: Sequence[Any], urls: Sequence[str]) -> tuple[int, ...]:
+    """Shard indices (over all streams) that the quarantine list at `path` names.
+
+    Raises:
+        ValueError: the file is unreadable or names a shard (name and SHA-256) of none of the datasets.
+    """
+    from shardkit.verify import read_quarantine_list
+
+    index = {}
+    offset = 0
+    for manifest in manifests:
+        for i, shard in enumerate(manifest.shards):
+            index[(shard.name, shard.sha256)] = offset + i
+        offset += len(manifest.shards)
+    chosen = []
+    for name, sha256 in read_quarantine_list(path):
+        if (name, sha256) not in index:
+            raise ValueError(f"quarantine_list {path} names shard {name} (sha256 {sha256[:16]}...), which is not a "
+                             f"shard of {', '.join(urls)}: a list written for another dataset or an older build")
+        chosen.append(index[(name, sha256)])
+    return tuple(sorted(set(chosen)))
+
+
+class Quarantine:
+    """The loader's quarantine entries, and the check of each segment before it is consumed.
+
+    Args:
+        dataset: the `StreamingDataset` (its order, caches and process group).
+        listed: shards of its quarantine list, excluded from the first position of the run.
+    """
+
+    def __init__(self, dataset: Any, listed: Sequence[int] = ()):
+        self.dataset = dataset
+        self.entries: tuple[Entry, ...] = tuple((int(s), 0, 0) for s in listed)
+        self.checking = dataset.on_corrupt == "skip"
+        if listed:
+            samples = sum(dataset.manifests[st].shards[i].samples for st, i in map(dataset.shard_owner, listed))
+            logger.warning("quarantine_list %s: leaving %d shards (%d samples) out of the order",
+                           dataset.quarantine_list, len(listed), samples)
+
+    def restore(self, saved: Sequence[Sequence[int]], *, epoch: int, consumed: int, num_partitions: int) -> None:
+        """Entries of a loader state; listed shards it lacks join from the resume point on."""
+        self.entries = tuple((int(s), int(e), int(p)) for s, e, p in saved)
+        known = {s for s, _, _ in self.entries}
+        late = [s for s in self.dataset.listed_quarantine if s not in known]
+        if late:
+            self.add(late, epoch=epoch, consumed=consumed, num_partitions=num_partitions, why="quarantine_list")
+
+    def state(self) -> tuple[tuple[int, int, int], ...]:
+        return self.entries
+
+    def add(self, shards: Sequence[int], *, epoch: int, consumed: int, num_partitions: int, why: str) -> None:
+        """Quarantine `shards` from effective position `consumed` of `epoch` on; log and count them."""
+        before = self.dataset.order(epoch, num_partitions, self.entries)
+        at = original_position(before, consumed)
+        self.entries = (*self.entries, *((int(s), epoch, at) for s in shards))
+        after = self.dataset.order(epoch, num_partitions, self.entries)
+        for shard in shards:
+            skipped = int(np.sum(after.excluded_shards == shard)) - (
+                int(np.sum(before.excluded_shards == shard)) if isinstance(before, FilteredOrder) else 0)
+            stream, local = self.dataset.shard_owner(shard)
+            url = self.dataset.storages[stream].url_of(self.dataset.manifests[stream].shards[local].name)
+            samples = self.dataset.manifests[stream].shards[local].samples
+            logger.warning("quarantined shard %s (%d samples): %s; %d of its samples not yet read in epoch %d are "
+                           "skipped on every rank", url, samples, why, skipped, epoch)
+            metrics.shard_quarantined(self.dataset.streams[stream].url, skipped)
+
+    def check(self, *, epoch: int, start: int, steps: int, plan: Any) -> None:
+        """Verify the shards this rank reads in `steps` steps from `start`; agree on the corrupt ones over
+        the process group and quarantine them; repeat on the re-planned segment until none is new."""
+        while True:
+            order = self.dataset.order(epoch, plan.num_partitions, self.entries)
+            local = self._verify(self.dataset.rank_shards(order, start=start, steps=steps, plan=plan))
+            found = self._agree(local, plan.topology)
+            known = {s for s, _, _ in self.entries}
+            new = sorted({shard for shard, _, _ in found} - known)
+            if not new:
+                return
+            reasons = {shard: f"corrupt on rank {rank}: {reason}" for shard, rank, reason in sorted(found, reverse=True)}
+            for shard in new:
+                self.add([shard], epoch=epoch, consumed=start, num_partitions=plan.num_partitions, why=reasons[shard])
+
+    def _verify(self, shards: list[int]) -> list[tuple[int, str]]:
+        bad = []
+        for index in shards:
+            stream, local = self.dataset.shard_owner(index)
+            cache = self.dataset.caches[stream]
+            if cache.is_cached(local):
+                continue  # verified when it was cached
+            try:
+                cache.open(local).close()
+            except CorruptShardError as err:
+                bad.append((index, err.reason))
+        return bad
+
+    def _agree(self, local: list[tuple[int, str]], topology: Any) -> list[tuple[int, int, str]]:
+        mine = [(shard, topology.rank, reason) for shard, reason in local]
+        if topology.world_size == 1:
+            return mine
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("on_corrupt='skip' with several ranks needs an initialised torch.distributed process "
+                             "group: the ranks must agree on what to skip")
+        everyone: list[Any] = [None] * topology.world_size
+        dist.all_gather_object(everyone, mine, group=self.dataset.agreement_group())
+        return [item for part in everyone for item in part]
