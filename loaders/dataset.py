@@ -13,8 +13,6 @@ loop received. Iterated on its own, it needs `batch_size` and starts each iterat
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -27,6 +25,7 @@ import torch
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache, fetch_manifest
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
+from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.order import EpochOrder, OrderConfig
 from shardkit.loaders.partition import (
@@ -227,16 +226,16 @@ class StreamingDataset(IterableDataset):
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
         if "all" not in self._fingerprints:
             weights = [weight_spec(s.weight) for s in self.streams] if len(self.streams) > 1 else []
-            self._fingerprints["all"] = _fingerprint(self.manifests, weights)
+            self._fingerprints["all"] = data_fingerprint(self.manifests, weights)
         return self._fingerprints["all"]
 
     def stream_fingerprints(self) -> list[str]:
         """Per stream, the fingerprint it has as a dataset of its own (a stream's identity in a mixture)."""
         if len(self.manifests) == 1:
-            return [self._fingerprints.setdefault("all", _fingerprint(self.manifests, []))]
+            return [self.fingerprint()]  # one stream: no weights, the same value
         for i, manifest in enumerate(self.manifests):
             if i not in self._fingerprints:
-                self._fingerprints[i] = _fingerprint([manifest], [])
+                self._fingerprints[i] = data_fingerprint([manifest], [])
         return [self._fingerprints[i] for i in range(len(self.manifests))]
 
     # -- mixture plan and its changes (shardkit.loaders.remix) ------------------------------------
@@ -607,25 +606,6 @@ class ShardOwners:
             raise IndexError(f"shard {index} is outside [0, {len(self)})")
         stream = int(np.searchsorted(self._ends, index, side="right"))
         return stream, int(index - (self._ends[stream - 1] if stream else 0))
-
-
-def _fingerprint(manifests: Sequence[Manifest], weights: list) -> str:
-    """SHA-256 (32 hex digits) of json.dumps([[[[name, samples, sha256], ...] per manifest], weights]),
-    fed shard by shard from the manifests' columns: no million-entry list in memory at a million shards."""
-    digest = hashlib.sha256(b"[[")
-    for s, manifest in enumerate(manifests):
-        digest.update(b"[" if s == 0 else b", [")
-        columns = manifest.columns
-        names, hexes = columns.names.decode(), columns.sha256.tobytes().hex()
-        offsets, samples = columns.name_offsets.tolist(), columns.samples.tolist()
-        ascii_names = names.isascii()  # byte offsets index the decoded text only then
-        for i, count in enumerate(samples):
-            name = names[offsets[i]:offsets[i + 1]] if ascii_names else columns.name(i)
-            entry = json.dumps([name, count, hexes[64 * i:64 * i + 64]]).encode()
-            digest.update(entry if i == 0 else b", " + entry)
-        digest.update(b"]")
-    digest.update(b"], " + json.dumps(weights).encode() + b"]")
-    return digest.hexdigest()[:32]
 
 
 def _streams_of(source: Any) -> list[Stream]:

@@ -80,3 +80,26 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
     ids = np.concatenate([next(stream)["sample_id"].numpy() for _ in range(8)])
     from_a = int((ids < 64).sum())
     assert (from_a, len(ids) - from_a) == (48, 16)
+
+
+def test_trainer_reads_the_manifest_through_the_node_cache(tmp_path, monkeypatch):
+    """The trainer's dataset check and the loader after it hash the manifest once per node, not per read."""
+    from shardkit.loaders import cache as cache_module
+    from shardkit.train.config import DataConfig
+    from shardkit.train.data import check_dataset
+
+    tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=258, pad_id=PAD)
+    url = str(tmp_path / "a")
+    manifest = write_dataset(url, (padded_sample(i) for i in range(16)), seq_len=SEQ_LEN, packing="bestfit",
+                             tokenizer=tokenizer)
+    hashes = []
+    real = cache_module.json_digest
+    monkeypatch.setattr(cache_module, "json_digest", lambda storage: hashes.append(1) or real(storage))
+    for mode in ("decoded", "none"):
+        config = DataConfig(data=url, batch_size=4, cache_dir=str(tmp_path / mode),
+                            loader=LoaderConfig(cache_mode=mode))
+        assert check_dataset(url, config, seq_len=SEQ_LEN, what="--data") == manifest
+        records = list((tmp_path / mode).rglob("shardkit.json.record"))
+        assert len(records) == (mode != "none")  # "none" keeps nothing on disk, not even the record
+        StreamingDataset(url, config.loader, cache_dir=config.cache_dir, rank=0, world_size=1)
+    assert len(hashes) == 1  # the check hashed it for the node; the loader trusted the node's record

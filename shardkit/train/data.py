@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shardkit.manifest import Manifest, load_manifest
+from shardkit.storage import Storage
 from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
 
@@ -82,9 +83,15 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
 def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
     """The manifest of the dataset (the first stream of a mixture), after checking that every stream
     holds fixed-length samples the model can take."""
+    from shardkit.loaders.cache import fetch_manifest
+
     manifests = []
     for url, _ in data_entries(spec):
-        manifest = load_manifest(url, storage_options(config))
+        storage = Storage(url, storage_options(config))
+        # Through the node cache, as the loader reads it next: one manifest GET and one hash per node,
+        # not one per rank (cache_mode "none" keeps no copy on disk: every process reads the store).
+        manifest = (load_manifest(storage) if config.loader.cache_mode == "none"
+                    else fetch_manifest(storage, config.cache_dir))
         if manifest.sample_length is None:
             raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
                              "the trainer needs packed data: rebuild it with a --seq-len")
