@@ -10,6 +10,12 @@ sample. Then, each run in a fresh process (world size 1, batch 8, shuffle on, 0 
 + plan, what one rank pays) and the plan of the first batch (the sample ids of
 the first chunk of batches: order, steps, positions), and the process's peak RSS. Figures are
 medians of --runs runs. Prints a table and writes JSON.
+
+    python benchmarks/bench_manifest.py --code before=/tmp/old/.venv/bin/python --code after=.venv/bin/python
+
+compares versions of shardkit in one run (the machine is shared: its load drifts between runs): each
+`--code LABEL=PYTHON` interpreter (one with that version installed) measures every run in turn,
+interleaved, on the same manifests. Without --code, this interpreter only.
 """
 
 from __future__ import annotations
@@ -152,6 +158,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/manifest.json")
     parser.add_argument("--no-index", action="store_true", help="measure the JSON path (no binary index)")
     parser.add_argument("--label", default="", help="recorded with the results (e.g. before / after)")
+    parser.add_argument("--code", action="append", default=[], metavar="LABEL=PYTHON",
+                        help="measure with this interpreter's shardkit too (repeat: versions compared in one run)")
     parser.add_argument("--child", nargs=2, metavar=("PREFIX", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -162,6 +170,7 @@ def main() -> None:
         print(json.dumps(measure_once(*args.child)))
         return
 
+    codes = [tuple(c.split("=", 1)) for c in args.code] or [("", sys.executable)]
     rows = []
     for shards in args.shards:
         t0 = time.perf_counter()
@@ -171,27 +180,31 @@ def main() -> None:
         for process in ("first", "other"):
             # "first": the node's first process (its cache has no record of the manifest yet: it
             # hashes the JSON once); "other": a later process of the same node (same cache).
-            runs = []
+            runs: dict[str, list[dict]] = {label: [] for label, _ in codes}
             for run in range(args.runs):
-                cache = Path(args.data_dir) / f"cache-{shards}-{run}"
-                if process == "first":
-                    shutil.rmtree(cache, ignore_errors=True)
-                out = subprocess.run([sys.executable, __file__, "--child", str(prefix), str(cache)], check=True,
-                                     capture_output=True, text=True)
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            row = {"shards": shards, "process": process, "runs": runs}
-            for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb", "baseline_rss_mb"):
-                row[key] = statistics.median(r.get(key, float("nan")) for r in runs)
-            rows.append(row)
+                for k, (label, python) in enumerate(codes):
+                    cache = Path(args.data_dir) / f"cache-{shards}-{run}-{k}"
+                    if process == "first":
+                        shutil.rmtree(cache, ignore_errors=True)
+                    out = subprocess.run([python, __file__, "--child", str(prefix), str(cache)], check=True,
+                                         capture_output=True, text=True)
+                    runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            for label, _ in codes:
+                row = {"shards": shards, "process": process, "code": label, "runs": runs[label]}
+                for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb",
+                            "baseline_rss_mb"):
+                    row[key] = statistics.median(r.get(key, float("nan")) for r in runs[label])
+                rows.append(row)
 
-    print(f"\n{'shards':>10} {'process':>8} {'load_manifest s':>16} {'construct s':>12} {'first plan s':>13} {'total s':>8} "
-          f"{'peak RSS MB':>12} {'RSS after imports MB':>21}")
+    print(f"\n{'shards':>10} {'code':>8} {'process':>8} {'load_manifest s':>16} {'construct s':>12} {'first plan s':>13} "
+          f"{'total s':>8} {'peak RSS MB':>12} {'RSS after imports MB':>21}")
     for row in rows:
-        print(f"{row['shards']:>10,} {row['process']:>8} {row['load_manifest_s']:>16.3f} {row['construct_s']:>12.3f} "
-              f"{row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} {row['peak_rss_mb']:>12.0f} "
-              f"{row['baseline_rss_mb']:>21.0f}")
+        print(f"{row['shards']:>10,} {row['code']:>8} {row['process']:>8} {row['load_manifest_s']:>16.3f} "
+              f"{row['construct_s']:>12.3f} {row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} "
+              f"{row['peak_rss_mb']:>12.0f} {row['baseline_rss_mb']:>21.0f}")
     result = {"label": args.label, "index": not args.no_index, "machine": platform.platform(), "python": platform.python_version(),
-              "cpus": os.cpu_count(), "runs": args.runs, "rows": rows}
+              "cpus": os.cpu_count(), "load_average_after": os.getloadavg(), "runs": args.runs, "codes": dict(codes),
+              "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

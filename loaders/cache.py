@@ -72,8 +72,8 @@ from shardkit.manifest import (
     ManifestError,
     ShardInfo,
     index_stamp,
-    json_digest,
     load_manifest,
+    load_manifest_and_digest,
 )
 from shardkit.names import check_relative_name
 from shardkit.storage import Storage
@@ -739,8 +739,7 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, INDEX_NAME))
         logger.debug("fetched %s into the node cache %s", storage.url_of(MANIFEST_NAME), directory)
-    size, digest = json_digest(local)
-    manifest = load_manifest(local, display_url=storage.url_of(MANIFEST_NAME), known_digest=(size, digest))
+    manifest, (size, digest) = load_manifest_and_digest(local, display_url=storage.url_of(MANIFEST_NAME))
     _write_atomic(record_path, json.dumps([identity, size, digest, index_stamp(local)]))
     return manifest
 

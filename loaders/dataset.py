@@ -128,7 +128,8 @@ class StreamingDataset(IterableDataset):
                                   cache_mode=config.cache_mode)
                        for st, m in zip(self.storages, self.manifests)]
         self._shard_owner = ShardOwners([len(m.shards) for m in self.manifests])
-        self.table = ShardTable(np.concatenate([m.columns.samples for m in self.manifests]))
+        samples = [m.columns.samples for m in self.manifests]
+        self.table = ShardTable(samples[0] if len(samples) == 1 else np.concatenate(samples))
         self.num_samples = sum(m.num_samples for m in self.manifests)
         if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")

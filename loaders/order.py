@@ -64,9 +64,11 @@ class OrderConfig:
 def make_blocks(shard_sizes: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Blocks as (first global sample id, length), in sample-space order; empty shards give none."""
     sizes = np.asarray(shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else sizes
-    keep = sizes > 0
-    sizes, starts = sizes[keep], starts[keep]
+    starts = np.zeros(len(sizes), dtype=np.int64)  # one array of O(shards), no temporary copies
+    np.cumsum(sizes[:-1], out=starts[1:])
+    if not sizes.all():  # drop empty shards (copies only then)
+        keep = sizes > 0
+        sizes, starts = sizes[keep], starts[keep]
     if block_size is None:
         return starts, sizes
     per_shard = -(-sizes // block_size)
@@ -96,10 +98,11 @@ class EpochOrder:
         self.num_samples = int(block_lens.sum())
         if config.shuffle and len(block_lens) > 1:
             perm = np.random.default_rng([config.seed, epoch, 1]).permutation(len(block_lens))
-            block_starts, block_lens = block_starts[perm], block_lens[perm]
+            block_starts = block_starts[perm]  # one at a time: the unpermuted array is freed first
+            block_lens = block_lens[perm]
+            del perm
         self._block_sample = block_starts          # first sample id of the k-th block of X
         self._block_end = np.cumsum(block_lens)    # end offset (in X) of the k-th block
-        self._block_begin = self._block_end - block_lens
         p = config.num_partitions
         self._part_len, self._extra = divmod(self.num_samples, p)
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
@@ -169,7 +172,12 @@ class EpochOrder:
         """Global sample ids (indices into the manifest's sample space) at the given positions."""
         x = self.stream_offsets(positions)
         block = np.searchsorted(self._block_end, x, side="right")
-        return self._block_sample[block] + (x - self._block_begin[block])
+        return self._block_sample[block] + (x - self._block_begin(block))
+
+    def _block_begin(self, block: np.ndarray) -> np.ndarray:
+        """Start offset (in X) of each given block: the end of the block before it (not stored: at a
+        million shards each per-block array is 8 MB)."""
+        return np.where(block > 0, self._block_end[np.maximum(block - 1, 0)], 0)
 
 
     def positions_of(self, sample_ids: np.ndarray) -> np.ndarray:
@@ -186,7 +194,7 @@ class EpochOrder:
             raise IndexError(f"sample id out of range for a dataset of {self.num_samples} samples")
         by_sample = np.argsort(self._block_sample, kind="stable")
         block = by_sample[np.searchsorted(self._block_sample[by_sample], ids, side="right") - 1]
-        x = self._block_begin[block] + (ids - self._block_sample[block])  # offset in the block stream X
+        x = self._block_begin(block) + (ids - self._block_sample[block])  # offset in the block stream X
         p = self.config.num_partitions
         parts = np.arange(p, dtype=np.int64)
         part_starts = parts * self._part_len + np.minimum(parts, self._extra)

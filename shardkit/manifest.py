@@ -8,6 +8,7 @@ partial shard. The exact format is documented in docs/FORMAT.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ import numpy as np
 
 from shardkit.errors import ManifestError
 from shardkit.names import check_relative_name
-from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index
+from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, read_index_file
 from shardkit.storage import Storage, http_answer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ MIN_ARROW_SAMPLE_RAW_BYTES = 4
 # Positions, steps and totals are int64: totals stay far below its limit.
 MAX_TOTAL = 2**62
 _TOKEN_BYTES = {"uint16": 2, "uint32": 4}
-_DIGEST_CHUNK = 1 << 24
+_DIGEST_CHUNK = 1 << 24  # per ranged read of a remote JSON
+_LOCAL_DIGEST_CHUNK = 1 << 20
 # From this many shards the build writes the binary index (JSON parsing costs ~20 us per shard).
 INDEX_MIN_SHARDS = 10_000
 
@@ -464,35 +466,59 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
             (the node cache's record): the name checks are skipped while the file is that one.
     """
     storage = source if isinstance(source, Storage) else Storage(source, storage_options)
+    return _load(storage, display_url, known_digest, checked_index, with_digest=False)[0]
+
+
+def load_manifest_and_digest(storage: Storage, *, display_url: str | None = None) -> tuple[Manifest, tuple[int, str]]:
+    """`load_manifest`, and the JSON's (size, SHA-256), which the node cache records once per node.
+
+    The JSON is hashed while the index is decoded and checked (hashlib and file reads release the
+    GIL), or from the very bytes that are parsed when there is no usable index: never read twice.
+    """
+    return _load(storage, display_url, None, None, with_digest=True)
+
+
+def _load(storage: Storage, display_url: str | None, known_digest: tuple[int, str] | None,
+          checked_index: str | None, *, with_digest: bool) -> tuple[Manifest, tuple[int, str] | None]:
     url = display_url or storage.url_of(MANIFEST_NAME)
     try:
-        manifest = _load_indexed(storage, url, known_digest, checked_index)
-        if manifest is not None:
-            return manifest
+        loaded = _load_indexed(storage, url, known_digest, checked_index)
+        if loaded is not None:
+            return loaded
         text = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError as err:
         where = url.rsplit("/", 1)[0] if display_url else storage.display_url
         raise ManifestError(f"no dataset at {where}: {MANIFEST_NAME} not found "
                             f"(was the build interrupted before it finished?){http_answer(err)}") from err
-    return Manifest.from_json(text, source=url)
+    digest = (len(text), hashlib.sha256(text).hexdigest()) if with_digest else None
+    return Manifest.from_json(text, source=url), digest
 
 
 def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | None,
-                  checked_index: str | None) -> Manifest | None:
-    """The manifest from its binary index, or None when there is no usable index for this JSON."""
+                  checked_index: str | None) -> tuple[Manifest, tuple[int, str]] | None:
+    """The manifest from its binary index and the JSON's (size, SHA-256), or None when there is no
+    usable index for this JSON."""
     # One read that may find nothing, not an existence check first: on an object store `exists` costs
     # a HEAD and a LIST for a missing key, on every open of every dataset without an index.
+    index_url = url[:-len(MANIFEST_NAME)] + INDEX_NAME if url.endswith(MANIFEST_NAME) else INDEX_NAME
     try:
-        index_bytes = storage.read_bytes(INDEX_NAME)
+        # A local file (the node cache's copy) is read in two buffers, columns and names, so the
+        # names need no copy of their own (25 MB at a million shards).
+        if storage.is_local:
+            index_file, index_bytes = open(storage.path(INDEX_NAME), "rb"), None
+        else:
+            index_file, index_bytes = contextlib.nullcontext(), storage.read_bytes(INDEX_NAME)
     except (FileNotFoundError, IsADirectoryError):
         return None
-    index_url = url[:-len(MANIFEST_NAME)] + INDEX_NAME if url.endswith(MANIFEST_NAME) else INDEX_NAME
     # Hashing the JSON (~250 MB at a million shards) overlaps with decoding and checking the index:
     # hashlib and file reads release the GIL.
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest-hash") as pool:
+    with index_file, ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest-hash") as pool:
         pending = None if known_digest else pool.submit(json_digest, storage)
         try:
-            header, shards = decode_index(index_bytes, source=index_url)
+            if index_bytes is None:
+                header, shards = read_index_file(index_file, source=index_url)
+            else:
+                header, shards = decode_index(index_bytes, source=index_url)
             if _nesting_depth(header) > MAX_NESTING:
                 raise ManifestError(f"{index_url}: header nested more than {MAX_NESTING} levels deep")
         except ManifestError as err:
@@ -512,7 +538,7 @@ def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | No
         return None
     if problem is not None:
         raise problem
-    return Manifest._from_fields(header, shards, source=url)
+    return Manifest._from_fields(header, shards, source=url), (size, digest)
 
 
 def index_stamp(storage: Storage) -> str | None:
@@ -530,10 +556,13 @@ def json_digest(storage: Storage) -> tuple[int, str]:
     """(size, SHA-256) of the manifest JSON, read in pieces (bounded memory)."""
     digest, size = hashlib.sha256(), 0
     if storage.is_local:
-        with open(storage.path(MANIFEST_NAME), "rb") as fh:
-            while chunk := fh.read(_DIGEST_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
+        # One small buffer, refilled: this runs beside the index checks, whose peak memory it adds to.
+        buffer = bytearray(_LOCAL_DIGEST_CHUNK)
+        view = memoryview(buffer)
+        with open(storage.path(MANIFEST_NAME), "rb", buffering=0) as fh:
+            while count := fh.readinto(buffer):
+                digest.update(view[:count])
+                size += count
         return size, digest.hexdigest()
     total = storage.size(MANIFEST_NAME)
     for start in range(0, total, _DIGEST_CHUNK):

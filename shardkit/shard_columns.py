@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -150,7 +151,8 @@ class ShardColumns(Sequence):
                 raise ManifestError(f"{source}: shard {self.name(int(bad[0]))}: index_offset and index_bytes must "
                                     "both be non-negative, or both absent")
         try:
-            self.names.decode()
+            if not self.names.isascii():  # ASCII (every name a build writes) is valid UTF-8: no 25 MB str
+                self.names.decode()
         except UnicodeDecodeError as err:
             raise ManifestError(f"{source}: a shard name is not valid UTF-8 ({err})") from None
         self._check_names(source)
@@ -177,24 +179,10 @@ class ShardColumns(Sequence):
                     self._check_one(index, source)
                 at = blob.find(part, at + 1)
         data = np.frombuffer(blob, dtype=np.uint8)
-
-        def byte(position: np.ndarray) -> np.ndarray:  # the byte at each position, 0 past the name
-            inside = (position >= self.name_offsets[:-1]) & (position < self.name_offsets[1:])
-            return np.where(inside, data[np.clip(position, 0, max(len(data) - 1, 0))], 0)
-
-        start, end = self.name_offsets[:-1], self.name_offsets[1:]
-        b0, b1, b2 = byte(start), byte(start + 1), byte(start + 2)
-        z1, z2, z3 = byte(end - 1), byte(end - 2), byte(end - 3)
-        dot, slash = ord("."), ord("/")
-        letter = ((b0 | 0x20) >= ord("a")) & ((b0 | 0x20) <= ord("z"))
-        bad = ((b0 == slash) | (z1 == slash)                                    # absolute, or an empty last part
-               | ((b0 == dot) & ((b1 == slash) | (lengths == 1)))               # "./..." or "."
-               | ((b0 == dot) & (b1 == dot) & ((b2 == slash) | (lengths == 2)))  # "../..." or ".."
-               | ((z1 == dot) & (z2 == slash))                                  # ".../."
-               | ((z1 == dot) & (z2 == dot) & (z3 == slash))                    # ".../.."
-               | (letter & (b1 == ord(":"))))                                   # a drive letter
-        for index in np.flatnonzero(bad)[:1].tolist():
-            self._check_one(index, source)
+        for lo in range(0, len(self), _HASH_CHUNK):  # a chunk of names at a time: small temporaries
+            bad = _bad_ends(data, self.name_offsets[lo:lo + _HASH_CHUNK + 1])
+            for index in np.flatnonzero(bad)[:1].tolist():
+                self._check_one(lo + index, source)
 
     def _check_one(self, index: int, source: str) -> None:
         name = self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode(errors="replace")
@@ -204,20 +192,29 @@ class ShardColumns(Sequence):
             raise ManifestError(f"{source}: {err}") from None
 
     def _check_unique(self, source: str) -> None:
-        # A 64-bit hash per name (vectorised over byte positions), then exact comparison of the names
-        # whose hashes collide: no million Python strings and no set of them.
+        # A 64-bit hash per name, computed 8 bytes at a time for all names at once, then exact
+        # comparison of the names whose hashes collide: no million Python strings and no set of them.
         hashes = np.empty(len(self), dtype=np.uint64)
-        buffer = np.frombuffer(self.names, dtype=np.uint8)
+        size = len(self.names)
+        if size < 8:  # too short for one 8-byte window below: pad a copy (at most 7 bytes)
+            words, size = _byte_windows(self.names + bytes(8)), size + 8
+        else:
+            words = _byte_windows(self.names)
         with np.errstate(over="ignore"):
             for first in range(0, len(self), _HASH_CHUNK):
                 offsets = self.name_offsets[first:first + _HASH_CHUNK + 1]
                 starts, lengths = offsets[:-1], np.diff(offsets)
                 h = lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-                for k in range(int(lengths.max(initial=0))):
-                    live = lengths > k
-                    byte = np.zeros(len(starts), dtype=np.uint64)
-                    byte[live] = buffer[starts[live] + k]
-                    h = (h ^ byte) * np.uint64(0x100000001B3)
+                for k in range(0, int(lengths.max(initial=0)), 8):
+                    # The 8 bytes from start + k; near the end of the buffer, the last 8 shifted down.
+                    at = np.minimum(starts + k, size - 8)
+                    word = words[at] >> (np.uint64(8) * (starts + k - at).astype(np.uint64))
+                    keep = np.clip(lengths - k, 0, 8).astype(np.uint64)  # bytes of this name in the word
+                    word &= np.where(keep == 8, ~np.uint64(0), (np.uint64(1) << (np.uint64(8) * keep)) - np.uint64(1))
+                    h = (h ^ word) * np.uint64(0x100000001B3)
+                h ^= h >> np.uint64(33)  # finalizer: every input bit reaches every output bit
+                h *= np.uint64(0xFF51AFD7ED558CCD)
+                h ^= h >> np.uint64(33)
                 hashes[first:first + len(starts)] = h
         ordered = np.sort(hashes)
         if not np.any(ordered[1:] == ordered[:-1]):
@@ -231,6 +228,35 @@ class ShardColumns(Sequence):
                 raise ManifestError(f"{source}: manifest names the same shard twice ({name!r}, shards "
                                     f"{seen[name]} and {i})")
             seen[name] = i
+
+
+def _bad_ends(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per name (between consecutive `offsets` into `data`), whether its first or last bytes make it
+    unsafe: absolute, ".", "..", "./" or "../" first, "/", "/." or "/.." last, or a drive letter."""
+    start, end, last = offsets[:-1], offsets[1:], max(len(data) - 1, 0)
+    lengths = end - start
+
+    def first(k: int) -> np.ndarray:  # byte k of each name, 0 past its end
+        return np.where(lengths > k, data[np.minimum(start + k, last)], 0)
+
+    def final(k: int) -> np.ndarray:  # byte k from the end of each name (k >= 1), 0 before its start
+        return np.where(lengths >= k, data[np.maximum(end - k, 0)], 0)
+
+    b0, b1, b2 = first(0), first(1), first(2)
+    z1, z2, z3 = final(1), final(2), final(3)
+    dot, slash = ord("."), ord("/")
+    letter = ((b0 | 0x20) >= ord("a")) & ((b0 | 0x20) <= ord("z"))
+    return ((b0 == slash) | (z1 == slash)                                    # absolute, or an empty last part
+            | ((b0 == dot) & ((b1 == slash) | (lengths == 1)))               # "./..." or "."
+            | ((b0 == dot) & (b1 == dot) & ((b2 == slash) | (lengths == 2)))  # "../..." or ".."
+            | ((z1 == dot) & (z2 == slash))                                  # ".../."
+            | ((z1 == dot) & (z2 == dot) & (z3 == slash))                    # ".../.."
+            | (letter & (b1 == ord(":"))))                                   # a drive letter
+
+
+def _byte_windows(data: bytes) -> np.ndarray:
+    """A little-endian uint64 view of `data` starting at every byte (`len(data) - 7` of them, no copy)."""
+    return np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
 
 
 def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: bytes) -> bytes:
@@ -253,29 +279,72 @@ def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: by
 
 
 def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColumns]:
-    """(header, shards) of an index; the header's "index" entry holds the JSON's size and SHA-256.
+    """(header, shards) of an index held whole in `data`; the header's "index" entry holds the JSON's
+    size and SHA-256.
 
     Raises:
         ManifestError: the bytes are not a complete, self-consistent index (naming `source`).
     """
-    if len(data) < 48 or data[:8] != INDEX_MAGIC:
+    _, names_start = _index_header(data, source=source)
+    if names_start > len(data) - 32:
+        raise ManifestError(f"{source}: index too short for its shards")
+    return decode_index_parts(data, bytes(memoryview(data)[names_start:-32]), data[-32:], source=source)
+
+
+def read_index_file(fh: BinaryIO, *, source: str) -> tuple[dict[str, Any], ShardColumns]:
+    """`decode_index` of an open local index file, read so that the names are a bytes object of
+    their own (the columns view one buffer, the names another: no copy of either)."""
+    size = os.fstat(fh.fileno()).st_size
+    head = fh.read(16)
+    if len(head) == 16 and head[:8] == INDEX_MAGIC:
+        head += fh.read(int(np.frombuffer(head, dtype="<u8", count=1, offset=8)[0]))
+    _, names_start = _index_header(head, source=source)
+    if names_start > size - 32:
+        raise ManifestError(f"{source}: index too short for its shards")
+    fh.seek(0)
+    columns, names, digest = fh.read(names_start), fh.read(size - 32 - names_start), fh.read()
+    return decode_index_parts(columns, names, digest, source=source)
+
+
+def _index_header(data: bytes, *, source: str) -> tuple[dict[str, Any], int]:
+    """(header, offset of the names) from the first bytes of an index (magic, length, header)."""
+    if len(data) < 16 or data[:8] != INDEX_MAGIC:
         raise ManifestError(f"{source}: not a shardkit index")
-    body, digest = memoryview(data)[:-32], data[-32:]
-    if hashlib.sha256(body).digest() != digest:
-        raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
     head_len = int(np.frombuffer(data, dtype="<u8", count=1, offset=8)[0])
+    if head_len > len(data) - 16:
+        raise ManifestError(f"{source}: index too short for its header")
     try:
-        header = json.loads(bytes(body[16:16 + head_len]))
+        header = json.loads(bytes(memoryview(data)[16:16 + head_len]))
         n = int(header["index"]["shards"])
         blocks = header["index"].get("block_index", False) is True
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ManifestError(f"{source}: malformed index header ({err})") from None
-    offset = 16 + head_len + (-head_len % 8)
-    fixed = offset + 8 * (4 * n + n + 1) + 33 * n
-    if blocks:
-        fixed += -n % 8 + 16 * n + 32 * n
-    if n < 0 or fixed > len(body):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise ManifestError(f"{source}: malformed index header ({type(err).__name__}: {err})") from None
+    if n < 0:
         raise ManifestError(f"{source}: index too short for {n} shards")
+    names_start = 16 + head_len + (-head_len % 8) + 8 * (4 * n + n + 1) + 33 * n
+    if blocks:
+        names_start += -n % 8 + 16 * n + 32 * n
+    return header, names_start
+
+
+def decode_index_parts(data: bytes, names: bytes, digest: bytes, *,
+                       source: str) -> tuple[dict[str, Any], ShardColumns]:
+    """(header, shards) of an index given as its bytes up to the names (`data`: more is ignored),
+    the names and the final SHA-256 (which covers the first two).
+
+    Raises:
+        ManifestError: the bytes are not a complete, self-consistent index (naming `source`).
+    """
+    header, names_start = _index_header(data, source=source)
+    if len(data) < names_start:
+        raise ManifestError(f"{source}: index too short for {header['index']['shards']} shards")
+    checksum = hashlib.sha256(memoryview(data)[:names_start])
+    checksum.update(names)
+    if checksum.digest() != digest:
+        raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
+    n = int(header["index"]["shards"])
+    head_len = int(np.frombuffer(data, dtype="<u8", count=1, offset=8)[0])
+    offset = 16 + head_len + (-head_len % 8)
 
     def take(dtype: str, count: int) -> np.ndarray:
         nonlocal offset
@@ -287,10 +356,9 @@ def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColu
     name_offsets, sha = take("<i8", n + 1), take("u1", 32 * n).reshape(n, 32)
     docs = take("u1", n)
     block_index = None
-    if blocks:
+    if header["index"].get("block_index", False) is True:
         offset += -n % 8
         block_index = (take("<i8", n), take("<i8", n), take("u1", 32 * n).reshape(n, 32))
-    names = bytes(body[offset:])
     if name_offsets[0] != 0 or name_offsets[-1] != len(names) or np.any(np.diff(name_offsets) < 0):
         raise ManifestError(f"{source}: index name offsets are inconsistent")
     if np.any(docs > 1):

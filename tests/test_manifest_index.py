@@ -5,10 +5,12 @@ Issue 14 item 3 (many shards, long epochs) and issue 10 item 6 (absurd declared 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,15 @@ from loader_helpers import write_fixed
 from shardkit.errors import ManifestError
 from shardkit.loaders.dataset import StreamingDataset
 from shardkit.loaders.partition import worker_step_chunks
-from shardkit.manifest import INDEX_NAME, MANIFEST_NAME, json_digest, load_manifest, write_index, write_manifest
+from shardkit.manifest import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    json_digest,
+    load_manifest,
+    load_manifest_and_digest,
+    write_index,
+    write_manifest,
+)
 from shardkit.shard_columns import ShardColumns
 from shardkit.storage import Storage
 
@@ -63,6 +73,30 @@ def test_stale_or_damaged_index_falls_back_to_the_json(indexed, caplog):
     assert "index checksum mismatch" in caplog.text
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])  # a local file is read in parts, a store's object whole
+@pytest.mark.parametrize("damage", ["columns", "names", "digest", "truncated"])
+def test_any_damaged_byte_of_the_index_is_caught(indexed, tmp_path, caplog, where, damage):
+    url, manifest = indexed
+    if where == "memory":
+        url = f"memory://{tmp_path.name}/ds"
+        write_manifest(Storage(url), manifest, index=True)
+    storage = Storage(url)
+    assert isinstance(load_manifest(url).shards, ShardColumns)
+    data = bytearray(storage.read_bytes(INDEX_NAME))
+    names = sum(len(s.name.encode()) for s in manifest.shards)
+    columns = 16 + int.from_bytes(data[8:16], "little") + 8  # past the header: inside the first column
+    at = {"columns": columns + 3, "names": len(data) - 32 - names // 2, "digest": len(data) - 5}.get(damage)
+    if at is None:
+        del data[-40:]
+    else:
+        data[at] ^= 1
+    storage.write_bytes(INDEX_NAME, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="shardkit.manifest"):
+        loaded = load_manifest(url)
+    assert loaded == manifest and not isinstance(loaded.shards, ShardColumns)  # the JSON decided
+    assert "checksum mismatch" in caplog.text or "too short" in caplog.text
+
+
 def test_small_manifests_get_no_index_and_lose_a_stale_one(indexed):
     url, manifest = indexed
     write_manifest(Storage(url), manifest)  # 6 shards: below INDEX_MIN_SHARDS
@@ -80,13 +114,17 @@ def test_small_manifests_get_no_index_and_lose_a_stale_one(indexed):
     ("DUPLICATE", "names the same shard twice"),
     (MANIFEST_NAME, f"may not be called {MANIFEST_NAME}"),
 ])
-def test_index_names_are_checked_column_wise(indexed, bad, match):
+@pytest.mark.parametrize("chunk", [2, 1 << 17])  # names checked a chunk at a time: the bad one in a later chunk
+def test_index_names_are_checked_column_wise(indexed, bad, match, chunk, monkeypatch):
+    from shardkit import shard_columns
+
+    monkeypatch.setattr(shard_columns, "_HASH_CHUNK", chunk)
     url, manifest = indexed
     shards = list(manifest.shards)
     name = shards[0].name if bad == "DUPLICATE" else bad
     columns = ShardColumns.from_shards(shards)
     names = [s.name for s in shards]
-    names[3] = name
+    names[3] = name  # in the second chunk of 2
     encoded = [n.encode() for n in names]
     offsets = np.concatenate([[0], np.cumsum([len(e) for e in encoded])]).astype(np.int64)
     forged = ShardColumns(names=b"".join(encoded), name_offsets=offsets, sha256=columns.sha256,
@@ -98,6 +136,40 @@ def test_index_names_are_checked_column_wise(indexed, bad, match):
     storage.write_bytes(INDEX_NAME, encode_index(manifest.to_dict(with_shards=False), forged, json_bytes=text))
     with pytest.raises(ManifestError, match=match):
         load_manifest(url)
+
+
+def _columns_named(names: list[str]) -> ShardColumns:
+    encoded = [n.encode() for n in names]
+    n = len(names)
+    zeros = np.zeros(n, dtype=np.int64)
+    return ShardColumns(names=b"".join(encoded), name_offsets=np.cumsum([0] + [len(e) for e in encoded]),
+                        sha256=np.zeros((n, 32), np.uint8), has_doc_boundaries=np.zeros(n, bool), samples=zeros,
+                        tokens=zeros, compressed_bytes=zeros, raw_bytes=zeros)
+
+
+@pytest.mark.parametrize("names, twice", [
+    (["a", "b", "a"], "a"),                                             # the whole buffer under 8 bytes
+    (["ab", "abc", "abcd"], None),                                      # prefixes are different names
+    ([f"s-{i:05d}.tar" for i in range(40)] + ["s-00039.tar"], "s-00039.tar"),  # the last word of the buffer
+    (["x" * 16, "x" * 17, "x" * 15, "y" + "x" * 15], None),             # lengths around whole words
+    (["\u00e9t\u00e9/1", "\u00e9t\u00e9/2", "long/" * 20 + "z", "long/" * 20 + "z", "q"], "long/" * 20 + "z"),
+])
+def test_duplicate_names_are_found_whatever_their_bytes(names, twice):
+    columns = _columns_named(names)
+    if twice is None:
+        columns.check(source="m")
+    else:
+        with pytest.raises(ManifestError, match="names the same shard twice") as caught:
+            columns.check(source="m")
+        assert repr(twice) in str(caught.value)
+
+
+def test_names_that_are_not_utf8_are_refused():
+    columns = _columns_named(["ok.tar", "caf\u00e9.tar"])
+    columns.check(source="m")  # non-ASCII UTF-8 is fine
+    columns.names = columns.names[:-5] + b"\xff.tar"  # the same length, one byte no longer UTF-8
+    with pytest.raises(ManifestError, match="not valid UTF-8"):
+        columns.check(source="m")
 
 
 def _claim(url: str, samples: int, *, sizes: bool) -> None:
@@ -173,16 +245,28 @@ def test_first_chunk_of_an_epoch_of_1e15_steps_is_immediate():
 
 
 def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkeypatch):
+    from shardkit import manifest as manifest_module
     from shardkit.loaders import cache as cache_module
 
     url, manifest = indexed
     calls = []
-    real = cache_module.json_digest
-    monkeypatch.setattr(cache_module, "json_digest", lambda storage: calls.append(1) or real(storage))
+    real = manifest_module.json_digest
+    monkeypatch.setattr(manifest_module, "json_digest", lambda storage: calls.append(1) or real(storage))
+    monkeypatch.setattr(manifest_module.Manifest, "from_json", None)  # every load below uses the index
     for _ in range(3):
         assert cache_module.fetch_manifest(Storage(url), str(tmp_path / "node")) == manifest
     assert len(calls) == 1  # once per node
     assert json_digest(Storage(url))[0] == len(manifest.to_json().encode())
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_the_node_record_holds_the_digest_of_the_json(indexed, index):
+    url, manifest = indexed
+    write_manifest(Storage(url), manifest, index=index)
+    loaded, digest = load_manifest_and_digest(Storage(url))
+    text = (Path(url) / MANIFEST_NAME).read_bytes()
+    assert loaded == manifest and isinstance(loaded.shards, ShardColumns) == index
+    assert digest == (len(text), hashlib.sha256(text).hexdigest())
 
 
 def test_prefetch_starts_at_a_node_dependent_offset():

@@ -92,9 +92,9 @@ def test_trainer_reads_the_manifest_through_the_node_cache(tmp_path, monkeypatch
     url = str(tmp_path / "a")
     manifest = write_dataset(url, (padded_sample(i) for i in range(16)), seq_len=SEQ_LEN, packing="bestfit",
                              tokenizer=tokenizer)
-    hashes = []
-    real = cache_module.json_digest
-    monkeypatch.setattr(cache_module, "json_digest", lambda storage: hashes.append(1) or real(storage))
+    hashes = []  # the node's first process hashes the JSON as it loads it
+    real = cache_module.load_manifest_and_digest
+    monkeypatch.setattr(cache_module, "load_manifest_and_digest", lambda *a, **k: hashes.append(1) or real(*a, **k))
     for mode in ("decoded", "none"):
         config = DataConfig(data=url, batch_size=4, cache_dir=str(tmp_path / mode),
                             loader=LoaderConfig(cache_mode=mode))
