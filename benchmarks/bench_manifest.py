@@ -8,8 +8,9 @@ samples of 2,049 uint16 tokens per shard (about 53 MB raw, 60% compressed), rand
 sample. Then, each run in a fresh process (world size 1, batch 8, shuffle on, 0 workers), it times
 `load_manifest`, `StreamingDataset` construction (which loads the manifest again: total = construction
 + plan, what one rank pays) and the plan of the first batch (the sample ids of
-the first chunk of batches: order, steps, positions), and the process's peak RSS. Figures are
-medians of --runs runs. Prints a table and writes JSON.
+the first chunk of batches: order, steps, positions), and the process's peak RSS; then, in another
+fresh process that never imports torch, a bare `load_manifest` (time and peak RSS: what the manifest
+itself costs). Figures are medians of --runs runs. Prints a table and writes JSON.
 
     python benchmarks/bench_manifest.py --code before=/tmp/old/.venv/bin/python --code after=.venv/bin/python
 
@@ -128,6 +129,18 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
             "first_ids": None if ids is None else ids[:4].tolist()}
 
 
+def measure_bare(prefix: str) -> dict:
+    """A bare `load_manifest` in a fresh process that never imports torch (the child): what the
+    manifest itself costs, apart from the ~210 MB that importing torch adds to every rank."""
+    from shardkit.manifest import load_manifest
+
+    baseline_mb = peak_rss_mb()
+    t0 = time.perf_counter()
+    load_manifest(prefix)
+    return {"bare_load_s": time.perf_counter() - t0, "bare_peak_rss_mb": peak_rss_mb(),
+            "bare_baseline_rss_mb": baseline_mb, "torch_imported": "torch" in sys.modules}
+
+
 def first_chunk_ids(dataset):
     """Sample ids of the first chunk of batches, as `_generate` plans them."""
     from shardkit.loaders.dataset import IterationPlan
@@ -161,7 +174,11 @@ def main() -> None:
     parser.add_argument("--code", action="append", default=[], metavar="LABEL=PYTHON",
                         help="measure with this interpreter's shardkit too (repeat: versions compared in one run)")
     parser.add_argument("--child", nargs=2, metavar=("PREFIX", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--bare-child", metavar="PREFIX", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bare_child:
+        print(json.dumps(measure_bare(args.bare_child)))
+        return
     if args.child:
         # The machine is shared: a plan that needs more than this fails with MemoryError instead of
         # pushing the others into swap (the old plan over 1M shards needs tens of GB).
@@ -189,10 +206,14 @@ def main() -> None:
                     out = subprocess.run([python, __file__, "--child", str(prefix), str(cache)], check=True,
                                          capture_output=True, text=True)
                     runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    if process == "first":  # once per run: the manifest alone, without torch
+                        out = subprocess.run([python, __file__, "--bare-child", str(prefix)], check=True,
+                                             capture_output=True, text=True)
+                        runs[label][-1].update(json.loads(out.stdout.strip().splitlines()[-1]))
             for label, _ in codes:
                 row = {"shards": shards, "process": process, "code": label, "runs": runs[label]}
                 for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb",
-                            "baseline_rss_mb"):
+                            "baseline_rss_mb", "bare_load_s", "bare_peak_rss_mb", "bare_baseline_rss_mb"):
                     row[key] = statistics.median(r.get(key, float("nan")) for r in runs[label])
                 rows.append(row)
 
@@ -202,6 +223,11 @@ def main() -> None:
         print(f"{row['shards']:>10,} {row['code']:>8} {row['process']:>8} {row['load_manifest_s']:>16.3f} "
               f"{row['construct_s']:>12.3f} {row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} "
               f"{row['peak_rss_mb']:>12.0f} {row['baseline_rss_mb']:>21.0f}")
+    print("\nA bare load_manifest in a process without torch (no node cache record: it hashes the JSON):")
+    for row in rows:
+        if row["process"] == "first":
+            print(f"{row['shards']:>10,} {row['code']:>8}: {row['bare_load_s']:.3f} s, peak RSS "
+                  f"{row['bare_peak_rss_mb']:.0f} MB ({row['bare_baseline_rss_mb']:.0f} MB after imports)")
     result = {"label": args.label, "index": not args.no_index, "machine": platform.platform(), "python": platform.python_version(),
               "cpus": os.cpu_count(), "load_average_after": os.getloadavg(), "runs": args.runs, "codes": dict(codes),
               "rows": rows}

@@ -184,6 +184,23 @@ class ShardColumns(Sequence):
             for index in np.flatnonzero(bad)[:1].tolist():
                 self._check_one(lo + index, source)
 
+    def _names_increase(self, words: _NameWords) -> bool:
+        """Whether every name is greater, byte by byte, than the one before it."""
+        for first in range(0, len(self) - 1, _HASH_CHUNK):
+            offsets = self.name_offsets[first:first + _HASH_CHUNK + 2]  # one name more: the last pair
+            starts, lengths = offsets[:-1], np.diff(offsets)
+            tied = np.ones(len(starts) - 1, dtype=bool)  # pairs whose bytes so far are equal
+            for k in range(0, int(lengths.max()), 8):
+                word = words.at(starts, lengths, k).byteswap()  # big-endian: compares as the bytes do
+                if np.any(tied & (word[:-1] > word[1:])):
+                    return False
+                tied &= word[:-1] == word[1:]
+                if not tied.any():
+                    break
+            if tied.any():  # equal names (NUL, the padding, is refused in names before this runs)
+                return False
+        return True
+
     def _check_one(self, index: int, source: str) -> None:
         name = self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode(errors="replace")
         try:
@@ -192,26 +209,20 @@ class ShardColumns(Sequence):
             raise ManifestError(f"{source}: {err}") from None
 
     def _check_unique(self, source: str) -> None:
-        # A 64-bit hash per name, computed 8 bytes at a time for all names at once, then exact
-        # comparison of the names whose hashes collide: no million Python strings and no set of them.
+        # Names in increasing byte order (a build numbers its shards in order) are all different:
+        # checked pairwise, 8 bytes at a time, without sorting. Otherwise a 64-bit hash per name, then
+        # exact comparison of the names whose hashes collide: no million Python strings, no set of them.
+        words = _NameWords(self.names)
+        if self._names_increase(words):
+            return
         hashes = np.empty(len(self), dtype=np.uint64)
-        size = len(self.names)
-        if size < 8:  # too short for one 8-byte window below: pad a copy (at most 7 bytes)
-            words, size = _byte_windows(self.names + bytes(8)), size + 8
-        else:
-            words = _byte_windows(self.names)
         with np.errstate(over="ignore"):
             for first in range(0, len(self), _HASH_CHUNK):
                 offsets = self.name_offsets[first:first + _HASH_CHUNK + 1]
                 starts, lengths = offsets[:-1], np.diff(offsets)
                 h = lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
                 for k in range(0, int(lengths.max(initial=0)), 8):
-                    # The 8 bytes from start + k; near the end of the buffer, the last 8 shifted down.
-                    at = np.minimum(starts + k, size - 8)
-                    word = words[at] >> (np.uint64(8) * (starts + k - at).astype(np.uint64))
-                    keep = np.clip(lengths - k, 0, 8).astype(np.uint64)  # bytes of this name in the word
-                    word &= np.where(keep == 8, ~np.uint64(0), (np.uint64(1) << (np.uint64(8) * keep)) - np.uint64(1))
-                    h = (h ^ word) * np.uint64(0x100000001B3)
+                    h = (h ^ words.at(starts, lengths, k)) * np.uint64(0x100000001B3)
                 h ^= h >> np.uint64(33)  # finalizer: every input bit reaches every output bit
                 h *= np.uint64(0xFF51AFD7ED558CCD)
                 h ^= h >> np.uint64(33)
@@ -254,9 +265,22 @@ def _bad_ends(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
             | (letter & (b1 == ord(":"))))                                   # a drive letter
 
 
-def _byte_windows(data: bytes) -> np.ndarray:
-    """A little-endian uint64 view of `data` starting at every byte (`len(data) - 7` of them, no copy)."""
-    return np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+class _NameWords:
+    """Bytes k..k+7 of many names at once, as little-endian uint64 (0 past a name's end)."""
+
+    def __init__(self, names: bytes):
+        if len(names) < 8:  # too short for one 8-byte window: pad a copy (at most 7 bytes)
+            names += bytes(8)
+        self.size = len(names)
+        # A uint64 view starting at every byte (`size - 7` of them): no copy.
+        self.windows = np.ndarray(shape=(self.size - 7,), dtype="<u8", buffer=names, strides=(1,))
+
+    def at(self, starts: np.ndarray, lengths: np.ndarray, k: int) -> np.ndarray:
+        # Near the end of the buffer, the last 8 bytes shifted down.
+        at = np.minimum(starts + k, self.size - 8)
+        word = self.windows[at] >> (np.uint64(8) * (starts + k - at).astype(np.uint64))
+        keep = np.clip(lengths - k, 0, 8).astype(np.uint64)  # bytes of each name in its word
+        return word & np.where(keep == 8, ~np.uint64(0), (np.uint64(1) << (np.uint64(8) * keep)) - np.uint64(1))
 
 
 def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: bytes) -> bytes:

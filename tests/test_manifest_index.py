@@ -153,8 +153,17 @@ def _columns_named(names: list[str]) -> ShardColumns:
     ([f"s-{i:05d}.tar" for i in range(40)] + ["s-00039.tar"], "s-00039.tar"),  # the last word of the buffer
     (["x" * 16, "x" * 17, "x" * 15, "y" + "x" * 15], None),             # lengths around whole words
     (["\u00e9t\u00e9/1", "\u00e9t\u00e9/2", "long/" * 20 + "z", "long/" * 20 + "z", "q"], "long/" * 20 + "z"),
+    # In increasing order (the build's own): checked pairwise, without hashing.
+    (["s-1", "s-2", "s-2", "s-3"], "s-2"),                              # equal neighbours, across a chunk edge
+    (["x" * 20 + "1", "x" * 20 + "2", "x" * 20 + "2"], "x" * 20 + "2"),  # equal in the third word
+    (["a", "ab", "abc", "b", "ba"], None),                              # prefixes first
+    (["ab", "ba", "b", "c"], None),                                     # not in order: hashed
 ])
-def test_duplicate_names_are_found_whatever_their_bytes(names, twice):
+@pytest.mark.parametrize("chunk", [2, 1 << 17])
+def test_duplicate_names_are_found_whatever_their_bytes(names, twice, chunk, monkeypatch):
+    from shardkit import shard_columns
+
+    monkeypatch.setattr(shard_columns, "_HASH_CHUNK", chunk)
     columns = _columns_named(names)
     if twice is None:
         columns.check(source="m")
@@ -162,6 +171,15 @@ def test_duplicate_names_are_found_whatever_their_bytes(names, twice):
         with pytest.raises(ManifestError, match="names the same shard twice") as caught:
             columns.check(source="m")
         assert repr(twice) in str(caught.value)
+
+
+def test_names_numbered_in_order_need_no_hashing():
+    from shardkit.shard_columns import _NameWords
+
+    numbered = _columns_named([f"shards/shard-{i:07d}.tar" for i in range(5, 1200, 7)] + ["shards/u"])
+    assert numbered._names_increase(_NameWords(numbered.names))  # byte order, across every word
+    swapped = _columns_named(["shards/shard-0000010.tar", "shards/shard-0000009.tar"])
+    assert not swapped._names_increase(_NameWords(swapped.names))
 
 
 def test_names_that_are_not_utf8_are_refused():
