@@ -8,7 +8,8 @@ samples of 2,049 uint16 tokens per shard (about 53 MB raw, 60% compressed), rand
 sample. Then, each run in a fresh process (world size 1, batch 8, shuffle on, 0 workers), it times
 `load_manifest`, `StreamingDataset` construction (which loads the manifest again: total = construction
 + plan, what one rank pays) and the plan of the first batch (the sample ids of
-the first chunk of batches: order, steps, positions), and the process's peak RSS; then, in another
+the first chunk of batches: order, steps, positions), and the process's peak RSS (then, apart, the
+data fingerprint that the first saved loader state records); then, in another
 fresh process that never imports torch, a bare `load_manifest` (time and peak RSS: what the manifest
 itself costs). Figures are medians of --runs runs. Prints a table and writes JSON.
 
@@ -119,12 +120,15 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
     else:
         plan_s = time.perf_counter() - t0
     peak_mb = peak_rss_mb()  # what one rank holds at its peak, up to the first batch's plan
+    t0 = time.perf_counter()
+    dataset.fingerprint()  # the data's identity, which the loader's first saved state records
+    fingerprint_s = time.perf_counter() - t0
     del dataset
     t0 = time.perf_counter()
     load_manifest(prefix)  # a bare load (no node cache record: hashes the JSON when there is an index)
     load_s = time.perf_counter() - t0
     return {"import_s": import_s, "load_manifest_s": load_s, "construct_s": construct_s, "first_plan_s": plan_s,
-            "total_s": construct_s + plan_s, "peak_rss_mb": peak_mb,
+            "total_s": construct_s + plan_s, "fingerprint_s": fingerprint_s, "peak_rss_mb": peak_mb,
             "baseline_rss_mb": baseline_mb,
             "first_ids": None if ids is None else ids[:4].tolist()}
 
@@ -212,7 +216,7 @@ def main() -> None:
                         runs[label][-1].update(json.loads(out.stdout.strip().splitlines()[-1]))
             for label, _ in codes:
                 row = {"shards": shards, "process": process, "code": label, "runs": runs[label]}
-                for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "peak_rss_mb",
+                for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "fingerprint_s", "peak_rss_mb",
                             "baseline_rss_mb", "bare_load_s", "bare_peak_rss_mb", "bare_baseline_rss_mb"):
                     row[key] = statistics.median(r.get(key, float("nan")) for r in runs[label])
                 rows.append(row)
@@ -223,6 +227,10 @@ def main() -> None:
         print(f"{row['shards']:>10,} {row['code']:>8} {row['process']:>8} {row['load_manifest_s']:>16.3f} "
               f"{row['construct_s']:>12.3f} {row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} "
               f"{row['peak_rss_mb']:>12.0f} {row['baseline_rss_mb']:>21.0f}")
+    print("\nThe data fingerprint (first saved loader state), other processes:")
+    for row in rows:
+        if row["process"] == "other":
+            print(f"{row['shards']:>10,} {row['code']:>8}: {row['fingerprint_s']:.3f} s")
     print("\nA bare load_manifest in a process without torch (no node cache record: it hashes the JSON):")
     for row in rows:
         if row["process"] == "first":
