@@ -24,7 +24,7 @@ import numpy as np
 from shardkit.manifest import Manifest
 from shardkit.shard_columns import ShardColumns
 
-_CHUNK = 1 << 15  # shards per numpy pass: bounds the temporary byte matrix (~4 MB for 25-byte names)
+_CHUNK = 1 << 13  # shards per numpy pass: a ~1 MB byte matrix for 25-byte names (stays in cache; 4 MB: 2x slower)
 _PAD = 0xFF  # fills the matrix around names and counts, removed after; never in plain output (<= 0x7E)
 _POWERS = 10 ** np.arange(18, -1, -1, dtype=np.int64)  # 19 decimal digits hold any int64 >= 0
 
