@@ -117,9 +117,11 @@ def test_config_dataclasses_are_frozen_and_keyword_only():
     for value in (manifest(), manifest().tokenizer, manifest().shards[0]):
         with pytest.raises(FrozenInstanceError):
             value.name = "x"
-    for cls in (Manifest, TokenizerInfo, ShardInfo):
-        with pytest.raises(TypeError):
-            cls("tar")
+    tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=256)
+    for cls, arguments in ((TokenizerInfo, ("byte", "byte", 256)), (ShardInfo, ("s.tar", 0, 0, 0, 0, "0" * 64, False)),
+                           (Manifest, ("tar", "uint16", 64, "concat", tokenizer, ()))):
+        with pytest.raises(TypeError, match="positional"):
+            cls(*arguments)
 
 
 def _one_shard(shard_format="tar", token_dtype="uint16", max_sample_tokens=None, **fields):
