@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_faults.py tests/test_adversarial.py tests/test_pipeline_faults.py \
         tests/test_kill_matrix.py tests/test_secrets.py tests/test_fuzz.py tests/test_checkpoint.py \
-        tests/test_storage.py tests/test_cache_security.py \
+        tests/test_storage.py tests/test_cache_security.py tests/test_quarantine.py \
         tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume
     python benchmarks/reliability_table.py [bench_out/reliability.json]
 """
@@ -39,6 +39,8 @@ SCENARIOS = [
      "tests/test_kill_matrix.py::test_cache_download_sigkill_matrix"),
     ("sigkill_training", "Training SIGKILLed at 20 seeded points (start-up, steps, checkpoint saves), resumed: reports the newest checkpoint it resumed from, bitwise-equal losses, every sample id once",
      "tests/test_kill_matrix.py::test_training_sigkill_matrix"),
+    ("sigkill_training_weight_schedule", "Training on a two-stream mixture whose weights switch at step 4, SIGKILLed at 6 seeded points, resumed: bitwise-equal losses and the same sample ids per step on both sides of the switch",
+     "tests/test_kill_matrix.py::test_training_sigkill_with_a_weight_schedule"),
     ("sigkill_training_ddp_outside", "DDP run (2 ranks) SIGKILLed with its launcher at seeded random moments by a watcher outside its process tree: resumes from the newest checkpoint, bitwise-equal losses and sample ids",
      "tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume[ddp-1]"),
     ("sigkill_training_fsdp_outside", "... FSDP", "tests/test_loop.py::test_sigkill_at_random_moments_from_outside_then_exact_resume[fsdp-2]"),
@@ -52,6 +54,12 @@ SCENARIOS = [
      "tests/test_storage.py::test_a_throttling_store_is_still_waited_for"),
     ("storage_non_s3_endpoint", "A non-S3 endpoint answering 404: errors name the object URL, the HTTP status and the likely cause",
      "tests/test_storage.py::test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause"),
+    ("quarantine_one_node", "Shard corrupt only as one node sees the store (the proxy flips it for rank 1 only), `on_corrupt=\"skip\"`, 2 gloo ranks on 2 cache dirs: both ranks skip it (agreed), equal batch counts, every other sample once, exact resume",
+     "tests/test_quarantine.py::test_shard_corrupt_on_one_node_is_skipped_on_every_rank"),
+    ("quarantine_raise", "Same corruption, `on_corrupt=\"raise\"` (default): `CorruptShardError` naming the shard",
+     "tests/test_quarantine.py::test_on_corrupt_raise_names_the_shard"),
+    ("quarantine_list", "`shardkit verify --quarantine-list` on 2 corrupted shards, then a run with `quarantine_list=`: left out from the start, 2 ranks balanced, every other sample once",
+     "tests/test_quarantine.py::test_quarantine_list_round_trip"),
     ("cache_16_processes", "16 processes (4 ranks x 3 workers), cache limit 75% of the dataset, 2 epochs: each sample once per epoch",
      "tests/test_kill_matrix.py::test_sixteen_processes_share_a_cache_smaller_than_the_dataset"),
     ("adversarial_manifests", "Manifest naming `../`, absolute, URL, drive, backslash, NUL shards: ManifestError",

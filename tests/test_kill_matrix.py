@@ -89,6 +89,34 @@ def test_training_sigkill_matrix(tmp_path, figures):
                 corrupt=result["loss_mismatches"])
 
 
+def test_training_sigkill_with_a_weight_schedule(tmp_path, figures):
+    """A two-stream mixture whose weights switch at step 4 (issue 15: "a schedule across a kill +
+    resume"): SIGKILLed at seeded random moments and resumed, every run reproduces the uninterrupted
+    run's losses bitwise and its sample ids step by step, on both sides of the switch."""
+    from train_runs import write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "a"), seed=0)
+    write_byte_dataset(str(tmp_path / "b"), seed=1)
+    data = f"{tmp_path / 'a'}:[[0,0.8],[4,0.2]] {tmp_path / 'b'}:[[0,0.2],[4,0.8]]"
+    (tmp_path / "work").mkdir()
+    points = 6
+    command = [sys.executable, str(HERE / "train_kill_harness.py"), data, str(tmp_path / "work"), str(points), "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # A kill may come after a fast run finished; most runs must have been killed and resumed.
+    assert result["runs"] == points and result["kills"] >= points // 2, result
+    assert result["failed_resumes"] == 0 and result["loss_mismatches"] == 0 and result["id_mismatches"] == 0, result
+    assert result["resume_mismatches"] == 0 and result["resumed_from_checkpoint"] >= 2, result
+    assert result["duplicated"] == 0 and result["lost"] == 0, result
+    # Both streams before and after the switch: the reference's steps 0-3 lean on a, 4-7 on b.
+    assert result["reference_stream_shares"][0] > 0.5 > result["reference_stream_shares"][1], result
+    figures.add("sigkill_training_weight_schedule", runs=result["runs"], kills=result["kills"],
+                resumed_from_checkpoint=result["resumed_from_checkpoint"], samples_checked=result["samples_checked"],
+                lost=result["lost"], duplicated=result["duplicated"], corrupt=result["loss_mismatches"])
+
+
 def test_sixteen_processes_share_a_cache_smaller_than_the_dataset(tmp_path, figures):
     dataset = tmp_path / "ds"
     manifest = write_fixed(str(dataset), 48 * 50, seq_len=255, per_shard=50)

@@ -77,7 +77,7 @@ def shard_range(index: int) -> set[int]:
 pytestmark = pytest.mark.slow
 
 
-def test_shard_corrupt_on_one_node_is_skipped_on_every_rank(process_pool, store):
+def test_shard_corrupt_on_one_node_is_skipped_on_every_rank(process_pool, store, figures):
     from shardkit.loaders.order import epoch_order
 
     # Corrupt a shard of the partition that only rank 1's node reads (two nodes: two canonical partitions),
@@ -112,9 +112,14 @@ def test_shard_corrupt_on_one_node_is_skipped_on_every_rank(process_pool, store)
     second = run_two_nodes(process_pool, store, "resume", state=first[0]["state"], num_workers=2)
     for rank in range(2):
         np.testing.assert_array_equal(np.concatenate([flat(first[rank]), flat(second[rank])]), flat(runs[rank]))
+    wanted = set(range(SAMPLES)) - shard_range(victim)
+    figures.add("quarantine_one_node", runs=3, samples_checked=len(seen), lost=len(wanted - set(seen.tolist())),
+                duplicated=len(seen) - len(np.unique(seen)), corrupt=sum(r["mismatched"] for r in runs),
+                quarantined_samples_per_rank=runs[0]["quarantined_samples"],
+                steps_per_rank=runs[0]["steps_per_rank"][0])
 
 
-def test_on_corrupt_raise_names_the_shard(store, tmp_path):
+def test_on_corrupt_raise_names_the_shard(store, tmp_path, figures):
     from shardkit import StreamingDataLoader, StreamingDataset
     from shardkit.errors import CorruptShardError
 
@@ -122,12 +127,13 @@ def test_on_corrupt_raise_names_the_shard(store, tmp_path):
     store["proxy"].corrupt = name
     dataset = StreamingDataset(store["url"], cache_dir=str(tmp_path / "cache"), storage_options=store["through"],
                                shuffle=False, prefetch=False)
-    with pytest.raises(CorruptShardError, match=name):
+    with pytest.raises(CorruptShardError, match=name) as raised:
         for _ in StreamingDataLoader(dataset, batch_size=BATCH):
             pass
+    figures.add("quarantine_raise", runs=1, error_names_shard=int(name in str(raised.value)))
 
 
-def test_quarantine_list_round_trip(tmp_path):
+def test_quarantine_list_round_trip(tmp_path, figures):
     from shardkit.cli.main import main
     from loader_procs import loader_run
 
@@ -152,6 +158,9 @@ def test_quarantine_list_round_trip(tmp_path):
     assert len(np.unique(seen)) == len(seen)
     assert set(seen.tolist()) == set(range(SAMPLES)) - shard_range(2) - shard_range(7)
     assert sorted(q[0] for q in runs[0]["state"]["quarantine"]) == bad
+    wanted = set(range(SAMPLES)) - shard_range(2) - shard_range(7)
+    figures.add("quarantine_list", runs=1, samples_checked=len(seen), lost=len(wanted - set(seen.tolist())),
+                duplicated=len(seen) - len(np.unique(seen)), listed=len(written["shards"]))
     # A list that names a shard of another dataset is refused, naming it.
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**written, "shards": [{"name": "shard-x.tar", "sha256": "0" * 64}]}))

@@ -64,6 +64,24 @@ def resumed_from(run_dir: Path) -> list[str]:
     return [r["resumed_from"] for r in records if "resumed_from" in r]
 
 
+def _first_stream_shares(data: str, ids_by_step: dict) -> list[float] | None:
+    """For a mixture (DATA holds several entries): the share of the first stream's samples in the first
+    and the second half of the reference's steps (global sample ids count the first stream first)."""
+    entries = data.split()
+    if len(entries) < 2:
+        return None
+    from shardkit.manifest import load_manifest
+
+    first = load_manifest(entries[0].rsplit(":", 1)[0]).num_samples
+    steps = sorted(ids_by_step)
+    halves = (steps[:len(steps) // 2], steps[len(steps) // 2:])
+    shares = []
+    for half in halves:
+        ids = [i for step in half for i in ids_by_step[step]]
+        shares.append(sum(i < first for i in ids) / max(len(ids), 1))
+    return shares
+
+
 def _latest_step(run_dir: Path) -> int:
     """Newest complete checkpoint's step (checkpoints appear by rename once complete), 0 if none."""
     try:
@@ -88,7 +106,8 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
     figures = {"runs": points, "kills": 0, "killed_before_first_checkpoint": 0, "loss_mismatches": 0,
                "id_mismatches": 0, "samples_checked": 0, "duplicated": 0, "lost": 0, "failed_resumes": 0,
                "resume_mismatches": 0, "resumed_from_checkpoint": 0,
-               "reference_seconds": round(duration, 2)}
+               "reference_seconds": round(duration, 2),
+               "reference_stream_shares": _first_stream_shares(data, want_ids)}
     for point in range(points):
         run_dir = Path(workdir) / f"run-{point:02d}"
         pid = _fork(_train, data, str(run_dir), cache_dir)
