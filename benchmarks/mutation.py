@@ -1,7 +1,7 @@
 """Mutation score of the modules whose bugs would be silent (ordering, resume, cache, manifest, packing).
 
     python benchmarks/mutation.py [--modules order partition state] [--out bench_out/mutation.json]
-                                  [--jobs 1] [--show-survivors]
+                                  [--jobs 1] [--show-survivors] [--sample N --seed S] [--only order:12 ...]
 
 A small self-written AST mutator, not mutmut: mutmut 3 copies the tree into `mutants/` and maps a
 file to a module by its path, but `loaders/order.py` is installed as `shardkit.loaders.order`
@@ -31,6 +31,7 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -48,9 +49,9 @@ TARGETS: dict[str, tuple[str, str, list[str]]] = {
                    "tests/test_dataloader_resume.py"]),
     "state": ("loaders/state.py", "shardkit.loaders.state",
               ["tests/test_dataloader.py", "tests/test_dataloader_resume.py"]),
-    "cache": ("loaders/cache.py", "shardkit.loaders.cache", ["tests/test_cache.py"]),
+    "cache": ("loaders/cache.py", "shardkit.loaders.cache", ["tests/test_cache.py", "tests/test_cache_security.py"]),
     "manifest": ("shardkit/manifest.py", "shardkit.manifest",
-                 ["tests/test_manifest.py", "tests/test_manifest_mutants.py"]),
+                 ["tests/test_manifest.py", "tests/test_manifest_index.py"]),
     "packing": ("tools/packing.py", "shardkit.tools.packing", ["tests/test_packing.py"]),
 }
 
@@ -218,10 +219,12 @@ def _child(name: str, tree: ast.Module | None, log: Path) -> None:
     if tree is not None:
         sys.meta_path.insert(0, _MutantFinder(fullname, REPO / path, ast.fix_missing_locations(tree)))
     import pytest
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
     # Derandomized hypothesis and no example database: a mutant's fate must not depend on the last one.
-    settings.register_profile("mutation", derandomize=True, database=None)
+    # No shrinking: a failing example already kills the mutant, and shrinking it costs seconds each.
+    settings.register_profile("mutation", derandomize=True, database=None,
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate])
     settings.load_profile("mutation")
     os.chdir(REPO)
     tests = [t for t in tests if (REPO / t).exists()]  # a listed test file may not exist yet
@@ -265,8 +268,21 @@ def _preload() -> None:
         raise RuntimeError("shardkit was imported before forking: the mutants would not be loaded")
 
 
-def run_module(name: str, jobs: int, logs: Path) -> tuple[list[Mutant], float]:
-    tree, mutants = list_mutants(name)
+def choose(mutants: list[Mutant], sample: int | None, seed: int, only: set[int] | None) -> list[Mutant]:
+    """The mutants to run: all, the listed indices, or a deterministic sample of `sample` (by `seed`)."""
+    if only is not None:
+        return [m for m in mutants if m.index in only]
+    if sample is None or sample >= len(mutants):
+        return mutants
+    picked = set(random.Random(seed).sample(range(len(mutants)), sample))
+    return [m for m in mutants if m.index in picked]
+
+
+def run_module(name: str, jobs: int, logs: Path, sample: int | None = None, seed: int = 0,
+               only: set[int] | None = None) -> tuple[list[Mutant], int, float]:
+    """Runs the chosen mutants of `name`; returns them, the number of mutation sites, the clean seconds."""
+    tree, every = list_mutants(name)
+    mutants = choose(every, sample, seed, only)
     clean_code, clean_seconds = _wait(_start(name, None, logs / f"{name}-clean.log"), 1800)
     if clean_code != 0:
         raise RuntimeError(f"{name}: the unmutated tests fail (exit {clean_code}); see {logs / f'{name}-clean.log'}")
@@ -298,21 +314,35 @@ def run_module(name: str, jobs: int, logs: Path) -> tuple[list[Mutant], float]:
                     (logs / f"{name}-{mutant.index}.log").unlink(missing_ok=True)
             mutant.seconds = round(elapsed, 2)
             del running[pid]
-            print(f"  {name}:{mutant.line:<4} {mutant.change:<22} {mutant.outcome:<8} {elapsed:5.1f}s  "
+            print(f"  {name}:{mutant.index:<4} line {mutant.line:<4} {mutant.change:<22} {mutant.outcome:<8} {elapsed:5.1f}s  "
                   f"{mutant.source_line[:60]}", flush=True)
         time.sleep(0.05)
-    return mutants, clean_seconds
+    return mutants, len(every), clean_seconds
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modules", nargs="+", choices=list(TARGETS), default=list(TARGETS))
-    parser.add_argument("--out", default=str(REPO / "bench_out" / "mutation.json"))
+    parser.add_argument("--out", default=None, help="JSON report (default bench_out/mutation.json; with --only "
+                        "bench_out/mutation_only.json, so a check of a few mutants never replaces a module's row)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants tested at once (the machine is shared)")
     parser.add_argument("--show-survivors", action="store_true", help="list every survivor after the table")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="run a deterministic sample of N mutants per module (the table says how many of all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    parser.add_argument("--only", nargs="+", default=None, metavar="MODULE:INDEX",
+                        help="run only these mutants (e.g. order:12, to check that a new test kills a survivor)")
     args = parser.parse_args(argv)
+    only: dict[str, set[int]] = {}
+    for item in args.only or []:
+        module, _, index = item.partition(":")
+        if module not in TARGETS or not index.isdigit():
+            parser.error(f"--only {item!r}: expected MODULE:INDEX with MODULE one of {list(TARGETS)}")
+        only.setdefault(module, set()).add(int(index))
+    if only:
+        args.modules = [m for m in args.modules if m in only] if args.modules != list(TARGETS) else list(only)
     _preload()
-    out = Path(args.out)
+    out = Path(args.out or REPO / "bench_out" / ("mutation_only.json" if only else "mutation.json"))
     logs = out.parent / "mutation_logs"
     logs.mkdir(parents=True, exist_ok=True)
     report: dict[str, dict] = {}
@@ -320,30 +350,37 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     for name in args.modules:
         print(f"{name}: {TARGETS[name][0]} with {' '.join(TARGETS[name][2])}", flush=True)
-        mutants, clean = run_module(name, args.jobs, logs)
+        mutants, sites, clean = run_module(name, args.jobs, logs, args.sample, args.seed, only.get(name))
         all_mutants += mutants
         counts = {k: sum(m.outcome == k for m in mutants) for k in ("killed", "timeout", "survived")}
         total = len(mutants)
-        report[name] = {"file": TARGETS[name][0], "tests": TARGETS[name][2], "mutants": total, **counts,
+        report[name] = {"file": TARGETS[name][0], "tests": TARGETS[name][2], "mutants": total, "sites": sites,
+                        "selection": ("all" if total == sites else f"only {sorted(only[name])}" if name in only
+                                      else f"sample {args.sample} of {sites}, seed {args.seed}"),
+                        **counts,
                         "score": round((counts["killed"] + counts["timeout"]) / total, 4) if total else None,
-                        "clean_test_seconds": round(clean, 2)}
-    print(f"\n{'module':<10} {'file':<22} {'mutants':>7} {'killed':>7} {'timeout':>7} {'survived':>8} {'score':>6}")
+                        "clean_test_seconds": round(clean, 2), "seconds": round(time.monotonic() - started, 1)}
+        # Written after each module, so an interrupted run keeps the modules it finished.
+        _write_report(out, {name: report[name]}, [m for m in mutants if m.outcome == "survived"])
+    print(f"\n{'module':<10} {'file':<22} {'mutants':>7} {'of':>5} {'killed':>7} {'timeout':>7} {'survived':>8} "
+          f"{'score':>6}")
     for name, row in report.items():
-        print(f"{name:<10} {row['file']:<22} {row['mutants']:>7} {row['killed']:>7} {row['timeout']:>7} "
-              f"{row['survived']:>8} {row['score']:>6.1%}")
+        print(f"{name:<10} {row['file']:<22} {row['mutants']:>7} {row['sites']:>5} {row['killed']:>7} "
+              f"{row['timeout']:>7} {row['survived']:>8} {row['score']:>6.1%}")
     if args.show_survivors:
         print("\nsurvivors:")
         for m in all_mutants:
             if m.outcome == "survived":
-                print(f"  {TARGETS[m.module][0]}:{m.line}  {m.change:<22} {m.source_line}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(out.read_text()) if out.exists() else {}
-    modules = {**previous.get("modules", {}), **report}
-    survivors = [asdict(m) for m in all_mutants if m.outcome == "survived"]
-    kept = [s for s in previous.get("survivors", []) if s["module"] not in report]
-    out.write_text(json.dumps({"modules": modules, "survivors": kept + survivors,
-                               "seconds": round(time.monotonic() - started, 1)}, indent=1))
+                print(f"  {m.module}:{m.index:<4} {TARGETS[m.module][0]}:{m.line}  {m.change:<22} {m.source_line}")
     print(f"\nwrote {out} ({time.monotonic() - started:.0f} s)")
+
+
+def _write_report(out: Path, rows: dict[str, dict], survivors: list[Mutant]) -> None:
+    """Replace these modules' rows and survivors in the JSON report, keeping the other modules'."""
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    kept = [s for s in previous.get("survivors", []) if s["module"] not in rows]
+    out.write_text(json.dumps({"modules": {**previous.get("modules", {}), **rows},
+                               "survivors": kept + [asdict(m) for m in survivors]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import FrozenInstanceError
 
 import pytest
 
@@ -19,6 +20,7 @@ from shardkit.manifest import (
     Manifest,
     ShardInfo,
     TokenizerInfo,
+    check_counts,
     load_manifest,
     token_dtype_for_vocab,
     write_manifest,
@@ -73,10 +75,86 @@ def test_token_dtype_for_vocab_boundaries():
     assert token_dtype_for_vocab(256) == "uint16"
     assert token_dtype_for_vocab(65536) == "uint16"
     assert token_dtype_for_vocab(65537) == "uint32"
+    assert token_dtype_for_vocab(1) == "uint16"
+    assert token_dtype_for_vocab(2**32) == "uint32"
     with pytest.raises(ValueError, match="positive"):
         token_dtype_for_vocab(0)
     with pytest.raises(ValueError, match="uint32"):
         token_dtype_for_vocab(2**32 + 1)
+
+
+def test_fields_at_their_limits_are_accepted():
+    """Each check refuses exactly what lies past its limit: a bound off by one refuses real datasets."""
+    assert TokenizerInfo(kind="byte", name="one", vocab_size=1, eos_id=0, bos_id=0, pad_id=0).vocab_size == 1
+    assert manifest(tokenizer=TokenizerInfo(kind="hf", name="t", vocab_size=2**16), token_dtype="uint16").seq_len == 64
+    assert manifest(seq_len=1, max_sample_tokens=None).max_sample_tokens == 2
+    empty = shard("empty.tar", samples=0, tokens=0, compressed_bytes=0, raw_bytes=0, index_offset=0, index_bytes=0,
+                  index_sha256="0" * 64)
+    assert empty.has_block_index and empty.samples == 0
+    with pytest.raises(ManifestError, match="vocab_size must be positive"):
+        TokenizerInfo(kind="byte", name="none", vocab_size=0)
+    with pytest.raises(ManifestError, match="needs uint32"):
+        manifest(tokenizer=TokenizerInfo(kind="hf", name="t", vocab_size=2**16 + 1), token_dtype="uint16")
+    with pytest.raises(ManifestError, match="index_offset, index_bytes and index_sha256"):
+        shard("s.tar", index_offset=-1, index_bytes=10, index_sha256="0" * 64)
+
+
+def test_format_version_packing_and_writer_version_are_derived_only_when_not_given():
+    assert manifest().format_version == 1 and manifest().to_json().count("index_") == 0  # no index fields in v1
+    assert shard("s.tar").to_dict().keys().isdisjoint({"index_offset", "index_bytes", "index_sha256"})
+    indexed = shard("i.tar", index_offset=10, index_bytes=5, index_sha256="0" * 64)
+    assert manifest(shards=(shard("s.tar"), indexed)).format_version == 2
+    assert manifest(shardkit_version="0.0.1").shardkit_version == "0.0.1"  # a read manifest keeps its writer's
+    # "none" packing has a seq_len (documents are split there) but no fixed sample length
+    assert manifest(packing="none").sample_length is None
+    assert manifest(seq_len=None, packing="none", max_sample_tokens=None).max_sample_tokens is None
+    for bad in ("ab", (shard("s.tar"), {"name": "t.tar"})):
+        with pytest.raises(ManifestError, match="shards must be a list of shard entries"):
+            manifest(shards=bad)
+
+
+def test_config_dataclasses_are_frozen_and_keyword_only():
+    for value in (manifest(), manifest().tokenizer, manifest().shards[0]):
+        with pytest.raises(FrozenInstanceError):
+            value.name = "x"
+    tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=256)
+    for cls, arguments in ((TokenizerInfo, ("byte", "byte", 256)), (ShardInfo, ("s.tar", 0, 0, 0, 0, "0" * 64, False)),
+                           (Manifest, ("tar", "uint16", 64, "concat", tokenizer, ()))):
+        with pytest.raises(TypeError, match="positional"):
+            cls(*arguments)
+
+
+def _one_shard(shard_format="tar", token_dtype="uint16", max_sample_tokens=None, **fields):
+    info = {"samples": 0, "tokens": 0, "compressed_bytes": 1, "raw_bytes": 0, **fields}
+    return manifest(shard_format=shard_format, token_dtype=token_dtype, seq_len=None, packing="none",
+                    max_sample_tokens=max_sample_tokens, shards=(shard("s.tar", **info),))
+
+
+@pytest.mark.parametrize(("at_limit", "over", "match"), [
+    (dict(compressed_bytes=2**40), dict(compressed_bytes=2**40 + 1), "compressed_bytes above"),
+    (dict(raw_bytes=32768), dict(raw_bytes=32769), "raw_bytes more than 32,768 x"),
+    (dict(raw_bytes=10, tokens=5), dict(raw_bytes=10, tokens=6), "more uint16 tokens"),
+    (dict(token_dtype="uint32", raw_bytes=12, tokens=3), dict(token_dtype="uint32", raw_bytes=12, tokens=4),
+     "more uint32 tokens"),
+    (dict(raw_bytes=640, samples=10), dict(raw_bytes=640, samples=11), "raw_bytes / 64"),
+    (dict(shard_format="arrow", raw_bytes=40, samples=10), dict(shard_format="arrow", raw_bytes=40, samples=11),
+     "raw_bytes / 4"),
+    (dict(max_sample_tokens=10, samples=2, tokens=20, raw_bytes=200),
+     dict(max_sample_tokens=10, samples=2, tokens=21, raw_bytes=200), "more tokens than samples x max_sample_tokens"),
+])
+def test_count_bounds_refuse_exactly_what_lies_past_them(at_limit, over, match):
+    check_counts(_one_shard(**at_limit), source="m")
+    with pytest.raises(ManifestError, match=f"m: shard s.tar declares .*{match}"):
+        check_counts(_one_shard(**over), source="m")
+
+
+def test_totals_above_2_to_the_62_are_refused():
+    # A shard may hold 2^55 raw bytes (2^40 stored x zstd's ratio): 128 of them reach 2^62 exactly.
+    def shards(n):
+        return tuple(shard(f"s{i}.tar", samples=0, tokens=0, compressed_bytes=2**40, raw_bytes=2**55) for i in range(n))
+    check_counts(manifest(shards=shards(128), seq_len=None, packing="none", max_sample_tokens=None), source="m")
+    with pytest.raises(ManifestError, match="more than 2\\^62 raw_bytes in total"):
+        check_counts(manifest(shards=shards(200), seq_len=None, packing="none", max_sample_tokens=None), source="m")
 
 
 @pytest.mark.parametrize(("changes", "match"), [
@@ -180,6 +258,9 @@ def test_load_manifest_rejects_escaping_names_written_by_hand(tmp_path):
 def test_load_manifest_of_missing_dataset_says_so(tmp_path):
     with pytest.raises(ManifestError, match="no dataset at .*shardkit.json not found"):
         load_manifest(str(tmp_path / "nothing"))
+    # a local copy of a remote dataset names the remote dataset
+    with pytest.raises(ManifestError, match="^no dataset at s3://bucket/ds: shardkit.json not found"):
+        load_manifest(str(tmp_path / "nothing"), display_url="s3://bucket/ds/shardkit.json")
 
 
 def test_write_then_load_through_storage(tmp_path):
@@ -300,6 +381,14 @@ def test_wrongly_shaped_json_fields_are_manifest_errors(changes, match):
         Manifest.from_dict(manifest_dict(**changes))
 
 
+def test_nesting_of_64_levels_is_accepted_and_65_refused():
+    def nested(depth):  # the manifest object itself is level 1
+        return json.dumps(manifest_dict())[:-1] + ', "extra": ' + "[" * depth + "]" * depth + "}"
+    assert Manifest.from_json(nested(63)) == manifest()
+    with pytest.raises(ManifestError, match="more than 64 levels"):
+        Manifest.from_json(nested(64))
+
+
 @pytest.mark.parametrize("depth, match", [(5000, "nested too deeply"), (200, "more than 64 levels")])
 def test_deeply_nested_manifest_is_a_manifest_error_not_a_traceback(tmp_path, depth, match):
     """Thousands of levels overflow json's recursive decoder; a few hundred parse but would overflow
@@ -312,3 +401,17 @@ def test_deeply_nested_manifest_is_a_manifest_error_not_a_traceback(tmp_path, de
     done = subprocess.run([sys.executable, "-m", "shardkit", "verify", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode != 0 and match in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("tokens", [261, 325])
+def test_packed_shards_must_hold_samples_times_sample_length_tokens(tokens):
+    # 261: one token past 4 x 65 (not a multiple); 325: five samples' worth declared as four
+    with pytest.raises(ManifestError, match="tokens != samples x 65"):
+        check_counts(manifest(shards=(shard("s.tar", samples=4, tokens=tokens),)), source="m")
+
+
+def test_the_first_offending_shard_is_named():
+    # shard 0 breaks a later rule (tokens) than shard 1 (size): the error still names shard 0
+    shards = (shard("first.tar", tokens=1040, samples=16, raw_bytes=2000), shard("second.tar", compressed_bytes=2**41))
+    with pytest.raises(ManifestError, match="shard first.tar declares .*more uint16 tokens"):
+        check_counts(manifest(shards=shards), source="m")

@@ -70,7 +70,7 @@ def test_stale_or_damaged_index_falls_back_to_the_json(indexed, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="shardkit.manifest"):
         assert load_manifest(url) == edited
-    assert "index checksum mismatch" in caplog.text
+    assert "index checksum mismatch" in caplog.text and f"{url}/{INDEX_NAME}" in caplog.text
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])  # a local file is read in parts, a store's object whole
@@ -136,6 +136,27 @@ def test_index_names_are_checked_column_wise(indexed, bad, match, chunk, monkeyp
     storage.write_bytes(INDEX_NAME, encode_index(manifest.to_dict(with_shards=False), forged, json_bytes=text))
     with pytest.raises(ManifestError, match=match):
         load_manifest(url)
+    # The node cache skips the checks only for the very index file it checked, never for another one...
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(url, checked_index="1:2:3")
+    # ...and a remote index (which has no stamp) is always checked.
+    with pytest.raises(ManifestError, match=match):
+        load_manifest(_copy_to_memory(storage, f"names-{abs(hash(bad))}"))
+
+
+def _copy_to_memory(storage: Storage, name: str) -> Storage:
+    remote = Storage(f"memory://manifest-index/{name}")
+    for file in (MANIFEST_NAME, INDEX_NAME):
+        remote.write_bytes(file, storage.read_bytes(file))
+    return remote
+
+
+def test_a_remote_index_is_read_as_columns(indexed):
+    url, manifest = indexed
+    remote = _copy_to_memory(Storage(url), "remote")
+    assert json_digest(remote) == json_digest(Storage(url))  # hashed by ranged reads, to the same digest
+    loaded = load_manifest(remote)
+    assert isinstance(loaded.shards, ShardColumns) and loaded == manifest
 
 
 def _columns_named(names: list[str]) -> ShardColumns:

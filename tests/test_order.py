@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.loaders.order import OrderConfig, epoch_order, full_order, make_blocks
+from shardkit.loaders.order import EpochOrder, OrderConfig, epoch_order, full_order, make_blocks
 
 shard_sizes = st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(lambda s: sum(s) > 0)
 orders = st.fixed_dictionaries({
@@ -45,6 +46,49 @@ def test_epochs_and_seeds_reshuffle():
     assert not np.array_equal(base, full_order(sizes, seed=1, epoch=1, shuffle_window=300))
     assert not np.array_equal(base, full_order(sizes, seed=2, epoch=0, shuffle_window=300))
     np.testing.assert_array_equal(full_order(sizes, shuffle=False), np.arange(1000))
+    # Two blocks are shuffled too (window 1: only the block order moves the first sample).
+    assert {int(full_order([2, 2], seed=seed, shuffle_window=1)[0]) for seed in range(6)} == {0, 2}
+
+
+def test_the_order_is_pinned():
+    """A resumed run recomputes the order from its seed: if a release changed the order, a checkpoint of
+    the previous one would silently replay some samples and skip others. Change these only on purpose."""
+    assert full_order([5, 0, 3, 4], seed=7, epoch=1, num_partitions=2, shuffle_window=3).tolist() == \
+        [8, 2, 9, 4, 10, 3, 11, 5, 1, 6, 0, 7]
+    assert full_order([5, 0, 3, 4], seed=7, epoch=1, num_partitions=2, shuffle_window=3, block_size=2).tolist() == \
+        [7, 1, 10, 6, 11, 5, 2, 4, 0, 8, 3, 9]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=shard_sizes, kwargs=orders)
+def test_partition_of_names_the_slice_of_the_stream_each_position_reads(sizes, kwargs):
+    order = epoch_order(sizes, **kwargs)
+    n, p = len(order), kwargs["num_partitions"]
+    positions = np.arange(n)
+    parts = order.partition_of(positions)
+    bounds = np.array([k * (n // p) + min(k, n % p) for k in range(p + 1)])
+    offsets = order.stream_offsets(positions)
+    assert ((bounds[parts] <= offsets) & (offsets < bounds[parts + 1])).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=shard_sizes, kwargs=orders)
+def test_positions_of_inverts_sample_ids(sizes, kwargs):
+    ids = full_order(sizes, **kwargs)
+    # A fresh order: one that has computed sample_ids holds its window permutations already.
+    np.testing.assert_array_equal(epoch_order(sizes, **kwargs).positions_of(ids), np.arange(len(ids)))
+    np.testing.assert_array_equal(epoch_order(sizes, **kwargs).positions_of(ids[::-1]), np.arange(len(ids))[::-1])
+
+
+def test_positions_and_sample_ids_out_of_range_are_refused():
+    order = epoch_order([3, 4])
+    for bad in ([-1], [7], [0, 7], [-1, 0]):
+        with pytest.raises(IndexError, match="position out of range"):
+            order.sample_ids(np.array(bad))
+        with pytest.raises(IndexError, match="sample id out of range"):
+            order.positions_of(np.array(bad))
+    assert order.sample_ids(np.array([6])).shape == order.positions_of(np.array([6])).shape == (1,)
+    assert order.sample_ids(np.zeros(0, np.int64)).size == order.positions_of(np.zeros(0, np.int64)).size == 0
 
 
 def test_partitions_are_contiguous_slices_of_the_block_stream():
@@ -92,3 +136,13 @@ def test_config_errors_name_the_option():
         OrderConfig(seed=-1)
     with pytest.raises(ValueError, match="shuffle_window"):
         OrderConfig(shuffle_window=0)
+
+
+def test_order_config_is_frozen_keyword_only_and_defaults_as_epoch_order():
+    # An EpochOrder caches window permutations of its config: a config changed afterwards would mix orders.
+    with pytest.raises(FrozenInstanceError):
+        OrderConfig().seed = 1
+    with pytest.raises(TypeError):
+        OrderConfig(True, 0)  # noqa: FBT003 - positional arguments are what is refused
+    np.testing.assert_array_equal(EpochOrder([5, 3, 4], OrderConfig(), 0).sample_ids(np.arange(12)),
+                                  full_order([5, 3, 4]))

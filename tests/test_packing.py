@@ -49,10 +49,13 @@ batches_strategy = st.lists(st.lists(st.integers(1, 60), max_size=12), min_size=
 
 
 def _batches(groups):
-    batches, index = [], 0
-    for source, lengths in enumerate(groups):
-        batches.append((lengths, source % 3, index))
-        index += len(lengths)
+    """Batches from three sources; doc_index counts within each source (as a build numbers them), so two
+    documents of different sources share indices and only (source, index) tells them apart."""
+    batches, next_index = [], [0, 0, 0]
+    for number, lengths in enumerate(groups):
+        source = number % 3
+        batches.append((lengths, source, next_index[source]))
+        next_index[source] += len(lengths)
     return batches
 
 
@@ -172,6 +175,48 @@ def test_bestfit_fills_windows_tightly():
     assert fraction < 0.02, fraction
 
 
-def test_bad_mode_is_refused():
+def test_bad_mode_and_bestfit_sizes_are_refused():
     with pytest.raises(ValueError, match="--pack"):
         make_packer("shuffle", seq_len=8, pad_id=0, token_dtype="uint16")
+    for sizes in (dict(buffer_docs=0), dict(max_open=-1)):
+        with pytest.raises(ValueError, match="buffer_docs must be >= 1 and max_open >= 0"):
+            BestFitPacker(10, PAD, "uint32", **sizes)
+
+
+def test_bestfit_fills_a_window_with_exactly_the_room_left():
+    samples = run(BestFitPacker(10, PAD, "uint32", buffer_docs=1, max_open=4), [([4], 0, 0), ([6], 0, 1)])
+    assert [s.doc_index.tolist() for s in samples] == [[0, 1]]
+
+
+@pytest.mark.parametrize("mode", ["concat", "bestfit", "none"])
+def test_stats_count_samples_documents_and_tokens(mode):
+    """The build report and the manifest's counts come from these counters."""
+    packer = make_packer(mode, seq_len=9, pad_id=PAD, token_dtype="uint32", buffer_docs=2, max_open=1)
+    samples = run(packer, [([7, 6, 25], 0, 0), ([10], 1, 0)])
+    stats = packer.stats
+    assert (stats.samples, stats.documents, stats.document_tokens) == (len(samples), 4, 48)
+    assert stats.padding_tokens == sum(len(s.tokens) for s in samples) - 48
+    assert stats.final_partial_tokens == (48 % 10 if mode == "concat" else 0)
+    # concat splits every document that crosses a window edge; the others only those longer than a window
+    assert stats.split_documents == (3 if mode == "concat" else 1)
+    assert max(len(s.tokens) for s in samples) == 10  # windows of seq_len + 1 tokens
+    assert packer.finish() == []  # finishing emptied the packer
+
+
+def test_bestfit_keeps_max_open_windows_open_and_a_snapshot_restores_them():
+    make = lambda: BestFitPacker(10, PAD, "uint32", buffer_docs=1, max_open=1)  # noqa: E731
+    batches = [([4], 0, 0), ([8], 0, 1), ([5], 0, 2)]
+    whole = run(make(), batches)
+    # Two windows open after document 1, one allowed: the fuller one (document 1) closes, document 0's
+    # stays open and document 2 joins it (the best fit). Padding is (source -1, index -1).
+    assert [s.doc_index.tolist() for s in whole] == [[1, -1], [0, 2, -1]]
+    assert [s.doc_source.tolist() for s in whole] == [[0, -1], [0, 0, -1]]
+    first, head = make(), []
+    for lengths, source, index in batches[:2]:
+        _, tokens = make_docs(lengths)
+        head += first.feed(tokens, np.array(lengths), source, np.array([index]))
+    second = make()
+    second.restore(first.snapshot())  # taken with document 0's window (the first, seq 0) open
+    samples = head + run(second, batches[2:])
+    assert [s.tokens.tolist() for s in samples] == [s.tokens.tolist() for s in whole]
+    assert [s.doc_index.tolist() for s in samples] == [s.doc_index.tolist() for s in whole]
