@@ -56,7 +56,31 @@ def test_delay_applies_the_update_of_the_previous_sync(group):
     history = train_known_updates(diloco, model, 4)
     # Sync k applies the pseudo-gradient of sync k-1 (10**(k-2)); sync 1 has nothing to apply yet.
     assert [h[0].item() for h in history] == [0.0, -1.0, -11.0, -111.0]
-    assert torch.equal(model.a.detach(), history[-1][:3])
+    # The replica keeps its own work not yet applied (10**3 of sync 4): it stands at global - own, so
+    # with one rank and plain averaging it never loses or repeats a step.
+    assert diloco.own[0][0].item() == 1000.0
+    assert model.a.detach().tolist() == [-1111.0] * 3
+
+
+def test_delayed_replica_measures_each_round_from_its_restart_point(group):
+    """With momentum and H = 2, the pseudo-gradient of a round is only that round's steps (not the
+    previous round's again), and the outer optimizer sees exactly the sequence 11, 1100, 110000."""
+    model = Two()
+    config = DilocoConfig(sync_every=2, outer_lr=0.5, outer_momentum=0.5, outer_nesterov=True, sync_delay=1)
+    diloco = Diloco(model, config, world_size=1, group=group)
+    history = train_known_updates(diloco, model, 6)
+    reference = Two()  # the same outer optimizer fed the expected pseudo-gradients one sync late
+    outer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.5, nesterov=True)
+    expected = []
+    for step, applied in ((2, None), (4, 11.0), (6, 1100.0)):
+        if applied is not None:
+            for param in reference.parameters():
+                param.grad = torch.full_like(param, applied)
+            outer.step()
+        expected.append(reference.a[0].item())
+    assert [history[step - 1][0].item() for step in (2, 4, 6)] == expected
+    assert diloco.own[0][0].item() == 110000.0
+    assert model.a[0].item() == expected[-1] - 110000.0
 
 
 def test_outer_nesterov_momentum_and_sync_every_h(group):

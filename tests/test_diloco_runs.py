@@ -161,8 +161,8 @@ def test_streaming_delayed_diloco_converges_on_prose_and_resumes_bitwise(tmp_pat
     reference = tmp_path / "reference"
     check_ok(torchrun(reference, data, **options))
     ref_losses, ref_eval = losses(reference), eval_losses(reference)
-    # The replicas restart from stale global parameters (staleness 1), so losses jump after a sync;
-    # over the run they still fall well below the uniform-bytes 5.5.
+    # The replicas restart from stale global parameters plus their own last round (staleness 1);
+    # over the run losses fall well below the uniform-bytes 5.5.
     assert np.mean([ref_losses[s] for s in range(17, 25)]) < ref_losses[1] - 1.5, ref_losses
     assert max(ref_eval[12], ref_eval[24]) < ref_losses[1] - 1.0, ref_eval
 

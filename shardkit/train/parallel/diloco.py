@@ -11,9 +11,13 @@ average to the global copy, and the replica restarts from the new global paramet
   fragment's bytes are on the wire at a time and the peak bandwidth drops by F.
 - Delay (`--sync_delay 1`): the all-reduce of sync k is launched asynchronously on a group of its own
   and overlaps the next H inner steps; the averaged pseudo-gradient of sync k is applied at sync k+1.
-  At sync k the replica restarts from G_k = outer(G_{k-1}, avg delta_{k-1}): it misses the updates of
-  the last H steps of every rank but its own (bounded staleness 1). delta_k = G_{k-1} - local is
-  still measured from where the replica started, so no work is lost, only applied one sync later.
+  After sync k the global copy is G_k = outer(G_{k-1}, avg delta_{k-1}) and the replica restarts from
+  G_k - delta_k: the applied updates of every rank plus its own work of the last H steps, which the
+  global copy receives (averaged) one sync later. So a replica misses only the other ranks' last H
+  steps (bounded staleness 1), and never loses or repeats its own: delta_{k+1} is measured from that
+  restart point. (Restarting from G_k alone would make every replica redo the last H steps, and the
+  outer optimizer would then apply nearly the same pseudo-gradient twice: at H = 50 with Nesterov
+  momentum that diverged.) This rank's delta_k is per-rank state, checkpointed with its replica.
 - Metrics: bytes handed to the collectives this module issues, and the seconds a step waited for them.
 
 `build_sync` returns the object the training loop calls after every optimizer step: `Diloco` for
@@ -153,6 +157,11 @@ class Diloco(_Meter):
                         if config.sync_delay else [])
         self.has_pending = [False] * len(self.pending)
         self._work: list[Any] = [None] * len(self.pending)
+        # Delay only: this rank's own pseudo-gradient of its fragment's last sync, in fp32, not yet in
+        # the global copy; the replica stands at global - own after a sync.
+        self.own = ([torch.zeros(sum(self.local[i].numel() for i in indices), dtype=torch.float32,
+                                 device=self.local[0].device) for indices in self.fragments]
+                    if config.sync_delay else [])
 
     def offset(self, fragment: int) -> int:
         return fragment * self.config.sync_every // self.config.sync_fragments
@@ -168,9 +177,13 @@ class Diloco(_Meter):
     @torch.no_grad()
     def sync(self, fragment: int) -> None:
         indices = self.fragments[fragment]
-        delta = torch.cat([(self.global_params[i] - self.local[i]).flatten() for i in indices])
+        # The replica started this round from global - own (own is all zeros without delay).
+        start = torch.cat([self.global_params[i].flatten() for i in indices])
+        if self.config.sync_delay:
+            start = start - self.own[fragment].to(start.dtype)
+        delta = start - torch.cat([self.local[i].flatten() for i in indices])
         # Divided before the sum, as DDP does, so that bf16 cannot overflow for many ranks.
-        buffer = delta.to(_DTYPES[self.config.sync_dtype]).div_(self.world_size)
+        buffer = delta.to(_DTYPES[self.config.sync_dtype], copy=True).div_(self.world_size)
         self.step_bytes += buffer.numel() * buffer.element_size()
         self.total_bytes += buffer.numel() * buffer.element_size()
         if self.config.sync_delay:
@@ -180,13 +193,24 @@ class Diloco(_Meter):
             self.has_pending[fragment] = True
             if ready is not None:
                 self._outer_step(indices, ready)
+            self.own[fragment].copy_(delta)
+            self._restart(indices, self.own[fragment])
         else:
             started = time.perf_counter()
             self._all_reduce(buffer, async_op=False)
             self.step_blocked += time.perf_counter() - started
             self._outer_step(indices, buffer)
+            self._restart(indices, None)
+
+    def _restart(self, indices: list[int], own: torch.Tensor | None) -> None:
+        """Set the fragment's replica parameters to the global copy, minus `own` when given."""
+        start = 0
         for i in indices:
             self.local[i].copy_(self.global_params[i])
+            size = self.local[i].numel()
+            if own is not None:
+                self.local[i].sub_(own[start:start + size].view_as(self.local[i]).to(self.local[i].dtype))
+            start += size
 
     def _all_reduce(self, buffer: torch.Tensor, *, async_op: bool):
         if self.world_size == 1 and not dist.is_initialized():
@@ -219,13 +243,18 @@ class Diloco(_Meter):
     # Checkpointing: every rank holds the same global parameters, momentum and averaged pending
     # pseudo-gradients (they come out of all-reduces), so DCP keeps one copy of each. The replicas
     # and their inner optimizer states differ between syncs, but DCP keeps one copy of the trainer's
-    # "model" and "optim" entries: each rank's own go under `replica_rank_R` as well.
+    # "model" and "optim" entries: each rank's own go under `replica_rank_R` as well, with (delay) the
+    # rank's own pseudo-gradients not yet in the global copy.
     def state_dict(self) -> dict[str, Any]:
         state = {"diloco": self._shared_state()}
+        replica: dict[str, Any] = {}
         if self.optimizer is not None:
             from torch.distributed.checkpoint.state_dict import get_state_dict
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            state[f"replica_rank_{self.rank}"] = {"model": model_state, "optim": optim_state}
+            replica["model"], replica["optim"] = get_state_dict(self.model, self.optimizer)
+        if self.own:
+            replica["own"] = {str(f): own for f, own in enumerate(self.own)}
+        if replica:
+            state[f"replica_rank_{self.rank}"] = replica
         return state
 
     def _shared_state(self) -> dict[str, Any]:
@@ -282,7 +311,18 @@ class Diloco(_Meter):
         counters = json.loads(state["diloco"]["counters"])
         self.has_pending = list(counters["has_pending"])
         replica = state.get(f"replica_rank_{self.rank}")
-        if replica is not None:
+        if replica is None and self.own:
+            # Another world size: the saved replicas are gone, and their own pseudo-gradients are in
+            # the pending averages. Every replica restarts from the global copy (nothing counted twice).
+            for fragment, indices in enumerate(self.fragments):
+                self.own[fragment].zero_()
+                self._restart(indices, None)
+            return
+        if replica is None:
+            return
+        for fragment, own in enumerate(self.own):
+            own.copy_(replica["own"][str(fragment)])
+        if "model" in replica:
             from torch.distributed.checkpoint.state_dict import set_state_dict
             set_state_dict(self.model, self.optimizer, model_state_dict=replica["model"],
                            optim_state_dict=replica["optim"])
