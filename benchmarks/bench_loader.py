@@ -353,6 +353,25 @@ def zstd_limit(url: str, runs: int) -> dict:
     return {"samples_per_s": statistics.median(rates), "frames": len(frames)}
 
 
+def sha256_limit(url: str, runs: int) -> dict:
+    """Samples/s of one thread computing the SHA-256 of every shard's bytes from memory: a verified
+    cold pass hashes every byte at least once, so no such pass runs faster on one core (for incompressible
+    tokens this, not zstd, is the bound)."""
+    import hashlib
+
+    from shardkit.manifest import load_manifest
+
+    manifest = load_manifest(url)
+    blobs = [(Path(url) / shard.name).read_bytes() for shard in manifest.shards]
+    rates = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for blob in blobs:
+            hashlib.sha256(blob).digest()
+        rates.append(manifest.num_samples / (time.perf_counter() - start))
+    return {"samples_per_s": statistics.median(rates), "bytes": sum(map(len, blobs))}
+
+
 def cold_pass(url: str, batch: int, runs: int, *, cache_mode: str, options: dict | None = None,
               resume_at: float | None = None) -> dict:
     """Fresh cache each run: time to first batch (dataset construction included) and samples/s over the
@@ -448,6 +467,9 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
     limits = {fmt: zstd_limit(urls[fmt, 2], runs) for fmt in ("tar", "arrow")}
     for fmt, limit in limits.items():
         print(f"  zstd limit, {fmt}: {limit['samples_per_s']:,.0f} samples/s ({limit['frames']} frames)", flush=True)
+    hash_limits = {fmt: sha256_limit(urls[fmt, 2], runs) for fmt in ("tar", "arrow")}
+    for fmt, limit in hash_limits.items():
+        print(f"  sha256 limit, {fmt}: {limit['samples_per_s']:,.0f} samples/s", flush=True)
     for fmt in ("tar", "arrow"):
         for version, mode in COLD_CONFIGS:
             record("local", fmt, version, mode, cold_pass(urls[fmt, version], batch, runs, cache_mode=mode))
@@ -473,7 +495,7 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "note": "shared 2-core machine"},
             "data": {"samples": samples, "tokens_per_sample": SEQ + 1, "token_dtype": "uint16", "batch": batch,
                      "shard_mb": args.shard_mb, "runs": runs, "workers": 0},
-            "zstd_limit": limits, "cold": rows, "cold_resume_50pct": resume}
+            "zstd_limit": limits, "sha256_limit": hash_limits, "cold": rows, "cold_resume_50pct": resume}
 
 
 def print_cold(result: dict) -> None:
@@ -486,6 +508,8 @@ def print_cold(result: dict) -> None:
         print(f"{name:<56} {row['first_batch_s']:>13.3f} {rate or 0:>11,.0f} {share:>16}")
     for fmt, limit in limits.items():
         print(f"{'zstd limit (one thread), ' + fmt:<56} {'':>13} {limit['samples_per_s']:>11,.0f}")
+    for fmt, limit in result.get("sha256_limit", {}).items():
+        print(f"{'sha256 limit (one thread), ' + fmt:<56} {'':>13} {limit['samples_per_s']:>11,.0f}")
     print(f"\n{'resume at 50% on a fresh node':<56} {'first batch s':>13}")
     for name, row in result["cold_resume_50pct"].items():
         print(f"{name:<56} {row['first_batch_s']:>13.3f}")
