@@ -185,3 +185,28 @@ def test_cli_generates_the_diloco_section():
                                "--sync_fragments", "2", "--sync_dtype", "bf16", "--optimizer_name", "sgd"])
     assert (config.diloco.sync_every, config.diloco.outer_nesterov, config.diloco.sync_fragments,
             config.diloco.sync_dtype, config.optimizer.optimizer_name) == (8, False, 2, "bf16", "sgd")
+
+
+def test_delayed_run_resumed_at_another_world_size_restarts_replicas_from_the_global_copy(group):
+    """The saved replicas and their own pseudo-gradients belong to the old ranks; those pseudo-gradients
+    are in the pending averages already, so every new replica starts from the global copy, own zero."""
+    config = DilocoConfig(sync_every=2, outer_momentum=0.0, outer_lr=1.0, sync_delay=1)
+    model = Two()
+    first = Diloco(model, config, world_size=1, group=group)
+    train_known_updates(first, model, 4)
+    saved = {key: _clone(value) for key, value in first.state_dict().items()}
+    assert not torch.equal(model.a.detach(), first.global_params[0])  # the replica is ahead by its own
+
+    resumed_model = Two()
+    resumed_model.load_state_dict(model.state_dict())  # what the trainer loads: the saved "model"
+    second = Diloco(resumed_model, config, world_size=1, group=group)
+    target = second.resume_state({**second.meta(), "world_size": 2})
+    assert not any(key.startswith("replica_rank_") for key in target)
+    for name, tensor in _tensors(target):
+        tensor.copy_(dict(_tensors(saved))[name])
+    target["diloco"]["counters"] = saved["diloco"]["counters"]
+    second.load_state_dict(target)
+    assert torch.equal(resumed_model.a.detach(), second.global_params[0])
+    assert torch.equal(resumed_model.b.detach(), second.global_params[1])
+    assert all(not own.any() for own in second.own)
+    assert torch.equal(second.pending[0], saved["diloco"]["pending"]["0"])  # still applied at the next sync
