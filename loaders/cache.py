@@ -441,7 +441,7 @@ class ShardCache:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases the download lock once the copy is in place
 
-        def on_complete(arrays, data: bytes) -> None:
+        def on_complete(arrays, data: bytes | memoryview) -> None:
             self.stats.downloads += 1
             try:
                 if store is not None:
@@ -472,7 +472,7 @@ class ShardCache:
         stored._fd = None  # the handle owns the shared lock now
         return True
 
-    def _store_decoded(self, index: int, arrays, data: bytes) -> None:
+    def _store_decoded(self, index: int, arrays, data: bytes | memoryview) -> None:
         """Write the decoded file of a shard completed block by block (the caller holds the download lock)."""
         path = self.path(index)
         try:
@@ -482,7 +482,7 @@ class ShardCache:
         except CacheLimitError as err:
             logger.debug("shard %s not stored in the cache: %s", self.manifest.shards[index].name, err)
 
-    def _store_compressed(self, index: int, arrays, data: bytes) -> None:
+    def _store_compressed(self, index: int, arrays, data: bytes | memoryview) -> None:
         path = self.compressed_path(index)
         self._private_dirs(os.path.dirname(path))
         directory = os.path.dirname(path)
