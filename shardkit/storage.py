@@ -219,6 +219,10 @@ def retry_call(
             logger.warning("%s %s failed (attempt %d/%d, retrying in %.2fs): %s",
                            what, url, attempt, policy.attempts, delay, describe_error(err))
             sleep(delay)
+            if policy.deadline is not None and clock() - started > policy.deadline:
+                # A sleep can run long (a loaded machine): the deadline holds for the start of every try.
+                raise StorageError(f"{what} {url} failed after {attempt} attempts: {describe_error(err)} "
+                                   f"({clock() - started:.1f}s, past the {policy.deadline:g}s deadline)") from err
 
 
 _USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")

@@ -103,8 +103,11 @@ def test_ctrl_c_during_a_build_prints_one_line_and_exits_130(tmp_path):
     command = [sys.executable, "-m", "shardkit", "build", str(corpus), "--output", str(out), "--tokenizer", "byte",
                "--seq-len", "127", "--shard-size", "16KB", "--unit-size", "16KiB", "--workers", "2", "--no-progress"]
     # Its own process group, like a shell job: the terminal's Ctrl-C reaches the build and its workers.
+    # SIGINT back to its default there: under a non-interactive shell's `cmd &` (how CI may run us) it is
+    # inherited as ignored, and Python then never raises KeyboardInterrupt (a foreground job has it).
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline and process.poll() is None:

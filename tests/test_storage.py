@@ -486,3 +486,19 @@ def test_no_try_starts_after_the_deadline():
     with pytest.raises(StorageError, match="failed after .* attempts"):
         retry_call(always_failing, url="memory://x", what="read", policy=policy)
     assert 5 < len(calls) < 1000 and calls[-1] - calls[0] <= 0.2
+
+
+def test_a_sleep_that_runs_long_does_not_start_a_try_past_the_deadline():
+    """A loaded machine oversleeps: the 10 ms back-off takes 50 ms here, so the try after the one at
+    ~0.15 s would start at ~0.20 s, past the deadline; it must not start."""
+    calls = []
+
+    def always_failing():
+        calls.append(time.monotonic())
+        raise ConnectionResetError(errno.ECONNRESET, "reset by peer")
+
+    policy = RetryPolicy(attempts=1000, initial_delay=0.01, multiplier=1.0, jitter=0.0, deadline=0.2)
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="failed after .* attempts"):
+        retry_call(always_failing, url="memory://x", what="read", policy=policy, sleep=lambda _: time.sleep(0.05))
+    assert len(calls) >= 3 and calls[-1] - started <= 0.2, [round(t - started, 3) for t in calls]
