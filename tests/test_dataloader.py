@@ -120,3 +120,12 @@ def test_loader_state_format_and_validation(dataset_url, tmp_path):
         saved.epoch = 3
     with pytest.raises(TypeError):  # keyword-only: a positional call cannot swap two integers silently
         LoaderState(*[getattr(saved, f) for f in saved.__dataclass_fields__])
+    # a single dataset's state carries no mixture key; a mixture's record survives the round trip
+    assert "mixture" not in state and saved.to_dict() == state
+    record = {"streams": [{"url": "a", "weight": 1.0}], "changes": []}
+    mixed = LoaderState.from_dict({**state, "mixture": record})
+    assert mixed.to_dict()["mixture"] == record and LoaderState.from_dict(mixed.to_dict()) == mixed
+    # quarantine entries: shard 0 of epoch 0 at position 0 is a valid entry; a negative one is not
+    assert LoaderState.from_dict({**state, "quarantine": [[0, 0, 0]]}).quarantine == ((0, 0, 0),)
+    with pytest.raises(ValueError, match="quarantine entries must be >= 0"):
+        LoaderState.from_dict({**state, "quarantine": [[0, -1, 0]]})

@@ -116,3 +116,34 @@ def test_partial_policy_every_sample_once_equal_batches(sizes, partitions, world
     assert padded == -dropped_in_epoch(n, global_batch=global_batch, policy="partial", world_size=world)
     assert 0 <= padded < world and (padded == 0) == ((n % global_batch) % world == 0)
     assert last is None or last <= batch
+
+
+def test_partial_step_arithmetic_at_its_edges():
+    """The ragged last step counts the positions left after `start` (not before it, not one more), an
+    epoch already consumed has no partial step, and the whole-epoch count defaults to one rank."""
+    from shardkit.loaders.partition import partial_batch
+
+    assert partial_batch(10, start=3, global_batch=4, world_size=1, policy="partial") == 3  # 7 left: 4 + 3
+    assert partial_batch(12, start=3, global_batch=4, world_size=2, policy="partial") == 1  # 9 left: 8 + 1
+    assert partial_batch(8, start=8, global_batch=4, world_size=1, policy="partial") is None
+    assert partial_batch(8, start=9, global_batch=4, world_size=1, policy="partial") is None
+    assert partial_batch(10, start=3, global_batch=4, world_size=1, policy="drop") is None
+    # 11 positions, global batch 4: two full steps and 3 left; one rank reads them all, two ranks read
+    # ceil(3 / 2) = 2 each, one repeated.
+    assert dropped_in_epoch(11, global_batch=4, policy="partial") == 0
+    assert dropped_in_epoch(11, global_batch=4, policy="partial", world_size=2) == -1
+
+
+def test_worker_step_arithmetic_defaults_to_single_steps_and_integer_bundles():
+    from shardkit.loaders.partition import worker_of_step, worker_step_chunks, worker_step_count
+
+    assert worker_of_step(3, num_workers=2, bundle=2) == 1 and isinstance(worker_of_step(3, num_workers=2, bundle=2), int)
+    assert worker_of_step(np.arange(6), num_workers=2, bundle=2).tolist() == [0, 0, 1, 1, 0, 0]
+    assert worker_step_count(6, worker=0, num_workers=2) == 3  # bundle 1 by default
+    assert [c.tolist() for c in worker_step_chunks(6, worker=0, num_workers=2, chunk=10)] == [[0, 2, 4]]
+    # a chunk of one step is allowed, and yields one step at a time
+    assert [c.tolist() for c in worker_step_chunks(4, worker=1, num_workers=2, chunk=1)] == [[1], [3]]
+    with pytest.raises(ValueError, match="chunk"):
+        list(worker_step_chunks(4, worker=1, num_workers=2, chunk=0))
+    # a worker with no step gets an empty array, not a step 0
+    assert worker_steps(1, worker=1, num_workers=2).tolist() == []
