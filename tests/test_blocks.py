@@ -238,3 +238,26 @@ def test_variable_length_samples_stream_block_by_block(tmp_path, cold_blocks):
 
     want, got = run(1, "decoded"), run(2, "none")
     assert len(got) == len(want) == 75 and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks):
+    """Every ranged read is counted once with its bytes; the background completion counts one download;
+    the whole shard's bytes are read once in all (blocks, index and the gaps between them)."""
+    from shardkit.loaders.cache import ShardCache
+
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240)
+    shard = manifest.shards[0]
+    cache = ShardCache(Storage(url), manifest, str(tmp_path / "cache"))
+    handle = cache.open(0, on_demand=True)
+    assert not handle.complete
+    handle.ensure([0])
+    reads = cache.stats.range_reads
+    assert reads == 2 and cache.stats.downloads == 0  # the index, then the first block
+    handle.ensure([shard.samples - 1])  # the second request starts the background completion
+    assert handle.partial.wait_complete(30)
+    handle.close()
+    cache.drain()
+    assert cache.stats.downloads == 1
+    assert cache.stats.downloaded_bytes == shard.compressed_bytes
+    assert cache.is_cached(0)

@@ -112,6 +112,75 @@ def test_limit_smaller_than_the_working_set_says_so(tmp_path):
     held[1].close()
 
 
+def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_holds(tmp_path):
+    """A shard needs `decoded_size` bytes of room (an upper bound of its file); a limit of exactly that
+    holds it, and exactly one more file's bytes hold two without evicting; one byte less evicts. Bytes
+    this process holds are counted while held, and released when closed."""
+    url = str(tmp_path / "ds")
+    write_fixed(url, 90, per_shard=30)
+    scratch = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch"))
+    handle = scratch.open(0)
+    need = ShardCache.decoded_size(handle.reader.arrays)
+    handle.close()
+    size = os.path.getsize(scratch.path(0))  # every shard holds 30 samples of the same length
+    assert size <= need < size + 1024 + 6 * 64
+
+    only_one = local_cache(tmp_path, url, cache_limit=need, wait_timeout=0.5)
+    only_one.open(0).close()
+    assert only_one.is_cached(0)
+    only_one.open(1).close()  # shard 0 (not held) makes room
+    assert [only_one.is_cached(i) for i in range(2)] == [False, True] and only_one.stats.evictions == 1
+
+    for limit, kept in ((size + need, True), (size + need - 1, False)):
+        cache = ShardCache(Storage(url), load_manifest(url), str(tmp_path / f"cache-{limit}"), cache_limit=limit)
+        cache.open(0).close()
+        cache.open(1).close()
+        assert cache.is_cached(0) is kept and cache.is_cached(1), limit
+        assert cache.stats.evictions == (0 if kept else 1)
+
+    held_cache = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "held"), cache_limit=size + need - 1,
+                            wait_timeout=0.5)
+    held = held_cache.open(0)
+    with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
+        held_cache.open(1)
+    held.close()
+    held_cache.open(1).close()  # released: shard 0 is evictable again
+    assert held_cache.is_cached(1) and not held_cache.is_cached(0)
+
+
+def test_a_limit_of_zero_bytes_is_refused(tmp_path):
+    url = str(tmp_path / "ds")
+    write_fixed(url, 30, per_shard=30)
+    with pytest.raises(ValueError, match="cache_limit must be a positive number of bytes"):
+        local_cache(tmp_path, url, cache_limit=0)
+    local_cache(tmp_path, url, cache_limit=1)  # one byte is a (useless) limit, not an error here
+
+
+def test_stats_count_downloads_bytes_and_hits(tmp_path):
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 60, per_shard=30)
+    cache = local_cache(tmp_path, url)
+    assert (cache.stats.downloads, cache.stats.downloaded_bytes, cache.stats.hits, cache.stats.range_reads) == (0, 0, 0, 0)
+    cache.open(0).close()
+    cache.open(1).close()
+    cache.open(0).close()
+    assert cache.stats.downloads == 2 and cache.stats.hits == 1 and cache.stats.range_reads == 0
+    assert cache.stats.downloaded_bytes == manifest.shards[0].compressed_bytes + manifest.shards[1].compressed_bytes
+
+
+@pytest.mark.parametrize("mode", ["compressed", "none"])
+def test_stats_of_the_in_memory_modes(tmp_path, mode):
+    """"compressed" keeps the verified shard bytes and reads them again as a hit; "none" downloads each time."""
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 60, per_shard=30)
+    cache = local_cache(tmp_path, url, cache_mode=mode)
+    for _ in range(2):
+        cache.open(0).close()
+    downloads = 1 if mode == "compressed" else 2
+    assert (cache.stats.downloads, cache.stats.hits) == (downloads, 2 - downloads)
+    assert cache.stats.downloaded_bytes == downloads * manifest.shards[0].compressed_bytes
+
+
 def test_eviction_removes_the_least_recently_used_shard(tmp_path):
     """Room for 3 shards: after using 0, 1, 2 and then 0 again, shard 1 is the least recently used
     and is the one evicted for shard 3; then 2 for shard 4 (most-recently-used eviction would take 0)."""

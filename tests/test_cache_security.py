@@ -62,6 +62,7 @@ def test_a_cache_dir_others_can_write_is_refused(dataset, tmp_path, figures, mod
     os.chmod(shared, mode)
     err = refused(dataset, str(shared), shared)
     assert "writable by" in str(err) and f"mode {mode:04o}" in str(err)
+    assert ("writable by others" if mode & 0o002 else "writable by its group") in str(err)
     # The default directory (a predictable name in the temp dir) pre-created by someone else the same way.
     default = default_cache_dir()
     os.mkdir(default)
@@ -83,7 +84,7 @@ def test_a_cache_dir_owned_by_another_user_is_refused(dataset, tmp_path, figures
     except PermissionError:
         pytest.skip("this user may not chown a directory to another user (the test needs root)")
     err = refused(dataset, str(theirs), theirs)
-    assert f"owned by another user (uid {NOBODY}" in str(err)
+    assert f"it is owned by another user (uid {NOBODY}" in str(err)  # a directory, not called a link
     link = tmp_path / "link"
     link.symlink_to(theirs)
     refused(dataset, str(link), link)  # following a link does not launder the owner
