@@ -688,8 +688,9 @@ class ShardCache:
 
 
 # -- the manifest, once per node -------------------------------------------------------------------
-def fetch_manifest(storage: Storage, cache_dir: str | None = None) -> Manifest:
-    """The dataset's manifest, fetched and checked once per node through the node cache.
+def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode: str = "decoded") -> Manifest:
+    """The dataset's manifest, fetched and checked once per node through the node cache (with
+    `cache_mode` "none", which keeps nothing on disk, read from the store by every process).
 
     Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
     stat). The first process that finds the node's record missing or different takes the node's
@@ -701,6 +702,8 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None) -> Manifest:
     nodes cost 125 manifest GETs and 125 hashes, not 1,000. Local datasets are read in place (only
     the record is kept in the cache). Errors name the store's URL.
     """
+    if cache_mode == "none":
+        return load_manifest(storage)
     url = storage.url_of(MANIFEST_NAME)
     try:
         identity = storage.identity(MANIFEST_NAME)

@@ -51,7 +51,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from shardkit import metrics
 from shardkit.formats.sample import numpy_token_dtype
-from shardkit.manifest import Manifest, load_manifest
+from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class StreamingDataset(IterableDataset):
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in streams]
         # cache_mode "none" keeps nothing on disk, not even the node's manifest copy: every process reads it.
-        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir) if config.cache_mode != "none"
-                                          else load_manifest(st) for st in self.storages]
+        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir, cache_mode=config.cache_mode)
+                                          for st in self.storages]
         self._check_compatible()
         first = self.manifests[0]
         self.sample_length = first.sample_length

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardkit.manifest import Manifest, load_manifest
+from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
@@ -89,9 +89,8 @@ def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: s
     for url, _ in data_entries(spec):
         storage = Storage(url, storage_options(config))
         # Through the node cache, as the loader reads it next: one manifest GET and one hash per node,
-        # not one per rank (cache_mode "none" keeps no copy on disk: every process reads the store).
-        manifest = (load_manifest(storage) if config.loader.cache_mode == "none"
-                    else fetch_manifest(storage, config.cache_dir))
+        # not one per rank.
+        manifest = fetch_manifest(storage, config.cache_dir, cache_mode=config.loader.cache_mode)
         if manifest.sample_length is None:
             raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
                              "the trainer needs packed data: rebuild it with a --seq-len")
