@@ -151,16 +151,15 @@ class Diloco(_Meter):
             # of fixed shape, which a checkpoint can load into.
             for param in self.global_params:
                 self.outer.state[param]["momentum_buffer"] = torch.zeros_like(param)
-        dtype = _DTYPES[config.sync_dtype]
-        self.pending = ([torch.zeros(sum(self.local[i].numel() for i in indices), dtype=dtype,
-                                     device=self.local[0].device) for indices in self.fragments]
+        dtype, device = _DTYPES[config.sync_dtype], self.local[0].device
+        sizes = [sum(self.local[i].numel() for i in indices) for indices in self.fragments]
+        self.pending = ([torch.zeros(size, dtype=dtype, device=device) for size in sizes]
                         if config.sync_delay else [])
         self.has_pending = [False] * len(self.pending)
         self._work: list[Any] = [None] * len(self.pending)
         # Delay only: this rank's own pseudo-gradient of its fragment's last sync, in fp32, not yet in
         # the global copy; the replica stands at global - own after a sync.
-        self.own = ([torch.zeros(sum(self.local[i].numel() for i in indices), dtype=torch.float32,
-                                 device=self.local[0].device) for indices in self.fragments]
+        self.own = ([torch.zeros(size, dtype=torch.float32, device=device) for size in sizes]
                     if config.sync_delay else [])
 
     def offset(self, fragment: int) -> int:
@@ -204,13 +203,16 @@ class Diloco(_Meter):
 
     def _restart(self, indices: list[int], own: torch.Tensor | None) -> None:
         """Set the fragment's replica parameters to the global copy, minus `own` when given."""
-        start = 0
         for i in indices:
             self.local[i].copy_(self.global_params[i])
-            size = self.local[i].numel()
-            if own is not None:
-                self.local[i].sub_(own[start:start + size].view_as(self.local[i]).to(self.local[i].dtype))
-            start += size
+        if own is not None:
+            for i, part in self._parts(indices, own):
+                self.local[i].sub_(part.to(self.local[i].dtype))
+
+    def _parts(self, indices: list[int], flat: torch.Tensor):
+        """(i, the part of the fragment's flat vector `flat` that is parameter i, shaped like it)."""
+        parts = flat.split([self.local[i].numel() for i in indices])
+        return [(i, part.view_as(self.local[i])) for i, part in zip(indices, parts)]
 
     def _all_reduce(self, buffer: torch.Tensor, *, async_op: bool):
         if self.world_size == 1 and not dist.is_initialized():
@@ -230,12 +232,8 @@ class Diloco(_Meter):
         return self.pending[fragment]
 
     def _outer_step(self, indices: list[int], average: torch.Tensor) -> None:
-        average = average.float()
-        start = 0
-        for i in indices:
-            size = self.global_params[i].numel()
-            self.global_params[i].grad = average[start:start + size].view_as(self.global_params[i])
-            start += size
+        for i, part in self._parts(indices, average.float()):
+            self.global_params[i].grad = part
         self.outer.step()
         for i in indices:
             self.global_params[i].grad = None
