@@ -441,7 +441,7 @@ class ShardCache:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases the download lock once the copy is in place
 
-        def on_complete(arrays, data: bytes | memoryview) -> None:
+        def on_complete(arrays, data: bytes | memoryview | None) -> None:
             self.stats.downloads += 1
             try:
                 if store is not None:
@@ -451,7 +451,8 @@ class ShardCache:
 
         metrics.cache_lookup(self._storage.url, hit=False)
         partial = PartialShard(lambda: self.storage, shard, self.manifest, executor=self._blocks_executor(),
-                               on_read=self._count_range, on_complete=on_complete if completes else None)
+                               on_read=self._count_range, on_complete=on_complete if completes else None,
+                               keep_bytes=self.cache_mode == "compressed")
         if completes:
             self._partial[path] = partial
             partial.complete_in_background(on_failure=release)
@@ -472,7 +473,7 @@ class ShardCache:
         stored._fd = None  # the handle owns the shared lock now
         return True
 
-    def _store_decoded(self, index: int, arrays, data: bytes | memoryview) -> None:
+    def _store_decoded(self, index: int, arrays, data: None) -> None:
         """Write the decoded file of a shard completed block by block (the caller holds the download lock)."""
         path = self.path(index)
         try:

@@ -4,10 +4,15 @@ The shard's arrays are allocated whole from the manifest's counts and filled as 
 batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
 parallel), checks each against its SHA-256 from the block index (itself checked against the manifest),
 decodes it and checks its token ids: no byte is used before its hash matched. A background thread
-fetches the rest in large coalesced ranges, then checks the whole file's SHA-256 as for any shard and
-hands the complete arrays and bytes to `on_complete` (the cache writes its file there, or nothing). It
-starts at the second `ensure`, so the first batch's blocks have the link (and the CPU) to themselves, and
-from then on serves the blocks readers wait for first.
+fetches the rest in large coalesced ranges and hands the complete arrays to `on_complete` (the cache
+writes its file there, or nothing). It starts at the second `ensure`, so the first batch's blocks have the
+link (and the CPU) to themselves, and from then on serves the blocks readers wait for first.
+
+Each byte is hashed once. The blocks and the index are every byte a reader of the arrays uses, and each is
+checked against its SHA-256 on the way in, so the whole file's SHA-256 is computed only when the shard's
+bytes themselves are kept (`keep_bytes`, the "compressed" cache), which also serves the bytes outside every
+block (format headers and footers that only a standalone reader of the file needs). Checking the whole file
+as well would hash every byte twice: it was a fifth of a cold pass.
 
 A corrupt block gets one re-read, then `CorruptShardError` naming the shard and the block; an error in
 the background is raised by the next `ensure`, so a corrupt shard is reported even when the samples a
@@ -24,7 +29,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from shardkit.errors import CorruptShardError
-from shardkit.formats import ShardReader, check_decoded, check_shard_bytes, read_shard
+from shardkit.formats import ShardReader, check_shard_bytes, read_shard
 from shardkit.formats.blocks import BlockIndex
 from shardkit.formats.fetch import read_block, read_block_index
 from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays
@@ -49,13 +54,17 @@ class PartialShard:
         manifest: the dataset's manifest (format, token dtype, sample length, vocabulary).
         executor: runs the block reads of one `ensure` in parallel.
         on_read: called with the byte count of every read (download statistics).
-        on_complete: called once with (arrays, the shard's bytes or a view of them) when every byte has been
-            verified (by the background completion, `complete_in_background`; without it, blocks are read on demand only).
+        on_complete: called once with (arrays, the shard's bytes or None) when the shard is complete and
+            verified (by the background completion, `complete_in_background`; without it, blocks are read on
+            demand only).
+        keep_bytes: assemble the shard's file too and check its whole SHA-256 (for a cache that stores the
+            file); its bytes then reach `on_complete`, else None.
     """
 
     def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
                  executor: Executor, on_read: Callable[[int], None] | None = None,
-                 on_complete: Callable[[ShardArrays, bytes | memoryview], None] | None = None):
+                 on_complete: Callable[[ShardArrays, bytes | memoryview | None], None] | None = None,
+                 keep_bytes: bool = False):
         if not shard.has_block_index or not shard.samples:
             raise ValueError(f"shard {shard.name} has no block index (format v1 or empty): read it whole")
         self._storage_of = storage_of
@@ -69,9 +78,10 @@ class PartialShard:
         self._state: list[int] = []
         self._events: list[threading.Event] = []
         self._failure: BaseException | None = None
-        # Uninitialised (pages are touched only as bytes arrive): zeroing a 64 MiB buffer cost more than
-        # the first batch's blocks.
-        self._buffer = np.empty(shard.compressed_bytes, dtype=np.uint8)
+        # The file being assembled, when kept. Uninitialised (pages are touched only as bytes arrive):
+        # zeroing a 64 MiB buffer cost more than the first batch's blocks.
+        self._buffer = np.empty(shard.compressed_bytes if keep_bytes else 0, dtype=np.uint8)
+        self._keep_bytes = keep_bytes
         self.complete = False
         self.arrays = self._allocate()
         length = manifest.sample_length
@@ -107,9 +117,9 @@ class PartialShard:
             if self._index is not None:
                 return self._index
             index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
-            # Its bytes are part of the whole shard's hash: keep them rather than read them again.
-            self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
-                np.frombuffer(index.to_bytes(), dtype=np.uint8)
+            if self._keep_bytes:  # part of the file: keep them rather than read them again
+                self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
+                    np.frombuffer(index.to_bytes(), dtype=np.uint8)
             if self.shard.has_doc_boundaries:
                 count = index.doc_count
                 arrays = self.arrays
@@ -180,7 +190,7 @@ class PartialShard:
         if self._failure is not None:
             raise self._failure
 
-    def _load_block(self, number: int, data: bytes | None = None) -> None:
+    def _load_block(self, number: int, data: bytes | memoryview | None = None) -> None:
         """Read (or check `data`), verify, decode and place block `number`; on failure record it and raise."""
         block = self._index.blocks[number]
         try:
@@ -190,7 +200,8 @@ class PartialShard:
                                   token_dtype=self.manifest.token_dtype, has_docs=self.shard.has_doc_boundaries,
                                   shard=url)
             self._place(block, arrays, number, url)
-            self._buffer[block.byte_start:block.byte_end] = np.frombuffer(raw, dtype=np.uint8)
+            if self._keep_bytes:
+                self._buffer[block.byte_start:block.byte_end] = np.frombuffer(raw, dtype=np.uint8)
             with self._lock:
                 self._state[number] = _DONE
         except BaseException as err:
@@ -248,15 +259,21 @@ class PartialShard:
     def _complete(self) -> None:
         try:
             index = self._load_index()
+            scratch = bytearray(0)  # one buffer for every run's bytes, grown when a run needs more
             while not self._cancelled and (run := self._claim_run()) is not None:
                 first, last = run
                 start, end = index.blocks[first].byte_start, index.blocks[last].byte_end
-                data = self._storage_of().read_range(self.shard.name, start, end)
+                if len(scratch) < end - start:
+                    scratch = bytearray(end - start)
+                data = self._storage_of().read_range_into(self.shard.name, start, end, scratch)
                 if self._on_read is not None:
                     self._on_read(len(data))
+                # Views, not copies (slicing bytes copied a whole shard); each block is copied into place
+                # by `_load_block` before the next run overwrites the scratch buffer.
                 for k in range(first, last + 1):
                     b = index.blocks[k]
                     self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
+                del data
             if self._cancelled:
                 if self._on_failure is not None:
                     self._on_failure()
@@ -264,9 +281,12 @@ class PartialShard:
             for event in self._events:
                 event.wait()
             self._raise_failure()
-            self._read_gaps(index)
-            data = self._verified_whole()
-            check_decoded(self.arrays, self.shard, vocab_size=self.manifest.tokenizer.vocab_size)
+            data = None
+            if self._keep_bytes:
+                self._read_gaps(index)
+                data = self._verified_whole()
+            # No `check_decoded` pass over the whole shard: the index tiles the manifest's counts, each
+            # block's decoded counts matched its entry, and `_place` checked its token ids.
             self.complete = True
             self._buffer = np.empty(0, dtype=np.uint8)
             if self._on_complete is not None:

@@ -141,15 +141,7 @@ def test_corrupt_block_is_read_twice_then_named_and_never_yielded(tmp_path, cold
     index = block_index(url, shard)
     bad = index.blocks[5]
     flip_byte(url, shard.name, (bad.byte_start + bad.byte_end) // 2)
-    reads_of_bad: list[tuple[int, int]] = []
-    read_range = Storage.read_range
-
-    def counting(self, name, start, end):
-        if start <= bad.byte_start and end >= bad.byte_end:
-            reads_of_bad.append((start, end))
-        return read_range(self, name, start, end)
-
-    monkeypatch.setattr(Storage, "read_range", counting)
+    reads = count_reads(monkeypatch)
     from shardkit.loaders.dataset import StreamingDataset
 
     dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), batch_size=4, shuffle=False,
@@ -162,26 +154,79 @@ def test_corrupt_block_is_read_twice_then_named_and_never_yielded(tmp_path, cold
             seen.append(batch["sample_id"].numpy().copy())
     seen_ids = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
     assert not np.any((seen_ids >= bad.sample_start) & (seen_ids < bad.sample_end))
+    reads_of_bad = [(start, end) for start, end in reads if start <= bad.byte_start and end >= bad.byte_end]
     assert len(reads_of_bad) == 2, reads_of_bad  # the first read and one re-read
 
 
-def test_bytes_outside_the_blocks_are_checked_by_the_whole_shard_hash(tmp_path, cold_blocks):
-    """A flipped byte in no block (the tar padding) passes every block check; the whole-shard SHA-256 at
-    completion catches it, and the next read of the shard raises naming it."""
+def test_bytes_outside_the_blocks_are_checked_only_where_they_are_kept(tmp_path, cold_blocks, monkeypatch):
+    """A flipped byte in no block (the tar's end-of-archive padding) is in no sample. "compressed", which
+    stores the file, checks the whole-shard SHA-256 at completion and the next read raises naming the shard;
+    "none" and "decoded" use only the blocks (each checked), so they never read those bytes and deliver every
+    sample intact: hashing the whole file as well would hash each byte twice."""
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240)
     shard = manifest.shards[0]
     last = block_index(url, shard).blocks[-1]
-    flip_byte(url, shard.name, last.byte_end + 700)  # inside the end-of-archive blocks
+    flipped = last.byte_end + 700  # inside the end-of-archive blocks
+    flip_byte(url, shard.name, flipped)
     storage = Storage(url)
-    cache = cache_module.ShardCache(storage, manifest, str(tmp_path / "cache"), cache_mode="none")
+    reads = count_reads(monkeypatch)
+    for mode in ("compressed", "none", "decoded"):
+        reads.clear()
+        cache = cache_module.ShardCache(storage, manifest, str(tmp_path / f"cache-{mode}"), cache_mode=mode)
+        handle = cache.open(0, on_demand=True)
+        handle.ensure([0])
+        handle.ensure([1])  # the background completion starts from the second batch on
+        handle.partial.wait_complete(30)
+        if mode == "compressed":
+            with pytest.raises(CorruptShardError, match=rf"{shard.name}: sha256 is .* on each of 2 reads"):
+                handle.ensure([2])
+            assert not handle.complete and not cache.is_cached(0)
+            continue
+        assert handle.complete and not any(start <= flipped < end for start, end in reads), (mode, reads)
+        handle.ensure(range(shard.samples))
+        for i in range(shard.samples):
+            np.testing.assert_array_equal(handle.reader.sample(i).tokens, fixed_sample(i, SEQ + 1).tokens, err_msg=mode)
+        assert cache.is_cached(0) == (mode == "decoded")
+
+
+def test_a_completion_in_many_runs_reuses_its_buffer_without_mixing_blocks(tmp_path, cold_blocks, monkeypatch):
+    """The background completion reads each run of blocks into one reused buffer: with runs of ~3 blocks
+    (so every run overwrites the previous one's bytes), every sample still arrives intact."""
+    import shardkit.loaders.partial as partial_module
+
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240, shard_format="arrow")
+    shard = manifest.shards[0]
+    blocks = block_index(url, shard).blocks
+    monkeypatch.setattr(partial_module, "COMPLETION_RANGE_BYTES", 3 * (blocks[1].byte_end - blocks[1].byte_start))
+    reads = count_reads(monkeypatch)
+    cache = cache_module.ShardCache(Storage(url), manifest, str(tmp_path / "cache"), cache_mode="none")
     handle = cache.open(0, on_demand=True)
     handle.ensure([0])
-    handle.ensure([1])  # the background completion starts from the second batch on
-    handle.partial.wait_complete(30)
-    with pytest.raises(CorruptShardError, match=rf"{shard.name}: sha256 is .* on each of 2 reads"):
-        handle.ensure([2])
-    assert not handle.complete
+    handle.ensure([1])
+    assert handle.partial.wait_complete(30)
+    assert len(reads) > len(blocks) // 3  # many runs, not one
+    for i in range(shard.samples):
+        np.testing.assert_array_equal(handle.reader.sample(i).tokens, fixed_sample(i, SEQ + 1).tokens)
+
+
+def count_reads(monkeypatch) -> list[tuple[int, int]]:
+    """Record the (start, end) of every ranged read of a shard, by either read path."""
+    reads: list[tuple[int, int]] = []
+    read_range, read_range_into = Storage.read_range, Storage.read_range_into
+
+    def counting(self, name, start, end):
+        reads.append((start, end))
+        return read_range(self, name, start, end)
+
+    def counting_into(self, name, start, end, scratch):
+        reads.append((start, end))
+        return read_range_into(self, name, start, end, scratch)
+
+    monkeypatch.setattr(Storage, "read_range", counting)
+    monkeypatch.setattr(Storage, "read_range_into", counting_into)
+    return reads
 
 
 def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_blocks):
@@ -240,15 +285,20 @@ def test_variable_length_samples_stream_block_by_block(tmp_path, cold_blocks):
     assert len(got) == len(want) == 75 and all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks):
-    """Every ranged read is counted once with its bytes; the background completion counts one download;
-    the whole shard's bytes are read once in all (blocks, index and the gaps between them)."""
+@pytest.mark.parametrize("mode", ["decoded", "compressed"])
+def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks, mode):
+    """Every ranged read is counted once with its bytes; the background completion counts one download.
+    Each byte read is read once: the index and the blocks, plus the gaps between them (format headers and
+    padding) only where the file itself is stored."""
     from shardkit.loaders.cache import ShardCache
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240)
     shard = manifest.shards[0]
-    cache = ShardCache(Storage(url), manifest, str(tmp_path / "cache"))
+    blocks = block_index(url, shard).blocks
+    used = shard.index_bytes + sum(b.byte_end - b.byte_start for b in blocks)
+    assert used < shard.compressed_bytes
+    cache = ShardCache(Storage(url), manifest, str(tmp_path / "cache"), cache_mode=mode)
     handle = cache.open(0, on_demand=True)
     assert not handle.complete
     handle.ensure([0])
@@ -259,5 +309,5 @@ def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks):
     handle.close()
     cache.drain()
     assert cache.stats.downloads == 1
-    assert cache.stats.downloaded_bytes == shard.compressed_bytes
+    assert cache.stats.downloaded_bytes == (shard.compressed_bytes if mode == "compressed" else used)
     assert cache.is_cached(0)

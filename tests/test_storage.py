@@ -55,6 +55,27 @@ def test_write_read_range_exists_size(backend):
     assert storage.read_range("x/blob.bin", len(data) - 5, len(data)) == data[-5:]
 
 
+def test_read_range_into_reads_the_same_bytes_into_one_reused_buffer(backend):
+    """The same bytes as `read_range` (fewer at the end of the object); a local file lands in the caller's
+    buffer, so a second read overwrites the first's view; a buffer too small is refused."""
+    url, options = backend
+    storage = Storage(url, options)
+    data = bytes(range(256)) * 40
+    storage.write_bytes("x/blob.bin", data)
+    scratch = bytearray(600)
+    first = storage.read_range_into("x/blob.bin", 100, 612, scratch)
+    assert bytes(first) == data[100:612]
+    kept = bytes(first)
+    second = storage.read_range_into("x/blob.bin", len(data) - 5, len(data) + 50, scratch)
+    assert bytes(second) == data[-5:]
+    if storage.is_local:  # read into the scratch buffer itself: the first view now shows the second read
+        assert bytes(first[:5]) == data[-5:] and bytes(first) != kept
+    with pytest.raises(ValueError, match="scratch holds 600 bytes, the range 601"):
+        storage.read_range_into("x/blob.bin", 0, 601, scratch)
+    with pytest.raises(FileNotFoundError):
+        storage.read_range_into("x/nope.bin", 0, 10, scratch)
+
+
 def test_missing_object_raises_file_not_found(backend):
     url, options = backend
     storage = Storage(url, options)

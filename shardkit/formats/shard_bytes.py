@@ -124,9 +124,10 @@ def decode_shard(data: bytes | memoryview, *, shard_format: str, token_dtype: st
     raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
 
 
-def decode_block(data: bytes, block: Block, *, number: int, shard_format: str, token_dtype: str, has_docs: bool,
-                 shard: str) -> ShardArrays:
-    """Decode the verified bytes of one block into arrays of its samples, checking them against its entry."""
+def decode_block(data: bytes | memoryview, block: Block, *, number: int, shard_format: str, token_dtype: str,
+                 has_docs: bool, shard: str) -> ShardArrays:
+    """Decode the verified bytes of one block into arrays of its samples, checking them against its entry.
+    The arrays may be views of `data` (copy them before `data` changes)."""
     if shard_format == "tar":
         arrays = decode_tar_block(data, token_dtype=token_dtype, shard=shard, raw_bytes=block.raw_bytes,
                                   first_sample=block.sample_start)

@@ -291,10 +291,11 @@ def sample_raw_bytes(arrays: ShardArrays) -> np.ndarray:
     return raw
 
 
-def decode_tar_block(data: bytes, *, token_dtype: str, shard: str, raw_bytes: int, first_sample: int) -> ShardArrays:
+def decode_tar_block(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int,
+                     first_sample: int) -> ShardArrays:
     """Decode one format v2 block: the members of consecutive samples, without the end-of-archive marker."""
-    return decode_tar(data + b"\0" * (2 * BLOCK), token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes,
-                      first_sample=first_sample)
+    return decode_tar(b"".join((data, b"\0" * (2 * BLOCK))), token_dtype=token_dtype, shard=shard,
+                      raw_bytes=raw_bytes, first_sample=first_sample)
 
 
 def sample_member_starts(data: bytes, num_samples: int) -> list[int]:
