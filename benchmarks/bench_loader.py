@@ -13,7 +13,8 @@ batch from a cold S3 endpoint (moto on loopback), time to first batch after resu
 
 Cold mode (issue 14): the same samples as format v1 shards read the way shardkit did before format v2
 ("before": the whole first shard downloaded, hashed, decoded and written before the first batch) and as
-v2 shards with each `cache_mode` ("after"), tar and arrow, locally and from moto S3 on loopback. Each run
+v2 shards with each `cache_mode` ("after"), tar and arrow, locally and from moto S3 on loopback (and from
+s3rver, where installed: moto reads the whole object for every ranged GET, s3rver only the range). Each run
 starts from a fresh cache directory and makes one pass with 0 workers: time to first batch (dataset
 construction included) and samples/s over the whole pass, beside the single-thread zstd limit: the time
 to decompress every zstd frame of the same shards from memory, in this run. Also: resume at 50% of the
@@ -415,8 +416,6 @@ class MotoServer:
         import subprocess
         import sys
 
-        import boto3
-
         for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                            "AWS_DEFAULT_REGION": "us-east-1"}.items():
             os.environ.setdefault(key, value)
@@ -426,7 +425,15 @@ class MotoServer:
         self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         endpoint = f"http://127.0.0.1:{port}"
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        self._create_bucket(endpoint)
+        self.options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"},
+                        "skip_instance_cache": True}
+        return self
+
+    def _create_bucket(self, endpoint: str, **keys: str) -> None:
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -437,9 +444,6 @@ class MotoServer:
                     self.__exit__()
                     raise
                 time.sleep(0.2)
-        self.options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"},
-                        "skip_instance_cache": True}
-        return self
 
     def upload(self, url: str, name: str) -> str:
         for path in sorted(Path(url).iterdir()):
@@ -449,6 +453,36 @@ class MotoServer:
     def __exit__(self, *exc) -> None:
         self.process.terminate()
         self.process.wait(10)
+
+
+class S3rverServer(MotoServer):
+    """An s3rver (npm `s3rver`, a Node.js S3 server storing objects as files) on loopback: it serves a ranged
+    GET by streaming that range from its file, as S3 does, where moto 5 reads the whole object for every
+    range. Credentials are s3rver's fixed pair; signatures are not checked."""
+
+    def __init__(self, executable: str):
+        self.executable = executable
+
+    def __enter__(self) -> S3rverServer:
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.directory = tempfile.mkdtemp(prefix="shardkit-bench-s3rver-")
+        self.process = subprocess.Popen([self.executable, "-d", self.directory, "-a", "127.0.0.1", "-p", str(port),
+                                         "--silent", "--allow-mismatched-signatures", "--no-vhost-buckets"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        endpoint = f"http://127.0.0.1:{port}"
+        self._create_bucket(endpoint, aws_access_key_id="S3RVER", aws_secret_access_key="S3RVER")
+        self.options = {"endpoint_url": endpoint, "key": "S3RVER", "secret": "S3RVER",
+                        "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def cold_benchmark(args: argparse.Namespace) -> dict:
@@ -479,16 +513,21 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
             row = cold_pass(urls[fmt, version], batch, runs, cache_mode=mode, resume_at=0.5)
             resume[f"local, {fmt} v{version}, cache_mode={mode}"] = row
             print(f"  resume at 50% on a fresh node, {fmt} v{version} {mode}: {row['first_batch_s']:.3f} s", flush=True)
-    if not args.skip_s3:
-        with MotoServer() as moto:
+    servers = {"moto S3": MotoServer} if not args.skip_s3 else {}
+    if servers and args.s3rver:
+        servers["s3rver S3"] = lambda: S3rverServer(args.s3rver)
+    for where, start_server in servers.items():
+        with start_server() as server:
             for fmt in ("tar", "arrow"):
                 for version in (1, 2):
-                    s3_url = moto.upload(urls[fmt, version], f"{fmt}-v{version}")
+                    s3_url = server.upload(urls[fmt, version], f"{fmt}-v{version}")
                     for v, mode in COLD_CONFIGS:
                         if v == version and mode != "compressed":
-                            record("moto S3", fmt, v, mode, cold_pass(s3_url, batch, runs, cache_mode=mode,
-                                                                       options=moto.options))
-                    row = cold_pass(s3_url, batch, runs, cache_mode="decoded", options=moto.options, resume_at=0.5)
+                            record(where, fmt, v, mode, cold_pass(s3_url, batch, runs, cache_mode=mode,
+                                                                  options=server.options))
+                    if where != "moto S3":
+                        continue
+                    row = cold_pass(s3_url, batch, runs, cache_mode="decoded", options=server.options, resume_at=0.5)
                     resume[f"moto S3, {fmt} v{version}, cache_mode=decoded"] = row
                     print(f"  resume at 50% on a fresh node, moto S3, {fmt} v{version}: {row['first_batch_s']:.3f} s",
                           flush=True)
@@ -525,6 +564,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4096, help="batches per timed run")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--skip-s3", action="store_true", help="skip the cold S3 measurement")
+    parser.add_argument("--s3rver", default=shutil.which("s3rver"),
+                        help="s3rver executable (npm install s3rver): cold mode adds rows from it, an S3 server that "
+                        "serves a range in proportion to its length (moto reads the whole object for each range)")
     parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
                         "v1 vs v2 and each cache_mode, local and moto S3, and resume on a fresh node")
     args = parser.parse_args()

@@ -64,7 +64,7 @@ from shardkit.formats import (
     write_decoded,
 )
 from shardkit.loaders.config import CACHE_MODES
-from shardkit.loaders.partial import PartialShard
+from shardkit.loaders.partial import BlockRequest, PartialShard
 from shardkit.manifest import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -184,11 +184,20 @@ class CachedShard:
 
     def ensure(self, local_samples) -> None:
         """Make the given samples (indices within the shard) readable: fetch and verify their blocks."""
+        self.request(local_samples).wait()
+
+    def start_index(self) -> None:
+        """Start reading the block index of a shard read block by block (see `PartialShard.start_index`)."""
+        if self.partial is not None and not self.partial.complete:
+            self.partial.start_index()
+
+    def request(self, local_samples) -> BlockRequest:
+        """Start fetching the blocks of the given samples; `wait()` on the result makes them readable."""
         if self.partial is None or self.partial.complete:
-            return
+            return BlockRequest()
         if self.adoptable and self._cache._adopt_stored(self):
-            return  # another process of the node stored the shard: read that copy from now on
-        self.partial.ensure(local_samples)
+            return BlockRequest()  # another process of the node stored the shard: read that copy from now on
+        return self.partial.request(local_samples)
 
     def close(self) -> None:
         if self.partial is not None and self._cache.cache_mode == "none":
@@ -736,12 +745,18 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record_path)  # the copies below are being replaced: invalid until rewritten
     if not storage.is_local:
-        _download_atomic(storage, MANIFEST_NAME, directory)
-        try:
-            _download_atomic(storage, INDEX_NAME, directory)  # one GET, not a HEAD and a LIST to ask first
-        except FileNotFoundError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, INDEX_NAME))
+        # Both GETs at once: one round trip less before the first batch. Both start after the HEAD that
+        # gave `identity`, so the JSON recorded under it is that version or a newer one (which the next
+        # HEAD sees as a change), never an older one; the index records the JSON it was built for and is
+        # checked against it, so it may come from any moment.
+        with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
+            index = pool.submit(_download_atomic, storage, INDEX_NAME, directory)
+            _download_atomic(storage, MANIFEST_NAME, directory)
+            try:
+                index.result()  # one GET, not a HEAD and a LIST to ask first
+            except FileNotFoundError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, INDEX_NAME))
         logger.debug("fetched %s into the node cache %s", storage.url_of(MANIFEST_NAME), directory)
     manifest, (size, digest) = load_manifest_and_digest(local, display_url=storage.url_of(MANIFEST_NAME))
     _write_atomic(record_path, json.dumps([identity, size, digest, index_stamp(local)]))

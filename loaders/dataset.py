@@ -539,10 +539,14 @@ class StreamingDataset(IterableDataset):
     def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
         """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
         shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
-        for index in np.unique(shard).tolist():
-            handle = held[index]
-            if not handle.complete:
-                handle.ensure(local[shard == index])
+        cold = [(held[index], local[shard == index]) for index in np.unique(shard).tolist()
+                if not held[index].complete]
+        # Every shard's reads at once: first the block indexes (each read needs its shard's index), then
+        # the blocks, so a batch spanning several cold shards waits for two round trips, not two per shard.
+        for handle, _ in cold:
+            handle.start_index()
+        for request in [handle.request(samples) for handle, samples in cold]:
+            request.wait()
 
     def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         incomplete = [held[i] for i in self._shards_in_order(ids) if not held[i].complete]

@@ -2,8 +2,10 @@
 
 The shard's arrays are allocated whole from the manifest's counts and filled as blocks arrive. Before a
 batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
-parallel), checks each against its SHA-256 from the block index (itself checked against the manifest),
-decodes it and checks its token ids: no byte is used before its hash matched. A background thread
+parallel; neighbouring blocks in one read), checks each against its SHA-256 from the block index (itself
+checked against the manifest), decodes it and checks its token ids: no byte is used before its hash
+matched. A batch that spans several cold shards reads them all at once: `start_index` on each, then
+`request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
 fetches the rest in large coalesced ranges and hands the complete arrays to `on_complete` (the cache
 writes its file there, or nothing). It starts at the second `ensure`, so the first batch's blocks have the
 link (and the CPU) to themselves, and from then on serves the blocks readers wait for first.
@@ -24,7 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,7 +45,29 @@ logger = logging.getLogger(__name__)
 # The background completion reads up to this many bytes per request: a 64 MiB shard in a few requests
 # (each costs a round trip, a request fee, and on moto a read of the whole object), bounded memory.
 COMPLETION_RANGE_BYTES = 32 << 20
+# Blocks a batch needs are read in one request when the bytes between them (other blocks, verified and
+# kept too) are at most this many: on S3 a request costs ~20-50 ms before its first byte, 256 KiB a few
+# ms at one connection's ~50-100 MB/s, so the merge saves a request and costs no time; a wider gap would
+# make the batch wait for bytes it does not need (the requests run in parallel anyway).
+COALESCE_GAP_BYTES = 256 << 10
 _MISSING, _CLAIMED, _DONE = 0, 1, 2
+
+
+@dataclass
+class BlockRequest:
+    """Reads started by `PartialShard.request`; `wait()` returns once their blocks are verified and placed."""
+
+    shard: PartialShard | None = None
+    needed: list[int] = field(default_factory=list)
+    local_runs: list[tuple[int, int]] = field(default_factory=list)  # read by `wait`, in the caller's thread
+    futures: list[Future] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Raises:
+            CorruptShardError: a block failed its check twice, or the background completion failed.
+        """
+        if self.shard is not None:
+            self.shard._wait(self)
 
 
 class PartialShard:
@@ -91,6 +116,7 @@ class PartialShard:
         self._wants_completion = False
         self._cancelled = False
         self._ensured = 0
+        self._index_future: Future | None = None
         self._wanted: set[int] = set()  # blocks readers wait for: the completion reads them first
 
     def _allocate(self) -> ShardArrays:
@@ -133,58 +159,119 @@ class PartialShard:
             return index
 
     # -- foreground -----------------------------------------------------------------------------
+    def start_index(self) -> None:
+        """Start reading the block index in the background (remote shards), so that the indexes of the
+        shards one batch needs arrive together; `request` waits for it."""
+        if self._index is None and self._index_future is None and not self._storage_of().is_local:
+            self._index_future = self._executor.submit(self._load_index)
+
     def ensure(self, local_samples: Iterable[int] | np.ndarray) -> None:
         """Return once the given samples (indices within the shard) are verified and decoded.
 
         Raises:
             CorruptShardError: a block failed its check twice, or the background completion failed.
         """
+        self.request(local_samples).wait()
+
+    def request(self, local_samples: Iterable[int] | np.ndarray) -> BlockRequest:
+        """Start reading the blocks holding the given samples; the result's `wait()` returns once they are
+        verified and decoded. Remote reads start now, in parallel; local ones run in `wait()`."""
         self._raise_failure()
         if self.complete:
-            return
+            return BlockRequest()
+        if self._index_future is not None:
+            try:
+                self._index_future.result()
+            except BaseException as err:  # noqa: BLE001 - read again below, in this thread, where it raises
+                logger.debug("background read of the block index of %s failed: %s", self.shard.name, err)
+            self._index_future = None
         index = self._load_index()
         needed = index.blocks_of(np.asarray(local_samples, dtype=np.int64).reshape(-1))
         # The first batch reads its own blocks. Later ones leave them to the background completion, which
         # reads the blocks they wait for first, in runs of up to 32 MiB: a block per request would cost
         # hundreds of requests per shard (and throttling from object stores) for bytes it fetches anyway.
         delegate = self._wants_completion and self._ensured > 0
-        with self._lock:
-            missing = [k for k in needed if self._state[k] == _MISSING]
-            if delegate:
-                self._wanted.update(missing)
-                mine = []
-            else:
-                mine = missing
-                for k in mine:
-                    self._state[k] = _CLAIMED
+        self._ensured += 1
         if delegate:
+            with self._lock:
+                self._wanted.update(k for k in needed if self._state[k] == _MISSING)
             self._start_completion()
+            return BlockRequest(self, list(needed))
+        runs = self._claim_needed(needed)
         # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
         # them to threads costs more than it saves on a busy machine.
-        parallel = mine[1:] if not self._storage_of().is_local else []
-        futures = [self._executor.submit(self._load_block, k) for k in parallel]
+        if self._storage_of().is_local:
+            return BlockRequest(self, list(needed), local_runs=runs)
+        return BlockRequest(self, list(needed), futures=[self._executor.submit(self._load_run, r) for r in runs])
+
+    def _wait(self, request: BlockRequest) -> None:
         errors: list[BaseException] = []
-        own = mine[:len(mine) - len(parallel)]
-        for position, k in enumerate(own):
+        for position, run in enumerate(request.local_runs):
             try:
-                self._load_block(k)
+                self._load_run(run)
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
                 errors.append(err)
-                with self._lock:  # unclaim the rest, so that nobody waits for blocks no one will read
-                    for rest in own[position + 1:]:
-                        self._state[rest] = _MISSING
+                self._unclaim(request.local_runs[position + 1:])  # nobody may wait for blocks no one reads
                 break
-        for future in futures:
+        for future in request.futures:
             try:
                 future.result()
             except BaseException as err:  # noqa: BLE001
                 errors.append(err)
         if errors:
             raise errors[0]
-        for k in needed:  # blocks another thread (the background completion) claimed first
+        for k in request.needed:  # blocks another thread (the background completion) claimed first
             self._events[k].wait()
         self._raise_failure()
-        self._ensured += 1
+
+    def _claim_needed(self, needed: Iterable[int]) -> list[tuple[int, int]]:
+        """Claim the missing blocks among `needed` as runs (first, last) to read one request each: needed
+        blocks merge across missing blocks when the bytes between them are at most `COALESCE_GAP_BYTES`."""
+        blocks = self._index.blocks
+        runs: list[tuple[int, int]] = []
+        with self._lock:
+            for k in sorted(k for k in set(needed) if self._state[k] == _MISSING):
+                if runs:
+                    first, last = runs[-1]
+                    between = range(last + 1, k)
+                    if (blocks[k].byte_start - blocks[last].byte_end <= COALESCE_GAP_BYTES
+                            and all(self._state[j] == _MISSING for j in between)):
+                        for j in between:
+                            self._state[j] = _CLAIMED
+                        self._state[k] = _CLAIMED
+                        runs[-1] = (first, k)
+                        continue
+                self._state[k] = _CLAIMED
+                runs.append((k, k))
+        return runs
+
+    def _unclaim(self, runs: list[tuple[int, int]]) -> None:
+        with self._lock:
+            for first, last in runs:
+                for k in range(first, last + 1):
+                    self._state[k] = _MISSING
+
+    def _load_run(self, run: tuple[int, int]) -> None:
+        """Read blocks `first..last` in one request and load each (each checked on its own; a block that
+        fails is read again alone)."""
+        first, last = run
+        if first == last:
+            self._load_block(first)
+            return
+        blocks = self._index.blocks
+        start = blocks[first].byte_start
+        try:
+            data = memoryview(self._storage_of().read_range(self.shard.name, start, blocks[last].byte_end))
+            if self._on_read is not None:
+                self._on_read(len(data))
+            for k in range(first, last + 1):
+                b = blocks[k]
+                self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
+        except BaseException as err:
+            self._failure = self._failure or err
+            for k in range(first, last + 1):  # wake the readers of the run's other blocks: they raise it
+                self._events[k].set()
+            raise
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

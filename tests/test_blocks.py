@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +125,104 @@ def test_cold_first_batch_comes_from_ranged_reads(s3_bucket, s3_endpoint, tmp_pa
         assert total <= shard.compressed_bytes + first_bytes  # the rest once, not the whole shard again
     finally:
         proxy.close()
+
+
+def serial_steps(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that follow one another without overlapping: the round trips a reader waited
+    for one after another."""
+    steps, free_at = 0, float("-inf")
+    for start, end in sorted(intervals, key=lambda i: i[1]):
+        if start >= free_at:
+            steps, free_at = steps + 1, end
+    return steps
+
+
+@pytest.mark.s3
+def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket, tmp_path, cold_blocks,
+                                                                      monkeypatch):
+    """Both shards' block indexes are read at once, then every block the batch needs at once: two round
+    trips before the first batch, not an index and its blocks per shard one after the other."""
+    url, options = s3_bucket
+    manifest = write_blocks(url, 480, per_shard=240, storage_options=options)
+    first_batch_out = threading.Event()
+    complete = PartialShard._complete
+    monkeypatch.setattr(PartialShard, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
+    reads: list[tuple[str, int, float, float]] = []
+    read_range = Storage.read_range
+
+    def slow(self, name, start, end):
+        began = time.perf_counter()
+        time.sleep(0.2)  # a round trip long enough that reads one after another cannot overlap
+        try:
+            return read_range(self, name, start, end)
+        finally:
+            reads.append((name, start, began, time.perf_counter()))
+
+    monkeypatch.setattr(Storage, "read_range", slow)
+    from shardkit.loaders.dataset import StreamingDataset
+
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), batch_size=8, shuffle_window=480,
+                               storage_options=options)
+    try:
+        first = next(iter(dataset))
+        before = list(reads)
+    finally:
+        first_batch_out.set()
+    shards = {s.name: s for s in manifest.shards}
+    assert sorted(set(first["sample_id"].numpy() // 240)) == [0, 1]  # the batch spans both shards
+    index_reads = [(b, e) for name, start, b, e in before if start == shards[name].index_offset]
+    assert len(index_reads) == 2 and max(b for b, _ in index_reads) < min(e for _, e in index_reads), before
+    assert serial_steps([(b, e) for *_, b, e in before]) == 2, before
+    dataset.caches[0].drain(30)
+
+
+def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monkeypatch):
+    """Blocks a batch needs that lie within `COALESCE_GAP_BYTES` of one another are read in one request,
+    the blocks between them included; each is checked against its own hash, and a corrupt one among them
+    is read again alone, then named, never used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardkit.loaders import partial as partial_module
+
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240)
+    shard = manifest.shards[0]
+    blocks = block_index(url, shard).blocks
+    reads: list[tuple[int, int]] = []
+    read_range = Storage.read_range
+
+    def counting(self, name, start, end):
+        if start != shard.index_offset:
+            reads.append((start, end))
+        return read_range(self, name, start, end)
+
+    def fresh() -> PartialShard:  # no background completion: every ensure reads its own blocks
+        storage = Storage(url)
+        return PartialShard(lambda: storage, shard, manifest, executor=ThreadPoolExecutor(2))
+
+    monkeypatch.setattr(Storage, "read_range", counting)
+    one_block = blocks[3].byte_end - blocks[3].byte_start
+    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", one_block)
+    partial = fresh()
+    wanted = [blocks[2].sample_start, blocks[4].sample_start, blocks[9].sample_start]
+    partial.ensure(wanted)
+    # 2 and 4 are one block apart: one read of 2..4; 9 lies four blocks further.
+    assert reads == [(blocks[2].byte_start, blocks[4].byte_end), (blocks[9].byte_start, blocks[9].byte_end)]
+    assert ids_from_tokens(np.stack([partial.reader.tokens(i) for i in wanted])).tolist() == wanted
+    between = blocks[3].sample_start  # read with them, checked and decoded too
+    assert partial.reader.tokens(between).tolist() == fixed_sample(between, SEQ + 1).tokens.tolist()
+
+    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", 0)  # only blocks that touch
+    reads.clear()
+    partial.ensure([blocks[11].sample_start, blocks[12].sample_start, blocks[14].sample_start])
+    assert reads == [(blocks[11].byte_start, blocks[12].byte_end), (blocks[14].byte_start, blocks[14].byte_end)]
+
+    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", one_block)
+    flip_byte(url, shard.name, (blocks[21].byte_start + blocks[21].byte_end) // 2)
+    reads.clear()
+    with pytest.raises(CorruptShardError, match=rf"{shard.name}: block 21 .* on each of 2 reads"):
+        fresh().ensure([blocks[20].sample_start, blocks[22].sample_start])
+    assert reads == [(blocks[20].byte_start, blocks[22].byte_end), (blocks[21].byte_start, blocks[21].byte_end)]
 
 
 def flip_byte(url: str, name: str, position: int) -> None:

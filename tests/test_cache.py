@@ -274,3 +274,34 @@ def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket
     handle.close()
     leftovers = [f for _, _, fs in os.walk(cache_dir) for f in fs if ".tmp-" in f]
     assert leftovers == []
+
+
+def test_a_fresh_node_gets_the_manifest_and_its_index_at_once_after_the_head(tmp_path, monkeypatch):
+    """Both GETs of a node's first manifest read are in flight together (one round trip, not two), and
+    both start after the HEAD whose identity the node records (so the copy is never older than it)."""
+    from shardkit.loaders import cache as cache_module
+
+    url = f"memory://fresh-node-{os.getpid()}"
+    write_fixed(url, 64)
+    calls: list[tuple[str, float, float]] = []
+    download, identity = Storage.download, Storage.identity
+
+    def slow(method, label):
+        def call(self, name, *args):
+            start = time.perf_counter()
+            time.sleep(0.2)  # a round trip long enough that serial calls cannot overlap
+            try:
+                return method(self, name, *args)
+            finally:
+                calls.append((label + name, start, time.perf_counter()))
+        return call
+
+    monkeypatch.setattr(Storage, "download", slow(download, "GET "))
+    monkeypatch.setattr(Storage, "identity", slow(identity, "HEAD "))
+    manifest = cache_module.fetch_manifest(Storage(url), str(tmp_path / "node"))
+    assert manifest == load_manifest(url)
+    head = next(c for c in calls if c[0].startswith("HEAD"))
+    gets = sorted(c for c in calls if c[0].startswith("GET"))
+    assert [c[0] for c in gets] == ["GET shardkit.index", "GET shardkit.json"]
+    assert all(start >= head[2] for _, start, _ in gets), calls
+    assert max(start for _, start, _ in gets) < min(end for _, _, end in gets), calls  # overlapping
