@@ -747,7 +747,8 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
     except FileNotFoundError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, INDEX_NAME))
-    logger.debug("fetched %s into the node cache %s", storage.url_of(MANIFEST_NAME), directory)
+    logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
+                 "copied" if not storage.is_local else "read in place", directory)
     manifest, (size, digest), checked_index = load_manifest_and_digest(
         local, display_url=storage.url_of(MANIFEST_NAME), index_copy=os.path.join(directory, INDEX_NAME))
     _write_atomic(record_path, json.dumps([identity, size, digest, checked_index]))
