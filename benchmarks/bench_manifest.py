@@ -13,6 +13,11 @@ data fingerprint that the first saved loader state records); then, in another
 fresh process that never imports torch, a bare `load_manifest` (time and peak RSS: what the manifest
 itself costs). Figures are medians of --runs runs. Prints a table and writes JSON.
 
+Memory is counted three ways, since the node's processes share the pages of a memory-mapped index:
+peak RSS (VmHWM: every resident page, shared ones in full), anonymous memory (RssAnon after the plan:
+the process's own pages) and, with --node-ranks R, PSS (/proc/self/smaps_rollup: each shared page
+divided by the processes mapping it) of R later processes of one node, all alive at once.
+
     python benchmarks/bench_manifest.py --code before=/tmp/old/.venv/bin/python --code after=.venv/bin/python
 
 compares versions of shardkit in one run (the machine is shared: its load drifts between runs): each
@@ -93,15 +98,31 @@ def write_json(prefix: Path, shards: int) -> None:
 def peak_rss_mb() -> float:
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child would report the parent's
     # peak (the parent parses the whole JSON to write the index).
-    with open("/proc/self/status") as fh:
+    return memory_mb("/proc/self/status", "VmHWM")
+
+
+def memory_mb(path: str, field: str) -> float:
+    """A "Field:   N kB" line of a /proc file (status, smaps_rollup), in MB."""
+    with open(path) as fh:
         for line in fh:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def measure_once(prefix: str, cache_dir: str) -> dict:
-    """One fresh-process measurement (runs inside the child)."""
+def wait_for(directory: Path, stage: str, count: int, timeout: float = 600.0) -> None:
+    """Mark this process at `stage` and wait until `count` processes are (a file-based barrier)."""
+    (directory / f"{stage}-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(directory.glob(f"{stage}-*"))) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(directory.glob(f'{stage}-*')))} of {count} processes reached {stage}")
+        time.sleep(0.05)
+
+
+def measure_once(prefix: str, cache_dir: str, node: tuple[Path, int] | None = None) -> dict:
+    """One fresh-process measurement (runs inside the child). With `node` (a barrier directory and a
+    number of processes), also the PSS while that many processes hold the manifest at once."""
     t0 = time.perf_counter()
     from shardkit.loaders.dataset import StreamingDataset
     from shardkit.manifest import load_manifest
@@ -120,6 +141,15 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
     else:
         plan_s = time.perf_counter() - t0
     peak_mb = peak_rss_mb()  # what one rank holds at its peak, up to the first batch's plan
+    anon_mb = memory_mb("/proc/self/status", "RssAnon")  # its own pages, not the page cache's
+    shared = {}
+    if node is not None:
+        barrier, ranks = node
+        wait_for(barrier, "planned", ranks)  # every process of the node maps the index now
+        shared = {"node_" + key.lower(): memory_mb("/proc/self/smaps_rollup", key)
+                  for key in ("Pss", "Pss_Anon", "Pss_File")}
+        shared["node_peak_rss_mb"], shared["node_anon_mb"] = peak_mb, anon_mb
+        wait_for(barrier, "measured", ranks)  # none exits (unmaps) before all have measured
     t0 = time.perf_counter()
     dataset.fingerprint()  # the data's identity, which the loader's first saved state records
     fingerprint_s = time.perf_counter() - t0
@@ -129,7 +159,7 @@ def measure_once(prefix: str, cache_dir: str) -> dict:
     load_s = time.perf_counter() - t0
     return {"import_s": import_s, "load_manifest_s": load_s, "construct_s": construct_s, "first_plan_s": plan_s,
             "total_s": construct_s + plan_s, "fingerprint_s": fingerprint_s, "peak_rss_mb": peak_mb,
-            "baseline_rss_mb": baseline_mb,
+            "baseline_rss_mb": baseline_mb, "anon_mb": anon_mb, **shared,
             "first_ids": None if ids is None else ids[:4].tolist()}
 
 
@@ -143,6 +173,21 @@ def measure_bare(prefix: str) -> dict:
     load_manifest(prefix)
     return {"bare_load_s": time.perf_counter() - t0, "bare_peak_rss_mb": peak_rss_mb(),
             "bare_baseline_rss_mb": baseline_mb, "torch_imported": "torch" in sys.modules}
+
+
+def node_runs(python: str, prefix: Path, cache: Path, ranks: int) -> list[dict]:
+    """`ranks` later processes of one node (`cache` holds its record), started together; each measures
+    its PSS once all of them have planned their first batch."""
+    barrier = cache.parent / f"{cache.name}-barrier"
+    shutil.rmtree(barrier, ignore_errors=True)
+    barrier.mkdir(parents=True)
+    children = [subprocess.Popen([python, __file__, "--child", str(prefix), str(cache), "--node", str(barrier),
+                                  str(ranks)], stdout=subprocess.PIPE, text=True) for _ in range(ranks)]
+    outputs = [child.communicate()[0] for child in children]
+    if any(child.returncode for child in children):
+        raise RuntimeError(f"a node process failed: exit codes {[child.returncode for child in children]}")
+    shutil.rmtree(barrier, ignore_errors=True)
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
 def first_chunk_ids(dataset):
@@ -177,7 +222,10 @@ def main() -> None:
     parser.add_argument("--label", default="", help="recorded with the results (e.g. before / after)")
     parser.add_argument("--code", action="append", default=[], metavar="LABEL=PYTHON",
                         help="measure with this interpreter's shardkit too (repeat: versions compared in one run)")
+    parser.add_argument("--node-ranks", type=int, default=8, metavar="R",
+                        help="PSS of R later processes of one node, started together (0: not measured)")
     parser.add_argument("--child", nargs=2, metavar=("PREFIX", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--node", nargs=2, metavar=("BARRIER", "RANKS"), help=argparse.SUPPRESS)
     parser.add_argument("--bare-child", metavar="PREFIX", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_child:
@@ -188,7 +236,8 @@ def main() -> None:
         # pushing the others into swap (the old plan over 1M shards needs tens of GB).
         cap = 6 * 2**30
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-        print(json.dumps(measure_once(*args.child)))
+        node = (Path(args.node[0]), int(args.node[1])) if args.node else None
+        print(json.dumps(measure_once(*args.child, node=node)))
         return
 
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("", sys.executable)]
@@ -214,19 +263,33 @@ def main() -> None:
                         out = subprocess.run([python, __file__, "--bare-child", str(prefix)], check=True,
                                              capture_output=True, text=True)
                         runs[label][-1].update(json.loads(out.stdout.strip().splitlines()[-1]))
+            if process == "other" and args.node_ranks:
+                for k, (label, python) in enumerate(codes):  # one node at a time: its processes share pages
+                    runs[label] += node_runs(python, prefix, Path(args.data_dir) / f"cache-{shards}-0-{k}",
+                                             args.node_ranks)
             for label, _ in codes:
                 row = {"shards": shards, "process": process, "code": label, "runs": runs[label]}
                 for key in ("load_manifest_s", "construct_s", "first_plan_s", "total_s", "fingerprint_s", "peak_rss_mb",
-                            "baseline_rss_mb", "bare_load_s", "bare_peak_rss_mb", "bare_baseline_rss_mb"):
-                    row[key] = statistics.median(r.get(key, float("nan")) for r in runs[label])
+                            "baseline_rss_mb", "anon_mb", "bare_load_s", "bare_peak_rss_mb", "bare_baseline_rss_mb"):
+                    # Timings from the processes that ran alone, not from the node's crowd.
+                    row[key] = statistics.median(r.get(key, float("nan")) for r in runs[label] if "node_pss" not in r)
+                for key in ("node_pss", "node_pss_anon", "node_pss_file", "node_peak_rss_mb", "node_anon_mb"):
+                    row[key] = statistics.median([r[key] for r in runs[label] if key in r] or [float("nan")])
                 rows.append(row)
 
     print(f"\n{'shards':>10} {'code':>8} {'process':>8} {'load_manifest s':>16} {'construct s':>12} {'first plan s':>13} "
-          f"{'total s':>8} {'peak RSS MB':>12} {'RSS after imports MB':>21}")
+          f"{'total s':>8} {'peak RSS MB':>12} {'RSS after imports MB':>21} {'anon MB':>8}")
     for row in rows:
         print(f"{row['shards']:>10,} {row['code']:>8} {row['process']:>8} {row['load_manifest_s']:>16.3f} "
               f"{row['construct_s']:>12.3f} {row['first_plan_s']:>13.3f} {row['total_s']:>8.3f} "
-              f"{row['peak_rss_mb']:>12.0f} {row['baseline_rss_mb']:>21.0f}")
+              f"{row['peak_rss_mb']:>12.0f} {row['baseline_rss_mb']:>21.0f} {row['anon_mb']:>8.0f}")
+    if args.node_ranks:
+        print(f"\n{args.node_ranks} later processes of one node at once (medians over them), MB per process:")
+        print(f"{'shards':>10} {'code':>8} {'PSS':>6} {'PSS anon':>9} {'PSS file':>9} {'peak RSS':>9} {'anon':>6}")
+        for row in rows:
+            if row["process"] == "other":
+                print(f"{row['shards']:>10,} {row['code']:>8} {row['node_pss']:>6.0f} {row['node_pss_anon']:>9.0f} "
+                      f"{row['node_pss_file']:>9.0f} {row['node_peak_rss_mb']:>9.0f} {row['node_anon_mb']:>6.0f}")
     print("\nThe data fingerprint (first saved loader state), other processes:")
     for row in rows:
         if row["process"] == "other":

@@ -71,7 +71,6 @@ from shardkit.manifest import (
     Manifest,
     ManifestError,
     ShardInfo,
-    index_stamp,
     load_manifest,
     load_manifest_and_digest,
 )
@@ -704,13 +703,16 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode
 
     Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
     stat). The first process that finds the node's record missing or different takes the node's
-    manifest lock (a flock, as for a shard), downloads `shardkit.json` and the binary index (when the
-    dataset has one) into the cache with atomic renames, hashes the JSON once, and writes a record
+    manifest lock (a flock, as for a shard), downloads `shardkit.json` and copies the binary index (when
+    the dataset has one) into the cache with atomic renames, hashes the JSON once, and writes a record
     of identity, size and SHA-256 last, once the manifest passed every check. The node's other
     processes wait on the lock and read the local copy, trusting the record's hash instead of hashing
-    the JSON again, and its checks of the index's names instead of repeating them: a thousand ranks on 125
-    nodes cost 125 manifest GETs and 125 hashes, not 1,000. Local datasets are read in place (only
-    the record is kept in the cache). Errors name the store's URL.
+    the JSON again, and its checks of that very index file (checksum, names) instead of repeating them:
+    a thousand ranks on 125 nodes cost 125 manifest GETs and 125 hashes, not 1,000. Every process
+    memory-maps the node's private copy of the index, so its pages are shared by the node's processes
+    (`shardkit.shard_columns.map_index_file`). A local dataset's JSON is read in place; its index is
+    copied too, since a file that someone may rewrite in place must not be mapped. Errors name the
+    store's URL.
     """
     if cache_mode == "none":
         return load_manifest(storage)
@@ -724,6 +726,7 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode
     directory = os.path.join(root, dataset_cache_key(storage.url))
     private_tree(root, directory)  # the record below is trusted instead of a hash: nobody else may write it
     local = storage if storage.is_local else Storage(directory)
+    index_copy = os.path.join(directory, INDEX_NAME)
     record_path = os.path.join(directory, MANIFEST_NAME + ".record")
     record = _read_record(record_path, identity)
     if record is None:
@@ -736,7 +739,8 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode
         finally:
             os.close(fd)  # releases the lock
     size, digest, checked_index = record
-    return load_manifest(local, display_url=url, known_digest=(size, digest), checked_index=checked_index)
+    return load_manifest(local, display_url=url, known_digest=(size, digest), index_copy=index_copy,
+                         checked_index=checked_index)
 
 
 def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, identity: str,
@@ -744,22 +748,26 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
     """The node's first process: download, hash and fully check the manifest, then record it."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record_path)  # the copies below are being replaced: invalid until rewritten
-    if not storage.is_local:
-        # Both GETs at once: one round trip less before the first batch. Both start after the HEAD that
-        # gave `identity`, so the JSON recorded under it is that version or a newer one (which the next
-        # HEAD sees as a change), never an older one; the index records the JSON it was built for and is
-        # checked against it, so it may come from any moment.
-        with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
-            index = pool.submit(_download_atomic, storage, INDEX_NAME, directory)
+    # The JSON (remote datasets; a local one is read in place) and the index at once: one round trip less
+    # before the first batch. Both start after the HEAD that gave `identity`, so the JSON recorded under
+    # it is that version or a newer one (which the next HEAD sees as a change), never an older one; the
+    # index records the JSON it was built for and is checked against it, so it may come from any moment.
+    # A process still reading the previous index copy keeps its mapping of that file: the rename gives
+    # this one a new inode.
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
+        index = pool.submit(_download_atomic, storage, INDEX_NAME, directory)
+        if not storage.is_local:
             _download_atomic(storage, MANIFEST_NAME, directory)
-            try:
-                index.result()  # one GET, not a HEAD and a LIST to ask first
-            except FileNotFoundError:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, INDEX_NAME))
-        logger.debug("fetched %s into the node cache %s", storage.url_of(MANIFEST_NAME), directory)
-    manifest, (size, digest) = load_manifest_and_digest(local, display_url=storage.url_of(MANIFEST_NAME))
-    _write_atomic(record_path, json.dumps([identity, size, digest, index_stamp(local)]))
+        try:
+            index.result()  # one GET, not a HEAD and a LIST to ask first
+        except FileNotFoundError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, INDEX_NAME))
+    logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
+                 "copied" if not storage.is_local else "read in place", directory)
+    manifest, (size, digest), checked_index = load_manifest_and_digest(
+        local, display_url=storage.url_of(MANIFEST_NAME), index_copy=os.path.join(directory, INDEX_NAME))
+    _write_atomic(record_path, json.dumps([identity, size, digest, checked_index]))
     return manifest
 
 

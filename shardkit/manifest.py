@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -22,7 +21,7 @@ import numpy as np
 
 from shardkit.errors import ManifestError
 from shardkit.names import check_relative_name
-from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, read_index_file
+from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, file_sha256, map_index_file
 from shardkit.storage import Storage, http_answer
 
 logger = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ MIN_ARROW_SAMPLE_RAW_BYTES = 4
 MAX_TOTAL = 2**62
 _TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 _DIGEST_CHUNK = 1 << 24  # per ranged read of a remote JSON
-_LOCAL_DIGEST_CHUNK = 1 << 20
 # From this many shards the build writes the binary index (JSON parsing costs ~20 us per shard).
 INDEX_MIN_SHARDS = 10_000
 
@@ -450,7 +448,7 @@ def check_counts(manifest: Manifest, *, source: str) -> None:
 
 def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None = None, *,
                   display_url: str | None = None, known_digest: tuple[int, str] | None = None,
-                  checked_index: str | None = None) -> Manifest:
+                  index_copy: str | None = None, checked_index: str | None = None) -> Manifest:
     """Read and validate the manifest of the dataset at `source` (a URL or a `Storage`).
 
     When the build wrote a binary index (`shardkit.index`) and it records this very JSON (size and
@@ -462,27 +460,32 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
         display_url: the URL that errors name (e.g. the store's, when `source` is a local copy).
         known_digest: the JSON's (size, SHA-256) when the caller has already computed it for this
             very file (the node cache does, once per node), so it is not read again.
-        checked_index: `index_stamp` of a local index file whose names this node has already checked
-            (the node cache's record): the name checks are skipped while the file is that one.
+        index_copy: a local copy of the dataset's index that nothing rewrites in place (the node
+            cache's private one), memory-mapped instead of read (`map_index_file`); without it the
+            dataset's own index is read whole.
+        checked_index: `file_stamp` of `index_copy` when this node has already checked that very file
+            (checksum and names: the node cache's record), so those checks are not repeated.
     """
     storage = source if isinstance(source, Storage) else Storage(source, storage_options)
-    return _load(storage, display_url, known_digest, checked_index, with_digest=False)[0]
+    return _load(storage, display_url, known_digest, index_copy, checked_index, with_digest=False)[0]
 
 
-def load_manifest_and_digest(storage: Storage, *, display_url: str | None = None) -> tuple[Manifest, tuple[int, str]]:
-    """`load_manifest`, and the JSON's (size, SHA-256), which the node cache records once per node.
+def load_manifest_and_digest(storage: Storage, *, display_url: str | None = None, index_copy: str | None = None
+                             ) -> tuple[Manifest, tuple[int, str], str | None]:
+    """`load_manifest`, the JSON's (size, SHA-256) and the stamp of `index_copy` when the manifest was
+    read from it (every check passed: what the node cache records once per node), else None.
 
     The JSON is hashed while the index is decoded and checked (hashlib and file reads release the
     GIL), or from the very bytes that are parsed when there is no usable index: never read twice.
     """
-    return _load(storage, display_url, None, None, with_digest=True)
+    return _load(storage, display_url, None, index_copy, None, with_digest=True)
 
 
-def _load(storage: Storage, display_url: str | None, known_digest: tuple[int, str] | None,
-          checked_index: str | None, *, with_digest: bool) -> tuple[Manifest, tuple[int, str] | None]:
+def _load(storage: Storage, display_url: str | None, known_digest: tuple[int, str] | None, index_copy: str | None,
+          checked_index: str | None, *, with_digest: bool) -> tuple[Manifest, tuple[int, str] | None, str | None]:
     url = display_url or storage.url_of(MANIFEST_NAME)
     try:
-        loaded = _load_indexed(storage, url, known_digest, checked_index)
+        loaded = _load_indexed(storage, url, known_digest, index_copy, checked_index)
         if loaded is not None:
             return loaded
         text = storage.read_bytes(MANIFEST_NAME)
@@ -491,21 +494,19 @@ def _load(storage: Storage, display_url: str | None, known_digest: tuple[int, st
         raise ManifestError(f"no dataset at {where}: {MANIFEST_NAME} not found "
                             f"(was the build interrupted before it finished?){http_answer(err)}") from err
     digest = (len(text), hashlib.sha256(text).hexdigest()) if with_digest else None
-    return Manifest.from_json(text, source=url), digest
+    return Manifest.from_json(text, source=url), digest, None
 
 
-def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | None,
-                  checked_index: str | None) -> tuple[Manifest, tuple[int, str]] | None:
-    """The manifest from its binary index and the JSON's (size, SHA-256), or None when there is no
-    usable index for this JSON."""
+def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | None, index_copy: str | None,
+                  checked_index: str | None) -> tuple[Manifest, tuple[int, str], str | None] | None:
+    """The manifest from its binary index, the JSON's (size, SHA-256) and the stamp of `index_copy`
+    (None when the index was read from `storage`), or None when there is no usable index for this JSON."""
     # One read that may find nothing, not an existence check first: on an object store `exists` costs
     # a HEAD and a LIST for a missing key, on every open of every dataset without an index.
     index_url = url[:-len(MANIFEST_NAME)] + INDEX_NAME if url.endswith(MANIFEST_NAME) else INDEX_NAME
     try:
-        # A local file (the node cache's copy) is read in two buffers, columns and names, so the
-        # names need no copy of their own (25 MB at a million shards).
-        if storage.is_local:
-            index_file, index_bytes = open(storage.path(INDEX_NAME), "rb"), None
+        if index_copy is not None:
+            index_file, index_bytes = open(index_copy, "rb"), None
         else:
             index_file, index_bytes = contextlib.nullcontext(), storage.read_bytes(INDEX_NAME)
     except (FileNotFoundError, IsADirectoryError):
@@ -516,16 +517,16 @@ def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | No
         pending = None if known_digest else pool.submit(json_digest, storage)
         try:
             if index_bytes is None:
-                header, shards = read_index_file(index_file, source=index_url)
+                header, shards, stamp = map_index_file(index_file, source=index_url, checked_stamp=checked_index)
             else:
-                header, shards = decode_index(index_bytes, source=index_url)
+                (header, shards), stamp = decode_index(index_bytes, source=index_url), None
             if _nesting_depth(header) > MAX_NESTING:
                 raise ManifestError(f"{index_url}: header nested more than {MAX_NESTING} levels deep")
         except ManifestError as err:
             logger.warning("%s; reading %s instead", err, url)
             return None
         problem = None
-        if checked_index is None or checked_index != index_stamp(storage):
+        if stamp is None or stamp != checked_index:
             try:
                 shards.check(source=url)
             except ManifestError as err:
@@ -538,32 +539,17 @@ def _load_indexed(storage: Storage, url: str, known_digest: tuple[int, str] | No
         return None
     if problem is not None:
         raise problem
-    return Manifest._from_fields(header, shards, source=url), (size, digest)
-
-
-def index_stamp(storage: Storage) -> str | None:
-    """Identity of a local dataset's index file (size, mtime, inode), None when it has none."""
-    if not storage.is_local:
-        return None
-    try:
-        st = os.stat(storage.path(INDEX_NAME))
-    except FileNotFoundError:
-        return None
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return Manifest._from_fields(header, shards, source=url), (size, digest), stamp
 
 
 def json_digest(storage: Storage) -> tuple[int, str]:
     """(size, SHA-256) of the manifest JSON, read in pieces (bounded memory)."""
-    digest, size = hashlib.sha256(), 0
     if storage.is_local:
         # One small buffer, refilled: this runs beside the index checks, whose peak memory it adds to.
-        buffer = bytearray(_LOCAL_DIGEST_CHUNK)
-        view = memoryview(buffer)
         with open(storage.path(MANIFEST_NAME), "rb", buffering=0) as fh:
-            while count := fh.readinto(buffer):
-                digest.update(view[:count])
-                size += count
-        return size, digest.hexdigest()
+            digest = file_sha256(fh)
+            return fh.tell(), digest.hexdigest()
+    digest, size = hashlib.sha256(), 0
     total = storage.size(MANIFEST_NAME)
     for start in range(0, total, _DIGEST_CHUNK):
         chunk = storage.read_range(MANIFEST_NAME, start, min(start + _DIGEST_CHUNK, total))

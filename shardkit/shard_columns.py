@@ -8,6 +8,11 @@ column at a time, and creates a `ShardInfo` only for a shard it actually touches
 source of truth: the index records the JSON's size and SHA-256, and a reader uses the index only
 when the JSON it has matches them (see `shardkit.manifest.load_manifest`).
 
+The node cache's private copy of the index is memory-mapped (`map_index_file`) rather than read: the
+columns are then the file's pages in the page cache, one copy shared by every process of the node,
+and each process touches only the pages it uses (a rank reads the counts up front, a shard's name and
+SHA-256 when it reads that shard), instead of holding ~100 MB of private memory at a million shards.
+
 Layout (little-endian; docs/FORMAT.md section "Binary index"):
 `SKINDEX1` | u64 header length | header (UTF-8 JSON) | zero padding to 8 bytes |
 samples, tokens, compressed_bytes, raw_bytes: i64[N] each | name offsets i64[N+1] |
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
@@ -36,18 +42,21 @@ COUNT_FIELDS = ("samples", "tokens", "compressed_bytes", "raw_bytes")
 # Any of these inside a name marks it unsafe (see names.py): a NUL, an empty, '.' or '..' component,
 # a backslash, a URL scheme. The ends of names (leading '/', "./", drive letters...) are checked apart.
 _UNSAFE_PARTS = (b"\x00", b"//", b"/./", b"/../", b"\\", b"://")
-_HASH_CHUNK = 1 << 17
-MAX_NAME_BYTES = 1024  # S3's limit for a whole key; also bounds the name-hashing loop  # names hashed this many at a time (bounds the temporary byte matrix)
+_HASH_CHUNK = 1 << 17  # names hashed or compared this many at a time (bounds the temporary arrays)
+_SCAN_BYTES = 1 << 20  # bytes of names searched at a time for unsafe parts (bounds the copy searched)
+_READ_BYTES = 1 << 20  # per read while hashing a file
+MAX_NAME_BYTES = 1024  # S3's limit for a whole key; also bounds the name-hashing loop
 
 
 class ShardColumns(Sequence):
     """The shards of a manifest, one numpy array per field; `ShardInfo` objects made on access.
 
-    Built by `from_shards` (a list of `ShardInfo`) or `decode_index`; compares equal to the tuple of
-    the same shards, so a manifest read through the index equals the one the build wrote.
+    Built by `from_shards` (a list of `ShardInfo`), `decode_index` or `map_index_file`; compares equal to
+    the tuple of the same shards, so a manifest read through the index equals the one the build wrote.
+    `names` is the shards' names concatenated: bytes, or a read-only view of the index that holds them.
     """
 
-    def __init__(self, *, names: bytes, name_offsets: np.ndarray, sha256: np.ndarray,
+    def __init__(self, *, names: bytes | memoryview, name_offsets: np.ndarray, sha256: np.ndarray,
                  has_doc_boundaries: np.ndarray, block_index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                  **counts: np.ndarray):
         self.names = names
@@ -89,15 +98,22 @@ class ShardColumns(Sequence):
         return len(self.samples)
 
     def name(self, index: int) -> str:
-        return self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode()
+        return str(self.names[self.name_offsets[index]:self.name_offsets[index + 1]], "utf-8")
 
     def find(self, name: str) -> int | None:
-        """Index of the shard called `name`, or None (a byte search, no per-shard strings)."""
-        target, at = name.encode(), -1
-        while (at := self.names.find(target, at + 1)) >= 0:
-            i = int(np.searchsorted(self.name_offsets, at, side="right")) - 1
-            if self.name_offsets[i] == at and self.name_offsets[i + 1] == at + len(target):
-                return i
+        """Index of the shard called `name`, or None. Only names of its length are compared (8 bytes
+        at a time, no per-shard strings), so a name no shard's length matches reads no name at all."""
+        target = name.encode()
+        words, wanted = _NameWords(self.names), _NameWords(target)
+        whole = (np.zeros(1, dtype=np.int64), np.array([len(target)], dtype=np.int64))
+        for first in range(0, len(self), _HASH_CHUNK):
+            offsets = self.name_offsets[first:first + _HASH_CHUNK + 1]
+            starts, lengths = offsets[:-1], np.diff(offsets)
+            same = np.flatnonzero(lengths == len(target))
+            for k in range(0, len(target), 8):
+                same = same[words.at(starts[same], lengths[same], k) == wanted.at(*whole, k)]
+            if same.size:
+                return first + int(same[0])
         return None
 
     def __getitem__(self, index):
@@ -133,6 +149,11 @@ class ShardColumns(Sequence):
 
     __hash__ = None  # mutable arrays inside: like a list, not hashable
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A view of a mapped index cannot be pickled: another process gets the names as bytes (and the
+        # arrays, as numpy pickles them, as copies).
+        return dict(self.__dict__, names=bytes(self.names))
+
     def __repr__(self) -> str:
         return f"ShardColumns({len(self)} shards)"
 
@@ -151,8 +172,9 @@ class ShardColumns(Sequence):
                 raise ManifestError(f"{source}: shard {self.name(int(bad[0]))}: index_offset and index_bytes must "
                                     "both be non-negative, or both absent")
         try:
-            if not self.names.isascii():  # ASCII (every name a build writes) is valid UTF-8: no 25 MB str
-                self.names.decode()
+            names = np.frombuffer(self.names, dtype=np.uint8)
+            if names.size and names.max() >= 0x80:  # ASCII (every name a build writes) is UTF-8: no 25 MB str
+                str(self.names, "utf-8")
         except UnicodeDecodeError as err:
             raise ManifestError(f"{source}: a shard name is not valid UTF-8 ({err})") from None
         self._check_names(source)
@@ -166,19 +188,22 @@ class ShardColumns(Sequence):
         bad = np.flatnonzero(lengths > MAX_NAME_BYTES)
         if bad.size:
             raise ManifestError(f"{source}: shard {int(bad[0])}'s name is longer than {MAX_NAME_BYTES} bytes")
-        # C-speed substring searches over the concatenated names instead of a Python call per name. A
-        # hit is checked exactly on the names it touches (one that spans two names, "a" + "//b", is
-        # judged by those names), then the first and last bytes of every name are checked at once.
-        blob = self.names
-        for part in _UNSAFE_PARTS:
-            at = blob.find(part)
-            while at >= 0:
-                first = int(np.searchsorted(self.name_offsets, at, side="right")) - 1
-                last = int(np.searchsorted(self.name_offsets, at + len(part) - 1, side="right")) - 1
-                for index in range(first, last + 1):
-                    self._check_one(index, source)
-                at = blob.find(part, at + 1)
-        data = np.frombuffer(blob, dtype=np.uint8)
+        # C-speed substring searches over the concatenated names (a bytes copy of a window at a time:
+        # the names may be a view of a mapped file) instead of a Python call per name. A hit is checked
+        # exactly on the names it touches (one that spans two names, "a" + "//b", is judged by those
+        # names), then the first and last bytes of every name are checked at once.
+        longest = max(len(part) for part in _UNSAFE_PARTS)
+        for lo in range(0, len(self.names), _SCAN_BYTES):
+            window = bytes(self.names[lo:lo + _SCAN_BYTES + longest - 1])  # parts that start in this chunk
+            for part in _UNSAFE_PARTS:
+                at = window.find(part)
+                while 0 <= at < _SCAN_BYTES:
+                    first = int(np.searchsorted(self.name_offsets, lo + at, side="right")) - 1
+                    last = int(np.searchsorted(self.name_offsets, lo + at + len(part) - 1, side="right")) - 1
+                    for index in range(first, last + 1):
+                        self._check_one(index, source)
+                    at = window.find(part, at + 1)
+        data = np.frombuffer(self.names, dtype=np.uint8)
         for lo in range(0, len(self), _HASH_CHUNK):  # a chunk of names at a time: small temporaries
             bad = _bad_ends(data, self.name_offsets[lo:lo + _HASH_CHUNK + 1])
             for index in np.flatnonzero(bad)[:1].tolist():
@@ -202,7 +227,7 @@ class ShardColumns(Sequence):
         return True
 
     def _check_one(self, index: int, source: str) -> None:
-        name = self.names[self.name_offsets[index]:self.name_offsets[index + 1]].decode(errors="replace")
+        name = str(self.names[self.name_offsets[index]:self.name_offsets[index + 1]], "utf-8", errors="replace")
         try:
             check_relative_name(name, what="shard name")
         except ValueError as err:
@@ -268,9 +293,9 @@ def _bad_ends(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 class _NameWords:
     """Bytes k..k+7 of many names at once, as little-endian uint64 (0 past a name's end)."""
 
-    def __init__(self, names: bytes):
+    def __init__(self, names: bytes | memoryview):
         if len(names) < 8:  # too short for one 8-byte window: pad a copy (at most 7 bytes)
-            names += bytes(8)
+            names = bytes(names) + bytes(8)
         self.size = len(names)
         # A uint64 view starting at every byte (`size - 7` of them): no copy.
         self.windows = np.ndarray(shape=(self.size - 7,), dtype="<u8", buffer=names, strides=(1,))
@@ -303,34 +328,70 @@ def encode_index(header: dict[str, Any], shards: ShardColumns, *, json_bytes: by
 
 
 def decode_index(data: bytes, *, source: str) -> tuple[dict[str, Any], ShardColumns]:
-    """(header, shards) of an index held whole in `data`; the header's "index" entry holds the JSON's
-    size and SHA-256.
+    """(header, shards) of an index held whole in `data` (the columns and names view it: no copy);
+    the header's "index" entry holds the JSON's size and SHA-256.
 
     Raises:
         ManifestError: the bytes are not a complete, self-consistent index (naming `source`).
     """
-    _, names_start = _index_header(data, source=source)
-    if names_start > len(data) - 32:
+    view = memoryview(data)
+    header, names_start = _index_header(view, source=source)
+    if names_start > len(view) - 32:
         raise ManifestError(f"{source}: index too short for its shards")
-    return decode_index_parts(data, bytes(memoryview(data)[names_start:-32]), data[-32:], source=source)
+    if hashlib.sha256(view[:-32]).digest() != view[-32:]:
+        raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
+    return header, _columns(view, header, names_start, source=source)
 
 
-def read_index_file(fh: BinaryIO, *, source: str) -> tuple[dict[str, Any], ShardColumns]:
-    """`decode_index` of an open local index file, read so that the names are a bytes object of
-    their own (the columns view one buffer, the names another: no copy of either)."""
-    size = os.fstat(fh.fileno()).st_size
-    head = fh.read(16)
-    if len(head) == 16 and head[:8] == INDEX_MAGIC:
-        head += fh.read(int(np.frombuffer(head, dtype="<u8", count=1, offset=8)[0]))
-    _, names_start = _index_header(head, source=source)
-    if names_start > size - 32:
+def map_index_file(fh: BinaryIO, *, source: str, checked_stamp: str | None = None
+                   ) -> tuple[dict[str, Any], ShardColumns, str]:
+    """(header, shards, stamp) of an open local index file, memory-mapped (module docstring).
+
+    Only for a file that is never rewritten in place, such as the node cache's private copy, which is
+    replaced by rename only: a mapping keeps the file it was made from (a rename gives the new file a
+    new inode), but bytes written into that very file would change columns already checked, and
+    truncating it would kill the reader (SIGBUS). The checksum is computed by reading the file, not
+    through the mapping, so checking it adds no resident pages; it is skipped when `checked_stamp` is
+    this file's `file_stamp` (the node's first process verified this very file).
+
+    Raises:
+        ManifestError: the file is not a complete, self-consistent index (naming `source`).
+    """
+    st = os.fstat(fh.fileno())
+    stamp = file_stamp(st)
+    if st.st_size < 16:  # also what mmap refuses: an empty file
+        raise ManifestError(f"{source}: not a shardkit index")
+    view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+    header, names_start = _index_header(view, source=source)
+    if names_start > len(view) - 32:
         raise ManifestError(f"{source}: index too short for its shards")
-    fh.seek(0)
-    columns, names, digest = fh.read(names_start), fh.read(size - 32 - names_start), fh.read()
-    return decode_index_parts(columns, names, digest, source=source)
+    if stamp != checked_stamp:
+        fh.seek(0)
+        if file_sha256(fh, len(view) - 32).digest() != view[-32:]:
+            raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
+    return header, _columns(view, header, names_start, source=source), stamp
 
 
-def _index_header(data: bytes, *, source: str) -> tuple[dict[str, Any], int]:
+def file_stamp(st: os.stat_result) -> str:
+    """What identifies one version of a local file: size, modification time and inode."""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def file_sha256(fh: BinaryIO, size: int | None = None) -> Any:
+    """The SHA-256 object of the next `size` bytes of `fh` (all of it when None), read into one small
+    buffer, refilled: bounded memory whatever the file's size."""
+    digest, buffer = hashlib.sha256(), bytearray(_READ_BYTES)
+    view, left = memoryview(buffer), size
+    while left is None or left > 0:
+        count = fh.readinto(view if left is None else view[:min(left, _READ_BYTES)])
+        if not count:
+            break
+        digest.update(view[:count])
+        left = None if left is None else left - count
+    return digest
+
+
+def _index_header(data: bytes | memoryview, *, source: str) -> tuple[dict[str, Any], int]:
     """(header, offset of the names) from the first bytes of an index (magic, length, header)."""
     if len(data) < 16 or data[:8] != INDEX_MAGIC:
         raise ManifestError(f"{source}: not a shardkit index")
@@ -351,28 +412,15 @@ def _index_header(data: bytes, *, source: str) -> tuple[dict[str, Any], int]:
     return header, names_start
 
 
-def decode_index_parts(data: bytes, names: bytes, digest: bytes, *,
-                       source: str) -> tuple[dict[str, Any], ShardColumns]:
-    """(header, shards) of an index given as its bytes up to the names (`data`: more is ignored),
-    the names and the final SHA-256 (which covers the first two).
-
-    Raises:
-        ManifestError: the bytes are not a complete, self-consistent index (naming `source`).
-    """
-    header, names_start = _index_header(data, source=source)
-    if len(data) < names_start:
-        raise ManifestError(f"{source}: index too short for {header['index']['shards']} shards")
-    checksum = hashlib.sha256(memoryview(data)[:names_start])
-    checksum.update(names)
-    if checksum.digest() != digest:
-        raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
+def _columns(view: memoryview, header: dict[str, Any], names_start: int, *, source: str) -> ShardColumns:
+    """The shards of a whole index (`view`, its checksum already checked): arrays that view it."""
     n = int(header["index"]["shards"])
-    head_len = int(np.frombuffer(data, dtype="<u8", count=1, offset=8)[0])
+    head_len = int(np.frombuffer(view, dtype="<u8", count=1, offset=8)[0])
     offset = 16 + head_len + (-head_len % 8)
 
     def take(dtype: str, count: int) -> np.ndarray:
         nonlocal offset
-        array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        array = np.frombuffer(view, dtype=dtype, count=count, offset=offset)
         offset += array.nbytes
         return array
 
@@ -383,9 +431,10 @@ def decode_index_parts(data: bytes, names: bytes, digest: bytes, *,
     if header["index"].get("block_index", False) is True:
         offset += -n % 8
         block_index = (take("<i8", n), take("<i8", n), take("u1", 32 * n).reshape(n, 32))
-    if name_offsets[0] != 0 or name_offsets[-1] != len(names) or np.any(np.diff(name_offsets) < 0):
+    names = view[names_start:len(view) - 32]
+    if name_offsets[0] != 0 or name_offsets[-1] != len(names) or np.any(name_offsets[1:] < name_offsets[:-1]):
         raise ManifestError(f"{source}: index name offsets are inconsistent")
     if np.any(docs > 1):
         raise ManifestError(f"{source}: index has_doc_boundaries values must be 0 or 1")
-    return header, ShardColumns(names=names, name_offsets=name_offsets, sha256=sha,
-                                has_doc_boundaries=docs.view(bool), block_index=block_index, **counts)
+    return ShardColumns(names=names, name_offsets=name_offsets, sha256=sha, has_doc_boundaries=docs.view(bool),
+                        block_index=block_index, **counts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import time
 import tracemalloc
 from pathlib import Path
@@ -23,6 +24,8 @@ from shardkit.loaders.partition import worker_step_chunks
 from shardkit.manifest import (
     INDEX_NAME,
     MANIFEST_NAME,
+    Manifest,
+    TokenizerInfo,
     json_digest,
     load_manifest,
     load_manifest_and_digest,
@@ -138,7 +141,7 @@ def test_index_names_are_checked_column_wise(indexed, bad, match, chunk, monkeyp
         load_manifest(url)
     # The node cache skips the checks only for the very index file it checked, never for another one...
     with pytest.raises(ManifestError, match=match):
-        load_manifest(url, checked_index="1:2:3")
+        load_manifest(url, index_copy=storage.path(INDEX_NAME), checked_index="1:2:3")
     # ...and a remote index (which has no stamp) is always checked.
     with pytest.raises(ManifestError, match=match):
         load_manifest(_copy_to_memory(storage, f"names-{abs(hash(bad))}"))
@@ -192,6 +195,18 @@ def test_duplicate_names_are_found_whatever_their_bytes(names, twice, chunk, mon
         with pytest.raises(ManifestError, match="names the same shard twice") as caught:
             columns.check(source="m")
         assert repr(twice) in str(caught.value)
+
+
+@pytest.mark.parametrize("scan", [3, 4, 5])
+@pytest.mark.parametrize("shift", range(5))
+@pytest.mark.parametrize("unsafe", ["a/../b.tar", "s3://b.tar", "a//b.tar"])
+def test_unsafe_parts_are_found_across_the_edges_of_the_searched_windows(scan, shift, unsafe, monkeypatch):
+    from shardkit import shard_columns
+
+    monkeypatch.setattr(shard_columns, "_SCAN_BYTES", scan)  # names searched a few bytes at a time
+    columns = _columns_named(["ok.tar", "x" * shift + unsafe])  # the part at every offset in a window
+    with pytest.raises(ManifestError, match="component|scheme"):
+        columns.check(source="test")
 
 
 def test_names_numbered_in_order_need_no_hashing():
@@ -302,10 +317,11 @@ def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkey
 def test_the_node_record_holds_the_digest_of_the_json(indexed, index):
     url, manifest = indexed
     write_manifest(Storage(url), manifest, index=index)
-    loaded, digest = load_manifest_and_digest(Storage(url))
+    loaded, digest, checked_index = load_manifest_and_digest(Storage(url))
     text = (Path(url) / MANIFEST_NAME).read_bytes()
     assert loaded == manifest and isinstance(loaded.shards, ShardColumns) == index
     assert digest == (len(text), hashlib.sha256(text).hexdigest())
+    assert checked_index is None  # the dataset's own index, read whole: nothing for the node to record
 
 
 def test_prefetch_starts_at_a_node_dependent_offset():
@@ -319,3 +335,75 @@ def test_prefetch_starts_at_a_node_dependent_offset():
     for node in range(16):  # each still asks for every shard once, its local rank's own first
         order = prefetch_order(shards, Topology(rank=node * 2 + 1, world_size=32, local_rank=1, local_world_size=2))
         assert sorted(order) == shards and all(s % 2 == 1 for s in order[:20])
+
+
+def _many_shards(url: str, n: int, per_shard: int = 4) -> Manifest:
+    """An indexed manifest of `n` shards (no shard files: nothing here reads one), made as columns."""
+    names = b"".join(f"shards/shard-{i:07d}.tar".encode() for i in range(n))
+    samples = np.full(n, per_shard, dtype=np.int64)
+    manifest = Manifest(shard_format="tar", token_dtype="uint16", seq_len=8, packing="concat",
+                        tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=256), shards=ShardColumns(
+                            names=names, name_offsets=np.arange(n + 1, dtype=np.int64) * 24,
+                            sha256=np.random.default_rng(0).integers(0, 256, (n, 32), dtype=np.uint8),
+                            has_doc_boundaries=np.zeros(n, dtype=bool), samples=samples, tokens=samples * 9,
+                            compressed_bytes=samples * 100, raw_bytes=samples * 100))
+    write_manifest(Storage(url), manifest, index=True)
+    return manifest
+
+
+def test_later_processes_map_the_node_copy_of_the_index_instead_of_reading_it(tmp_path):
+    from shardkit.loaders.cache import fetch_manifest
+
+    url, node = str(tmp_path / "ds"), str(tmp_path / "node")
+    manifest = _many_shards(url, 40_000)
+    index_bytes = (Path(url) / INDEX_NAME).stat().st_size  # ~3.9 MB
+    fetch_manifest(Storage(url), node)  # the node's first process: copies, checks and records the index
+    tracemalloc.start()
+    try:
+        later = fetch_manifest(Storage(url), node)
+        allocated = tracemalloc.get_traced_memory()[1]  # numpy and bytes buffers are traced, a mapping is not
+    finally:
+        tracemalloc.stop()
+    assert later == manifest and isinstance(later.shards, ShardColumns)
+    # Reading the index into memory allocates all of it; the mapped columns allocate only the checks'
+    # temporaries (a 1 MB chunk of names at most, the count checks' int64 arrays).
+    assert allocated < index_bytes / 3, (allocated, index_bytes)
+    maps = Path("/proc/self/maps").read_text()
+    copies = [line.split()[-1] for line in maps.splitlines() if line.endswith(INDEX_NAME)]
+    # The node's private copy is mapped, never the dataset's own file (which someone may rewrite in place).
+    assert copies and all(path.startswith(node) for path in copies), copies
+
+
+def test_an_index_copy_replaced_under_a_live_mapping_leaves_it_intact(tmp_path):
+    from shardkit.loaders.cache import fetch_manifest
+
+    url, node = str(tmp_path / "ds"), str(tmp_path / "node")
+    old = _many_shards(url, 20_000)
+    held = fetch_manifest(Storage(url), node)  # a rank that keeps its manifest while the dataset changes
+    expected = [(s.name, s.sha256, s.samples) for s in old.shards[::997]]
+    new = _many_shards(url, 30_000, per_shard=5)  # rebuilt: new JSON and index (written by rename)
+    assert fetch_manifest(Storage(url), node) == new  # the node's copy is replaced under the live mapping
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert any(line.endswith(f"{INDEX_NAME} (deleted)") for line in maps)  # the old copy: unlinked, still mapped
+    assert len(held.shards) == 20_000
+    assert [(s.name, s.sha256, s.samples) for s in held.shards[::997]] == expected
+    assert held.columns.samples.sum() == old.columns.samples.sum()
+    assert pickle.loads(pickle.dumps(held)) == old  # a mapped manifest still pickles (as copies)
+
+
+def test_a_damaged_index_copy_is_never_trusted_by_the_node(indexed, tmp_path, caplog):
+    from shardkit.loaders.cache import fetch_manifest
+
+    url, manifest = indexed
+    storage, node = Storage(url), str(tmp_path / "node")
+    data = bytearray(storage.read_bytes(INDEX_NAME))
+    data[len(data) - 60] ^= 1  # a name's byte: the header (and its binding to the JSON) stays intact
+    storage.write_bytes(INDEX_NAME, bytes(data))
+    for process in ("first", "later"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardkit.manifest"):
+            loaded = fetch_manifest(storage, node)
+        # The first process's checks failed, so the node's record vouches for no index: a later process
+        # checks the copy again rather than trusting it, and both read the JSON.
+        assert loaded == manifest and not isinstance(loaded.shards, ShardColumns), process
+        assert "checksum mismatch" in caplog.text, process
