@@ -18,7 +18,10 @@ s3rver, where installed: moto reads the whole object for every ranged GET, s3rve
 starts from a fresh cache directory and makes one pass with 0 workers: time to first batch (dataset
 construction included) and samples/s over the whole pass, beside the single-thread zstd limit: the time
 to decompress every zstd frame of the same shards from memory, in this run. Also: resume at 50% of the
-epoch on a fresh node (empty cache). Medians of --runs runs.
+epoch on a fresh node (empty cache). Medians of --runs runs. The peers that are installed (LitData, no
+compression and zstd; MosaicML Streaming, MDS zstd: benchmarks/peers.py) make the same cold pass over the
+same samples, locally and from the same moto server, and the table shows shardkit's rows against them
+and against the issue's goal, twice LitData's samples/s.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (the cold mode's peers)
 
 SEQ = 2048
 VOCAB = 50257
@@ -507,6 +514,8 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
     for fmt in ("tar", "arrow"):
         for version, mode in COLD_CONFIGS:
             record("local", fmt, version, mode, cold_pass(urls[fmt, version], batch, runs, cache_mode=mode))
+    peer_data = peers.build_peers(data_dir, flat, samples, SEQ + 1, args.shard_mb * 2**20)
+    peer_rows = peers.measure_peers(peer_data, "local", samples, batch, runs)
     resume = {}
     for fmt in ("tar", "arrow"):
         for version, mode in ((1, "decoded"), (2, "decoded"), (2, "none")):
@@ -531,10 +540,12 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
                     resume[f"moto S3, {fmt} v{version}, cache_mode=decoded"] = row
                     print(f"  resume at 50% on a fresh node, moto S3, {fmt} v{version}: {row['first_batch_s']:.3f} s",
                           flush=True)
+            peer_rows |= peers.measure_peers(peer_data, "moto S3", samples, batch, runs, moto=moto)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "note": "shared 2-core machine"},
             "data": {"samples": samples, "tokens_per_sample": SEQ + 1, "token_dtype": "uint16", "batch": batch,
                      "shard_mb": args.shard_mb, "runs": runs, "workers": 0},
-            "zstd_limit": limits, "sha256_limit": hash_limits, "cold": rows, "cold_resume_50pct": resume}
+            "zstd_limit": limits, "sha256_limit": hash_limits, "cold": rows, "cold_resume_50pct": resume,
+            "peers": peer_rows}
 
 
 def print_cold(result: dict) -> None:
@@ -552,6 +563,7 @@ def print_cold(result: dict) -> None:
     print(f"\n{'resume at 50% on a fresh node':<56} {'first batch s':>13}")
     for name, row in result["cold_resume_50pct"].items():
         print(f"{name:<56} {row['first_batch_s']:>13.3f}")
+    peers.print_peers(result)
 
 
 def main() -> None:
@@ -568,7 +580,8 @@ def main() -> None:
                         help="s3rver executable (npm install s3rver): cold mode adds rows from it, an S3 server that "
                         "serves a range in proportion to its length (moto reads the whole object for each range)")
     parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
-                        "v1 vs v2 and each cache_mode, local and moto S3, and resume on a fresh node")
+                        "v1 vs v2 and each cache_mode, local and moto S3, resume on a fresh node, and the "
+                        "installed peers (benchmarks/peers.py)")
     args = parser.parse_args()
     if args.cold:
         result = cold_benchmark(args)
