@@ -540,7 +540,7 @@ def cold_benchmark(args: argparse.Namespace) -> dict:
                     resume[f"moto S3, {fmt} v{version}, cache_mode=decoded"] = row
                     print(f"  resume at 50% on a fresh node, moto S3, {fmt} v{version}: {row['first_batch_s']:.3f} s",
                           flush=True)
-            peer_rows |= peers.measure_peers(peer_data, "moto S3", samples, batch, runs, moto=moto)
+            peer_rows |= peers.measure_peers(peer_data, where, samples, batch, runs, server=server)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "note": "shared 2-core machine"},
             "data": {"samples": samples, "tokens_per_sample": SEQ + 1, "token_dtype": "uint16", "batch": batch,
                      "shard_mb": args.shard_mb, "runs": runs, "workers": 0},

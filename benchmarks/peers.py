@@ -21,6 +21,7 @@ stand-in package in the venv with `torchvision.datasets.VisionDataset` and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -152,14 +153,20 @@ def build_peers(data_dir: Path, flat: Path, samples: int, seq: int, chunk_bytes:
 
 
 def measure_peers(peers: dict[str, tuple], where: str, samples: int, batch: int, runs: int,
-                  moto=None) -> dict[str, dict]:
-    """One row per peer, read locally or (with `moto`, bench_loader.MotoServer) from its S3 endpoint."""
+                  server=None) -> dict[str, dict]:
+    """One row per peer, read locally or (with `server`, bench_loader's MotoServer or S3rverServer) from
+    its S3 endpoint."""
     rows = {}
+    # The peers' S3 clients (boto3, obstore) take credentials from the environment: the server's own,
+    # where it checks them (s3rver), for the peers' passes only.
+    options = server.options if server is not None else {}
+    credentials = {"AWS_ACCESS_KEY_ID": options.get("key"), "AWS_SECRET_ACCESS_KEY": options.get("secret")}
     for label, (url, loader) in peers.items():
         endpoint = None
-        if moto is not None:
-            url, endpoint = moto.upload(url, Path(url).name), moto.options["endpoint_url"]
-        with warnings.catch_warnings():  # Streaming hands torch read-only arrays: one warning per process
+        if server is not None:
+            url, endpoint = server.upload(url, Path(url).name), options["endpoint_url"]
+        with warnings.catch_warnings(), environment(credentials):
+            # Streaming hands torch read-only arrays: one warning per process
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             row = peer_pass(loader(url, batch, endpoint), samples, runs)
         rows[f"{where}, {label}"] = row
@@ -169,6 +176,21 @@ def measure_peers(peers: dict[str, tuple], where: str, samples: int, batch: int,
     if best := [row["samples_per_s"] for label, row in rows.items() if ", LitData " in label]:
         rows[f"{where}, LitData x2 (the goal)"] = {"samples_per_s": 2 * max(best), "goal": True}
     return rows
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str | None]):
+    """Set the given environment variables (those not None) for the duration, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def exactness(row: dict) -> str:
