@@ -199,8 +199,14 @@ class CachedShard:
         return self.partial.request(local_samples)
 
     def close(self) -> None:
-        if self.partial is not None and self._cache.cache_mode == "none":
-            self.partial.cancel()  # nothing would keep the rest: stop fetching it
+        if self.partial is not None and not self.partial.complete:
+            if self._cache.cache_mode == "none":
+                self.partial.cancel()  # nothing would keep the rest: stop fetching it
+            else:
+                # A reader that stops early (an abandoned iterator, a first-batch check) may hold the node's
+                # download lock of the shard: finish and store it, or the node's readers would read it
+                # block by block in every epoch and no process of the node would ever store it.
+                self.partial.finish_in_background()
         if self._fd is not None:
             os.close(self._fd)  # releases the shared lock
             self._fd = None

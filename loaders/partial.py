@@ -326,6 +326,11 @@ class PartialShard:
         self._on_failure = on_failure
         self._wants_completion = True
 
+    def finish_in_background(self) -> None:
+        """Start the background completion now if this reader was to complete the shard (a reader that
+        stops before its second `ensure` must not leave the shard, and its node's download lock, unfinished)."""
+        self._start_completion()
+
     def _start_completion(self) -> None:
         with self._lock:
             if not self._wants_completion or self._completion is not None:

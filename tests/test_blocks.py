@@ -310,6 +310,31 @@ def test_a_completion_in_many_runs_reuses_its_buffer_without_mixing_blocks(tmp_p
         np.testing.assert_array_equal(handle.reader.sample(i).tokens, fixed_sample(i, SEQ + 1).tokens)
 
 
+def test_a_reader_that_stops_after_its_first_batch_still_stores_its_shards(tmp_path, cold_blocks):
+    """An iterator abandoned after one batch held the node's download lock of every shard it had opened,
+    with no completion started: no process of the node ever stored them, and every later pass read them
+    block by block (the warm benchmark ran at cold speed). Closing the handles now completes and stores
+    them, so the next pass on the node is warm: no ranged read, no download, every sample once."""
+    import gc
+
+    from shardkit.loaders.dataset import StreamingDataset
+
+    url, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    write_blocks(url, 480, per_shard=240)
+    first = StreamingDataset(url, cache_dir=cache, batch_size=4, shuffle_window=400)
+    iterator = iter(first)
+    next(iterator)
+    del iterator  # abandoned, as by `next(iter(loader))`
+    gc.collect()
+    for shard_cache in first.caches:
+        shard_cache.drain(30)
+    second = StreamingDataset(url, cache_dir=cache, batch_size=4, shuffle_window=400)
+    ids = np.concatenate([batch["sample_id"].numpy() for batch in second])
+    stats = second.caches[0].stats
+    assert (stats.range_reads, stats.downloads, stats.hits) == (0, 0, 2), stats
+    assert sorted(ids.tolist()) == list(range(480))
+
+
 def count_reads(monkeypatch) -> list[tuple[int, int]]:
     """Record the (start, end) of every ranged read of a shard, by either read path."""
     reads: list[tuple[int, int]] = []
