@@ -51,6 +51,7 @@ TARGETS: dict[str, tuple[str, str, list[str]]] = {
               ["tests/test_dataloader.py", "tests/test_dataloader_resume.py"]),
     "cache": ("loaders/cache.py", "shardkit.loaders.cache",
               ["tests/test_cache.py", "tests/test_cache_security.py", "tests/test_blocks.py", "tests/test_decoded.py"]),
+    "partial": ("loaders/partial.py", "shardkit.loaders.partial", ["tests/test_blocks.py"]),
     "manifest": ("shardkit/manifest.py", "shardkit.manifest",
                  ["tests/test_manifest.py", "tests/test_manifest_index.py"]),
     "packing": ("tools/packing.py", "shardkit.tools.packing", ["tests/test_packing.py"]),

@@ -335,6 +335,26 @@ def test_a_reader_that_stops_after_its_first_batch_still_stores_its_shards(tmp_p
     assert sorted(ids.tolist()) == list(range(480))
 
 
+def test_a_corrupt_block_refuses_the_whole_shard_for_every_later_read(tmp_path, cold_blocks):
+    """Once a block failed its check twice, the shard is refused: a later read of intact samples raises
+    too (the corruption stays reported), and the shard is never completed nor stored."""
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240)
+    shard = manifest.shards[0]
+    bad = block_index(url, shard).blocks[5]
+    flip_byte(url, shard.name, (bad.byte_start + bad.byte_end) // 2)
+    cache = cache_module.ShardCache(Storage(url), manifest, str(tmp_path / "cache"))
+    handle = cache.open(0, on_demand=True)
+    with pytest.raises(CorruptShardError, match=rf"{shard.name}: block 5 "):
+        handle.ensure([bad.sample_start])
+    for _ in range(2):  # the second read is the one that would start the background completion
+        with pytest.raises(CorruptShardError, match=rf"{shard.name}: block 5 "):
+            handle.ensure([0])
+    handle.close()
+    cache.drain(30)
+    assert not handle.complete and not cache.is_cached(0)
+
+
 def count_reads(monkeypatch) -> list[tuple[int, int]]:
     """Record the (start, end) of every ranged read of a shard, by either read path."""
     reads: list[tuple[int, int]] = []
