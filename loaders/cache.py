@@ -206,7 +206,7 @@ class CachedShard:
                 # A reader that stops early (an abandoned iterator, a first-batch check) may hold the node's
                 # download lock of the shard: finish and store it, or the node's readers would read it
                 # block by block in every epoch and no process of the node would ever store it.
-                self.partial.finish_in_background()
+                self.partial.start_completion()
         if self._fd is not None:
             os.close(self._fd)  # releases the shared lock
             self._fd = None

@@ -195,7 +195,7 @@ class PartialShard:
         if delegate:
             with self._lock:
                 self._wanted.update(k for k in needed if self._state[k] == _MISSING)
-            self._start_completion()
+            self.start_completion()
             return BlockRequest(self, list(needed))
         runs = self._claim_needed(needed)
         # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
@@ -251,17 +251,21 @@ class PartialShard:
                 for k in range(first, last + 1):
                     self._state[k] = _MISSING
 
-    def _load_run(self, run: tuple[int, int]) -> None:
+    def _load_run(self, run: tuple[int, int], scratch: bytearray | None = None) -> None:
         """Read blocks `first..last` in one request and load each (each checked on its own; a block that
-        fails is read again alone)."""
+        fails is read again alone). With `scratch` (the completion's buffer, at least the run's size) a
+        local file is read into it; blocks are decoded from views of the bytes read, never copies (slicing
+        bytes copied a whole shard), and each is copied into place before this returns."""
         first, last = run
-        if first == last:
+        if first == last and scratch is None:
             self._load_block(first)
             return
         blocks = self._index.blocks
-        start = blocks[first].byte_start
+        start, end = blocks[first].byte_start, blocks[last].byte_end
         try:
-            data = memoryview(self._storage_of().read_range(self.shard.name, start, blocks[last].byte_end))
+            storage = self._storage_of()
+            data = (storage.read_range_into(self.shard.name, start, end, scratch) if scratch is not None
+                    else memoryview(storage.read_range(self.shard.name, start, end)))
             if self._on_read is not None:
                 self._on_read(len(data))
             for k in range(first, last + 1):
@@ -326,12 +330,10 @@ class PartialShard:
         self._on_failure = on_failure
         self._wants_completion = True
 
-    def finish_in_background(self) -> None:
-        """Start the background completion now if this reader was to complete the shard (a reader that
-        stops before its second `ensure` must not leave the shard, and its node's download lock, unfinished)."""
-        self._start_completion()
-
-    def _start_completion(self) -> None:
+    def start_completion(self) -> None:
+        """Start the background completion now, if this reader is to complete the shard and it has not
+        started (the second `ensure` does; a reader that stops before it must not leave the shard, and its
+        node's download lock, unfinished)."""
         with self._lock:
             if not self._wants_completion or self._completion is not None:
                 return
@@ -353,19 +355,10 @@ class PartialShard:
             index = self._load_index()
             scratch = bytearray(0)  # one buffer for every run's bytes, grown when a run needs more
             while not self._cancelled and (run := self._claim_run()) is not None:
-                first, last = run
-                start, end = index.blocks[first].byte_start, index.blocks[last].byte_end
-                if len(scratch) < end - start:
-                    scratch = bytearray(end - start)
-                data = self._storage_of().read_range_into(self.shard.name, start, end, scratch)
-                if self._on_read is not None:
-                    self._on_read(len(data))
-                # Views, not copies (slicing bytes copied a whole shard); each block is copied into place
-                # by `_load_block` before the next run overwrites the scratch buffer.
-                for k in range(first, last + 1):
-                    b = index.blocks[k]
-                    self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
-                del data
+                size = index.blocks[run[1]].byte_end - index.blocks[run[0]].byte_start
+                if len(scratch) < size:
+                    scratch = bytearray(size)
+                self._load_run(run, scratch)
             if self._cancelled:
                 if self._on_failure is not None:
                     self._on_failure()
