@@ -187,44 +187,14 @@ def webdataset_loader(url: str, batch: int, workers: int) -> Callable[[], Iterat
 
 
 def cold_s3(urls: dict[str, str], runs: int, batch: int) -> dict:
-    """Upload the shards to a moto S3 server on loopback; time to first batch from empty caches.
-
-    The server runs in its own process, as a real endpoint would: in-process it would compete with
-    the loader for the GIL.
-    """
-    import socket
-    import subprocess
-    import sys
-
-    import boto3
-
+    """Upload the shards to a moto S3 server on loopback (`MotoServer`); time to first batch from empty
+    caches."""
     from shardkit import StreamingDataLoader, StreamingDataset
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(key, value)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client.create_bucket(Bucket="bench")
-                break
-            except Exception:  # noqa: BLE001 - the server is still starting
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
-        out = {}
+    out = {}
+    with MotoServer() as moto:
         for name, url in urls.items():
-            for path in sorted(Path(url).iterdir()):
-                client.upload_file(str(path), "bench", f"{name}/{path.name}")
+            s3_url = moto.upload(url, name)
             # The first batch needs every shard of the first shuffle window: the default window
             # (16,384 samples) spans two of these shards, a window of 8,192 usually one.
             for window in (16384, 8192):
@@ -232,7 +202,7 @@ def cold_s3(urls: dict[str, str], runs: int, batch: int) -> dict:
                 for _ in range(runs):
                     cache = tempfile.mkdtemp(prefix="shardkit-bench-cold-")
                     start = time.perf_counter()
-                    ds = StreamingDataset(f"s3://bench/{name}", cache_dir=cache, storage_options=options, rank=0,
+                    ds = StreamingDataset(s3_url, cache_dir=cache, storage_options=moto.options, rank=0,
                                           world_size=1, shuffle_window=window)
                     created = time.perf_counter()
                     next(iter(StreamingDataLoader(ds, batch_size=batch)))
@@ -242,10 +212,7 @@ def cold_s3(urls: dict[str, str], runs: int, batch: int) -> dict:
                 out[f"{name}, shuffle_window={window}"] = {
                     "first_batch_s": statistics.median(times), "manifest_s": statistics.median(creates),
                     "runs": [round(t, 3) for t in times]}
-        return out
-    finally:
-        server.terminate()
-        server.wait(10)
+    return out
 
 
 def resume_times(url: str, cache: str, batch: int, runs: int) -> dict:
@@ -415,20 +382,26 @@ def cold_pass(url: str, batch: int, runs: int, *, cache_mode: str, options: dict
     return out
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a server started next)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class MotoServer:
     """A moto S3 server in its own process on loopback (in-process it would compete for the GIL)."""
 
     def __enter__(self) -> MotoServer:
-        import socket
         import subprocess
         import sys
 
         for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                            "AWS_DEFAULT_REGION": "us-east-1"}.items():
             os.environ.setdefault(key, value)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         endpoint = f"http://127.0.0.1:{port}"
@@ -471,12 +444,9 @@ class S3rverServer(MotoServer):
         self.executable = executable
 
     def __enter__(self) -> S3rverServer:
-        import socket
         import subprocess
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.directory = tempfile.mkdtemp(prefix="shardkit-bench-s3rver-")
         self.process = subprocess.Popen([self.executable, "-d", self.directory, "-a", "127.0.0.1", "-p", str(port),
                                          "--silent", "--allow-mismatched-signatures", "--no-vhost-buckets"],
