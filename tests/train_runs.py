@@ -18,7 +18,7 @@ NUM_SAMPLES, SEQ_LEN = 96, 32  # 8 steps of a global batch of 12 consume exactly
 
 
 def write_byte_dataset(url: str, *, num_samples: int = NUM_SAMPLES, seq_len: int = SEQ_LEN, seed: int = 0,
-                       storage_options: dict | None = None) -> None:
+                       storage_options: dict | None = None, samples_per_shard: int = 16, **writer_options) -> None:
     """Byte-level packed samples cut from this repository's Python sources, two documents per sample."""
     text = b"".join(path.read_bytes() for path in sorted((REPO / "shardkit").rglob("*.py")))
     rng = np.random.default_rng(seed)
@@ -29,8 +29,8 @@ def write_byte_dataset(url: str, *, num_samples: int = NUM_SAMPLES, seq_len: int
         cut = int(rng.integers(1, seq_len))
         samples.append(Sample(tokens, np.array([0, cut]), np.array([0, 0]), np.array([2 * i, 2 * i + 1])))
     write_dataset(url, samples, tokenizer=TokenizerInfo(kind="byte", name="byte", vocab_size=256),
-                  seq_len=seq_len, packing="concat", max_samples=16, sources=("repository sources",),
-                  storage_options=storage_options)
+                  seq_len=seq_len, packing="concat", max_samples=samples_per_shard, sources=("repository sources",),
+                  storage_options=storage_options, **writer_options)
 
 
 def torchrun(run_dir: Path, data: str, *, nproc: int = 2, parallel: str = "ddp", batch_size: int = 6,
