@@ -103,6 +103,7 @@ class BuildRun:
     boundary: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
     expected_documents: dict[int, int] = field(default_factory=dict)
     writer: ShardWriter | None = None
+    units_per_node: dict[str, int] = field(default_factory=dict)  # which node tokenized how many units
 
 
 def run_build(config: BuildConfig) -> BuildResult:
@@ -259,6 +260,7 @@ def emit(run: BuildRun, executor) -> None:
             _write(run, run.packer.finish())
     finally:
         progress.close()
+        run.units_per_node = dict(executor.units_per_node)
 
 
 def finish(run: BuildRun) -> BuildResult:
@@ -280,7 +282,7 @@ def finish(run: BuildRun) -> BuildResult:
                                                           "rejected": stats.documents_rejected}})
     report = _report(config, manifest, stats, run.packer.stats.as_dict(), seconds=seconds,
                      tokens=run.packer.stats.document_tokens - run.tokens_at_start, workers=run.workers,
-                     resumed=run.status == "resume", reused_shards=run.reused_shards)
+                     resumed=run.status == "resume", reused_shards=run.reused_shards, nodes=run.units_per_node)
     run.storage.write_bytes(build_state.REPORT_NAME, report_json(report))
     write_manifest(run.storage, manifest)
     build_state.clear_state(run.storage)
@@ -309,7 +311,8 @@ def _account(result: UnitResult, files, stats: BuildStats, *, expected: int, fai
 
 
 def _report(config: BuildConfig, manifest: Manifest, stats: BuildStats, packing: dict[str, int], *,
-            seconds: float, tokens: int, workers: int, resumed: bool, reused_shards: int) -> dict[str, Any]:
+            seconds: float, tokens: int, workers: int, resumed: bool, reused_shards: int,
+            nodes: dict[str, int]) -> dict[str, Any]:
     totals = manifest.totals()
     sample_tokens = totals["tokens"]
     return {
@@ -331,7 +334,9 @@ def _report(config: BuildConfig, manifest: Manifest, stats: BuildStats, packing:
                     "padding_fraction": packing["padding_tokens"] / sample_tokens if sample_tokens else 0.0},
         "timing": {"seconds": seconds, "tokens_this_run": tokens,
                    "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
-                   "workers": workers, "executor": config.executor},
+                   "workers": workers, "executor": config.executor,
+                   # Units of this run by the node that tokenized them (Ray: "ADDRESS/NODE-ID").
+                   "units_per_node": nodes},
     }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -66,6 +67,7 @@ class LocalExecutor:
         self.initializer = initializer
         self.initargs = initargs
         self._pool = None
+        self.units_per_node: dict[str, int] = {}  # the build report's "nodes": here, this host
         import multiprocessing
         import threading
 
@@ -99,7 +101,14 @@ class LocalExecutor:
         if self._pool is None:
             raise ValueError("LocalExecutor must be used as a context manager")
         pool = self._pool
-        return _ordered(lambda item: pool.submit(fn, item, *args), lambda fut: fut.result(), items, self.window)
+        host = socket.gethostname()
+
+        def result(future):
+            value = future.result()
+            self.units_per_node[host] = self.units_per_node.get(host, 0) + 1
+            return value
+
+        return _ordered(lambda item: pool.submit(fn, item, *args), result, items, self.window)
 
 
 class RayExecutor:
@@ -118,6 +127,8 @@ class RayExecutor:
         self.window = window or 2 * workers + 1
         self._started = False
         self.forks = False
+        # Units whose result was consumed, by the node that computed it (the build report's "nodes").
+        self.units_per_node: dict[str, int] = {}
 
     def __enter__(self) -> RayExecutor:
         try:
@@ -139,11 +150,28 @@ class RayExecutor:
             self._started = False
 
     def map_ordered(self, fn: Callable, items: Iterable[Any], *args: Any) -> Iterator[Any]:
+        """`fn(item, *args)` as Ray tasks, yielded in item order. A task whose node dies is run again
+        elsewhere (`max_retries`); only the result of its last run is consumed, so a unit counts once."""
         import ray
 
-        remote = ray.remote(num_cpus=1, max_retries=3)(fn)
+        remote = ray.remote(num_cpus=1, max_retries=3)(_on_node)
         shared = [ray.put(a) for a in args]
-        return _ordered(lambda item: remote.remote(item, *shared), ray.get, items, self.window)
+
+        def result(ref):
+            node, value = ray.get(ref)
+            self.units_per_node[node] = self.units_per_node.get(node, 0) + 1
+            return value
+
+        return _ordered(lambda item: remote.remote(fn, item, *shared), result, items, self.window)
+
+
+def _on_node(fn: Callable, item: Any, *args: Any) -> tuple[str, Any]:
+    """Run `fn(item, *args)` in a Ray task and say where: "ADDRESS/NODE-ID" (the id's first 8 hex digits,
+    since several nodes may share an address)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return f"{ray.util.get_node_ip_address()}/{node[:8]}", fn(item, *args)
 
 
 def make_executor(kind: str, workers: int | None, *, ray_address: str | None = None,

@@ -155,6 +155,9 @@ def summary_table(report: dict[str, Any]) -> str:
             lines.append(f"    {example['file']} {where}: {example['reason']}")
     for error in report["file_errors"][:10]:
         lines.append(f"  unreadable: {error['file']}: {error['reason']}")
+    nodes = report["timing"].get("units_per_node") or {}
+    if len(nodes) > 1:  # a Ray cluster: which node tokenized how many units
+        lines.append("  units per node: " + ", ".join(f"{node} {units:,}" for node, units in sorted(nodes.items())))
     lines.append(f"  check: documents in {report['documents']['in']:,} = written {report['documents']['written']:,}"
                  f" + rejected {report['documents']['rejected']:,}"
                  f" ({'holds' if report['documents']['balanced'] else 'DOES NOT HOLD'});"
