@@ -12,9 +12,14 @@ a re-forms alone, node b starts again and the job scales back up. For both chang
     first batch   the first step's data wait (the first batch from the node cache)
     total         event -> the first step of the re-formed job completed
 
-    python benchmarks/bench_elastic.py --runs 3 [--json bench_out/bench_elastic.json]
+It also builds one corpus with `--executor ray` on a `ray.cluster_utils.Cluster` of 1, 2 and 3 worker
+nodes (one CPU each) beside the local executor with one worker: units/s, units/s per node, and Ray's
+overhead per unit (its seconds per unit minus the local executor's).
 
-Both simulated nodes share this machine's cores, so worker start-up is slower than on real nodes.
+    python benchmarks/bench_elastic.py --runs 3 [--json bench_out/bench_elastic.json] [--skip-ray]
+
+The simulated nodes share this machine's 2 cores, so worker start-up is slower than on real nodes and the
+Ray rows measure overhead and work per node, not scaling.
 """
 
 from __future__ import annotations
@@ -65,26 +70,78 @@ def run_once(workdir: Path, *, steps: int) -> dict[str, dict[str, float]]:
             "node returns (1 -> 2)": _phases(result["returned_at"], 2, logs, records)}
 
 
+def ray_build_rates(workdir: Path, *, nodes: tuple[int, ...] = (1, 2, 3)) -> dict[str, dict[str, float]]:
+    """Units/s of one build on the local executor (1 worker) and on Ray clusters of `nodes` worker nodes."""
+    from ray.cluster_utils import Cluster
+
+    from shardkit.tools.build import run_build
+    from test_build import config, write_corpus
+
+    corpus = write_corpus(workdir / "corpus", docs=3000, bad=False)
+    inputs = sorted(corpus.iterdir())
+
+    def timed(name: str, **options) -> tuple[float, int]:
+        started = time.perf_counter()
+        result = run_build(config(inputs, workdir / name, unit_bytes=4096, shard_size=200_000, **options))
+        return time.perf_counter() - started, sum(result.report["timing"]["units_per_node"].values())
+
+    seconds, units = timed("local", workers=1)
+    rows = {"local, 1 worker": {"nodes": 1, "units": units, "units_per_s": units / seconds,
+                                "units_per_s_per_node": units / seconds, "overhead_ms_per_unit": 0.0}}
+    local_per_unit = seconds / units
+    for count in nodes:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        try:
+            for _ in range(count):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            seconds, units = timed(f"ray{count}", workers=count, executor="ray", ray_address=cluster.address)
+        finally:
+            cluster.shutdown()
+        rows[f"ray, {count} node(s)"] = {
+            "nodes": count, "units": units, "units_per_s": units / seconds,
+            "units_per_s_per_node": units / seconds / count,
+            "overhead_ms_per_unit": 1000 * (seconds * count / units - local_per_unit)}
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=360)
     parser.add_argument("--json", default="bench_out/bench_elastic.json")
+    parser.add_argument("--skip-ray", action="store_true", help="only the elastic training rows")
+    parser.add_argument("--skip-elastic", action="store_true", help="only the Ray build rows")
     args = parser.parse_args(argv)
-    runs = []
-    for run in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
-            started = time.time()
-            runs.append(run_once(Path(tmp), steps=args.steps))
-            print(f"run {run + 1}/{args.runs}: {time.time() - started:.0f} s", flush=True)
-    table = {change: {phase: statistics.median(r[change][phase] for r in runs) for phase in PHASES}
-             for change in runs[0]}
-    print(f"\nmedian of {args.runs} runs, seconds")
-    print(f"{'change':24}" + "".join(f"{phase:>13}" for phase in PHASES))
-    for change, row in table.items():
-        print(f"{change:24}" + "".join(f"{row[phase]:13.2f}" for phase in PHASES))
+    results: dict = {}
+    if not args.skip_elastic:
+        runs = []
+        for run in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+                started = time.time()
+                runs.append(run_once(Path(tmp), steps=args.steps))
+                print(f"run {run + 1}/{args.runs}: {time.time() - started:.0f} s", flush=True)
+        table = {change: {phase: statistics.median(r[change][phase] for r in runs) for phase in PHASES}
+                 for change in runs[0]}
+        print(f"\nmembership changes: median of {args.runs} runs, seconds")
+        print(f"{'change':24}" + "".join(f"{phase:>13}" for phase in PHASES))
+        for change, row in table.items():
+            print(f"{change:24}" + "".join(f"{row[phase]:13.2f}" for phase in PHASES))
+        results["elastic"] = {"runs": runs, "median": table}
+    if not args.skip_ray:
+        builds = []
+        for run in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
+                builds.append(ray_build_rates(Path(tmp)))
+        columns = ("units_per_s", "units_per_s_per_node", "overhead_ms_per_unit")
+        table = {name: {c: statistics.median(b[name][c] for b in builds) for c in columns} for name in builds[0]}
+        print(f"\nbuild on Ray nodes: median of {args.runs} runs ({builds[0]['local, 1 worker']['units']} units)")
+        print(f"{'executor':18}" + "".join(f"{c:>22}" for c in columns))
+        for name, row in table.items():
+            print(f"{name:18}" + "".join(f"{row[c]:22.2f}" for c in columns))
+        results["ray_build"] = {"runs": builds, "median": table}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"runs": runs, "median": table}, indent=2))
+    Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 
