@@ -396,8 +396,8 @@ def model_to_resume(path: str | Path, meta: dict[str, Any], current: ModelConfig
         if problems:
             raise ValueError(f"checkpoint {path} holds a model for other data: " + "; ".join(problems)
                              + "; resume with the dataset it was trained on, or use another --checkpoint_dir")
-        logger.info("no model option given: building the model checkpoint %s records (%s)", path,
-                    ", ".join(f"--{k} {v}" for k, v in dataclasses.asdict(saved).items()))
+        logger.info("building the model checkpoint %s records (--model_from_checkpoint, on when no model option "
+                    "is given): %s", path, " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(saved).items()))
         return saved
     differences = model_differences(saved, current)
     if differences:

@@ -150,7 +150,7 @@ def build_schedule(stages: list[nn.Module], indices: list[int], dims: ParallelDi
 
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The part of `tensor` this rank holds (a DTensor's local shard, or the tensor itself)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -176,12 +176,17 @@ class TiedEmbedding:
 
     def sum_gradients(self) -> None:
         """Add the other stage's gradient to this stage's (after the backward of an optimizer step)."""
-        dist.all_reduce(_local(self.weight.grad), group=self.group)
+        weight, grad = self.weight, self.weight.grad
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # Under TP the embedding's backward may leave a replicated gradient of the row-split matrix:
+            # split it like the matrix (a local slice), so both stages reduce the same shard.
+            weight.grad = grad = grad.redistribute(placements=weight.placements)
+        dist.all_reduce(_local_shard(grad), group=self.group)
 
     def broadcast(self) -> None:
         """Copy the first stage's matrix to the last stage's (at start and after a checkpoint load)."""
         with torch.no_grad():
-            dist.broadcast(_local(self.weight), group_src=0, group=self.group)
+            dist.broadcast(_local_shard(self.weight), group_src=0, group=self.group)
 
 
 def tie_embedding(owner: Transformer, mesh, mine: list[int], num_stages: int) -> TiedEmbedding | None:
