@@ -1,4 +1,5 @@
-"""The transformer: document masking isolates documents, init, weight tying, GQA, presets' sizes."""
+"""The transformer: document masking isolates documents, init, weight tying, GQA, presets' sizes, the padded
+vocabulary, RoPE's base."""
 
 from __future__ import annotations
 
@@ -72,10 +73,43 @@ def test_weight_tying_init_and_gqa():
     out_std = model.blocks[0].mlp.down.weight.std().item()
     assert 0.02 / 2 * 0.7 < out_std < 0.02 / 2 * 1.3  # residual projections scaled by 1/sqrt(2 * n_layer)
     logits = model(torch.randint(0, VOCAB, (2, SEQ)))
-    assert logits.shape == (2, SEQ, VOCAB)
-    # Near-uniform predictions at init: the loss starts close to log(vocab).
+    assert logits.shape == (2, SEQ, 128)  # the vocabulary padded to a multiple of 128
+    # Near-uniform predictions at init: the loss starts close to log(vocab) (the padding is never predicted).
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, VOCAB, (2 * SEQ,)))
     assert abs(loss.item() - torch.log(torch.tensor(float(VOCAB))).item()) < 0.2
+
+
+def test_padded_vocabulary_takes_no_probability_and_no_gradient():
+    """GPT-2's 50257 becomes 50304 rows; here 97 becomes 128. The padding ids' logits are -inf, so the loss is
+    the loss over the real vocabulary, a sampler never draws them, and their (tied) rows get no gradient."""
+    assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=1).padded_vocab_size == 50257
+    model = make_model("llama", document_mask=False).train()
+    assert model.tok_emb.weight.shape[0] == model.config.padded_vocab_size == 128
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens[:, :-1])
+    assert torch.isneginf(logits[..., VOCAB:]).all() and torch.isfinite(logits[..., :VOCAB]).all()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    real_only = torch.nn.functional.cross_entropy(logits[..., :VOCAB].flatten(0, 1), tokens[:, 1:].flatten())
+    assert loss.item() == pytest.approx(real_only.item(), rel=1e-6)
+    drawn = torch.multinomial(logits[:, -1].detach().softmax(-1), 2000, replacement=True)
+    assert drawn.max() < VOCAB
+    loss.backward()
+    grad = model.tok_emb.weight.grad
+    assert grad[VOCAB:].abs().max() == 0 and grad[:VOCAB].abs().max() > 0
+
+
+def test_rope_theta_is_honoured():
+    """The rotary tables are not saved (derived from the config): a model built with another --rope_theta
+    computes other positions, and the same theta gives the same tables."""
+    base, other = (make_model("llama", document_mask=False, rope_theta=theta) for theta in (10000.0, 500.0))
+    assert not torch.equal(base.rope.cos, other.rope.cos)
+    tokens = torch.randint(0, VOCAB, (1, SEQ))
+    other.load_state_dict(base.state_dict())
+    assert not torch.allclose(base(tokens), other(tokens))
+    assert torch.equal(make_model("llama", document_mask=False, rope_theta=500.0).rope.cos, other.rope.cos)
+    angle = 1.0 / 500.0 ** (2 / 8)  # position 1, second frequency of head size 8
+    assert other.rope.cos[1, 1].item() == pytest.approx(torch.cos(torch.tensor(angle)).item(), rel=1e-6)
 
 
 def test_sequence_longer_than_model_is_rejected():

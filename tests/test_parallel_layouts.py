@@ -16,14 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from train_runs import check_ok, losses, torchrun, write_byte_dataset
+from conftest import shared_path
+from shardkit.train.checkpoint import MARKER_NAME, find_latest
+from train_runs import check_ok, losses, torchrun, write_byte_dataset, write_gpt2_dataset
 
 pytestmark = pytest.mark.slow
 
 GLOBAL_BATCH, STEPS, N_LAYER, SEQ_LEN, D_MODEL = 12, 5, 4, 32, 64
-# One model for every layout: untied embeddings (pipeline stages hold the embedding and the output
-# projection apart) and 4 layers (2 x 2 interleaved stages).
-MODEL = ("--n_layer", str(N_LAYER), "--tie_embeddings", "false", "--checkpoint_every", "3")
+# One model for every layout, with the defaults a GPT-2-tokenized dataset gets: GPT-2's vocabulary (50257,
+# which the model pads to 50304 so that tp splits it) and tied embeddings (pipeline stages share the matrix
+# between the first and the last stage); 4 layers (2 x 2 interleaved stages). The byte dataset's tokens are
+# ids of that vocabulary too.
+VOCAB = 50257
+MODEL = ("--n_layer", str(N_LAYER), "--vocab_size", str(VOCAB), "--checkpoint_every", "3")
 
 LAYOUTS = {  # name: (processes, dp ranks, options)
     "tp2": (2, 1, ("--tp", "2")),
@@ -109,7 +114,10 @@ def test_sigkill_after_checkpoint_resumes_bitwise_in_a_2d_layout(tmp_path, data,
     assert losses(tmp_path / "run") == losses(reference)  # bitwise, every step
 
 
-@pytest.mark.parametrize("source, target", [("tp2_dp_shard2", "dp_shard4"), ("pp2_dp_shard2_gpipe", "tp2_dp_shard2")])
+# A pipeline's checkpoint holds the tied matrix once (both stages save the same entry) and resumes unsplit;
+# an unsplit one resumes into a pipeline, whose last stage loads its copy from that entry.
+@pytest.mark.parametrize("source, target", [("tp2_dp_shard2", "dp_shard4"), ("pp2_dp_shard2_gpipe", "tp2_dp_shard2"),
+                                            ("tp2_dp_shard2", "pp2_tp2")])
 def test_checkpoint_resumes_in_another_layout(tmp_path, data, runs, source, target):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -136,3 +144,17 @@ def test_tp2_collectives_match_the_design(runs):
     assert record["comm_bytes_all_gather"] == record["comm_bytes_reduce_scatter"] == 2 * per_direction * activation
     assert 0 < record["comm_bytes_all_reduce"] < activation
     assert "comm_bytes_send_recv" not in record
+
+
+def test_gpt2_tokenized_dataset_trains_with_tp2_out_of_the_box(tmp_path):
+    """No model option: the manifest's 50257 ids are padded to 50304 rows, which --tp 2 splits; the
+    checkpoint records both sizes."""
+    pytest.importorskip("tokenizers")
+    data = str(tmp_path / "gpt2")
+    write_gpt2_dataset(data, str(shared_path("tokenizers/gpt2_hf_tokenizer.json")))
+    run_dir = tmp_path / "run"
+    check_ok(torchrun(run_dir, data, nproc=2, parallel="auto", batch_size=4, steps=3, checkpoint_every=3,
+                      extra=("--tp", "2")))
+    marker = json.loads((find_latest(run_dir / "checkpoints") / MARKER_NAME).read_text())
+    assert (marker["model"]["vocab_size"], marker["model"]["padded_vocab_size"]) == (50257, 50304)
+    assert sorted(losses(run_dir)) == [1, 2, 3]

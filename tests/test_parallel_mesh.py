@@ -58,15 +58,21 @@ def test_invalid_layouts_name_the_option(options, world_size, message):
 @pytest.mark.parametrize("model, layout, message", [
     (ModelConfig(n_head=4, n_kv_head=1), ParallelDims(tp=2, dp_shard=2), "--n_kv_head 1 is not divisible by --tp 2"),
     (ModelConfig(n_head=6, d_model=96), ParallelDims(tp=4), "--n_head 6"),
-    (ModelConfig(vocab_size=255), ParallelDims(tp=2), "--vocab_size 255"),
+    (ModelConfig(vocab_size=255, n_head=3, d_model=48, d_ff=96), ParallelDims(tp=3),
+     "padded vocabulary 256 .* --make_vocab_size_divisible_by to a multiple of 3"),
     (ModelConfig(seq_len=31), ParallelDims(tp=2), "--seq_len 31"),
     (ModelConfig(n_layer=2, tie_embeddings=False), ParallelDims(pp=2, pp_schedule="interleaved1f1b"), "--n_layer 2"),
-    (ModelConfig(n_layer=4), ParallelDims(pp=2), "--tie_embeddings false"),
 ])
 def test_models_that_do_not_split_are_refused(model, layout, message):
     with pytest.raises(ValueError, match=message):
         check_model_fits(layout, model)
     check_model_fits(ParallelDims(), model)  # fine unsplit
+
+
+@pytest.mark.parametrize("layout", [ParallelDims(tp=2), ParallelDims(tp=8), ParallelDims(pp=2), ParallelDims(pp=2, tp=2)])
+def test_default_model_with_the_gpt2_vocabulary_splits(layout):
+    """GPT-2's 50257 tokens (padded to 50304) split over any power-of-two --tp; --pp keeps tied embeddings."""
+    check_model_fits(layout, ModelConfig(vocab_size=50257, n_layer=4, n_head=8, seq_len=64))
 
 
 def test_layer_split_balances_parameters_and_covers_every_layer_once():

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from shardkit.train.checkpoint import find_latest
+from shardkit.train.checkpoint import MARKER_NAME, find_latest
 from shardkit.train.config import config_from_dict
 from shardkit.train.loop import build, close, train
 from train_runs import losses, write_byte_dataset
@@ -101,8 +101,33 @@ def test_resume_refuses_another_model(tmp_path, datasets, capsys):
     first = losses(tmp_path / "run")
     assert run_training(tmp_path / "run", data, steps=3) == 0  # finished already: resumes at 3, trains nothing
     assert "at step 3" in capsys.readouterr().out and losses(tmp_path / "run") == first
-    with pytest.raises(ValueError, match="--n_layer 2 \\(now 3\\)"):
+    with pytest.raises(ValueError, match="--n_layer: checkpoint 2, this run 3"):
         run_training(tmp_path / "run", data, steps=4, **{"model.n_layer": 3})
+    # The issue's case: fields the old hand-written list left out (RoPE's tables are not saved at all).
+    with pytest.raises(ValueError, match="--rope_theta: checkpoint 10000.0, this run 500.0; "
+                                         "--norm_eps: checkpoint 1e-05, this run 0.1"):
+        run_training(tmp_path / "run", data, steps=4, **{"model.rope_theta": 500.0, "model.norm_eps": 0.1})
+    # Dropout is declared a change a resumed run may make.
+    assert run_training(tmp_path / "run", data, steps=4, **{"model.dropout": 0.1}) == 0
+    assert "at step 3" in capsys.readouterr().out and sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["dropout"] == 0.1
+
+
+def test_resume_without_model_options_builds_the_checkpoints_model(tmp_path, datasets, caplog):
+    """nanoGPT's resume: no model option (nor --preset) given, the checkpoint's model is rebuilt, rope_theta
+    included, and the run goes on exactly as the uninterrupted run with those options."""
+    data, _ = datasets
+    model = {"model.n_layer": 3, "model.rope_theta": 500.0, "model.norm_eps": 1e-4}
+    run_training(tmp_path / "reference", data, steps=5, **model)
+    run_training(tmp_path / "run", data, steps=3, **model)
+    with caplog.at_level("INFO", logger="shardkit.train.checkpoint"):
+        assert run_training(tmp_path / "run", data, steps=5) == 0
+    assert "building the model checkpoint" in caplog.text and "--rope_theta 500.0" in caplog.text
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (recorded["n_layer"], recorded["rope_theta"], recorded["norm_eps"]) == (3, 500.0, 1e-4)
+    assert losses(tmp_path / "run") == losses(tmp_path / "reference")
+    marker = json.loads((find_latest(tmp_path / "run" / "checkpoints") / MARKER_NAME).read_text())
+    assert marker["model"] == {**recorded, "padded_vocab_size": 256}
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path):

@@ -33,6 +33,18 @@ def write_byte_dataset(url: str, *, num_samples: int = NUM_SAMPLES, seq_len: int
                   storage_options=storage_options, **writer_options)
 
 
+def write_gpt2_dataset(url: str, tokenizer_path: str, *, num_samples: int = 48, seq_len: int = SEQ_LEN) -> None:
+    """Packed samples of this repository's Python sources tokenized with the real GPT-2 tokenizer (50257 ids)."""
+    from shardkit.tools.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    text = "".join(path.read_text() for path in sorted((REPO / "shardkit" / "train").rglob("*.py")))
+    tokens = np.asarray(tokenizer.encode(text), dtype=np.uint16)
+    samples = [Sample(tokens[i * seq_len:(i + 1) * seq_len + 1]) for i in range(num_samples)]
+    write_dataset(url, samples, tokenizer=tokenizer.info, seq_len=seq_len, packing="concat", max_samples=16,
+                  sources=("repository sources",))
+
+
 def torchrun(run_dir: Path, data: str, *, nproc: int = 2, parallel: str = "ddp", batch_size: int = 6,
              steps: int = 8, checkpoint_every: int = 4, max_restarts: int = 0, fault: str | None = None,
              eval_data: str | None = None, extra: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess:

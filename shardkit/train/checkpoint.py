@@ -14,6 +14,13 @@ rename leaves the previous checkpoint as the newest complete one. A complete che
 do not depend on DDP or FSDP and whose FSDP tensors are DTensors, so DCP reshards on load: a
 checkpoint resumes at another world size or parallel mode.
 
+A tensor that the model holds under two names (tied embeddings: `lm_head.weight` is `tok_emb.weight`)
+is saved once, under its first name, and loaded into both; pipeline stages that each hold a copy of it
+save the same entry, which DCP keeps once.
+
+The marker records the model's whole configuration (`model_record`); a resume builds the checkpoint's
+model or refuses one whose architecture differs (`model_to_resume`).
+
 Each rank's own state (RNG, loader position) is stored under a rank-specific key `rank_R`, since
 DCP keeps one copy of keys that every rank saves. Non-tensor values are JSON strings, and loading
 uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
@@ -43,6 +50,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardkit.train import faults
+from shardkit.train.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +182,14 @@ class Checkpointer:
         rank: this process's rank.
         keep: number of complete checkpoints to keep.
         async_save: write in a background thread (dcp.async_save) so training continues.
+        aliases: model state names that hold the same tensor as another name ({alias: name}, see
+            `shardkit.train.model.tied_weights`): saved once under the name.
     """
 
-    def __init__(self, directory: str | Path, *, rank: int, keep: int = 3, async_save: bool = False):
+    def __init__(self, directory: str | Path, *, rank: int, keep: int = 3, async_save: bool = False,
+                 aliases: dict[str, str] | None = None):
         self.directory = Path(directory)
+        self.aliases = dict(aliases or {})
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
@@ -207,7 +219,8 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
         _barrier()
         model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-        state = {"model": model_state, "optim": optim_state,
+        shared = self._shared(model_state)
+        state = {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state,
                  "scheduler": json.dumps(scheduler.state_dict()),
                  "train": json.dumps({"step": step}),
                  f"rank_{self.rank}": json.dumps(rank_state), **(extra or {})}
@@ -266,6 +279,10 @@ class Checkpointer:
             self._prune()
         _barrier()
 
+    def _shared(self, model_state: dict[str, Any]) -> dict[str, str]:
+        """The aliases whose name is in `model_state` too (a pipeline stage may hold only one of them)."""
+        return {alias: name for alias, name in self.aliases.items() if alias in model_state and name in model_state}
+
     def _prune(self) -> None:
         for old in _complete(self.directory)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
@@ -282,16 +299,18 @@ class Checkpointer:
         meta = read_marker(path)
         same_topology = meta.get("world_size") == world_size
         model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        shared = self._shared(model_state)
         rank_key = f"rank_{self.rank}" if same_topology else "rank_0"
-        state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: "",
-                 **(extra or {})}
+        state = {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state,
+                 "scheduler": "", "train": "", rank_key: "", **(extra or {})}
         try:
             dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as err:
             # Files of the listed sizes whose bytes are damaged: name the checkpoint, not DCP's internals.
             raise ValueError(f"checkpoint {path} cannot be loaded ({_first_failure(err)}); resume from another "
                              "one with --resume DIR, or start over with --resume none") from err
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        loaded_model = {**state["model"], **{alias: state["model"][name] for alias, name in shared.items()}}
+        set_state_dict(model, optimizer, model_state_dict=loaded_model, optim_state_dict=state["optim"],
                        options=STATE_DICT_OPTIONS)
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
@@ -321,3 +340,68 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def model_record(config: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint's marker records of the model: every `ModelConfig` field and the padded vocabulary."""
+    return {**dataclasses.asdict(config), "padded_vocab_size": config.padded_vocab_size}
+
+
+def saved_model_config(record: dict[str, Any], *, path: str | Path) -> ModelConfig:
+    """The `ModelConfig` a checkpoint's model record describes. A field the record lacks (the checkpoint
+    predates it) takes the value its metadata's `absent` names, else its default; names the record holds
+    that are no field (e.g. `padded_vocab_size`) are derived or obsolete and not read."""
+    values = {f.name: record[f.name] if f.name in record else f.metadata.get("absent", f.default)
+              for f in dataclasses.fields(ModelConfig)}
+    try:
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {path}: its model record is damaged ({err})") from err
+
+
+def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """'--NAME: checkpoint A, this run B' for each architecture field that differs (every `ModelConfig`
+    field but those declared `resumable_change`), and for the padded vocabulary."""
+    differences = [f"--{f.name}: checkpoint {getattr(saved, f.name)}, this run {getattr(current, f.name)}"
+                   for f in dataclasses.fields(ModelConfig)
+                   if not f.metadata.get("resumable_change") and getattr(saved, f.name) != getattr(current, f.name)]
+    if saved.padded_vocab_size != current.padded_vocab_size:
+        differences.append(f"padded vocabulary (--vocab_size rounded up to a multiple of --make_vocab_size_divisible_by "
+                           f"{saved.make_vocab_size_divisible_by} / {current.make_vocab_size_divisible_by}): "
+                           f"checkpoint {saved.padded_vocab_size}, this run {current.padded_vocab_size}")
+    return differences
+
+
+def model_to_resume(path: str | Path, meta: dict[str, Any], current: ModelConfig, *, from_checkpoint: bool,
+                    dataset_vocab: int) -> ModelConfig:
+    """The model a run resumed from checkpoint `path` (marker `meta`) builds.
+
+    `from_checkpoint`: the checkpoint's configuration, which must suit the dataset (same `seq_len`, a
+    vocabulary at least the tokenizer's). Otherwise `current` (the run's options and the dataset's sizes),
+    which must match the checkpoint's in every architecture field.
+
+    Raises:
+        ValueError: naming every field that differs, with both values.
+    """
+    record = meta.get("model")
+    if not isinstance(record, dict):  # a marker without a model record: nothing to check against
+        return current
+    saved = saved_model_config(record, path=path)
+    if from_checkpoint:
+        problems = []
+        if saved.seq_len != current.seq_len:
+            problems.append(f"--seq_len: checkpoint {saved.seq_len}, the dataset's samples {current.seq_len}")
+        if saved.vocab_size < dataset_vocab:
+            problems.append(f"--vocab_size: checkpoint {saved.vocab_size}, the dataset's tokenizer {dataset_vocab}")
+        if problems:
+            raise ValueError(f"checkpoint {path} holds a model for other data: " + "; ".join(problems)
+                             + "; resume with the dataset it was trained on, or use another --checkpoint_dir")
+        logger.info("building the model checkpoint %s records (--model_from_checkpoint, on when no model option "
+                    "is given): %s", path, " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(saved).items()))
+        return saved
+    differences = model_differences(saved, current)
+    if differences:
+        raise ValueError(f"checkpoint {path} was saved for another model: " + "; ".join(differences)
+                         + ". Resume with the checkpoint's values (or with no model option at all, which builds "
+                         "the checkpoint's model), or use another --checkpoint_dir")
+    return current

@@ -28,9 +28,10 @@ PRECISIONS = ("auto", "bf16", "fp32")
 MODEL_STYLES = ("gpt2", "llama")
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field whose help text (and allowed values) the CLI shows."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, **metadata: Any) -> Any:
+    """A dataclass field whose help text (and allowed values) the CLI shows; `metadata` holds anything
+    else its owner records (e.g. `resumable_change=True` on a `ModelConfig` field)."""
+    return field(default=default, metadata={"help": help, "choices": choices, **metadata})
 
 
 def _check(condition: bool, message: str) -> None:
@@ -40,18 +41,34 @@ def _check(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The decoder-only transformer (see `shardkit.train.model` for the two styles)."""
+    """The decoder-only transformer (see `shardkit.train.model` for the two styles).
+
+    Every field is part of the model's identity, which a checkpoint records and a resume must match
+    (`shardkit.train.checkpoint.model_differences`), except the fields whose metadata says
+    `resumable_change=True`: those may change between a run and its resumption. A field added after
+    checkpoints were saved without it names, in `absent`, the value those checkpoints imply (default:
+    the field's default).
+    """
 
     style: str = option("llama", "architecture: 'llama' (RoPE, RMSNorm, SwiGLU, no biases) or 'gpt2' "
                         "(learned positions, LayerNorm, GELU MLP, biases)", choices=MODEL_STYLES)
-    vocab_size: int | None = option(None, "vocabulary size; default: the dataset manifest's tokenizer.vocab_size")
+    vocab_size: int | None = option(None, "vocabulary size; default: the dataset manifest's tokenizer.vocab_size "
+                                    "(the model pads it, see --make_vocab_size_divisible_by)")
+    make_vocab_size_divisible_by: int = option(
+        128, "the embedding and output projection hold the vocabulary rounded up to a multiple of this (Megatron's "
+        "option; GPT-2's 50257 becomes 50304): the padded rows' logits are -inf, so they never enter the loss nor "
+        "a sample; a multiple of 128 suits tensor cores and every power-of-two --tp up to 128; 1: no padding",
+        # Compared on resume through the padded size it gives (a checkpoint records that too); checkpoints
+        # saved before padding existed hold exactly --vocab_size rows.
+        resumable_change=True, absent=1)
     seq_len: int | None = option(None, "context length; default: the dataset manifest's seq_len")
     n_layer: int = option(2, "number of transformer blocks")
     n_head: int = option(4, "attention heads per block")
     n_kv_head: int | None = option(None, "key/value heads (grouped-query attention, llama style); default n_head")
     d_model: int = option(64, "width of the residual stream")
     d_ff: int | None = option(None, "hidden width of the MLP; default 4*d_model (gpt2) or ~8/3*d_model (llama)")
-    dropout: float = option(0.0, "dropout probability (0 keeps training bitwise reproducible)")
+    dropout: float = option(0.0, "dropout probability (0 keeps training bitwise reproducible); may change when "
+                            "resuming", resumable_change=True)
     rope_theta: float = option(10000.0, "RoPE base (llama style)")
     norm_eps: float = option(1e-5, "epsilon of the normalisation layers")
     init_std: float = option(0.02, "standard deviation of the weight init")
@@ -76,6 +93,22 @@ class ModelConfig:
             _check(value is None or value >= 1, f"--{name} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         _check(self.init_std > 0, f"--init_std must be positive, got {self.init_std}")
+        _check(self.make_vocab_size_divisible_by >= 1,
+               f"--make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+    @property
+    def padded_vocab_size(self) -> int | None:
+        """Rows of the token embedding and output projection: `vocab_size` rounded up to a multiple of
+        `make_vocab_size_divisible_by` (None while `vocab_size` is unset).
+
+        Padded whatever the layout, as Megatron does, because a vocabulary that is a multiple of 128
+        keeps the output projection's matmul on tensor-core-friendly shapes, and because a size that
+        does not depend on --tp keeps checkpoints loadable in every layout (Megatron pads to 128 x tp).
+        """
+        if self.vocab_size is None:
+            return None
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def kv_heads(self) -> int:
@@ -297,6 +330,10 @@ class CheckpointConfig:
     keep: int = option(3, "keep the newest K complete checkpoints, delete older ones")
     async_save: bool = option(False, "save in the background (dcp.async_save); training continues meanwhile")
     resume: str = option("auto", "'auto' (newest complete checkpoint if any), 'none', or a checkpoint directory")
+    model_from_checkpoint: bool | None = option(
+        None, "on resume, build the model the checkpoint records (as nanoGPT does) and ignore this run's model "
+        "options; false: build it from the model options and refuse to resume when an architecture field differs "
+        "from the checkpoint's; default: true when neither a model option nor --preset is given, else false")
     save_final: bool = option(True, "save a checkpoint after the last step")
 
     def __post_init__(self) -> None:
@@ -451,6 +488,9 @@ def config_from_dict(values: dict[str, Any], *, source: str = "configuration") -
             top[key] = value
         else:
             raise ValueError(f"{source}: unknown option {key!r}")
+    if merged["checkpoint"].get("model_from_checkpoint") is None:
+        # Nothing said about the model: a resumed run continues the checkpoint's model, not the preset's.
+        merged["checkpoint"]["model_from_checkpoint"] = not values.get("model") and "preset" not in values
     sections = {name: build_section(SECTIONS[name], merged[name], source=source) for name in SECTIONS}
     return TrainConfig(**top, **sections)
 

@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
-from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
+from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, format_steps, parse_steps
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
                                     step_metrics)
 from shardkit.train.parallel.diloco import NoSync, build_sync
-from shardkit.train.model import Transformer, flops_per_token
+from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
 
@@ -86,11 +86,17 @@ def build(config: TrainConfig) -> Run:
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
-                         f"vocabulary ({vocab}); leave it unset or raise it (e.g. padded to a multiple of 64)")
+                         f"vocabulary ({vocab}); leave it unset (the model pads it, see --make_vocab_size_divisible_by)")
     model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
-    config = dataclasses.replace(config, model=model_config)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
+    checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
+    # The checkpoint to resume from is chosen before the model is built: it may say which model to build.
+    resume_from = checkpoint_to_resume(config.checkpoint.resume, checkpoint_dir)
+    if resume_from[0] is not None:
+        model_config = model_to_resume(resume_from[0], read_marker(resume_from[0]), model_config, dataset_vocab=vocab,
+                                       from_checkpoint=bool(config.checkpoint.model_from_checkpoint))
+    config = dataclasses.replace(config, model=model_config)
     bf16 = config.precision == "bf16" or (config.precision == "auto" and runtime.device.type == "cuda")
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
@@ -105,9 +111,8 @@ def build(config: TrainConfig) -> Run:
     # Dropout draws differ per rank; seeded so that a run is reproducible.
     torch.manual_seed(config.seed + 1 + runtime.rank)
 
-    checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
     checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save)
+                                async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=TrainStream(config.data, runtime),
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
@@ -117,7 +122,7 @@ def build(config: TrainConfig) -> Run:
               sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
                               world_size=runtime.world_size))
     run.watch = _trainer_metrics(config, runtime)
-    resume(run)
+    resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.skip_steps)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,33 +149,32 @@ def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
                           num_workers=config.data.num_workers)
 
 
-def resume(run: Run) -> None:
-    """Load the checkpoint `--resume` names ('auto': the newest complete one, if any)."""
-    choice = run.config.checkpoint.resume
+def checkpoint_to_resume(choice: str, directory: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint `--resume` names ('auto': the newest complete one in `directory`, if any; 'none':
+    None), and the newer damaged ones skipped with their problem."""
     if choice == "none":
-        return
-    path, skipped = find_resumable(run.checkpointer.directory) if choice == "auto" else (Path(choice), [])
+        return None, []
+    path, skipped = find_resumable(directory) if choice == "auto" else (Path(choice), [])
     for bad, problem in skipped:
         logger.warning("skipping damaged checkpoint %s: %s", bad, problem)
+    if path is None and skipped:
+        raise ValueError(f"no valid checkpoint in {directory}: "
+                         + "; ".join(f"{bad.name}: {problem}" for bad, problem in skipped)
+                         + "; delete them or start over with --resume none")
+    return path, skipped
+
+
+def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None:
+    """Load checkpoint `path` (from `checkpoint_to_resume`; None: nothing to resume), whose model
+    `model_to_resume` has matched with the run's."""
     if path is None:
-        if skipped:
-            raise ValueError(f"no valid checkpoint in {run.checkpointer.directory}: "
-                             + "; ".join(f"{bad.name}: {problem}" for bad, problem in skipped)
-                             + "; delete them or start over with --resume none")
         return
-    saved_model = read_marker(path).get("model", {})
-    current = dataclasses.asdict(run.config.model)
-    changed = sorted(k for k in ("style", "vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model",
-                                 "d_ff", "tie_embeddings") if saved_model.get(k, current[k]) != current[k])
-    if changed:
-        raise ValueError(f"checkpoint {path} was saved for another model: "
-                         + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
-                         + "; use the same model options or another --checkpoint_dir")
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     with run.watch.checkpoint("load"):
         loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                        world_size=run.runtime.world_size,
                                        extra=run.sync.resume_state(read_marker(path)))
+    run.parallel.broadcast_tied()  # the two pipeline stages' copies of a tied embedding start equal again
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     # Skipped steps stay skipped: a resume without (or with other) --skip_steps adds the checkpoint's.
@@ -215,7 +219,7 @@ def save_checkpoint(run: Run) -> None:
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
-            "model": dataclasses.asdict(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
+            "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
             "skip_steps": run.config.skip_steps,
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}

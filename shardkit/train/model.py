@@ -9,7 +9,8 @@ absolute positions, LayerNorm, GELU, biases) stays available so that `gpt2-124m`
 are the well-known reference models with their usual parameter counts and MFU figures.
 
 Both styles use `scaled_dot_product_attention` (flash / memory-efficient kernels on GPU), tie the
-output projection to the token embedding, and use GPT-2's init: N(0, 0.02) weights, zero biases, and
+output projection to the token embedding, pad the vocabulary to `ModelConfig.padded_vocab_size` rows
+(the padded logits are -inf), and use GPT-2's init: N(0, 0.02) weights, zero biases, and
 residual output projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not
 grow with depth.
 """
@@ -140,7 +141,8 @@ class Transformer(nn.Module):
         # Tensor parallelism with sequence parallelism hands each block 1/tp of the sequence; positions
         # are computed for the whole sequence (see `shardkit.train.parallel.tensor`).
         self.sequence_shards = 1
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        vocab_rows = config.padded_vocab_size
+        self.tok_emb = nn.Embedding(vocab_rows, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.style == "gpt2" else None
         self.rope = (RotaryEmbedding(config.d_model // config.n_head, config.seq_len, config.rope_theta)
                      if config.style == "llama" else None)
@@ -148,9 +150,14 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         norm = nn.RMSNorm if config.style == "llama" else nn.LayerNorm
         self.norm = norm(config.d_model, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, vocab_rows, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        # 0 for real tokens, -inf for the padding rows, added to the logits: a padded token gets no
+        # probability, so it neither enters the loss's normaliser nor can be sampled, and its rows get no
+        # gradient from the output. Derived from the config (not saved); None without padding.
+        padding = torch.zeros(vocab_rows).masked_fill(torch.arange(vocab_rows) >= config.vocab_size, float("-inf"))
+        self.register_buffer("padding_bias", padding if vocab_rows > config.vocab_size else None, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -175,7 +182,7 @@ class Transformer(nn.Module):
         return total
 
     def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for input ids [B, T].
+        """Logits [B, T, padded vocab] for input ids [B, T] (-inf for the padding ids).
 
         Args:
             tokens: input ids.
@@ -222,7 +229,14 @@ def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.T
             x = block(x, rope, mask)
     if module.lm_head is None:
         return x
-    return module.lm_head(module.norm(x))
+    logits = module.lm_head(module.norm(x))
+    return logits if module.padding_bias is None else logits + module.padding_bias
+
+
+def tied_weights(config: ModelConfig) -> dict[str, str]:
+    """State-dict names that hold the same tensor as another name ({alias: name}): a checkpoint saves
+    the tensor once, under the name."""
+    return {"lm_head.weight": "tok_emb.weight"} if config.tie_embeddings else {}
 
 
 def flops_per_token(config: ModelConfig, num_parameters: int) -> float:

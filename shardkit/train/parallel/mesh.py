@@ -141,17 +141,17 @@ def check_model_fits(dims: ParallelDims, model: ModelConfig) -> None:
         if model.seq_len is not None and model.seq_len % dims.tp:
             raise ValueError(f"--seq_len {model.seq_len} is not divisible by --tp {dims.tp}: sequence "
                              "parallelism splits the norms' activations by positions")
-        if model.vocab_size is not None and model.vocab_size % dims.tp:
-            raise ValueError(f"--vocab_size {model.vocab_size} is not divisible by --tp {dims.tp}: the "
-                             "embedding and loss are split by vocabulary; pad --vocab_size to a multiple")
+        padded = model.padded_vocab_size
+        if padded is not None and padded % dims.tp:
+            raise ValueError(f"the padded vocabulary {padded} (--vocab_size {model.vocab_size} rounded up to a multiple "
+                             f"of --make_vocab_size_divisible_by {model.make_vocab_size_divisible_by}) is not "
+                             f"divisible by --tp {dims.tp}: the embedding and loss are split by vocabulary; set "
+                             f"--make_vocab_size_divisible_by to a multiple of {dims.tp}")
     if dims.pp > 1:
         stages = dims.pp * dims.stages_per_rank
         if model.n_layer < stages:
             raise ValueError(f"--n_layer {model.n_layer} is smaller than the {stages} pipeline stages "
                              f"(--pp {dims.pp}, --pp_schedule {dims.pp_schedule}): lower --pp")
-        if model.tie_embeddings:
-            raise ValueError("--pp > 1 puts the embedding on the first stage and the output projection on the "
-                             "last: use --tie_embeddings false")
         if model.document_mask:
             raise ValueError("--document_mask is not supported with --pp > 1 (segment ids do not travel "
                              "between stages)")

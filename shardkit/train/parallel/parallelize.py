@@ -23,7 +23,7 @@ from shardkit.train.config import ParallelConfig
 from shardkit.train.model import Transformer, blocks_of
 from shardkit.train.parallel.data_parallel import apply_ddp, apply_fsdp, gradient_sync, reshard_after_eval
 from shardkit.train.parallel.mesh import check_model_fits
-from shardkit.train.parallel.pipeline import build_schedule, make_stages, pipeline_split
+from shardkit.train.parallel.pipeline import TiedEmbedding, build_schedule, make_stages, pipeline_split, tie_embedding
 from shardkit.train.parallel.runtime import Runtime
 from shardkit.train.parallel.tensor import apply_tp
 
@@ -38,6 +38,8 @@ class ParallelModel:
         parts: the modules whose forward runs (the model itself, or this rank's pipeline stages).
         runtime: the process layout.
         schedule: the pipeline schedule, or None without pipeline parallelism.
+        tied: under pipeline parallelism with tied embeddings, this first or last stage's copy of the
+            shared embedding (None elsewhere).
     """
 
     model: nn.Module
@@ -45,6 +47,7 @@ class ParallelModel:
     runtime: Runtime
     schedule: Any = None
     last_stage: bool = True
+    tied: TiedEmbedding | None = None
     _scale: list[float] = field(default_factory=lambda: [1.0])
 
     @property
@@ -66,7 +69,10 @@ class ParallelModel:
         loss (pipeline ranks other than the last stage hold none: they return 0, the last stage pp x loss).
         """
         if self.schedule is not None:
-            return self._pipeline_step(inputs, targets, scale=scale)
+            loss = self._pipeline_step(inputs, targets, scale=scale)
+            if sync and self.tied is not None:  # the step's last backward: both copies get the summed gradient
+                self.tied.sum_gradients()
+            return loss
         with gradient_sync(self.model, self.runtime.mode, enabled=sync), self._loss_context():
             loss = self._cross_entropy(self.model(inputs, segment_ids), targets, "mean")
             (loss * scale).backward()
@@ -106,7 +112,9 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient norm over all parameters of all ranks; returns the norm before clipping."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # The last stage's copy of a tied embedding is the first stage's: its gradient counts once.
+        duplicate = self.tied.weight if self.tied is not None and not self.tied.first else None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None and p is not duplicate]
         norm = torch.nn.utils.get_total_norm(grads, foreach=None)
         if hasattr(norm, "full_tensor"):  # sharded over dp_shard and/or tp: a DTensor whose sum spans them
             norm = norm.full_tensor()
@@ -117,6 +125,12 @@ class ParallelModel:
         if math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(list(self.model.parameters()), max_norm, norm, foreach=None)
         return norm
+
+    def broadcast_tied(self) -> None:
+        """Make the last pipeline stage's copy of a tied embedding the first stage's (every rank calls it
+        after building the model and after loading a checkpoint; a no-op without such a copy)."""
+        if self.tied is not None:
+            self.tied.broadcast()
 
     def reshard_after_eval(self) -> None:
         for part in self.parts:
@@ -159,4 +173,7 @@ def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *,
     if pipeline is not None:
         result.schedule = build_schedule(parts, pipeline[0], dims, device=runtime.device,
                                          pp_group=runtime.group("pp"), loss_fn=result.pipeline_loss)
+        if model.config.tie_embeddings:
+            result.tied = tie_embedding(model, mesh, pipeline[0], len(pipeline[1]))
+    result.broadcast_tied()
     return result

@@ -6,13 +6,22 @@ or two per rank for the interleaved 1F1B schedule (stage s on pp rank s mod pp, 
 an early and a late range and the bubble shrinks by half). Each rank keeps one `Transformer` that
 owns only its stages' layers, with the parameter names of the whole model, so optimizer and
 checkpoints see the usual names; a `Stage` view per stage runs the forward.
+
+Tied embeddings (Megatron's way): the first stage holds the token embedding, the last the output
+projection, each a copy of the one shared matrix. Both copies start equal (broadcast from the first
+stage), and after every backward their gradients are summed between the two stages (`TiedEmbedding`),
+so the same optimizer update keeps them bitwise equal. The last stage keeps the embedding's module
+(never run) beside its output projection, sharing the parameter as the whole model does, so that its
+names, optimizer groups and checkpoint entries are the whole model's; a checkpoint stores the matrix once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.train.model import Transformer, forward_layers
@@ -73,12 +82,17 @@ class Stage(nn.Module):
         self.activation_checkpointing = owner.activation_checkpointing
         self.sequence_shards = owner.sequence_shards
         self.tok_emb = owner.tok_emb if first else None
+        if last and not first and owner.tok_emb is not None:
+            # The tied embedding's module, not run here: in this view's tree FSDP sees both users of the
+            # shared parameter (a view holding only `lm_head` would leave the owner's embedding stale).
+            self.tied_embedding = owner.tok_emb
         self.pos_emb = owner.pos_emb if first else None
         self.drop = owner.drop
         self.rope = owner.rope
         self.blocks = nn.ModuleDict({str(i): owner.blocks[str(i)] for i in layers})
         self.norm = owner.norm if last else None
         self.lm_head = owner.lm_head if last else None
+        self.padding_bias = owner.padding_bias if last else None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return forward_layers(self, inputs)
@@ -100,9 +114,12 @@ def pipeline_split(model: Transformer, dims: ParallelDims, pp_rank: int) -> tupl
     owned = sorted(i for s in mine for i in ranges[s])
     # ModuleDict keyed by the layer index keeps the names `blocks.N.` of the whole model.
     model.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in owned})
-    if 0 not in mine:
-        model.tok_emb = model.pos_emb = None
-    if num_stages - 1 not in mine:
+    first, last = 0 in mine, num_stages - 1 in mine
+    if not first:
+        model.pos_emb = None
+        if not (last and model.config.tie_embeddings):  # the last stage keeps a tied embedding's module
+            model.tok_emb = None
+    if not last:
         model.norm = model.lm_head = None
     return model, mine, ranges
 
@@ -131,3 +148,55 @@ def build_schedule(stages: list[nn.Module], indices: list[int], dims: ParallelDi
     return schedule_class(pipeline_stages[0], n_microbatches=dims.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+
+
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank holds (a DTensor's local shard, or the tensor itself)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclass
+class TiedEmbedding:
+    """The embedding matrix the first and last pipeline stages share, and their two-rank process group.
+
+    Attributes:
+        owner: this rank's `Transformer` (its `tok_emb.weight` is this stage's copy).
+        group: the first-stage rank and the last-stage rank with this rank's coordinates on the other
+            mesh dims (so that both hold the same shard of the matrix under FSDP and TP).
+        first: whether this rank holds the first stage (else the last).
+    """
+
+    owner: nn.Module
+    group: Any
+    first: bool
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.owner.tok_emb.weight
+
+    def sum_gradients(self) -> None:
+        """Add the other stage's gradient to this stage's (after the backward of an optimizer step)."""
+        weight, grad = self.weight, self.weight.grad
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # Under TP the embedding's backward may leave a replicated gradient of the row-split matrix:
+            # split it like the matrix (a local slice), so both stages reduce the same shard.
+            weight.grad = grad = grad.redistribute(placements=weight.placements)
+        dist.all_reduce(_local_shard(grad), group=self.group)
+
+    def broadcast(self) -> None:
+        """Copy the first stage's matrix to the last stage's (at start and after a checkpoint load)."""
+        with torch.no_grad():
+            dist.broadcast(_local_shard(self.weight), group_src=0, group=self.group)
+
+
+def tie_embedding(owner: Transformer, mesh, mine: list[int], num_stages: int) -> TiedEmbedding | None:
+    """The shared embedding of a pipeline with tied embeddings, or None on a middle stage or without tying.
+
+    Collective: every rank creates every first/last pair's group, in the same order."""
+    ranks = mesh.mesh  # rank numbers laid out as (pp, dp_replicate, dp_shard, tp)
+    pairs = torch.stack([ranks[0].flatten(), ranks[-1].flatten()], dim=1).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    first, last = 0 in mine, num_stages - 1 in mine
+    if group is None or not (first or last):
+        return None
+    return TiedEmbedding(owner=owner, group=group, first=first)

@@ -7,7 +7,9 @@ and the residual stream between blocks hold 1/tp of the positions (sequence para
 memory / tp, and an all-gather + reduce-scatter pair per sub-layer instead of one all-reduce, the
 same bytes). The token embedding is split by vocabulary rows and the output projection by vocabulary
 columns; the loss is computed on vocabulary-sharded logits (`loss_parallel`), so the [B, T, vocab]
-logits are never gathered, which pays for any vocabulary much larger than d_model.
+logits are never gathered, which pays for any vocabulary much larger than d_model. The vocabulary
+split is the padded one (`ModelConfig.padded_vocab_size`), so GPT-2's 50257 tokens split over any
+power-of-two tp; the padding's -inf bias is split with the logits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
     Heads, kv-heads, the MLP width, the vocabulary and the sequence length must divide the tp size
     (`mesh.check_model_fits` says which option to change).
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
@@ -39,6 +41,9 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
         plan["norm"] = SequenceParallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, plan)
+    if model.lm_head is not None and model.padding_bias is not None:
+        # Added to logits split by vocabulary (Shard(-1)): each rank holds the padding of its columns.
+        model.padding_bias = distribute_tensor(model.padding_bias, tp_mesh, [Shard(0)])
     for block in blocks_of(model):
         block_plan = {
             "norm1": SequenceParallel(), "norm2": SequenceParallel(),
