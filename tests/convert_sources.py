@@ -45,3 +45,13 @@ def read_megatron(prefix) -> list[np.ndarray]:
     bounds = dataset.document_indices
     return [np.concatenate([dataset[i] for i in range(bounds[d], bounds[d + 1])]) if bounds[d + 1] > bounds[d]
             else np.zeros(0, dtype=np.int64) for d in range(len(bounds) - 1)]
+
+
+def write_hf(directory, documents, *, column: str = "input_ids", batch_rows: int = 64):
+    """`documents` as a `datasets` dataset saved with `save_to_disk` (Arrow stream files of `batch_rows` rows)."""
+    datasets = pytest.importorskip("datasets", reason="datasets is needed (pip install 'shardkit[convert]')")
+    dataset = datasets.Dataset.from_dict({column: [d.tolist() for d in documents],
+                                          "id": list(range(len(documents)))})
+    dataset = dataset.map(lambda row: row, writer_batch_size=batch_rows)  # written in batches of batch_rows
+    dataset.save_to_disk(str(directory), max_shard_size="40KB")
+    return dataset

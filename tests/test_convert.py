@@ -199,3 +199,25 @@ def test_unreferenced_bytes_after_the_last_sequence_are_reported(tmp_path, sourc
     report = convert([prefix], tmp_path / "ds").report
     assert report["file_errors"][0]["unread_bytes"] == 100 and report["bytes"]["balanced"]
     assert "referenced by no .idx entry" in report["file_errors"][0]["reason"]
+
+
+@pytest.mark.slow
+def test_convert_sigkill_matrix_gives_byte_identical_output(tmp_path):
+    """The build's SIGKILL harness (tests/kill_harness.py) on `shardkit convert`: kills at seeded moments,
+    reruns to the end; every output is byte for byte the uninterrupted conversion's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_megatron(tmp_path / "corpus", random_documents(1500, seed=6))
+    (tmp_path / "work").mkdir()
+    here = Path(__file__).resolve().parent
+    run = subprocess.run([sys.executable, str(here / "kill_harness.py"), "convert", str(tmp_path / "corpus"),
+                          str(tmp_path / "work"), "12", "1"], capture_output=True, text=True, timeout=300, cwd=here.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["runs"] >= 12 and result["killed_mid_build"] >= 8, result
+    assert result["mismatches"] == 0 and result["byte_mismatches"] == 0, result
+    assert result["late_kill_outputs"] >= 1 and result["resumed_outputs"] == result["late_kill_outputs"], result
+    assert result["reused_shards"] > 0 and result["reuse_mismatches"] == 0 and result["rewritten_shards"] == 0, result
+    assert result["leftovers"] == 0 and result["orphaned_workers"] == 0, result
