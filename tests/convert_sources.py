@@ -47,11 +47,58 @@ def read_megatron(prefix) -> list[np.ndarray]:
             else np.zeros(0, dtype=np.int64) for d in range(len(bounds) - 1)]
 
 
-def write_hf(directory, documents, *, column: str = "input_ids", batch_rows: int = 64):
-    """`documents` as a `datasets` dataset saved with `save_to_disk` (Arrow stream files of `batch_rows` rows)."""
+def write_hf(directory, documents, *, column: str = "input_ids", num_shards: int = 2):
+    """`documents` as a `datasets` dataset saved with `save_to_disk` in `num_shards` Arrow files (datasets
+    writes record batches of up to 1,000 rows, so a file of more rows holds several)."""
     datasets = pytest.importorskip("datasets", reason="datasets is needed (pip install 'shardkit[convert]')")
     dataset = datasets.Dataset.from_dict({column: [d.tolist() for d in documents],
                                           "id": list(range(len(documents)))})
-    dataset = dataset.map(lambda row: row, writer_batch_size=batch_rows)  # written in batches of batch_rows
-    dataset.save_to_disk(str(directory), max_shard_size="40KB")
+    dataset.save_to_disk(str(directory), num_shards=num_shards)
     return dataset
+
+
+_MDS_WRITER = """
+import json, sys
+import numpy as np
+from streaming import MDSWriter
+spec = json.loads(sys.stdin.read())
+columns = {"input_ids": spec["encoding"], "id": "int"}
+with MDSWriter(out=spec["out"], columns=columns, compression=spec["compression"], hashes=spec["hashes"],
+               size_limit=spec["size_limit"]) as writer:
+    for i, ids in enumerate(spec["documents"]):
+        writer.write({"input_ids": np.asarray(ids, dtype=spec["dtype"]), "id": i})
+"""
+
+# MosaicML Streaming imports torchvision for its vision datasets only; torchvision's wheels need a CUDA
+# torch, so the writer runs in a subprocess that finds this stand-in after every real package
+# (benchmarks/peers.py uses the same one).
+_TORCHVISION_STAND_IN = {
+    "torchvision/__init__.py": "",
+    "torchvision/datasets/__init__.py": "class VisionDataset:  # stand-in: streaming only subclasses it\n    pass\n",
+    "torchvision/transforms/__init__.py": "",
+    "torchvision/transforms/functional.py": "def to_tensor(image):\n    raise NotImplementedError('stand-in')\n",
+}
+
+
+def write_mds(directory, documents, *, encoding="ndarray:uint16", dtype="uint16", compression="zstd",
+              hashes=("sha1", "xxh64"), size_limit=1 << 14) -> None:
+    """`documents` as an MDS dataset written by MosaicML Streaming's `MDSWriter` (skips when not installed)."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("streaming") is None:
+        pytest.skip("mosaicml-streaming is needed (pip install --no-deps mosaicml-streaming, see benchmarks/peers.py)")
+    stand_in = directory.parent / f"{directory.name}-stand-in"
+    for name, text in _TORCHVISION_STAND_IN.items():
+        (stand_in / name).parent.mkdir(parents=True, exist_ok=True)
+        (stand_in / name).write_text(text)
+    spec = {"out": str(directory), "documents": [d.tolist() for d in documents], "encoding": encoding, "dtype": dtype,
+            "compression": compression, "hashes": list(hashes), "size_limit": size_limit}
+    code = ("import sys; sys.path.append(sys.argv[1])\n" + _MDS_WRITER)
+    run = subprocess.run([sys.executable, "-c", code, str(stand_in)], input=json.dumps(spec), capture_output=True,
+                         text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if run.returncode != 0:
+        raise RuntimeError(f"MDSWriter failed: {run.stderr[-2000:]}")

@@ -32,15 +32,19 @@ def documents_by_source(output):
 
 
 def test_save_to_disk_rows_become_documents(tmp_path):
-    documents = random_documents(300, seed=4)
+    documents = random_documents(2600, seed=4, longest=24)
     write_hf(tmp_path / "hf", documents)
     files = json.loads((tmp_path / "hf" / "state.json").read_text())["_data_files"]
-    assert len(files) > 1  # several Arrow files, each its own source
+    assert len(files) == 2  # several Arrow files, each its own source, each of several record batches
+    with pa.OSFile(str(tmp_path / "hf" / files[0]["filename"])) as fh:
+        assert len(list(pa.ipc.open_stream(fh))) > 1
     result = convert([tmp_path / "hf"], tmp_path / "ds", workers=2)
     report = result.report
-    assert report["documents"]["in"] == 300 == report["documents"]["written"] and report["bytes"]["balanced"]
+    assert report["documents"]["in"] == 2600 == report["documents"]["written"] and report["bytes"]["balanced"]
     assert result.manifest.sources == tuple(str(tmp_path / "hf" / f["filename"]) for f in files)
-    rows = [tokens for source in sorted(documents_by_source(tmp_path / "ds").items()) for _, tokens in source[1]]
+    found = documents_by_source(tmp_path / "ds")
+    assert [[index for index, _ in found[source]] for source in (0, 1)] == [list(range(1300))] * 2  # row numbers
+    rows = [tokens for source in (0, 1) for _, tokens in found[source]]
     assert rows == [d.tolist() for d in documents]  # every row, in order, token for token
     again = convert([tmp_path / "hf"], tmp_path / "again", workers=1, unit_bytes=1 << 20)
     assert again.manifest.to_json() == result.manifest.to_json()

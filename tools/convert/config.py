@@ -46,18 +46,20 @@ class ConvertConfig:
     inputs: tuple[str, ...] = option(
         help="the source dataset(s), in order: a Megatron prefix (PATH for PATH.bin + PATH.idx; a directory: "
              "every .idx in it), a Hugging Face `save_to_disk` directory (one split) or Parquet files, "
-             "directories or globs; local paths or fsspec URLs",
+             "directories or globs, an MDS directory (holding index.json); local paths or fsspec URLs",
         records="output", positional=True, metavar="SRC")
     source_format: str = option(
         help="the source's format: 'megatron' (indexed dataset .bin/.idx), 'hf' (datasets save_to_disk or Parquet "
-             "with a token-id column)", records="output",
+             "with a token-id column), 'mds' (MosaicML Streaming shards with a token-id ndarray column)",
+        records="output",
         choices=registry("shardkit.tools.convert", "SOURCE_FORMATS"), flags=("--from",), metavar="FORMAT")
     output: str = same_as_build("output")
     tokenizer: str | None = option(
         None, "the tokenizer the ids come from (same specs as `shardkit build --tokenizer`); default: the identity "
               "recorded in the source's metadata (PREFIX.shardkit.json, written by `shardkit export`); refused when "
               "neither names one", records="output", metavar="SPEC")
-    token_field: str = option("input_ids", "with --from hf: the column of token ids (a list of integers per row)",
+    token_field: str = option("input_ids", "with --from hf or mds: the column of token ids (a list of integers per "
+                                           "row, an integer ndarray per MDS sample)",
                               records="output", metavar="NAME")
     seq_len: int = same_as_build("seq_len")
     shard_format: str = same_as_build("shard_format")

@@ -39,6 +39,14 @@ def source_side(config: ConvertConfig) -> InputSide:
         metadata = megatron.read_metadata(files[0], options) if files else None
         units = lambda start: megatron.units(pairs, indexes, unit_bytes=config.unit_bytes, start=start)  # noqa: E731
         work = megatron.read_unit
+    elif config.source_format == "mds":
+        from shardkit.tools.convert import mds
+
+        sources = mds.expand_sources(config.inputs, token_field=config.token_field, storage_options=options)
+        files = [file for file, _ in sources]
+        recorded, metadata = [f.record() for f in files], None
+        units = lambda start: mds.units(sources, start=start)  # noqa: E731
+        work = mds.read_shard_unit
     else:
         from shardkit.tools.convert import hf
 
