@@ -102,3 +102,44 @@ def write_mds(directory, documents, *, encoding="ndarray:uint16", dtype="uint16"
                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if run.returncode != 0:
         raise RuntimeError(f"MDSWriter failed: {run.stderr[-2000:]}")
+
+
+_LITDATA_WRITER = """
+import json, os, sys
+os.environ["LITDATA_DISABLE_VERSION_CHECK"] = "1"
+import numpy as np
+import torch
+from litdata import TokensLoader, optimize
+
+SPEC = json.loads(open(sys.argv[1]).read())
+
+
+def item(i):
+    yield torch.tensor(SPEC["documents"][i], dtype=getattr(torch, SPEC["dtype"]))
+
+
+if __name__ == "__main__":
+    optimize(fn=item, inputs=list(range(len(SPEC["documents"]))), output_dir=SPEC["out"], chunk_bytes=SPEC["chunk_bytes"],
+             item_loader=TokensLoader(), num_workers=1, mode="overwrite")
+"""
+
+
+def write_litdata(directory, documents, *, dtype="int32", chunk_bytes=8000) -> None:
+    """`documents` as a LitData dataset written by `litdata.optimize` with `TokensLoader` (skips when absent)."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("litdata") is None:
+        pytest.skip("litdata is needed (pip install --no-deps litdata lightning-utilities, see benchmarks/peers.py)")
+    script = directory.parent / f"{directory.name}-writer.py"
+    spec = directory.parent / f"{directory.name}-spec.json"
+    script.write_text(_LITDATA_WRITER)
+    spec.write_text(json.dumps({"out": str(directory), "documents": [d.tolist() for d in documents], "dtype": dtype,
+                                "chunk_bytes": chunk_bytes}))
+    run = subprocess.run([sys.executable, str(script), str(spec)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=str(directory.parent))
+    if run.returncode != 0:
+        raise RuntimeError(f"litdata.optimize failed: {run.stderr[-2000:]}")

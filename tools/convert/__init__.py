@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 # The formats `--from` accepts, each one module of this package. Kept import-light: the CLI reads it.
-SOURCE_FORMATS = ("megatron", "hf", "mds")
+SOURCE_FORMATS = ("megatron", "hf", "mds", "litdata")
 __all__ = ["SOURCE_FORMATS", "ConvertConfig", "run_convert"]
 
 

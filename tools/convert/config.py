@@ -46,11 +46,12 @@ class ConvertConfig:
     inputs: tuple[str, ...] = option(
         help="the source dataset(s), in order: a Megatron prefix (PATH for PATH.bin + PATH.idx; a directory: "
              "every .idx in it), a Hugging Face `save_to_disk` directory (one split) or Parquet files, "
-             "directories or globs, an MDS directory (holding index.json); local paths or fsspec URLs",
+             "directories or globs, an MDS or LitData directory (holding index.json); local paths or fsspec URLs",
         records="output", positional=True, metavar="SRC")
     source_format: str = option(
         help="the source's format: 'megatron' (indexed dataset .bin/.idx), 'hf' (datasets save_to_disk or Parquet "
-             "with a token-id column), 'mds' (MosaicML Streaming shards with a token-id ndarray column)",
+             "with a token-id column), 'mds' (MosaicML Streaming shards with a token-id ndarray column), 'litdata' "
+             "(LitData chunks written with TokensLoader, one document an item)",
         records="output",
         choices=registry("shardkit.tools.convert", "SOURCE_FORMATS"), flags=("--from",), metavar="FORMAT")
     output: str = same_as_build("output")

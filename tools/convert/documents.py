@@ -79,3 +79,16 @@ def _in_vocabulary(tokens: np.ndarray, lengths: np.ndarray, records: np.ndarray,
                                             f"position {position}, the vocabulary is [0, {vocab_size})"))
         ok[doc] = False
     return ok
+
+
+def file_units(sources, *, kind: str, start: tuple[int, int, int]):
+    """One work unit per file, from a resume position, for formats read a whole file at a time (MDS
+    shards, LitData chunks). `sources` holds (InputFile, payload, records in the file) triples."""
+    index, first_source, skip = start
+    for source in range(first_source, len(sources)):
+        if source == first_source and skip:
+            continue
+        file, payload, records = sources[source]
+        yield WorkUnit(index=index, source=source, file_unit=0, kind=kind, first_record=0, payload=payload,
+                       input_offset=file.size, records_in_payload=records)
+        index += 1

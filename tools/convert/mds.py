@@ -25,7 +25,6 @@ import bz2
 import gzip
 import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +54,10 @@ class MDSShard:
     raw_hashes: dict
 
 
-def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options) -> list[tuple[InputFile, MDSShard]]:
-    """The shard files of each SRC (a directory holding `index.json`), in index order."""
+def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options
+                   ) -> list[tuple[InputFile, MDSShard, int]]:
+    """(shard file, its description, its samples) of each shard of each SRC (a directory holding
+    `index.json`), in index order (`documents.file_units` makes one work unit of each)."""
     found = []
     for spec in inputs:
         fs, path = open_filesystem(spec, storage_options)
@@ -74,7 +75,8 @@ def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options
     return found
 
 
-def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field: str) -> tuple[InputFile, MDSShard]:
+def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field: str
+           ) -> tuple[InputFile, MDSShard, int]:
     where = f"{_display(fs, index_name)}: shard {number}"
     if shard.get("format") != "mds":
         raise ValueError(f"{where}: format {shard.get('format')!r}; only 'mds' shards are read")
@@ -86,23 +88,12 @@ def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field
     column = shard["column_names"].index(token_field)
     file = InputFile(url=_display(fs, url), kind="mds", compression=None, size=int(fs.size(url)),
                      sha256=content_sha256(fs, url))
-    return file, MDSShard(url=file.url, column=column, column_sizes=tuple(shard["column_sizes"]),
-                          encoding=shard["column_encodings"][column], samples=int(shard["samples"]),
-                          compression=shard.get("compression"), stored_bytes=int(stored["bytes"]),
-                          stored_hashes=dict(stored.get("hashes") or {}),
-                          raw_hashes=dict((shard.get("raw_data") or {}).get("hashes") or {}))
-
-
-def units(sources: list[tuple[InputFile, MDSShard]], *, start: tuple[int, int, int]) -> Iterator[WorkUnit]:
-    """One unit per shard file, from a resume position."""
-    index, first_source, skip = start
-    for source in range(first_source, len(sources)):
-        if source == first_source and skip:
-            continue
-        file, shard = sources[source]
-        yield WorkUnit(index=index, source=source, file_unit=0, kind="mds", first_record=0, payload=shard,
-                       input_offset=file.size, records_in_payload=shard.samples)
-        index += 1
+    description = MDSShard(url=file.url, column=column, column_sizes=tuple(shard["column_sizes"]),
+                           encoding=shard["column_encodings"][column], samples=int(shard["samples"]),
+                           compression=shard.get("compression"), stored_bytes=int(stored["bytes"]),
+                           stored_hashes=dict(stored.get("hashes") or {}),
+                           raw_hashes=dict((shard.get("raw_data") or {}).get("hashes") or {}))
+    return file, description, description.samples
 
 
 def _digest(algorithm: str, data: bytes) -> str | None:

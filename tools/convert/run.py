@@ -8,7 +8,7 @@ from dataclasses import replace
 from shardkit.manifest import TokenizerInfo, token_dtype_for_vocab
 from shardkit.tools.build import BuildResult, InputSide, _worker_start, run_pipeline
 from shardkit.tools.convert.config import ConvertConfig
-from shardkit.tools.convert.documents import TokenSettings
+from shardkit.tools.convert.documents import TokenSettings, file_units
 from shardkit.tools.documents import cached_tokenizer
 
 __all__ = ["run_convert", "source_side", "tokenizer_identity"]
@@ -39,14 +39,18 @@ def source_side(config: ConvertConfig) -> InputSide:
         metadata = megatron.read_metadata(files[0], options) if files else None
         units = lambda start: megatron.units(pairs, indexes, unit_bytes=config.unit_bytes, start=start)  # noqa: E731
         work = megatron.read_unit
-    elif config.source_format == "mds":
-        from shardkit.tools.convert import mds
+    elif config.source_format in ("mds", "litdata"):  # read a whole file (shard, chunk) per unit
+        from shardkit.tools.convert import litdata, mds
 
-        sources = mds.expand_sources(config.inputs, token_field=config.token_field, storage_options=options)
-        files = [file for file, _ in sources]
+        if config.source_format == "mds":
+            sources = mds.expand_sources(config.inputs, token_field=config.token_field, storage_options=options)
+            work = mds.read_shard_unit
+        else:
+            sources = litdata.expand_sources(config.inputs, options)
+            work = litdata.read_chunk_unit
+        files = [file for file, _, _ in sources]
         recorded, metadata = [f.record() for f in files], None
-        units = lambda start: mds.units(sources, start=start)  # noqa: E731
-        work = mds.read_shard_unit
+        units = lambda start: file_units(sources, kind=config.source_format, start=start)  # noqa: E731
     else:
         from shardkit.tools.convert import hf
 
