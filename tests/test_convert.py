@@ -10,7 +10,6 @@ import pytest
 
 from convert_sources import megatron, random_documents, read_megatron, write_megatron
 from shardkit.cli import main
-from shardkit.manifest import load_manifest
 from shardkit.tools.build import BuildInputError
 from shardkit.tools.convert import ConvertConfig, run_convert
 from shardkit.tools.convert.config import ExportConfig

@@ -43,7 +43,7 @@ def test_s3_on_both_sides_gives_the_local_output(tmp_path, s3_bucket):
 def test_ray_matches_local(tmp_path):
     pytest.importorskip("ray", reason="the ray executor needs ray (pip install 'shardkit[ray]')")
     write_megatron(tmp_path / "corpus", random_documents(400, seed=9))
-    local = run_convert(config([tmp_path / "corpus"], tmp_path / "local", packing="bestfit"))
+    run_convert(config([tmp_path / "corpus"], tmp_path / "local", packing="bestfit"))
     ray = run_convert(config([tmp_path / "corpus"], tmp_path / "ray", packing="bestfit", executor="ray"))
     assert ray.report["timing"]["executor"] == "ray"
     assert (tmp_path / "ray" / MANIFEST_NAME).read_bytes() == (tmp_path / "local" / MANIFEST_NAME).read_bytes()

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_file, token_documents
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _display, content_sha256, expand_inputs, iter_units
+from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
@@ -33,8 +33,7 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
             state = json.loads(fs.cat_file(f"{path}/state.json"))
             for entry in state.get("_data_files", []):
                 name = f"{path}/{entry['filename']}"
-                files.append(InputFile(url=_display(fs, name), kind="hf", compression=None, size=int(fs.size(name)),
-                                       sha256=content_sha256(fs, name)))
+                files.append(source_file(fs, name, "hf"))
         else:
             found = expand_inputs([spec], storage_options, content_hashes=True)
             wrong = [f.url for f in found if f.kind != "parquet"]

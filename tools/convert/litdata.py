@@ -16,14 +16,12 @@ memory-maps chunks and cannot read them either.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, token_documents
+from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_file, token_documents
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _display, content_sha256
+from shardkit.tools.inputs import InputFile, WorkUnit
 
 TENSOR_DTYPES = {11: "uint8", 12: "int8", 13: "int16", 14: "int16", 15: "int32", 16: "int32", 17: "int64",
                  18: "int64", 20: "uint16"}
@@ -33,18 +31,9 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[Input
     """(chunk file, (its URL, dtype, items), items) of each chunk of each SRC (a directory holding `index.json`)."""
     found = []
     for spec in inputs:
-        fs, path = open_filesystem(spec, storage_options)
-        path = path[:-len("/index.json")] if path.endswith("/index.json") else path.rstrip("/")
-        name = f"{path}/index.json"
-        if not fs.exists(name):
-            raise FileNotFoundError(f"SRC {spec}: no index.json (a LitData dataset is a directory holding one)")
-        where = _display(fs, name)
-        try:
-            index = json.loads(fs.cat_file(name))
-            config, chunks = index["config"], index["chunks"]
-            formats = config["data_format"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{where}: not a LitData index ({err})") from err
+        fs, path, where, index = read_index_json(spec, storage_options, fields=("config", "chunks"), what="LitData")
+        config, chunks = index["config"], index["chunks"]
+        formats = config.get("data_format") or []
         if config.get("compression"):
             raise ValueError(f"{where}: chunks compressed with {config['compression']!r}; only uncompressed "
                              "TokensLoader chunks are read")
@@ -55,8 +44,7 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[Input
                              "litdata.optimize(..., item_loader=TokensLoader()))")
         for chunk in chunks:
             url = f"{path}/{chunk['filename']}"
-            file = InputFile(url=_display(fs, url), kind="litdata", compression=None, size=int(fs.size(url)),
-                             sha256=content_sha256(fs, url))
+            file = source_file(fs, url, "litdata")
             found.append((file, (file.url, dtype, int(chunk["chunk_size"])), int(chunk["chunk_size"])))
     return found
 

@@ -24,15 +24,14 @@ from __future__ import annotations
 import bz2
 import gzip
 import hashlib
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, token_documents
+from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_file, token_documents
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _display, content_sha256
+from shardkit.tools.inputs import InputFile, WorkUnit
 
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
                 65: "int64"}
@@ -60,24 +59,15 @@ def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options
     `index.json`), in index order (`documents.file_units` makes one work unit of each)."""
     found = []
     for spec in inputs:
-        fs, path = open_filesystem(spec, storage_options)
-        path = path[:-len("/index.json")] if path.endswith("/index.json") else path.rstrip("/")
-        name = f"{path}/index.json"
-        if not fs.exists(name):
-            raise FileNotFoundError(f"SRC {spec}: no index.json (an MDS dataset is a directory holding one)")
-        try:
-            index = json.loads(fs.cat_file(name))
-            shards = index["shards"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{_display(fs, name)}: not an MDS index ({err})") from err
-        for number, shard in enumerate(shards):
+        fs, path, name, index = read_index_json(spec, storage_options, fields=("shards",), what="MDS")
+        for number, shard in enumerate(index["shards"]):
             found.append(_shard(fs, path, shard, number, name, token_field))
     return found
 
 
 def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field: str
            ) -> tuple[InputFile, MDSShard, int]:
-    where = f"{_display(fs, index_name)}: shard {number}"
+    where = f"{index_name}: shard {number}"
     if shard.get("format") != "mds":
         raise ValueError(f"{where}: format {shard.get('format')!r}; only 'mds' shards are read")
     if token_field not in shard["column_names"]:
@@ -86,8 +76,7 @@ def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field
     stored = shard["zip_data"] if shard.get("compression") else shard["raw_data"]
     url = f"{path}/{stored['basename']}"
     column = shard["column_names"].index(token_field)
-    file = InputFile(url=_display(fs, url), kind="mds", compression=None, size=int(fs.size(url)),
-                     sha256=content_sha256(fs, url))
+    file = source_file(fs, url, "mds")
     description = MDSShard(url=file.url, column=column, column_sizes=tuple(shard["column_sizes"]),
                            encoding=shard["column_encodings"][column], samples=int(shard["samples"]),
                            compression=shard.get("compression"), stored_bytes=int(stored["bytes"]),

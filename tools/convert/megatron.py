@@ -34,9 +34,9 @@ import numpy as np
 
 from shardkit.manifest import TokenizerInfo
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_file, token_documents
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _display, content_sha256
+from shardkit.tools.inputs import InputFile, WorkUnit, _display
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -126,9 +126,7 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[Input
                 if not fs.exists(prefix + suffix):
                     raise FileNotFoundError(f"SRC {spec}: {_display(fs, prefix + suffix)} does not exist "
                                             "(a Megatron dataset is PREFIX.bin + PREFIX.idx)")
-                url = _display(fs, prefix + suffix)
-                files.append(InputFile(url=url, kind="megatron", compression=None, size=int(fs.size(prefix + suffix)),
-                                       sha256=content_sha256(fs, prefix + suffix)))
+                files.append(source_file(fs, prefix + suffix, "megatron"))
             pairs.append((files[0], files[1]))
     return pairs
 
