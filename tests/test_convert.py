@@ -72,7 +72,8 @@ def test_megatron_round_trip_keeps_every_token_and_document(tmp_path, source, pa
 def test_export_records_the_tokenizer_and_convert_reads_it_back(tmp_path, source):
     prefix, documents = source
     first = convert([prefix], tmp_path / "ds")
-    export(tmp_path / "ds", tmp_path / "back" / "corpus")
+    assert main(["export", str(tmp_path / "ds"), "--to", "megatron", "--output", str(tmp_path / "back" / "corpus"),
+                 "--no-progress"]) == 0
     again = convert([tmp_path / "back" / "corpus"], tmp_path / "again", tokenizer=None)
     assert again.manifest.tokenizer == first.manifest.tokenizer
     assert_documents(tmp_path / "again", documents)

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from shardkit.storage import open_filesystem, redact_url, retry_call
+from shardkit.storage import open_filesystem
 from shardkit.tools.convert.documents import TokenSettings, source_file, token_documents
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
+from shardkit.tools.inputs import InputFile, WorkUnit, _open_raw, expand_inputs, iter_units
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
@@ -66,8 +66,7 @@ def _stream_units(files: list[InputFile], *, token_field: str, storage_options,
         skip_units = skip if source == first_source else 0
         file_unit = record = reached = 0
         try:
-            fs, path = open_filesystem(file.url, storage_options)
-            with retry_call(lambda: fs.open(path, "rb"), url=redact_url(file.url), what="open") as fh:
+            with _open_raw(file.url, storage_options) as fh:  # the build's input reader: retried like it
                 reader = pa.ipc.open_stream(fh)
                 if token_field not in reader.schema.names:
                     raise ValueError(f"no column {token_field!r} (columns: {', '.join(reader.schema.names)}); "
