@@ -3,6 +3,7 @@ forks a child per run and SIGKILLs it at seeded random moments (forking costs mi
 fresh interpreter costs seconds on this machine). The harness holds no threads when it forks.
 
     python tests/kill_harness.py build CORPUS WORKDIR POINTS SEED   -> JSON figures on stdout
+    python tests/kill_harness.py convert PREFIX WORKDIR POINTS SEED -> the same for `shardkit convert --from megatron`
     python tests/kill_harness.py cache DATASET WORKDIR POINTS SEED  -> JSON figures on stdout
 
 build: each point SIGKILLs a real build (its process group: the parent and its pool of tokenizer worker
@@ -101,15 +102,30 @@ def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
     """Kill real builds (the parent and its pool of worker processes, as one process group) at seeded
     moments, rerun each output to the end, and check the result is the uninterrupted build's, the shards
     finished before a kill were reused (not rewritten), and nothing temporary or orphaned is left."""
-    from shardkit.manifest import load_manifest
     from shardkit.tools.build import BuildConfig, run_build
 
-    def config(output: str) -> BuildConfig:
-        return BuildConfig(inputs=(corpus,), output=output, tokenizer="byte", seq_len=63, shard_size=6_000,
-                           unit_bytes=8 * 1024, workers=2, progress=False)
-
     def build(output: str) -> None:
-        run_build(config(output))
+        run_build(BuildConfig(inputs=(corpus,), output=output, tokenizer="byte", seq_len=63, shard_size=6_000,
+                              unit_bytes=8 * 1024, workers=2, progress=False))
+
+    return kill_matrix(build, workdir, points, seed)
+
+
+def convert_matrix(source: str, workdir: str, points: int, seed: int) -> dict:
+    """`build_matrix` for `shardkit convert --from megatron` (SOURCE is the .bin/.idx prefix)."""
+    from shardkit.tools.convert import ConvertConfig, run_convert
+
+    def convert(output: str) -> None:
+        run_convert(ConvertConfig(inputs=(source,), source_format="megatron", output=output, tokenizer="byte",
+                                  seq_len=63, shard_size=6_000, unit_bytes=8 * 1024, workers=2, progress=False))
+
+    return kill_matrix(convert, workdir, points, seed)
+
+
+def kill_matrix(build, workdir: str, points: int, seed: int) -> dict:
+    """Kill `build(output)` runs (forked, with their worker processes) at seeded moments and check each
+    output's final rerun against an uninterrupted run (see `build_matrix`)."""
+    from shardkit.manifest import load_manifest
 
     began = time.monotonic()
     reference_dir = os.path.join(workdir, "reference")
@@ -121,7 +137,7 @@ def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
     shard_seconds = duration / total_shards
     rng = random.Random(seed)
     figures = {"runs": 0, "killed_mid_build": 0, "finished_before_kill": 0, "outputs": 0, "mismatches": 0,
-               "samples_checked": 0, "leftovers": 0, "orphaned_workers": 0, "resumed_outputs": 0,
+               "samples_checked": 0, "byte_mismatches": 0, "leftovers": 0, "orphaned_workers": 0, "resumed_outputs": 0,
                "late_kill_outputs": 0, "reused_shards": 0, "reuse_mismatches": 0, "rewritten_shards": 0,
                "shards": total_shards, "build_seconds": round(duration, 3)}
     output_index = 0
@@ -160,6 +176,9 @@ def build_matrix(corpus: str, workdir: str, points: int, seed: int) -> dict:
         final = load_manifest(output)
         if final.to_json() != reference.to_json():
             figures["mismatches"] += 1
+        for shard in final.shards:  # byte-identical shards, not only a manifest that says so
+            with open(os.path.join(output, shard.name), "rb") as a, open(os.path.join(reference_dir, shard.name), "rb") as b:
+                figures["byte_mismatches"] += a.read() != b.read()
         figures["samples_checked"] += final.num_samples
         report_path = os.path.join(output, "build_report.json")
         if before:  # a resume: its report must say it reused exactly the shards the checkpoint held
@@ -347,5 +366,5 @@ if __name__ == "__main__":
     if mode == "concurrency":
         print(json.dumps(concurrency(source, workdir, amount, seed)))
     else:
-        matrix = {"build": build_matrix, "cache": cache_matrix}[mode]
+        matrix = {"build": build_matrix, "convert": convert_matrix, "cache": cache_matrix}[mode]
         print(json.dumps(matrix(source, workdir, int(amount), seed)))

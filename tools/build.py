@@ -19,6 +19,7 @@ import math
 import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,12 +33,12 @@ from shardkit.tools.config import BuildConfig, build_record, parse_compression, 
 from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
 from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
 from shardkit.tools.executors import available_cores, make_executor
-from shardkit.tools.inputs import InputFile, expand_inputs, iter_units
+from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.tools.packing import Packer, make_packer
 from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
 
-__all__ = ["BuildConfig", "BuildInputError", "BuildResult", "parse_compression", "parse_size", "print_summary",
-           "run_build"]
+__all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_compression", "parse_size",
+           "print_summary", "run_build", "run_pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,32 @@ class BuildResult:
     report: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class InputSide:
+    """What an input side hands the shared pipeline (pack, write, resume, account, report).
+
+    `shardkit build` tokenizes text (`text_inputs`); `shardkit convert` reads documents that are
+    already token ids (`shardkit.tools.convert`). Everything after the worker's `UnitResult` is shared.
+
+    Attributes:
+        files: the inputs in order: the manifest's `sources`, the byte accounting, the progress bar.
+        info: the tokenizer identity the manifest records (special ids resolved; `pad_id` set).
+        units: the parent's work units from a resume position (unit index, file index, units to skip).
+        work: `work(unit, settings) -> UnitResult` in a worker process or Ray task (module-level).
+        settings: the second argument of `work` (small and picklable).
+        resolved: values that replace the configuration's in the build record (inputs with hashes).
+        tool: the command the build record and the summary name.
+    """
+
+    files: list[InputFile]
+    info: TokenizerInfo
+    units: Callable[[tuple[int, int, int]], Iterator[WorkUnit]]
+    work: Callable[[WorkUnit, Any], UnitResult]
+    settings: Any
+    resolved: dict[str, Any]
+    tool: str = "shardkit build"
+
+
 @dataclass
 class BuildRun:
     """What one build carries from step to step (runtime objects and counters, not configuration).
@@ -84,6 +111,7 @@ class BuildRun:
 
     config: BuildConfig
     storage: Storage
+    side: InputSide
     files: list[InputFile]
     info: TokenizerInfo
     token_dtype: str
@@ -118,15 +146,31 @@ def run_build(config: BuildConfig) -> BuildResult:
     # Load the tokenizer here first: a bad --tokenizer is then one clear error from this process, and
     # forked workers inherit the loaded tokenizer.
     worker_tokenizer(config.tokenizer)
+    return run_pipeline(config, lambda: text_inputs(config), began=began, initializer=_worker_start,
+                        initargs=(config.tokenizer,))
+
+
+def run_pipeline(config, plan: Callable[[], InputSide], *, began: float, initializer: Callable,
+                 initargs: tuple = ()) -> BuildResult:
+    """The shared pipeline of `shardkit build` and `shardkit convert`: work units from `plan()`'s input
+    side, processed by `--workers` processes or Ray tasks, packed in unit order, written to shards with
+    a resume checkpoint after each, then the report and the manifest.
+
+    Args:
+        config: a `BuildConfig` or any configuration with the same output, packing, executor and error
+            fields (`ConvertConfig`).
+        plan: resolves the input side; called once the executor's workers are starting.
+        initializer: runs once in each local worker process (it must ignore SIGINT, see `_worker_start`).
+    """
     workers = config.workers or available_cores()
     # While the parent encodes a full shard it consumes no results; enough units in flight keep the
     # workers busy meanwhile (~0.4 input bytes per shard byte at zstd's and tiktoken's speeds).
     extra = min(64, math.ceil(0.4 * config.shard_size / config.unit_bytes))
     executor = make_executor(config.executor, workers, ray_address=config.ray_address,
-                             initializer=_worker_start, initargs=(config.tokenizer,), extra_window=extra)
+                             initializer=initializer, initargs=initargs, extra_window=extra)
     # Spawned workers start first: they load the tokenizer while the parent sets up.
     with executor:
-        run = prepare(config, workers=workers, began=began)
+        run = prepare(config, plan(), workers=workers, began=began)
         if run.status == "done":
             logger.info("%s already holds this build; nothing to do", run.storage.url)
             return BuildResult("done", load_manifest(run.storage), None)
@@ -134,33 +178,49 @@ def run_build(config: BuildConfig) -> BuildResult:
     return finish(run)
 
 
-def _worker_start(tokenizer: str) -> None:
+def _worker_start(tokenizer: str | None = None) -> None:
     """Worker initializer: Ctrl-C reaches the whole process group, and the parent alone answers it
     (one `interrupted` line, exit 130), so workers ignore SIGINT and are shut down by the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    warm_up(tokenizer)
+    if tokenizer is not None:
+        warm_up(tokenizer)
 
 
-def prepare(config: BuildConfig, *, workers: int, began: float) -> BuildRun:
-    """Resolve the configuration, decide fresh / resume / done, and restore a checkpoint to resume."""
+def text_inputs(config: BuildConfig) -> InputSide:
+    """The input side of `shardkit build`: text files cut into units that workers tokenize."""
     info = worker_tokenizer(config.tokenizer).info
     eos = _special(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
     bos = _special(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
     pad = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
     used_info = replace(info, eos_id=eos, bos_id=bos, pad_id=pad)
-    token_dtype = token_dtype_for_vocab(info.vocab_size)
     files = expand_inputs(config.inputs, config.storage_options, content_hashes=True)
-    build = build_record(config, {"inputs": [f.record() for f in files], "eos_id": eos, "bos_id": bos})
-    build["fingerprint"] = build_state.fingerprint({**build, "tokenizer_info": asdict(used_info)})
+    settings = DocumentSettings(tokenizer=config.tokenizer, token_dtype=token_dtype_for_vocab(info.vocab_size),
+                                text_field=config.text_field, eos_id=eos, bos_id=bos,
+                                max_doc_chars=config.max_doc_chars)
+
+    def units(start: tuple[int, int, int]):
+        return iter_units(files, text_field=config.text_field, txt_mode=config.txt_mode,
+                          unit_bytes=config.unit_bytes, max_doc_chars=config.max_doc_chars,
+                          storage_options=config.storage_options, start=start)
+
+    return InputSide(files=files, info=used_info, units=units, work=tokenize_unit, settings=settings,
+                     resolved={"inputs": [f.record() for f in files], "eos_id": eos, "bos_id": bos})
+
+
+def prepare(config, side: InputSide, *, workers: int, began: float) -> BuildRun:
+    """Resolve the configuration, decide fresh / resume / done, and restore a checkpoint to resume."""
+    token_dtype = token_dtype_for_vocab(side.info.vocab_size)
+    build = {**build_record(config, side.resolved), "tool": side.tool}
+    build["fingerprint"] = build_state.fingerprint({**build, "tokenizer_info": asdict(side.info)})
     storage = Storage(config.output, config.storage_options)
     storage.makedirs()
     key = resume_key(config)
     status = build_state.prepare_output(storage, build, overwrite=config.overwrite, extra_key=key)
-    packer = make_packer(config.packing, seq_len=config.seq_len, pad_id=pad, token_dtype=token_dtype,
+    packer = make_packer(config.packing, seq_len=config.seq_len, pad_id=side.info.pad_id, token_dtype=token_dtype,
                          buffer_docs=config.bestfit_buffer, max_open=config.bestfit_open)
-    run = BuildRun(config=config, storage=storage, files=files, info=used_info, token_dtype=token_dtype,
-                   build=build, resume_key=key, status=status, packer=packer,
-                   stats=BuildStats(max_examples=config.max_examples, input_bytes=sum(f.size for f in files)),
+    run = BuildRun(config=config, storage=storage, side=side, files=side.files, info=side.info,
+                   token_dtype=token_dtype, build=build, resume_key=key, status=status, packer=packer,
+                   stats=BuildStats(max_examples=config.max_examples, input_bytes=sum(f.size for f in side.files)),
                    workers=workers, began=began)
     if status == "resume":
         _restore(run)
@@ -233,20 +293,16 @@ def emit(run: BuildRun, executor) -> None:
     snapshot(run, run.start)
     if run.status == "fresh":
         _save_checkpoint(run)  # from the first byte on, the output says which build it belongs to
-    settings = DocumentSettings(tokenizer=config.tokenizer, token_dtype=run.token_dtype,
-                                text_field=config.text_field, eos_id=run.info.eos_id, bos_id=run.info.bos_id,
-                                max_doc_chars=config.max_doc_chars)
     run.writer = ShardWriter(run.storage, shard_format=config.shard_format, token_dtype=run.token_dtype,
                              max_bytes=config.shard_size, compression_level=config.compression_level,
                              start_index=len(run.shards), on_shard_done=lambda shard: _shard_done(run, shard))
-    units = iter_units(run.files, text_field=config.text_field, txt_mode=config.txt_mode,
-                       unit_bytes=config.unit_bytes, max_doc_chars=config.max_doc_chars,
-                       storage_options=config.storage_options, start=run.start)
+    units = run.side.units(run.start)
     progress = Progress(run.files, enabled=config.progress)
     next_unit = run.start[0]
     try:
         with run.writer:
-            for result, busy in executor.map_ordered(metrics.timed_call, _counted(run, units), tokenize_unit, settings):
+            for result, busy in executor.map_ordered(metrics.timed_call, _counted(run, units), run.side.work,
+                                                          run.side.settings):
                 snapshot(run, (result.index, result.source, result.file_unit))
                 expected = run.expected_documents.pop(result.index)
                 _account(result, run.files, run.stats, expected=expected, fail=config.on_error == "fail")
@@ -316,6 +372,7 @@ def _report(config: BuildConfig, manifest: Manifest, stats: BuildStats, packing:
     totals = manifest.totals()
     sample_tokens = totals["tokens"]
     return {
+        "tool": manifest.build["tool"],
         "output": config.output,
         "manifest_fingerprint": manifest.build["fingerprint"],
         "resumed": resumed,

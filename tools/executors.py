@@ -139,7 +139,9 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
             else:
-                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+                # address="local": start our own instance, as documented, even where a Ray cluster already
+                # runs on this machine (ray.init would otherwise join it and refuse num_cpus).
+                ray.init(address="local", num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
             self._started = True
         return self
 

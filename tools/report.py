@@ -27,7 +27,9 @@ def reason_category(reason: str) -> str:
 
 
 def record_label(kind: str) -> str:
-    return {"parquet": "row", "txt": "document", "txt-paragraph": "paragraph"}.get(kind, "line")
+    """What one record of a unit of this kind is called in messages (`shardkit convert`'s kinds included)."""
+    return {"parquet": "row", "txt": "document", "txt-paragraph": "paragraph", "megatron": "document",
+            "hf": "row", "mds": "sample", "litdata": "item"}.get(kind, "line")
 
 
 @dataclass
@@ -146,7 +148,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 def summary_table(report: dict[str, Any]) -> str:
     rows = summary_rows(report)
     width = max(len(k) for k, _ in rows)
-    lines = [f"shardkit build: {report['output']}"]
+    lines = [f"{report.get('tool', 'shardkit build')}: {report['output']}"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     if report["documents"]["examples"]:
         lines.append("  rejected (first examples):")

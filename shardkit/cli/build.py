@@ -153,23 +153,34 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run_build_command(args: argparse.Namespace) -> int:
-    _configure_logging()
-    from shardkit.tools.build import BuildInputError, print_summary, run_build
+    def build():
+        from shardkit.tools.build import run_build
 
-    try:
         if args.metrics_port:
             from shardkit.metrics import start_metrics_server
             start_metrics_server(args.metrics_port)
         config = config_from_args(args)
-        result = run_build(config)
+        return config, run_build(config)
+
+    return run_pipeline_command("shardkit build", build)
+
+
+def run_pipeline_command(tool: str, run) -> int:
+    """Run one command of the build pipeline (`build`, `convert`): `run()` returns (config, BuildResult).
+    Bad input and configuration errors are one line naming the command; the summary goes to stderr."""
+    _configure_logging()
+    from shardkit.tools.build import BuildInputError, print_summary
+
+    try:
+        config, result = run()
     except BuildInputError as err:
-        print(f"shardkit build: bad input: {err}", file=sys.stderr)
+        print(f"{tool}: bad input: {err}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as err:  # FileExistsError is an OSError
-        print(f"shardkit build: error: {err}", file=sys.stderr)
+        print(f"{tool}: error: {err}", file=sys.stderr)
         return 1
     if result.status == "done":
-        print(f"shardkit build: {config.output} already holds this build "
+        print(f"{tool}: {config.output} already holds this build "
               f"({result.manifest.num_samples:,} samples in {len(result.manifest.shards)} shards); nothing to do",
               file=sys.stderr)
         return 0

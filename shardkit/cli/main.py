@@ -20,6 +20,7 @@ COMMAND_PROVIDERS = (
     "shardkit.cli.dataset",
     "shardkit.cli.trace",
     "shardkit.cli.build",
+    "shardkit.cli.convert",
     "shardkit.cli.train",
     "shardkit.cli.tune",
     "shardkit.cli.demo",

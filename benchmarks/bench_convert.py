@@ -1,0 +1,123 @@
+"""Benchmark `shardkit convert --from megatron` against copying the same bytes and re-tokenizing the text.
+
+On ../shared/corpora/mix.jsonl.zst (override with --corpus) with the r50k (GPT-2) tiktoken file:
+
+(1) `shardkit build` of the corpus (--pack none, --workers 2): the re-tokenization a conversion saves,
+    as tokens/s from its report; its output is exported with `shardkit export --to megatron`, and that
+    Megatron dataset is copied --repeat times (separate prefixes) to make the source;
+(2) copy: the source's .bin and .idx files copied to another directory (`shutil.copyfile`, page cache
+    warm, as for the conversions), bytes/s;
+(3) `shardkit convert --from megatron` (a subprocess running the CLI, --pack concat --seq-len 2048,
+    arrow shards) with --workers 1 and 2: tokens/s and source bytes/s over its whole wall time, and the
+    ratio to the copy rate (the issue's goal: >= 50%).
+
+Every figure is the median of --runs runs. Prints a table, writes JSON (--out).
+    python benchmarks/bench_convert.py --runs 3 --repeat 2 --out bench_out/convert.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
+
+
+def shardkit(*args: str) -> float:
+    """Run the CLI in a subprocess; returns its wall time."""
+    began = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"shardkit {args[0]} failed: {run.stderr[-2000:]}")
+    return time.perf_counter() - began
+
+
+def make_source(corpus: Path, tokenizer: Path, work: Path, repeat: int) -> tuple[list[Path], dict]:
+    """Build the corpus once (timed), export it to Megatron and copy that `repeat` times."""
+    built = work / "built"
+    seconds = shardkit("build", str(corpus), "--output", str(built), "--tokenizer", str(tokenizer), "--seq-len", "2048",
+                       "--pack", "none", "--workers", "2", "--no-progress")
+    report = json.loads((built / "build_report.json").read_text())
+    shardkit("export", str(built), "--to", "megatron", "--output", str(work / "mega" / "part0"), "--no-progress")
+    prefixes = [work / "mega" / "part0"]
+    for i in range(1, repeat):
+        for suffix in (".bin", ".idx", ".shardkit.json"):
+            shutil.copyfile(work / "mega" / f"part0{suffix}", work / "mega" / f"part{i}{suffix}")
+        prefixes.append(work / "mega" / f"part{i}")
+    build = {"tokens": report["packing"]["document_tokens"], "seconds": report["timing"]["seconds"],
+             "process_seconds": seconds, "tokens_per_second": report["timing"]["tokens_per_second"], "workers": 2}
+    return prefixes, build
+
+
+def copy_rate(prefixes: list[Path], work: Path, runs: int) -> dict:
+    files = [p.with_suffix(s) for p in prefixes for s in (".bin", ".idx")]
+    total = sum(f.stat().st_size for f in files)
+    seconds = []
+    for _ in range(runs):
+        target = work / "copy"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir()
+        began = time.perf_counter()
+        for f in files:
+            shutil.copyfile(f, target / f.name)
+        seconds.append(time.perf_counter() - began)
+    shutil.rmtree(work / "copy", ignore_errors=True)
+    median = statistics.median(seconds)
+    return {"bytes": total, "seconds": median, "bytes_per_second": total / median}
+
+
+def convert(prefixes: list[Path], work: Path, workers: int, runs: int) -> dict:
+    walls, reports = [], []
+    for _ in range(runs):
+        out = work / f"converted-{workers}"
+        shutil.rmtree(out, ignore_errors=True)
+        walls.append(shardkit("convert", *map(str, prefixes), "--from", "megatron", "--output", str(out),
+                              "--seq-len", "2048", "--workers", str(workers), "--no-progress"))
+        reports.append(json.loads((out / "build_report.json").read_text()))
+    wall = statistics.median(walls)
+    report = reports[0]
+    tokens = report["packing"]["document_tokens"]
+    return {"workers": workers, "tokens": tokens, "process_seconds": wall, "tokens_per_second": tokens / wall,
+            "bytes_per_second": report["bytes"]["in"] / wall,
+            "report_seconds": statistics.median(r["timing"]["seconds"] for r in reports),
+            "compressed_bytes": report["totals"]["compressed_bytes"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHARED / "corpora" / "mix.jsonl.zst")
+    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "r50k_base.tiktoken")
+    parser.add_argument("--repeat", type=int, default=2, help="copies of the exported corpus in the source")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
+        work = Path(tmp)
+        prefixes, build = make_source(args.corpus, args.tokenizer, work, args.repeat)
+        copy = copy_rate(prefixes, work, args.runs)
+        results = {"build": build, "copy": copy, "convert": [convert(prefixes, work, w, args.runs) for w in (1, 2)]}
+    print(f"source: {copy['bytes'] / 1e6:.1f} MB Megatron ({len(prefixes)} x the exported corpus), "
+          f"{results['convert'][0]['tokens']:,} tokens")
+    print(f"copy: {copy['bytes_per_second'] / 1e6:.0f} MB/s")
+    print(f"build (re-tokenize, w=2): {build['tokens_per_second'] / 1e6:.2f}M tokens/s "
+          f"-> {results['convert'][0]['tokens'] / build['tokens_per_second']:.1f} s for the source's tokens")
+    for c in results["convert"]:
+        print(f"convert w={c['workers']}: {c['tokens_per_second'] / 1e6:.2f}M tokens/s, "
+              f"{c['bytes_per_second'] / 1e6:.0f} MB/s ({c['bytes_per_second'] / copy['bytes_per_second']:.0%} of copy), "
+              f"{c['process_seconds']:.1f} s, {c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
