@@ -55,14 +55,18 @@ def test_bad_precision_options_are_refused_naming_the_option(values, message):
         config_from_dict(values)
 
 
-def test_auto_is_checked_again_once_it_resolved_to_fp16():
-    """'auto' with PowerSGD is fine on CPU and bf16 GPUs; the trainer re-checks the config with the precision
-    it chose, so a GPU without bf16 (auto -> fp16) refuses it before training."""
-    config = config_from_dict({"parallelism": {"parallel": "ddp", "comm_hook": "powersgd"}})
-    assert config.precision == "auto"
+def test_auto_is_checked_again_once_it_resolved_to_fp16(tmp_path, data, monkeypatch):
+    """'auto' with PowerSGD is fine on CPU and bf16 GPUs; on a GPU without bf16 'auto' means fp16, which the
+    trainer checks again before training. (No such GPU here: the device's facts are simulated.)"""
+    import shardkit.train.loop as loop
+    from shardkit.train.precision import PrecisionChoice
+
+    values = {"device": "cpu", "parallelism": {"comm_hook": "powersgd"}, "data": {"data": data},
+              "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False}}
+    assert config_from_dict(values).precision == "auto"
+    monkeypatch.setattr(loop, "choose_precision", lambda *_, **__: PrecisionChoice("fp16", "a GPU without bf16"))
     with pytest.raises(ValueError, match="--comm_hook powersgd does not compose with --precision fp16"):
-        dataclasses.replace(config, precision="fp16")
-    assert dataclasses.replace(config, precision="bf16").parallelism.comm_hook == "powersgd"
+        build(config_from_dict(values))
 
 
 def test_help_lists_fp16_and_the_loss_scale_options(capsys):
