@@ -382,7 +382,8 @@ class TrainConfig:
         _check(0 < self.loss_scale < float("inf"), f"--loss_scale must be positive and finite, got {self.loss_scale}")
         _check(self.loss_scale_growth_interval >= 1,
                f"--loss_scale_growth_interval must be >= 1, got {self.loss_scale_growth_interval}")
-        _check(self.precision in ("fp16", "auto") or (self.loss_scale, self.loss_scale_growth_interval) == (65536.0, 2000),
+        scaling = (self.loss_scale, self.loss_scale_growth_interval)
+        _check(self.precision in ("fp16", "auto") or scaling == (65536.0, 2000),
                f"--loss_scale and --loss_scale_growth_interval apply to --precision fp16 only, not {self.precision}")
         if self.precision != "fp16":
             return

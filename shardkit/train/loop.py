@@ -34,8 +34,8 @@ from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
-from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, LossScaler, build_loss_scaler, choose_precision,
-                                      device_has_native_bf16)
+from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, LossScaler, build_loss_scaler,
+                                      choose_precision, device_has_native_bf16)
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def build(config: TrainConfig) -> Run:
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(runtime.device)
     num_parameters = model.num_parameters()
-    parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype, compile=config.compile,
-                           activation_checkpointing=config.activation_checkpointing)
+    parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype,
+                           compile=config.compile, activation_checkpointing=config.activation_checkpointing)
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
     scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
