@@ -122,6 +122,12 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_train_peak_memory_bytes", "gauge",
          "Peak memory: allocated GPU memory, or the process's peak resident set on CPU.", ("rank",)),
         ("shardkit_train_starvation_warnings_total", "counter", "Starvation warnings logged.", ("rank",)),
+        ("shardkit_train_loss_scale", "gauge",
+         "fp16 loss scale the last step's backward pass used (halved by an overflow, doubled after "
+         "--loss_scale_growth_interval clean steps).", ("rank",)),
+        ("shardkit_train_overflow_steps_total", "counter",
+         "fp16 steps whose gradients overflowed: update skipped, batches consumed (since this process started; "
+         "metrics.jsonl's overflow_steps counts the whole run).", ("rank",)),
     ),
 )
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
@@ -427,6 +433,9 @@ class TrainerMetrics:
         inc("shardkit_train_data_wait_seconds_total", waited, rank=rank)
         _child("shardkit_train_step_seconds", {"rank": rank}).observe(record["step_time_s"])
         _child("shardkit_train_peak_memory_bytes", {"rank": rank}).set(record["peak_memory_gib"] * 2**30)
+        if "loss_scale" in record:  # fp16 runs
+            _child("shardkit_train_loss_scale", {"rank": rank}).set(record["loss_scale"])
+            inc("shardkit_train_overflow_steps_total", float(record["overflow"]), rank=rank)
         self._history.append({name: value(name) for name in LOADER_COUNTERS})
         alarm = self.alarm
         if alarm is not None and alarm.update(waited, record["step_time_s"]):

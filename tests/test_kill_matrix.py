@@ -117,6 +117,40 @@ def test_training_sigkill_with_a_weight_schedule(tmp_path, figures):
                 lost=result["lost"], duplicated=result["duplicated"], corrupt=result["loss_mismatches"])
 
 
+def test_training_sigkill_in_fp16_keeps_the_loss_scale_bitwise(tmp_path, figures):
+    """--precision fp16 with a high initial scale (real overflows in the first steps, then growth after every
+    two clean steps) and an overflow forced at step 5: SIGKILLed at seeded random moments and resumed, every
+    run repeats the uninterrupted run's losses, loss scales and overflow-skipped counts bitwise, and the
+    skipped steps' samples are consumed once, in their steps."""
+    from train_runs import write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "data"))
+    (tmp_path / "work").mkdir()
+    points = 6
+    # From 2**17 this run overflows at steps 3 and 4 for real and doubles its scale after steps 2 and 7; seed 1
+    # aims kills after the checkpoints of steps 1 and 6, where the scale's growth tracker is 1, not 0.
+    options = {"precision": "fp16", "loss_scale": 131072.0, "loss_scale_growth_interval": 2}
+    command = [sys.executable, str(HERE / "train_kill_harness.py"), str(tmp_path / "data"), str(tmp_path / "work"),
+               str(points), "1", json.dumps(options)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_FAULT_INJECT": "overflow:5"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    scales = {int(step): value for step, value in result["reference_loss_scales"].items()}
+    overflows = [step for step, (_, overflow, _) in sorted(scales.items()) if overflow]
+    assert 5 in overflows and len(overflows) >= 2, scales  # the forced overflow and real ones
+    assert any(scales[step][0] > scales[step - 1][0] for step in range(2, 9)), scales  # the scale grew too
+    assert result["runs"] == points and result["kills"] >= points // 2, result
+    assert result["failed_resumes"] == 0 and result["loss_mismatches"] == 0 and result["id_mismatches"] == 0, result
+    assert result["scale_mismatches"] == 0, result
+    assert result["resume_mismatches"] == 0 and result["resumed_from_checkpoint"] >= 2, result
+    assert result["duplicated"] == 0 and result["lost"] == 0, result
+    figures.add("sigkill_training_fp16", runs=result["runs"], kills=result["kills"],
+                resumed_from_checkpoint=result["resumed_from_checkpoint"], samples_checked=result["samples_checked"],
+                lost=result["lost"], duplicated=result["duplicated"],
+                corrupt=result["loss_mismatches"] + result["scale_mismatches"])
+
+
 def test_sixteen_processes_share_a_cache_smaller_than_the_dataset(tmp_path, figures):
     dataset = tmp_path / "ds"
     manifest = write_fixed(str(dataset), 48 * 50, seq_len=255, per_shard=50)

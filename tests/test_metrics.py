@@ -25,7 +25,7 @@ def test_step_metrics_formula():
 
 
 def test_no_peak_on_cpu_and_memory_is_measured():
-    assert peak_flops(torch.device("cpu"), bf16=True) is None
+    assert peak_flops(torch.device("cpu"), precision="bf16") is None
     assert peak_memory_gib(torch.device("cpu")) > 0
 
 

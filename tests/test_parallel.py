@@ -17,8 +17,8 @@ from train_runs import free_port
 MODEL = ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
 
 
-def wrap_model(model, runtime, config, *, bf16):
-    return parallelize(model, runtime, config, bf16=bf16, compile=False, activation_checkpointing=False).model
+def wrap_model(model, runtime, config):
+    return parallelize(model, runtime, config, param_dtype=None, compile=False, activation_checkpointing=False).model
 
 
 def _grads(module):
@@ -42,7 +42,7 @@ def _worker(rank: int, port: int, results):
         for micro in range(2):
             (loss(reference, micro, r) / 2).backward()
     torch.manual_seed(0)
-    ddp = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp"), bf16=False)
+    ddp = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp"))
     with gradient_sync(ddp, "ddp", enabled=False):
         loss(ddp, 0).backward()
     local = _grads(ddp.module).clone()
@@ -55,11 +55,11 @@ def _worker(rank: int, port: int, results):
     hooked = {}
     for hook in ("bf16", "powersgd"):
         torch.manual_seed(0)
-        model = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp", comm_hook=hook), bf16=False)
+        model = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp", comm_hook=hook))
         loss(model, 0).backward()
         hooked[hook] = _grads(model.module)
     torch.manual_seed(0)
-    plain = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp"), bf16=False)
+    plain = wrap_model(Transformer(MODEL), runtime, ParallelConfig(parallel="ddp"))
     loss(plain, 0).backward()
     results[rank] = {
         "unsynced_differ": unsynced_differ,

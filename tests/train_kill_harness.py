@@ -2,14 +2,16 @@
 the trainer once but computes nothing itself (so every forked child starts with fresh thread pools),
 then forks one training run per point and SIGKILLs it at a seeded random moment.
 
-    python tests/train_kill_harness.py DATASET WORKDIR POINTS SEED   -> JSON figures on stdout
+    python tests/train_kill_harness.py DATASET WORKDIR POINTS SEED [OPTIONS_JSON]   -> JSON figures on stdout
 
 Each point: a run checkpointing every step is killed once it has checkpointed a seeded random number
 of steps, plus a random part of a step (so during start-up, a step, or a checkpoint save), then resumed with `--resume auto` to the
-end. Its per-step losses must equal an uninterrupted run's bitwise, over the whole run every sample id
+end. Its per-step losses (and, under --precision fp16, loss scales and overflow-skipped steps) must equal
+an uninterrupted run's bitwise, over the whole run every sample id
 must be consumed exactly once, in the same steps as the reference, and the resumed run must report
 (`resumed_from` in metrics.jsonl) the newest checkpoint the kill left: a run that started over would
-reproduce the reference too.
+reproduce the reference too. OPTIONS_JSON holds more trainer options ({"precision": "fp16", ...}); the
+forked runs inherit the environment (SHARDKIT_FAULT_INJECT="overflow:STEP" forces an overflow).
 
     python tests/train_kill_harness.py kill-torchrun RUN_DIR TARGET DELAY   -> JSON on stdout
 
@@ -32,13 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kill_harness import _fork, _wait  # noqa: E402
-from train_runs import losses, sample_ids  # noqa: E402
+from train_runs import loss_scales, losses, sample_ids  # noqa: E402
 
 STEPS = 8
 DEADLINE = 120.0
 
 
-def _train(data: str, run_dir: str, cache_dir: str) -> None:
+def _train(data: str, run_dir: str, cache_dir: str, options: dict) -> None:
     import torch
 
     from shardkit.train.config import config_from_dict
@@ -48,7 +50,8 @@ def _train(data: str, run_dir: str, cache_dir: str) -> None:
     values = {"steps": STEPS, "device": "cpu", "optimizer": {"warmup_steps": 2},
               "data": {"data": data, "batch_size": 12, "cache_dir": cache_dir},
               "checkpoint": {"checkpoint_every": 1, "keep": 2, "resume": "auto"},
-              "logging": {"run_dir": run_dir, "log_every": 1000, "tensorboard": False, "log_sample_ids": True}}
+              "logging": {"run_dir": run_dir, "log_every": 1000, "tensorboard": False, "log_sample_ids": True},
+              **options}
     run = build(config_from_dict(values))
     try:
         code = train(run)
@@ -91,7 +94,7 @@ def _latest_step(run_dir: Path) -> int:
     return max((int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()), default=0)
 
 
-def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
+def train_matrix(data: str, workdir: str, points: int, seed: int, options: dict | None = None) -> dict:
     import torch  # noqa: F401 - imported once here so that forked children start at once
     import shardkit.train.loop  # noqa: F401
 
@@ -99,18 +102,19 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
     cache_dir = os.path.join(workdir, "cache")
     reference = Path(workdir) / "reference"
     began = time.monotonic()
-    if _wait(_fork(_train, data, str(reference), cache_dir), DEADLINE) != 0:
+    if _wait(_fork(_train, data, str(reference), cache_dir, options or {}), DEADLINE) != 0:
         raise SystemExit("the uninterrupted reference run failed")
     duration = time.monotonic() - began
-    want_losses, want_ids = losses(reference), sample_ids(reference)
+    want_losses, want_ids, want_scales = losses(reference), sample_ids(reference), loss_scales(reference)
     figures = {"runs": points, "kills": 0, "killed_before_first_checkpoint": 0, "loss_mismatches": 0,
+               "scale_mismatches": 0, "reference_loss_scales": want_scales,
                "id_mismatches": 0, "samples_checked": 0, "duplicated": 0, "lost": 0, "failed_resumes": 0,
                "resume_mismatches": 0, "resumed_from_checkpoint": 0,
                "reference_seconds": round(duration, 2),
                "reference_stream_shares": _first_stream_shares(data, want_ids)}
     for point in range(points):
         run_dir = Path(workdir) / f"run-{point:02d}"
-        pid = _fork(_train, data, str(run_dir), cache_dir)
+        pid = _fork(_train, data, str(run_dir), cache_dir, options or {})
         # Kill by progress, not by the clock (this machine is shared): once the run has checkpointed
         # a seeded random number of steps (0: still starting up), plus a random part of one step.
         target = rng.randint(0, STEPS - 2)
@@ -123,7 +127,7 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
         figures["kills"] += status == -signal.SIGKILL
         latest = _latest_step(run_dir)
         figures["killed_before_first_checkpoint"] += latest == 0
-        if _wait(_fork(_train, data, str(run_dir), cache_dir), DEADLINE) != 0:
+        if _wait(_fork(_train, data, str(run_dir), cache_dir, options or {}), DEADLINE) != 0:
             figures["failed_resumes"] += 1
             continue
         # A run that started over would also reproduce the reference: it must say it resumed, and from
@@ -132,6 +136,7 @@ def train_matrix(data: str, workdir: str, points: int, seed: int) -> dict:
         figures["resumed_from_checkpoint"] += bool(resumed_from(run_dir))
         got_ids = sample_ids(run_dir)
         figures["loss_mismatches"] += losses(run_dir) != want_losses
+        figures["scale_mismatches"] += loss_scales(run_dir) != want_scales
         figures["id_mismatches"] += got_ids != want_ids
         consumed = [i for ids in got_ids.values() for i in ids]
         expected = {i for ids in want_ids.values() for i in ids}
@@ -200,4 +205,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "kill-torchrun":
         print(json.dumps(kill_torchrun(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))))
     else:
-        print(json.dumps(train_matrix(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+        print(json.dumps(train_matrix(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), options)))

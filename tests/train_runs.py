@@ -97,6 +97,12 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def loss_scales(run_dir: Path) -> dict[int, tuple[float, bool, int]]:
+    """step -> (loss scale, overflowed, overflow-skipped steps so far) of an fp16 run's metrics.jsonl ({} otherwise)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss_scale"], r["overflow"], r["overflow_steps"]) for r in records if "loss_scale" in r}
+
+
 def sample_ids(run_dir: Path) -> dict[int, list[int]]:
     """step -> sorted sample ids consumed by all ranks at that step."""
     by_step: dict[int, list[int]] = {}

@@ -24,7 +24,7 @@ SYNC_DTYPES = ("fp32", "bf16")
 COMM_HOOKS = ("none", "bf16", "powersgd")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 SCHEDULES = ("cosine", "wsd", "constant")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 MODEL_STYLES = ("gpt2", "llama")
 
 
@@ -372,8 +372,13 @@ class TrainConfig:
     steps: int = option(1000, "optimizer steps to train for; resuming with another value rescales the "
                         "learning-rate schedule to the new total from the next step (the run prints the change)")
     grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync only on the last)")
-    precision: str = option("auto", "'bf16' autocast / FSDP mixed precision, 'fp32', or 'auto' (bf16 on GPU)",
-                            choices=PRECISIONS)
+    precision: str = option("auto", "'bf16' or 'fp16' autocast / FSDP mixed precision (fp32 master weights and "
+                            "optimizer; fp16 with dynamic loss scaling), 'fp32', or 'auto' (bf16 on GPUs with native "
+                            "bf16, fp16 on older GPUs, fp32 on CPU; the log says which and why)", choices=PRECISIONS)
+    loss_scale: float = option(65536.0, "fp16: initial loss scale; halved at every step whose gradients overflow "
+                               "(that step's update is skipped), doubled after --loss_scale_growth_interval clean "
+                               "steps in a row")
+    loss_scale_growth_interval: int = option(2000, "fp16: clean steps in a row before the loss scale doubles")
     compile: bool = option(False, "torch.compile each transformer block")
     activation_checkpointing: bool = option(False, "recompute block activations in the backward pass")
     eval_every: int = option(0, "evaluate on --eval_data every N steps (0: only at the end)")
@@ -396,6 +401,7 @@ class TrainConfig:
         _check(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self._check_loss_scaling()
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
         object.__setattr__(self, "skip_steps", format_steps(parse_steps(self.skip_steps)))
         _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
@@ -406,6 +412,23 @@ class TrainConfig:
                 self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
                f"--warmup_steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
+
+    def _check_loss_scaling(self) -> None:
+        """Loss-scaling options, and the layouts fp16 does not compose with. ('auto' may pick fp16 on a GPU
+        without bf16: the trainer checks its choice again, with the precision resolved.)"""
+        _check(0 < self.loss_scale < float("inf"), f"--loss_scale must be positive and finite, got {self.loss_scale}")
+        _check(self.loss_scale_growth_interval >= 1,
+               f"--loss_scale_growth_interval must be >= 1, got {self.loss_scale_growth_interval}")
+        scaling = (self.loss_scale, self.loss_scale_growth_interval)
+        _check(self.precision in ("fp16", "auto") or scaling == (65536.0, 2000),
+               f"--loss_scale and --loss_scale_growth_interval apply to --precision fp16 only, not {self.precision}")
+        if self.precision != "fp16":
+            return
+        # PowerSGD keeps the compression error of each step and adds it to the next: the inf/NaN of one
+        # overflowing step would stay in that error and make every later step overflow too.
+        _check(self.parallelism.comm_hook != "powersgd",
+               "--comm_hook powersgd does not compose with --precision fp16 (dynamic loss scaling): an overflowing "
+               "step poisons PowerSGD's error feedback; use --comm_hook none or bf16, or --precision bf16/fp32")
 
     def to_dict(self) -> dict[str, Any]:
         """All values, with `storage_options` redacted (it may hold credentials)."""

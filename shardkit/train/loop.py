@@ -34,6 +34,8 @@ from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
+from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, LossScaler, build_loss_scaler,
+                                      choose_precision, device_has_native_bf16)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class Run:
     checkpointer: Checkpointer
     metrics: MetricsLogger
     sample_log: SampleLog | None
-    bf16: bool
+    precision: str  # 'bf16', 'fp16' or 'fp32', resolved from --precision
     flops_per_token: float
     peak_flops: float | None
     sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
@@ -66,6 +68,7 @@ class Run:
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
     skip_steps: frozenset[int] = frozenset()  # --skip_steps and those the resumed checkpoint recorded
+    scaler: LossScaler | None = None  # fp16's dynamic loss scaling
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -96,15 +99,17 @@ def build(config: TrainConfig) -> Run:
     if resume_from[0] is not None:
         model_config = model_to_resume(resume_from[0], read_marker(resume_from[0]), model_config, dataset_vocab=vocab,
                                        from_checkpoint=bool(config.checkpoint.model_from_checkpoint))
-    config = dataclasses.replace(config, model=model_config)
-    bf16 = config.precision == "bf16" or (config.precision == "auto" and runtime.device.type == "cuda")
+    precision = choose_precision(config.precision, device_type=runtime.device.type,
+                                 native_bf16=device_has_native_bf16(runtime.device))
+    # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
+    config = dataclasses.replace(config, model=model_config, precision=precision.name)
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(runtime.device)
     num_parameters = model.num_parameters()
-    parallel = parallelize(model, runtime, config.parallelism, bf16=bf16, compile=config.compile,
-                           activation_checkpointing=config.activation_checkpointing)
+    parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype,
+                           compile=config.compile, activation_checkpointing=config.activation_checkpointing)
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
     scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
@@ -116,11 +121,15 @@ def build(config: TrainConfig) -> Run:
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=TrainStream(config.data, runtime),
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
-              checkpointer=checkpointer, metrics=None, sample_log=None, bf16=bf16,  # type: ignore[arg-type]
-              flops_per_token=flops_per_token(model_config, num_parameters),
-              peak_flops=peak_flops(runtime.device, bf16=bf16),
+              checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
+              precision=precision.name, flops_per_token=flops_per_token(model_config, num_parameters),
+              peak_flops=peak_flops(runtime.device, precision=precision.name),
               sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
-                              world_size=runtime.world_size))
+                              world_size=runtime.world_size),
+              scaler=build_loss_scaler(precision.name, device=runtime.device, mode=runtime.mode,
+                                       sharded=runtime.dims.tp > 1 or runtime.dims.pp > 1,
+                                       init_scale=config.loss_scale,
+                                       growth_interval=config.loss_scale_growth_interval))
     run.watch = _trainer_metrics(config, runtime)
     resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.skip_steps)
@@ -130,7 +139,8 @@ def build(config: TrainConfig) -> Run:
         if config.logging.log_sample_ids:
             SampleLog.truncate_all(run_dir, run.step)
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
-                    num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, "bf16" if bf16 else "fp32", run_dir)
+                    num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
+        logger.info("precision %s: %s", precision.name, precision.reason)
     _barrier()
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
@@ -181,6 +191,7 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
     run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
     run.resumed_path = path.name
+    _resume_loss_scale(run, loaded.meta)
     _rescale_schedule(run, loaded.meta.get("steps"))
     # This run's hyperparameters win over the checkpoint's (`shardkit tune --sampler pbt` perturbs them on resume).
     run.scheduler.base_lrs = [options["initial_lr"] for options in fresh]
@@ -197,6 +208,18 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     if run.runtime.is_main:
         skipped_note = "".join(f" (skipped damaged {bad.name})" for bad, _ in skipped)
         print(f"resumed from {path} at step {run.step}{skipped_note}", flush=True)
+
+
+def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
+    """fp16 goes on with the checkpoint's loss scale, growth count and skipped-step total (kept in the
+    marker, like --skip_steps); a checkpoint of a bf16/fp32 run, or a run that is not fp16, starts afresh."""
+    saved = meta.get("loss_scaler")
+    if run.scaler is not None and saved is not None:
+        run.scaler.load_state_dict(saved)
+    elif run.runtime.is_main and (run.scaler is not None or saved is not None):
+        logger.info("the checkpoint was saved by a %s run, this run is %s: %s", meta.get("precision", "bf16/fp32"),
+                    run.precision, "the loss scale starts at --loss_scale" if run.scaler is not None
+                    else "its loss scale is not used")
 
 
 def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
@@ -220,7 +243,8 @@ def save_checkpoint(run: Run) -> None:
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
             "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
-            "skip_steps": run.config.skip_steps,
+            "skip_steps": run.config.skip_steps, "precision": run.precision,
+            **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
     with run.watch.checkpoint("save"):
@@ -236,8 +260,9 @@ def _barrier() -> None:
 
 def _autocast(run: Run):
     # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-process runs use autocast.
-    enabled = run.bf16 and run.runtime.mode not in ("fsdp", "hsdp")
-    return torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled)
+    dtype = COMPUTE_DTYPES[run.precision]
+    enabled = dtype is not None and run.runtime.mode not in ("fsdp", "hsdp")
+    return torch.autocast(run.runtime.device.type, dtype=dtype or torch.float32, enabled=enabled)
 
 
 
@@ -302,6 +327,8 @@ def _train_steps(run: Run) -> int:
                               peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
                               comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
         record |= run.sync.step_metrics(run.step, tokens_per_step)
+        if run.scaler is not None:
+            record |= run.scaler.step_metrics()
         run.metrics.log(record)
         run.watch.step(record, tokens=tokens_per_step)
         if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
@@ -329,9 +356,7 @@ def _skip_step(run: Run) -> None:
     for _ in range(run.config.grad_accum):
         sample_ids += next(run.data)["sample_id"].tolist()
     run.step += 1
-    with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
-        warnings.simplefilter("ignore", UserWarning)
-        run.scheduler.step()
+    _advance_schedule(run)
     run.sync.after_inner_step(run.step)
     if run.sample_log is not None:
         run.sample_log.log(run.step, sample_ids, skipped=True)
@@ -344,12 +369,31 @@ def _skip_step(run: Run) -> None:
         save_checkpoint(run)
 
 
+def _advance_schedule(run: Run) -> None:
+    """Step the learning-rate schedule, also after a step without an update (--skip_steps, an fp16
+    overflow): the schedule follows the step count, so every later step keeps its rate."""
+    with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.step()
+
+
+def _loss_scale(run: Run) -> float:
+    """What this step's losses are multiplied by before the backward pass: fp16's loss scale (far
+    beyond fp16's range when the fault injection asks this step to overflow), else 1."""
+    if run.scaler is None:
+        return 1.0
+    overflow = faults.overflow_now(run.step + 1, run.runtime.rank)
+    return run.scaler.scale * (FORCED_OVERFLOW_FACTOR if overflow else 1.0)
+
+
 def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The micro-steps of one optimizer step (their sample ids appended to `sample_ids`), gradient
-    clipping and the update; returns (summed micro-step losses, grad norm, lr)."""
+    clipping and the update; returns (summed micro-step losses, grad norm, lr). Under fp16 an
+    overflowing step consumes its batches but skips the update (see `LossScaler`)."""
     config = run.config
     run.data_wait = 0.0
     loss_sum = torch.zeros((), device=run.runtime.device)
+    loss_scale = _loss_scale(run)
     for micro in range(config.grad_accum):
         waited = time.perf_counter()
         batch = to_batch(next(run.data), run.runtime.device)
@@ -358,12 +402,18 @@ def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torc
         # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
         with _autocast(run):
             loss = run.parallel.forward_backward(batch.inputs, batch.targets, batch.segment_ids,
-                                                 scale=1 / config.grad_accum, sync=micro == config.grad_accum - 1)
+                                                 scale=loss_scale / config.grad_accum,
+                                                 sync=micro == config.grad_accum - 1)
         loss_sum += loss
+    if run.scaler is not None:
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients
     grad_norm = run.parallel.clip_grad_norm_(config.optimizer.grad_clip or math.inf)
     lr = run.optimizer.param_groups[0]["lr"]
-    run.optimizer.step()
-    run.scheduler.step()
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+    else:
+        run.optimizer.step()
+    _advance_schedule(run)
     run.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
 

@@ -36,24 +36,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
-# (substring of torch.cuda.get_device_name(), bf16 dense peak, TF32 dense peak), FLOP/s; first match wins.
+# (substring of torch.cuda.get_device_name(), 16-bit (bf16/fp16) dense tensor-core peak, fp32 peak (TF32
+# where the GPU has it)), FLOP/s; first match wins. V100 and T4 have no bf16: their 16-bit figure is fp16's.
 PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
     ("H200", 989e12, 494.5e12),
     ("H100 PCIe", 756e12, 378e12),
     ("H100 NVL", 835e12, 417.5e12),
     ("H100", 989e12, 494.5e12),  # SXM5, e.g. "NVIDIA H100 80GB HBM3"
     ("A100", 312e12, 156e12),
+    ("V100-PCIE", 112e12, 14e12),
+    ("V100", 125e12, 15.7e12),  # SXM2
+    ("T4", 65e12, 8.1e12),
 )
 
 
-def peak_flops(device: torch.device, *, bf16: bool) -> float | None:
-    """Peak FLOP/s of one device for the run's precision, or None (CPU, unknown GPU)."""
+def peak_flops(device: torch.device, *, precision: str) -> float | None:
+    """Peak FLOP/s of one device for the run's precision ('bf16', 'fp16', 'fp32'), or None (CPU, unknown GPU)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, bf16_peak, tf32_peak in PEAK_FLOPS:
+    for key, half_peak, fp32_peak in PEAK_FLOPS:
         if key in name:
-            return bf16_peak if bf16 else tf32_peak
+            return half_peak if precision in ("bf16", "fp16") else fp32_peak
     logger.warning("no peak-FLOPs figure for %r: MFU will be reported as n/a", name)
     return None
 
@@ -165,7 +169,9 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
             f"gnorm {record['grad_norm']:.3f} | {_si(record['tokens_per_s'])} tok/s "
             f"({_si(record['tokens_per_s_per_device'])}/dev) | mfu {mfu} | "
             f"data wait {100 * record['data_wait_fraction']:.1f}% | mem {record['peak_memory_gib']:.2f} GiB"
-            + (f" | comm {comm}" if comm else ""))
+            + (f" | comm {comm}" if comm else "")
+            + (f" | loss scale {record['loss_scale']:g}, {record['overflow_steps']} overflow-skipped"
+               if "loss_scale" in record else ""))
 
 
 def _bytes(value: float) -> str:

@@ -2,8 +2,8 @@
 
 FSDP2 shards each block, then each root (embeddings, final norm, output projection), so one block's
 parameters are gathered at a time. Over a tensor-parallel model its parameters become 2-D DTensors
-(sharded over dp_shard, split over tp). With bf16 on, FSDP computes in bf16 parameters and reduces
-gradients in fp32; DDP and single-process runs use autocast instead (see the loop).
+(sharded over dp_shard, split over tp). With bf16 or fp16 on, FSDP computes in 16-bit parameters and
+reduces gradients in fp32; DDP and single-process runs use autocast instead (see the loop).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def apply_ddp(model: nn.Module, device: torch.device, config: ParallelConfig) ->
     return ddp
 
 
-def apply_fsdp(roots: list[nn.Module], dp_mesh, *, bf16: bool) -> None:
-    """Shard every block of every root in `roots` (the whole model, or this rank's pipeline stages), then the roots."""
+def apply_fsdp(roots: list[nn.Module], dp_mesh, *, param_dtype: torch.dtype | None = None) -> None:
+    """Shard every block of every root in `roots` (the whole model, or this rank's pipeline stages), then the
+    roots. With a 16-bit `param_dtype` the blocks compute in it and gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None
               else MixedPrecisionPolicy())
     for root in roots:
         for block in blocks_of(root):

@@ -142,9 +142,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *, bf16: bool, compile: bool,
-                activation_checkpointing: bool) -> ParallelModel:
-    """Apply the mesh's dimensions to `model` (built whole and identically on every rank, on the device)."""
+def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *, param_dtype: torch.dtype | None,
+                compile: bool, activation_checkpointing: bool) -> ParallelModel:
+    """Apply the mesh's dimensions to `model` (built whole and identically on every rank, on the device).
+
+    `param_dtype` (bf16, fp16, or None for fp32) is the dtype FSDP2 computes in; other layouts autocast."""
     dims, mesh = runtime.dims, runtime.mesh
     check_model_fits(dims, model.config)
     model.activation_checkpointing = activation_checkpointing
@@ -167,7 +169,7 @@ def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *,
         parts = [result.model]
     elif dims.data_parallel in ("fsdp", "hsdp"):
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.data_parallel == "hsdp" else mesh["dp_shard"]
-        apply_fsdp(parts, dp_mesh, bf16=bf16)
+        apply_fsdp(parts, dp_mesh, param_dtype=param_dtype)
     result.model = result.model if dims.pp == 1 else model
     result.parts = parts
     if pipeline is not None:
