@@ -50,7 +50,7 @@ def _events(log: str) -> list[tuple[float, str]]:
 def _phases(event_at: float, world: int, logs: str, records: list[dict]) -> dict[str, float]:
     """Split the time from `event_at` to the first step at `world` ranks (from the trainer's own log lines)."""
     events = [(t, text) for t, text in _events(logs) if t >= event_at]
-    joined = max(t for t, text in events if re.search(rf"rank \d+/{world} joined the gloo process group", text))
+    joined = max(t for t, text in events if re.search(rf"rank \d+/{world} (joined the gloo process group|runs alone)", text))
     resumed_at, resumed_step = next((t, int(m.group(1))) for t, text in events if t >= joined
                                     for m in [re.search(r"resumed from .* at step (\d+)", text)] if m)
     first = next(r for r in records if r.get("step") == resumed_step + 1 and "loss" in r)

@@ -98,6 +98,8 @@ def init_runtime(config: ParallelConfig, *, device: str = "auto", batch_size: in
                                     device_id=torch_device if use_cuda else None)
             logger.info("rank %d/%d joined the %s process group on %s", rank, world_size, backend, torch_device)
         mesh = build_mesh(dims, torch_device.type)
+    else:  # the same line as a group member's, so a log tells when each attempt's workers were ready
+        logger.info("rank %d/%d runs alone on %s (no process group)", rank, world_size, torch_device)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
                    device=torch_device, dims=dims, mesh=mesh)
 
