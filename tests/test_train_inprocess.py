@@ -142,3 +142,19 @@ def test_training_from_s3_keeps_storage_options_out_of_the_run_dir(tmp_path, s3_
     assert '"storage_options": "<redacted>"' in saved and "endpoint_url" not in saved
     captured = capsys.readouterr()
     assert "endpoint_url" not in captured.out + captured.err
+
+
+def test_resume_from_a_crafted_checkpoint_runs_no_code(tmp_path, datasets, capsys):
+    from shardkit.cli import main
+    from test_checkpoint import planting, tamper_metadata
+
+    data, _ = datasets
+    run_training(tmp_path / "run", data, steps=3)
+    flag = tmp_path / "pwned"
+    tamper_metadata(find_latest(tmp_path / "run" / "checkpoints"), planting(flag))
+    code = main(["train", "--data", data, "--steps", "4", "--warmup_steps", "2", "--batch_size", "12",
+                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
+                 "--resume", "auto"])
+    err = capsys.readouterr().err
+    assert code != 0 and not flag.exists()
+    assert "refers to builtins.exec, which is not a checkpoint metadata type" in err and "Traceback" not in err

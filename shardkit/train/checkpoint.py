@@ -16,7 +16,8 @@ checkpoint resumes at another world size or parallel mode.
 
 Each rank's own state (RNG, loader position) is stored under a rank-specific key `rank_R`, since
 DCP keeps one copy of keys that every rank saves. Non-tensor values are JSON strings, and loading
-uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
+uses `torch.load(weights_only=True)`; DCP's own index `.metadata` (a pickle) is read by a restricted
+unpickler (`checkpoint_metadata`), so a checkpoint can never run code.
 """
 
 from __future__ import annotations
@@ -286,7 +287,8 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state, "scheduler": "", "train": "", rank_key: "",
                  **(extra or {})}
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner())
         except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as err:
             # Files of the listed sizes whose bytes are damaged: name the checkpoint, not DCP's internals.
             raise ValueError(f"checkpoint {path} cannot be loaded ({_first_failure(err)}); resume from another "
