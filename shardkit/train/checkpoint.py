@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardkit.train import faults
+from shardkit.train.checkpoint_metadata import SafeFileSystemReader
 
 logger = logging.getLogger(__name__)
 
