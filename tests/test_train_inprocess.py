@@ -158,3 +158,22 @@ def test_resume_from_a_crafted_checkpoint_runs_no_code(tmp_path, datasets, capsy
     err = capsys.readouterr().err
     assert code != 0 and not flag.exists()
     assert "refers to builtins.exec, which is not a checkpoint metadata type" in err and "Traceback" not in err
+
+
+def test_a_torn_last_record_is_dropped_and_damage_elsewhere_is_refused(tmp_path, datasets, caplog):
+    data, _ = datasets
+    run_dir = tmp_path / "run"
+    assert run_training(run_dir, data, steps=3, **{"logging.log_sample_ids": True}) == 0
+    metrics, samples = run_dir / "metrics.jsonl", run_dir / "samples" / "rank-0.jsonl"
+    for path in (metrics, samples):  # what a crash in the middle of an append leaves
+        with open(path, "a") as handle:
+            handle.write('{"step": 4, "loss": 1.2, "ids": [1')
+    assert run_training(run_dir, data, steps=4, **{"logging.log_sample_ids": True}) == 0
+    torn = [r.getMessage() for r in caplog.records if "half-written" in r.getMessage()]
+    assert any(str(metrics) in m for m in torn) and any(str(samples) in m for m in torn)
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()] == [1, 2, 3, 4]
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:-5], *lines[2:]]) + "\n")  # damage that is no crash's
+    with pytest.raises(ValueError, match=f"{metrics} line 2 is damaged"):
+        run_training(run_dir, data, steps=5)

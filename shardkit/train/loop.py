@@ -124,6 +124,7 @@ def build(config: TrainConfig) -> Run:
         (run_dir / "config.json").write_text(json.dumps(run.config.to_dict(), indent=1) + "\n")
         if config.logging.log_sample_ids:
             SampleLog.truncate_all(run_dir, run.step)
+            SampleLog.record_streams(run_dir, run.step, run.data.streams())
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
                     num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, "bf16" if bf16 else "fp32", run_dir)
     _barrier()
