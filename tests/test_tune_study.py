@@ -4,14 +4,17 @@ rerun, and the best configuration reproduced bitwise."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from train_runs import write_byte_dataset
 from tune_helpers import ENV, final_eval, load_study, make_datasets, metrics, run_tune, trainer_args, tune_command
 
 pytestmark = pytest.mark.slow
@@ -148,3 +151,49 @@ def test_bad_input_is_one_clear_line_and_exit_2(datasets, tmp_path, capsys, extr
     assert err.startswith("shardkit tune: error:") and expected in err
     assert "\n" not in err and "Traceback" not in err
     assert not (tmp_path / "tune" / "trials").exists()  # no trial started
+
+
+@pytest.mark.parametrize("url", ["postgresql://user:pa@ss-SENTINEL@127.0.0.1:1/x",
+                                 "postgresql://127.0.0.1:1/x?sslmode=disable&password=SENTINEL",
+                                 "postgresql:user:SENTINEL@127.0.0.1",
+                                 "postgresql://user:SENTINEL@127.0.0.1:1:2:3/x"])
+def test_a_storage_url_is_printed_without_its_password_whatever_its_shape(datasets, tmp_path, capsys, url):
+    from shardkit.cli.main import main
+
+    code = main(["tune", *trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2),
+                 "--output", str(tmp_path / "tune"), "--space", "lr=loguniform:1e-4:1e-2", "--storage", url])
+    captured = capsys.readouterr()
+    assert code == 2 and "cannot open --storage postgresql" in captured.err
+    assert "SENTINEL" not in captured.out + captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.s3
+def test_storage_options_reach_trials_but_never_their_command_line(tmp_path, s3_bucket):
+    import subprocess
+
+    url, options = s3_bucket
+    options = {**options, "key": "AKIAEXAMPLE", "secret": "sentinel-secret-4e1f9c"}  # moto takes any credentials
+    write_byte_dataset(f"{url}/train", num_samples=64, seq_len=32, storage_options=options)
+    write_byte_dataset(f"{url}/eval", num_samples=16, seq_len=32, seed=1, storage_options=options)
+    secret = options["secret"]
+    output = tmp_path / "tune"
+    process = subprocess.Popen(tune_command(*trainer_args((f"{url}/train", f"{url}/eval"), tmp_path / "cache", steps=2,
+                                                          eval_every=2),
+                                            "--storage_options", json.dumps(options), "--output", str(output),
+                                            "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2"),
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainers = {}
+    while process.poll() is None:  # every trainer process's command line, as any local user can read it
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"shardkit.train" in argv and str(output).encode() in b" ".join(argv):  # ours, not other tests
+                trainers[entry.name] = b" ".join(argv).decode()
+        time.sleep(0.05)
+    out = process.stdout.read()
+    assert process.returncode == 0, out[-3000:]
+    assert trainers and not [argv for argv in trainers.values() if secret in argv]
+    assert load_study(output).trials[0].state.name == "COMPLETE"  # the trial read the bucket with them
+    assert secret not in (output / "trials" / "trial_00000" / "trial.toml").read_text()

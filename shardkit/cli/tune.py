@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,10 @@ def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], s
     `--storage_options` apart (it may hold credentials: it never goes into a file)."""
     from shardkit.train.options import option_values
 
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+
     values = option_values(args, skip=skip)
-    secret = values.get("data", {}).pop("storage_options", None)
+    secret = values.get("data", {}).pop("storage_options", None) or os.environ.get(STORAGE_OPTIONS_ENV)
     return values, secret
 
 

@@ -3,7 +3,9 @@
 A trial is a real `python -m shardkit.train` (one rank) or `python -m torch.distributed.run -m
 shardkit.train` (K ranks) with its own run directory, started with this interpreter so that the same
 environment is used. Its options go in `RUN_DIR/trial.toml` (passed as `--config`), except
-`--storage_options`, which may hold credentials and so is never written to disk. The trainer appends
+`--storage_options`, which may hold credentials: it is never written to disk nor put on the command line
+(which every local user can read in /proc/PID/cmdline), but passed in the trainer's environment
+(`SHARDKIT_STORAGE_OPTIONS`, readable only by the same user). The trainer appends
 a record per step and `{"step": S, "eval_loss": X}` at every `--eval_every` to `RUN_DIR/metrics.jsonl`;
 the runner reads the file as it grows and hands each record to a callback, which may stop the run
 (pruning).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -59,15 +62,25 @@ class Outcome:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def command(config_path: Path, *, nproc: int, storage_options: str | None) -> list[str]:
+def command(config_path: Path, *, nproc: int) -> list[str]:
     """The trainer command line: torchrun only when it adds ranks."""
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                     "-m", "shardkit.train"]
     else:
         launcher = [sys.executable, "-m", "shardkit.train"]
-    secret = ["--storage_options", storage_options] if storage_options else []
-    return [*launcher, "--config", str(config_path), *secret]
+    return [*launcher, "--config", str(config_path)]
+
+
+def environment(storage_options: str | None) -> dict[str, str]:
+    """The trainer's environment: this one, with the storage options (credentials) as the trainer reads them."""
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+
+    env = dict(os.environ)
+    env.pop(STORAGE_OPTIONS_ENV, None)
+    if storage_options:
+        env[STORAGE_OPTIONS_ENV] = storage_options
+    return env
 
 
 class MetricsFollower:
@@ -120,7 +133,7 @@ def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] |
     outcome = Outcome(returncode=0, log=log_path)
     started = time.monotonic()
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command(config_path, nproc=launch.nproc, storage_options=launch.storage_options),
+        process = subprocess.Popen(command(config_path, nproc=launch.nproc), env=environment(launch.storage_options),
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             while True:

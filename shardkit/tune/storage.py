@@ -24,13 +24,41 @@ GRACE_FACTOR = 4
 
 
 def redact(url: str) -> str:
-    """The URL with its password hidden (for messages and logs)."""
-    try:
-        from sqlalchemy.engine import make_url
+    """The URL with every secret it may hold hidden, whatever its shape (for messages and logs): the
+    user-info's password (up to the last '@', which a password may contain), every query parameter's
+    value (`?password=...`), and anything after the scheme of a string that is no URL at all."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return f"{url.split(':', 1)[0]}:***" if ":" in url else "***"
+    authority_end = min((i for i in (rest.find("?"), len(rest)) if i >= 0))
+    at = rest.rfind("@", 0, authority_end)
+    if at >= 0:
+        user = rest[:at].split(":", 1)[0] if ":" in rest[:at] else ""
+        rest = f"{user}:***@{rest[at + 1:]}" if user else f"***@{rest[at + 1:]}"
+    path, question, query = rest.partition("?")
+    if question:
+        query = "&".join(f"{pair.split('=', 1)[0]}=***" if "=" in pair else "***" for pair in query.split("&"))
+    return f"{scheme}://{path}{question}{query}"
 
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL holds no recognisable password field: show only its scheme
-        return url.split("://", 1)[0] + "://..."
+
+def scrub(text: str, url: str) -> str:
+    """`text` (e.g. a database driver's error message) with `url` and each secret piece of it hidden."""
+    text = text.replace(url, redact(url))
+    for secret in _secret_pieces(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _secret_pieces(url: str) -> list[str]:
+    """The substrings of `url` that `redact` hides (the longest first), at least 3 characters long."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        pieces = [url.split(":", 1)[1]] if ":" in url else [url]
+    else:
+        at = rest.rfind("@", 0, rest.find("?") if "?" in rest else len(rest))
+        pieces = [rest[:at].split(":", 1)[-1]] if at >= 0 else []
+        pieces += [pair.split("=", 1)[-1] for pair in rest.partition("?")[2].split("&")]
+    return sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True)
 
 
 def default_url(output: Path) -> str:
@@ -60,7 +88,7 @@ def open_storage(url: str, *, heartbeat_s: int):
         raise OSError(f"cannot open --storage {redact(url)}: its database driver is not installed "
                       f"({err}); install it, e.g. pip install psycopg2-binary or pymysql") from None
     except Exception as err:  # SQLAlchemy's errors (unreachable server, bad URL) share no builtin base
-        reason = str(getattr(err, "orig", None) or err).strip().splitlines()[0]
+        reason = scrub(str(getattr(err, "orig", None) or err).strip().splitlines()[0], url)
         raise OSError(f"cannot open --storage {redact(url)}: {reason}") from None
 
 
