@@ -177,3 +177,21 @@ def test_a_torn_last_record_is_dropped_and_damage_elsewhere_is_refused(tmp_path,
     metrics.write_text("\n".join([lines[0], lines[1][:-5], *lines[2:]]) + "\n")  # damage that is no crash's
     with pytest.raises(ValueError, match=f"{metrics} line 2 is damaged"):
         run_training(run_dir, data, steps=5)
+
+
+def test_the_trainers_endpoint_listens_on_loopback_unless_told(tmp_path, datasets):
+    from conftest import accepts, free_port, outside_address
+
+    outside = outside_address()
+    if outside is None:
+        pytest.skip("this machine has no interface besides loopback")
+    data, _ = datasets
+    loopback, everywhere = free_port(), free_port()
+    assert run_training(tmp_path / "a", data, steps=3, **{"logging.metrics_port": loopback}) == 0
+    assert run_training(tmp_path / "b", data, steps=3, **{"logging.metrics_port": everywhere,
+                                                           "logging.metrics_address": "0.0.0.0"}) == 0
+    # The servers outlive the runs in this process.
+    assert accepts("127.0.0.1", loopback) and not accepts(outside, loopback)
+    assert accepts(outside, everywhere)
+    with pytest.raises(ValueError, match="--metrics_address must be an IP address or host name"):
+        run_training(tmp_path / "c", data, **{"logging.metrics_address": "http://0.0.0.0"})

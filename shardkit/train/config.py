@@ -10,6 +10,7 @@ Field names are unique across sections so that the short form `--NAME` is never 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import re
 from dataclasses import dataclass, field
@@ -305,6 +306,15 @@ class CheckpointConfig:
         _check(bool(self.resume), "--resume must be 'auto', 'none' or a checkpoint directory")
 
 
+def _is_address(text: str) -> bool:
+    """An IP address or a host name (not looked up here: the server's bind names what fails)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """What the run writes: stdout lines, RUN_DIR/metrics.jsonl, TensorBoard, sample-id logs."""
@@ -315,6 +325,8 @@ class LoggingConfig:
     log_sample_ids: bool = option(False, "write the sample ids each rank consumes per step to RUN_DIR/samples/")
     metrics_port: int = option(0, "serve Prometheus metrics at http://HOST:PORT/metrics, each rank on PORT + its "
                                "local rank (0: off)")
+    metrics_address: str = option("127.0.0.1", "address the metrics endpoints listen on: loopback by default; "
+                                  "0.0.0.0 for every interface (see docs/OBSERVABILITY.md before exposing them)")
     starvation_window: int = option(50, "steps over which the data-wait fraction is averaged for the starvation "
                                     "warning")
     starvation_threshold: float = option(0.5, "warn once when the data-wait fraction over --starvation_window steps "
@@ -323,6 +335,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, f"--log_every must be >= 1, got {self.log_every}")
         _check(0 <= self.metrics_port < 65536, f"--metrics_port must be in 0-65535, got {self.metrics_port}")
+        _check(_is_address(self.metrics_address),
+               f"--metrics_address must be an IP address or host name, got {self.metrics_address!r}")
         _check(self.starvation_window >= 1, f"--starvation_window must be >= 1, got {self.starvation_window}")
         _check(0 < self.starvation_threshold, f"--starvation_threshold must be > 0, got {self.starvation_threshold}")
 

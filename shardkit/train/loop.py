@@ -141,6 +141,7 @@ def build(config: TrainConfig) -> Run:
 def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
     log = config.logging
     return TrainerMetrics(rank=runtime.rank, port=log.metrics_port and log.metrics_port + runtime.local_rank,
+                          address=log.metrics_address,
                           window=log.starvation_window, threshold=log.starvation_threshold, warn=runtime.is_main,
                           num_workers=config.data.num_workers)
 
