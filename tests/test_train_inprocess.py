@@ -195,3 +195,13 @@ def test_the_trainers_endpoint_listens_on_loopback_unless_told(tmp_path, dataset
     assert accepts(outside, everywhere)
     with pytest.raises(ValueError, match="--metrics_address must be an IP address or host name"):
         run_training(tmp_path / "c", data, **{"logging.metrics_address": "http://0.0.0.0"})
+
+
+def test_a_diloco_checkpoint_is_not_continued_by_another_mode(tmp_path, datasets):
+    data, _ = datasets
+    diloco = {"parallelism.parallel": "diloco", "diloco.sync_every": 2}
+    assert run_training(tmp_path / "run", data, steps=3, **diloco) == 0
+    for mode in ("ddp", "none"):
+        with pytest.raises(ValueError, match="saved by a --parallel diloco run: its model entry is one rank's replica"):
+            run_training(tmp_path / "run", data, steps=4, **{"parallelism.parallel": mode})
+    assert run_training(tmp_path / "run", data, steps=4, **diloco) == 0  # diloco itself continues it
