@@ -18,6 +18,7 @@ from typing import Any
 
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.schedule import Schedule, parse_schedule
+from shardkit.train.step_ranges import format_steps, parse_steps
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -390,35 +391,6 @@ class TrainConfig:
         if values["data"]["storage_options"] is not None:
             values["data"]["storage_options"] = "<redacted>"
         return values
-
-
-def parse_steps(text: str) -> frozenset[int]:
-    """The steps of a `--skip_steps` value: step numbers (from 1) and inclusive ranges A-B, separated by commas.
-
-    Raises:
-        ValueError: an entry that is neither, naming it.
-    """
-    steps: set[int] = set()
-    for entry in re.split(r"[,\s]+", str(text or "").strip()):
-        if not entry:
-            continue
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
-        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
-        _check(match is not None and 1 <= first <= last,
-               f"--skip_steps entry {entry!r}: expected a step N >= 1 or a range A-B with 1 <= A <= B")
-        steps.update(range(first, last + 1))
-    return frozenset(steps)
-
-
-def format_steps(steps: frozenset[int] | set[int]) -> str:
-    """The canonical text of a set of steps: sorted, runs joined as ranges ('3-5,9')."""
-    runs: list[list[int]] = []
-    for step in sorted(steps):
-        if runs and step == runs[-1][1] + 1:
-            runs[-1][1] = step
-        else:
-            runs.append([step, step])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 SECTIONS: dict[str, type] = {

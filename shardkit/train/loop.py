@@ -27,6 +27,7 @@ from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig, format_steps, parse_steps
+from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
                                     step_metrics)
@@ -65,7 +66,7 @@ class Run:
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
-    skip_steps: frozenset[int] = frozenset()  # --skip_steps and those the resumed checkpoint recorded
+    skip_steps: StepRanges = StepRanges()  # --skip_steps and those the resumed checkpoint recorded
 
 
 def default_run_dir(config: TrainConfig) -> Path:
