@@ -51,6 +51,29 @@ def accepts(host: str, port: int) -> bool:
         return False
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem that fills up: `make(size)` mounts a tmpfs of `size` (e.g. "600k") and returns its
+    path. Needs root (mount); skipped elsewhere."""
+    import subprocess
+
+    mounted = []
+
+    def make(size: str):
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server started for this test session on 127.0.0.1 and a free port."""

@@ -205,3 +205,18 @@ def test_a_diloco_checkpoint_is_not_continued_by_another_mode(tmp_path, datasets
         with pytest.raises(ValueError, match="saved by a --parallel diloco run: its model entry is one rank's replica"):
             run_training(tmp_path / "run", data, steps=4, **{"parallelism.parallel": mode})
     assert run_training(tmp_path / "run", data, steps=4, **diloco) == 0  # diloco itself continues it
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_checkpoint(tmp_path, datasets, small_disk, capsys):
+    from shardkit.cli import main
+
+    data, _ = datasets
+    disk = small_disk("600k")  # the tiny model's checkpoint takes about 2 MB
+    code = main(["train", "--data", data, "--steps", "3", "--warmup_steps", "1", "--batch_size", "12",
+                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
+                 "--checkpoint_dir", str(disk / "checkpoints")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    [line] = [line for line in err.splitlines() if "no space left" in line]
+    assert f"no space left in {disk / 'checkpoints'} for checkpoint step 3: it needs about" in line
+    assert list((disk / "checkpoints").iterdir()) == []  # nothing half-written left, nothing taken as complete

@@ -197,3 +197,37 @@ def test_storage_options_reach_trials_but_never_their_command_line(tmp_path, s3_
     assert trainers and not [argv for argv in trainers.values() if secret in argv]
     assert load_study(output).trials[0].state.name == "COMPLETE"  # the trial read the bucket with them
     assert secret not in (output / "trials" / "trial_00000" / "trial.toml").read_text()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_half_written_report(datasets, tmp_path, small_disk):
+    import optuna
+
+    disk = small_disk("4m")
+    output = disk / "tune"
+    output.mkdir()
+    optuna.create_study(study_name="shardkit", storage=f"sqlite:///{output / 'study.db'}")
+    filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:  # take every block that is left
+        while True:
+            os.write(filler, b"\0" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(filler)
+    command = tune_command(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
+                           "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2")
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("shardkit tune: error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert any(f"no space left for the study database sqlite:///{output / 'study.db'} in {output}" in line
+               for line in errors), errors
+    assert sorted(p.name for p in output.iterdir() if p.name != "trials") == ["study.db"]  # no half-written file
+    from shardkit.tune import tomlfile
+
+    with pytest.raises(OSError, match=f"no space left in {output} to write trials.csv: it needs 100,000 bytes"):
+        tomlfile.write_text(output / "trials.csv", "x" * 100_000)  # how every report is written
+    assert sorted(p.name for p in output.iterdir() if p.name != "trials") == ["study.db"]
+    (disk / "filler").unlink()
+    run_tune(*command[4:])  # with space again the same command finishes the study
+    rows = list(csv.DictReader(open(output / "trials.csv")))
+    assert [row["state"] for row in rows] == ["COMPLETE"]

@@ -79,6 +79,7 @@ def _tune(args: argparse.Namespace) -> int:
     import warnings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = None
     try:
         config, params, values, secret = _prepare(args)
         output = Path(config.output)
@@ -98,6 +99,14 @@ def _tune(args: argparse.Namespace) -> int:
     except RuntimeError as err:  # trials kept failing
         print(f"shardkit tune: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # Optuna's and SQLAlchemy's errors share no builtin base
+        from shardkit.tune.storage import default_url, storage_full
+
+        full = config and storage_full(err, config.storage or default_url(Path(config.output)))
+        if not full:
+            raise
+        print(f"shardkit tune: error: {full}", file=sys.stderr)
+        return 2
 
 
 def _run_study(config, params, values, secret, output: Path) -> int:
@@ -120,13 +129,16 @@ def _run_study(config, params, values, secret, output: Path) -> int:
                  storage_options=secret).run()
     finally:
         rows = report.trial_rows(study)
-        report.write_csv(rows, output / "trials.csv")
-        best = report.write_best(study, output / "best.toml", objective=config.objective)
-        written = [p for p in (plots.plot_history(study, output / "history.png", objective=config.objective),
-                               plots.plot_importances(study, output / "importances.png")) if p]
         print(report.format_table(rows))
-        for path in [output / "trials.csv", best, *written]:
-            if path:
+        try:  # the reports are written whole or not at all (a full disk keeps the previous ones)
+            written = [report.write_csv(rows, output / "trials.csv"),
+                       report.write_best(study, output / "best.toml", objective=config.objective),
+                       plots.plot_history(study, output / "history.png", objective=config.objective),
+                       plots.plot_importances(study, output / "importances.png")]
+        except OSError as err:
+            print(f"shardkit tune: error: {err}", file=sys.stderr)
+        else:
+            for path in filter(None, written):
                 print(f"wrote {path}")
     return 0
 

@@ -40,9 +40,7 @@ STATE_VERSION = 1
 
 
 def _write_json(path: Path, data: Any) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(partial, path)
+    tomlfile.write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def copy_checkpoint(source_dir: Path, target_dir: Path, step: int) -> None:

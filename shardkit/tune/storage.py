@@ -11,9 +11,11 @@ parameters are enqueued again, so an interrupted trial is retried with the same 
 from __future__ import annotations
 
 import datetime
+import errno
 import inspect
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,28 @@ def _secret_pieces(url: str) -> list[str]:
         pieces = [rest[:at].split(":", 1)[-1]] if at >= 0 else []
         pieces += [pair.split("=", 1)[-1] for pair in rest.partition("?")[2].split("&")]
     return sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True)
+
+
+def storage_full(err: BaseException, url: str) -> OSError | None:
+    """One line when `err` (Optuna's, SQLAlchemy's or the driver's, any depth of causes) says the study
+    database could not grow because its disk is full; None for any other error."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    if not any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in str(e)
+               or "No space left" in str(e) for e in seen):
+        return None
+    where = ""
+    if url.startswith("sqlite:///"):
+        directory = Path(url[len("sqlite:///"):]).parent
+        try:
+            where = f" in {directory} ({shutil.disk_usage(directory).free:,} bytes free)"
+        except OSError:
+            where = f" in {directory}"
+    return OSError(errno.ENOSPC, f"no space left for the study database {redact(url)}{where}: free space and rerun "
+                                 "the same command (the trials it interrupted are retried)")
 
 
 def default_url(output: Path) -> str:

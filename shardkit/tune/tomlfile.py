@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-import os
+import shutil
 from pathlib import Path
 from typing import Any
+
+from shardkit.storage import write_file_atomic
 
 
 def _value(value: Any) -> str:
@@ -41,8 +44,23 @@ def dumps(values: dict[str, Any], *, header: str = "") -> str:
 
 def write(path: Path, values: dict[str, Any], *, header: str = "") -> Path:
     """Write atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(dumps(values, header=header), encoding="utf-8")
-    os.replace(partial, path)
+    return write_text(path, dumps(values, header=header))
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically: a reader (or a crash, or a full disk) never leaves half a file
+    there, and concurrent writers (tuners sharing a study) each replace it whole.
+
+    Raises:
+        OSError: the write failed; on a full disk one line naming the directory and the bytes needed.
+    """
+    data = text.encode("utf-8")
+    try:
+        write_file_atomic(str(path), data)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(path.parent).free
+            raise OSError(err.errno, f"no space left in {path.parent} to write {path.name}: it needs {len(data):,} "
+                                     f"bytes, {free:,} are free") from None
+        raise
     return path
