@@ -102,3 +102,11 @@ def test_toml_writer_round_trips_exactly(tmp_path):
                       "optimizer": {"lr": 0.007819616463345034, "eps": 1e-08, "min_lr_ratio": 1.0},
                       "model": {"dropout": 5e-324}}
     assert path.read_text().startswith("# line one\n# line two\n")
+
+
+def test_toml_writer_writes_any_string_as_valid_toml(tmp_path):
+    strange = {"logging": {"run_dir": "/tmp/runs/\U0001F600-\u00e9\u4e2d-\x7f\x00\x1b\"\\\n\t\r-\ufffd"}}
+    path = tomlfile.write(tmp_path / "x.toml", strange)
+    assert tomllib.loads(path.read_text(encoding="utf-8")) == strange  # what the trainer's --config reads
+    with pytest.raises(ValueError, match="not UTF-8 text"):  # a path with undecodable bytes (surrogateescape)
+        tomlfile.write(tmp_path / "y.toml", {"run_dir": b"/tmp/\xff".decode("utf-8", "surrogateescape")})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import math
 import shutil
 from pathlib import Path
@@ -26,8 +25,22 @@ def _value(value: Any) -> str:
         text = repr(value)
         return text if any(c in text for c in ".e") else text + ".0"
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        return _string(value)
     raise TypeError(f"cannot write {type(value).__name__} value {value!r} to TOML")
+
+
+def _string(value: str) -> str:
+    """A TOML basic string: characters as they are (UTF-8), but quotes, backslashes and the control
+    characters TOML forbids escaped. (JSON's ASCII escapes write a character outside the BMP as a
+    surrogate pair, which TOML refuses.)"""
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise ValueError(f"{value!r} holds bytes that are not UTF-8 text (a surrogate): it cannot be written to "
+                         "TOML; rename the path")
+    return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                         for c in value) + '"'
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
 def dumps(values: dict[str, Any], *, header: str = "") -> str:
