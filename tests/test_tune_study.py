@@ -231,3 +231,13 @@ def test_a_full_disk_is_one_line_and_leaves_no_half_written_report(datasets, tmp
     run_tune(*command[4:])  # with space again the same command finishes the study
     rows = list(csv.DictReader(open(output / "trials.csv")))
     assert [row["state"] for row in rows] == ["COMPLETE"]
+
+
+def test_a_grid_search_that_completes_its_grid_exits_0(datasets, tmp_path):
+    output = tmp_path / "grid"
+    run_tune(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
+             "--sampler", "grid", "--grid_points", "2", "--trials", "5", "--pruner", "none",
+             "--space", "lr=loguniform:1e-4:1e-2")
+    trials = load_study(output).trials
+    assert sorted(t.params["lr"] for t in trials) == pytest.approx([1e-4, 1e-2])  # each grid point once
+    assert all(t.state.name == "COMPLETE" for t in trials)

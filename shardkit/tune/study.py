@@ -99,6 +99,23 @@ class StudyRun:
     def eval_every(self) -> int:
         return int(self.base_values.get("eval_every", 0))
 
+    @property
+    def target(self) -> int:
+        """Finished trials the study needs: `--trials`, or fewer when a grid has fewer points."""
+        if self.config.sampler != "grid":
+            return self.config.trials
+        return min(self.config.trials, math.prod(map(len, search_space.grid(self.params,
+                                                                           self.config.grid_points).values())))
+
+    def _tell(self, trial, *args: Any, **kwargs: Any) -> None:
+        """`study.tell`. Optuna's grid sampler calls `study.stop()` from it once every grid point is done,
+        which raises outside `study.optimize` after the trial is stored: the grid's end, not an error."""
+        try:
+            self.study.tell(trial, *args, **kwargs)
+        except RuntimeError as err:
+            if "Study.stop" not in str(err):
+                raise
+
     def run(self) -> None:
         """Run trials until the study holds `--trials` finished ones (several at once with threads)."""
         study_storage.recover_interrupted(self.study, grace_s=study_storage.GRACE_FACTOR * self.config.heartbeat_s)
@@ -124,9 +141,9 @@ class StudyRun:
             trials = self.study.get_trials(deepcopy=False)
             finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
             elsewhere = sum(t.state == TrialState.RUNNING and t.number not in self.mine for t in trials)
-            if finished + len(self.mine) >= self.config.trials:
+            if finished + len(self.mine) >= self.target:
                 return None
-            if finished + len(self.mine) + elsewhere >= self.config.trials:
+            if finished + len(self.mine) + elsewhere >= self.target:
                 return "wait"
             trial = self.study.ask()
             self.mine.add(trial.number)
@@ -152,7 +169,7 @@ class StudyRun:
         from optuna.trial import TrialState
 
         trial.set_user_attr("error", reason[-2000:])
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
         logger.warning("trial %d failed: %s", trial.number, reason)
         if not counts:
             return
@@ -202,7 +219,7 @@ class StudyRun:
         if pruned:
             trial.set_user_attr("pruned_at_step", pruned[0])
             trial.set_user_attr("stopped_early", outcome.stopped and outcome.returncode != 0)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             logger.info("trial %d pruned at step %d (%.1fs)", trial.number, pruned[0], outcome.seconds)
             return
         if outcome.stopped:  # the tuner is stopping: retry this trial's parameters next time
@@ -237,7 +254,7 @@ class StudyRun:
         if not math.isfinite(final[-1]):
             self._fail(trial, f"{self.config.objective} is {final[-1]} at step {self.steps}")
             return
-        self.study.tell(trial, final[-1])
+        self._tell(trial, final[-1])
         logger.info("trial %d: %s %.6g (%.1fs)", trial.number, self.config.objective, final[-1], outcome.seconds)
 
 
