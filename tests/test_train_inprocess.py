@@ -220,3 +220,13 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_checkpoint(tmp_path
     [line] = [line for line in err.splitlines() if "no space left" in line]
     assert f"no space left in {disk / 'checkpoints'} for checkpoint step 3: it needs about" in line
     assert list((disk / "checkpoints").iterdir()) == []  # nothing half-written left, nothing taken as complete
+
+
+def test_metrics_ports_beyond_65535_are_refused_on_every_rank_before_any_process_group(tmp_path, datasets):
+    from train_runs import torchrun
+
+    data, _ = datasets
+    result = torchrun(tmp_path / "run", data, nproc=2, extra=("--metrics_port", "65535"), timeout=120)
+    message = "--metrics_port 65535 + local rank goes up to 65536 with 2 ranks on this node, beyond 65535"
+    assert result.returncode != 0 and result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert "gloo" not in result.stderr.lower() and "ProcessGroup" not in result.stderr

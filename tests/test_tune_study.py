@@ -241,3 +241,30 @@ def test_a_grid_search_that_completes_its_grid_exits_0(datasets, tmp_path):
     trials = load_study(output).trials
     assert sorted(t.params["lr"] for t in trials) == pytest.approx([1e-4, 1e-2])  # each grid point once
     assert all(t.state.name == "COMPLETE" for t in trials)
+
+
+def test_parallel_trials_get_a_metrics_port_each(datasets, tmp_path):
+    from conftest import free_port
+
+    output, port = tmp_path / "ports", free_port()
+    run_tune(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
+             "--trials", "2", "--parallel_trials", "2", "--pruner", "none", "--metrics_port", str(port),
+             "--space", "lr=loguniform:1e-4:1e-2")
+    study = load_study(output)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    import tomllib
+
+    ports = sorted(tomllib.loads((Path(t.user_attrs["run_dir"]) / "trial.toml").read_text())["logging"]["metrics_port"]
+                   for t in study.trials)
+    assert ports == [port, port + 1]
+
+
+def test_metrics_ports_of_parallel_trials_must_fit(datasets, tmp_path, capsys):
+    from shardkit.cli.main import main
+
+    code = main(["tune", *trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2), "--output",
+                 str(tmp_path / "tune"), "--space", "lr=loguniform:1e-4:1e-2", "--parallel_trials", "3",
+                 "--nproc_per_trial", "2", "--metrics_port", "65531"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--metrics_port 65531 leaves no room for 3 trial(s) at once of 2 rank(s)" in err
+    assert "\n" not in err

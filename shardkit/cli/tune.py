@@ -52,6 +52,7 @@ def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], s
 def _prepare(args: argparse.Namespace):
     from shardkit.train.config import config_from_dict
     from shardkit.tune.config import TuneConfig
+    from shardkit.tune.runner import MetricsPorts
     from shardkit.tune.space import check_against_trainer, parse_space
 
     names = {f.name for f in dataclasses.fields(TuneConfig)}
@@ -71,7 +72,8 @@ def _prepare(args: argparse.Namespace):
     if config.sampler == "pbt" and any(p.name == "steps" for p in params):
         raise ValueError("--sampler pbt sets --steps round by round: it cannot be searched")
     check_against_trainer(params, values)
-    return config, params, values, secret
+    ports = MetricsPorts(base.logging.metrics_port, slots=config.concurrency, nproc=config.nproc_per_trial)
+    return config, params, values, secret, ports
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -81,7 +83,7 @@ def _tune(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = None
     try:
-        config, params, values, secret = _prepare(args)
+        config, params, values, secret, ports = _prepare(args)
         output = Path(config.output)
         output.mkdir(parents=True, exist_ok=True)
         import optuna
@@ -91,8 +93,8 @@ def _tune(args: argparse.Namespace) -> int:
         # The heartbeat is recorded by the runner here (ask-and-tell), which Optuna does not expect.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         if config.sampler == "pbt":
-            return _run_pbt(config, params, values, secret, output)
-        return _run_study(config, params, values, secret, output)
+            return _run_pbt(config, params, values, secret, ports, output)
+        return _run_study(config, params, values, secret, ports, output)
     except (ValueError, TypeError, OSError) as err:
         print(f"shardkit tune: error: {err}", file=sys.stderr)
         return 2
@@ -109,7 +111,7 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
 
 
-def _run_study(config, params, values, secret, output: Path) -> int:
+def _run_study(config, params, values, secret, ports, output: Path) -> int:
     import optuna
 
     from shardkit.tune import plots, report
@@ -126,7 +128,7 @@ def _run_study(config, params, values, secret, output: Path) -> int:
     study.sampler = make_sampler(config, params, seed=config.sampler_seed + len(study.trials))
     try:
         StudyRun(study=study, config=config, params=params, base_values=values, output=output,
-                 storage_options=secret).run()
+                 storage_options=secret, ports=ports).run()
     finally:
         rows = report.trial_rows(study)
         print(report.format_table(rows))
@@ -143,13 +145,13 @@ def _run_study(config, params, values, secret, output: Path) -> int:
     return 0
 
 
-def _run_pbt(config, params, values, secret, output: Path) -> int:
+def _run_pbt(config, params, values, secret, ports, output: Path) -> int:
     from shardkit.tune import plots
     from shardkit.tune.pbt import PopulationRun
     from shardkit.tune.report import format_table
 
     population = PopulationRun(config=config, params=params, base_values=values, output=output,
-                               storage_options=secret)
+                               storage_options=secret, ports=ports)
     state = population.run()
     last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
     rows = [{"member": e["member"], "objective": e["score"], **e["params"]} for e in last]

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import time
 import warnings
@@ -78,6 +79,7 @@ def build(config: TrainConfig) -> Run:
     """Set up the process group, model, optimizer, data, metrics and checkpoints; resume if asked."""
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
+    check_metrics_ports(config.logging.metrics_port, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
@@ -137,6 +139,15 @@ def build(config: TrainConfig) -> Run:
     if config.logging.log_sample_ids:
         run.sample_log = SampleLog(run_dir, rank=runtime.rank)
     return run
+
+
+def check_metrics_ports(port: int, *, local_ranks: int) -> None:
+    """Refuse --metrics_port when a local rank's port (port + local rank) would pass 65535: before any
+    process group exists, so that every rank stops with this message instead of one rank failing alone
+    and the others in a collective."""
+    if port and port + local_ranks - 1 > 65535:
+        raise ValueError(f"--metrics_port {port} + local rank goes up to {port + local_ranks - 1} with {local_ranks} "
+                         f"ranks on this node, beyond 65535: use --metrics_port {65536 - local_ranks} or lower")
 
 
 def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:

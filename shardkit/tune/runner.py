@@ -13,6 +13,8 @@ the runner reads the file as it grows and hands each record to a callback, which
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,14 +37,50 @@ LOG_NAME = "trial.log"
 STOP_GRACE_S = 30.0  # after SIGTERM the trainer finishes its step and saves; then SIGKILL
 
 
+class MetricsPorts:
+    """Metrics ports for trials that run at once: with `--metrics_port P`, the k-th trial running serves
+    its ranks on P + k * nproc + local rank, so no two trainers ask for one port.
+
+    Raises:
+        ValueError: the last port would pass 65535 (naming the options to change).
+    """
+
+    def __init__(self, base: int, *, slots: int, nproc: int):
+        last = base + slots * nproc - 1
+        if base and last > 65535:
+            raise ValueError(f"--metrics_port {base} leaves no room for {slots} trial(s) at once of {nproc} rank(s) "
+                             f"each (ports up to {last}); lower --metrics_port below {65536 - slots * nproc + 1} "
+                             "or --parallel_trials")
+        self.base, self.nproc = base, nproc
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self):
+        """The first port of a free slot for one trial (0 when metrics are off), free again afterwards."""
+        if not self.base:
+            yield 0
+            return
+        with self._lock:
+            slot = self._free.pop(0)
+        try:
+            yield self.base + slot * self.nproc
+        finally:
+            with self._lock:
+                self._free.append(slot)
+                self._free.sort()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Launch:
-    """What to run: nested trainer option values (run_dir included), ranks, and the secret option."""
+    """What to run: nested trainer option values (run_dir included), ranks, the secret option, and the
+    metrics ports of the trials running at once."""
 
     run_dir: Path
     values: dict[str, Any]
     nproc: int = 1
     storage_options: str | None = None
+    ports: MetricsPorts | None = None
 
 
 @dataclass(kw_only=True)
@@ -125,6 +163,15 @@ def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] |
         stop: set by another thread to stop the run (the tuner is shutting down).
         tick: called every poll (the tuner's heartbeat).
     """
+    with launch.ports.take() if launch.ports else contextlib.nullcontext(0) as port:
+        if port:
+            launch = dataclasses.replace(launch, values={**launch.values, "logging": {
+                **launch.values.get("logging", {}), "metrics_port": port}})
+        return _run(launch, on_record=on_record, stop=stop, tick=tick, poll_s=poll_s)
+
+
+def _run(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] | None, stop: threading.Event | None,
+         tick: Callable[[], None] | None, poll_s: float) -> Outcome:
     launch.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = tomlfile.write(launch.run_dir / CONFIG_NAME, launch.values,
                                  header="trainer options of this trial, written by shardkit tune")

@@ -22,7 +22,7 @@ from shardkit.train.config import config_from_dict
 from shardkit.tune import space as search_space
 from shardkit.tune import storage as study_storage
 from shardkit.tune.config import TuneConfig
-from shardkit.tune.runner import Launch, Outcome, run_trainer
+from shardkit.tune.runner import Launch, MetricsPorts, Outcome, run_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class StudyRun:
     base_values: dict[str, Any]
     output: Path
     storage_options: str | None = None
+    ports: MetricsPorts | None = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     mine: set[int] = dataclasses.field(default_factory=set)
     failures: int = 0
@@ -213,7 +214,7 @@ class StudyRun:
             return False
 
         outcome = run_trainer(Launch(run_dir=run_dir, values=values, nproc=self.config.nproc_per_trial,
-                                     storage_options=self.storage_options),
+                                     storage_options=self.storage_options, ports=self.ports),
                               on_record=on_record, stop=self.stop, tick=heartbeat)
         trial.set_user_attr("wall_s", round(outcome.seconds, 3))
         if pruned:
