@@ -268,3 +268,13 @@ def test_metrics_ports_of_parallel_trials_must_fit(datasets, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "--metrics_port 65531 leaves no room for 3 trial(s) at once of 2 rank(s)" in err
     assert "\n" not in err
+
+
+def test_tune_runs_on_its_defaults_without_eval_every(datasets, tmp_path):
+    args = trainer_args(datasets, tmp_path / "cache", steps=20, eval_every=0)
+    at = args.index("--eval_every")
+    del args[at:at + 2]  # not given at all: the default median pruner still needs evaluations
+    result = run_tune(*args, "--output", str(tmp_path / "tune"), "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2")
+    assert "no --eval_every given: trials evaluate every 2 steps (--steps 20 / 10) for --pruner median" in result.stderr
+    [trial] = load_study(tmp_path / "tune").trials
+    assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(2, 21, 2))
