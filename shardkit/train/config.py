@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp32 weights alone)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,12 @@ class ModelConfig:
             _check(value is None or value >= 1, f"--{name} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         _check(self.init_std > 0, f"--init_std must be positive, got {self.init_std}")
+        # An absurd size would otherwise allocate (or loop over layers) for minutes before running out of memory.
+        parameters = self.n_layer * (4 * self.d_model ** 2 + 3 * self.d_model * self.hidden_size) + (
+            (self.vocab_size or 0) + (self.seq_len or 0)) * self.d_model
+        _check(parameters <= MAX_PARAMETERS,
+               f"the model would have about {parameters:.3g} parameters (--n_layer {self.n_layer}, --d_model "
+               f"{self.d_model}, --d_ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
 
     @property
     def kv_heads(self) -> int:
@@ -132,9 +142,14 @@ def data_entries(text: str) -> list[tuple[str, float | Schedule]]:
             entries.append((entry, 1.0))
             continue
         weight = float(match["weight"])
-        _check(weight > 0, f"--data entry {entry!r}: the weight after the last ':' must be positive")
+        _check(0 < weight < math.inf, f"--data entry {entry!r}: the weight after the last ':' must be positive "
+                                      "and finite")
         entries.append((match["url"], weight))
     _check(bool(entries) and all(url for url, _ in entries), f"--data {text!r} holds an empty entry")
+    fixed = [weight for _, weight in entries if isinstance(weight, float)]
+    _check(math.isfinite(sum(fixed)) and all(w / sum(fixed) > 0 for w in fixed),
+           f"--data weights {', '.join(f'{w:g}' for w in fixed)}: their sum must be finite and each share of it "
+           "above zero; scale them down (only their ratios matter)")
     return entries
 
 
