@@ -140,6 +140,9 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
     (["--space", "lr=loguniform:1e-4:1e-2", "--storage", "sqlite:////nonexistent/dir/study.db"],
      "cannot open --storage sqlite:////nonexistent/dir/study.db"),
     (["--space", "lr=loguniform:1e-4:1e-2", "--eval_every", "0"], "--pruner median needs --eval_every"),
+    (["--sampler", "pbt", "--perturb_every", "2", "--population", "2", "--space", "n_layer=int:1:3"],
+     "--sampler pbt copies checkpoints between members, so it cannot search model options (--n_layer)"),
+    (["--space", "compile=choice:true,maybe"], "choice 'maybe' is not a valid bool"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(datasets, tmp_path, capsys, extra, expected):
     from shardkit.cli.main import main

@@ -78,6 +78,11 @@ def _prepare(args: argparse.Namespace):
                          "or use --pruner none")
     if config.sampler == "pbt" and any(p.name == "steps" for p in params):
         raise ValueError("--sampler pbt sets --steps round by round: it cannot be searched")
+    model_options = [p.name for p in params if p.section == "model"]
+    if config.sampler == "pbt" and model_options:
+        raise ValueError(f"--sampler pbt copies checkpoints between members, so it cannot search model options "
+                         f"({', '.join('--' + n for n in model_options)}): a member's checkpoint would go into a "
+                         "different model; search them with --sampler tpe, random or grid")
     check_against_trainer(params, values)
     ports = MetricsPorts(base.logging.metrics_port, slots=config.concurrency, nproc=config.nproc_per_trial)
     return config, params, values, secret, ports
