@@ -281,3 +281,40 @@ def test_tune_runs_on_its_defaults_without_eval_every(datasets, tmp_path):
     assert "no --eval_every given: trials evaluate every 2 steps (--steps 20 / 10) for --pruner median" in result.stderr
     [trial] = load_study(tmp_path / "tune").trials
     assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(2, 21, 2))
+
+
+def test_tuners_started_together_on_one_sqlite_study_run_exactly_the_trials_asked(datasets, tmp_path):
+    import tomllib
+
+    output = tmp_path / "shared"
+    command = tune_command(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
+                           "--trials", "3", "--parallel_trials", "2", "--pruner", "none",
+                           "--space", "lr=loguniform:1e-4:1e-2")
+    tuners = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]  # a fresh study: both create its tables at once
+    outputs = [tuner.communicate(timeout=300)[0] for tuner in tuners]
+    assert [tuner.returncode for tuner in tuners] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    trials = load_study(output).trials
+    ran = [t for t in trials if not t.user_attrs.get("surplus")]
+    assert [t.state.name for t in ran] == ["COMPLETE"] * 3  # never more than --trials
+    assert sum((Path(t.user_attrs["run_dir"]) / "metrics.jsonl").exists() for t in trials if "run_dir" in t.user_attrs) == 3
+    assert tomllib.loads((output / "best.toml").read_text())["steps"] == 2
+
+
+def test_a_trial_asked_after_other_tuners_reached_the_total_is_closed_unrun(tmp_path):
+    import optuna
+
+    from shardkit.tune.config import TuneConfig
+    from shardkit.tune.report import trial_rows
+    from shardkit.tune.study import StudyRun
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s")
+    run = StudyRun(study=study, config=TuneConfig(trials=3), params=(), base_values={}, output=tmp_path)
+    # Between this tuner's count of the study and its ask, other tuners asked for the 3 trials.
+    for _ in range(3):
+        study.ask()
+    late = study.ask()
+    assert run._surplus(late)
+    stored = study.trials[late.number]
+    assert stored.state.name == "FAIL" and stored.user_attrs["surplus"] and run.failures == 0
+    assert trial_rows(study)[late.number]["note"].startswith("not run: other tuners")

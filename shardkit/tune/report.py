@@ -31,6 +31,8 @@ def _note(trial) -> str:
     attrs = trial.user_attrs
     if "pruned_at_step" in attrs:
         return f"pruned at step {attrs['pruned_at_step']}"
+    if attrs.get("surplus"):
+        return "not run: other tuners had started --trials trials"
     if attrs.get("interrupted"):
         return "interrupted (retried)"
     if "retry_of" in attrs:

@@ -10,8 +10,10 @@ parameters are enqueued again, so an interrupted trial is retried with the same 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
+import fcntl
 import inspect
 import logging
 import os
@@ -106,14 +108,31 @@ def open_storage(url: str, *, heartbeat_s: int):
     callback = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in
                 inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
-                                          grace_period=GRACE_FACTOR * heartbeat_s, **{callback: retry_failed})
+        with _creation_lock(url):
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
+                                              grace_period=GRACE_FACTOR * heartbeat_s, **{callback: retry_failed})
     except ModuleNotFoundError as err:
         raise OSError(f"cannot open --storage {redact(url)}: its database driver is not installed "
                       f"({err}); install it, e.g. pip install psycopg2-binary or pymysql") from None
     except Exception as err:  # SQLAlchemy's errors (unreachable server, bad URL) share no builtin base
         reason = scrub(str(getattr(err, "orig", None) or err).strip().splitlines()[0], url)
         raise OSError(f"cannot open --storage {redact(url)}: {reason}") from None
+
+
+@contextlib.contextmanager
+def _creation_lock(url: str):
+    """For a SQLite file: one tuner at a time creates its tables (tuners started together on a new study
+    would otherwise race on CREATE TABLE); a server database serialises that itself."""
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
+    if not path or not Path(path).parent.is_dir():
+        yield
+        return
+    with open(f"{path}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _start_time(pid: int) -> str | None:

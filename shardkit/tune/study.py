@@ -147,10 +147,26 @@ class StudyRun:
             if finished + len(self.mine) + elsewhere >= self.target:
                 return "wait"
             trial = self.study.ask()
+            if self._surplus(trial):
+                return "wait"
             self.mine.add(trial.number)
         trial.set_user_attr("tuner", study_storage.owner())
         self.study._storage.record_heartbeat(trial._trial_id)
         return trial
+
+    def _surplus(self, trial) -> bool:
+        """Whether trials numbered before `trial` (finished or running, in any tuner) already make the study's
+        total: tuners sharing a study may all ask at once, and the storage numbers their trials in one order,
+        so the later ones step back. A surplus trial is closed unrun, marked so (not a failure)."""
+        from optuna.trial import TrialState
+
+        before = sum(t.number < trial.number and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+                     for t in self.study.get_trials(deepcopy=False))
+        if before < self.target:
+            return False
+        trial.set_user_attr("surplus", True)
+        self._tell(trial, state=TrialState.FAIL)
+        return True
 
     def _worker(self) -> None:
         while not self.stop.is_set():
