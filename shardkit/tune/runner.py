@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "trial.toml"
 LOG_NAME = "trial.log"
+OWNER_NAME = "trainer.json"  # the trainer process now running in the run directory (host, pid, start time)
 STOP_GRACE_S = 30.0  # after SIGTERM the trainer finishes its step and saves; then SIGKILL
 
 
@@ -170,9 +171,29 @@ def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] |
         return _run(launch, on_record=on_record, stop=stop, tick=tick, poll_s=poll_s)
 
 
+def _wait_for_earlier_trainer(run_dir: Path, stop: threading.Event | None, poll_s: float) -> None:
+    """Wait while a trainer an earlier tuner started in `run_dir` still runs (a tuner SIGKILLed leaves its
+    trainers running): two trainers must never write one run directory's checkpoints and logs at once."""
+    from shardkit.tune.storage import owner_alive
+
+    try:
+        record = json.loads((run_dir / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict) or not owner_alive(record):
+        return
+    logger.warning("%s: waiting for trainer pid %s, started there by an earlier tuner, to finish first", run_dir,
+                   record.get("pid"))
+    while owner_alive(record) and not (stop is not None and stop.is_set()):
+        time.sleep(poll_s)
+
+
 def _run(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] | None, stop: threading.Event | None,
          tick: Callable[[], None] | None, poll_s: float) -> Outcome:
+    from shardkit.tune.storage import owner
+
     launch.run_dir.mkdir(parents=True, exist_ok=True)
+    _wait_for_earlier_trainer(launch.run_dir, stop, poll_s)
     config_path = tomlfile.write(launch.run_dir / CONFIG_NAME, launch.values,
                                  header="trainer options of this trial, written by shardkit tune")
     log_path = launch.run_dir / LOG_NAME
@@ -183,6 +204,7 @@ def _run(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] | None, 
         process = subprocess.Popen(command(config_path, nproc=launch.nproc), env=environment(launch.storage_options),
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
+            tomlfile.write_text(launch.run_dir / OWNER_NAME, json.dumps(owner(process.pid)))
             while True:
                 finished = process.poll() is not None  # read the file once more after the process ended
                 for record in follower.new_records():

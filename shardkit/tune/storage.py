@@ -144,9 +144,16 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def owner() -> dict[str, Any]:
-    """Who runs a trial: recorded in the trial so that a later tuner can tell whether it is still alive."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+def owner(pid: int | None = None) -> dict[str, Any]:
+    """Who runs a trial (this process, or process `pid`): recorded so that a later tuner can tell whether
+    it is still alive."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+
+
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether the process `record` names runs on this host still (another host's: not known, False)."""
+    return _owner_dead(record) is False
 
 
 def _owner_dead(record: dict[str, Any]) -> bool | None:
@@ -161,7 +168,17 @@ def _owner_dead(record: dict[str, Any]) -> bool | None:
     except PermissionError:
         pass
     start = _start_time(pid)
+    if _state(pid) == "Z":  # exited, not yet reaped by its parent: it writes nothing more
+        return True
     return record.get("start") is not None and start is not None and start != record["start"]
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, Z, ...; Linux), None when unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def retry_failed(study, trial) -> None:
