@@ -171,7 +171,12 @@ def _child(name: str, labels: dict[str, Any]):
     return metric.labels(**{k: str(v) for k, v in labels.items()}) if SPECS[name].labels else metric
 
 
-def start_metrics_server(port: int, *, addr: str = "0.0.0.0") -> int:
+# Loopback only unless asked: the metrics name datasets, hosts and run progress, and an endpoint on every
+# interface would show them to anyone who can reach the machine (docs/OBSERVABILITY.md: exposing them).
+DEFAULT_ADDRESS = "127.0.0.1"
+
+
+def start_metrics_server(port: int, *, addr: str = DEFAULT_ADDRESS) -> int:
     """Serve every shardkit metric of this process at http://ADDR:PORT/metrics; returns the port.
 
     Calling it again with the same port is a no-op, so a library and its user can both ask for it.
@@ -406,16 +411,17 @@ class TrainerMetrics:
     Args:
         rank: this process's global rank (the `rank` label).
         port: serve metrics on this port (0: record only).
+        address: the address the endpoint listens on (default loopback only).
         window, threshold: the starvation alarm (see `StarvationAlarm`); a threshold >= 1 disables it.
         warn: whether this rank logs the warning (rank 0: one warning per run).
         num_workers: the loader's worker count, named in the warning.
     """
 
     def __init__(self, *, rank: int, port: int = 0, window: int = 50, threshold: float = 0.5, warn: bool = True,
-                 num_workers: int = 0):
+                 num_workers: int = 0, address: str = DEFAULT_ADDRESS):
         self.rank, self.num_workers, self.warn = str(rank), num_workers, warn
         if port:
-            start_metrics_server(port)
+            start_metrics_server(port, addr=address)
         self.alarm = StarvationAlarm(window, threshold) if threshold < 1 else None
         self._history: deque[dict[str, float]] = deque(maxlen=window + 1)
 

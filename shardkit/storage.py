@@ -270,6 +270,24 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in protocol or "local" in protocol
 
 
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Write `data` to the local file `path` through a temporary name, fsync and a rename: a crash, a full
+    disk or a concurrent writer never leaves half a file at `path` (nor the temporary, on an error)."""
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
 class Storage:
     """One dataset prefix (a "directory" URL) on an fsspec filesystem.
 
@@ -418,21 +436,7 @@ class Storage:
         """
         path = self.path(name)
         if self.is_local:
-            def put_local() -> None:
-                parent = os.path.dirname(path)
-                if parent:
-                    os.makedirs(parent, exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-                try:
-                    with open(tmp, "wb") as fh:
-                        fh.write(data)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-            self._call(put_local, name, "write")
+            self._call(lambda: write_file_atomic(path, data), name, "write")
         else:
             self._call(lambda: self.fs.pipe_file(path, data), name, "write")
 

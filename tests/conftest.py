@@ -31,6 +31,49 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def outside_address() -> str | None:
+    """This machine's address on its outward interface (no packet is sent), or None when it has only loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: a route is looked up, nothing is sent
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def accepts(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem that fills up: `make(size)` mounts a tmpfs of `size` (e.g. "600k") and returns its
+    path. Needs root (mount); skipped elsewhere."""
+    import subprocess
+
+    mounted = []
+
+    def make(size: str):
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server started for this test session on 127.0.0.1 and a free port."""

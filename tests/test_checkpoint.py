@@ -232,3 +232,60 @@ def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsy
     assert "error: no valid checkpoint in" in errors[0] and "step_00000004: .metadata is missing" in errors[0], err
     counts["refused_in_one_line"] += 1
     figures.add("damaged_checkpoint", **counts)
+
+
+class RunsCode:
+    """What an attacker puts into a `.metadata`: unpickling it calls `exec`."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __reduce__(self):
+        return exec, (f"open({self.flag!r}, 'w').write('ran')",)
+
+
+def tamper_metadata(checkpoint, change) -> None:
+    """Rewrite a checkpoint's DCP index through `change(metadata)`, and its marker's size to match (as an
+    attacker who controls the files would)."""
+    path = checkpoint / ".metadata"
+    with open(path, "rb") as handle:
+        metadata = pickle.load(handle)  # our own, just written: trusted here
+    change(metadata)
+    with open(path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    marker = json.loads((checkpoint / MARKER_NAME).read_text())
+    marker["files"][".metadata"] = path.stat().st_size
+    (checkpoint / MARKER_NAME).write_text(json.dumps(marker))
+
+
+def planting(flag):
+    return lambda metadata: metadata.planner_data.update(evil=RunsCode(flag))
+
+
+def test_a_crafted_metadata_is_refused_and_runs_no_code(tmp_path):
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path / "ck", rank=0)
+    save(checkpointer, 1, model, optimizer, scheduler)
+    checkpoint, flag = find_latest(tmp_path / "ck"), tmp_path / "pwned"
+    with open(checkpoint / ".metadata", "rb") as handle:
+        pickle.load(handle)  # an ordinary checkpoint's index passes the restricted reader below as well
+    tamper_metadata(checkpoint, planting(flag))
+    fresh = make_state(1)
+    with pytest.raises(ValueError, match=r"\.metadata refers to builtins\.exec, which is not a checkpoint metadata type"):
+        checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
+    assert not flag.exists()
+
+
+def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path / "ck", rank=0)
+    save(checkpointer, 1, model, optimizer, scheduler)
+    checkpoint = find_latest(tmp_path / "ck")
+
+    def escape(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../outside.distcp"
+    tamper_metadata(checkpoint, escape)
+    fresh = make_state(1)
+    with pytest.raises(ValueError, match=r"'\.\./\.\./outside\.distcp', outside its checkpoint directory"):
+        checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import free_port
+from conftest import accepts, free_port, outside_address
 from metrics_scrape import Scraper, check_counters_increase, parse, scrape, total
 from shardkit import metrics
 from shardkit.cli.main import main
@@ -102,3 +102,16 @@ def test_loader_endpoint_aggregates_its_workers_and_shows_no_credentials(tmp_pat
     assert total(final, "shardkit_cache_bytes") == on_disk > 0
     for forbidden in (secret, "AKIAMETRICSTESTKEY01", str(tmp_path), "s3://"):
         assert forbidden not in text
+
+
+def test_endpoints_listen_on_loopback_unless_an_address_is_given(tmp_path):
+    outside = outside_address()
+    if outside is None:
+        pytest.skip("this machine has no interface besides loopback")
+    port = metrics.start_metrics_server(free_port())
+    assert accepts("127.0.0.1", port) and not accepts(outside, port)
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    port = free_port()
+    assert main(["build", str(corpus), "--output", str(tmp_path / "ds"), "--tokenizer", "byte", "--seq-len", "64",
+                 "--no-progress", "--metrics-port", str(port), "--metrics-address", outside]) == 0
+    assert accepts(outside, port)  # the server outlives the build in this process

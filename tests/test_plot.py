@@ -33,5 +33,5 @@ def test_plot_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl not found"):
         plot_run(tmp_path)
     write_metrics(tmp_path, [json.dumps({"step": 1, "loss": 1.0, "tokens_per_s": 1.0}), "{oops"])
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is damaged"):
         plot_run(tmp_path)

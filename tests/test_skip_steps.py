@@ -82,3 +82,21 @@ def test_the_trainer_leaves_skip_samples_out_of_training_only(tmp_path):
     trained = [i for ids in sample_ids(run_dir).values() for i in ids]
     assert len(trained) == len(set(trained)) == 48 and not skip & set(trained)
     assert sorted(json.loads((run_dir / "config.json").read_text())["data"]["loader"]["skip_samples"]) == sorted(skip)
+
+
+def test_ranges_stay_intervals_in_the_config_and_the_loop(runs, tmp_path):
+    import tracemalloc
+
+    tracemalloc.start()
+    config = TrainConfig(skip_steps="1-3000000, 2999999-5000000, 9")  # a set of these would take ~300 MB
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000 and config.skip_steps == "1-5000000"
+    steps = parse_steps("4-99999999999999") | parse_steps("2")
+    assert 2 in steps and 3 not in steps and 99999999999999 in steps and 10**14 not in steps
+    assert str(steps) == "2,4-99999999999999" and len(steps) == 99999999999997
+    data, _, _ = runs
+    run_dir = tmp_path / "run"
+    assert run_training(run_dir, data, steps=4, skip_steps="3-99999999999999") == 0
+    assert {s for s, r in records(run_dir).items() if r.get("skipped")} == {3, 4}
+    assert read_marker(find_latest(run_dir / "checkpoints"))["skip_steps"] == "3-99999999999999"

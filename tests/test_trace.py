@@ -138,3 +138,70 @@ def test_lineage_locates_samples_across_empty_shards():
     with pytest.raises(IndexError, match="sample 9 is out of range"):
         locate_samples(manifest, [9])
     assert np.array_equal(np.array([p for p, _ in want]), np.array([0, 0, 0, 2, 2, 5, 5, 5, 5]))
+
+
+@pytest.fixture(scope="module")
+def remixed(tmp_path_factory):
+    """A run on the mixture A,B for 2 steps, resumed with --allow_mixture_change on B alone for 2 more."""
+    from train_runs import write_byte_dataset
+
+    root = tmp_path_factory.mktemp("remixed")
+    for name, count, seed in (("a", 48, 0), ("b", 96, 1), ("c", 48, 2)):
+        write_byte_dataset(str(root / name), num_samples=count, seed=seed)
+    run_dir = root / "run"
+    common = {"optimizer.warmup_steps": 1, "data.batch_size": 12, "logging.log_sample_ids": True}
+    assert run_training(run_dir, f"{root / 'a'},{root / 'b'}", steps=2, **common) == 0
+    assert run_training(run_dir, str(root / "b"), steps=4, **{**common, "data.allow_mixture_change": True}) == 0
+    return root, run_dir
+
+
+def test_trace_names_each_steps_samples_with_the_mixture_then_in_force(remixed, capsys):
+    root, run_dir = remixed
+    logged = sample_ids(run_dir)
+    for step in (1, 3):
+        code, out, err = trace(capsys, run_dir, "--step", step, "--json")
+        assert code == 0, err
+        result = json.loads(out)
+        assert [s["sample_id"] for s in result["samples"]] == logged[step]
+        # Step 1 counted ids through A (48 samples) then B; step 3 through B alone.
+        offsets = {"a": 0, "b": 48} if step == 1 else {"b": 0}
+        for sample in result["samples"]:
+            name = "a" if step == 1 and sample["sample_id"] < 48 else "b"
+            assert sample["dataset"].rstrip("/").endswith(f"/{name}")
+            # write_byte_dataset gives sample k the documents 2k and 2k+1
+            assert [s["doc"] for s in sample["segments"]] == [2 * (sample["sample_id"] - offsets[name]),
+                                                               2 * (sample["sample_id"] - offsets[name]) + 1]
+        if step == 1:
+            assert {s["dataset"].rstrip("/")[-1] for s in result["samples"]} == {"a", "b"}
+
+
+def test_reverse_trace_checks_the_runs_datasets(remixed, capsys):
+    root, run_dir = remixed
+    logged = sample_ids(run_dir)
+    first_a = min(i for i in logged[1] if i < 48)
+    code, out, err = trace(capsys, root / "a", "--source", "repository sources", "--doc", 2 * first_a, "--run",
+                           run_dir, "--json")
+    assert code == 0, err
+    assert [(h["step"], h["sample_ids"]) for h in json.loads(out)["steps"]] == [(1, [first_a])]
+    first_b = min(i for i in logged[3])
+    code, out, err = trace(capsys, root / "b", "--source", "repository sources", "--doc", 2 * first_b, "--run",
+                           run_dir, "--json")
+    assert code == 0, err
+    want = [step for step, ids in logged.items() if (first_b + (48 if step <= 2 else 0)) in ids]
+    assert [h["step"] for h in json.loads(out)["steps"]] == want and 3 in want
+    code, out, err = trace(capsys, root / "c", "--source", "repository sources", "--doc", 0, "--run", run_dir)
+    assert code == 2 and "did not train on" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"step": 1, "rank": 0, "ids": [1.5]}'], "line 1 is not a sample-id record"),
+    (['{"step": 1, "rank": 0, "ids": [1]}', '{"step": 2, "ra', '{"step": 3, "rank": 0, "ids": [2]}'],
+     "line 2 is damaged"),
+    (['{"step": 1, "rank": 0, "ids": "12"}'], "line 1 is not a sample-id record"),
+])
+def test_a_damaged_sample_log_is_one_clear_error(tmp_path, capsys, lines, message):
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "rank-0.jsonl").write_text("\n".join(lines) + "\n")
+    code, out, err = trace(capsys, tmp_path, "--step", 1)
+    assert code == 2 and message in err and "rank-0.jsonl" in err, err
+    assert len(err.strip().splitlines()) == 1

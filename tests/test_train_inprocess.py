@@ -167,3 +167,91 @@ def test_training_from_s3_keeps_storage_options_out_of_the_run_dir(tmp_path, s3_
     assert '"storage_options": "<redacted>"' in saved and "endpoint_url" not in saved
     captured = capsys.readouterr()
     assert "endpoint_url" not in captured.out + captured.err
+
+
+def test_resume_from_a_crafted_checkpoint_runs_no_code(tmp_path, datasets, capsys):
+    from shardkit.cli import main
+    from test_checkpoint import planting, tamper_metadata
+
+    data, _ = datasets
+    run_training(tmp_path / "run", data, steps=3)
+    flag = tmp_path / "pwned"
+    tamper_metadata(find_latest(tmp_path / "run" / "checkpoints"), planting(flag))
+    code = main(["train", "--data", data, "--steps", "4", "--warmup_steps", "2", "--batch_size", "12",
+                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
+                 "--resume", "auto"])
+    err = capsys.readouterr().err
+    assert code != 0 and not flag.exists()
+    assert "refers to builtins.exec, which is not a checkpoint metadata type" in err and "Traceback" not in err
+
+
+def test_a_torn_last_record_is_dropped_and_damage_elsewhere_is_refused(tmp_path, datasets, caplog):
+    data, _ = datasets
+    run_dir = tmp_path / "run"
+    assert run_training(run_dir, data, steps=3, **{"logging.log_sample_ids": True}) == 0
+    metrics, samples = run_dir / "metrics.jsonl", run_dir / "samples" / "rank-0.jsonl"
+    for path in (metrics, samples):  # what a crash in the middle of an append leaves
+        with open(path, "a") as handle:
+            handle.write('{"step": 4, "loss": 1.2, "ids": [1')
+    assert run_training(run_dir, data, steps=4, **{"logging.log_sample_ids": True}) == 0
+    torn = [r.getMessage() for r in caplog.records if "half-written" in r.getMessage()]
+    assert any(str(metrics) in m for m in torn) and any(str(samples) in m for m in torn)
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()] == [1, 2, 3, 4]
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:-5], *lines[2:]]) + "\n")  # damage that is no crash's
+    with pytest.raises(ValueError, match=f"{metrics} line 2 is damaged"):
+        run_training(run_dir, data, steps=5)
+
+
+def test_the_trainers_endpoint_listens_on_loopback_unless_told(tmp_path, datasets):
+    from conftest import accepts, free_port, outside_address
+
+    outside = outside_address()
+    if outside is None:
+        pytest.skip("this machine has no interface besides loopback")
+    data, _ = datasets
+    loopback, everywhere = free_port(), free_port()
+    assert run_training(tmp_path / "a", data, steps=3, **{"logging.metrics_port": loopback}) == 0
+    assert run_training(tmp_path / "b", data, steps=3, **{"logging.metrics_port": everywhere,
+                                                           "logging.metrics_address": "0.0.0.0"}) == 0
+    # The servers outlive the runs in this process.
+    assert accepts("127.0.0.1", loopback) and not accepts(outside, loopback)
+    assert accepts(outside, everywhere)
+    with pytest.raises(ValueError, match="--metrics_address must be an IP address or host name"):
+        run_training(tmp_path / "c", data, **{"logging.metrics_address": "http://0.0.0.0"})
+
+
+def test_a_diloco_checkpoint_is_not_continued_by_another_mode(tmp_path, datasets):
+    data, _ = datasets
+    diloco = {"parallelism.parallel": "diloco", "diloco.sync_every": 2}
+    assert run_training(tmp_path / "run", data, steps=3, **diloco) == 0
+    for mode in ("ddp", "none"):
+        with pytest.raises(ValueError, match="saved by a --parallel diloco run: its model entry is one rank's replica"):
+            run_training(tmp_path / "run", data, steps=4, **{"parallelism.parallel": mode})
+    assert run_training(tmp_path / "run", data, steps=4, **diloco) == 0  # diloco itself continues it
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_checkpoint(tmp_path, datasets, small_disk, capsys):
+    from shardkit.cli import main
+
+    data, _ = datasets
+    disk = small_disk("600k")  # the tiny model's checkpoint takes about 2 MB
+    code = main(["train", "--data", data, "--steps", "3", "--warmup_steps", "1", "--batch_size", "12",
+                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
+                 "--checkpoint_dir", str(disk / "checkpoints")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    [line] = [line for line in err.splitlines() if "no space left" in line]
+    assert f"no space left in {disk / 'checkpoints'} for checkpoint step 3: it needs about" in line
+    assert list((disk / "checkpoints").iterdir()) == []  # nothing half-written left, nothing taken as complete
+
+
+def test_metrics_ports_beyond_65535_are_refused_on_every_rank_before_any_process_group(tmp_path, datasets):
+    from train_runs import torchrun
+
+    data, _ = datasets
+    result = torchrun(tmp_path / "run", data, nproc=2, extra=("--metrics_port", "65535"), timeout=120)
+    message = "--metrics_port 65535 + local rank goes up to 65536 with 2 ranks on this node, beyond 65535"
+    assert result.returncode != 0 and result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert "gloo" not in result.stderr.lower() and "ProcessGroup" not in result.stderr

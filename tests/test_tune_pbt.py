@@ -50,3 +50,32 @@ def test_pbt_exploit_copies_checkpoints_and_explore_stays_in_the_space(tmp_path)
     assert (output / "population.png").stat().st_size > 0
     assert "lr = " in (output / "best.toml").read_text()
     assert "member" in result.stdout
+
+
+def test_a_run_directory_whose_earlier_trainer_still_runs_is_waited_for(tmp_path, caplog):
+    """A tuner SIGKILLed leaves its trainers running; its rerun must not start a second trainer in the same
+    member directory until the first one has exited."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from shardkit.tune.runner import OWNER_NAME, Launch, run_trainer
+    from shardkit.tune.storage import owner
+    datasets = make_datasets(tmp_path / "data")
+    member = tmp_path / "member_000"
+    member.mkdir()
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"])  # the orphaned trainer
+    (member / OWNER_NAME).write_text(json.dumps(owner(earlier.pid)))
+    train, evaluation = datasets
+    values = {"steps": 2, "device": "cpu", "optimizer": {"warmup_steps": 1},
+              "data": {"data": train, "batch_size": 4, "cache_dir": str(tmp_path / "cache")},
+              "logging": {"run_dir": str(member), "tensorboard": False, "log_every": 1000}}
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+        outcome = run_trainer(Launch(run_dir=member, values=values))
+    waited = time.monotonic() - started - outcome.seconds
+    assert earlier.poll() is not None and outcome.returncode == 0, outcome.tail()
+    assert waited >= 2, f"the second trainer started while the first ran (waited {waited:.1f}s)"
+    assert f"waiting for trainer pid {earlier.pid}" in caplog.text
+    assert json.loads((member / OWNER_NAME).read_text())["pid"] != earlier.pid  # the new trainer is recorded

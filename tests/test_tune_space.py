@@ -11,7 +11,7 @@ import pytest
 from shardkit.train.config import config_from_dict
 from shardkit.tune import tomlfile
 from shardkit.tune.pbt import exploit_and_explore
-from shardkit.tune.space import apply, check_against_trainer, grid, parse_space, perturb, sample
+from shardkit.tune.space import apply, check_against_trainer, grid, parse_param, parse_space, perturb, sample
 
 SPACE = ("lr=loguniform:1e-4:1e-2", "dropout=uniform:0:0.2", "optimizer.warmup_steps=int:0:200",
          "schedule=choice:cosine,wsd", "tie_embeddings=choice:true,false", "n_layer=int:1:3")
@@ -102,3 +102,25 @@ def test_toml_writer_round_trips_exactly(tmp_path):
                       "optimizer": {"lr": 0.007819616463345034, "eps": 1e-08, "min_lr_ratio": 1.0},
                       "model": {"dropout": 5e-324}}
     assert path.read_text().startswith("# line one\n# line two\n")
+
+
+def test_toml_writer_writes_any_string_as_valid_toml(tmp_path):
+    strange = {"logging": {"run_dir": "/tmp/runs/\U0001F600-\u00e9\u4e2d-\x7f\x00\x1b\"\\\n\t\r-\ufffd"}}
+    path = tomlfile.write(tmp_path / "x.toml", strange)
+    assert tomllib.loads(path.read_text(encoding="utf-8")) == strange  # what the trainer's --config reads
+    with pytest.raises(ValueError, match="not UTF-8 text"):  # a path with undecodable bytes (surrogateescape)
+        tomlfile.write(tmp_path / "y.toml", {"run_dir": b"/tmp/\xff".decode("utf-8", "surrogateescape")})
+
+
+def test_loader_options_can_be_searched_and_section_names_and_bad_booleans_are_refused():
+    window = parse_param("shuffle_window=int:1:8")
+    seed = parse_param("data_seed=int:1:3")
+    base = {"data": {"data": "/somewhere"}}
+    check_against_trainer((window, seed), base)
+    config = config_from_dict(apply(base, (window, seed), {"shuffle_window": 4, "data_seed": 7}))
+    assert (config.data.loader.shuffle_window, config.data.loader.seed) == (4, 7)
+    for spec, message in (("loader=uniform:0:1", "unknown trainer option 'loader'"),
+                          ("optimizer=uniform:0:1", "unknown trainer option 'optimizer'"),
+                          ("compile=choice:true,maybe", "choice 'maybe' is not a valid bool")):
+        with pytest.raises(ValueError, match=message):
+            check_against_trainer((parse_param(spec),), base)

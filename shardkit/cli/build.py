@@ -101,6 +101,9 @@ def _add_build(subparsers) -> None:
     # Not a BuildConfig field: where metrics are served changes nothing in the output or its fingerprint.
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)")
+    p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics endpoint listens on (default: 127.0.0.1, this machine only; 0.0.0.0 "
+                        "for every interface, see docs/OBSERVABILITY.md)")
     p.set_defaults(func=run_build_command)
 
 
@@ -158,7 +161,7 @@ def run_build_command(args: argparse.Namespace) -> int:
 
         if args.metrics_port:
             from shardkit.metrics import start_metrics_server
-            start_metrics_server(args.metrics_port)
+            start_metrics_server(args.metrics_port, addr=args.metrics_address)
         config = config_from_args(args)
         return config, run_build(config)
 

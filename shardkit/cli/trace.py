@@ -127,17 +127,21 @@ def _sample_logs(run_dir: Path) -> list[Path]:
 
 
 def _records(run_dir: Path):
-    """Every (step, rank, ids, skipped) record of the run's sample logs."""
+    """Every (step, rank, ids, skipped) record of the run's sample logs (a torn last line, which a crash
+    leaves, is dropped with a warning; any other damage is one error naming file and line)."""
+    from shardkit.records import read_records
+
     for path in _sample_logs(run_dir):
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    yield int(record["step"]), int(record["rank"]), record["ids"], bool(record.get("skipped"))
-                except (ValueError, KeyError, TypeError) as err:
-                    raise ValueError(f"{path} line {number} is not a sample-id record ({err})") from err
+        for number, record in read_records(path):
+            step, rank, ids = record.get("step"), record.get("rank"), record.get("ids")
+            if not (_is_count(step) and _is_count(rank) and isinstance(ids, list) and all(map(_is_count, ids))):
+                raise ValueError(f"{path} line {number} is not a sample-id record (step, rank and ids must be "
+                                 "whole numbers)")
+            yield step, rank, ids, bool(record.get("skipped"))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _run_streams(run_dir: Path, data: str | None) -> list[str]:
@@ -151,6 +155,40 @@ def _run_streams(run_dir: Path, data: str | None) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"cannot read the run's dataset from {config_path} ({err}); pass --data URL") from err
     return [url for url, _ in data_entries(data)]
+
+
+def _streams_log(run_dir: Path) -> list[tuple[int, list[dict[str, Any]]]] | None:
+    """(step, streams) of every start of the run: the steps after `step` logged ids numbered through
+    `streams`; None for a run from before the trainer wrote `samples/streams.jsonl`."""
+    from shardkit.records import read_records
+    from shardkit.train.metrics import STREAMS_LOG
+
+    path = run_dir / "samples" / STREAMS_LOG
+    if not path.is_file():
+        return None
+    entries = []
+    for number, record in read_records(path):
+        streams = record.get("streams")
+        if not _is_count(record.get("step")) or not isinstance(streams, list) or not all(
+                isinstance(s, dict) and {"url", "fingerprint", "num_samples"} <= set(s) for s in streams):
+            raise ValueError(f"{path} line {number} is not a streams record")
+        entries.append((record["step"], streams))
+    return entries
+
+
+def _streams_at(entries: list[tuple[int, list[dict[str, Any]]]], step: int, run_dir: Path) -> list[dict[str, Any]]:
+    """The streams in force at `step` (the last start before it: a resume may have changed the mixture)."""
+    in_force = [streams for start, streams in entries if start < step]
+    if not in_force:
+        raise ValueError(f"{run_dir / 'samples'} records no datasets for step {step}")
+    return in_force[-1]
+
+
+def _identity(manifest) -> str:
+    """A dataset's identity as the loader records it (its shards, not its location)."""
+    from shardkit.loaders.fingerprint import data_fingerprint
+
+    return data_fingerprint([manifest], [])
 
 
 # -- forward: a step's samples ---------------------------------------------------------------------
@@ -175,6 +213,26 @@ class _Dataset:
             self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
                 data, shard=shard, manifest=self.manifest, verify=False)).arrays
         return self._arrays[position]
+
+
+def _datasets_at(run_dir: Path, step: int, data: str | None, options: dict[str, Any]) -> list[_Dataset]:
+    """The datasets whose global sample ids the run logged at `step`, checked against the identities the
+    run recorded (`data`: other URLs for them, e.g. after a move)."""
+    entries = _streams_log(run_dir)
+    if entries is None:  # a run from before streams were recorded: its configuration is all there is
+        return [_Dataset(url, options) for url in _run_streams(run_dir, data)]
+    streams = _streams_at(entries, step, run_dir)
+    urls = [s["url"] for s in streams] if data is None else _run_streams(run_dir, data)
+    if len(urls) != len(streams):
+        raise ValueError(f"--data names {len(urls)} dataset(s) but run {run_dir} trained on {len(streams)} at step "
+                         f"{step} ({', '.join(s['url'] for s in streams)})")
+    datasets = [_Dataset(url, options) for url in urls]
+    for dataset, stream in zip(datasets, streams):
+        if _identity(dataset.manifest) != stream["fingerprint"]:
+            raise ValueError(f"{dataset.storage.display_url} is not the dataset run {run_dir} trained on at step "
+                             f"{step} (its shards differ from those of {stream['url']} then); pass that dataset "
+                             "with --data")
+    return datasets
 
 
 def _decoder(config: TraceConfig, manifest):
@@ -204,7 +262,7 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
         where = f"rank {config.rank} of " if config.rank is not None else ""
         logged = f"steps {steps_seen[0]}-{steps_seen[1]}" if steps_seen[0] is not None else "no step"
         raise ValueError(f"step {config.step} is not in the sample-id logs of {where}{run_dir} (they hold {logged})")
-    datasets = [_Dataset(url, options) for url in _run_streams(run_dir, config.data)]
+    datasets = _datasets_at(run_dir, config.step, config.data, options)
     offsets, total = [], 0
     for dataset in datasets:
         offsets.append(total)
@@ -278,12 +336,39 @@ def trace_document(config: TraceConfig, options: dict[str, Any]) -> dict[str, An
     result: dict[str, Any] = {"dataset": dataset.storage.display_url, "source": manifest.sources[source],
                               "doc": config.doc, "samples": samples}
     if config.run is not None:
-        result["steps"] = _steps_of(Path(config.run), config.target, set(ids.tolist()), options)
+        result["steps"] = _steps_of(Path(config.run), config.target, manifest, set(ids.tolist()), options)
     return result
 
 
-def _steps_of(run_dir: Path, dataset_url: str, ids: set[int], options: dict[str, Any]) -> list[dict[str, Any]]:
-    """(step, rank, sample ids) of the run's records that consumed any of `ids` (ids of `dataset_url`)."""
+def _steps_of(run_dir: Path, dataset_url: str, manifest, ids: set[int],
+              options: dict[str, Any]) -> list[dict[str, Any]]:
+    """(step, rank, sample ids) of the run's records that consumed any of `ids` (ids of the dataset
+    `manifest`, at `dataset_url`)."""
+    entries = _streams_log(run_dir)
+    if entries is None:
+        return _steps_of_unrecorded(run_dir, dataset_url, ids, options)
+    identity = _identity(manifest)
+    # Per start of the run: the offsets of this dataset among the streams then in force (none: not trained on).
+    offsets = [(start, [sum(s["num_samples"] for s in streams[:i]) for i, s in enumerate(streams)
+                        if s["fingerprint"] == identity]) for start, streams in entries]
+    if not any(found for _, found in offsets):
+        raise ValueError(f"run {run_dir} did not train on {dataset_url}: its shards match none of the run's datasets "
+                         f"({', '.join(sorted({s['url'] for _, streams in entries for s in streams}))})")
+    hits = []
+    for step, rank, logged, skipped in _records(run_dir):
+        in_force = [found for start, found in offsets if start < step]
+        matched: set[int] = set()
+        for offset in in_force[-1] if in_force else ():
+            matched.update(i - offset for i in logged if i - offset in ids)
+        matched = sorted(matched)
+        if matched:
+            hits.append({"step": step, "rank": rank, "sample_ids": matched, "skipped": skipped})
+    return sorted(hits, key=lambda h: (h["step"], h["rank"]))
+
+
+def _steps_of_unrecorded(run_dir: Path, dataset_url: str, ids: set[int],
+                         options: dict[str, Any]) -> list[dict[str, Any]]:
+    """`_steps_of` for a run from before `samples/streams.jsonl`: its configuration's streams, by URL."""
     streams = _run_streams(run_dir, None)
     offset = 0
     if len(streams) > 1:  # a mixture numbers its streams' samples one stream after the other

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,14 +42,17 @@ def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], s
     `--storage_options` apart (it may hold credentials: it never goes into a file)."""
     from shardkit.train.options import option_values
 
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+
     values = option_values(args, skip=skip)
-    secret = values.get("data", {}).pop("storage_options", None)
+    secret = values.get("data", {}).pop("storage_options", None) or os.environ.get(STORAGE_OPTIONS_ENV)
     return values, secret
 
 
 def _prepare(args: argparse.Namespace):
     from shardkit.train.config import config_from_dict
     from shardkit.tune.config import TuneConfig
+    from shardkit.tune.runner import MetricsPorts
     from shardkit.tune.space import check_against_trainer, parse_space
 
     names = {f.name for f in dataclasses.fields(TuneConfig)}
@@ -62,13 +66,26 @@ def _prepare(args: argparse.Namespace):
         raise ValueError("--data is required: the URL of the training dataset")
     if config.objective == "eval_loss" and not base.data.eval_data:
         raise ValueError("--objective eval_loss needs --eval_data (a held-out dataset), or use --objective loss")
+    if config.sampler != "pbt" and config.pruner != "none" and "eval_every" not in values:
+        # The pruner compares trials at intermediate evaluations: without --eval_every, derive them from --steps.
+        values["eval_every"] = max(1, base.steps // 10)
+        base = config_from_dict(values, source="trainer options")
+        print(f"shardkit tune: no --eval_every given: trials evaluate every {values['eval_every']} steps (--steps "
+              f"{base.steps} / 10) for --pruner {config.pruner}; pass --eval_every N, or --pruner none to evaluate "
+              "only at the end", file=sys.stderr)
     if config.sampler != "pbt" and config.pruner != "none" and not base.eval_every:
         raise ValueError(f"--pruner {config.pruner} needs --eval_every N (intermediate results to prune on), "
                          "or use --pruner none")
     if config.sampler == "pbt" and any(p.name == "steps" for p in params):
         raise ValueError("--sampler pbt sets --steps round by round: it cannot be searched")
+    model_options = [p.name for p in params if p.section == "model"]
+    if config.sampler == "pbt" and model_options:
+        raise ValueError(f"--sampler pbt copies checkpoints between members, so it cannot search model options "
+                         f"({', '.join('--' + n for n in model_options)}): a member's checkpoint would go into a "
+                         "different model; search them with --sampler tpe, random or grid")
     check_against_trainer(params, values)
-    return config, params, values, secret
+    ports = MetricsPorts(base.logging.metrics_port, slots=config.concurrency, nproc=config.nproc_per_trial)
+    return config, params, values, secret, ports
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -76,8 +93,9 @@ def _tune(args: argparse.Namespace) -> int:
     import warnings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = None
     try:
-        config, params, values, secret = _prepare(args)
+        config, params, values, secret, ports = _prepare(args)
         output = Path(config.output)
         output.mkdir(parents=True, exist_ok=True)
         import optuna
@@ -87,17 +105,25 @@ def _tune(args: argparse.Namespace) -> int:
         # The heartbeat is recorded by the runner here (ask-and-tell), which Optuna does not expect.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         if config.sampler == "pbt":
-            return _run_pbt(config, params, values, secret, output)
-        return _run_study(config, params, values, secret, output)
+            return _run_pbt(config, params, values, secret, ports, output)
+        return _run_study(config, params, values, secret, ports, output)
     except (ValueError, TypeError, OSError) as err:
         print(f"shardkit tune: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # trials kept failing
         print(f"shardkit tune: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # Optuna's and SQLAlchemy's errors share no builtin base
+        from shardkit.tune.storage import default_url, storage_full
+
+        full = config and storage_full(err, config.storage or default_url(Path(config.output)))
+        if not full:
+            raise
+        print(f"shardkit tune: error: {full}", file=sys.stderr)
+        return 2
 
 
-def _run_study(config, params, values, secret, output: Path) -> int:
+def _run_study(config, params, values, secret, ports, output: Path) -> int:
     import optuna
 
     from shardkit.tune import plots, report
@@ -114,27 +140,30 @@ def _run_study(config, params, values, secret, output: Path) -> int:
     study.sampler = make_sampler(config, params, seed=config.sampler_seed + len(study.trials))
     try:
         StudyRun(study=study, config=config, params=params, base_values=values, output=output,
-                 storage_options=secret).run()
+                 storage_options=secret, ports=ports).run()
     finally:
         rows = report.trial_rows(study)
-        report.write_csv(rows, output / "trials.csv")
-        best = report.write_best(study, output / "best.toml", objective=config.objective)
-        written = [p for p in (plots.plot_history(study, output / "history.png", objective=config.objective),
-                               plots.plot_importances(study, output / "importances.png")) if p]
         print(report.format_table(rows))
-        for path in [output / "trials.csv", best, *written]:
-            if path:
+        try:  # the reports are written whole or not at all (a full disk keeps the previous ones)
+            written = [report.write_csv(rows, output / "trials.csv"),
+                       report.write_best(study, output / "best.toml", objective=config.objective),
+                       plots.plot_history(study, output / "history.png", objective=config.objective),
+                       plots.plot_importances(study, output / "importances.png")]
+        except OSError as err:
+            print(f"shardkit tune: error: {err}", file=sys.stderr)
+        else:
+            for path in filter(None, written):
                 print(f"wrote {path}")
     return 0
 
 
-def _run_pbt(config, params, values, secret, output: Path) -> int:
+def _run_pbt(config, params, values, secret, ports, output: Path) -> int:
     from shardkit.tune import plots
     from shardkit.tune.pbt import PopulationRun
     from shardkit.tune.report import format_table
 
     population = PopulationRun(config=config, params=params, base_values=values, output=output,
-                               storage_options=secret)
+                               storage_options=secret, ports=ports)
     state = population.run()
     last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
     rows = [{"member": e["member"], "objective": e["score"], **e["params"]} for e in last]

@@ -5,9 +5,14 @@ Parse, build, train, close. Every rank runs this; rank 0 prints and writes the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+
+# The storage options (they may hold credentials) when not given as --storage_options: an environment is
+# readable only by its own user, a command line by every local user (`shardkit tune` passes them so).
+STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +25,13 @@ def run(config) -> int:
     """Build, train and close a run of `config` (a `TrainConfig`); returns the exit code."""
     from shardkit.train.loop import build, close, train
 
+    secret = os.environ.get(STORAGE_OPTIONS_ENV)
+    if secret and config.data.storage_options is None:
+        try:
+            config = dataclasses.replace(config, data=dataclasses.replace(config.data, storage_options=secret))
+        except ValueError as err:
+            print(f"error: {STORAGE_OPTIONS_ENV}: {err}", file=sys.stderr)
+            return 2
     rank = int(os.environ.get("RANK", "0"))
     # This is the application's entry point, so it may configure logging: rank 0 informs, others warn.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

@@ -23,12 +23,14 @@ model or refuses one whose architecture differs (`model_to_resume`).
 
 Each rank's own state (RNG, loader position) is stored under a rank-specific key `rank_R`, since
 DCP keeps one copy of keys that every rank saves. Non-tensor values are JSON strings, and loading
-uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
+uses `torch.load(weights_only=True)`; DCP's own index `.metadata` (a pickle) is read by a restricted
+unpickler (`checkpoint_metadata`), so a checkpoint can never run code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardkit.train import faults
 from shardkit.train.config import ModelConfig
+from shardkit.train.checkpoint_metadata import SafeFileSystemReader
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +232,13 @@ class Checkpointer:
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
             self._pending = (future, partial, meta)
+            self._pending_bytes = _state_bytes(state)
             logger.info("checkpoint step %d: background save started", step)
             return
-        dcp.save(state, checkpoint_id=str(partial))
+        try:
+            dcp.save(state, checkpoint_id=str(partial))
+        except (Exception, CheckpointException) as err:  # a full disk, wrapped by DCP (not an Exception)
+            raise self._write_failed(partial, step, _state_bytes(state), err) from None
         faults.inject_now("save", step, self.rank)
         self._finish(partial, meta)
         logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
@@ -256,7 +263,10 @@ class Checkpointer:
         future, partial, meta = self._pending
         self._pending = None
         # torch 2.13 returns a Future, or an AsyncSaveResponse when a custom stager is used.
-        (future.result() if hasattr(future, "result") else future.upload_completion.result())
+        try:
+            (future.result() if hasattr(future, "result") else future.upload_completion.result())
+        except (Exception, CheckpointException) as err:
+            raise self._write_failed(partial, meta["step"], getattr(self, "_pending_bytes", 0), err) from None
         faults.inject_now("save", meta["step"], self.rank)
         self._finish(partial, meta)
         logger.info("checkpoint step %d completed (background save)", meta["step"])
@@ -282,6 +292,25 @@ class Checkpointer:
     def _shared(self, model_state: dict[str, Any]) -> dict[str, str]:
         """The aliases whose name is in `model_state` too (a pipeline stage may hold only one of them)."""
         return {alias: name for alias, name in self.aliases.items() if alias in model_state and name in model_state}
+    def _write_failed(self, partial: Path, step: int, needed: int, err: BaseException) -> OSError:
+        """One line for a save that failed to write (a full disk, above all). The partial directory is
+        removed: it never counts as a checkpoint, and its bytes would keep the disk full."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            free = None
+        causes = _failures(err)
+        full = any(getattr(c, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for c in causes) or (
+            free is not None and free < needed)
+        if full:
+            return OSError(errno.ENOSPC, f"no space left in {self.directory} for checkpoint step {step}: it needs "
+                                         f"about {_mib(needed)} for this rank's part, {_mib(free or 0)} are free; "
+                                         "free space or choose another --checkpoint_dir (the previous checkpoints "
+                                         "are intact)")
+        return OSError(f"checkpoint step {step} could not be written to {self.directory} ({_first_failure(err)}); "
+                       "the previous checkpoints are intact")
 
     def _prune(self) -> None:
         for old in _complete(self.directory)[self.keep:]:
@@ -304,7 +333,8 @@ class Checkpointer:
         state = {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state,
                  "scheduler": "", "train": "", rank_key: "", **(extra or {})}
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner())
         except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as err:
             # Files of the listed sizes whose bytes are damaged: name the checkpoint, not DCP's internals.
             raise ValueError(f"checkpoint {path} cannot be loaded ({_first_failure(err)}); resume from another "
@@ -327,6 +357,37 @@ def _first_failure(err: BaseException) -> str:
         rank, failure = min(failures.items())
         err = failure[0] if isinstance(failure, tuple) else failure
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """`err`, its causes and contexts, and the per-rank failures a CheckpointException carries."""
+    found, queue = [], [err]
+    while queue:
+        current = queue.pop()
+        if current is None or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        queue += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            queue += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return [e for e in found if isinstance(e, BaseException)]
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what this rank writes."""
+    if isinstance(state, torch.Tensor):
+        local = getattr(state, "_local_tensor", state)  # a DTensor writes its local shard
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(value) for value in state)
+    return len(state) if isinstance(state, str) else 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _fsync_dir(path: Path) -> None:

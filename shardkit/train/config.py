@@ -10,13 +10,16 @@ Field names are unique across sections so that the short form `--NAME` is never 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.schedule import Schedule, parse_schedule
+from shardkit.train.step_ranges import format_steps, parse_steps
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -37,6 +40,9 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, *
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp32 weights alone)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +101,12 @@ class ModelConfig:
         _check(self.init_std > 0, f"--init_std must be positive, got {self.init_std}")
         _check(self.make_vocab_size_divisible_by >= 1,
                f"--make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        # An absurd size would otherwise allocate (or loop over layers) for minutes before running out of memory.
+        parameters = self.n_layer * (4 * self.d_model ** 2 + 3 * self.d_model * self.hidden_size) + (
+            (self.vocab_size or 0) + (self.seq_len or 0)) * self.d_model
+        _check(parameters <= MAX_PARAMETERS,
+               f"the model would have about {parameters:.3g} parameters (--n_layer {self.n_layer}, --d_model "
+               f"{self.d_model}, --d_ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
 
     @property
     def padded_vocab_size(self) -> int | None:
@@ -163,9 +175,14 @@ def data_entries(text: str) -> list[tuple[str, float | Schedule]]:
             entries.append((entry, 1.0))
             continue
         weight = float(match["weight"])
-        _check(weight > 0, f"--data entry {entry!r}: the weight after the last ':' must be positive")
+        _check(0 < weight < math.inf, f"--data entry {entry!r}: the weight after the last ':' must be positive "
+                                      "and finite")
         entries.append((match["url"], weight))
     _check(bool(entries) and all(url for url, _ in entries), f"--data {text!r} holds an empty entry")
+    fixed = [weight for _, weight in entries if isinstance(weight, float)]
+    _check(math.isfinite(sum(fixed)) and all(w / sum(fixed) > 0 for w in fixed),
+           f"--data weights {', '.join(f'{w:g}' for w in fixed)}: their sum must be finite and each share of it "
+           "above zero; scale them down (only their ratios matter)")
     return entries
 
 
@@ -342,6 +359,15 @@ class CheckpointConfig:
         _check(bool(self.resume), "--resume must be 'auto', 'none' or a checkpoint directory")
 
 
+def _is_address(text: str) -> bool:
+    """An IP address or a host name (not looked up here: the server's bind names what fails)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """What the run writes: stdout lines, RUN_DIR/metrics.jsonl, TensorBoard, sample-id logs."""
@@ -352,6 +378,8 @@ class LoggingConfig:
     log_sample_ids: bool = option(False, "write the sample ids each rank consumes per step to RUN_DIR/samples/")
     metrics_port: int = option(0, "serve Prometheus metrics at http://HOST:PORT/metrics, each rank on PORT + its "
                                "local rank (0: off)")
+    metrics_address: str = option("127.0.0.1", "address the metrics endpoints listen on: loopback by default; "
+                                  "0.0.0.0 for every interface (see docs/OBSERVABILITY.md before exposing them)")
     starvation_window: int = option(50, "steps over which the data-wait fraction is averaged for the starvation "
                                     "warning")
     starvation_threshold: float = option(0.5, "warn once when the data-wait fraction over --starvation_window steps "
@@ -360,6 +388,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, f"--log_every must be >= 1, got {self.log_every}")
         _check(0 <= self.metrics_port < 65536, f"--metrics_port must be in 0-65535, got {self.metrics_port}")
+        _check(_is_address(self.metrics_address),
+               f"--metrics_address must be an IP address or host name, got {self.metrics_address!r}")
         _check(self.starvation_window >= 1, f"--starvation_window must be >= 1, got {self.starvation_window}")
         _check(0 < self.starvation_threshold, f"--starvation_threshold must be > 0, got {self.starvation_threshold}")
 
@@ -436,35 +466,6 @@ class TrainConfig:
         if values["data"]["storage_options"] is not None:
             values["data"]["storage_options"] = "<redacted>"
         return values
-
-
-def parse_steps(text: str) -> frozenset[int]:
-    """The steps of a `--skip_steps` value: step numbers (from 1) and inclusive ranges A-B, separated by commas.
-
-    Raises:
-        ValueError: an entry that is neither, naming it.
-    """
-    steps: set[int] = set()
-    for entry in re.split(r"[,\s]+", str(text or "").strip()):
-        if not entry:
-            continue
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
-        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
-        _check(match is not None and 1 <= first <= last,
-               f"--skip_steps entry {entry!r}: expected a step N >= 1 or a range A-B with 1 <= A <= B")
-        steps.update(range(first, last + 1))
-    return frozenset(steps)
-
-
-def format_steps(steps: frozenset[int] | set[int]) -> str:
-    """The canonical text of a set of steps: sorted, runs joined as ranges ('3-5,9')."""
-    runs: list[list[int]] = []
-    for step in sorted(steps):
-        if runs and step == runs[-1][1] + 1:
-            runs[-1][1] = step
-        else:
-            runs.append([step, step])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 SECTIONS: dict[str, type] = {

@@ -130,6 +130,14 @@ class TrainStream:
         self.loader.load_state_dict(state, allow_mixture_change=self.allow_mixture_change)
         self._iterator = None
 
+    def streams(self) -> list[dict[str, Any]]:
+        """The streams in force (URL, data identity, samples), in the order global sample ids count through them:
+        what `shardkit trace` needs to name a logged id's shard, also after a mixture change."""
+        dataset = self.loader.dataset
+        return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
+                for stream, fingerprint, manifest in zip(dataset.streams, dataset.stream_fingerprints(),
+                                                         dataset.manifests)]
+
 
 class EvalData:
     """The held-out set: the same first `eval_batches` batches per rank at every evaluation."""

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import time
 import warnings
@@ -27,6 +28,7 @@ from shardkit.metrics import TrainerMetrics
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, format_steps, parse_steps
+from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
                                     step_metrics)
@@ -67,7 +69,7 @@ class Run:
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
-    skip_steps: frozenset[int] = frozenset()  # --skip_steps and those the resumed checkpoint recorded
+    skip_steps: StepRanges = StepRanges()  # --skip_steps and those the resumed checkpoint recorded
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling
 
 
@@ -80,6 +82,7 @@ def build(config: TrainConfig) -> Run:
     """Set up the process group, model, optimizer, data, metrics and checkpoints; resume if asked."""
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
+    check_metrics_ports(config.logging.metrics_port, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
@@ -138,6 +141,7 @@ def build(config: TrainConfig) -> Run:
         (run_dir / "config.json").write_text(json.dumps(run.config.to_dict(), indent=1) + "\n")
         if config.logging.log_sample_ids:
             SampleLog.truncate_all(run_dir, run.step)
+            SampleLog.record_streams(run_dir, run.step, run.data.streams())
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
                     num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
         logger.info("precision %s: %s", precision.name, precision.reason)
@@ -152,9 +156,19 @@ def build(config: TrainConfig) -> Run:
     return run
 
 
+def check_metrics_ports(port: int, *, local_ranks: int) -> None:
+    """Refuse --metrics_port when a local rank's port (port + local rank) would pass 65535: before any
+    process group exists, so that every rank stops with this message instead of one rank failing alone
+    and the others in a collective."""
+    if port and port + local_ranks - 1 > 65535:
+        raise ValueError(f"--metrics_port {port} + local rank goes up to {port + local_ranks - 1} with {local_ranks} "
+                         f"ranks on this node, beyond 65535: use --metrics_port {65536 - local_ranks} or lower")
+
+
 def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
     log = config.logging
     return TrainerMetrics(rank=runtime.rank, port=log.metrics_port and log.metrics_port + runtime.local_rank,
+                          address=log.metrics_address,
                           window=log.starvation_window, threshold=log.starvation_threshold, warn=runtime.is_main,
                           num_workers=config.data.num_workers)
 

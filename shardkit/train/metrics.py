@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardkit.records import read_records
+
 logger = logging.getLogger(__name__)
 
 # (substring of torch.cuda.get_device_name(), 16-bit (bf16/fp16) dense tensor-core peak, fp32 peak (TF32
@@ -192,9 +194,9 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records after `last_step`: steps a crashed attempt ran past its last checkpoint are redone."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    # A torn last record (a crash mid-append) is dropped with a warning; damage elsewhere names file and line.
+    kept = [record for _, record in read_records(path) if record.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
 
 class MetricsLogger:
@@ -254,6 +256,9 @@ class MetricsLogger:
             self._tb = None
 
 
+STREAMS_LOG = "streams.jsonl"
+
+
 class SampleLog:
     """Per-rank log of the global sample ids each optimizer step consumed: `RUN_DIR/samples/rank-R.jsonl`."""
 
@@ -270,6 +275,16 @@ class SampleLog:
         (in every rank's file, including ranks of an earlier, larger world size)."""
         for path in (run_dir / "samples").glob("rank-*.jsonl"):
             truncate_jsonl(path, last_step)
+
+    @staticmethod
+    def record_streams(run_dir: Path, step: int, streams: list[dict[str, Any]]) -> None:
+        """Rank 0, at every start: the streams whose global sample ids the steps after `step` log
+        (`samples/streams.jsonl`; a resume with another mixture numbers ids through other streams)."""
+        path = run_dir / "samples" / STREAMS_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl(path, step)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": step, "streams": streams}) + "\n")
 
     def log(self, step: int, sample_ids: list[int], *, skipped: bool = False) -> None:
         record = {"step": step, "rank": self.rank, "ids": sample_ids} | ({"skipped": True} if skipped else {})

@@ -3,11 +3,12 @@ run) and `shardkit inspect --plot` (a dataset's sample lengths and tokens per so
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shardkit.records import read_records
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -16,13 +17,7 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a training run directory?")
     steps, evals = [], []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON record ({err})") from err
+    for _, record in read_records(path):
         if "loss" in record:
             steps.append(record)
         elif "eval_loss" in record:

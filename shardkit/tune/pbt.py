@@ -32,7 +32,7 @@ from shardkit.tune import space as search_space
 from shardkit.tune import tomlfile
 from shardkit.tune.config import TuneConfig
 from shardkit.tune.report import best_values
-from shardkit.tune.runner import Launch, run_trainer
+from shardkit.tune.runner import Launch, MetricsPorts, run_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ STATE_VERSION = 1
 
 
 def _write_json(path: Path, data: Any) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(partial, path)
+    tomlfile.write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def copy_checkpoint(source_dir: Path, target_dir: Path, step: int) -> None:
@@ -80,6 +78,7 @@ class PopulationRun:
     base_values: dict[str, Any]
     output: Path
     storage_options: str | None = None
+    ports: MetricsPorts | None = None
 
     @property
     def directory(self) -> Path:
@@ -176,7 +175,8 @@ class PopulationRun:
     def _train_round(self, members: list[dict[str, Any]], end_step: int) -> list[float]:
         def train(member: int) -> float:
             launch = Launch(run_dir=self.member_dir(member), values=self.member_values(member, members[member], end_step),
-                            nproc=self.config.nproc_per_trial, storage_options=self.storage_options)
+                            nproc=self.config.nproc_per_trial, storage_options=self.storage_options,
+                            ports=self.ports)
             outcome = run_trainer(launch)
             if outcome.returncode != 0:
                 logger.warning("PBT member %d failed (status %d), ranked last; the end of %s:\n%s", member,

@@ -5,6 +5,7 @@ trainer `--config` TOML.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ def _note(trial) -> str:
     attrs = trial.user_attrs
     if "pruned_at_step" in attrs:
         return f"pruned at step {attrs['pruned_at_step']}"
+    if attrs.get("surplus"):
+        return "not run: other tuners had started --trials trials"
     if attrs.get("interrupted"):
         return "interrupted (retried)"
     if "retry_of" in attrs:
@@ -58,12 +61,12 @@ def format_table(rows: list[dict[str, Any]], *, columns: list[str] | None = None
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["trial"])
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    """Write the rows as CSV, atomically (never a truncated table)."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["trial"])
+    writer.writeheader()
+    writer.writerows(rows)
+    return tomlfile.write_text(path, text.getvalue())
 
 
 def best_values(trainer_config: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 A trial is a real `python -m shardkit.train` (one rank) or `python -m torch.distributed.run -m
 shardkit.train` (K ranks) with its own run directory, started with this interpreter so that the same
 environment is used. Its options go in `RUN_DIR/trial.toml` (passed as `--config`), except
-`--storage_options`, which may hold credentials and so is never written to disk. The trainer appends
+`--storage_options`, which may hold credentials: it is never written to disk nor put on the command line
+(which every local user can read in /proc/PID/cmdline), but passed in the trainer's environment
+(`SHARDKIT_STORAGE_OPTIONS`, readable only by the same user). The trainer appends
 a record per step and `{"step": S, "eval_loss": X}` at every `--eval_every` to `RUN_DIR/metrics.jsonl`;
 the runner reads the file as it grows and hands each record to a callback, which may stop the run
 (pruning).
@@ -11,8 +13,11 @@ the runner reads the file as it grows and hands each record to a callback, which
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -29,17 +34,54 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "trial.toml"
 LOG_NAME = "trial.log"
+OWNER_NAME = "trainer.json"  # the trainer process now running in the run directory (host, pid, start time)
 STOP_GRACE_S = 30.0  # after SIGTERM the trainer finishes its step and saves; then SIGKILL
+
+
+class MetricsPorts:
+    """Metrics ports for trials that run at once: with `--metrics_port P`, the k-th trial running serves
+    its ranks on P + k * nproc + local rank, so no two trainers ask for one port.
+
+    Raises:
+        ValueError: the last port would pass 65535 (naming the options to change).
+    """
+
+    def __init__(self, base: int, *, slots: int, nproc: int):
+        last = base + slots * nproc - 1
+        if base and last > 65535:
+            raise ValueError(f"--metrics_port {base} leaves no room for {slots} trial(s) at once of {nproc} rank(s) "
+                             f"each (ports up to {last}); lower --metrics_port below {65536 - slots * nproc + 1} "
+                             "or --parallel_trials")
+        self.base, self.nproc = base, nproc
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self):
+        """The first port of a free slot for one trial (0 when metrics are off), free again afterwards."""
+        if not self.base:
+            yield 0
+            return
+        with self._lock:
+            slot = self._free.pop(0)
+        try:
+            yield self.base + slot * self.nproc
+        finally:
+            with self._lock:
+                self._free.append(slot)
+                self._free.sort()
 
 
 @dataclass(frozen=True, kw_only=True)
 class Launch:
-    """What to run: nested trainer option values (run_dir included), ranks, and the secret option."""
+    """What to run: nested trainer option values (run_dir included), ranks, the secret option, and the
+    metrics ports of the trials running at once."""
 
     run_dir: Path
     values: dict[str, Any]
     nproc: int = 1
     storage_options: str | None = None
+    ports: MetricsPorts | None = None
 
 
 @dataclass(kw_only=True)
@@ -59,15 +101,25 @@ class Outcome:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def command(config_path: Path, *, nproc: int, storage_options: str | None) -> list[str]:
+def command(config_path: Path, *, nproc: int) -> list[str]:
     """The trainer command line: torchrun only when it adds ranks."""
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                     "-m", "shardkit.train"]
     else:
         launcher = [sys.executable, "-m", "shardkit.train"]
-    secret = ["--storage_options", storage_options] if storage_options else []
-    return [*launcher, "--config", str(config_path), *secret]
+    return [*launcher, "--config", str(config_path)]
+
+
+def environment(storage_options: str | None) -> dict[str, str]:
+    """The trainer's environment: this one, with the storage options (credentials) as the trainer reads them."""
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+
+    env = dict(os.environ)
+    env.pop(STORAGE_OPTIONS_ENV, None)
+    if storage_options:
+        env[STORAGE_OPTIONS_ENV] = storage_options
+    return env
 
 
 class MetricsFollower:
@@ -112,7 +164,36 @@ def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] |
         stop: set by another thread to stop the run (the tuner is shutting down).
         tick: called every poll (the tuner's heartbeat).
     """
+    with launch.ports.take() if launch.ports else contextlib.nullcontext(0) as port:
+        if port:
+            launch = dataclasses.replace(launch, values={**launch.values, "logging": {
+                **launch.values.get("logging", {}), "metrics_port": port}})
+        return _run(launch, on_record=on_record, stop=stop, tick=tick, poll_s=poll_s)
+
+
+def _wait_for_earlier_trainer(run_dir: Path, stop: threading.Event | None, poll_s: float) -> None:
+    """Wait while a trainer an earlier tuner started in `run_dir` still runs (a tuner SIGKILLed leaves its
+    trainers running): two trainers must never write one run directory's checkpoints and logs at once."""
+    from shardkit.tune.storage import owner_alive
+
+    try:
+        record = json.loads((run_dir / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict) or not owner_alive(record):
+        return
+    logger.warning("%s: waiting for trainer pid %s, started there by an earlier tuner, to finish first", run_dir,
+                   record.get("pid"))
+    while owner_alive(record) and not (stop is not None and stop.is_set()):
+        time.sleep(poll_s)
+
+
+def _run(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] | None, stop: threading.Event | None,
+         tick: Callable[[], None] | None, poll_s: float) -> Outcome:
+    from shardkit.tune.storage import owner
+
     launch.run_dir.mkdir(parents=True, exist_ok=True)
+    _wait_for_earlier_trainer(launch.run_dir, stop, poll_s)
     config_path = tomlfile.write(launch.run_dir / CONFIG_NAME, launch.values,
                                  header="trainer options of this trial, written by shardkit tune")
     log_path = launch.run_dir / LOG_NAME
@@ -120,9 +201,10 @@ def run_trainer(launch: Launch, *, on_record: Callable[[dict[str, Any]], bool] |
     outcome = Outcome(returncode=0, log=log_path)
     started = time.monotonic()
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command(config_path, nproc=launch.nproc, storage_options=launch.storage_options),
+        process = subprocess.Popen(command(config_path, nproc=launch.nproc), env=environment(launch.storage_options),
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
+            tomlfile.write_text(launch.run_dir / OWNER_NAME, json.dumps(owner(process.pid)))
             while True:
                 finished = process.poll() is not None  # read the file once more after the process ended
                 for record in follower.new_records():

@@ -11,6 +11,7 @@ function of its arguments: sampling and perturbing take the random generator the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
@@ -55,7 +56,12 @@ def _fields() -> dict[str, tuple[str | None, dataclasses.Field]]:
     found: dict[str, tuple[str | None, dataclasses.Field]] = {
         f.name: (None, f) for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS}
     for section, cls in SECTIONS.items():
-        found.update({f.name: (section, f) for f in dataclasses.fields(cls)})
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("flatten"):  # e.g. the loader's options, given as --shuffle_window, --data_seed
+                rename = f.metadata.get("rename", {})
+                found.update({rename.get(g.name, g.name): (section, g) for g in dataclasses.fields(f.default_factory)})
+            else:
+                found[f.name] = (section, f)
     return found
 
 
@@ -73,7 +79,7 @@ def _convert_choice(text: str, field_type: str, spec: str) -> Any:
     base = field_type.replace("| None", "").strip()
     try:
         return {"int": int, "float": float, "str": str, "bool": parse_bool}[base](text.strip())
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:  # parse_bool raises the last
         raise ValueError(f"--space {spec!r}: choice {text!r} is not a valid {base}") from err
 
 

@@ -10,10 +10,14 @@ parameters are enqueued again, so an interrupted trial is retried with the same 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
+import fcntl
 import inspect
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -24,13 +28,63 @@ GRACE_FACTOR = 4
 
 
 def redact(url: str) -> str:
-    """The URL with its password hidden (for messages and logs)."""
-    try:
-        from sqlalchemy.engine import make_url
+    """The URL with every secret it may hold hidden, whatever its shape (for messages and logs): the
+    user-info's password (up to the last '@', which a password may contain), every query parameter's
+    value (`?password=...`), and anything after the scheme of a string that is no URL at all."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return f"{url.split(':', 1)[0]}:***" if ":" in url else "***"
+    authority_end = min((i for i in (rest.find("?"), len(rest)) if i >= 0))
+    at = rest.rfind("@", 0, authority_end)
+    if at >= 0:
+        user = rest[:at].split(":", 1)[0] if ":" in rest[:at] else ""
+        rest = f"{user}:***@{rest[at + 1:]}" if user else f"***@{rest[at + 1:]}"
+    path, question, query = rest.partition("?")
+    if question:
+        query = "&".join(f"{pair.split('=', 1)[0]}=***" if "=" in pair else "***" for pair in query.split("&"))
+    return f"{scheme}://{path}{question}{query}"
 
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL holds no recognisable password field: show only its scheme
-        return url.split("://", 1)[0] + "://..."
+
+def scrub(text: str, url: str) -> str:
+    """`text` (e.g. a database driver's error message) with `url` and each secret piece of it hidden."""
+    text = text.replace(url, redact(url))
+    for secret in _secret_pieces(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _secret_pieces(url: str) -> list[str]:
+    """The substrings of `url` that `redact` hides (the longest first), at least 3 characters long."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        pieces = [url.split(":", 1)[1]] if ":" in url else [url]
+    else:
+        at = rest.rfind("@", 0, rest.find("?") if "?" in rest else len(rest))
+        pieces = [rest[:at].split(":", 1)[-1]] if at >= 0 else []
+        pieces += [pair.split("=", 1)[-1] for pair in rest.partition("?")[2].split("&")]
+    return sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True)
+
+
+def storage_full(err: BaseException, url: str) -> OSError | None:
+    """One line when `err` (Optuna's, SQLAlchemy's or the driver's, any depth of causes) says the study
+    database could not grow because its disk is full; None for any other error."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    if not any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in str(e)
+               or "No space left" in str(e) for e in seen):
+        return None
+    where = ""
+    if url.startswith("sqlite:///"):
+        directory = Path(url[len("sqlite:///"):]).parent
+        try:
+            where = f" in {directory} ({shutil.disk_usage(directory).free:,} bytes free)"
+        except OSError:
+            where = f" in {directory}"
+    return OSError(errno.ENOSPC, f"no space left for the study database {redact(url)}{where}: free space and rerun "
+                                 "the same command (the trials it interrupted are retried)")
 
 
 def default_url(output: Path) -> str:
@@ -54,14 +108,31 @@ def open_storage(url: str, *, heartbeat_s: int):
     callback = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in
                 inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
-                                          grace_period=GRACE_FACTOR * heartbeat_s, **{callback: retry_failed})
+        with _creation_lock(url):
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
+                                              grace_period=GRACE_FACTOR * heartbeat_s, **{callback: retry_failed})
     except ModuleNotFoundError as err:
         raise OSError(f"cannot open --storage {redact(url)}: its database driver is not installed "
                       f"({err}); install it, e.g. pip install psycopg2-binary or pymysql") from None
     except Exception as err:  # SQLAlchemy's errors (unreachable server, bad URL) share no builtin base
-        reason = str(getattr(err, "orig", None) or err).strip().splitlines()[0]
+        reason = scrub(str(getattr(err, "orig", None) or err).strip().splitlines()[0], url)
         raise OSError(f"cannot open --storage {redact(url)}: {reason}") from None
+
+
+@contextlib.contextmanager
+def _creation_lock(url: str):
+    """For a SQLite file: one tuner at a time creates its tables (tuners started together on a new study
+    would otherwise race on CREATE TABLE); a server database serialises that itself."""
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
+    if not path or not Path(path).parent.is_dir():
+        yield
+        return
+    with open(f"{path}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _start_time(pid: int) -> str | None:
@@ -73,9 +144,16 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def owner() -> dict[str, Any]:
-    """Who runs a trial: recorded in the trial so that a later tuner can tell whether it is still alive."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+def owner(pid: int | None = None) -> dict[str, Any]:
+    """Who runs a trial (this process, or process `pid`): recorded so that a later tuner can tell whether
+    it is still alive."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+
+
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether the process `record` names runs on this host still (another host's: not known, False)."""
+    return _owner_dead(record) is False
 
 
 def _owner_dead(record: dict[str, Any]) -> bool | None:
@@ -90,7 +168,17 @@ def _owner_dead(record: dict[str, Any]) -> bool | None:
     except PermissionError:
         pass
     start = _start_time(pid)
+    if _state(pid) == "Z":  # exited, not yet reaped by its parent: it writes nothing more
+        return True
     return record.get("start") is not None and start is not None and start != record["start"]
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, Z, ...; Linux), None when unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def retry_failed(study, trial) -> None:

@@ -22,7 +22,7 @@ from shardkit.train.config import config_from_dict
 from shardkit.tune import space as search_space
 from shardkit.tune import storage as study_storage
 from shardkit.tune.config import TuneConfig
-from shardkit.tune.runner import Launch, Outcome, run_trainer
+from shardkit.tune.runner import Launch, MetricsPorts, Outcome, run_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class StudyRun:
     base_values: dict[str, Any]
     output: Path
     storage_options: str | None = None
+    ports: MetricsPorts | None = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     mine: set[int] = dataclasses.field(default_factory=set)
     failures: int = 0
@@ -98,6 +99,23 @@ class StudyRun:
     @property
     def eval_every(self) -> int:
         return int(self.base_values.get("eval_every", 0))
+
+    @property
+    def target(self) -> int:
+        """Finished trials the study needs: `--trials`, or fewer when a grid has fewer points."""
+        if self.config.sampler != "grid":
+            return self.config.trials
+        return min(self.config.trials, math.prod(map(len, search_space.grid(self.params,
+                                                                           self.config.grid_points).values())))
+
+    def _tell(self, trial, *args: Any, **kwargs: Any) -> None:
+        """`study.tell`. Optuna's grid sampler calls `study.stop()` from it once every grid point is done,
+        which raises outside `study.optimize` after the trial is stored: the grid's end, not an error."""
+        try:
+            self.study.tell(trial, *args, **kwargs)
+        except RuntimeError as err:
+            if "Study.stop" not in str(err):
+                raise
 
     def run(self) -> None:
         """Run trials until the study holds `--trials` finished ones (several at once with threads)."""
@@ -124,15 +142,31 @@ class StudyRun:
             trials = self.study.get_trials(deepcopy=False)
             finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
             elsewhere = sum(t.state == TrialState.RUNNING and t.number not in self.mine for t in trials)
-            if finished + len(self.mine) >= self.config.trials:
+            if finished + len(self.mine) >= self.target:
                 return None
-            if finished + len(self.mine) + elsewhere >= self.config.trials:
+            if finished + len(self.mine) + elsewhere >= self.target:
                 return "wait"
             trial = self.study.ask()
+            if self._surplus(trial):
+                return "wait"
             self.mine.add(trial.number)
         trial.set_user_attr("tuner", study_storage.owner())
         self.study._storage.record_heartbeat(trial._trial_id)
         return trial
+
+    def _surplus(self, trial) -> bool:
+        """Whether trials numbered before `trial` (finished or running, in any tuner) already make the study's
+        total: tuners sharing a study may all ask at once, and the storage numbers their trials in one order,
+        so the later ones step back. A surplus trial is closed unrun, marked so (not a failure)."""
+        from optuna.trial import TrialState
+
+        before = sum(t.number < trial.number and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+                     for t in self.study.get_trials(deepcopy=False))
+        if before < self.target:
+            return False
+        trial.set_user_attr("surplus", True)
+        self._tell(trial, state=TrialState.FAIL)
+        return True
 
     def _worker(self) -> None:
         while not self.stop.is_set():
@@ -152,7 +186,7 @@ class StudyRun:
         from optuna.trial import TrialState
 
         trial.set_user_attr("error", reason[-2000:])
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
         logger.warning("trial %d failed: %s", trial.number, reason)
         if not counts:
             return
@@ -196,13 +230,13 @@ class StudyRun:
             return False
 
         outcome = run_trainer(Launch(run_dir=run_dir, values=values, nproc=self.config.nproc_per_trial,
-                                     storage_options=self.storage_options),
+                                     storage_options=self.storage_options, ports=self.ports),
                               on_record=on_record, stop=self.stop, tick=heartbeat)
         trial.set_user_attr("wall_s", round(outcome.seconds, 3))
         if pruned:
             trial.set_user_attr("pruned_at_step", pruned[0])
             trial.set_user_attr("stopped_early", outcome.stopped and outcome.returncode != 0)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             logger.info("trial %d pruned at step %d (%.1fs)", trial.number, pruned[0], outcome.seconds)
             return
         if outcome.stopped:  # the tuner is stopping: retry this trial's parameters next time
@@ -237,7 +271,7 @@ class StudyRun:
         if not math.isfinite(final[-1]):
             self._fail(trial, f"{self.config.objective} is {final[-1]} at step {self.steps}")
             return
-        self.study.tell(trial, final[-1])
+        self._tell(trial, final[-1])
         logger.info("trial %d: %s %.6g (%.1fs)", trial.number, self.config.objective, final[-1], outcome.seconds)
 
 

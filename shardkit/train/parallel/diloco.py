@@ -56,6 +56,13 @@ class NoSync:
         return {}
 
     def resume_state(self, saved_meta: dict[str, Any]) -> dict[str, Any]:
+        """Nothing to load; a DiLoCo checkpoint is refused: its "model" is one replica (the rank that wrote
+        it), not the global parameters, and an outer update may be pending, so continuing it without
+        DiLoCo would silently drop the other replicas' work."""
+        if saved_meta.get("diloco") is not None:
+            raise ValueError("the checkpoint was saved by a --parallel diloco run: its model entry is one rank's "
+                             "replica, not the global parameters, and an outer update may be pending; resume it "
+                             "with --parallel diloco (the same sync options), or start over with --resume none")
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
