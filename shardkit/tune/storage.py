@@ -119,10 +119,33 @@ def open_storage(url: str, *, heartbeat_s: int):
         raise OSError(f"cannot open --storage {redact(url)}: {reason}") from None
 
 
+# The lock that PostgreSQL's and MySQL's tuners take while one of them creates the study's tables.
+_SERVER_LOCKS = {"postgresql": ("SELECT pg_advisory_lock(751902)", "SELECT pg_advisory_unlock(751902)"),
+                 "mysql": ("SELECT GET_LOCK('shardkit-tune', 600)", "SELECT RELEASE_LOCK('shardkit-tune')")}
+
+
 @contextlib.contextmanager
 def _creation_lock(url: str):
-    """For a SQLite file: one tuner at a time creates its tables (tuners started together on a new study
-    would otherwise race on CREATE TABLE); a server database serialises that itself."""
+    """One tuner at a time creates a study database's tables: tuners started together on a new study would
+    otherwise race on CREATE TABLE (SQLite: "UNIQUE constraint failed: alembic_version"; PostgreSQL:
+    "duplicate key value violates unique constraint pg_type_typname_nsp_index", since its CREATE TABLE
+    is not serialised either). A SQLite file is locked beside it, a server database with its own lock."""
+    dialect = url.split(":", 1)[0].split("+", 1)[0]
+    if dialect in _SERVER_LOCKS:
+        import sqlalchemy
+
+        lock, unlock = _SERVER_LOCKS[dialect]
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        try:
+            with engine.connect() as connection:
+                connection.execute(sqlalchemy.text(lock))
+                try:
+                    yield
+                finally:
+                    connection.execute(sqlalchemy.text(unlock))
+        finally:
+            engine.dispose()
+        return
     path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
     if not path or not Path(path).parent.is_dir():
         yield
