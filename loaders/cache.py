@@ -337,7 +337,9 @@ class ShardCache:
             if fresh is not None:
                 reader, nbytes = ShardReader(fresh, name=shard.name), self.decoded_size(fresh)
             else:
-                os.utime(path)  # mtime is the last use: eviction order is least recently used
+                # The lock file's mtime is the last use (eviction is least recently used); the decoded
+                # file's own mtime stays its write time, part of the identity its CRC check is kept under.
+                os.utime(fd)
                 reader = self._open_bound(shard, path)
                 nbytes = os.path.getsize(path)
         except BaseException:
@@ -619,7 +621,11 @@ class ShardCache:
                         st = os.stat(full)
                     except FileNotFoundError:
                         continue
-                    entries.append((st.st_mtime, st.st_size, full))
+                    try:  # last use: the lock file's mtime, touched at each open
+                        used = max(st.st_mtime, os.stat(full + ".lock").st_mtime)
+                    except FileNotFoundError:
+                        used = st.st_mtime
+                    entries.append((used, st.st_size, full))
         return entries
 
     def _try_evict(self, path: str) -> bool:
