@@ -32,6 +32,27 @@ logger = logging.getLogger(__name__)
 
 
 _BUNDLE_BYTES = 2**20
+_PUBLISH_BATCHES = 64  # batch metrics are published every this many batches, or every second, or at the end
+_PUBLISH_SECONDS = 1.0
+
+
+class BatchCounts:
+    """Batches handed out and the time waited for them, counted locally and published in groups
+    (`shardkit_loader_batches_total` and `_wait_seconds_total` lag by at most 64 batches or a second)."""
+
+    def __init__(self) -> None:
+        self.batches, self.waited, self.published = 0, 0.0, time.perf_counter()
+
+    def add(self, waited: float, now: float) -> None:
+        self.batches += 1
+        self.waited += waited
+        if self.batches >= _PUBLISH_BATCHES or now - self.published >= _PUBLISH_SECONDS:
+            self.publish(now)
+
+    def publish(self, now: float) -> None:
+        if self.batches:
+            metrics.loader_batches(self.batches, self.waited)
+        self.batches, self.waited, self.published = 0, 0.0, now
 
 
 def unbundle(items: Iterator[Any]) -> Iterator[dict]:
@@ -173,20 +194,27 @@ class StreamingDataLoader(DataLoader):
         source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
         pin = self.pin_batches and torch.cuda.is_available()
         asked = time.perf_counter()
-        for arrays in source:
-            progress = arrays.pop(PROGRESS_KEY, None)
-            metrics.merge_worker_counters(arrays.pop(metrics.WORKER_KEY, None))
-            batch = batch_to_tensors(arrays)
-            if pin:
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            # Count before handing out: a state saved after receiving this batch includes it.
-            if progress is None:  # every rank's batch has this size ("partial": the last step is smaller)
-                self._consumed += len(arrays["sample_id"]) * topology.world_size
-            else:
-                self._advance_window(progress, topology.world_size)
-            metrics.loader_batch(time.perf_counter() - asked)
-            yield batch
-            asked = time.perf_counter()
+        counts = BatchCounts()
+        try:
+            for arrays in source:
+                progress = arrays.pop(PROGRESS_KEY, None)
+                workers = arrays.pop(metrics.WORKER_KEY, None)
+                if workers is not None:
+                    metrics.merge_worker_counters(workers)
+                batch = batch_to_tensors(arrays)
+                if pin:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                # Count before handing out: a state saved after receiving this batch includes it.
+                if progress is None:  # every rank's batch has this size ("partial": the last step is smaller)
+                    self._consumed += len(arrays["sample_id"]) * topology.world_size
+                else:
+                    self._advance_window(progress, topology.world_size)
+                now = time.perf_counter()
+                counts.add(now - asked, now)
+                yield batch
+                asked = time.perf_counter()
+        finally:
+            counts.publish(time.perf_counter())
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
