@@ -221,7 +221,7 @@ class StreamingDataLoader(DataLoader):
         ds = self.dataset
         if ds.sample_length is None:
             return 4
-        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.has_doc_boundaries else 0)) + 8
+        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.config.segment_ids else 0)) + 8
         return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
 
     def _advance_window(self, progress, world_size: int) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.cache import ShardCache, fetch_manifest
+from shardkit.loaders.cache import ShardCache
+from shardkit.node_cache import fetch_manifest
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import MixtureOrder, Stream
@@ -491,7 +492,8 @@ class StreamingDataset(IterableDataset):
                         rows = np.where(rows < 0, window_plan.filler, rows)
                         batch = gather_variable(ids[covered[rows]], table=self.table,
                                                 reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
-                                                pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+                                                pad_id=self.pad_id, with_segments=self.has_doc_boundaries,
+                                                dense_segments=self.config.segment_ids)
                         batch[PROGRESS_KEY] = np.array([window_start, k + 1, k + 1 == window_plan.steps],
                                                        dtype=np.int64)
                         yield batch
@@ -568,17 +570,14 @@ class StreamingDataset(IterableDataset):
             return held[index].reader
 
         if self.sample_length is not None:
-            arrays = gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
-                                  token_dtype=self.token_dtype, with_segments=self.has_doc_boundaries)
-            batch = ids.shape[1]
-            items = list(arrays.items())
-            for b in range(ids.shape[0]):
-                rows = slice(b * batch, (b + 1) * batch)
-                yield {k: v[rows] for k, v in items}
+            yield from gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
+                                    token_dtype=self.token_dtype, with_segments=self.has_doc_boundaries,
+                                    batch=ids.shape[1], dense_segments=self.config.segment_ids)
         else:
             for row in ids:
                 yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
-                                      pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+                                      pad_id=self.pad_id, with_segments=self.has_doc_boundaries,
+                                      dense_segments=self.config.segment_ids)
 
 
 def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
