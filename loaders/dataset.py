@@ -156,8 +156,11 @@ class StreamingDataset(IterableDataset):
         self._plan: IterationPlan | None = None
         self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
         self._mixture: MixtureRecord | None = None  # see mixture_record()
-        # A standalone iteration after load_state_dict: (start, num_partitions, quarantine entries).
+        # Standalone iteration (no StreamingDataLoader): where the current epoch's iteration started
+        # (start, num_partitions, quarantine entries; None: the epoch's start) and the batches this process
+        # (or this DataLoader worker) already yielded of it. Only a finished iteration advances the epoch.
         self._resume: tuple[int, int, tuple] | None = None
+        self._steps_done = 0
         self._iterations = 0
         self.epoch = 0
 
@@ -284,22 +287,58 @@ class StreamingDataset(IterableDataset):
                         saved.samples_consumed, change["old"], change["new"])
         return bool(differences)
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
-        """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader
-        calls `resume_from` itself); see `resume_from` for `allow_mixture_change`.
+    def state_dict(self) -> dict[str, Any]:
+        """Where a standalone iteration stands (torch `DataLoader`, torchdata `StatefulDataLoader`): a loader
+        state (`shardkit.loaders.state`) with this process's batches of the current epoch. Inside a DataLoader
+        worker it is that worker's state (StatefulDataLoader saves one per worker).
 
         Raises:
-            ValueError: the state is malformed or belongs to another order.
+            ValueError: the dataset has no `batch_size` (it is driven by a `StreamingDataLoader`: save that).
+        """
+        if self.batch_size is None:
+            raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
+                             "the loader's state_dict() instead)")
+        topology = self.resolve_topology()
+        start, partitions, quarantine = self._resume or (0, self.resolve_partitions(topology),
+                                                         tuple((s, 0, 0) for s in self.listed_quarantine))
+        self.pin_global_batch(self.batch_size * topology.world_size)
+        record = self.mixture_record()
+        worker, num_workers = _worker()
+        consumed, steps = start, self._steps_done
+        if num_workers == 1:  # this process reads every step: the position is global
+            consumed, steps = min(start + steps * self.batch_size * topology.world_size,
+                                  self.order(self.epoch, partitions, quarantine).num_positions), 0
+        state = LoaderState(epoch=self.epoch, samples_consumed=consumed, dataset=self.fingerprint(),
+                            num_samples=self.num_samples, global_batch_size=self.batch_size * topology.world_size,
+                            world_size=topology.world_size, mixture=record.to_dict() if record is not None else None,
+                            quarantine=quarantine, **{**self.config.order_values(), "num_partitions": partitions})
+        return {**state.to_dict(), "worker_steps": steps, "worker": worker, "num_workers": num_workers}
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Start the next standalone iteration where `state` stands: this dataset's own `state_dict()` (also
+        one DataLoader worker's) or a `StreamingDataLoader.state_dict()` (the loader calls `resume_from`
+        itself); see `resume_from` for `allow_mixture_change`.
+
+        Raises:
+            ValueError: the state is malformed, belongs to another order, or is a worker's state loaded
+                into another number of workers.
         """
         saved = LoaderState.from_dict(state)
+        steps = state.get("worker_steps", 0)
+        if steps:
+            _, num_workers = _worker()
+            if state.get("num_workers") != num_workers:
+                raise ValueError(f"cannot resume: the state was saved by one of {state.get('num_workers')} "
+                                 f"DataLoader workers; resume it with num_workers={state.get('num_workers')}")
         self.resume_from(saved, allow_mixture_change=allow_mixture_change)
-        self.set_epoch(saved.epoch)
+        self.epoch, self._steps_done = saved.epoch, int(steps)
         self._resume = (saved.samples_consumed, saved.num_partitions, saved.quarantine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Epoch of the next standalone iteration (the loader manages epochs itself)."""
+        """Epoch of the next standalone iteration, from its start (the loader manages epochs itself)."""
         self.epoch = epoch
         self._iterations = 0
+        self._steps_done, self._resume = 0, None
 
     def set_plan(self, plan: IterationPlan) -> None:
         """Where the next iteration starts; later iterations (persistent workers) take later epochs."""
@@ -346,22 +385,11 @@ class StreamingDataset(IterableDataset):
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor] | dict[str, np.ndarray]]:
+        if self._plan is None:
+            return self._standalone()
         plan = self._plan
-        if plan is None:
-            if self.batch_size is None and self.max_tokens is None:
-                raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
-            topology = self.resolve_topology()
-            start, partitions, quarantine = self._resume or (
-                0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
-            self._resume = None
-            self.pin_global_batch((self.batch_size or 1) * topology.world_size)
-            plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=partitions, quarantine=quarantine)
-            if self.max_tokens is None:
-                self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker, num_workers = _worker()
         start = plan.start if offset == 0 else 0
         if self.max_tokens is not None:
             batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
@@ -369,24 +397,48 @@ class StreamingDataset(IterableDataset):
         else:
             batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers,
                                      limit=plan.steps if offset == 0 else None)
-        if info is not None and plan.bundle > 1:
+        if get_worker_info() is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
+    def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
+        changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
+        if self.batch_size is None and self.max_tokens is None:
+            raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
+        topology = self.resolve_topology()
+        start, partitions, quarantine = self._resume or (
+            0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
+        self.pin_global_batch((self.batch_size or 1) * topology.world_size)
+        plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
+                             num_partitions=partitions, quarantine=quarantine)
+        if self.max_tokens is None:
+            self.check_batch_fits(plan.batch_size, topology)
+        worker, num_workers = _worker()
+        if self.max_tokens is not None:
+            batches = self._generate_tokens(plan.epoch, start, (), plan, worker, num_workers, skip=self._steps_done)
+        else:
+            batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
+        for batch in batches:
+            self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
+            yield batch_to_tensors(strip_progress(batch))
+        self.epoch, self._steps_done, self._resume = self.epoch + 1, 0, None
+
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  limit: int | None = None) -> Iterator[np.ndarray]:
+                  limit: int | None = None, skip: int = 0) -> Iterator[np.ndarray]:
         """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
 
         Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
         into the epoch) costs O(chunk), whatever the epoch's length. The smaller last step of
         partial_batches="partial" comes alone in its chunk. `limit`: at most that many steps from
-        `start` (on_corrupt="skip" reads one checked segment at a time).
+        `start` (on_corrupt="skip" reads one checked segment at a time). `skip`: leave out this worker's
+        first that many steps (a standalone resume; index arithmetic only, nothing is read).
         """
         order = self.order(epoch, plan.num_partitions, plan.quarantine)
-        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit)
+        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit, skip)
 
     def _chunk_ids(self, order: Any, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                   limit: int | None) -> Iterator[np.ndarray]:
+                   limit: int | None, skip: int = 0) -> Iterator[np.ndarray]:
         batch = plan.batch_size
         total = self.steps_left(order, start, plan)
         last = partial_batch(order.num_positions, start=start, global_batch=batch * plan.topology.world_size,
@@ -394,6 +446,10 @@ class StreamingDataset(IterableDataset):
         for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
                                         num_workers=num_workers, bundle=plan.bundle,
                                         chunk=max(1, self.chunk_samples // batch)):
+            if skip:
+                steps, skip = steps[skip:], max(0, skip - len(steps))
+                if not len(steps):
+                    continue
             if last is not None and steps[-1] == total - 1:  # the epoch's smaller last step
                 if len(steps) > 1:
                     yield self._step_ids(order, start, steps[:-1], plan, batch)
@@ -424,9 +480,9 @@ class StreamingDataset(IterableDataset):
         return list(shards)
 
     def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  limit: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+                  limit: int | None = None, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
         topo = plan.topology
-        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers, limit)
+        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers, limit, skip)
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
                     if self.prefetch else None)
@@ -457,8 +513,9 @@ class StreamingDataset(IterableDataset):
                 executor.shutdown(wait=False, cancel_futures=True)
 
     def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
-                         worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
-        """Token-budget batches: plan each window of the global order (see `token_budget`)."""
+                         worker: int, num_workers: int, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Token-budget batches: plan each window of the global order (see `token_budget`); `skip`: leave out
+        this worker's first that many batches (a standalone resume: planned, not read)."""
         order = self.order(epoch, plan.num_partitions, plan.quarantine)
         topo, total = plan.topology, order.num_positions
         step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
@@ -478,16 +535,18 @@ class StreamingDataset(IterableDataset):
                 lengths = self._lengths(ids, held)
                 first = window_start == start
                 prior = segments if first else ()
-                skip = 0
+                done = 0
                 if prior and prior[-1][0] == topo.world_size:  # same world: continue the same plan
-                    prior, skip = prior[:-1], prior[-1][1]
+                    prior, done = prior[:-1], prior[-1][1]
                 window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
                                                       max_tokens=self.max_tokens)
                 mine = window_plan.batches[topo.rank]
                 rank_tokens += window_plan.rank_tokens
                 repeats += window_plan.repeats
-                for k in range(skip, window_plan.steps):
-                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
+                for k in range(done, window_plan.steps):
+                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker and skip:
+                        skip -= 1
+                    elif worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
                         rows = mine[k]
                         rows = np.where(rows < 0, window_plan.filler, rows)
                         batch = gather_variable(ids[covered[rows]], table=self.table,
@@ -610,6 +669,12 @@ class ShardOwners:
             raise IndexError(f"shard {index} is outside [0, {len(self)})")
         stream = int(np.searchsorted(self._ends, index, side="right"))
         return stream, int(index - (self._ends[stream - 1] if stream else 0))
+
+
+def _worker() -> tuple[int, int]:
+    """(this DataLoader worker, number of workers); (0, 1) outside workers."""
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
 def _streams_of(source: Any) -> list[Stream]:
