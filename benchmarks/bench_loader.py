@@ -557,6 +557,7 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="real-token rows only (benchmarks/real_tokens.py): GPT-2 "
                         "tokens of ../shared with document boundaries, seq 1024, warm, beside the memmap limit")
     parser.add_argument("--baseline", default=None, help="--real: a commit to measure in the same run (A/B)")
+    parser.add_argument("--after", default=None, help="--real: measure this commit instead of the working tree")
     parser.add_argument("--workers", type=int, nargs="+", default=[0], help="--real: DataLoader workers")
     parser.add_argument("--epochs", type=int, default=4, help="--real: warm epochs per run")
     args = parser.parse_args()

@@ -11,7 +11,8 @@ Each shardkit figure comes from a child process (`--measure`) that makes `--epoc
 shuffle on: samples/s (median over the epochs after the first), epoch start (`iter()` to first batch, median)
 and CPU microseconds per sample (process time of the main process / samples; with workers the workers' time
 is not in it). With `--baseline REF` the same child runs from an install of commit REF (a `git archive`
-extract with its own virtual environment under --data-dir) and the two alternate run by run (A/B in one run).
+extract with its own virtual environment under --data-dir) and the two alternate run by run (A/B in one run);
+`--after REF` measures another commit the same way instead of the working tree.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ def real_benchmark(args) -> dict:
     data_dir = Path(args.data_dir).resolve()
     url, flat, samples = build_real(data_dir / "real")
     batch = args.batch
-    sides = {"after": sys.executable}
+    # --after REF measures a commit too (an install of its own), so editing the working tree meanwhile is safe.
+    sides = {f"after ({args.after})" if args.after else "after": baseline_python(args.after, data_dir) if args.after
+             else sys.executable}
     if args.baseline:
         sides = {f"before ({args.baseline})": baseline_python(args.baseline, data_dir), **sides}
     rows: dict[str, list[dict]] = {}

@@ -28,7 +28,7 @@ from shardkit.node_cache import fetch_manifest
 from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
 from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.order import EpochOrder, OrderConfig
+from shardkit.loaders.order import EpochOrder, Order, OrderConfig, excluding
 from shardkit.loaders.partition import (
     partial_batch,
     rank_positions,
@@ -44,7 +44,7 @@ from shardkit.loaders.remix import (
     resumed_record,
 )
 from shardkit.loaders.schedule import Schedule, weight_spec
-from shardkit.loaders.skipping import SkippingOrder, resolve_skipped
+from shardkit.loaders.skipping import resolve_skipped
 from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
@@ -152,7 +152,7 @@ class StreamingDataset(IterableDataset):
         self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
                                                           [s.url for s in streams])
                                   if config.quarantine_list is not None else ())
-        self._filtered: dict[tuple, Any] = {}
+        self._filtered: dict[tuple, Order] = {}
         self._plan: IterationPlan | None = None
         self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
         self._mixture: MixtureRecord | None = None  # see mixture_record()
@@ -195,15 +195,14 @@ class StreamingDataset(IterableDataset):
     def order_config(self, num_partitions: int) -> OrderConfig:
         return self.config.order_config(num_partitions)
 
-    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()):
+    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()) -> Order:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions), without the
         positions of quarantined shards (`quarantine` entries, see `shardkit.loaders.quarantine`)."""
         config = self.order_config(num_partitions)
         record = self.mixture_record()
         if record is None:
-            order = EpochOrder(self.manifests[0].columns.samples, config, epoch)
-            if self.skip_samples:
-                order = SkippingOrder(order, self.skipped_ids())
+            base = EpochOrder(self.manifests[0].columns.samples, config, epoch)
+            order = excluding(base, base.positions_of(self.skipped_ids())) if self.skip_samples else base
         else:
             order = MixtureOrder([m.columns.samples for m in self.manifests],
                                  [s.weight for s in self.streams], config, epoch, plan=record.plan)
@@ -437,7 +436,7 @@ class StreamingDataset(IterableDataset):
         order = self.order(epoch, plan.num_partitions, plan.quarantine)
         yield from self._chunk_ids(order, start, plan, worker, num_workers, limit, skip)
 
-    def _chunk_ids(self, order: Any, start: int, plan: IterationPlan, worker: int, num_workers: int,
+    def _chunk_ids(self, order: Order, start: int, plan: IterationPlan, worker: int, num_workers: int,
                    limit: int | None, skip: int = 0) -> Iterator[np.ndarray]:
         batch = plan.batch_size
         total = self.steps_left(order, start, plan)
@@ -457,7 +456,7 @@ class StreamingDataset(IterableDataset):
             else:
                 yield self._step_ids(order, start, steps, plan, batch)
 
-    def _step_ids(self, order: Any, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
+    def _step_ids(self, order: Order, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
         """This rank's sample ids [steps, width] (width: samples per rank in these steps)."""
         topo = plan.topology
         positions = rank_positions(steps, start=start, num_positions=order.num_positions,
@@ -468,11 +467,11 @@ class StreamingDataset(IterableDataset):
         ids.sort(axis=1)
         return ids
 
-    def steps_left(self, order: Any, start: int, plan: IterationPlan) -> int:
+    def steps_left(self, order: Order, start: int, plan: IterationPlan) -> int:
         return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
                               policy=self.partial_batches)
 
-    def rank_shards(self, order: Any, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
+    def rank_shards(self, order: Order, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
         """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
         shards: dict[int, None] = {}
         for ids in self._chunk_ids(order, start, plan, worker=0, num_workers=1, limit=steps):

@@ -4,7 +4,7 @@ A quarantined shard's samples are removed from the global order from an *activat
 shards of a quarantine list (`shardkit verify --quarantine-list`) from the first position of the
 run, a shard found corrupt during a run (`on_corrupt="skip"`) from the position the job had consumed
 when the ranks agreed on it, and from the start of every later epoch. The order itself never
-changes; `FilteredOrder` drops the excluded positions and renumbers the rest, so partitions,
+changes; an `ExcludedOrder` drops the excluded positions and renumbers the rest, so partitions,
 batching, padding and elastic resume work on it unchanged, every rank gets the same number of
 batches, and the positions consumed before the activation point keep their meaning. The entries
 `(shard, epoch, position)` are part of the loader state, so a resume rebuilds the same filter.
@@ -36,6 +36,7 @@ import numpy as np
 
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
+from shardkit.loaders.order import ExcludedOrder, Order, excluding
 
 logger = logging.getLogger(__name__)
 
@@ -44,33 +45,12 @@ _SCAN_POSITIONS = 1 << 20
 Entry = tuple[int, int, int]
 
 
-class FilteredOrder:
-    """An epoch order without the positions in `excluded` (sorted), renumbered 0..num_positions-1."""
-
-    def __init__(self, order: Any, excluded: np.ndarray, excluded_shards: np.ndarray):
-        self.order = order
-        self.excluded = excluded
-        self.excluded_shards = excluded_shards
-        self._shifted = excluded - np.arange(len(excluded), dtype=np.int64)
-        self.num_positions = order.num_positions - len(excluded)
-
-    def original(self, positions: np.ndarray | int) -> np.ndarray:
-        """Positions of the unfiltered order (the k-th kept position is k plus the exclusions up to it)."""
-        p = np.asarray(positions, dtype=np.int64)
-        return p + np.searchsorted(self._shifted, p, side="right")
-
-    def partition_of(self, positions: np.ndarray) -> np.ndarray:
-        return self.order.partition_of(self.original(positions))
-
-    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        return self.order.sample_ids(self.original(positions))
-
-
-def original_position(order: Any, position: int) -> int:
-    """Position of the unfiltered order where effective `position` lies (its end past the last)."""
+def original_position(order: Order, base: Order, position: int) -> int:
+    """Position of `base` (the order before quarantine) where effective `position` of `order` lies (its end
+    past the last)."""
     if position >= order.num_positions:
-        return getattr(order, "order", order).num_positions
-    return int(order.original(position)) if isinstance(order, FilteredOrder) else position
+        return base.num_positions
+    return int(order.original(position)) if isinstance(order, ExcludedOrder) and order is not base else position
 
 
 def active_from(entries: Sequence[Entry], epoch: int) -> dict[int, int]:
@@ -83,23 +63,34 @@ def active_from(entries: Sequence[Entry], epoch: int) -> dict[int, int]:
     return active
 
 
-def filter_order(order: Any, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> Any:
-    """`order` without the positions of quarantined shards from their activation on (the order itself
-    when nothing applies to `epoch`)."""
+def quarantined_positions(order: Order, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> np.ndarray:
+    """Positions of `order` that quarantined shards leave in `epoch`, from their activation on (one scan)."""
     active = active_from(entries, epoch)
     if not active:
-        return order
+        return np.zeros(0, dtype=np.int64)
     shards = np.array(sorted(active), dtype=np.int64)
     starts = np.array([active[s] for s in shards.tolist()], dtype=np.int64)
-    found, owners = [], []
+    found = []
     for lo in range(0, order.num_positions, _SCAN_POSITIONS):
         positions = np.arange(lo, min(lo + _SCAN_POSITIONS, order.num_positions), dtype=np.int64)
         shard = np.searchsorted(shard_ends, order.sample_ids(positions), side="right")
         slot = np.minimum(np.searchsorted(shards, shard), len(shards) - 1)
-        hit = (shards[slot] == shard) & (positions >= starts[slot])
-        found.append(positions[hit])
-        owners.append(shard[hit])
-    return FilteredOrder(order, np.concatenate(found), np.concatenate(owners))
+        found.append(positions[(shards[slot] == shard) & (positions >= starts[slot])])
+    return np.concatenate(found)
+
+
+def filter_order(order: Order, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> Order:
+    """`order` without the positions of quarantined shards from their activation on (the order itself
+    when nothing applies to `epoch`)."""
+    return excluding(order, quarantined_positions(order, shard_ends, entries, epoch))
+
+
+def excluded_of_shard(order: Order, base: Order, shard_ends: np.ndarray, shard: int) -> int:
+    """Positions of `base` (the order before quarantine) that `order` leaves out and that hold samples of `shard`."""
+    if order is base or not isinstance(order, ExcludedOrder):
+        return 0
+    owners = np.searchsorted(shard_ends, order.base.sample_ids(order.excluded), side="right")
+    return int(np.sum(owners == shard))
 
 
 def resolve_quarantine_list(path: str, manifests: Sequence[Any], urls: Sequence[str]) -> tuple[int, ...]:
@@ -155,13 +146,14 @@ class Quarantine:
 
     def add(self, shards: Sequence[int], *, epoch: int, consumed: int, num_partitions: int, why: str) -> None:
         """Quarantine `shards` from effective position `consumed` of `epoch` on; log and count them."""
+        base = self.dataset.order(epoch, num_partitions, ())
         before = self.dataset.order(epoch, num_partitions, self.entries)
-        at = original_position(before, consumed)
+        at = original_position(before, base, consumed)
         self.entries = (*self.entries, *((int(s), epoch, at) for s in shards))
         after = self.dataset.order(epoch, num_partitions, self.entries)
+        ends = self.dataset.table.ends
         for shard in shards:
-            skipped = int(np.sum(after.excluded_shards == shard)) - (
-                int(np.sum(before.excluded_shards == shard)) if isinstance(before, FilteredOrder) else 0)
+            skipped = excluded_of_shard(after, base, ends, shard) - excluded_of_shard(before, base, ends, shard)
             stream, local = self.dataset.shard_owner(shard)
             url = self.dataset.storages[stream].url_of(self.dataset.manifests[stream].shards[local].name)
             samples = self.dataset.manifests[stream].shards[local].samples
