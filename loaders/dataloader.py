@@ -146,6 +146,7 @@ class StreamingDataLoader(DataLoader):
         if finished:
             self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
             num_positions = self._positions(self._epoch)
+        self._quarantine.refuse_if_everything_left(num_positions)
         if not self.token_mode:
             self.dataset.check_batch_fits(self.samples_per_rank, topology)
         if self._consumed == 0 and not self.token_mode:
@@ -157,6 +158,7 @@ class StreamingDataLoader(DataLoader):
             while True:
                 plan = self._plan(topology)
                 self._quarantine.check(epoch=self._epoch, start=self._consumed, steps=segment, plan=plan)
+                self._quarantine.refuse_if_everything_left(self._positions(self._epoch))
                 if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
                                                   num_positions=self._positions(self._epoch)) == 0:
                     break

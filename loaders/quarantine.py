@@ -128,6 +128,8 @@ class Quarantine:
         self.dataset = dataset
         self.entries: tuple[Entry, ...] = tuple((int(s), 0, 0) for s in listed)
         self.checking = dataset.on_corrupt == "skip"
+        # Why each shard left (the error when every shard did names the list or the check).
+        self.reasons: dict[int, str] = {int(s): f"quarantine_list {dataset.quarantine_list}" for s in listed}
         if listed:
             samples = sum(dataset.manifests[st].shards[i].samples for st, i in map(dataset.shard_owner, listed))
             logger.warning("quarantine_list %s: leaving %d shards (%d samples) out of the order",
@@ -137,6 +139,9 @@ class Quarantine:
         """Entries of a loader state; listed shards it lacks join from the resume point on."""
         self.entries = tuple((int(s), int(e), int(p)) for s, e, p in saved)
         known = {s for s, _, _ in self.entries}
+        listed = set(self.dataset.listed_quarantine)
+        self.reasons = {s: (f"quarantine_list {self.dataset.quarantine_list}" if s in listed else
+                            "quarantined by an earlier run (the resumed loader state)") for s in known}
         late = [s for s in self.dataset.listed_quarantine if s not in known]
         if late:
             self.add(late, epoch=epoch, consumed=consumed, num_partitions=num_partitions, why="quarantine_list")
@@ -150,6 +155,7 @@ class Quarantine:
         before = self.dataset.order(epoch, num_partitions, self.entries)
         at = original_position(before, base, consumed)
         self.entries = (*self.entries, *((int(s), epoch, at) for s in shards))
+        self.reasons.update((int(s), why) for s in shards)
         after = self.dataset.order(epoch, num_partitions, self.entries)
         ends = self.dataset.table.ends
         for shard in shards:
@@ -160,6 +166,27 @@ class Quarantine:
             logger.warning("quarantined shard %s (%d samples): %s; %d of its samples not yet read in epoch %d are "
                            "skipped on every rank", url, samples, why, skipped, epoch)
             metrics.shard_quarantined(self.dataset.streams[stream].url, skipped)
+
+    def refuse_if_everything_left(self, num_positions: int) -> None:
+        """Raise when quarantine left no position of an epoch (instead of the loader yielding nothing).
+
+        Raises:
+            ValueError: every shard holding samples is quarantined, naming the list or the check that did it.
+        """
+        sizes = self.dataset.table.sizes
+        holding = set(np.flatnonzero(sizes > 0).tolist())
+        if num_positions or not holding or not holding <= set(self.reasons):
+            return
+        by_reason: dict[str, list[int]] = {}
+        for shard in sorted(holding):
+            reason = self.reasons[shard]
+            key = reason if reason.startswith(("quarantine_list", "quarantined by")) else "on_corrupt='skip' checks"
+            by_reason.setdefault(key, []).append(shard)
+        first_corrupt = next((r for r in self.reasons.values() if r.startswith("corrupt")), None)
+        how = "; ".join(f"{len(shards)} by {key}" for key, shards in by_reason.items())
+        raise ValueError(f"every shard of the dataset ({len(holding)} shards) was quarantined, so no sample is left "
+                         f"to read: {how}" + (f" (first: {first_corrupt})" if first_corrupt else "")
+                         + ". Check the data (shardkit verify) or the quarantine list")
 
     def check(self, *, epoch: int, start: int, steps: int, plan: Any) -> None:
         """Verify the shards this rank reads in `steps` steps from `start`; agree on the corrupt ones over
