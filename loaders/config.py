@@ -115,6 +115,9 @@ class LoaderConfig:
         from shardkit.loaders.skipping import normalize_skip
 
         object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
+        if self.on_corrupt == "skip" and self.max_tokens is not None:  # cross-option checks: here, not in the dataset
+            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
+                             "use a quarantine_list, or on_corrupt='raise'")
         _positive("cache_limit", self.cache_limit, optional=True)
         if isinstance(self.cache_wait, bool) or not isinstance(self.cache_wait, (int, float)) or self.cache_wait < 0:
             raise ValueError(f"cache_wait must be a number of seconds >= 0, got {self.cache_wait!r}")

@@ -86,7 +86,7 @@ class StreamingDataLoader(DataLoader):
                  prefetch_factor: int | None = None):
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
-        if dataset.max_tokens is not None:
+        if dataset.config.max_tokens is not None:
             if batch_size is not None:
                 raise ValueError("the dataset batches by max_tokens; pass batch_size=None")
         elif not isinstance(batch_size, int) or batch_size < 1:
@@ -98,11 +98,11 @@ class StreamingDataLoader(DataLoader):
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
         self.pin_batches = pin_memory
         self.samples_per_rank = batch_size or 1
-        self.token_mode = dataset.max_tokens is not None
+        self.token_mode = dataset.config.max_tokens is not None
         self._segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: see LoaderState.window_segments
         self._epoch = 0
         self._consumed = 0  # positions of the epoch's global order handed to the training loop
-        self._num_partitions: int | None = dataset.num_partitions
+        self._num_partitions: int | None = dataset.config.num_partitions
         self._topology: Topology | None = None
         self._quarantine = Quarantine(dataset, dataset.listed_quarantine)
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
@@ -154,7 +154,7 @@ class StreamingDataLoader(DataLoader):
         if not self._quarantine.checking:
             yield from self._read(topology, steps=None)
         else:  # one checked segment at a time (see shardkit.loaders.quarantine)
-            segment = max(1, self.dataset.chunk_samples // self.samples_per_rank)
+            segment = max(1, self.dataset.config.chunk_samples // self.samples_per_rank)
             while True:
                 plan = self._plan(topology)
                 self._quarantine.check(epoch=self._epoch, start=self._consumed, steps=segment, plan=plan)
@@ -174,7 +174,7 @@ class StreamingDataLoader(DataLoader):
 
     def _log_epoch(self, num_positions: int, topology: Topology) -> None:
         global_batch = self.samples_per_rank * topology.world_size
-        policy = self.dataset.partial_batches
+        policy = self.dataset.config.partial_batches
         left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=policy,
                                 world_size=topology.world_size)
         last = partial_batch(num_positions, start=0, global_batch=global_batch, world_size=topology.world_size,
@@ -229,7 +229,7 @@ class StreamingDataLoader(DataLoader):
     def _advance_window(self, progress, world_size: int) -> None:
         window_start, steps_done, window_finished = (int(x) for x in progress)
         if window_finished:
-            self._consumed, self._segments = window_start + self.dataset.token_window, ()
+            self._consumed, self._segments = window_start + self.dataset.config.token_window, ()
             return
         prior = self._segments if window_start == self._consumed else ()
         if prior and prior[-1][0] == world_size:

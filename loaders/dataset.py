@@ -25,7 +25,7 @@ import torch
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.cache import ShardCache
 from shardkit.node_cache import fetch_manifest
-from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
+from shardkit.loaders.config import LoaderConfig, loader_config
 from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import MixtureOrder, Stream
 from shardkit.loaders.order import EpochOrder, Order, OrderConfig, excluding
@@ -146,9 +146,6 @@ class StreamingDataset(IterableDataset):
             raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
                              "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
-        if config.on_corrupt == "skip" and config.max_tokens is not None:
-            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
-                             "use a quarantine_list, or on_corrupt='raise'")
         self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
                                                           [s.url for s in streams])
                                   if config.quarantine_list is not None else ())
@@ -190,7 +187,7 @@ class StreamingDataset(IterableDataset):
         return resolve_topology(**self._topology_args, **self._group_args)
 
     def resolve_partitions(self, topology: Topology) -> int:
-        return self.num_partitions if self.num_partitions is not None else topology.num_nodes
+        return self.config.num_partitions if self.config.num_partitions is not None else topology.num_nodes
 
     def order_config(self, num_partitions: int) -> OrderConfig:
         return self.config.order_config(num_partitions)
@@ -202,7 +199,7 @@ class StreamingDataset(IterableDataset):
         record = self.mixture_record()
         if record is None:
             base = EpochOrder(self.manifests[0].columns.samples, config, epoch)
-            order = excluding(base, base.positions_of(self.skipped_ids())) if self.skip_samples else base
+            order = excluding(base, base.positions_of(self.skipped_ids())) if self.config.skip_samples else base
         else:
             order = MixtureOrder([m.columns.samples for m in self.manifests],
                                  [s.weight for s in self.streams], config, epoch, plan=record.plan)
@@ -246,7 +243,7 @@ class StreamingDataset(IterableDataset):
     def _mixture_streams(self) -> MixtureStreams:
         return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_fingerprints(),
                               weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
-                              policy=self.partial_batches)
+                              policy=self.config.partial_batches)
 
     def mixture_record(self) -> MixtureRecord | None:
         """The mixture's record (None for a single dataset that never changed its mixture)."""
@@ -269,7 +266,7 @@ class StreamingDataset(IterableDataset):
             ValueError: the order differs (every difference named), or only the mixture does and
                 `allow_mixture_change` is off, or the change cannot be made exactly.
         """
-        explicit = self.num_partitions
+        explicit = self.config.num_partitions
         values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
                   "num_partitions": explicit if explicit is not None else saved.num_partitions}
         current = dataclasses.replace(saved, **values)
@@ -348,21 +345,21 @@ class StreamingDataset(IterableDataset):
         """The sample ids `skip_samples` leaves out (resolved once, in the process that first asks: the
         loader's main process, before workers start, so documents are looked up only there)."""
         if self._skipped is None:
-            self._skipped = resolve_skipped(self.skip_samples, self.manifests[0], self.caches[0])
+            self._skipped = resolve_skipped(self.config.skip_samples, self.manifests[0], self.caches[0])
         return self._skipped
 
     @property
     def positions_per_epoch(self) -> int:
         """Samples in one epoch's order (a mixture's epoch_size, else all samples not skipped)."""
         if len(self.streams) == 1:
-            return self.num_samples - (len(self.skipped_ids()) if self.skip_samples else 0)
-        return self.epoch_size or self.num_samples
+            return self.num_samples - (len(self.skipped_ids()) if self.config.skip_samples else 0)
+        return self.config.epoch_size or self.num_samples
 
     def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0,
                           num_positions: int | None = None) -> int:
         """Steps left from `start` in an epoch of `num_positions` (default: `positions_per_epoch`)."""
         return steps_in_epoch(self.positions_per_epoch if num_positions is None else num_positions, start=start,
-                              global_batch=batch_size * topology.world_size, policy=self.partial_batches)
+                              global_batch=batch_size * topology.world_size, policy=self.config.partial_batches)
 
     def check_batch_fits(self, batch_size: int, topology: Topology) -> None:
         """Raise when an epoch holds no whole global batch (iteration would silently yield nothing).
@@ -373,10 +370,10 @@ class StreamingDataset(IterableDataset):
         if self.batches_per_epoch(batch_size, topology) == 0:
             raise ValueError(f"batch_size={batch_size} x world_size={topology.world_size} is larger than the "
                              f"{self.positions_per_epoch} samples of an epoch: no batch would be yielded with "
-                             f"partial_batches={self.partial_batches!r}; lower batch_size or use partial_batches='pad'")
+                             f"partial_batches={self.config.partial_batches!r}; lower batch_size or use partial_batches='pad'")
 
     def __len__(self) -> int:
-        if self.max_tokens is not None:
+        if self.config.max_tokens is not None:
             raise TypeError("token-budget batches per epoch depend on the sample lengths: unknown before reading")
         if self.batch_size is None:
             raise TypeError("len(StreamingDataset) needs batch_size; use len(StreamingDataLoader)")
@@ -390,7 +387,7 @@ class StreamingDataset(IterableDataset):
         offset, self._iterations = self._iterations, self._iterations + 1
         worker, num_workers = _worker()
         start = plan.start if offset == 0 else 0
-        if self.max_tokens is not None:
+        if self.config.max_tokens is not None:
             batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
                                             worker, num_workers)
         else:
@@ -403,7 +400,7 @@ class StreamingDataset(IterableDataset):
     def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
         changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
-        if self.batch_size is None and self.max_tokens is None:
+        if self.batch_size is None and self.config.max_tokens is None:
             raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
         topology = self.resolve_topology()
         start, partitions, quarantine = self._resume or (
@@ -411,10 +408,10 @@ class StreamingDataset(IterableDataset):
         self.pin_global_batch((self.batch_size or 1) * topology.world_size)
         plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
                              num_partitions=partitions, quarantine=quarantine)
-        if self.max_tokens is None:
+        if self.config.max_tokens is None:
             self.check_batch_fits(plan.batch_size, topology)
         worker, num_workers = _worker()
-        if self.max_tokens is not None:
+        if self.config.max_tokens is not None:
             batches = self._generate_tokens(plan.epoch, start, (), plan, worker, num_workers, skip=self._steps_done)
         else:
             batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
@@ -441,10 +438,10 @@ class StreamingDataset(IterableDataset):
         batch = plan.batch_size
         total = self.steps_left(order, start, plan)
         last = partial_batch(order.num_positions, start=start, global_batch=batch * plan.topology.world_size,
-                             world_size=plan.topology.world_size, policy=self.partial_batches)
+                             world_size=plan.topology.world_size, policy=self.config.partial_batches)
         for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
                                         num_workers=num_workers, bundle=plan.bundle,
-                                        chunk=max(1, self.chunk_samples // batch)):
+                                        chunk=max(1, self.config.chunk_samples // batch)):
             if skip:
                 steps, skip = steps[skip:], max(0, skip - len(steps))
                 if not len(steps):
@@ -469,7 +466,7 @@ class StreamingDataset(IterableDataset):
 
     def steps_left(self, order: Order, start: int, plan: IterationPlan) -> int:
         return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
-                              policy=self.partial_batches)
+                              policy=self.config.partial_batches)
 
     def rank_shards(self, order: Order, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
         """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
@@ -484,7 +481,7 @@ class StreamingDataset(IterableDataset):
         chunks = self.chunk_ids(epoch, start, plan, worker, num_workers, limit, skip)
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
-                    if self.prefetch else None)
+                    if self.config.prefetch else None)
         try:
             upcoming = next(chunks, None)
             while upcoming is not None:
@@ -521,8 +518,8 @@ class StreamingDataset(IterableDataset):
         held: dict[int, Any] = {}
         rank_tokens, repeats = np.zeros(topo.world_size, dtype=np.int64), 0
         try:
-            for window_start in range(start, total, self.token_window):
-                ids = order.sample_ids(np.arange(window_start, min(window_start + self.token_window, total)))
+            for window_start in range(start, total, self.config.token_window):
+                ids = order.sample_ids(np.arange(window_start, min(window_start + self.config.token_window, total)))
                 needed = self._shards_in_order(ids)
                 for index in [i for i in held if i not in set(needed)]:
                     held.pop(index).close()
@@ -538,7 +535,7 @@ class StreamingDataset(IterableDataset):
                 if prior and prior[-1][0] == topo.world_size:  # same world: continue the same plan
                     prior, done = prior[:-1], prior[-1][1]
                 window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
-                                                      max_tokens=self.max_tokens)
+                                                      max_tokens=self.config.max_tokens)
                 mine = window_plan.batches[topo.rank]
                 rank_tokens += window_plan.rank_tokens
                 repeats += window_plan.repeats
@@ -558,7 +555,7 @@ class StreamingDataset(IterableDataset):
                     step += 1
             if worker == 0 and rank_tokens.sum():
                 logger.info("epoch %d (token budget %d): %d steps, token imbalance across ranks %.2f%% "
-                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, self.max_tokens,
+                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, self.config.max_tokens,
                             step, 100 * (rank_tokens.max() / rank_tokens.mean() - 1), repeats)
         finally:
             for handle in held.values():
@@ -688,11 +685,6 @@ def _streams_of(source: Any) -> list[Stream]:
         raise TypeError(f"source must be a dataset URL (str), a Stream, or a non-empty list of Stream, "
                         f"got {type(source).__name__} {source!r}"[:300])
     return streams
-
-
-# The options read as attributes (`dataset.shuffle`, `dataset.max_tokens`, ...), all from `config`.
-for _name in sorted(LOADER_FIELDS):
-    setattr(StreamingDataset, _name, property(lambda self, _n=_name: getattr(self.config, _n)))
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:

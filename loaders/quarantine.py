@@ -127,20 +127,20 @@ class Quarantine:
     def __init__(self, dataset: Any, listed: Sequence[int] = ()):
         self.dataset = dataset
         self.entries: tuple[Entry, ...] = tuple((int(s), 0, 0) for s in listed)
-        self.checking = dataset.on_corrupt == "skip"
+        self.checking = dataset.config.on_corrupt == "skip"
         # Why each shard left (the error when every shard did names the list or the check).
-        self.reasons: dict[int, str] = {int(s): f"quarantine_list {dataset.quarantine_list}" for s in listed}
+        self.reasons: dict[int, str] = {int(s): f"quarantine_list {dataset.config.quarantine_list}" for s in listed}
         if listed:
             samples = sum(dataset.manifests[st].shards[i].samples for st, i in map(dataset.shard_owner, listed))
             logger.warning("quarantine_list %s: leaving %d shards (%d samples) out of the order",
-                           dataset.quarantine_list, len(listed), samples)
+                           dataset.config.quarantine_list, len(listed), samples)
 
     def restore(self, saved: Sequence[Sequence[int]], *, epoch: int, consumed: int, num_partitions: int) -> None:
         """Entries of a loader state; listed shards it lacks join from the resume point on."""
         self.entries = tuple((int(s), int(e), int(p)) for s, e, p in saved)
         known = {s for s, _, _ in self.entries}
         listed = set(self.dataset.listed_quarantine)
-        self.reasons = {s: (f"quarantine_list {self.dataset.quarantine_list}" if s in listed else
+        self.reasons = {s: (f"quarantine_list {self.dataset.config.quarantine_list}" if s in listed else
                             "quarantined by an earlier run (the resumed loader state)") for s in known}
         late = [s for s in self.dataset.listed_quarantine if s not in known]
         if late:

@@ -120,7 +120,7 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
     batch = len(consumed_batches[0][0])
     start = state["samples_consumed"]
     assert start == steps // 2 * before * batch
-    policy_steps = ((num_positions - start) // (after * batch) if dataset.partial_batches == "drop"
+    policy_steps = ((num_positions - start) // (after * batch) if dataset.config.partial_batches == "drop"
                     else -(-(num_positions - start) // (after * batch)))
     assert len(resumed[0]) == policy_steps, (len(resumed[0]), policy_steps)
     for what, runs, begin in (("before", consumed_batches, 0), ("after", resumed, start)):

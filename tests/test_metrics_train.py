@@ -138,7 +138,7 @@ def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
         "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
                     "starvation_window": 3, "starvation_threshold": 0.5}})
     run = build(config)
-    assert run.data.loader.dataset.chunk_samples == 16
+    assert run.data.loader.dataset.config.chunk_samples == 16
     try:
         assert train(run) == 0
     finally:
