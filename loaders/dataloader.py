@@ -104,7 +104,7 @@ class StreamingDataLoader(DataLoader):
         self._consumed = 0  # positions of the epoch's global order handed to the training loop
         self._num_partitions: int | None = dataset.config.num_partitions
         self._topology: Topology | None = None
-        self._quarantine = Quarantine(dataset, dataset.listed_quarantine)
+        self._quarantine = Quarantine(dataset.quarantine_sources())
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
         self._workers_in_sync = False
 

@@ -36,7 +36,7 @@ from shardkit.loaders.partition import (
     worker_of_step,
     worker_step_chunks,
 )
-from shardkit.loaders.quarantine import filter_order, resolve_quarantine_list
+from shardkit.loaders.quarantine import QuarantineSources, filter_order, resolve_quarantine_list
 from shardkit.loaders.remix import (
     MixtureRecord,
     MixtureStreams,
@@ -51,6 +51,7 @@ from shardkit.loaders.topology import Topology, check_topology_args, resolve_top
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardkit import metrics
+from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.manifest import Manifest
 from shardkit.storage import Storage
@@ -211,6 +212,31 @@ class StreamingDataset(IterableDataset):
                 self._filtered.pop(next(iter(self._filtered)))
             self._filtered[key] = filter_order(order, self.table.ends, quarantine, epoch)
         return self._filtered[key]
+
+    def quarantine_sources(self) -> QuarantineSources:
+        """The functions and values the loader's quarantine works with (it is never handed the dataset)."""
+        return QuarantineSources(order=self.order, rank_shards=self.rank_shards, shard_ends=self.table.ends,
+                                 shard_sizes=self.table.sizes, describe=self._describe_shard,
+                                 verify=self._verify_shard, agreement_group=self.agreement_group,
+                                 listed=self.listed_quarantine, listed_path=self.config.quarantine_list,
+                                 checking=self.config.on_corrupt == "skip")
+
+    def _describe_shard(self, index: int) -> tuple[str, int, str]:
+        stream, local = self._shard_owner[index]
+        shard = self.manifests[stream].shards[local]
+        return self.storages[stream].url_of(shard.name), shard.samples, self.streams[stream].url
+
+    def _verify_shard(self, index: int) -> str | None:
+        """Why shard `index` is corrupt, or None; a shard already in the node cache was verified when cached."""
+        stream, local = self._shard_owner[index]
+        cache = self.caches[stream]
+        if cache.is_cached(local):
+            return None
+        try:
+            cache.open(local).close()
+        except CorruptShardError as err:
+            return err.reason
+        return None
 
     def shard_owner(self, index: int) -> tuple[int, int]:
         """(stream, shard within the stream) of shard `index` over all streams."""
