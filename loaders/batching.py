@@ -110,10 +110,13 @@ def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callab
         pieces = [_pieces(reader_of(index), local[rows], rows) for index, rows in group_rows(shard)]
         keys, padding = segment_starts(*(np.concatenate(part) for part in zip(*pieces)), len(ids), length)
         edges = np.searchsorted(keys, np.arange(0, len(ids) + batch, batch, dtype=np.int64) * length)
+        padded = np.flatnonzero(padding)  # segment indices over the chunk; usually none
+        padded_edges = np.searchsorted(padded, edges)
         for k, item in enumerate(out):
             rows = len(item["sample_id"])
             lo, hi = edges[k], edges[k + 1]
-            item.update(boundaries(keys[lo:hi] - k * batch * length, padding[lo:hi], rows, length))
+            item.update(boundaries(keys[lo:hi] - k * batch * length, padded[padded_edges[k]:padded_edges[k + 1]] - lo,
+                                   rows, length))
             if dense_segments:
                 item["segment_ids"] = dense_segment_ids(torch.from_numpy(item["cu_seqlens"]),
                                                         torch.from_numpy(item["padding_segments"]),

@@ -508,6 +508,7 @@ class StreamingDataset(IterableDataset):
         held: dict[int, Any] = {}
         executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
                     if self.config.prefetch else None)
+        first = True
         try:
             upcoming = next(chunks, None)
             while upcoming is not None:
@@ -525,7 +526,8 @@ class StreamingDataset(IterableDataset):
                 if executor is not None and upcoming is not None:  # after the opens, for the same reason
                     self._prefetch(executor, self._shards_in_order(upcoming), topo)
                 keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
-                yield from self._batches(ids, held)
+                yield from self._batches(ids, held, ramp=first)
+                first = False
                 for index in [i for i in held if i not in keep]:
                     held.pop(index).close()
         finally:
@@ -631,15 +633,18 @@ class StreamingDataset(IterableDataset):
         for request in [handle.request(samples) for handle, samples in cold]:
             request.wait()
 
-    def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+    def _batches(self, ids: np.ndarray, held: dict[int, Any], *, ramp: bool = False) -> Iterator[dict[str, np.ndarray]]:
         incomplete = [held[i] for i in self._shards_in_order(ids) if not held[i].complete]
         b, step = 0, 1
-        while incomplete and b < len(ids):
+        while (incomplete or ramp and step < _COLD_STEP_BATCHES) and b < len(ids):
             # Cold shards: fetch what the next batches need just before them, so the first batch waits for
             # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
-            # a time, which amortises the per-call cost, until the shards are whole.
+            # a time, which amortises the per-call cost, until the shards are whole. `ramp` (an iteration's
+            # first chunk): the same doubling on warm shards, so the first batch waits for one batch's
+            # gather, not a whole chunk's.
             rows = ids[b:b + step]
-            self._ensure(rows, held)
+            if incomplete:
+                self._ensure(rows, held)
             yield from self._gather(rows, held)
             b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
             incomplete = [h for h in incomplete if not h.complete]

@@ -27,13 +27,14 @@ def boundaries(keys: np.ndarray, padding: np.ndarray, rows: int, length: int) ->
     Args:
         keys: sorted unique start offsets (row x length + start in row) of every segment, including
             each row's offset `row x length`.
-        padding: bool per segment, True for padding.
+        padding: the indices of the padding segments (or a bool per segment, True for padding).
         rows, length: the batch's shape.
     """
     cu = np.empty(len(keys) + 1, dtype=np.int32)
     cu[:-1] = keys
     cu[-1] = rows * length
-    return {"cu_seqlens": cu, "padding_segments": np.flatnonzero(padding).astype(np.int32)}
+    padding = np.flatnonzero(padding) if padding.dtype == bool else padding
+    return {"cu_seqlens": cu, "padding_segments": padding.astype(np.int32)}
 
 
 def segment_starts(rows: np.ndarray, starts: np.ndarray, padding: np.ndarray, num_rows: int,
