@@ -26,6 +26,7 @@ from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDatas
 from shardkit.loaders.partition import dropped_in_epoch, partial_batch
 from shardkit.loaders.quarantine import Quarantine
 from shardkit.loaders.state import LoaderState
+from shardkit.loaders.steps import step_source
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,10 @@ class StreamingDataLoader(DataLoader):
         self.pin_batches = pin_memory
         self.samples_per_rank = batch_size or 1
         self.token_mode = dataset.config.max_tokens is not None
-        self._segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: see LoaderState.window_segments
         self._epoch = 0
-        self._consumed = 0  # positions of the epoch's global order handed to the training loop
+        # Positions of the epoch's global order handed to the training loop (and the token-budget window's
+        # segments): the step source owns them and their resume fields.
+        self._steps = step_source(dataset.config.max_tokens, dataset.config.token_window)
         self._num_partitions: int | None = dataset.config.num_partitions
         self._topology: Topology | None = None
         self._quarantine = Quarantine(dataset.quarantine_sources())
@@ -140,16 +142,17 @@ class StreamingDataLoader(DataLoader):
         topology = self._resolve()
         self.dataset.pin_global_batch(self.samples_per_rank * topology.world_size)
         num_positions = self._positions(self._epoch)
-        finished = (self._consumed >= num_positions if self.token_mode else
-                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+        finished = (self._steps.consumed >= num_positions if self.token_mode else
+                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
                                                    num_positions=num_positions) == 0)
         if finished:
-            self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
+            self._epoch = self._epoch + 1  # resumed at an epoch's end
+            self._steps.reset()
             num_positions = self._positions(self._epoch)
         self._quarantine.refuse_if_everything_left(num_positions)
         if not self.token_mode:
             self.dataset.check_batch_fits(self.samples_per_rank, topology)
-        if self._consumed == 0 and not self.token_mode:
+        if self._steps.consumed == 0 and not self.token_mode:
             self._log_epoch(num_positions, topology)
         if not self._quarantine.checking:
             yield from self._read(topology, steps=None)
@@ -157,19 +160,20 @@ class StreamingDataLoader(DataLoader):
             segment = max(1, self.dataset.config.chunk_samples // self.samples_per_rank)
             while True:
                 plan = self._plan(topology)
-                self._quarantine.check(epoch=self._epoch, start=self._consumed, steps=segment, plan=plan)
+                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=plan)
                 self._quarantine.refuse_if_everything_left(self._positions(self._epoch))
-                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
                                                   num_positions=self._positions(self._epoch)) == 0:
                     break
                 yield from self._read(topology, steps=segment)
-        self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
+        self._epoch = self._epoch + 1
+        self._steps.reset()
         self._workers_in_sync = self.persistent_workers and not self._quarantine.checking
 
     def _plan(self, topology: Topology, steps: int | None = None) -> IterationPlan:
-        return IterationPlan(epoch=self._epoch, start=self._consumed, batch_size=self.samples_per_rank,
+        return IterationPlan(epoch=self._epoch, start=self._steps.consumed, batch_size=self.samples_per_rank,
                              topology=topology, num_partitions=self._num_partitions, numpy_batches=True,
-                             bundle=self._bundle_size() if self.num_workers else 1, segments=self._segments,
+                             bundle=self._bundle_size() if self.num_workers else 1, segments=self._steps.segments,
                              quarantine=self._quarantine.entries, steps=steps)
 
     def _log_epoch(self, num_positions: int, topology: Topology) -> None:
@@ -207,10 +211,7 @@ class StreamingDataLoader(DataLoader):
                 if pin:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 # Count before handing out: a state saved after receiving this batch includes it.
-                if progress is None:  # every rank's batch has this size ("partial": the last step is smaller)
-                    self._consumed += len(arrays["sample_id"]) * topology.world_size
-                else:
-                    self._advance_window(progress, topology.world_size)
+                self._steps.advance(len(arrays["sample_id"]), progress, topology.world_size)
                 now = time.perf_counter()
                 counts.add(now - asked, now)
                 yield batch
@@ -226,16 +227,6 @@ class StreamingDataLoader(DataLoader):
         row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.config.segment_ids else 0)) + 8
         return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
 
-    def _advance_window(self, progress, world_size: int) -> None:
-        window_start, steps_done, window_finished = (int(x) for x in progress)
-        if window_finished:
-            self._consumed, self._segments = window_start + self.dataset.config.token_window, ()
-            return
-        prior = self._segments if window_start == self._consumed else ()
-        if prior and prior[-1][0] == world_size:
-            prior = prior[:-1]
-        self._consumed, self._segments = window_start, (*prior, (world_size, steps_done))
-
     # -- state ---------------------------------------------------------------------------------
     def _current_state(self, num_partitions: int | None = None) -> LoaderState:
         topology = self._topology or self._resolve()
@@ -243,9 +234,9 @@ class StreamingDataLoader(DataLoader):
         ds.pin_global_batch(self.samples_per_rank * topology.world_size)
         record = ds.mixture_record()
         order = {**ds.config.order_values(), "num_partitions": num_partitions or self._num_partitions}
-        return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
+        return LoaderState(epoch=self._epoch, **self._steps.get_state(), dataset=ds.fingerprint(),
                            num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size, window_segments=self._segments,
+                           world_size=topology.world_size,
                            mixture=record.to_dict() if record is not None else None,
                            quarantine=self._quarantine.state(), **order)
 
@@ -282,8 +273,8 @@ class StreamingDataLoader(DataLoader):
             raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
                              f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
         self._num_partitions = saved.num_partitions
-        self._epoch, self._consumed = saved.epoch, saved.samples_consumed
-        self._segments = saved.window_segments
+        self._epoch = saved.epoch
+        self._steps.from_state(saved)
         self._quarantine.restore(saved.quarantine, epoch=saved.epoch, consumed=saved.samples_consumed,
                                  num_partitions=saved.num_partitions)
         self._workers_in_sync = False

@@ -46,6 +46,7 @@ from shardkit.loaders.remix import (
 from shardkit.loaders.schedule import Schedule, weight_spec
 from shardkit.loaders.skipping import resolve_skipped
 from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
+from shardkit.loaders.steps import TokenBudgetSteps
 from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from torch.utils.data import IterableDataset, get_worker_info
@@ -559,9 +560,7 @@ class StreamingDataset(IterableDataset):
                 lengths = self._lengths(ids, held)
                 first = window_start == start
                 prior = segments if first else ()
-                done = 0
-                if prior and prior[-1][0] == topo.world_size:  # same world: continue the same plan
-                    prior, done = prior[:-1], prior[-1][1]
+                prior, done = TokenBudgetSteps.resume_point(prior, topo.world_size)
                 window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
                                                       max_tokens=self.config.max_tokens)
                 mine = window_plan.batches[topo.rank]
