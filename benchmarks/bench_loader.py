@@ -554,7 +554,23 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
                         "v1 vs v2 and each cache_mode, local and moto S3, resume on a fresh node, and the "
                         "installed peers (benchmarks/peers.py)")
+    parser.add_argument("--real", action="store_true", help="real-token rows only (benchmarks/real_tokens.py): GPT-2 "
+                        "tokens of ../shared with document boundaries, seq 1024, warm, beside the memmap limit")
+    parser.add_argument("--baseline", default=None, help="--real: a commit to measure in the same run (A/B)")
+    parser.add_argument("--after", default=None, help="--real: measure this commit instead of the working tree")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0], help="--real: DataLoader workers")
+    parser.add_argument("--epochs", type=int, default=4, help="--real: warm epochs per run")
     args = parser.parse_args()
+    if args.real:
+        import real_tokens
+
+        result = real_tokens.real_benchmark(args)
+        real_tokens.print_real(result)
+        out = Path(args.out if args.out != "bench_out/loader.json" else "bench_out/loader_real.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return
     if args.cold:
         result = cold_benchmark(args)
         print_cold(result)

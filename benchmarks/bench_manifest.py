@@ -201,9 +201,9 @@ def first_chunk_ids(dataset):
     # Before the lazy plan: the same steps as the old `_generate`.
     from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_steps
     order = dataset.order(0, 1)
-    total = steps_in_epoch(order.num_positions, start=0, global_batch=8, policy=dataset.partial_batches)
+    total = steps_in_epoch(order.num_positions, start=0, global_batch=8, policy=dataset.config.partial_batches)
     steps = worker_steps(total, worker=0, num_workers=1)
-    per_chunk = max(1, dataset.chunk_samples // 8)
+    per_chunk = max(1, dataset.config.chunk_samples // 8)
     chunks = [steps[i:i + per_chunk] for i in range(0, len(steps), per_chunk)]
     positions = rank_positions(chunks[0], start=0, num_positions=order.num_positions, world_size=1, batch_size=8,
                                rank=0, partition_of=order.partition_of)

@@ -2,16 +2,19 @@
 
 Fixed-length (packed) data is gathered a whole chunk of batches at a time: one numpy fancy index
 per shard into a [samples, length] mmap view, so the cost per batch is a few slices. Document
-segment ids are built with one scatter and one cumsum per chunk.
+boundaries cost O(documents) per chunk (`shardkit.loaders.documents`).
 
 Batch fields (numpy here, torch tensors in the dataset):
 - `tokens`: [B, L] in the dataset's token dtype (uint16 or uint32). Packed data: L = seq_len + 1.
   Variable-length data: L = longest sample of the batch, padded with the tokenizer's pad id (else
   eos id, else 0), and `lengths` (int64 [B]) gives the real lengths.
 - `sample_id`: int64 [B], global sample ids (streams of a mixture follow each other).
-- `segment_ids`: int32 [B, L] when every shard stores document boundaries: the document segment
-  number of each token, 0 for the first segment of every sample; -1 on padding (the padding
-  segments bestfit packing writes, whose doc_source is -1, and the batch padding of variable-length data).
+- `cu_seqlens` (int32 [S + 1]) and `padding_segments` (int32 [P]) when every shard stores document
+  boundaries: the batch's document segments over its flattened tokens, and which are padding (the
+  padding segments bestfit packing writes, whose doc_source is -1, and the batch padding of
+  variable-length data); see `shardkit.loaders.documents`.
+- `segment_ids`: int32 [B, L], only with `LoaderConfig.segment_ids=True`: the document segment number
+  of each token, 0 for the first segment of every sample; -1 on padding.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from shardkit.formats import ShardReader
+from shardkit.loaders.documents import boundaries, dense_segment_ids, segment_starts
 
 
 # A `np.take` call costs about as much as copying this many bytes: below it, runs are too short.
@@ -50,24 +55,15 @@ def group_rows(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return groups
 
 
-def _segment_rows(reader: ShardReader, local: np.ndarray, rows: np.ndarray, out: np.ndarray,
-                  padding: list[tuple[int, int, int]]) -> None:
-    """Mark the first token of each non-first document segment of the given samples in `out`, and
-    append (row, start, end) of every padding segment (doc_source -1, written by bestfit packing)."""
+def _pieces(reader: ShardReader, local: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(row, first token in the row, is padding) of every document piece of the given samples (O(pieces))."""
     arrays = reader.arrays
     d0 = arrays.doc_offsets[local]
     counts = arrays.doc_offsets[local + 1] - d0
     total = int(counts.sum())
-    if total == 0:
-        return
     row_of = np.repeat(rows, counts)
     segment = np.repeat(d0, counts) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = arrays.doc_starts[segment]
-    keep = starts > 0
-    out[row_of[keep], starts[keep]] = 1
-    for j in np.flatnonzero(arrays.doc_source[segment] < 0).tolist():  # rare: at most one per sample
-        last = j + 1 == total or row_of[j + 1] != row_of[j]
-        padding.append((int(row_of[j]), int(starts[j]), out.shape[1] if last else int(starts[j + 1])))
+    return row_of, arrays.doc_starts[segment].astype(np.int64), arrays.doc_source[segment] < 0
 
 
 def _rows_view(reader: ShardReader, length: int) -> np.ndarray:
@@ -79,13 +75,16 @@ def _rows_view(reader: ShardReader, length: int) -> np.ndarray:
 
 
 def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callable[[int], ShardReader],
-                 length: int, token_dtype: np.dtype, with_segments: bool) -> dict[str, np.ndarray]:
-    """Tokens (and segment ids) of fixed-length samples, rows in the order of `sample_ids`.
+                 length: int, token_dtype: np.dtype, with_segments: bool, batch: int | None = None,
+                 dense_segments: bool = False) -> list[dict[str, np.ndarray]]:
+    """Batches of fixed-length samples (`batch` rows each; default: one batch of all), rows in the order of
+    `sample_ids`, with their document boundaries when `with_segments` (`shardkit.loaders.documents`).
 
     Callers sort the ids of each batch, so that each batch's rows form runs per shard: every run
     is then copied by one `np.take` from the shard's mmap straight into place (one copy, no scatter).
     """
     ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+    batch = batch or len(ids)
     shard, local = table.locate(ids)
     tokens = np.empty((len(ids), length), dtype=token_dtype)
     cuts = np.flatnonzero(np.diff(shard)) + 1
@@ -106,38 +105,47 @@ def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callab
     else:  # many short runs of small samples: one gather per shard and a scatter cost less
         for index, rows in group_rows(shard):
             tokens[rows] = np.take(view_of(index), local[rows], axis=0, mode="clip")
-    out = {"tokens": tokens, "sample_id": ids}
+    out = [{"tokens": tokens[b:b + batch], "sample_id": ids[b:b + batch]} for b in range(0, len(ids), batch)]
     if with_segments:
-        segments = np.zeros((len(ids), length), dtype=np.int32)
-        padding: list[tuple[int, int, int]] = []
-        for index, rows in group_rows(shard):
-            _segment_rows(reader_of(index), local[rows], rows, segments, padding)
-        np.cumsum(segments, axis=1, dtype=np.int32, out=segments)
-        for row, start, end in padding:
-            segments[row, start:end] = -1
-        out["segment_ids"] = segments
+        pieces = [_pieces(reader_of(index), local[rows], rows) for index, rows in group_rows(shard)]
+        keys, padding = segment_starts(*(np.concatenate(part) for part in zip(*pieces)), len(ids), length)
+        edges = np.searchsorted(keys, np.arange(0, len(ids) + batch, batch, dtype=np.int64) * length)
+        padded = np.flatnonzero(padding)  # segment indices over the chunk; usually none
+        padded_edges = np.searchsorted(padded, edges)
+        for k, item in enumerate(out):
+            rows = len(item["sample_id"])
+            lo, hi = edges[k], edges[k + 1]
+            item.update(boundaries(keys[lo:hi] - k * batch * length, padded[padded_edges[k]:padded_edges[k + 1]] - lo,
+                                   rows, length))
+            if dense_segments:
+                item["segment_ids"] = dense_segment_ids(torch.from_numpy(item["cu_seqlens"]),
+                                                        torch.from_numpy(item["padding_segments"]),
+                                                        rows, length).numpy()
     return out
 
 
 def gather_variable(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callable[[int], ShardReader],
-                    token_dtype: np.dtype, pad_id: int, with_segments: bool) -> dict[str, np.ndarray]:
-    """One batch of variable-length samples, padded to the longest."""
+                    token_dtype: np.dtype, pad_id: int, with_segments: bool,
+                    dense_segments: bool = False) -> dict[str, np.ndarray]:
+    """One batch of variable-length samples, padded to the longest (each row's padding is a padding segment)."""
     ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
     shard, local = table.locate(ids)
     samples = [reader_of(int(s)).sample(int(i)) for s, i in zip(shard, local)]
     lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
     width = max(int(lengths.max(initial=0)), 1)
     tokens = np.full((len(ids), width), pad_id, dtype=token_dtype)
-    segments = np.full((len(ids), width), -1, dtype=np.int32) if with_segments else None
     for row, sample in enumerate(samples):
-        n = len(sample.tokens)
-        tokens[row, :n] = sample.tokens
-        if segments is not None:
-            marks = np.zeros(n, dtype=np.int32)
-            starts = sample.doc_starts[sample.doc_starts > 0]
-            marks[starts[starts < n]] = 1
-            segments[row, :n] = np.cumsum(marks, dtype=np.int32)
+        tokens[row, :len(sample.tokens)] = sample.tokens
     out = {"tokens": tokens, "sample_id": ids, "lengths": lengths}
-    if segments is not None:
-        out["segment_ids"] = segments
+    if with_segments:
+        starts = [np.asarray(s.doc_starts, dtype=np.int64) for s in samples]
+        starts = [np.concatenate([d[(d > 0) & (d < n)], [n] if n < width else []]).astype(np.int64)
+                  for d, n in zip(starts, lengths.tolist())]
+        rows = np.repeat(np.arange(len(ids)), [len(d) for d in starts])
+        flat = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+        keys, padding = segment_starts(rows, flat, flat == lengths[rows], len(ids), width)
+        out.update(boundaries(keys, padding, len(ids), width))
+        if dense_segments:
+            out["segment_ids"] = dense_segment_ids(torch.from_numpy(out["cu_seqlens"]),
+                                                   torch.from_numpy(out["padding_segments"]), len(ids), width).numpy()
     return out

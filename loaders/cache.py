@@ -41,11 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
 import os
-import stat
 import tempfile
 import threading
 import time
@@ -65,16 +62,16 @@ from shardkit.formats import (
 )
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.partial import BlockRequest, PartialShard
-from shardkit.manifest import (
-    INDEX_NAME,
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    ShardInfo,
-    load_manifest,
-    load_manifest_and_digest,
-)
+from shardkit.manifest import Manifest, ShardInfo
 from shardkit.names import check_relative_name
+from shardkit.node_cache import (  # noqa: F401 - UnsafeCacheDirError, fetch_manifest: re-exported for callers
+    UnsafeCacheDirError,
+    dataset_cache_key,
+    default_cache_dir,
+    fetch_manifest,
+    private_directory,
+    private_tree,
+)
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -93,63 +90,6 @@ _HEADER_BOUND = 1024
 
 class CacheLimitError(OSError):
     """`cache_limit` is too small for the shards that live readers need at the same time."""
-
-
-class UnsafeCacheDirError(PermissionError):
-    """A cache directory belongs to another user or others can write to it."""
-
-
-def private_directory(path: str) -> None:
-    """Create directory `path` with mode 0700 if missing; refuse it unless it is ours and only ours to write.
-
-    Whoever can write a cache directory decides which tokens every reader of the node is served, so a
-    directory owned by another user, or writable by group or others (sticky bit or not), is refused.
-    """
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    uid = os.geteuid()
-    link = os.lstat(path)
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
-        problem = f"a symbolic link owned by another user (uid {link.st_uid})"
-    else:
-        st = os.stat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            problem = "not a directory"
-        elif st.st_uid != uid:
-            problem = f"owned by another user (uid {st.st_uid}, this process runs as uid {uid})"
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-            problem = f"writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
-        else:
-            return
-    raise UnsafeCacheDirError(
-        f"refusing cache directory {path}: it is {problem}, so another user could plant decoded shards in it "
-        "that would be served as training data. Pass cache_dir= (loader) or --cache_dir (trainer) a private "
-        "directory of your own (shardkit creates a missing one with mode 0700), or chmod 700 it if it is yours")
-
-
-def private_tree(root: str, directory: str) -> None:
-    """Create or check every level from cache root `root` down to `directory` (see `private_directory`)."""
-    parent = os.path.dirname(root)
-    if parent and not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)  # above the root: not shardkit's to police
-    levels = os.path.relpath(directory, root).split(os.sep)
-    current = root
-    private_directory(current)
-    for level in levels if levels != ["."] else []:
-        current = os.path.join(current, level)
-        private_directory(current)
-
-
-def default_cache_dir() -> str:
-    """`$SHARDKIT_CACHE_DIR`, else a per-user directory under the system temp dir (node-local)."""
-    return os.environ.get("SHARDKIT_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"shardkit-cache-{os.getuid()}")
-
-
-def dataset_cache_key(url: str) -> str:
-    return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -337,7 +277,9 @@ class ShardCache:
             if fresh is not None:
                 reader, nbytes = ShardReader(fresh, name=shard.name), self.decoded_size(fresh)
             else:
-                os.utime(path)  # mtime is the last use: eviction order is least recently used
+                # The lock file's mtime is the last use (eviction is least recently used); the decoded
+                # file's own mtime stays its write time, part of the identity its CRC check is kept under.
+                os.utime(fd)
                 reader = self._open_bound(shard, path)
                 nbytes = os.path.getsize(path)
         except BaseException:
@@ -619,7 +561,11 @@ class ShardCache:
                         st = os.stat(full)
                     except FileNotFoundError:
                         continue
-                    entries.append((st.st_mtime, st.st_size, full))
+                    try:  # last use: the lock file's mtime, touched at each open
+                        used = max(st.st_mtime, os.stat(full + ".lock").st_mtime)
+                    except FileNotFoundError:
+                        used = st.st_mtime
+                    entries.append((used, st.st_size, full))
         return entries
 
     def _try_evict(self, path: str) -> bool:
@@ -700,106 +646,3 @@ class ShardCache:
             if self._try_evict(victim):
                 total -= size
         return total
-
-
-# -- the manifest, once per node -------------------------------------------------------------------
-def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode: str = "decoded") -> Manifest:
-    """The dataset's manifest, fetched and checked once per node through the node cache (with
-    `cache_mode` "none", which keeps nothing on disk, read from the store by every process).
-
-    Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
-    stat). The first process that finds the node's record missing or different takes the node's
-    manifest lock (a flock, as for a shard), downloads `shardkit.json` and copies the binary index (when
-    the dataset has one) into the cache with atomic renames, hashes the JSON once, and writes a record
-    of identity, size and SHA-256 last, once the manifest passed every check. The node's other
-    processes wait on the lock and read the local copy, trusting the record's hash instead of hashing
-    the JSON again, and its checks of that very index file (checksum, names) instead of repeating them:
-    a thousand ranks on 125 nodes cost 125 manifest GETs and 125 hashes, not 1,000. Every process
-    memory-maps the node's private copy of the index, so its pages are shared by the node's processes
-    (`shardkit.shard_columns.map_index_file`). A local dataset's JSON is read in place; its index is
-    copied too, since a file that someone may rewrite in place must not be mapped. Errors name the
-    store's URL.
-    """
-    if cache_mode == "none":
-        return load_manifest(storage)
-    url = storage.url_of(MANIFEST_NAME)
-    try:
-        identity = storage.identity(MANIFEST_NAME)
-    except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
-                            "(was the build interrupted before it finished?)") from err
-    root = os.path.abspath(cache_dir or default_cache_dir())
-    directory = os.path.join(root, dataset_cache_key(storage.url))
-    private_tree(root, directory)  # the record below is trusted instead of a hash: nobody else may write it
-    local = storage if storage.is_local else Storage(directory)
-    index_copy = os.path.join(directory, INDEX_NAME)
-    record_path = os.path.join(directory, MANIFEST_NAME + ".record")
-    record = _read_record(record_path, identity)
-    if record is None:
-        fd = os.open(os.path.join(directory, MANIFEST_NAME + ".dl"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            record = _read_record(record_path, identity)  # another process may have just done it
-            if record is None:
-                return _fetch_manifest_locked(storage, local, directory, identity, record_path)
-        finally:
-            os.close(fd)  # releases the lock
-    size, digest, checked_index = record
-    return load_manifest(local, display_url=url, known_digest=(size, digest), index_copy=index_copy,
-                         checked_index=checked_index)
-
-
-def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, identity: str,
-                           record_path: str) -> Manifest:
-    """The node's first process: download, hash and fully check the manifest, then record it."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(record_path)  # the copies below are being replaced: invalid until rewritten
-    # The JSON (remote datasets; a local one is read in place) and the index at once: one round trip less
-    # before the first batch. Both start after the HEAD that gave `identity`, so the JSON recorded under
-    # it is that version or a newer one (which the next HEAD sees as a change), never an older one; the
-    # index records the JSON it was built for and is checked against it, so it may come from any moment.
-    # A process still reading the previous index copy keeps its mapping of that file: the rename gives
-    # this one a new inode.
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
-        index = pool.submit(_download_atomic, storage, INDEX_NAME, directory)
-        if not storage.is_local:
-            _download_atomic(storage, MANIFEST_NAME, directory)
-        try:
-            index.result()  # one GET, not a HEAD and a LIST to ask first
-        except FileNotFoundError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, INDEX_NAME))
-    logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
-                 "copied" if not storage.is_local else "read in place", directory)
-    manifest, (size, digest), checked_index = load_manifest_and_digest(
-        local, display_url=storage.url_of(MANIFEST_NAME), index_copy=os.path.join(directory, INDEX_NAME))
-    _write_atomic(record_path, json.dumps([identity, size, digest, checked_index]))
-    return manifest
-
-
-def _read_record(path: str, identity: str) -> tuple[int, str, str | None] | None:
-    """(size, SHA-256, checked index stamp) of the node's manifest copy when its record is for
-    `identity`, else None."""
-    try:
-        with open(path) as fh:
-            recorded, size, digest, stamp = json.load(fh)
-    except (FileNotFoundError, ValueError, TypeError):
-        return None
-    return (size, digest, stamp) if recorded == identity else None
-
-
-def _download_atomic(storage: Storage, name: str, directory: str) -> None:
-    temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    try:
-        storage.download(name, temporary)
-        os.replace(temporary, os.path.join(directory, name))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as fh:
-        fh.write(text)
-    os.replace(temporary, path)

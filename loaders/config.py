@@ -76,6 +76,9 @@ class LoaderConfig:
                                   "or text '5,17 100-120 web.jsonl#3' (ids, inclusive ranges, SOURCE#DOC); the rest "
                                   "keep their order, balanced over ranks (single datasets only)", order=True,
                                   cli_type="str")
+    segment_ids: bool = _option(False, "also emit dense per-token segment_ids [B, L] (a cumulative sum over every "
+                                "token of a batch); batches of data with document boundaries always carry "
+                                "cu_seqlens and padding_segments (docs/LOADING.md)")
     chunk_samples: int = _option(DEFAULT_CHUNK_SAMPLES, "samples gathered at once (amortises per-batch overhead)")
     cache_limit: int | None = _option(None, "bytes of decoded shards the node-local cache may hold (all datasets "
                                       "of the cache directory); none: unlimited")
@@ -93,7 +96,7 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         from shardkit.loaders.partition import check_policy
 
-        for name in ("shuffle", "prefetch"):
+        for name in ("shuffle", "prefetch", "segment_ids"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.order_config(self.num_partitions or 1)  # seed, shuffle_window, block_size, num_partitions
@@ -112,6 +115,9 @@ class LoaderConfig:
         from shardkit.loaders.skipping import normalize_skip
 
         object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
+        if self.on_corrupt == "skip" and self.max_tokens is not None:  # cross-option checks: here, not in the dataset
+            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
+                             "use a quarantine_list, or on_corrupt='raise'")
         _positive("cache_limit", self.cache_limit, optional=True)
         if isinstance(self.cache_wait, bool) or not isinstance(self.cache_wait, (int, float)) or self.cache_wait < 0:
             raise ValueError(f"cache_wait must be a number of seconds >= 0, got {self.cache_wait!r}")

@@ -26,12 +26,34 @@ from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDatas
 from shardkit.loaders.partition import dropped_in_epoch, partial_batch
 from shardkit.loaders.quarantine import Quarantine
 from shardkit.loaders.state import LoaderState
+from shardkit.loaders.steps import step_source
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 
 _BUNDLE_BYTES = 2**20
+_PUBLISH_BATCHES = 64  # batch metrics are published every this many batches, or every second, or at the end
+_PUBLISH_SECONDS = 1.0
+
+
+class BatchCounts:
+    """Batches handed out and the time waited for them, counted locally and published in groups
+    (`shardkit_loader_batches_total` and `_wait_seconds_total` lag by at most 64 batches or a second)."""
+
+    def __init__(self) -> None:
+        self.batches, self.waited, self.published = 0, 0.0, time.perf_counter()
+
+    def add(self, waited: float, now: float) -> None:
+        self.batches += 1
+        self.waited += waited
+        if self.batches >= _PUBLISH_BATCHES or now - self.published >= _PUBLISH_SECONDS:
+            self.publish(now)
+
+    def publish(self, now: float) -> None:
+        if self.batches:
+            metrics.loader_batches(self.batches, self.waited)
+        self.batches, self.waited, self.published = 0, 0.0, now
 
 
 def unbundle(items: Iterator[Any]) -> Iterator[dict]:
@@ -65,7 +87,7 @@ class StreamingDataLoader(DataLoader):
                  prefetch_factor: int | None = None):
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
-        if dataset.max_tokens is not None:
+        if dataset.config.max_tokens is not None:
             if batch_size is not None:
                 raise ValueError("the dataset batches by max_tokens; pass batch_size=None")
         elif not isinstance(batch_size, int) or batch_size < 1:
@@ -77,13 +99,14 @@ class StreamingDataLoader(DataLoader):
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
         self.pin_batches = pin_memory
         self.samples_per_rank = batch_size or 1
-        self.token_mode = dataset.max_tokens is not None
-        self._segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: see LoaderState.window_segments
+        self.token_mode = dataset.config.max_tokens is not None
         self._epoch = 0
-        self._consumed = 0  # positions of the epoch's global order handed to the training loop
-        self._num_partitions: int | None = dataset.num_partitions
+        # Positions of the epoch's global order handed to the training loop (and the token-budget window's
+        # segments): the step source owns them and their resume fields.
+        self._steps = step_source(dataset.config.max_tokens, dataset.config.token_window)
+        self._num_partitions: int | None = dataset.config.num_partitions
         self._topology: Topology | None = None
-        self._quarantine = Quarantine(dataset, dataset.listed_quarantine)
+        self._quarantine = Quarantine(dataset.quarantine_sources())
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
         self._workers_in_sync = False
 
@@ -119,39 +142,43 @@ class StreamingDataLoader(DataLoader):
         topology = self._resolve()
         self.dataset.pin_global_batch(self.samples_per_rank * topology.world_size)
         num_positions = self._positions(self._epoch)
-        finished = (self._consumed >= num_positions if self.token_mode else
-                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+        finished = (self._steps.consumed >= num_positions if self.token_mode else
+                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
                                                    num_positions=num_positions) == 0)
         if finished:
-            self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()  # resumed at an epoch's end
+            self._epoch = self._epoch + 1  # resumed at an epoch's end
+            self._steps.reset()
             num_positions = self._positions(self._epoch)
+        self._quarantine.refuse_if_everything_left(num_positions)
         if not self.token_mode:
             self.dataset.check_batch_fits(self.samples_per_rank, topology)
-        if self._consumed == 0 and not self.token_mode:
+        if self._steps.consumed == 0 and not self.token_mode:
             self._log_epoch(num_positions, topology)
         if not self._quarantine.checking:
             yield from self._read(topology, steps=None)
         else:  # one checked segment at a time (see shardkit.loaders.quarantine)
-            segment = max(1, self.dataset.chunk_samples // self.samples_per_rank)
+            segment = max(1, self.dataset.config.chunk_samples // self.samples_per_rank)
             while True:
                 plan = self._plan(topology)
-                self._quarantine.check(epoch=self._epoch, start=self._consumed, steps=segment, plan=plan)
-                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._consumed,
+                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=plan)
+                self._quarantine.refuse_if_everything_left(self._positions(self._epoch))
+                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
                                                   num_positions=self._positions(self._epoch)) == 0:
                     break
                 yield from self._read(topology, steps=segment)
-        self._epoch, self._consumed, self._segments = self._epoch + 1, 0, ()
+        self._epoch = self._epoch + 1
+        self._steps.reset()
         self._workers_in_sync = self.persistent_workers and not self._quarantine.checking
 
     def _plan(self, topology: Topology, steps: int | None = None) -> IterationPlan:
-        return IterationPlan(epoch=self._epoch, start=self._consumed, batch_size=self.samples_per_rank,
+        return IterationPlan(epoch=self._epoch, start=self._steps.consumed, batch_size=self.samples_per_rank,
                              topology=topology, num_partitions=self._num_partitions, numpy_batches=True,
-                             bundle=self._bundle_size() if self.num_workers else 1, segments=self._segments,
+                             bundle=self._bundle_size() if self.num_workers else 1, segments=self._steps.segments,
                              quarantine=self._quarantine.entries, steps=steps)
 
     def _log_epoch(self, num_positions: int, topology: Topology) -> None:
         global_batch = self.samples_per_rank * topology.world_size
-        policy = self.dataset.partial_batches
+        policy = self.dataset.config.partial_batches
         left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=policy,
                                 world_size=topology.world_size)
         last = partial_batch(num_positions, start=0, global_batch=global_batch, world_size=topology.world_size,
@@ -173,38 +200,32 @@ class StreamingDataLoader(DataLoader):
         source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
         pin = self.pin_batches and torch.cuda.is_available()
         asked = time.perf_counter()
-        for arrays in source:
-            progress = arrays.pop(PROGRESS_KEY, None)
-            metrics.merge_worker_counters(arrays.pop(metrics.WORKER_KEY, None))
-            batch = batch_to_tensors(arrays)
-            if pin:
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            # Count before handing out: a state saved after receiving this batch includes it.
-            if progress is None:  # every rank's batch has this size ("partial": the last step is smaller)
-                self._consumed += len(arrays["sample_id"]) * topology.world_size
-            else:
-                self._advance_window(progress, topology.world_size)
-            metrics.loader_batch(time.perf_counter() - asked)
-            yield batch
-            asked = time.perf_counter()
+        counts = BatchCounts()
+        try:
+            for arrays in source:
+                progress = arrays.pop(PROGRESS_KEY, None)
+                workers = arrays.pop(metrics.WORKER_KEY, None)
+                if workers is not None:
+                    metrics.merge_worker_counters(workers)
+                batch = batch_to_tensors(arrays)
+                if pin:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                # Count before handing out: a state saved after receiving this batch includes it.
+                self._steps.advance(len(arrays["sample_id"]), progress, topology.world_size)
+                now = time.perf_counter()
+                counts.add(now - asked, now)
+                yield batch
+                asked = time.perf_counter()
+        finally:
+            counts.publish(time.perf_counter())
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
         ds = self.dataset
         if ds.sample_length is None:
             return 4
-        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.has_doc_boundaries else 0)) + 8
+        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.config.segment_ids else 0)) + 8
         return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
-
-    def _advance_window(self, progress, world_size: int) -> None:
-        window_start, steps_done, window_finished = (int(x) for x in progress)
-        if window_finished:
-            self._consumed, self._segments = window_start + self.dataset.token_window, ()
-            return
-        prior = self._segments if window_start == self._consumed else ()
-        if prior and prior[-1][0] == world_size:
-            prior = prior[:-1]
-        self._consumed, self._segments = window_start, (*prior, (world_size, steps_done))
 
     # -- state ---------------------------------------------------------------------------------
     def _current_state(self, num_partitions: int | None = None) -> LoaderState:
@@ -213,9 +234,9 @@ class StreamingDataLoader(DataLoader):
         ds.pin_global_batch(self.samples_per_rank * topology.world_size)
         record = ds.mixture_record()
         order = {**ds.config.order_values(), "num_partitions": num_partitions or self._num_partitions}
-        return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, dataset=ds.fingerprint(),
+        return LoaderState(epoch=self._epoch, **self._steps.get_state(), dataset=ds.fingerprint(),
                            num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size, window_segments=self._segments,
+                           world_size=topology.world_size,
                            mixture=record.to_dict() if record is not None else None,
                            quarantine=self._quarantine.state(), **order)
 
@@ -252,8 +273,8 @@ class StreamingDataLoader(DataLoader):
             raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
                              f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
         self._num_partitions = saved.num_partitions
-        self._epoch, self._consumed = saved.epoch, saved.samples_consumed
-        self._segments = saved.window_segments
+        self._epoch = saved.epoch
+        self._steps.from_state(saved)
         self._quarantine.restore(saved.quarantine, epoch=saved.epoch, consumed=saved.samples_consumed,
                                  num_partitions=saved.num_partitions)
         self._workers_in_sync = False

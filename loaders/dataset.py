@@ -16,26 +16,26 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.cache import ShardCache, fetch_manifest
-from shardkit.loaders.config import LOADER_FIELDS, LoaderConfig, loader_config
+from shardkit.loaders.batching import ShardTable
+from shardkit.loaders.cache import ShardCache
+from shardkit.node_cache import fetch_manifest
+from shardkit.loaders.config import LoaderConfig, loader_config
 from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.order import EpochOrder, OrderConfig
+from shardkit.loaders.order import EpochOrder, Order, OrderConfig, excluding
 from shardkit.loaders.partition import (
     partial_batch,
     rank_positions,
     steps_in_epoch,
-    worker_of_step,
     worker_step_chunks,
 )
-from shardkit.loaders.quarantine import filter_order, resolve_quarantine_list
+from shardkit.loaders.reading import PROGRESS_KEY, BatchReader, ShardOwners
+from shardkit.loaders.quarantine import QuarantineSources, filter_order, resolve_quarantine_list
 from shardkit.loaders.remix import (
     MixtureRecord,
     MixtureStreams,
@@ -43,23 +43,18 @@ from shardkit.loaders.remix import (
     resumed_record,
 )
 from shardkit.loaders.schedule import Schedule, weight_spec
-from shardkit.loaders.skipping import SkippingOrder, resolve_skipped
+from shardkit.loaders.skipping import resolve_skipped
 from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
-from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardkit import metrics
+from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
-_PREFETCH_THREADS = 4
-_GOLDEN = (5**0.5 - 1) / 2
-_COLD_STEP_BATCHES = 32  # most batches gathered per block check while shards arrive block by block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +126,11 @@ class StreamingDataset(IterableDataset):
         samples = [m.columns.samples for m in self.manifests]
         self.table = ShardTable(samples[0] if len(samples) == 1 else np.concatenate(samples))
         self.num_samples = sum(m.num_samples for m in self.manifests)
+        self.reader = BatchReader(table=self.table, caches=self.caches, shard_owner=self._shard_owner,
+                                  manifests=self.manifests, sample_length=self.sample_length,
+                                  token_dtype=self.token_dtype, pad_id=self.pad_id,
+                                  with_segments=self.has_doc_boundaries, dense_segments=config.segment_ids,
+                                  prefetch=config.prefetch)
         if config.epoch_size is not None and len(streams) == 1:
             raise ValueError("epoch_size applies to mixtures of several Streams only")
         if config.skip_samples and len(streams) > 1:
@@ -145,18 +145,18 @@ class StreamingDataset(IterableDataset):
             raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
                              "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
-        if config.on_corrupt == "skip" and config.max_tokens is not None:
-            raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
-                             "use a quarantine_list, or on_corrupt='raise'")
         self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
                                                           [s.url for s in streams])
                                   if config.quarantine_list is not None else ())
-        self._filtered: dict[tuple, Any] = {}
+        self._filtered: dict[tuple, Order] = {}
         self._plan: IterationPlan | None = None
         self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
         self._mixture: MixtureRecord | None = None  # see mixture_record()
-        # A standalone iteration after load_state_dict: (start, num_partitions, quarantine entries).
+        # Standalone iteration (no StreamingDataLoader): where the current epoch's iteration started
+        # (start, num_partitions, quarantine entries; None: the epoch's start) and the batches this process
+        # (or this DataLoader worker) already yielded of it. Only a finished iteration advances the epoch.
         self._resume: tuple[int, int, tuple] | None = None
+        self._steps_done = 0
         self._iterations = 0
         self.epoch = 0
 
@@ -186,20 +186,19 @@ class StreamingDataset(IterableDataset):
         return resolve_topology(**self._topology_args, **self._group_args)
 
     def resolve_partitions(self, topology: Topology) -> int:
-        return self.num_partitions if self.num_partitions is not None else topology.num_nodes
+        return self.config.num_partitions if self.config.num_partitions is not None else topology.num_nodes
 
     def order_config(self, num_partitions: int) -> OrderConfig:
         return self.config.order_config(num_partitions)
 
-    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()):
+    def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()) -> Order:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions), without the
         positions of quarantined shards (`quarantine` entries, see `shardkit.loaders.quarantine`)."""
         config = self.order_config(num_partitions)
         record = self.mixture_record()
         if record is None:
-            order = EpochOrder(self.manifests[0].columns.samples, config, epoch)
-            if self.skip_samples:
-                order = SkippingOrder(order, self.skipped_ids())
+            base = EpochOrder(self.manifests[0].columns.samples, config, epoch)
+            order = excluding(base, base.positions_of(self.skipped_ids())) if self.config.skip_samples else base
         else:
             order = MixtureOrder([m.columns.samples for m in self.manifests],
                                  [s.weight for s in self.streams], config, epoch, plan=record.plan)
@@ -211,6 +210,31 @@ class StreamingDataset(IterableDataset):
                 self._filtered.pop(next(iter(self._filtered)))
             self._filtered[key] = filter_order(order, self.table.ends, quarantine, epoch)
         return self._filtered[key]
+
+    def quarantine_sources(self) -> QuarantineSources:
+        """The functions and values the loader's quarantine works with (it is never handed the dataset)."""
+        return QuarantineSources(order=self.order, rank_shards=self.rank_shards, shard_ends=self.table.ends,
+                                 shard_sizes=self.table.sizes, describe=self._describe_shard,
+                                 verify=self._verify_shard, agreement_group=self.agreement_group,
+                                 listed=self.listed_quarantine, listed_path=self.config.quarantine_list,
+                                 checking=self.config.on_corrupt == "skip")
+
+    def _describe_shard(self, index: int) -> tuple[str, int, str]:
+        stream, local = self._shard_owner[index]
+        shard = self.manifests[stream].shards[local]
+        return self.storages[stream].url_of(shard.name), shard.samples, self.streams[stream].url
+
+    def _verify_shard(self, index: int) -> str | None:
+        """Why shard `index` is corrupt, or None; a shard already in the node cache was verified when cached."""
+        stream, local = self._shard_owner[index]
+        cache = self.caches[stream]
+        if cache.is_cached(local):
+            return None
+        try:
+            cache.open(local).close()
+        except CorruptShardError as err:
+            return err.reason
+        return None
 
     def shard_owner(self, index: int) -> tuple[int, int]:
         """(stream, shard within the stream) of shard `index` over all streams."""
@@ -243,7 +267,7 @@ class StreamingDataset(IterableDataset):
     def _mixture_streams(self) -> MixtureStreams:
         return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_fingerprints(),
                               weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
-                              policy=self.partial_batches)
+                              policy=self.config.partial_batches)
 
     def mixture_record(self) -> MixtureRecord | None:
         """The mixture's record (None for a single dataset that never changed its mixture)."""
@@ -266,7 +290,7 @@ class StreamingDataset(IterableDataset):
             ValueError: the order differs (every difference named), or only the mixture does and
                 `allow_mixture_change` is off, or the change cannot be made exactly.
         """
-        explicit = self.num_partitions
+        explicit = self.config.num_partitions
         values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
                   "num_partitions": explicit if explicit is not None else saved.num_partitions}
         current = dataclasses.replace(saved, **values)
@@ -283,22 +307,58 @@ class StreamingDataset(IterableDataset):
                         saved.samples_consumed, change["old"], change["new"])
         return bool(differences)
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
-        """Start the next standalone iteration at a `StreamingDataLoader.state_dict()` position (the loader
-        calls `resume_from` itself); see `resume_from` for `allow_mixture_change`.
+    def state_dict(self) -> dict[str, Any]:
+        """Where a standalone iteration stands (torch `DataLoader`, torchdata `StatefulDataLoader`): a loader
+        state (`shardkit.loaders.state`) with this process's batches of the current epoch. Inside a DataLoader
+        worker it is that worker's state (StatefulDataLoader saves one per worker).
 
         Raises:
-            ValueError: the state is malformed or belongs to another order.
+            ValueError: the dataset has no `batch_size` (it is driven by a `StreamingDataLoader`: save that).
+        """
+        if self.batch_size is None:
+            raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
+                             "the loader's state_dict() instead)")
+        topology = self.resolve_topology()
+        start, partitions, quarantine = self._resume or (0, self.resolve_partitions(topology),
+                                                         tuple((s, 0, 0) for s in self.listed_quarantine))
+        self.pin_global_batch(self.batch_size * topology.world_size)
+        record = self.mixture_record()
+        worker, num_workers = _worker()
+        consumed, steps = start, self._steps_done
+        if num_workers == 1:  # this process reads every step: the position is global
+            consumed, steps = min(start + steps * self.batch_size * topology.world_size,
+                                  self.order(self.epoch, partitions, quarantine).num_positions), 0
+        state = LoaderState(epoch=self.epoch, samples_consumed=consumed, dataset=self.fingerprint(),
+                            num_samples=self.num_samples, global_batch_size=self.batch_size * topology.world_size,
+                            world_size=topology.world_size, mixture=record.to_dict() if record is not None else None,
+                            quarantine=quarantine, **{**self.config.order_values(), "num_partitions": partitions})
+        return {**state.to_dict(), "worker_steps": steps, "worker": worker, "num_workers": num_workers}
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Start the next standalone iteration where `state` stands: this dataset's own `state_dict()` (also
+        one DataLoader worker's) or a `StreamingDataLoader.state_dict()` (the loader calls `resume_from`
+        itself); see `resume_from` for `allow_mixture_change`.
+
+        Raises:
+            ValueError: the state is malformed, belongs to another order, or is a worker's state loaded
+                into another number of workers.
         """
         saved = LoaderState.from_dict(state)
+        steps = state.get("worker_steps", 0)
+        if steps:
+            _, num_workers = _worker()
+            if state.get("num_workers") != num_workers:
+                raise ValueError(f"cannot resume: the state was saved by one of {state.get('num_workers')} "
+                                 f"DataLoader workers; resume it with num_workers={state.get('num_workers')}")
         self.resume_from(saved, allow_mixture_change=allow_mixture_change)
-        self.set_epoch(saved.epoch)
+        self.epoch, self._steps_done = saved.epoch, int(steps)
         self._resume = (saved.samples_consumed, saved.num_partitions, saved.quarantine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Epoch of the next standalone iteration (the loader manages epochs itself)."""
+        """Epoch of the next standalone iteration, from its start (the loader manages epochs itself)."""
         self.epoch = epoch
         self._iterations = 0
+        self._steps_done, self._resume = 0, None
 
     def set_plan(self, plan: IterationPlan) -> None:
         """Where the next iteration starts; later iterations (persistent workers) take later epochs."""
@@ -309,21 +369,21 @@ class StreamingDataset(IterableDataset):
         """The sample ids `skip_samples` leaves out (resolved once, in the process that first asks: the
         loader's main process, before workers start, so documents are looked up only there)."""
         if self._skipped is None:
-            self._skipped = resolve_skipped(self.skip_samples, self.manifests[0], self.caches[0])
+            self._skipped = resolve_skipped(self.config.skip_samples, self.manifests[0], self.caches[0])
         return self._skipped
 
     @property
     def positions_per_epoch(self) -> int:
         """Samples in one epoch's order (a mixture's epoch_size, else all samples not skipped)."""
         if len(self.streams) == 1:
-            return self.num_samples - (len(self.skipped_ids()) if self.skip_samples else 0)
-        return self.epoch_size or self.num_samples
+            return self.num_samples - (len(self.skipped_ids()) if self.config.skip_samples else 0)
+        return self.config.epoch_size or self.num_samples
 
     def batches_per_epoch(self, batch_size: int, topology: Topology, start: int = 0,
                           num_positions: int | None = None) -> int:
         """Steps left from `start` in an epoch of `num_positions` (default: `positions_per_epoch`)."""
         return steps_in_epoch(self.positions_per_epoch if num_positions is None else num_positions, start=start,
-                              global_batch=batch_size * topology.world_size, policy=self.partial_batches)
+                              global_batch=batch_size * topology.world_size, policy=self.config.partial_batches)
 
     def check_batch_fits(self, batch_size: int, topology: Topology) -> None:
         """Raise when an epoch holds no whole global batch (iteration would silently yield nothing).
@@ -334,10 +394,10 @@ class StreamingDataset(IterableDataset):
         if self.batches_per_epoch(batch_size, topology) == 0:
             raise ValueError(f"batch_size={batch_size} x world_size={topology.world_size} is larger than the "
                              f"{self.positions_per_epoch} samples of an epoch: no batch would be yielded with "
-                             f"partial_batches={self.partial_batches!r}; lower batch_size or use partial_batches='pad'")
+                             f"partial_batches={self.config.partial_batches!r}; lower batch_size or use partial_batches='pad'")
 
     def __len__(self) -> int:
-        if self.max_tokens is not None:
+        if self.config.max_tokens is not None:
             raise TypeError("token-budget batches per epoch depend on the sample lengths: unknown before reading")
         if self.batch_size is None:
             raise TypeError("len(StreamingDataset) needs batch_size; use len(StreamingDataLoader)")
@@ -345,54 +405,71 @@ class StreamingDataset(IterableDataset):
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor] | dict[str, np.ndarray]]:
+        if self._plan is None:
+            return self._standalone()
         plan = self._plan
-        if plan is None:
-            if self.batch_size is None and self.max_tokens is None:
-                raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
-            topology = self.resolve_topology()
-            start, partitions, quarantine = self._resume or (
-                0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
-            self._resume = None
-            self.pin_global_batch((self.batch_size or 1) * topology.world_size)
-            plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
-                                 num_partitions=partitions, quarantine=quarantine)
-            if self.max_tokens is None:
-                self.check_batch_fits(plan.batch_size, topology)
         offset, self._iterations = self._iterations, self._iterations + 1
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker, num_workers = _worker()
         start = plan.start if offset == 0 else 0
-        if self.max_tokens is not None:
+        if self.config.max_tokens is not None:
             batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
                                             worker, num_workers)
         else:
             batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers,
                                      limit=plan.steps if offset == 0 else None)
-        if info is not None and plan.bundle > 1:
+        if get_worker_info() is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
         return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
 
+    def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
+        changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
+        if self.batch_size is None and self.config.max_tokens is None:
+            raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
+        topology = self.resolve_topology()
+        start, partitions, quarantine = self._resume or (
+            0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
+        self.pin_global_batch((self.batch_size or 1) * topology.world_size)
+        plan = IterationPlan(epoch=self.epoch, start=start, batch_size=self.batch_size or 1, topology=topology,
+                             num_partitions=partitions, quarantine=quarantine)
+        if self.config.max_tokens is None:
+            self.check_batch_fits(plan.batch_size, topology)
+        worker, num_workers = _worker()
+        if self.config.max_tokens is not None:
+            batches = self._generate_tokens(plan.epoch, start, (), plan, worker, num_workers, skip=self._steps_done)
+        else:
+            batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
+        for batch in batches:
+            self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
+            yield batch_to_tensors(strip_progress(batch))
+        self.epoch, self._steps_done, self._resume = self.epoch + 1, 0, None
+
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  limit: int | None = None) -> Iterator[np.ndarray]:
+                  limit: int | None = None, skip: int = 0) -> Iterator[np.ndarray]:
         """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
 
         Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
         into the epoch) costs O(chunk), whatever the epoch's length. The smaller last step of
         partial_batches="partial" comes alone in its chunk. `limit`: at most that many steps from
-        `start` (on_corrupt="skip" reads one checked segment at a time).
+        `start` (on_corrupt="skip" reads one checked segment at a time). `skip`: leave out this worker's
+        first that many steps (a standalone resume; index arithmetic only, nothing is read).
         """
         order = self.order(epoch, plan.num_partitions, plan.quarantine)
-        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit)
+        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit, skip)
 
-    def _chunk_ids(self, order: Any, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                   limit: int | None) -> Iterator[np.ndarray]:
+    def _chunk_ids(self, order: Order, start: int, plan: IterationPlan, worker: int, num_workers: int,
+                   limit: int | None, skip: int = 0) -> Iterator[np.ndarray]:
         batch = plan.batch_size
         total = self.steps_left(order, start, plan)
         last = partial_batch(order.num_positions, start=start, global_batch=batch * plan.topology.world_size,
-                             world_size=plan.topology.world_size, policy=self.partial_batches)
+                             world_size=plan.topology.world_size, policy=self.config.partial_batches)
         for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
                                         num_workers=num_workers, bundle=plan.bundle,
-                                        chunk=max(1, self.chunk_samples // batch)):
+                                        chunk=max(1, self.config.chunk_samples // batch)):
+            if skip:
+                steps, skip = steps[skip:], max(0, skip - len(steps))
+                if not len(steps):
+                    continue
             if last is not None and steps[-1] == total - 1:  # the epoch's smaller last step
                 if len(steps) > 1:
                     yield self._step_ids(order, start, steps[:-1], plan, batch)
@@ -400,7 +477,7 @@ class StreamingDataset(IterableDataset):
             else:
                 yield self._step_ids(order, start, steps, plan, batch)
 
-    def _step_ids(self, order: Any, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
+    def _step_ids(self, order: Order, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
         """This rank's sample ids [steps, width] (width: samples per rank in these steps)."""
         topo = plan.topology
         positions = rank_positions(steps, start=start, num_positions=order.num_positions,
@@ -411,206 +488,33 @@ class StreamingDataset(IterableDataset):
         ids.sort(axis=1)
         return ids
 
-    def steps_left(self, order: Any, start: int, plan: IterationPlan) -> int:
+    def steps_left(self, order: Order, start: int, plan: IterationPlan) -> int:
         return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
-                              policy=self.partial_batches)
+                              policy=self.config.partial_batches)
 
-    def rank_shards(self, order: Any, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
+    def rank_shards(self, order: Order, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
         """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
         shards: dict[int, None] = {}
         for ids in self._chunk_ids(order, start, plan, worker=0, num_workers=1, limit=steps):
-            shards.update(dict.fromkeys(self._shards_in_order(ids)))
+            shards.update(dict.fromkeys(self.reader.shards_in_order(ids)))
         return list(shards)
 
     def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  limit: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-        topo = plan.topology
-        chunks = self.chunk_ids(epoch, start, plan, worker, num_workers, limit)
-        held: dict[int, Any] = {}
-        executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
-                    if self.prefetch else None)
-        try:
-            upcoming = next(chunks, None)
-            while upcoming is not None:
-                ids = upcoming
-                upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
-                needed = self._shards_in_order(ids)
-                if executor is not None:
-                    # Shards read block by block complete themselves: prefetching them whole now would
-                    # make the first batch wait for whole shards.
-                    self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
-                for index in needed:
-                    if index not in held:
-                        stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local, on_demand=True)
-                if executor is not None and upcoming is not None:  # after the opens, for the same reason
-                    self._prefetch(executor, self._shards_in_order(upcoming), topo)
-                keep = set(needed) | (set(self._shards_in_order(upcoming)) if upcoming is not None else set())
-                yield from self._batches(ids, held)
-                for index in [i for i in held if i not in keep]:
-                    held.pop(index).close()
-        finally:
-            for handle in held.values():
-                handle.close()
-            if executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)
+                  limit: int | None = None, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        return self.reader.batches(self.chunk_ids(epoch, start, plan, worker, num_workers, limit, skip), plan.topology)
 
     def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
-                         worker: int, num_workers: int) -> Iterator[dict[str, np.ndarray]]:
-        """Token-budget batches: plan each window of the global order (see `token_budget`)."""
-        order = self.order(epoch, plan.num_partitions, plan.quarantine)
-        topo, total = plan.topology, order.num_positions
-        step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
-        held: dict[int, Any] = {}
-        rank_tokens, repeats = np.zeros(topo.world_size, dtype=np.int64), 0
-        try:
-            for window_start in range(start, total, self.token_window):
-                ids = order.sample_ids(np.arange(window_start, min(window_start + self.token_window, total)))
-                needed = self._shards_in_order(ids)
-                for index in [i for i in held if i not in set(needed)]:
-                    held.pop(index).close()
-                for index in needed:
-                    if index not in held:
-                        stream, local = self._shard_owner[index]
-                        held[index] = self.caches[stream].open(local, on_demand=True)
-                self._ensure(ids, held)
-                lengths = self._lengths(ids, held)
-                first = window_start == start
-                prior = segments if first else ()
-                skip = 0
-                if prior and prior[-1][0] == topo.world_size:  # same world: continue the same plan
-                    prior, skip = prior[:-1], prior[-1][1]
-                window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
-                                                      max_tokens=self.max_tokens)
-                mine = window_plan.batches[topo.rank]
-                rank_tokens += window_plan.rank_tokens
-                repeats += window_plan.repeats
-                for k in range(skip, window_plan.steps):
-                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
-                        rows = mine[k]
-                        rows = np.where(rows < 0, window_plan.filler, rows)
-                        batch = gather_variable(ids[covered[rows]], table=self.table,
-                                                reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
-                                                pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
-                        batch[PROGRESS_KEY] = np.array([window_start, k + 1, k + 1 == window_plan.steps],
-                                                       dtype=np.int64)
-                        yield batch
-                    step += 1
-            if worker == 0 and rank_tokens.sum():
-                logger.info("epoch %d (token budget %d): %d steps, token imbalance across ranks %.2f%% "
-                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, self.max_tokens,
-                            step, 100 * (rank_tokens.max() / rank_tokens.mean() - 1), repeats)
-        finally:
-            for handle in held.values():
-                handle.close()
-
-    def _lengths(self, ids: np.ndarray, held: dict[int, Any]) -> np.ndarray:
-        shard, local = self.table.locate(ids)
-        lengths = np.empty(len(ids), dtype=np.int64)
-        for index in np.unique(shard):
-            rows = np.flatnonzero(shard == index)
-            offsets = held[int(index)].reader.arrays.sample_offsets
-            lengths[rows] = offsets[local[rows] + 1] - offsets[local[rows]]
-        return lengths
-
-    def _shards_in_order(self, ids: np.ndarray) -> list[int]:
-        shards = np.searchsorted(self.table.ends, ids.reshape(-1), side="right")
-        uniq, first = np.unique(shards, return_index=True)
-        return [int(s) for s in uniq[np.argsort(first)]]
-
-    def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
-        for index in prefetch_order(shards, topo):
-            stream, local = self._shard_owner[index]
-            if not self.caches[stream].is_cached(local):
-                metrics.prefetch_submitted()
-                executor.submit(self._prefetch_one, stream, local).add_done_callback(metrics.prefetch_done)
-
-    def _prefetch_one(self, stream: int, local: int) -> None:
-        try:
-            self.caches[stream].prefetch(local)
-        except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
-            logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
-
-    def _serves_blocks(self, index: int) -> bool:
-        stream, local = self._shard_owner[index]
-        cache = self.caches[stream]
-        return cache._serves_blocks(local, cache.path(local))
-
-    def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
-        """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
-        shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
-        cold = [(held[index], local[shard == index]) for index in np.unique(shard).tolist()
-                if not held[index].complete]
-        # Every shard's reads at once: first the block indexes (each read needs its shard's index), then
-        # the blocks, so a batch spanning several cold shards waits for two round trips, not two per shard.
-        for handle, _ in cold:
-            handle.start_index()
-        for request in [handle.request(samples) for handle, samples in cold]:
-            request.wait()
-
-    def _batches(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
-        incomplete = [held[i] for i in self._shards_in_order(ids) if not held[i].complete]
-        b, step = 0, 1
-        while incomplete and b < len(ids):
-            # Cold shards: fetch what the next batches need just before them, so the first batch waits for
-            # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
-            # a time, which amortises the per-call cost, until the shards are whole.
-            rows = ids[b:b + step]
-            self._ensure(rows, held)
-            yield from self._gather(rows, held)
-            b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
-            incomplete = [h for h in incomplete if not h.complete]
-        if b < len(ids):
-            yield from self._gather(ids[b:], held)
-
-    def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
-        def reader_of(index: int):
-            return held[index].reader
-
-        if self.sample_length is not None:
-            arrays = gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
-                                  token_dtype=self.token_dtype, with_segments=self.has_doc_boundaries)
-            batch = ids.shape[1]
-            items = list(arrays.items())
-            for b in range(ids.shape[0]):
-                rows = slice(b * batch, (b + 1) * batch)
-                yield {k: v[rows] for k, v in items}
-        else:
-            for row in ids:
-                yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
-                                      pad_id=self.pad_id, with_segments=self.has_doc_boundaries)
+                         worker: int, num_workers: int, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        return self.reader.token_batches(self.order(epoch, plan.num_partitions, plan.quarantine), epoch=epoch,
+                                         start=start, segments=segments, plan=plan, worker=worker,
+                                         num_workers=num_workers, skip=skip, max_tokens=self.config.max_tokens,
+                                         token_window=self.config.token_window)
 
 
-def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
-    """The order in which this process asks for `shards` (the samples' order is not affected).
-
-    Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
-    numbers), so nodes that need the same shards do not all ask the store for the first one at once;
-    then each local rank starts with the shards it "owns", so a node's processes download different
-    shards in parallel instead of queueing on the same lock.
-    """
-    if len(shards) > 1:
-        offset = int(len(shards) * ((topo.node * _GOLDEN) % 1.0))  # node k at frac(k x 0.618...): well spread
-        shards = shards[offset:] + shards[:offset]
-    mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
-    return mine + [s for s in shards if s % topo.local_world_size != topo.local_rank]
-
-
-class ShardOwners:
-    """(stream, shard index in its manifest) of each global shard index, by arithmetic on the streams'
-    shard counts (no per-shard object, whatever the number of shards)."""
-
-    def __init__(self, shard_counts: Sequence[int]):
-        self._ends = np.cumsum(np.asarray(shard_counts, dtype=np.int64))
-
-    def __len__(self) -> int:
-        return int(self._ends[-1]) if len(self._ends) else 0
-
-    def __getitem__(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"shard {index} is outside [0, {len(self)})")
-        stream = int(np.searchsorted(self._ends, index, side="right"))
-        return stream, int(index - (self._ends[stream - 1] if stream else 0))
+def _worker() -> tuple[int, int]:
+    """(this DataLoader worker, number of workers); (0, 1) outside workers."""
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
 def _streams_of(source: Any) -> list[Stream]:
@@ -625,11 +529,6 @@ def _streams_of(source: Any) -> list[Stream]:
         raise TypeError(f"source must be a dataset URL (str), a Stream, or a non-empty list of Stream, "
                         f"got {type(source).__name__} {source!r}"[:300])
     return streams
-
-
-# The options read as attributes (`dataset.shuffle`, `dataset.max_tokens`, ...), all from `config`.
-for _name in sorted(LOADER_FIELDS):
-    setattr(StreamingDataset, _name, property(lambda self, _n=_name: getattr(self.config, _n)))
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -59,6 +60,66 @@ class OrderConfig:
             raise ValueError(f"block_size must be >= 1 or None (whole shards), got {self.block_size}")
         if self.shuffle_window < 1:
             raise ValueError(f"shuffle_window must be >= 1, got {self.shuffle_window}")
+
+
+class Order(Protocol):
+    """What a consumer may ask an epoch's order: its length, the sample ids at positions, their partitions.
+
+    Implemented by `EpochOrder` (one dataset), `MixtureOrder` (several streams) and `ExcludedOrder` (any
+    order with positions left out). Everything downstream (rank slices, partial batches, resume positions)
+    sees only this.
+    """
+
+    @property
+    def num_positions(self) -> int: ...
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray: ...
+
+    def partition_of(self, positions: np.ndarray) -> np.ndarray: ...
+
+
+class ExcludedOrder:
+    """`base` without the positions `excluded`, the rest renumbered 0..num_positions-1 in their order.
+
+    The one operator behind `skip_samples` and quarantine: each only decides *which* positions leave. Only
+    the excluded positions are held (O(excluded)); the k-th kept position is k plus the exclusions up to it.
+
+    Args:
+        base: the order to filter.
+        excluded: positions of `base` to leave out (any order; duplicates allowed).
+    """
+
+    def __init__(self, base: Order, excluded: np.ndarray):
+        self.base = base
+        self.excluded = np.unique(np.asarray(excluded, dtype=np.int64))
+        self._shifted = self.excluded - np.arange(len(self.excluded), dtype=np.int64)
+        self.num_positions = base.num_positions - len(self.excluded)
+
+    def __len__(self) -> int:
+        return self.num_positions
+
+    def original(self, positions: np.ndarray | int) -> np.ndarray:
+        """Positions of `base`.
+
+        Raises:
+            IndexError: a position outside [0, num_positions).
+        """
+        p = np.asarray(positions, dtype=np.int64)
+        if p.size and (p.min() < 0 or p.max() >= self.num_positions):
+            raise IndexError(f"position out of range for an epoch of {self.num_positions} positions "
+                             f"({len(self.excluded)} excluded)")
+        return p + np.searchsorted(self._shifted, p, side="right")
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
+        return self.base.sample_ids(self.original(positions))
+
+    def partition_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.base.partition_of(self.original(positions))
+
+
+def excluding(base: Order, excluded: np.ndarray) -> Order:
+    """`base` without the positions `excluded` (`base` itself when there are none)."""
+    return ExcludedOrder(base, excluded) if len(excluded) else base
 
 
 def make_blocks(shard_sizes: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ A quarantined shard's samples are removed from the global order from an *activat
 shards of a quarantine list (`shardkit verify --quarantine-list`) from the first position of the
 run, a shard found corrupt during a run (`on_corrupt="skip"`) from the position the job had consumed
 when the ranks agreed on it, and from the start of every later epoch. The order itself never
-changes; `FilteredOrder` drops the excluded positions and renumbers the rest, so partitions,
+changes; an `ExcludedOrder` drops the excluded positions and renumbers the rest, so partitions,
 batching, padding and elastic resume work on it unchanged, every rank gets the same number of
 batches, and the positions consumed before the activation point keep their meaning. The entries
 `(shard, epoch, position)` are part of the loader state, so a resume rebuilds the same filter.
@@ -29,13 +29,14 @@ Finding the excluded positions scans the epoch's order once per epoch and quaran
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from shardkit import metrics
-from shardkit.errors import CorruptShardError
+from shardkit.loaders.order import ExcludedOrder, Order, excluding
 
 logger = logging.getLogger(__name__)
 
@@ -44,33 +45,12 @@ _SCAN_POSITIONS = 1 << 20
 Entry = tuple[int, int, int]
 
 
-class FilteredOrder:
-    """An epoch order without the positions in `excluded` (sorted), renumbered 0..num_positions-1."""
-
-    def __init__(self, order: Any, excluded: np.ndarray, excluded_shards: np.ndarray):
-        self.order = order
-        self.excluded = excluded
-        self.excluded_shards = excluded_shards
-        self._shifted = excluded - np.arange(len(excluded), dtype=np.int64)
-        self.num_positions = order.num_positions - len(excluded)
-
-    def original(self, positions: np.ndarray | int) -> np.ndarray:
-        """Positions of the unfiltered order (the k-th kept position is k plus the exclusions up to it)."""
-        p = np.asarray(positions, dtype=np.int64)
-        return p + np.searchsorted(self._shifted, p, side="right")
-
-    def partition_of(self, positions: np.ndarray) -> np.ndarray:
-        return self.order.partition_of(self.original(positions))
-
-    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        return self.order.sample_ids(self.original(positions))
-
-
-def original_position(order: Any, position: int) -> int:
-    """Position of the unfiltered order where effective `position` lies (its end past the last)."""
+def original_position(order: Order, base: Order, position: int) -> int:
+    """Position of `base` (the order before quarantine) where effective `position` of `order` lies (its end
+    past the last)."""
     if position >= order.num_positions:
-        return getattr(order, "order", order).num_positions
-    return int(order.original(position)) if isinstance(order, FilteredOrder) else position
+        return base.num_positions
+    return int(order.original(position)) if isinstance(order, ExcludedOrder) and order is not base else position
 
 
 def active_from(entries: Sequence[Entry], epoch: int) -> dict[int, int]:
@@ -83,23 +63,34 @@ def active_from(entries: Sequence[Entry], epoch: int) -> dict[int, int]:
     return active
 
 
-def filter_order(order: Any, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> Any:
-    """`order` without the positions of quarantined shards from their activation on (the order itself
-    when nothing applies to `epoch`)."""
+def quarantined_positions(order: Order, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> np.ndarray:
+    """Positions of `order` that quarantined shards leave in `epoch`, from their activation on (one scan)."""
     active = active_from(entries, epoch)
     if not active:
-        return order
+        return np.zeros(0, dtype=np.int64)
     shards = np.array(sorted(active), dtype=np.int64)
     starts = np.array([active[s] for s in shards.tolist()], dtype=np.int64)
-    found, owners = [], []
+    found = []
     for lo in range(0, order.num_positions, _SCAN_POSITIONS):
         positions = np.arange(lo, min(lo + _SCAN_POSITIONS, order.num_positions), dtype=np.int64)
         shard = np.searchsorted(shard_ends, order.sample_ids(positions), side="right")
         slot = np.minimum(np.searchsorted(shards, shard), len(shards) - 1)
-        hit = (shards[slot] == shard) & (positions >= starts[slot])
-        found.append(positions[hit])
-        owners.append(shard[hit])
-    return FilteredOrder(order, np.concatenate(found), np.concatenate(owners))
+        found.append(positions[(shards[slot] == shard) & (positions >= starts[slot])])
+    return np.concatenate(found)
+
+
+def filter_order(order: Order, shard_ends: np.ndarray, entries: Sequence[Entry], epoch: int) -> Order:
+    """`order` without the positions of quarantined shards from their activation on (the order itself
+    when nothing applies to `epoch`)."""
+    return excluding(order, quarantined_positions(order, shard_ends, entries, epoch))
+
+
+def excluded_of_shard(order: Order, base: Order, shard_ends: np.ndarray, shard: int) -> int:
+    """Positions of `base` (the order before quarantine) that `order` leaves out and that hold samples of `shard`."""
+    if order is base or not isinstance(order, ExcludedOrder):
+        return 0
+    owners = np.searchsorted(shard_ends, order.base.sample_ids(order.excluded), side="right")
+    return int(np.sum(owners == shard))
 
 
 def resolve_quarantine_list(path: str, manifests: Sequence[Any], urls: Sequence[str]) -> tuple[int, ...]:
@@ -125,28 +116,61 @@ def resolve_quarantine_list(path: str, manifests: Sequence[Any], urls: Sequence[
     return tuple(sorted(set(chosen)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class QuarantineSources:
+    """What the quarantine needs from the dataset, as values and functions (it never holds the dataset).
+
+    Attributes:
+        order: (epoch, num_partitions, entries) -> that epoch's order without the entries' positions.
+        rank_shards: (order, start, steps, plan) -> shards this rank reads in those steps, in order.
+        shard_ends, shard_sizes: sample-id ends and sample counts of every shard (all streams).
+        describe: shard -> (its URL, its samples, its stream's URL), for logs and metrics.
+        verify: shard -> why it is corrupt, or None (fetches it into the node cache when not there).
+        agreement_group: () -> the data-parallel process group the ranks agree over (None: default).
+        listed: shards of the quarantine list, left out from the first position of the run.
+        listed_path: the quarantine list's path (named in logs and errors).
+        checking: on_corrupt="skip": check every segment before it is read.
+    """
+
+    order: Callable[[int, int, tuple[Entry, ...]], Order]
+    rank_shards: Callable[..., list[int]]
+    shard_ends: np.ndarray
+    shard_sizes: np.ndarray
+    describe: Callable[[int], tuple[str, int, str]]
+    verify: Callable[[int], str | None]
+    agreement_group: Callable[[], Any]
+    listed: tuple[int, ...] = ()
+    listed_path: str | None = None
+    checking: bool = False
+
+
 class Quarantine:
     """The loader's quarantine entries, and the check of each segment before it is consumed.
 
     Args:
-        dataset: the `StreamingDataset` (its order, caches and process group).
-        listed: shards of its quarantine list, excluded from the first position of the run.
+        sources: what it reads from the dataset (`QuarantineSources`).
     """
 
-    def __init__(self, dataset: Any, listed: Sequence[int] = ()):
-        self.dataset = dataset
+    def __init__(self, sources: QuarantineSources):
+        self.sources = sources
+        listed = sources.listed
         self.entries: tuple[Entry, ...] = tuple((int(s), 0, 0) for s in listed)
-        self.checking = dataset.on_corrupt == "skip"
+        self.checking = sources.checking
+        # Why each shard left (the error when every shard did names the list or the check).
+        self.reasons: dict[int, str] = {int(s): f"quarantine_list {sources.listed_path}" for s in listed}
         if listed:
-            samples = sum(dataset.manifests[st].shards[i].samples for st, i in map(dataset.shard_owner, listed))
+            samples = int(sum(sources.shard_sizes[s] for s in listed))
             logger.warning("quarantine_list %s: leaving %d shards (%d samples) out of the order",
-                           dataset.quarantine_list, len(listed), samples)
+                           sources.listed_path, len(listed), samples)
 
     def restore(self, saved: Sequence[Sequence[int]], *, epoch: int, consumed: int, num_partitions: int) -> None:
         """Entries of a loader state; listed shards it lacks join from the resume point on."""
         self.entries = tuple((int(s), int(e), int(p)) for s, e, p in saved)
         known = {s for s, _, _ in self.entries}
-        late = [s for s in self.dataset.listed_quarantine if s not in known]
+        listed = set(self.sources.listed)
+        self.reasons = {s: (f"quarantine_list {self.sources.listed_path}" if s in listed else
+                            "quarantined by an earlier run (the resumed loader state)") for s in known}
+        late = [s for s in self.sources.listed if s not in known]
         if late:
             self.add(late, epoch=epoch, consumed=consumed, num_partitions=num_partitions, why="quarantine_list")
 
@@ -155,26 +179,49 @@ class Quarantine:
 
     def add(self, shards: Sequence[int], *, epoch: int, consumed: int, num_partitions: int, why: str) -> None:
         """Quarantine `shards` from effective position `consumed` of `epoch` on; log and count them."""
-        before = self.dataset.order(epoch, num_partitions, self.entries)
-        at = original_position(before, consumed)
+        order_of = self.sources.order
+        base = order_of(epoch, num_partitions, ())
+        before = order_of(epoch, num_partitions, self.entries)
+        at = original_position(before, base, consumed)
         self.entries = (*self.entries, *((int(s), epoch, at) for s in shards))
-        after = self.dataset.order(epoch, num_partitions, self.entries)
+        self.reasons.update((int(s), why) for s in shards)
+        after = order_of(epoch, num_partitions, self.entries)
+        ends = self.sources.shard_ends
         for shard in shards:
-            skipped = int(np.sum(after.excluded_shards == shard)) - (
-                int(np.sum(before.excluded_shards == shard)) if isinstance(before, FilteredOrder) else 0)
-            stream, local = self.dataset.shard_owner(shard)
-            url = self.dataset.storages[stream].url_of(self.dataset.manifests[stream].shards[local].name)
-            samples = self.dataset.manifests[stream].shards[local].samples
+            skipped = excluded_of_shard(after, base, ends, shard) - excluded_of_shard(before, base, ends, shard)
+            url, samples, stream_url = self.sources.describe(shard)
             logger.warning("quarantined shard %s (%d samples): %s; %d of its samples not yet read in epoch %d are "
                            "skipped on every rank", url, samples, why, skipped, epoch)
-            metrics.shard_quarantined(self.dataset.streams[stream].url, skipped)
+            metrics.shard_quarantined(stream_url, skipped)
+
+    def refuse_if_everything_left(self, num_positions: int) -> None:
+        """Raise when quarantine left no position of an epoch (instead of the loader yielding nothing).
+
+        Raises:
+            ValueError: every shard holding samples is quarantined, naming the list or the check that did it.
+        """
+        sizes = self.sources.shard_sizes
+        holding = set(np.flatnonzero(sizes > 0).tolist())
+        if num_positions or not holding or not holding <= set(self.reasons):
+            return
+        by_reason: dict[str, list[int]] = {}
+        for shard in sorted(holding):
+            reason = self.reasons[shard]
+            key = reason if reason.startswith(("quarantine_list", "quarantined by")) else "on_corrupt='skip' checks"
+            by_reason.setdefault(key, []).append(shard)
+        first_corrupt = next((r for r in self.reasons.values() if r.startswith("corrupt")), None)
+        how = "; ".join(f"{len(shards)} by {key}" for key, shards in by_reason.items())
+        raise ValueError(f"every shard of the dataset ({len(holding)} shards) was quarantined, so no sample is left "
+                         f"to read: {how}" + (f" (first: {first_corrupt})" if first_corrupt else "")
+                         + ". Check the data (shardkit verify) or the quarantine list")
 
     def check(self, *, epoch: int, start: int, steps: int, plan: Any) -> None:
         """Verify the shards this rank reads in `steps` steps from `start`; agree on the corrupt ones over
         the process group and quarantine them; repeat on the re-planned segment until none is new."""
         while True:
-            order = self.dataset.order(epoch, plan.num_partitions, self.entries)
-            local = self._verify(self.dataset.rank_shards(order, start=start, steps=steps, plan=plan))
+            order = self.sources.order(epoch, plan.num_partitions, self.entries)
+            shards = self.sources.rank_shards(order, start=start, steps=steps, plan=plan)
+            local = [(shard, reason) for shard in shards if (reason := self.sources.verify(shard)) is not None]
             found = self._agree(local, plan.topology)
             known = {s for s, _, _ in self.entries}
             new = sorted({shard for shard, _, _ in found} - known)
@@ -183,19 +230,6 @@ class Quarantine:
             reasons = {shard: f"corrupt on rank {rank}: {reason}" for shard, rank, reason in sorted(found, reverse=True)}
             for shard in new:
                 self.add([shard], epoch=epoch, consumed=start, num_partitions=plan.num_partitions, why=reasons[shard])
-
-    def _verify(self, shards: list[int]) -> list[tuple[int, str]]:
-        bad = []
-        for index in shards:
-            stream, local = self.dataset.shard_owner(index)
-            cache = self.dataset.caches[stream]
-            if cache.is_cached(local):
-                continue  # verified when it was cached
-            try:
-                cache.open(local).close()
-            except CorruptShardError as err:
-                bad.append((index, err.reason))
-        return bad
 
     def _agree(self, local: list[tuple[int, str]], topology: Any) -> list[tuple[int, int, str]]:
         mine = [(shard, topology.rank, reason) for shard, reason in local]
@@ -207,5 +241,5 @@ class Quarantine:
             raise ValueError("on_corrupt='skip' with several ranks needs an initialised torch.distributed process "
                              "group: the ranks must agree on what to skip")
         everyone: list[Any] = [None] * topology.world_size
-        dist.all_gather_object(everyone, mine, group=self.dataset.agreement_group())
+        dist.all_gather_object(everyone, mine, group=self.sources.agreement_group())
         return [item for part in everyone for item in part]

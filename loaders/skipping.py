@@ -6,8 +6,9 @@ Everything downstream (rank slices, partial-batch policies, resume positions) th
 shorter order, so every rank still gets the same number of samples and a resume on another world size
 continues the same filtered sequence.
 
-Only the skipped positions are held (found through the order's inverse, `positions_of`), so a filter
-costs O(skipped) memory and time, never O(samples).
+The filter is an `ExcludedOrder` (`shardkit.loaders.order`); this module only decides which positions
+leave. Only the skipped positions are held (found through the order's inverse, `positions_of`), so a
+filter costs O(skipped) memory and time, never O(samples); ranges stay intervals until then.
 
 Entries are sample ids (global, in manifest order) or documents `(source, doc)`: `source` is an input
 name of the manifest's `sources`, `doc` the document's index in it; a document leaves out every sample
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-SkipEntry = int | tuple[str, int]
+SkipEntry = int | tuple[int, int] | tuple[str, int]  # an id, an inclusive id range, a document
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
 
@@ -32,9 +33,9 @@ def _entry_error(entry: Any) -> ValueError:
                       "document SOURCE#DOC (an input name of the manifest and a document index)")
 
 
-def _text_entries(text: str) -> list[SkipEntry]:
-    """'5,17 100-120 web.jsonl#3' -> [5, 17, 100, ..., 120, ('web.jsonl', 3)]."""
-    entries: list[SkipEntry] = []
+def _text_entries(text: str) -> list[Any]:
+    """'5,17 100-120 web.jsonl#3' -> [5, 17, (100, 120), ('web.jsonl', 3)] (a range stays two numbers)."""
+    entries: list[Any] = []
     for item in re.split(r"[,\s]+", text.strip()):
         if not item:
             continue
@@ -44,7 +45,7 @@ def _text_entries(text: str) -> list[SkipEntry]:
             first, last = int(match[1]), int(match[2])
             if first > last:
                 raise ValueError(f"skip_samples range {item!r}: the first id is larger than the last")
-            entries.extend(range(first, last + 1))
+            entries.append((first, last))
         elif "#" in item and (source := item.rpartition("#")[0]) and item.rpartition("#")[2].isdigit():
             entries.append((source, int(item.rpartition("#")[2])))
         else:
@@ -52,24 +53,46 @@ def _text_entries(text: str) -> list[SkipEntry]:
     return entries
 
 
-def _entry(entry: Any) -> SkipEntry:
-    if isinstance(entry, (int, np.integer)) and not isinstance(entry, bool):
+def _is_id(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _entry(entry: Any) -> tuple[int, int] | tuple[str, int]:
+    """An entry as an inclusive id interval (first, last) or a document (source, doc)."""
+    if _is_id(entry):
         if entry < 0:
             raise ValueError(f"skip_samples: sample id {entry} is negative")
-        return int(entry)
+        return (int(entry), int(entry))
     if isinstance(entry, (tuple, list)) and len(entry) == 2:
-        source, doc = entry
-        if isinstance(source, str) and source and isinstance(doc, (int, np.integer)) and not isinstance(doc, bool) \
-                and doc >= 0:
-            return (source, int(doc))
+        first, second = entry
+        if _is_id(first) and _is_id(second):
+            if first < 0 or second < first:
+                raise ValueError(f"skip_samples range {first}-{second}: ids must be >= 0 and the first no larger "
+                                 "than the last")
+            return (int(first), int(second))
+        if isinstance(first, str) and first and _is_id(second) and second >= 0:
+            return (first, int(second))
     raise _entry_error(entry)
 
 
-def normalize_skip(value: Any) -> tuple[SkipEntry, ...]:
-    """The canonical form of a `skip_samples` value: sorted unique ids, then sorted unique documents.
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint, non-adjacent inclusive intervals covering the same ids."""
+    merged: list[list[int]] = []
+    for first, last in sorted(intervals):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return [(a, b) for a, b in merged]
 
-    Accepts an iterable of ids and `(source, doc)` pairs, or the command line's text form
-    (`"5,17 100-120 web.jsonl#3"`: ids, inclusive ranges, SOURCE#DOC documents).
+
+def normalize_skip(value: Any) -> tuple[SkipEntry, ...]:
+    """The canonical form of a `skip_samples` value: sorted disjoint id intervals (a single id as N, a run
+    as (first, last)), then sorted unique documents. Ranges are never expanded: `0-2000000000` is two
+    numbers here, in the loader state and in checkpoints.
+
+    Accepts an iterable of ids, (first, last) ranges and `(source, doc)` pairs, or the command line's text
+    form (`"5,17 100-120 web.jsonl#3"`: ids, inclusive ranges, SOURCE#DOC documents).
 
     Raises:
         ValueError: an entry that is none of these, naming it.
@@ -78,64 +101,29 @@ def normalize_skip(value: Any) -> tuple[SkipEntry, ...]:
         return ()
     if isinstance(value, str):
         entries: Iterable[Any] = _text_entries(value)
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    elif _is_id(value):
         entries = [value]
     elif isinstance(value, Iterable) and not isinstance(value, (bytes, dict)):
         entries = value
     else:
         raise ValueError(f"skip_samples must be a set of sample ids and (source, doc) documents, "
                          f"got {type(value).__name__}")
-    normal = {_entry(e) for e in entries}
-    ids = sorted(e for e in normal if isinstance(e, int))
-    docs = sorted(e for e in normal if isinstance(e, tuple))
-    return (*ids, *docs)
+    normal = [_entry(e) for e in entries]
+    intervals = _merged([e for e in normal if not isinstance(e[0], str)])
+    docs = sorted({e for e in normal if isinstance(e[0], str)})
+    return (*(a if a == b else (a, b) for a, b in intervals), *docs)
 
 
-def split_entries(entries: tuple[SkipEntry, ...]) -> tuple[list[int], list[tuple[str, int]]]:
-    """(sample ids, documents) of a normalized `skip_samples` value."""
-    return [e for e in entries if isinstance(e, int)], [e for e in entries if isinstance(e, tuple)]
+def split_entries(entries: tuple[SkipEntry, ...]) -> tuple[list[tuple[int, int]], list[tuple[str, int]]]:
+    """(inclusive id intervals, documents) of a normalized `skip_samples` value."""
+    intervals = [(e, e) if isinstance(e, int) else e for e in entries if not isinstance(e, tuple) or
+                 not isinstance(e[0], str)]
+    return intervals, [e for e in entries if isinstance(e, tuple) and isinstance(e[0], str)]
 
 
-def kept_positions(positions: np.ndarray, skipped: np.ndarray) -> np.ndarray:
-    """Original positions of filtered positions, given the sorted unique `skipped` original positions.
-
-    The p-th kept position is p + (skipped positions at or before it); with t_i = skipped_i - i
-    (non-decreasing), that count is the number of t_i <= p.
-    """
-    positions = np.asarray(positions, dtype=np.int64)
-    shift = skipped - np.arange(len(skipped), dtype=np.int64)
-    return positions + np.searchsorted(shift, positions, side="right")
-
-
-class SkippingOrder:
-    """An epoch order (`EpochOrder`) without the positions of `skipped_ids`, renumbered 0..K-1.
-
-    Args:
-        base: the full order; it must offer `positions_of` (its inverse).
-        skipped_ids: sample ids to leave out (each occurs once per epoch in `base`).
-    """
-
-    def __init__(self, base: Any, skipped_ids: np.ndarray):
-        self.base = base
-        self.skipped = np.unique(base.positions_of(np.asarray(skipped_ids, dtype=np.int64)))
-        self.num_positions = base.num_positions - len(self.skipped)
-
-    def __len__(self) -> int:
-        return self.num_positions
-
-    def original(self, positions: np.ndarray) -> np.ndarray:
-        """Positions of the full order."""
-        positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.num_positions):
-            raise IndexError(f"position out of range for an epoch of {self.num_positions} positions "
-                             f"({len(self.skipped)} skipped)")
-        return kept_positions(positions, self.skipped)
-
-    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        return self.base.sample_ids(self.original(positions))
-
-    def partition_of(self, positions: np.ndarray) -> np.ndarray:
-        return self.base.partition_of(self.original(positions))
+def skipped_count(entries: tuple[SkipEntry, ...]) -> int:
+    """Sample ids the intervals of a normalized value name (documents not counted)."""
+    return sum(last - first + 1 for first, last in split_entries(entries)[0])
 
 
 def resolve_skipped(entries: tuple[SkipEntry, ...], manifest: Any, cache: Any) -> np.ndarray:
@@ -148,12 +136,14 @@ def resolve_skipped(entries: tuple[SkipEntry, ...], manifest: Any, cache: Any) -
     """
     from shardkit.lineage import find_documents, source_index
 
-    ids, documents = split_entries(entries)
-    too_large = [i for i in ids if i >= manifest.num_samples]
+    intervals, documents = split_entries(entries)
+    # Checked on the intervals, before any id is expanded: a range past the end is refused at once.
+    too_large = [last for _, last in intervals if last >= manifest.num_samples]
     if too_large:
         raise ValueError(f"skip_samples: sample id {too_large[0]} is out of range: the dataset holds "
                          f"{manifest.num_samples} samples")
-    found = np.asarray(ids, dtype=np.int64)
+    found = (np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in intervals]) if intervals
+             else np.zeros(0, dtype=np.int64))
     if documents:
         wanted = {(source_index(manifest, source), doc): f"{source}#{doc}" for source, doc in documents}
 

@@ -86,7 +86,7 @@ def check_resume(make_loader: Callable, *, world_size: int = 1, epochs: int = 2)
 def check_elastic_resume(make_loader: Callable, *, before: int, after: int, token_budget: bool = False) -> None:
     """Save mid-epoch with `before` ranks, resume with `after` ranks, finish the epoch.
 
-    Fixed-length batches (drop or pad policy, mixtures): every global step of the resumed run, the
+    Fixed-length batches (drop, pad or partial policy, mixtures, quarantined shards left out): every global step of the resumed run, the
     union of its ranks' batches, holds exactly the next `after x batch_size` positions of the epoch's
     global order (wrapping past the end under the pad policy), and the resumed run has as many steps
     as the policy leaves. The global order comes from the dataset's public `order()`; the uninterrupted
@@ -115,18 +115,26 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
         for i in repeated:
             assert counts[i] - 1 <= singles[i], f"sample {i} was repeated outside a filler batch"
         return
-    num_positions = dataset.order(0, state["num_partitions"]).num_positions
-    order = dataset.order(0, state["num_partitions"]).sample_ids(np.arange(num_positions))
+    epoch_order = dataset.order(0, state["num_partitions"], tuple(map(tuple, state.get("quarantine", ()))))
+    num_positions = epoch_order.num_positions
+    order = epoch_order.sample_ids(np.arange(num_positions))
+    policy = dataset.config.partial_batches
     batch = len(consumed_batches[0][0])
     start = state["samples_consumed"]
     assert start == steps // 2 * before * batch
-    policy_steps = ((num_positions - start) // (after * batch) if dataset.partial_batches == "drop"
+    policy_steps = ((num_positions - start) // (after * batch) if dataset.config.partial_batches == "drop"
                     else -(-(num_positions - start) // (after * batch)))
     assert len(resumed[0]) == policy_steps, (len(resumed[0]), policy_steps)
     for what, runs, begin in (("before", consumed_batches, 0), ("after", resumed, start)):
         width = len(runs) * batch
         for step in range(len(runs[0])):
             union = np.sort(np.concatenate([r[step] for r in runs]))
+            if policy == "partial" and begin + (step + 1) * width > num_positions:  # the smaller last step:
+                # every remaining position, padded by fewer than one sample per rank when it does not split evenly
+                rest = order[begin + step * width:]
+                assert set(rest.tolist()) <= set(union.tolist()) and 0 <= len(union) - len(rest) < len(runs), \
+                    f"{what} the elastic resume, last step {step}: {union} for the remaining {rest}"
+                continue
             positions = (begin + step * width + np.arange(width)) % num_positions
             np.testing.assert_array_equal(union, np.sort(order[positions]),
                                           err_msg=f"{what} the elastic resume, global step {step}")

@@ -385,7 +385,8 @@ def test_every_cache_mode_yields_the_decoded_stream_and_resumes(tmp_path, cold_b
 
     def run(mode: str, cache: str, source: str = url) -> list[np.ndarray]:
         dataset = StreamingDataset(source, cache_dir=cache, shuffle_window=200, cache_mode=mode)
-        return [np.concatenate([b["sample_id"].numpy(), b["tokens"].numpy().ravel(), b["segment_ids"].numpy().ravel()])
+        return [np.concatenate([b["sample_id"].numpy(), b["tokens"].numpy().ravel(), b["cu_seqlens"].numpy(),
+                                b["padding_segments"].numpy()])
                 for b in StreamingDataLoader(dataset, batch_size=8)]
 
     want = run("decoded", str(tmp_path / "reference"), reference)

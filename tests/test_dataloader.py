@@ -36,13 +36,19 @@ def test_batch_contract(dataset_url, tmp_path):
     assert len(batches) == len(loader) == 500 // 8
     batch = batches[0]
     assert batch["tokens"].shape == (8, 17) and batch["tokens"].dtype == torch.uint16
-    assert batch["sample_id"].dtype == torch.int64 and batch["segment_ids"].dtype == torch.int32
+    assert batch["sample_id"].dtype == torch.int64 and batch["cu_seqlens"].dtype == torch.int32
+    assert "segment_ids" not in batch  # dense ids only on request (issue 23)
     # the tokens are those of the sample named by sample_id
     np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
     ids = torch.cat([b["sample_id"] for b in batches]).numpy()
     assert len(np.unique(ids)) == len(ids) == 496
-    seg = batch["segment_ids"].numpy()
     sid = batch["sample_id"].numpy()
+    # fixed_sample puts its second document at 1 + i % 15: two segments per row, over the flattened batch
+    expected = [offset for r, i in enumerate(sid) for offset in (17 * r, 17 * r + 1 + i % 15)] + [8 * 17]
+    assert batch["cu_seqlens"].tolist() == expected and batch["padding_segments"].numel() == 0
+    dense = run(StreamingDataLoader(make(dataset_url, tmp_path, segment_ids=True), batch_size=8), limit=1)[0]
+    assert dense["segment_ids"].dtype == torch.int32 and torch.equal(dense["cu_seqlens"], batch["cu_seqlens"])
+    seg = dense["segment_ids"].numpy()
     for row, i in zip(seg, sid):  # fixed_sample puts its second document at 1 + i % 15
         assert row[0] == 0 and row.max() == 1 and np.argmax(row) == 1 + i % 15
     assert batch["tokens"].long().max() < 60000

@@ -54,7 +54,7 @@ def test_rank_is_resolved_at_iteration_not_at_creation(tmp_path, monkeypatch):
 def test_variable_length_batches_are_padded_with_lengths(tmp_path):
     url = str(tmp_path / "var")
     write_variable(url, 120, max_len=40)
-    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / "c")), batch_size=6)
+    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / "c"), segment_ids=True), batch_size=6)
     batches = list(loader)
     assert len(batches) == 20
     for batch in batches:

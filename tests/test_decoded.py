@@ -70,3 +70,29 @@ def test_a_file_of_another_shard_or_an_older_format_is_refused(tmp_path):
     with pytest.raises(CorruptShardError, match="unsupported header \\(version 1, expected 2\\)"):
         open_decoded(str(path), shard="s")
     assert struct.calcsize("<8sI4x") == TRAILER.size == 16
+
+
+def test_the_crc_is_checked_once_per_file_identity_and_again_after_any_change(tmp_path, monkeypatch):
+    """Issue 23: reopening an unchanged file skips the CRC (an epoch reopens every shard); a file changed in
+    place, keeping its size, is checked again and refused."""
+    from shardkit.formats import decoded
+
+    checks = []
+    real_check = decoded._check_crc
+    monkeypatch.setattr(decoded, "_check_crc", lambda *a: (checks.append(a[2]), real_check(*a)))
+    path = tmp_path / "once.decoded"
+    write_decoded(str(path), arrays_from_samples([Sample(np.arange(5000) % 300)] * 8, "uint16"), shard_sha256=SHA_A)
+    for _ in range(3):
+        open_decoded(str(path), shard="s", shard_sha256=SHA_A)
+    assert len(checks) == 1  # one check for three opens of the same file
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a token changed in place: same inode, same size, a later mtime
+    stat = path.stat()
+    with open(path, "r+b") as fh:
+        fh.write(bytes(data))
+    import os
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # as a write a tick later sets it
+    with pytest.raises(CorruptShardError, match="damaged"):
+        open_decoded(str(path), shard="s", shard_sha256=SHA_A)
+    assert len(checks) == 2

@@ -38,7 +38,8 @@ def test_keyword_calls_and_config_give_the_same_dataset(tmp_path):
     config = LoaderConfig(shuffle_window=40, seed=3, block_size=10)
     by_config = StreamingDataset(url, config, cache_dir=cache, rank=0, world_size=1)
     assert by_keywords.config == by_config.config == config
-    assert (by_keywords.seed, by_keywords.shuffle_window) == (3, 40)  # options read as attributes
+    assert (by_keywords.config.seed, by_keywords.config.shuffle_window) == (3, 40)
+    assert not hasattr(by_keywords, "seed")  # one place for the options: the config (no generated properties)
     # Overrides apply over a given config.
     assert StreamingDataset(url, config, cache_dir=cache, seed=9).config == dataclasses.replace(config, seed=9)
     ids = [[b["sample_id"].tolist() for b in StreamingDataLoader(ds, batch_size=5)] for ds in (by_keywords, by_config)]
@@ -67,7 +68,7 @@ def test_state_order_fields_are_the_config_order_fields(tmp_path):
     assert set(changes) == set(marked) - {"epoch_size"}  # epoch_size: mixtures only, see the mixture tests
     for name, changed in changes.items():  # every order field is recorded; a change to it refuses the resume
         dataset = StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1, **{name: changed})
-        other = StreamingDataLoader(dataset, batch_size=None if dataset.max_tokens else 5)
+        other = StreamingDataLoader(dataset, batch_size=None if dataset.config.max_tokens else 5)
         with pytest.raises(ValueError, match=f"{name}: saved"):
             other.load_state_dict(saved)
     assert LoaderState.from_dict(saved).to_dict() == saved

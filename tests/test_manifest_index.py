@@ -325,7 +325,7 @@ def test_the_node_record_holds_the_digest_of_the_json(indexed, index):
 
 
 def test_prefetch_starts_at_a_node_dependent_offset():
-    from shardkit.loaders.dataset import prefetch_order
+    from shardkit.loaders.reading import prefetch_order
     from shardkit.loaders.topology import Topology
 
     shards = list(range(40))

@@ -114,7 +114,9 @@ def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tm
         # Saves at step 30 and after the last step; a scrape can fall between a step and its save.
         saves = total(last, "shardkit_train_checkpoints_total", rank=str(rank), operation="save")
         assert (step > 30) + (step == steps) >= saves >= (step > 30)
-        assert total(last, "shardkit_loader_batches_total") >= step
+        # The loader publishes its batch counts every 64 batches or every second (issue 23): a scrape
+        # mid-run may lag the step by that much.
+        assert total(last, "shardkit_loader_batches_total") >= step - 64
 
 
 def _starvation_warnings(caplog) -> list[str]:
@@ -136,7 +138,7 @@ def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
         "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False,
                     "starvation_window": 3, "starvation_threshold": 0.5}})
     run = build(config)
-    assert run.data.loader.dataset.chunk_samples == 16
+    assert run.data.loader.dataset.config.chunk_samples == 16
     try:
         assert train(run) == 0
     finally:

@@ -187,3 +187,30 @@ def test_filtered_order_drops_exactly_the_quarantined_positions():
     # a later epoch excludes both from its start; an entry of a later epoch does not apply yet
     assert filter_order(order, ends, [(4, 0, 0), (9, 0, cut)], epoch=1).num_positions == order.num_positions - 96
     assert filter_order(order, ends, [(4, 1, 0)], epoch=0) is order
+
+
+def test_every_shard_quarantined_says_so_and_names_the_list_or_the_check(tmp_path):
+    """Issue 25 item 15: not 'the dataset is smaller than one global batch'."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.cli.main import main
+
+    url = str(tmp_path / "data")
+    manifest = write_fixed(url, 96, seq_len=8, per_shard=32)
+    for shard in manifest.shards:  # every stored shard damaged
+        path = tmp_path / "data" / shard.name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    listing = tmp_path / "bad.json"
+    assert main(["verify", url, "--quarantine-list", str(listing), "--no-progress"]) == 1
+
+    def loader(name, **options):
+        return StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / name), rank=0, world_size=1,
+                                                    **options), batch_size=4)
+
+    with pytest.raises(ValueError, match=rf"every shard of the dataset \(3 shards\) was quarantined.*3 by "
+                                         rf"quarantine_list {listing}"):
+        list(loader("listed", quarantine_list=str(listing)))
+    with pytest.raises(ValueError, match=r"every shard of the dataset \(3 shards\) was quarantined.*3 by "
+                                         r"on_corrupt='skip' checks \(first: corrupt on rank 0: "):
+        list(loader("checked", on_corrupt="skip"))

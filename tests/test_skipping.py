@@ -14,7 +14,8 @@ from shardkit.loaders.dataloader import StreamingDataLoader
 from shardkit.loaders.dataset import StreamingDataset
 from shardkit.loaders.order import epoch_order
 from shardkit.formats import write_dataset
-from shardkit.loaders.skipping import SkippingOrder, normalize_skip
+from shardkit.loaders.order import ExcludedOrder
+from shardkit.loaders.skipping import normalize_skip
 from shardkit.manifest import TokenizerInfo
 
 NUM_SAMPLES = 300
@@ -30,7 +31,7 @@ def test_positions_of_inverts_the_order_and_skipping_removes_exactly_the_ids(opt
     full = order.sample_ids(np.arange(len(order)))
     np.testing.assert_array_equal(order.positions_of(full), np.arange(len(order)))
     skipped = [0, 5, 6, 22, 39]
-    filtered = SkippingOrder(order, np.array(skipped))
+    filtered = ExcludedOrder(order, order.positions_of(np.array(skipped)))
     assert filtered.num_positions == len(order) - len(skipped)
     np.testing.assert_array_equal(filtered.sample_ids(np.arange(filtered.num_positions)),
                                   full[~np.isin(full, skipped)])
@@ -39,9 +40,13 @@ def test_positions_of_inverts_the_order_and_skipping_removes_exactly_the_ids(opt
 
 
 def test_skip_values_normalise_and_bad_ones_name_the_entry():
-    assert normalize_skip("9, 3-5 web.jsonl#2 3") == (3, 4, 5, 9, ("web.jsonl", 2))
-    assert normalize_skip([("web.jsonl", 2), 9, np.int64(3)]) == (3, 9, ("web.jsonl", 2))
-    for bad, message in (("7-3", "range '7-3'"), ("x", "entry 'x'"), ([-1], "negative"), ([("a", -2)], "entry")):
+    # Ranges stay intervals (issue 25 item 6): ids and overlapping or adjacent ranges merge into disjoint runs.
+    assert normalize_skip("9, 3-5 web.jsonl#2 3") == ((3, 5), 9, ("web.jsonl", 2))
+    assert normalize_skip("10 0-2000000000 6") == ((0, 2000000000),)
+    assert normalize_skip([("web.jsonl", 2), 9, np.int64(3), [4, 8]]) == ((3, 9), ("web.jsonl", 2))
+    assert normalize_skip([3, 4, 5, 9]) == normalize_skip("3-5,9")  # the expanded form of older states
+    for bad, message in (("7-3", "range '7-3'"), ("x", "entry 'x'"), ([-1], "negative"), ([("a", -2)], "entry"),
+                         ([(5, 2)], "range 5-2")):
         with pytest.raises(ValueError, match=message):
             normalize_skip(bad)
 
@@ -90,8 +95,8 @@ def test_the_state_records_the_skipped_samples_and_refuses_another_set(dataset_u
     first = loader(dataset_url, 0, 1, skip_samples=SKIP)
     next(iter(first))
     state = first.state_dict()
-    assert state["skip_samples"] == sorted(SKIP)
-    with pytest.raises(ValueError, match=r"skip_samples: saved \(0, 3, 50"):
+    assert state["skip_samples"] == [0, 3, [50, 52], 200, 299]
+    with pytest.raises(ValueError, match=r"skip_samples: saved \(0, 3, \(50, 52\)"):
         loader(dataset_url, 0, 1, skip_samples=SKIP - {3}).load_state_dict(state)
     with pytest.raises(ValueError, match="skip_samples"):
         loader(dataset_url, 0, 1).load_state_dict(state)
@@ -125,4 +130,18 @@ def test_the_trainer_takes_skip_samples_as_text():
     from shardkit.train.options import parse_train_args
 
     config = parse_train_args(["--data", "ds", "--skip_samples", "5,7-9 web.jsonl#3"])
-    assert config.data.loader.skip_samples == (5, 7, 8, 9, ("web.jsonl", 3))
+    assert config.data.loader.skip_samples == (5, (7, 9), ("web.jsonl", 3))
+
+
+def test_a_huge_range_stays_two_numbers_and_is_refused_against_the_epoch(dataset_url):
+    """Issue 25 item 6: `--skip_samples 0-2000000000` was expanded into a set before its range check (OOM)."""
+    dataset = loader(dataset_url, 0, 1, skip_samples="0-2000000000").dataset
+    assert dataset.config.skip_samples == ((0, 2000000000),)
+    with pytest.raises(ValueError, match="sample id 2000000000 is out of range: the dataset holds 300 samples"):
+        dataset.skipped_ids()
+    inside = loader(dataset_url, 0, 1, skip_samples="10-289")  # a range the dataset holds: 280 samples leave
+    batches = list(inside)
+    assert len(batches) == (NUM_SAMPLES - 280) // 4
+    assert not {int(i) for b in batches for i in b["sample_id"]} & set(range(10, 290))
+    state = inside.state_dict()
+    assert state["skip_samples"] == [[10, 289]]  # the state holds the interval, not 280 ids

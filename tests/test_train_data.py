@@ -84,7 +84,7 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
 
 def test_trainer_reads_the_manifest_through_the_node_cache(tmp_path, monkeypatch):
     """The trainer's dataset check and the loader after it hash the manifest once per node, not per read."""
-    from shardkit.loaders import cache as cache_module
+    from shardkit import node_cache as cache_module
     from shardkit.train.config import DataConfig
     from shardkit.train.data import check_dataset
 

@@ -47,6 +47,13 @@ def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
     tokens = batch["tokens"].to(device, non_blocking=True).long()
     targets = tokens[:, 1:]
     segments = batch.get("segment_ids")
+    if segments is None and "cu_seqlens" in batch:
+        # The loader sends document boundaries as O(documents) cu_seqlens; the dense ids are built here,
+        # on the device (the cumulative sum over every token was the loader's largest cost).
+        from shardkit.loaders.documents import dense_segment_ids
+
+        segments = dense_segment_ids(batch["cu_seqlens"].to(device, non_blocking=True),
+                                     batch["padding_segments"].to(device, non_blocking=True), *tokens.shape)
     if segments is not None:
         segments = segments.to(device, non_blocking=True)
         # Unconditional: testing padding.any() first would force a device->host sync every micro-step.
@@ -83,7 +90,7 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
 def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
     """The manifest of the dataset (the first stream of a mixture), after checking that every stream
     holds fixed-length samples the model can take."""
-    from shardkit.loaders.cache import fetch_manifest
+    from shardkit.node_cache import fetch_manifest
 
     manifests = []
     for url, _ in data_entries(spec):

@@ -1,0 +1,249 @@
+"""Reading batches of sample ids from the node-local cache: the shards a chunk needs are held, the next
+chunk's prefetched, and the rows gathered (`shardkit.loaders.batching`).
+
+`BatchReader` is the dataset's I/O half: it gets its collaborators (the shard table, the caches, which
+stream owns a shard, the batch format) explicitly and decides nothing about the order; the dataset hands
+it the sample ids of each chunk (fixed-size steps) or the epoch's order (token-budget steps).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from shardkit import metrics
+from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
+from shardkit.loaders.order import Order
+from shardkit.loaders.partition import worker_of_step
+from shardkit.loaders.steps import TokenBudgetSteps
+from shardkit.loaders.token_budget import plan_remaining
+from shardkit.loaders.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
+_PREFETCH_THREADS = 4
+_GOLDEN = (5**0.5 - 1) / 2
+_COLD_STEP_BATCHES = 32  # most batches gathered per block check while shards arrive block by block
+
+
+class BatchReader:
+    """Batches of given sample ids, read through the node-local caches.
+
+    Args:
+        table: global sample ids <-> (shard, index in shard) over every stream.
+        caches: one `ShardCache` per stream.
+        shard_owner: (stream, shard in the stream) of a global shard index.
+        manifests: one per stream (shard names for logs).
+        sample_length: tokens per sample (None: variable-length samples).
+        token_dtype, pad_id: the batch's token dtype and padding id (variable-length data).
+        with_segments: the shards store document boundaries (batches carry cu_seqlens).
+        dense_segments: batches also carry dense segment_ids.
+        prefetch: download upcoming shards in background threads.
+    """
+
+    def __init__(self, *, table: ShardTable, caches: Sequence[Any], shard_owner: Any, manifests: Sequence[Any],
+                 sample_length: int | None, token_dtype: np.dtype, pad_id: int, with_segments: bool,
+                 dense_segments: bool, prefetch: bool):
+        self.table, self.caches, self.shard_owner, self.manifests = table, caches, shard_owner, manifests
+        self.sample_length, self.token_dtype, self.pad_id = sample_length, token_dtype, pad_id
+        self.with_segments, self.dense_segments, self.prefetch = with_segments, dense_segments, prefetch
+
+    def batches(self, chunks: Iterator[np.ndarray], topo: Topology) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of `chunks` (sample ids [steps, batch], in order): holds the shards a chunk needs
+        and prefetches the next chunk's while it is read."""
+        held: dict[int, Any] = {}
+        executor = (ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="shardkit-prefetch")
+                    if self.prefetch else None)
+        first = True
+        try:
+            upcoming = next(chunks, None)
+            while upcoming is not None:
+                ids = upcoming
+                upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
+                needed = self.shards_in_order(ids)
+                if executor is not None:
+                    # Shards read block by block complete themselves: prefetching them whole now would
+                    # make the first batch wait for whole shards.
+                    self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
+                for index in needed:
+                    if index not in held:
+                        stream, local = self.shard_owner[index]
+                        held[index] = self.caches[stream].open(local, on_demand=True)
+                if executor is not None and upcoming is not None:  # after the opens, for the same reason
+                    self._prefetch(executor, self.shards_in_order(upcoming), topo)
+                keep = set(needed) | (set(self.shards_in_order(upcoming)) if upcoming is not None else set())
+                yield from self._batches(ids, held, ramp=first)
+                first = False
+                for index in [i for i in held if i not in keep]:
+                    held.pop(index).close()
+        finally:
+            for handle in held.values():
+                handle.close()
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+
+    def token_batches(self, order: Order, *, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: Any,
+                      worker: int, num_workers: int, skip: int, max_tokens: int,
+                      token_window: int) -> Iterator[dict[str, np.ndarray]]:
+        """Token-budget batches: plan each window of the global order (see `token_budget`); `skip`: leave out
+        this worker's first that many batches (a standalone resume: planned, not read)."""
+        topo, total = plan.topology, order.num_positions
+        step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
+        held: dict[int, Any] = {}
+        rank_tokens, repeats = np.zeros(topo.world_size, dtype=np.int64), 0
+        try:
+            for window_start in range(start, total, token_window):
+                ids = order.sample_ids(np.arange(window_start, min(window_start + token_window, total)))
+                needed = self.shards_in_order(ids)
+                for index in [i for i in held if i not in set(needed)]:
+                    held.pop(index).close()
+                for index in needed:
+                    if index not in held:
+                        stream, local = self.shard_owner[index]
+                        held[index] = self.caches[stream].open(local, on_demand=True)
+                self._ensure(ids, held)
+                lengths = self._lengths(ids, held)
+                first = window_start == start
+                prior = segments if first else ()
+                prior, done = TokenBudgetSteps.resume_point(prior, topo.world_size)
+                window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
+                                                      max_tokens=max_tokens)
+                mine = window_plan.batches[topo.rank]
+                rank_tokens += window_plan.rank_tokens
+                repeats += window_plan.repeats
+                for k in range(done, window_plan.steps):
+                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker and skip:
+                        skip -= 1
+                    elif worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
+                        rows = mine[k]
+                        rows = np.where(rows < 0, window_plan.filler, rows)
+                        batch = gather_variable(ids[covered[rows]], table=self.table,
+                                                reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
+                                                pad_id=self.pad_id, with_segments=self.with_segments,
+                                                dense_segments=self.dense_segments)
+                        batch[PROGRESS_KEY] = np.array([window_start, k + 1, k + 1 == window_plan.steps],
+                                                       dtype=np.int64)
+                        yield batch
+                    step += 1
+            if worker == 0 and rank_tokens.sum():
+                logger.info("epoch %d (token budget %d): %d steps, token imbalance across ranks %.2f%% "
+                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, max_tokens,
+                            step, 100 * (rank_tokens.max() / rank_tokens.mean() - 1), repeats)
+        finally:
+            for handle in held.values():
+                handle.close()
+
+    def _lengths(self, ids: np.ndarray, held: dict[int, Any]) -> np.ndarray:
+        shard, local = self.table.locate(ids)
+        lengths = np.empty(len(ids), dtype=np.int64)
+        for index in np.unique(shard):
+            rows = np.flatnonzero(shard == index)
+            offsets = held[int(index)].reader.arrays.sample_offsets
+            lengths[rows] = offsets[local[rows] + 1] - offsets[local[rows]]
+        return lengths
+
+    def shards_in_order(self, ids: np.ndarray) -> list[int]:
+        shards = np.searchsorted(self.table.ends, ids.reshape(-1), side="right")
+        uniq, first = np.unique(shards, return_index=True)
+        return [int(s) for s in uniq[np.argsort(first)]]
+
+    def _prefetch(self, executor: ThreadPoolExecutor, shards: list[int], topo: Topology) -> None:
+        for index in prefetch_order(shards, topo):
+            stream, local = self.shard_owner[index]
+            if not self.caches[stream].is_cached(local):
+                metrics.prefetch_submitted()
+                executor.submit(self._prefetch_one, stream, local).add_done_callback(metrics.prefetch_done)
+
+    def _prefetch_one(self, stream: int, local: int) -> None:
+        try:
+            self.caches[stream].prefetch(local)
+        except Exception as err:  # noqa: BLE001 - the reader retries and reports it in the foreground
+            logger.debug("prefetch of shard %s failed: %s", self.manifests[stream].shards[local].name, err)
+
+    def _serves_blocks(self, index: int) -> bool:
+        stream, local = self.shard_owner[index]
+        cache = self.caches[stream]
+        return cache._serves_blocks(local, cache.path(local))
+
+    def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
+        """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
+        shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
+        cold = [(held[index], local[shard == index]) for index in np.unique(shard).tolist()
+                if not held[index].complete]
+        # Every shard's reads at once: first the block indexes (each read needs its shard's index), then
+        # the blocks, so a batch spanning several cold shards waits for two round trips, not two per shard.
+        for handle, _ in cold:
+            handle.start_index()
+        for request in [handle.request(samples) for handle, samples in cold]:
+            request.wait()
+
+    def _batches(self, ids: np.ndarray, held: dict[int, Any], *, ramp: bool = False) -> Iterator[dict[str, np.ndarray]]:
+        incomplete = [held[i] for i in self.shards_in_order(ids) if not held[i].complete]
+        b, step = 0, 1
+        while (incomplete or ramp and step < _COLD_STEP_BATCHES) and b < len(ids):
+            # Cold shards: fetch what the next batches need just before them, so the first batch waits for
+            # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
+            # a time, which amortises the per-call cost, until the shards are whole. `ramp` (an iteration's
+            # first chunk): the same doubling on warm shards, so the first batch waits for one batch's
+            # gather, not a whole chunk's.
+            rows = ids[b:b + step]
+            if incomplete:
+                self._ensure(rows, held)
+            yield from self._gather(rows, held)
+            b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
+            incomplete = [h for h in incomplete if not h.complete]
+        if b < len(ids):
+            yield from self._gather(ids[b:], held)
+
+    def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+        def reader_of(index: int):
+            return held[index].reader
+
+        if self.sample_length is not None:
+            yield from gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
+                                    token_dtype=self.token_dtype, with_segments=self.with_segments,
+                                    batch=ids.shape[1], dense_segments=self.dense_segments)
+        else:
+            for row in ids:
+                yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
+                                      pad_id=self.pad_id, with_segments=self.with_segments,
+                                      dense_segments=self.dense_segments)
+
+
+def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
+    """The order in which this process asks for `shards` (the samples' order is not affected).
+
+    Each node starts at its own deterministic offset in the list (a golden-ratio stride over node
+    numbers), so nodes that need the same shards do not all ask the store for the first one at once;
+    then each local rank starts with the shards it "owns", so a node's processes download different
+    shards in parallel instead of queueing on the same lock.
+    """
+    if len(shards) > 1:
+        offset = int(len(shards) * ((topo.node * _GOLDEN) % 1.0))  # node k at frac(k x 0.618...): well spread
+        shards = shards[offset:] + shards[:offset]
+    mine = [s for s in shards if s % topo.local_world_size == topo.local_rank]
+    return mine + [s for s in shards if s % topo.local_world_size != topo.local_rank]
+
+
+class ShardOwners:
+    """(stream, shard index in its manifest) of each global shard index, by arithmetic on the streams'
+    shard counts (no per-shard object, whatever the number of shards)."""
+
+    def __init__(self, shard_counts: Sequence[int]):
+        self._ends = np.cumsum(np.asarray(shard_counts, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {index} is outside [0, {len(self)})")
+        stream = int(np.searchsorted(self._ends, index, side="right"))
+        return stream, int(index - (self._ends[stream - 1] if stream else 0))
+
+
