@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.metrics import TrainerMetrics
+from shardkit.options import option_name
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
 from shardkit.train.config import TrainConfig, format_steps, parse_steps
@@ -80,12 +81,12 @@ def build(config: TrainConfig) -> Run:
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
-        check_same_tokens(manifest, held_out, what=f"--eval_data {config.data.eval_data}",
+        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval-data")
+        check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
-        raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
+        raise ValueError(f"--vocab-size {config.model.vocab_size} is smaller than the dataset's tokenizer "
                          f"vocabulary ({vocab}); leave it unset or raise it (e.g. padded to a multiple of 64)")
     model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
@@ -164,8 +165,8 @@ def resume(run: Run) -> None:
                                  "d_ff", "tie_embeddings") if saved_model.get(k, current[k]) != current[k])
     if changed:
         raise ValueError(f"checkpoint {path} was saved for another model: "
-                         + ", ".join(f"--{k} {saved_model[k]} (now {current[k]})" for k in changed)
-                         + "; use the same model options or another --checkpoint_dir")
+                         + ", ".join(f"{option_name(k)} {saved_model[k]} (now {current[k]})" for k in changed)
+                         + "; use the same model options or another --checkpoint-dir")
     fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     with run.watch.checkpoint("load"):
         loaded = run.checkpointer.load(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
@@ -318,7 +319,7 @@ def _train_steps(run: Run) -> int:
 
 
 def _skip_step(run: Run) -> None:
-    """--skip_steps: draw this step's batches and drop them (no forward, no update). The step counter and
+    """--skip-steps: draw this step's batches and drop them (no forward, no update). The step counter and
     the learning-rate schedule advance as if the step were taken, so every other step gets the batch and
     the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
     sample_ids: list[int] = []
@@ -333,7 +334,7 @@ def _skip_step(run: Run) -> None:
         run.sample_log.log(run.step, sample_ids, skipped=True)
     run.metrics.log({"step": run.step, "skipped": True, "samples": len(sample_ids)}, echo=False)
     if run.runtime.is_main:
-        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip_steps): {len(sample_ids)} samples per rank "
+        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip-steps): {len(sample_ids)} samples per rank "
               "drawn and dropped", flush=True)
     every = run.config.checkpoint.checkpoint_every
     if every and run.step % every == 0 and run.step < run.config.steps:
@@ -396,7 +397,7 @@ def _read_eval_batches(run: Run) -> list:
     if dist.is_initialized():
         dist.all_reduce(failed)
     if failed.item():
-        logger.error("evaluation at step %d failed to read --eval_data; saving the training state first", run.step)
+        logger.error("evaluation at step %d failed to read --eval-data; saving the training state first", run.step)
         save_checkpoint(run)
         if failure is not None:
             raise failure

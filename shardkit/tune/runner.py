@@ -3,8 +3,8 @@
 A trial is a real `python -m shardkit.train` (one rank) or `python -m torch.distributed.run -m
 shardkit.train` (K ranks) with its own run directory, started with this interpreter so that the same
 environment is used. Its options go in `RUN_DIR/trial.toml` (passed as `--config`), except
-`--storage_options`, which may hold credentials and so is never written to disk. The trainer appends
-a record per step and `{"step": S, "eval_loss": X}` at every `--eval_every` to `RUN_DIR/metrics.jsonl`;
+`--storage-options`, which may hold credentials and so is never written to disk. The trainer appends
+a record per step and `{"step": S, "eval_loss": X}` at every `--eval-every` to `RUN_DIR/metrics.jsonl`;
 the runner reads the file as it grows and hands each record to a callback, which may stop the run
 (pruning).
 """
@@ -66,7 +66,7 @@ def command(config_path: Path, *, nproc: int, storage_options: str | None) -> li
                     "-m", "shardkit.train"]
     else:
         launcher = [sys.executable, "-m", "shardkit.train"]
-    secret = ["--storage_options", storage_options] if storage_options else []
+    secret = ["--storage-options", storage_options] if storage_options else []
     return [*launcher, "--config", str(config_path), *secret]
 
 

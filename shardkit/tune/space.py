@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict
-from shardkit.train.options import parse_bool
+from shardkit.options import option_name, parse_bool
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 # Options the tuner sets itself for every trial: searching them would break its bookkeeping.
@@ -91,7 +91,7 @@ def parse_param(spec: str) -> Param:
         raise ValueError(f"--space {spec!r}: unknown trainer option {name!r} "
                          "(see 'shardkit train --help' for the options)")
     if field_name in RESERVED:
-        raise ValueError(f"--space {spec!r}: --{field_name} is set by the tuner for each trial and cannot be searched")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} is set by the tuner for each trial and cannot be searched")
     section, field = known[field_name]
     field_type = str(field.type)
     if kind == "choice":
@@ -104,9 +104,9 @@ def parse_param(spec: str) -> Param:
         raise ValueError(f"--space {spec!r}: {kind} takes LOW:HIGH, got {args!r}")
     low, high = (_number(b, spec) for b in bounds)
     if field_type.startswith("bool") or field_type.startswith("str"):
-        raise ValueError(f"--space {spec!r}: --{field_name} is a {field_type} option: use choice:A,B")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} is a {field_type} option: use choice:A,B")
     if kind in ("uniform", "loguniform") and field_type.startswith("int"):
-        raise ValueError(f"--space {spec!r}: --{field_name} takes integers: use int:LOW:HIGH")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} takes integers: use int:LOW:HIGH")
     if kind == "int" and (low != int(low) or high != int(high)):
         raise ValueError(f"--space {spec!r}: int bounds must be integers")
     if not low < high:
