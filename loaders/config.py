@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardkit.options import option, parse_size
+from shardkit.options import document_fields, option, parse_size
 
 if TYPE_CHECKING:
     from shardkit.loaders.order import OrderConfig
@@ -46,9 +46,18 @@ def _positive(name: str, value: Any, *, optional: bool = False, kind: type = int
         raise ValueError(f"{name} must be a positive {kind.__name__}{allowed}, got {value!r}")
 
 
+@document_fields  # the fields' help becomes the docstring's Attributes section: help(LoaderConfig) shows it
 @dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    """How a `StreamingDataset` orders, batches and caches its samples."""
+    """How a `StreamingDataset` orders, batches and caches its samples.
+
+    Frozen: derive a changed copy with `dataclasses.replace`. `StreamingDataset(url, config=...)` takes it
+    (or the same fields as keywords); `python -m shardkit.train` has one option per field (`--cache-limit`,
+    ...; the order's `seed` is `--data-seed`).
+
+    Raises:
+        ValueError: a field out of range or of the wrong type, naming the field.
+    """
 
     shuffle: bool = _option(True, "shuffle blocks and samples (deterministically, per epoch)", order=True)
     seed: int = _option(0, "base seed of the sample order (non-negative)", order=True)
@@ -130,6 +139,7 @@ class LoaderConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("order"))
 
     def order_values(self) -> dict[str, Any]:
+        """The values of the order fields (what the loader's resume state records)."""
         return {name: getattr(self, name) for name in self.order_fields()}
 
 

@@ -69,6 +69,23 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: Any =
     return dataclasses.field(default=default, metadata=metadata, repr=repr)
 
 
+def document_fields(cls: type) -> type:
+    """Class decorator: append a Google-style `Attributes:` section, generated from each field's help and
+    default, to a configuration dataclass's docstring, so `help(cls)` documents every field as `--help` does."""
+    import inspect
+    import textwrap
+
+    lines = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("help"):
+            default = "" if f.default is dataclasses.MISSING else f" Default: {f.default!r}."
+            lines += textwrap.wrap(f"{f.name}: {f.metadata['help']}.{default}", width=100, initial_indent="    ",
+                                   subsequent_indent="        ")
+    if lines:
+        cls.__doc__ = inspect.cleandoc(cls.__doc__ or cls.__name__) + "\n\nAttributes:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
 def option_name(name: str) -> str:
     """`--kebab-case` for a field or option name (`cache_limit` -> `--cache-limit`)."""
     return "--" + name.lstrip("-").replace("_", "-")
