@@ -6,7 +6,7 @@ name in `metadata`; `add_field_option` turns one such field into one argparse op
 (`LoaderConfig`, through the trainer), the trainer (`TrainConfig`), `shardkit tune` (`TuneConfig`) and
 `shardkit trace` (`TraceConfig`) all go through them, so every option is spelled the same way:
 
-- **kebab-case**: field `cache_limit` is `--cache-limit`. The snake_case spelling (`--cache_limit`) is
+- **kebab-case**: field `cache_limit` is `--cache-limit`. The snake_case spelling of any option is
   accepted as an alias by `OptionParser`, which respells `--a_b` as `--a-b` before parsing, so scripts
   written for the old spelling keep working; `--help` lists only the kebab-case names.
 - **booleans**: `--NAME [BOOL]` (true/false, yes/no, 1/0, on/off; alone: true) and `--no-NAME`; commands
@@ -106,8 +106,8 @@ def respell(argument: str) -> str:
 
 
 class OptionParser(argparse.ArgumentParser):
-    """An `ArgumentParser` that accepts the snake_case spelling of every option (`--cache_limit`) as an
-    alias of its kebab-case name (`--cache-limit`). Subcommand parsers inherit the class."""
+    """An `ArgumentParser` that accepts the snake_case spelling of every option (`--a_b`) as an
+    alias of its kebab-case name (`--a-b`). Subcommand parsers inherit the class."""
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
         import sys

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build tokenized shard datasets from raw corpora, inspect and verify them, "
                     "and train GPT-style models on them.",
         epilog="Run 'shardkit COMMAND --help' for the options of one command. Options are spelled in kebab-case "
-               "(--cache-limit); the snake_case spelling (--cache-limit) is accepted as an alias.",
+               "(--cache-limit); the snake_case spelling (--cache_limit) is accepted as an alias.",  # respell: keep
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

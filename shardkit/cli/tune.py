@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "tune", help="search hyperparameters over real trainer runs (TPE, random, grid, CMA-ES, PBT)",
-        allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage_options
+        allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage-options
         usage="shardkit tune --data URL --eval-data URL --space NAME=KIND:ARGS [--space ...] [--trials N] "
               "[--sampler S] [trainer options]",
         description="Run trainer trials with hyperparameters drawn from --space, in an Optuna study stored in "

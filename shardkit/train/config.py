@@ -154,8 +154,8 @@ class DataConfig:
     storage_options: str | None = option(None, repr=False, help=(
         "JSON object of fsspec options for --data and --eval-data, e.g. '{\"endpoint_url\": \"http://...\"}' "
                 "(may hold credentials: never printed nor saved in the run directory)"))
-    # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle_window, --cache_limit,
-    # ...), except the order's seed, which is --data_seed (--seed seeds the weights). The evaluation set is
+    # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle-window, --cache-limit,
+    # ...), except the order's seed, which is --data-seed (--seed seeds the weights). The evaluation set is
     # always read unshuffled.
     loader: LoaderConfig = field(default_factory=LoaderConfig, metadata={
         "help": "the loader's order, batching and cache options", "flatten": True, "rename": {"seed": "data_seed"}})

@@ -140,7 +140,7 @@ class EvalData:
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        # skip_samples and --quarantine_list name samples and shards of the training data, not of the held-out set.
+        # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
         loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, skip_samples=(),
                                               quarantine_list=None),
                                      batch_size=self.config.batch_size, num_workers=0)

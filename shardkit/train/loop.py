@@ -66,7 +66,7 @@ class Run:
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
-    skip_steps: frozenset[int] = frozenset()  # --skip_steps and those the resumed checkpoint recorded
+    skip_steps: frozenset[int] = frozenset()  # --skip-steps and those the resumed checkpoint recorded
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -174,7 +174,7 @@ def resume(run: Run) -> None:
                                        extra=run.sync.resume_state(read_marker(path)))
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
-    # Skipped steps stay skipped: a resume without (or with other) --skip_steps adds the checkpoint's.
+    # Skipped steps stay skipped: a resume without (or with other) --skip-steps adds the checkpoint's.
     skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
     run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
     run.resumed_path = path.name

@@ -87,7 +87,7 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
             replicate, shard = -1, 1
         elif mode == "fsdp":
             replicate, shard = 1, -1
-        else:  # hsdp: shard within a node (or --shard_size ranks), replicate across
+        else:  # hsdp: shard within a node (or --shard-size ranks), replicate across
             shard = config.shard_size or max(1, local_world_size // (max(tp, 1) * max(pp, 1)))
             replicate = -1
             labels["dp_shard"] = "--shard-size" if config.shard_size else "--parallel hsdp's shard group (ranks per node)"
