@@ -105,7 +105,7 @@ def test_every_loader_option_is_a_trainer_option(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for f in dataclasses.fields(LoaderConfig):
         name = "data_seed" if f.name == "seed" else f.name
-        assert f"--{name} " in out, name
+        assert f"--{name.replace('_', '-')} " in out, name
     assert "samples shuffled together within a partition" in out  # the field's own help text
 
 
@@ -140,6 +140,6 @@ def test_help_states_every_presets_values_from_the_table(monkeypatch, capsys):
     assert re.search(r"--optimizer\.lr FLOAT peak learning rate \(default: 0\.007, set by --preset tiny; other "
                      r"presets: gpt2-124m 0\.0006, gpt2-350m 0\.0003, llama-1b 0\.0003\)", text), text
     for preset, table in config_module.PRESETS.items():
-        described = " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+        described = " ".join(f"--{key.replace('_', '-')} {value}" for values in table.values() for key, value in values.items())
         assert f"{preset} = {described}" in text
     assert "RoPE base (llama style) (default: 10000.0; --preset llama-1b 500000.0)" in text
