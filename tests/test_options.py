@@ -122,3 +122,10 @@ def test_loader_config_takes_a_size_text():
     assert LoaderConfig(cache_limit="1.5GiB").cache_limit == 3 * 2**29
     with pytest.raises(ValueError, match="cache_limit"):
         LoaderConfig(cache_limit="big")
+
+
+def test_space_names_a_trainer_option_by_either_spelling():
+    from shardkit.tune.space import parse_param
+
+    assert parse_param("warmup-steps=int:0:5") == parse_param("warmup_steps=int:0:5")
+    assert parse_param("optimizer.min-lr-ratio=uniform:0:1") == parse_param("optimizer.min_lr_ratio=uniform:0:1")  # respell: keep

@@ -81,7 +81,7 @@ def parse_param(spec: str) -> Param:
     """Parse one `NAME=KIND:ARGS`; raises ValueError naming the spec and what is wrong with it."""
     name, sep, rest = spec.partition("=")
     kind, _, args = rest.partition(":")
-    name, kind = name.strip(), kind.strip()
+    name, kind = name.strip().replace("-", "_"), kind.strip()  # the option's name (warmup-steps) or its field's
     if not sep or not name or kind not in KINDS or not args:
         raise ValueError(f"--space {spec!r}: expected NAME=KIND:ARGS with KIND one of {', '.join(KINDS)} "
                          "(e.g. lr=loguniform:1e-4:1e-2, warmup_steps=int:0:200, schedule=choice:cosine,wsd)")
