@@ -51,7 +51,7 @@ def refused(url: str, cache_dir: str | None, directory) -> UnsafeCacheDirError:
         StreamingDataset(url, cache_dir=cache_dir)
     message = str(caught.value)
     assert f"refusing cache directory {directory}: " in message
-    assert "cache_dir=" in message and "--cache_dir" in message
+    assert "cache_dir=" in message and "--cache-dir" in message
     return caught.value
 
 

@@ -84,7 +84,7 @@ def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tm
     try:
         with Scraper([port, port + 1], interval=0.05) as scraper:
             check_ok(torchrun(run_dir, data, steps=steps, batch_size=batch_size, checkpoint_every=30,
-                              extra=("--metrics_port", str(port))))
+                              extra=("--metrics-port", str(port))))
         if server is not None:
             # The targets are gone: range functions still see the samples (stale markers are skipped).
             step_series = prometheus_query(server[1], "max_over_time(shardkit_train_step[10m])")

@@ -39,10 +39,10 @@ def test_shorthands_and_the_rest():
     (dict(tp=2, pp=2, dp_shard=2), 4, "needs 8 processes"),
     (dict(tp=-1, pp=-1), 4, "only one mesh dimension may be -1"),
     (dict(parallel="ddp", dp_shard=2), 4, "--parallel ddp sets the data-parallel dims"),
-    (dict(parallel="hsdp", shard_size=4), 6, "--shard_size 4"),
+    (dict(parallel="hsdp", shard_size=4), 6, "--shard-size 4"),
     (dict(parallel="none"), 2, "--parallel none"),
     (dict(tp=0), 4, "--tp must be >= 1"),
-    (dict(pp=2, pp_microbatches=3, dp_shard=2), 4, "--pp_microbatches 3"),
+    (dict(pp=2, pp_microbatches=3, dp_shard=2), 4, "--pp-microbatches 3"),
     (dict(pp=2, pp_microbatches=2, pp_schedule="interleaved1f1b", dp_shard=1, tp=2), 4, None),
     (dict(pp=4, pp_microbatches=2, pp_schedule="interleaved1f1b"), 4, "multiple of --pp"),
     (dict(pp_microbatches=2), 4, "needs --pp > 1"),
@@ -56,12 +56,12 @@ def test_invalid_layouts_name_the_option(options, world_size, message):
 
 
 @pytest.mark.parametrize("model, layout, message", [
-    (ModelConfig(n_head=4, n_kv_head=1), ParallelDims(tp=2, dp_shard=2), "--n_kv_head 1 is not divisible by --tp 2"),
-    (ModelConfig(n_head=6, d_model=96), ParallelDims(tp=4), "--n_head 6"),
-    (ModelConfig(vocab_size=255), ParallelDims(tp=2), "--vocab_size 255"),
-    (ModelConfig(seq_len=31), ParallelDims(tp=2), "--seq_len 31"),
-    (ModelConfig(n_layer=2, tie_embeddings=False), ParallelDims(pp=2, pp_schedule="interleaved1f1b"), "--n_layer 2"),
-    (ModelConfig(n_layer=4), ParallelDims(pp=2), "--tie_embeddings false"),
+    (ModelConfig(n_head=4, n_kv_head=1), ParallelDims(tp=2, dp_shard=2), "--n-kv-head 1 is not divisible by --tp 2"),
+    (ModelConfig(n_head=6, d_model=96), ParallelDims(tp=4), "--n-head 6"),
+    (ModelConfig(vocab_size=255), ParallelDims(tp=2), "--vocab-size 255"),
+    (ModelConfig(seq_len=31), ParallelDims(tp=2), "--seq-len 31"),
+    (ModelConfig(n_layer=2, tie_embeddings=False), ParallelDims(pp=2, pp_schedule="interleaved1f1b"), "--n-layer 2"),
+    (ModelConfig(n_layer=4), ParallelDims(pp=2), "--tie-embeddings false"),
 ])
 def test_models_that_do_not_split_are_refused(model, layout, message):
     with pytest.raises(ValueError, match=message):

@@ -124,5 +124,5 @@ def test_bad_skip_samples_are_clear_errors(dataset_url):
 def test_the_trainer_takes_skip_samples_as_text():
     from shardkit.train.options import parse_train_args
 
-    config = parse_train_args(["--data", "ds", "--skip_samples", "5,7-9 web.jsonl#3"])
+    config = parse_train_args(["--data", "ds", "--skip-samples", "5,7-9 web.jsonl#3"])
     assert config.data.loader.skip_samples == (5, 7, 8, 9, ("web.jsonl", 3))
