@@ -15,10 +15,26 @@ Modules, one job each:
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
 - `state`, `dataloader`: the resume state and `StreamingDataLoader`.
 
-Import the public names from `shardkit` (`from shardkit import StreamingDataset`); this package
-imports torch only in `dataset` and `dataloader`.
+The public names (`__all__`): `StreamingDataset`, `StreamingDataLoader`, `LoaderConfig`, `Stream`,
+`Schedule` and `start_metrics_server`, also importable from `shardkit`. This package imports torch only
+in `dataset` and `dataloader`, when one of their names is first used.
 """
 
+from __future__ import annotations
+
+from shardkit.lazy import lazy_names
 from shardkit.metrics import start_metrics_server  # Prometheus endpoint for users' own loops
 
-__all__ = ["start_metrics_server"]
+# Public name -> module that defines it, imported on first use (PEP 562): `import shardkit.loaders`
+# does not import torch.
+_LAZY_NAMES = {
+    "StreamingDataset": "shardkit.loaders.dataset",
+    "StreamingDataLoader": "shardkit.loaders.dataloader",
+    "LoaderConfig": "shardkit.loaders.config",
+    "Stream": "shardkit.loaders.mixing",
+    "Schedule": "shardkit.loaders.schedule",
+}
+
+__all__ = [*_LAZY_NAMES, "start_metrics_server"]
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY_NAMES, globals())

@@ -2,7 +2,7 @@
 
 Runtime objects (cache directory, rank layout, process group, device mesh, storage options) are
 arguments of `StreamingDataset`, not configuration. Each field carries its help text in
-`metadata["help"]` (the trainer generates `--shuffle_window`, `--cache_limit`, ... from it), and the
+`metadata["help"]` (the trainer generates `--shuffle-window`, `--cache-limit`, ... from it), and the
 fields marked `metadata["order"]` are the ones the global sample order depends on: the loader's
 resume state records exactly those (`shardkit.loaders.state`), so a resumed job whose order would
 differ is refused.
@@ -15,10 +15,10 @@ another batch size or world size and continue the same global order), so it belo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
+from shardkit.options import document_fields, option, parse_size
 
 if TYPE_CHECKING:
     from shardkit.loaders.order import OrderConfig
@@ -33,11 +33,9 @@ DEFAULT_TOKEN_WINDOW = 4096
 CACHE_MODES = ("decoded", "compressed", "none")
 
 
-def _option(default: Any, help: str, *, order: bool = False, choices: tuple[str, ...] | None = None,
-            cli_type: str | None = None) -> Any:
-    # cli_type: how the command line reads a field whose Python type it cannot parse (e.g. a set given as text).
-    metadata = {"help": help, "order": order, "choices": choices}
-    return field(default=default, metadata=metadata | ({"cli_type": cli_type} if cli_type else {}))
+def _option(default: Any, help: str, *, order: bool = False, **cli: Any) -> Any:
+    # order: the global sample order depends on the field (recorded in the resume state).
+    return option(default, help, order=order, **cli)
 
 
 def _positive(name: str, value: Any, *, optional: bool = False, kind: type = int) -> None:
@@ -48,9 +46,18 @@ def _positive(name: str, value: Any, *, optional: bool = False, kind: type = int
         raise ValueError(f"{name} must be a positive {kind.__name__}{allowed}, got {value!r}")
 
 
+@document_fields  # the fields' help becomes the docstring's Attributes section: help(LoaderConfig) shows it
 @dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    """How a `StreamingDataset` orders, batches and caches its samples."""
+    """How a `StreamingDataset` orders, batches and caches its samples.
+
+    Frozen: derive a changed copy with `dataclasses.replace`. `StreamingDataset(url, config=...)` takes it
+    (or the same fields as keywords); `python -m shardkit.train` has one option per field (`--cache-limit`,
+    ...; the order's `seed` is `--data-seed`).
+
+    Raises:
+        ValueError: a field out of range or of the wrong type, naming the field.
+    """
 
     shuffle: bool = _option(True, "shuffle blocks and samples (deterministically, per epoch)", order=True)
     seed: int = _option(0, "base seed of the sample order (non-negative)", order=True)
@@ -80,8 +87,9 @@ class LoaderConfig:
                                 "token of a batch); batches of data with document boundaries always carry "
                                 "cu_seqlens and padding_segments (docs/LOADING.md)")
     chunk_samples: int = _option(DEFAULT_CHUNK_SAMPLES, "samples gathered at once (amortises per-batch overhead)")
-    cache_limit: int | None = _option(None, "bytes of decoded shards the node-local cache may hold (all datasets "
-                                      "of the cache directory); none: unlimited")
+    cache_limit: int | None = _option(None, "size of the shards the node-local cache may hold (all datasets of the "
+                                      "cache directory), e.g. 64GB, 1.5TiB or bytes; none: unlimited",
+                                      parse=lambda text: parse_size(text, option="--cache-limit"), metavar="SIZE")
     cache_wait: float = _option(60.0, "seconds to wait for room under the cache limit before failing")
     prefetch: bool = _option(True, "download upcoming shards in background threads")
     cache_mode: str = _option("decoded", "what the node-local cache keeps: 'decoded' shards (fastest rereads, "
@@ -118,6 +126,8 @@ class LoaderConfig:
         if self.on_corrupt == "skip" and self.max_tokens is not None:  # cross-option checks: here, not in the dataset
             raise ValueError("on_corrupt='skip' is not supported with max_tokens (token-budget batching) yet; "
                              "use a quarantine_list, or on_corrupt='raise'")
+        if isinstance(self.cache_limit, str):  # "64GB" from a --config file or a caller
+            object.__setattr__(self, "cache_limit", parse_size(self.cache_limit, option="cache_limit"))
         _positive("cache_limit", self.cache_limit, optional=True)
         if isinstance(self.cache_wait, bool) or not isinstance(self.cache_wait, (int, float)) or self.cache_wait < 0:
             raise ValueError(f"cache_wait must be a number of seconds >= 0, got {self.cache_wait!r}")
@@ -135,6 +145,7 @@ class LoaderConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("order"))
 
     def order_values(self) -> dict[str, Any]:
+        """The values of the order fields (what the loader's resume state records)."""
         return {name: getattr(self, name) for name in self.order_fields()}
 
 

@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardkit.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -30,15 +29,4 @@ _LAZY_NAMES = {
 
 __all__ = ["__version__", *_LAZY_NAMES]
 
-
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY_NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY_NAMES, globals())

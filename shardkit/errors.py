@@ -7,7 +7,19 @@ from __future__ import annotations
 
 
 class CorruptShardError(ValueError):
-    """A shard's bytes do not match what the manifest promises (hash, counts, structure)."""
+    """A shard's bytes do not match what the manifest promises (hash, counts, structure).
+
+    A `ValueError`, so callers that do not know shardkit still catch it; the message is
+    "corrupt shard SHARD: REASON".
+
+    Args:
+        shard: the shard's name or URL.
+        reason: what did not match (e.g. "sha256 is ..., the manifest says ...").
+
+    Attributes:
+        shard: the shard's name or URL, as given.
+        reason: what did not match, as given.
+    """
 
     def __init__(self, shard: str, reason: str):
         self.shard = shard

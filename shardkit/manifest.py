@@ -132,6 +132,7 @@ class ShardInfo:
 
     @property
     def has_block_index(self) -> bool:
+        """Whether the shard carries a block index (format v2: verified ranged reads of single blocks)."""
         return self.index_sha256 is not None
 
     def __post_init__(self) -> None:
@@ -273,13 +274,16 @@ class Manifest:
 
     @property
     def num_samples(self) -> int:
+        """Samples in all shards."""
         return self._sum("samples")
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in all samples (padding included)."""
         return self._sum("tokens")
 
     def totals(self) -> dict[str, int]:
+        """The manifest's `totals` record: shards, samples, tokens, compressed and raw bytes, summed over shards."""
         return {
             "shards": len(self.shards),
             "samples": self.num_samples,
@@ -289,10 +293,16 @@ class Manifest:
         }
 
     def with_shards(self, shards: Sequence[ShardInfo]) -> Manifest:
+        """A copy of this manifest listing `shards` instead (e.g. after a build appended some)."""
         return replace(self, shards=tuple(shards))
 
     # -- JSON --------------------------------------------------------------------------------
     def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
+        """The manifest as the JSON object of `shardkit.json` (docs/FORMAT.md).
+
+        Args:
+            with_shards: include the `shards` list (False: only the dataset-level fields and totals).
+        """
         data = {
             "format": "shardkit",
             "format_version": self.format_version,
@@ -320,6 +330,15 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "manifest") -> Manifest:
+        """The manifest of a parsed `shardkit.json` object, checked (counts, totals, names, tokenizer).
+
+        Args:
+            data: the parsed JSON object.
+            source: what error messages call it (the file's URL).
+
+        Raises:
+            ManifestError: the object is not a shardkit manifest, is malformed or inconsistent.
+        """
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expected a JSON object")
         _check_kind(data, source)
@@ -366,6 +385,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> Manifest:
+        """`from_dict` of a `shardkit.json` text.
+
+        Args:
+            text: the JSON text (str or UTF-8 bytes).
+            source: what error messages call it (the file's URL).
+
+        Raises:
+            ManifestError: not valid JSON, or as `from_dict`.
+        """
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -457,6 +485,8 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
     an index that is stale or damaged: logged) the JSON is parsed.
 
     Args:
+        source: the dataset: a URL (local path or any fsspec URL) or an open `Storage`.
+        storage_options: fsspec options for a URL `source` (e.g. an S3 endpoint); unused with a `Storage`.
         display_url: the URL that errors name (e.g. the store's, when `source` is a local copy).
         known_digest: the JSON's (size, SHA-256) when the caller has already computed it for this
             very file (the node cache does, once per node), so it is not read again.
@@ -465,6 +495,10 @@ def load_manifest(source: str | Storage, storage_options: dict[str, Any] | None 
             dataset's own index is read whole.
         checked_index: `file_stamp` of `index_copy` when this node has already checked that very file
             (checksum and names: the node cache's record), so those checks are not repeated.
+
+    Raises:
+        ManifestError: the manifest is missing, malformed or inconsistent with itself (a `ValueError`).
+        StorageError: the store cannot be read after retries (an `OSError`).
     """
     storage = source if isinstance(source, Storage) else Storage(source, storage_options)
     return _load(storage, display_url, known_digest, index_copy, checked_index, with_digest=False)[0]

@@ -399,13 +399,13 @@ def likely_cause(deltas: dict[str, float], *, num_workers: int) -> str:
     busy = download + decode
     if busy >= 0.25 * waited and download >= decode:
         return (f"downloads are behind: {download:.1f}s downloading shards ({retries} storage retries) against "
-                f"{waited:.1f}s waited; raise --num_workers (now {num_workers}: each worker fetches its own "
-                "shards), or read from a closer or faster store; a persistent --cache_dir serves later epochs")
+                f"{waited:.1f}s waited; raise --num-workers (now {num_workers}: each worker fetches its own "
+                "shards), or read from a closer or faster store; a persistent --cache-dir serves later epochs")
     if busy >= 0.25 * waited:
         return (f"decoding is the bottleneck: {decode:.1f}s decoding shards against {waited:.1f}s waited; raise "
-                f"--num_workers (now {num_workers}) so that decoding runs in parallel")
+                f"--num-workers (now {num_workers}) so that decoding runs in parallel")
     return (f"too few loader workers: shards arrive on time ({download:.1f}s downloading, {decode:.1f}s decoding) "
-            f"but batches are assembled slower than steps run; raise --num_workers (now {num_workers})")
+            f"but batches are assembled slower than steps run; raise --num-workers (now {num_workers})")
 
 
 class TrainerMetrics:
@@ -453,7 +453,7 @@ class TrainerMetrics:
                 deltas = {k: self._history[-1][k] - self._history[0][k] for k in LOADER_COUNTERS}
                 inc("shardkit_train_starvation_warnings_total", rank=rank)
                 logger.warning("data starvation: the last %d steps spent %.0f%% of their time waiting for data "
-                               "(over --starvation_threshold %.2f). Likely cause: %s", alarm.window,
+                               "(over --starvation-threshold %.2f). Likely cause: %s", alarm.window,
                                100 * alarm.fraction, alarm.threshold, likely_cause(deltas, num_workers=self.num_workers))
 
     @contextlib.contextmanager
@@ -470,7 +470,7 @@ class TrainerMetrics:
 SECTION_TITLES = {"build": "Build (`shardkit build --metrics-port P`)",
                   "storage": "Storage (every process that reads or writes datasets)",
                   "loader": "Loader and node cache (`start_metrics_server(port)`, or the trainer's endpoint)",
-                  "trainer": "Trainer (`--metrics_port P`: rank r serves on P + local rank)"}
+                  "trainer": "Trainer (`--metrics-port P`: rank r serves on P + local rank)"}
 
 
 def markdown_reference() -> str:

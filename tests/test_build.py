@@ -85,7 +85,7 @@ def test_parse_size_and_compression():
     assert parse_size("64MB") == 64_000_000 and parse_size("64MiB") == 64 * 2**20 and parse_size("1000") == 1000
     assert parse_size("1.5k") == 1536
     with pytest.raises(ValueError, match="--shard-size"):
-        parse_size("lots")
+        parse_size("lots", option="--shard-size")
     assert parse_compression("zstd") == 3 and parse_compression("zstd:19") == 19
     with pytest.raises(ValueError, match="--compression"):
         parse_compression("gzip")

@@ -197,9 +197,9 @@ def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsy
     from train_runs import losses, write_byte_dataset
 
     write_byte_dataset(str(tmp_path / "data"), num_samples=48)
-    argv = ["train", "--data", str(tmp_path / "data"), "--steps", "4", "--warmup_steps", "1", "--batch_size", "4",
-            "--checkpoint_every", "2", "--device", "cpu", "--run_dir", str(tmp_path / "run"),
-            "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false"]
+    argv = ["train", "--data", str(tmp_path / "data"), "--steps", "4", "--warmup-steps", "1", "--batch-size", "4",
+            "--checkpoint-every", "2", "--device", "cpu", "--run-dir", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache"), "--tensorboard", "false"]
     assert main(argv) == 0
     reference = losses(tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"

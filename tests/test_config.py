@@ -21,16 +21,16 @@ def test_presets_fill_the_model_and_explicit_values_win():
 
 
 @pytest.mark.parametrize("values, option", [
-    ({"model": {"d_model": 30, "n_head": 4}}, "--d_model"),
-    ({"model": {"n_head": 4, "n_kv_head": 3}}, "--n_kv_head"),
+    ({"model": {"d_model": 30, "n_head": 4}}, "--d-model"),
+    ({"model": {"n_head": 4, "n_kv_head": 3}}, "--n-kv-head"),
     ({"optimizer": {"lr": 0}}, "--lr"),
-    ({"optimizer": {"warmup_steps": 50}, "steps": 10}, "--warmup_steps"),
-    ({"parallelism": {"parallel": "fsdp", "comm_hook": "bf16"}}, "--comm_hook"),
+    ({"optimizer": {"warmup_steps": 50}, "steps": 10}, "--warmup-steps"),
+    ({"parallelism": {"parallel": "fsdp", "comm_hook": "bf16"}}, "--comm-hook"),
     ({"checkpoint": {"keep": 0}}, "--keep"),
-    ({"data": {"batch_size": 0}}, "--batch_size"),
-    ({"data": {"shuffle_window": 0}}, "--shuffle_window"),
-    ({"data": {"data_seed": -1}}, "--data_seed"),
-    ({"data": {"partial_batches": "keep"}}, "--partial_batches"),
+    ({"data": {"batch_size": 0}}, "--batch-size"),
+    ({"data": {"shuffle_window": 0}}, "--shuffle-window"),
+    ({"data": {"data_seed": -1}}, "--data-seed"),
+    ({"data": {"partial_batches": "keep"}}, "--partial-batches"),
     ({"data": {"data": "/a:0.5 /b:0"}}, "/b:0"),
     ({"data": {"loader": {"bogus": 1}}}, "bogus"),
     ({"preset": "gpt5"}, "--preset"),
@@ -50,8 +50,8 @@ def test_dataclasses_are_frozen_and_keyword_only():
 
 
 def test_command_line_short_and_sectioned_forms():
-    config = parse_train_args(["--data", "/d", "--lr", "1e-3", "--model.n_layer", "3", "--grad-accum", "2",
-                               "--compile", "--shuffle", "false", "--d_ff", "none", "--parallel", "fsdp"])
+    config = parse_train_args(["--data", "/d", "--lr", "1e-3", "--model.n-layer", "3", "--grad-accum", "2",
+                               "--compile", "--shuffle", "false", "--d-ff", "none", "--parallel", "fsdp"])
     assert config.data.data == "/d" and config.optimizer.lr == 1e-3 and config.model.n_layer == 3
     assert config.grad_accum == 2 and config.compile is True and config.data.loader.shuffle is False
     assert config.model.d_ff is None and config.parallelism.parallel == "fsdp"
@@ -85,7 +85,7 @@ def test_help_shows_field_docs(capsys):
         build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
     assert "--optimizer.lr" in out and "--lr FLOAT" in out
-    assert "peak learning rate" in out and "--document_mask" in out and "--config FILE" in out
+    assert "peak learning rate" in out and "--document-mask" in out and "--config FILE" in out
 
 
 def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
@@ -95,22 +95,22 @@ def test_warmup_defaults_to_a_tenth_of_the_steps_at_most_100():
 
 
 def test_every_loader_option_is_a_trainer_option(capsys):
-    config = parse_train_args(["--data", "/d", "--shuffle_window", "64", "--cache-limit", "1000000", "--data_seed", "5",
-                               "--data.block_size", "16", "--seed", "7", "--partial_batches", "pad", "--prefetch", "false"])
+    config = parse_train_args(["--data", "/d", "--shuffle-window", "64", "--cache-limit", "1000000", "--data-seed", "5",
+                               "--data.block-size", "16", "--seed", "7", "--partial-batches", "pad", "--prefetch", "false"])
     assert config.data.loader == LoaderConfig(shuffle_window=64, cache_limit=1_000_000, seed=5, block_size=16,
                                               partial_batches="pad", prefetch=False)
-    assert config.seed == 7  # --seed seeds the weights; the order's seed is --data_seed
+    assert config.seed == 7  # --seed seeds the weights; the order's seed is --data-seed
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for f in dataclasses.fields(LoaderConfig):
         name = "data_seed" if f.name == "seed" else f.name
-        assert f"--{name} " in out, name
+        assert f"--{name.replace('_', '-')} " in out, name
     assert "samples shuffled together within a partition" in out  # the field's own help text
 
 
 def test_config_json_round_trips_the_nested_loader_section():
-    config = parse_train_args(["--data", "/d", "--shuffle_window", "64", "--data_seed", "3"])
+    config = parse_train_args(["--data", "/d", "--shuffle-window", "64", "--data-seed", "3"])
     again = config_from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config and again.data.loader.seed == 3
 
@@ -140,7 +140,7 @@ def test_help_states_every_presets_values_from_the_table(monkeypatch, capsys):
     assert re.search(r"--optimizer\.lr FLOAT peak learning rate \(default: 0\.007, set by --preset tiny; other "
                      r"presets: gpt2-124m 0\.0006, gpt2-350m 0\.0003, llama-1b 0\.0003\)", text), text
     for preset, table in config_module.PRESETS.items():
-        described = " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+        described = " ".join(f"--{key.replace('_', '-')} {value}" for values in table.values() for key, value in values.items())
         assert f"{preset} = {described}" in text
     assert "RoPE base (llama style) (default: 10000.0; --preset llama-1b 500000.0)" in text
 

@@ -162,16 +162,16 @@ def test_split_fragments_is_contiguous_balanced_and_complete():
 
 
 def test_too_many_fragments_is_refused():
-    with pytest.raises(ValueError, match="--sync_fragments 3 is more than the model's 2"):
+    with pytest.raises(ValueError, match="--sync-fragments 3 is more than the model's 2"):
         Diloco(Two(), DilocoConfig(sync_every=4, sync_fragments=3), world_size=1)
 
 
 @pytest.mark.parametrize("values, message", [
     ({"parallelism": {"parallel": "ddp"}, "diloco": {"sync_every": 4}}, "apply to --parallel diloco only"),
-    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_every": 2, "sync_fragments": 3}}, "--sync_fragments"),
-    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_delay": 2}}, "--sync_delay must be 0 or 1"),
-    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_dtype": "fp16"}}, "--sync_dtype"),
-    ({"optimizer": {"optimizer_name": "lion"}}, "--optimizer_name"),
+    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_every": 2, "sync_fragments": 3}}, "--sync-fragments"),
+    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_delay": 2}}, "--sync-delay must be 0 or 1"),
+    ({"parallelism": {"parallel": "diloco"}, "diloco": {"sync_dtype": "fp16"}}, "--sync-dtype"),
+    ({"optimizer": {"optimizer_name": "lion"}}, "--optimizer-name"),
 ])
 def test_bad_options_name_the_option(values, message):
     with pytest.raises(ValueError, match=message):
@@ -181,8 +181,8 @@ def test_bad_options_name_the_option(values, message):
 def test_cli_generates_the_diloco_section():
     from shardkit.train.options import parse_train_args
 
-    config = parse_train_args(["--data", "x", "--parallel", "diloco", "--sync_every", "8", "--outer_nesterov", "false",
-                               "--sync_fragments", "2", "--sync_dtype", "bf16", "--optimizer_name", "sgd"])
+    config = parse_train_args(["--data", "x", "--parallel", "diloco", "--sync-every", "8", "--outer-nesterov", "false",
+                               "--sync-fragments", "2", "--sync-dtype", "bf16", "--optimizer-name", "sgd"])
     assert (config.diloco.sync_every, config.diloco.outer_nesterov, config.diloco.sync_fragments,
             config.diloco.sync_dtype, config.optimizer.optimizer_name) == (8, False, 2, "bf16", "sgd")
 

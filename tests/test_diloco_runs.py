@@ -156,8 +156,8 @@ def test_streaming_delayed_diloco_converges_on_prose_and_resumes_bitwise(tmp_pat
     write_prose_bytes(data, num_samples=24 * 12)
     write_prose_bytes(held_out, num_samples=48, seed=1)
     options = dict(parallel="diloco", steps=24, checkpoint_every=5, eval_data=held_out, timeout=240,
-                   extra=("--sync_every", "4", "--sync_fragments", "2", "--sync_delay", "1", "--outer_lr", "0.7",
-                          "--eval_every", "12"))
+                   extra=("--sync-every", "4", "--sync-fragments", "2", "--sync-delay", "1", "--outer-lr", "0.7",
+                          "--eval-every", "12"))
     reference = tmp_path / "reference"
     check_ok(torchrun(reference, data, **options))
     ref_losses, ref_eval = losses(reference), eval_losses(reference)

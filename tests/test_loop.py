@@ -102,8 +102,8 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, d
 
 
 @pytest.mark.parametrize("source, parallel, nproc, batch_size, extra", [
-    ("fsdp", "fsdp", 1, 12, ()), ("fsdp", "fsdp", 3, 4, ()), ("ddp", "fsdp", 2, 6, ("--async_save",)),
-    ("fsdp", "ddp", 2, 6, ()), ("fsdp", "hsdp", 2, 6, ("--shard_size", "1")),
+    ("fsdp", "fsdp", 1, 12, ()), ("fsdp", "fsdp", 3, 4, ()), ("ddp", "fsdp", 2, 6, ("--async-save",)),
+    ("fsdp", "ddp", 2, 6, ()), ("fsdp", "hsdp", 2, 6, ("--shard-size", "1")),
 ], ids=["fsdp2-to-fsdp1", "fsdp2-to-fsdp3", "ddp-to-fsdp-async", "fsdp-to-ddp", "fsdp-to-hsdp"])
 def test_resharded_resume_continues_the_same_run(tmp_path, data, reference, source, parallel, nproc, batch_size,
                                                  extra):
@@ -130,7 +130,7 @@ def test_fsdp_bf16_accumulation_and_activation_checkpointing(tmp_path, data, ref
     first micro-step) and activation checkpointing trains the same samples to nearly the same losses."""
     run_dir = tmp_path / "run"
     check_ok(run(run_dir, data, parallel="fsdp", batch_size=3, checkpoint_every=0,
-                 extra=("--precision", "bf16", "--grad_accum", "2", "--activation_checkpointing")))
+                 extra=("--precision", "bf16", "--grad-accum", "2", "--activation-checkpointing")))
     resumed, expected = losses(run_dir), losses(reference("fsdp"))
     assert sorted(resumed) == sorted(expected)
     for step in expected:
@@ -148,12 +148,12 @@ def test_an_eval_set_from_another_tokenizer_fails_before_step_1(tmp_path, data, 
     write_dataset(str(held_out), (rng.integers(0, 50257, 33).astype(np.uint16) for _ in range(24)),
                   tokenizer=TokenizerInfo(kind="tiktoken", name="gpt2", vocab_size=50257), seq_len=32,
                   packing="concat")
-    code = main(["train", "--data", data, "--eval_data", str(held_out), "--steps", "2", "--warmup_steps", "1",
-                 "--device", "cpu", "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"),
+    code = main(["train", "--data", data, "--eval-data", str(held_out), "--steps", "2", "--warmup-steps", "1",
+                 "--device", "cpu", "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
                  "--tensorboard", "false"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
-    assert f"--eval_data {held_out} does not match --data {data}" in err
+    assert f"--eval-data {held_out} does not match --data {data}" in err
     assert "tokenizer tiktoken:gpt2 vs byte:byte" in err and "vocab_size 50257 vs 256" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
 
@@ -161,7 +161,7 @@ def test_an_eval_set_from_another_tokenizer_fails_before_step_1(tmp_path, data, 
 @pytest.mark.parametrize("eval_every, failing_step", [(0, 4), (2, 2)], ids=["final-eval", "periodic-eval"])
 def test_a_failing_evaluation_saves_the_training_state_first(tmp_path, data, eval_every, failing_step):
     """The eval set passes the start-up check, then its shard is damaged on disk: the evaluation that
-    reads it fails, and a complete checkpoint of the step it failed at is left (no --checkpoint_every)."""
+    reads it fails, and a complete checkpoint of the step it failed at is left (no --checkpoint-every)."""
     held_out = tmp_path / "held-out"
     shutil.copytree(Path(data).parent / "held-out", held_out)
     values = {"steps": 4, "device": "cpu", "eval_every": eval_every, "optimizer": {"warmup_steps": 1},

@@ -245,6 +245,9 @@ def _claim(url: str, samples: int, *, sizes: bool) -> None:
 def test_absurd_sample_counts_fail_early_small_and_named(tmp_path, samples):
     url = str(tmp_path / "ds")
     manifest = write_fixed(url, 200, seq_len=8, per_shard=50)
+    started = time.perf_counter()  # the yardstick: opening the honest dataset, on this machine, now
+    StreamingDataset(url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1, batch_size=4)
+    honest = time.perf_counter() - started
     _claim(url, samples, sizes=False)
     tracemalloc.start()
     started = time.perf_counter()
@@ -255,7 +258,8 @@ def test_absurd_sample_counts_fail_early_small_and_named(tmp_path, samples):
     message = str(err.value)
     assert f"{url}/{MANIFEST_NAME}" in message and manifest.shards[1].name in message
     assert f"declares {samples} samples" in message and "more" in message
-    assert peak < 20 * 2**20 and elapsed < 10  # megabytes and a blink, not GBs (generous: shared CI)
+    # megabytes, and no longer than opening an honest dataset takes (x 20: one preemption on a busy machine)
+    assert peak < 20 * 2**20 and elapsed < 20 * honest, (elapsed, honest)
 
 
 def test_counts_forged_with_sizes_fail_at_load_or_at_the_first_read_of_that_shard(tmp_path):
@@ -290,12 +294,22 @@ def test_totals_beyond_int64_arithmetic_are_refused(tmp_path):
         load_manifest(url)
 
 
+def _first_chunks_seconds(steps: int) -> float:
+    """The fastest of 5 runs of taking an epoch's first two chunks (the fastest: preemptions only add)."""
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        chunks = worker_step_chunks(steps, worker=1, num_workers=3, bundle=2, chunk=4)
+        assert next(chunks).tolist() == [2, 3, 8, 9]
+        assert next(chunks).tolist() == [14, 15, 20, 21]
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
 def test_first_chunk_of_an_epoch_of_1e15_steps_is_immediate():
-    started = time.perf_counter()
-    chunks = worker_step_chunks(10**15, worker=1, num_workers=3, bundle=2, chunk=4)
-    assert next(chunks).tolist() == [2, 3, 8, 9]
-    assert next(chunks).tolist() == [14, 15, 20, 21]
-    assert time.perf_counter() - started < 1
+    # As fast as for an epoch of 100 steps, measured in the same run: the cost does not grow with the epoch.
+    small, huge = _first_chunks_seconds(100), _first_chunks_seconds(10**15)
+    assert huge < 20 * small, (huge, small)
 
 
 def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkeypatch):

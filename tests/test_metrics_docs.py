@@ -114,7 +114,7 @@ def test_likely_cause_reads_the_loader_counters(download, decode, cause):
     deltas = {"shardkit_loader_download_seconds_total": download, "shardkit_loader_decode_seconds_total": decode,
               "shardkit_loader_wait_seconds_total": 4.0, "shardkit_storage_retries_total": 2}
     text = metrics.likely_cause(deltas, num_workers=2)
-    assert text.startswith(cause) and "--num_workers (now 2" in text
+    assert text.startswith(cause) and "--num-workers (now 2" in text
 
 
 class Throttled(Exception):

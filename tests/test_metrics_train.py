@@ -8,12 +8,14 @@ import logging
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import free_port
 from metrics_scrape import Scraper, check_counters_increase, total
@@ -82,7 +84,7 @@ def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tm
     try:
         with Scraper([port, port + 1], interval=0.05) as scraper:
             check_ok(torchrun(run_dir, data, steps=steps, batch_size=batch_size, checkpoint_every=30,
-                              extra=("--metrics_port", str(port))))
+                              extra=("--metrics-port", str(port))))
         if server is not None:
             # The targets are gone: range functions still see the samples (stale markers are skipped).
             step_series = prometheus_query(server[1], "max_over_time(shardkit_train_step[10m])")
@@ -145,8 +147,46 @@ def train_small_chunks(run_dir: Path, data: str, options: dict) -> list[str]:
         close(run)
 
 
-def _starvation_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "shardkit.metrics" and "starvation" in r.getMessage()]
+class SlowStoreTracker:
+    """Keeps `proxy.slow_seconds` at `factor` x the longest compute time (step time less data wait) of any
+    step the runs in `run_dirs` have logged so far, polling their metrics.jsonl while in use."""
+
+    def __init__(self, proxy, run_dirs: list[Path], *, factor: float):
+        self.proxy, self.run_dirs, self.factor = proxy, run_dirs, factor
+        self.longest, self.delays = 0.0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def update(self) -> None:
+        for run_dir in self.run_dirs:
+            path = run_dir / "metrics.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # the line being written
+                    continue
+                if "step_time_s" in record and record["step"] > 1:  # step 1 also warms up
+                    compute = record["step_time_s"] * (1 - record["data_wait_fraction"])
+                    self.longest = max(self.longest, compute)
+        delay = self.factor * self.longest
+        if delay != self.proxy.slow_seconds:
+            self.proxy.slow_seconds = delay
+            self.delays.append(round(delay, 3))
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            self.update()
+
+    def __enter__(self) -> SlowStoreTracker:
+        self.update()
+        assert self.longest > 0, "the normal run logged no step"
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.mark.slow
@@ -155,19 +195,37 @@ def test_starvation_warning_names_slow_downloads_and_stays_silent_on_a_normal_ru
     url, options, proxy = faulty_bucket
     write_byte_dataset(url, num_samples=16 * 8, storage_options=options)
     caplog.set_level(logging.WARNING, logger="shardkit.metrics")
-
-    train_small_chunks(tmp_path / "normal" / "run", url, options)
-    assert _starvation_warnings(caplog) == []
-
-    slow_seconds = proxy.slow_seconds
-    proxy.slow_seconds = 2.0
-    proxy.configure(rate=1.0, kinds=("slow",))
+    # One compute thread: on a busy machine two threads' barriers spin against the load and steps take
+    # tens of seconds; the comparison below holds at any speed, the run just ends sooner.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        train_small_chunks(tmp_path / "slow" / "run", url, options)
+        train_small_chunks(tmp_path / "normal" / "run", url, options)
+        assert _starvation_warnings(caplog) == []
+        _train_beside_a_slow_store(tmp_path, url, options, proxy)
+    finally:
+        torch.set_num_threads(threads)
+    warnings = _starvation_warnings(caplog)
+    assert len(warnings) == 1, warnings  # one warning per run
+    assert "downloads are behind" in warnings[0] and "--num-workers" in warnings[0]
+    assert options["endpoint_url"] not in warnings[0]
+
+
+def _train_beside_a_slow_store(tmp_path: Path, url: str, options: dict, proxy) -> None:
+    """Train again while every store request is delayed (see `SlowStoreTracker`)."""
+    # The slow store's delay is a multiple of the steps this machine runs (not a fixed time): on a busy machine
+    # every step is slow too, and a fixed delay could be kept up with. Each step needs a new shard, fetched
+    # one step ahead, so with a delay D per request and a compute time S per step the wait is at least
+    # D - S: D = 4 x the longest compute step yet (the normal run's, then the slow run's own as it goes, the
+    # machine's load may change between runs) keeps the waiting fraction >= 0.75, over the 0.5 threshold.
+    # The delay may pass botocore's 60 s read timeout on a very busy machine: the slow store is slow, not dead.
+    patient = {**options, "config_kwargs": {"read_timeout": 3600}}
+    slow_seconds = proxy.slow_seconds
+    try:
+        with SlowStoreTracker(proxy, [tmp_path / "normal" / "run", tmp_path / "slow" / "run"], factor=4) as tracker:
+            proxy.configure(rate=1.0, kinds=("slow",))
+            train_small_chunks(tmp_path / "slow" / "run", url, patient)
     finally:
         proxy.configure(rate=0.0)
         proxy.slow_seconds = slow_seconds
-    warnings = _starvation_warnings(caplog)
-    assert len(warnings) == 1, warnings  # one warning per run
-    assert "downloads are behind" in warnings[0] and "--num_workers" in warnings[0]
-    assert options["endpoint_url"] not in warnings[0]
+    print(f"longest compute step {tracker.longest:.3f}s; slow store delays: {tracker.delays}")

@@ -61,7 +61,7 @@ def test_document_mask_blocks_attention_across_documents(style):
 
 
 def test_document_mask_requires_segment_ids():
-    with pytest.raises(ValueError, match="--document_mask"):
+    with pytest.raises(ValueError, match="--document-mask"):
         make_model("llama", document_mask=True)(torch.zeros(1, 4, dtype=torch.long))
 
 
@@ -113,7 +113,7 @@ def test_rope_theta_is_honoured():
 
 
 def test_sequence_longer_than_model_is_rejected():
-    with pytest.raises(ValueError, match="--seq_len"):
+    with pytest.raises(ValueError, match="--seq-len"):
         make_model("gpt2", document_mask=False)(torch.zeros(1, SEQ + 1, dtype=torch.long))
 
 

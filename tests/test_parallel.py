@@ -84,7 +84,7 @@ def test_runtime_rejects_impossible_layouts(monkeypatch):
     with pytest.raises(ValueError, match="--parallel none"):
         init_runtime(ParallelConfig(parallel="none"), device="cpu")
     monkeypatch.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ValueError, match="--shard_size 4"):  # no divisor: 6 ranks in shard groups of 4
+    with pytest.raises(ValueError, match="--shard-size 4"):  # no divisor: 6 ranks in shard groups of 4
         init_runtime(ParallelConfig(parallel="hsdp", shard_size=4), device="cpu")
 
 

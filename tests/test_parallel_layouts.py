@@ -32,12 +32,12 @@ MODEL = ("--n_layer", str(N_LAYER), "--vocab_size", str(VOCAB), "--checkpoint_ev
 
 LAYOUTS = {  # name: (processes, dp ranks, options)
     "tp2": (2, 1, ("--tp", "2")),
-    "pp2_interleaved1f1b": (2, 1, ("--pp", "2", "--pp_schedule", "interleaved1f1b")),
-    "tp2_dp_shard2": (4, 2, ("--tp", "2", "--dp_shard", "2")),
-    "pp2_dp_shard2_gpipe": (4, 2, ("--pp", "2", "--dp_shard", "2", "--pp_schedule", "gpipe")),
-    "pp2_dp_shard2_1f1b": (4, 2, ("--pp", "2", "--dp_shard", "2", "--pp_schedule", "1f1b")),
+    "pp2_interleaved1f1b": (2, 1, ("--pp", "2", "--pp-schedule", "interleaved1f1b")),
+    "tp2_dp_shard2": (4, 2, ("--tp", "2", "--dp-shard", "2")),
+    "pp2_dp_shard2_gpipe": (4, 2, ("--pp", "2", "--dp-shard", "2", "--pp-schedule", "gpipe")),
+    "pp2_dp_shard2_1f1b": (4, 2, ("--pp", "2", "--dp-shard", "2", "--pp-schedule", "1f1b")),
     "pp2_tp2": (4, 1, ("--pp", "2", "--tp", "2")),
-    "dp_replicate2_dp_shard2": (4, 4, ("--dp_replicate", "2", "--dp_shard", "2")),
+    "dp_replicate2_dp_shard2": (4, 4, ("--dp-replicate", "2", "--dp-shard", "2")),
 }
 GPT2 = {  # the other model style (learned positions, LayerNorm, biases), against its own reference
     "gpt2_single": (1, 1, ("--style", "gpt2")),
@@ -122,7 +122,7 @@ def test_checkpoint_resumes_in_another_layout(tmp_path, data, runs, source, targ
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs(source) / "checkpoints" / "step_00000003", run_dir / "checkpoints" / "step_00000003")
-    nproc, options = (4, ("--dp_shard", "4")) if target == "dp_shard4" else (4, LAYOUTS[target][2])
+    nproc, options = (4, ("--dp-shard", "4")) if target == "dp_shard4" else (4, LAYOUTS[target][2])
     dp = 4 if target == "dp_shard4" else LAYOUTS[target][1]
     result = check_ok(torchrun(run_dir, data, nproc=nproc, parallel="auto", batch_size=GLOBAL_BATCH // dp,
                                steps=STEPS, checkpoint_every=3, extra=(*MODEL, *options)))

@@ -1,4 +1,4 @@
-"""Trainer `--skip_steps`: the real training loop in this process (tiny model, 8 steps of 12 samples)."""
+"""Trainer `--skip-steps`: the real training loop in this process (tiny model, 8 steps of 12 samples)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def skipped_in_log(run_dir) -> set[int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(dataset, reference run, run with --skip_steps 3-4,7)."""
+    """(dataset, reference run, run with --skip-steps 3-4,7)."""
     root = tmp_path_factory.mktemp("skip_steps")
     write_byte_dataset(str(root / "train"))
     reference, skipping = root / "reference" / "run", root / "skipping" / "run"
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
 
 def test_skipped_steps_drop_their_batches_and_every_other_step_keeps_its_own(runs):
     _, reference, skipping = runs
-    # Every step, skipped or not, drew exactly the samples it draws without --skip_steps.
+    # Every step, skipped or not, drew exactly the samples it draws without --skip-steps.
     assert sample_ids(skipping) == sample_ids(reference) and len(sample_ids(reference)) == 8
     assert skipped_in_log(skipping) == {3, 4, 7}
     trained = losses(skipping)
@@ -56,7 +56,7 @@ def test_a_resumed_run_goes_on_skipping_what_the_checkpoint_recorded(runs, tmp_p
     run_dir = tmp_path / "run"
     # SIGTERM while step 5 waits for its batch: the checkpoint after step 5 records the skipped steps.
     assert run_training(run_dir, data, signal_at_batch=5, skip_steps=SKIP, **{"logging.log_sample_ids": True}) != 0
-    assert run_training(run_dir, data, **{"logging.log_sample_ids": True}) == 0  # no --skip_steps this time
+    assert run_training(run_dir, data, **{"logging.log_sample_ids": True}) == 0  # no --skip-steps this time
     assert losses(run_dir) == losses(skipping)
     assert sample_ids(run_dir) == sample_ids(skipping) and skipped_in_log(run_dir) == {3, 4, 7}
     assert json.loads((run_dir / "config.json").read_text())["skip_steps"] == SKIP
@@ -66,7 +66,7 @@ def test_skip_steps_are_parsed_and_bad_ones_named():
     assert format_steps(parse_steps("1200-1260, 3100 5")) == "5,1200-1260,3100"
     assert TrainConfig(skip_steps="9,8,7").skip_steps == "7-9"
     for bad in ("0", "5-3", "x", "3-"):
-        with pytest.raises(ValueError, match=f"--skip_steps entry '{bad}'"):
+        with pytest.raises(ValueError, match=f"--skip-steps entry '{bad}'"):
             TrainConfig(skip_steps=bad)
 
 

@@ -145,16 +145,16 @@ def test_shardkit_train_command(tmp_path, datasets, capsys):
     from shardkit.cli import main
 
     data, _ = datasets
-    code = main(["train", "--data", data, "--steps", "3", "--warmup_steps", "1", "--batch_size", "4",
-                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--log_every", "1",
+    code = main(["train", "--data", data, "--steps", "3", "--warmup-steps", "1", "--batch-size", "4",
+                 "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--log-every", "1",
                  "--tensorboard", "false"])
     assert code == 0
     out = capsys.readouterr().out
     assert "step      3/3 | loss" in out and "mfu n/a" in out
     assert main(["plot", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "curves.png").exists()
-    assert main(["train", "--data", data, "--n_head", "5"]) == 2
-    assert "--d_model (64) must be divisible by --n_head (5)" in capsys.readouterr().err
+    assert main(["train", "--data", data, "--n-head", "5"]) == 2
+    assert "--d-model (64) must be divisible by --n-head (5)" in capsys.readouterr().err
 
 
 @pytest.mark.s3

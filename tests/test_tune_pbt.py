@@ -17,7 +17,7 @@ def test_pbt_exploit_copies_checkpoints_and_explore_stays_in_the_space(tmp_path)
     output = tmp_path / "tune"
     result = run_tune(*trainer_args(datasets, tmp_path / "cache", steps=12, eval_every=4),
                       "--space", "lr=loguniform:1e-3:3e-2", "--sampler", "pbt", "--population", "3",
-                      "--perturb_every", "4", "--quantile", "0.34", "--output", str(output), timeout=240)
+                      "--perturb-every", "4", "--quantile", "0.34", "--output", str(output), timeout=240)
     lineage = json.loads((output / "pbt" / "lineage.json").read_text())
     assert [(e["round"], e["member"]) for e in lineage] == [(r, m) for r in range(3) for m in range(3)]
     exploits = [e for e in lineage if e["action"] == "exploit"]

@@ -51,7 +51,7 @@ def test_malformed_space_names_the_spec(spec, message):
 def test_space_given_twice_and_values_the_trainer_refuses():
     with pytest.raises(ValueError, match="lr given more than once"):
         parse_space(["lr=uniform:0.1:1", "optimizer.lr=uniform:0.1:1"])
-    with pytest.raises(ValueError, match="--warmup_steps .* must be smaller than --steps"):
+    with pytest.raises(ValueError, match="--warmup-steps .* must be smaller than --steps"):
         check_against_trainer(parse_space(["warmup_steps=int:0:200"]), {"steps": 100})
     check_against_trainer(parse_space(SPACE), {"steps": 1000})  # every edge is a valid trainer config
 

@@ -29,7 +29,7 @@ def test_tpe_study_stores_each_runs_final_eval_loss_and_best_toml_reproduces_it(
     output = tmp_path / "tune"
     result = run_tune(*trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2),
                       "--space", "lr=loguniform:1e-4:1e-2", "--trials", "6", "--sampler", "tpe",
-                      "--pruner", "none", "--parallel_trials", "2", "--output", str(output))
+                      "--pruner", "none", "--parallel-trials", "2", "--output", str(output))
     study = load_study(output)
     trials = study.trials
     assert [t.state.name for t in trials] == ["COMPLETE"] * 6
@@ -49,7 +49,7 @@ def test_tpe_study_stores_each_runs_final_eval_loss_and_best_toml_reproduces_it(
     # The best configuration, run again by the trainer alone, gives the same loss bit for bit.
     again = tmp_path / "again"
     subprocess.run([sys.executable, "-m", "shardkit.train", "--config", str(output / "best.toml"),
-                    "--run_dir", str(again)], env=ENV, check=True, capture_output=True, timeout=120)
+                    "--run-dir", str(again)], env=ENV, check=True, capture_output=True, timeout=120)
     assert final_eval(again, 4) == best.value
 
 
@@ -57,8 +57,8 @@ def test_pruning_stops_a_trial_with_an_absurd_learning_rate(datasets, tmp_path):
     output = tmp_path / "tune"
     # Random sampler, seed 6: trials 0 and 1 draw lr 0.002, trial 2 draws 50 (pruned against the first two).
     run_tune(*trainer_args(datasets, tmp_path / "cache", steps=60, eval_every=2),
-             "--space", "lr=choice:0.002,50.0", "--trials", "3", "--sampler", "random", "--sampler_seed", "6",
-             "--pruner", "median", "--prune_startup_trials", "1", "--output", str(output))
+             "--space", "lr=choice:0.002,50.0", "--trials", "3", "--sampler", "random", "--sampler-seed", "6",
+             "--pruner", "median", "--prune-startup-trials", "1", "--output", str(output))
     trials = load_study(output).trials
     assert [(t.params["lr"], t.state.name) for t in trials] == [
         (0.002, "COMPLETE"), (0.002, "COMPLETE"), (50.0, "PRUNED")]

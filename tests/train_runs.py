@@ -55,12 +55,12 @@ def torchrun(run_dir: Path, data: str, *, nproc: int = 2, parallel: str = "ddp",
         env["SHARDKIT_FAULT_INJECT"] = fault
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "-m", "shardkit.train",
-               "--data", data, "--steps", str(steps), "--batch_size", str(batch_size), "--warmup_steps", "2",
-               "--checkpoint_every", str(checkpoint_every), "--keep", "5", "--log_sample_ids", "--log_every", "100",
-               "--parallel", parallel, "--device", "cpu", "--run_dir", str(run_dir),
-               "--cache_dir", str(run_dir.parent / "cache"), *extra]
+               "--data", data, "--steps", str(steps), "--batch-size", str(batch_size), "--warmup-steps", "2",
+               "--checkpoint-every", str(checkpoint_every), "--keep", "5", "--log-sample-ids", "--log-every", "100",
+               "--parallel", parallel, "--device", "cpu", "--run-dir", str(run_dir),
+               "--cache-dir", str(run_dir.parent / "cache"), *extra]
     if eval_data:  # evaluated before the step-4 checkpoint: FSDP must reshard after the no-grad forward
-        command += ["--eval_data", eval_data, "--eval_every", "4", "--eval_batches", "2"]
+        command += ["--eval-data", eval_data, "--eval-every", "4", "--eval-batches", "2"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=run_dir.parent)

@@ -22,9 +22,9 @@ def make_datasets(root: Path) -> tuple[str, str]:
 
 def trainer_args(datasets: tuple[str, str], cache: Path, *, steps: int, eval_every: int) -> list[str]:
     train, evaluation = datasets
-    return ["--data", train, "--eval_data", evaluation, "--steps", str(steps), "--eval_every", str(eval_every),
-            "--eval_batches", "1", "--batch_size", "4", "--warmup_steps", "1", "--device", "cpu",
-            "--tensorboard", "false", "--log_every", "1000", "--cache_dir", str(cache)]
+    return ["--data", train, "--eval-data", evaluation, "--steps", str(steps), "--eval-every", str(eval_every),
+            "--eval-batches", "1", "--batch-size", "4", "--warmup-steps", "1", "--device", "cpu",
+            "--tensorboard", "false", "--log-every", "1000", "--cache-dir", str(cache)]
 
 
 def tune_command(*args: str) -> list[str]:

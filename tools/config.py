@@ -19,29 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from shardkit.options import flag, parse_size
+from shardkit.options import option as cli_option
+
 ON_ERROR_MODES = ("skip", "fail")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_SIZE_FACTORS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-                 "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
-def parse_size(text: str | int, *, option: str = "--shard-size") -> int:
-    """Bytes in "64MB" (decimal units: KB, MB, GB), "64MiB" (binary: KiB, MiB, GiB, or K, M, G) or "1000"."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.match(text)
-        if not match or match.group(2).lower() not in _SIZE_FACTORS:
-            raise ValueError(f"{option}: cannot read {text!r} as a size (examples: 64MB, 256MiB, 1000000)")
-        value = int(float(match.group(1)) * _SIZE_FACTORS[match.group(2).lower()])
-    if value < 1:
-        raise ValueError(f"{option} must be at least 1 byte, got {text!r}")
-    return value
 
 
 def parse_compression(text: str) -> int:
@@ -82,29 +66,19 @@ def registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, records: str | None = None,
-           choices: Callable[[], tuple[str, ...]] | None = None, flags: tuple[str, ...] = (),
-           parse: Callable[[str], Any] | None = None, metavar: str | None = None,
-           when: Callable[[Any], bool] | None = None, positional: bool = False,
-           cli_default: str | None = None, repr: bool = True) -> Any:
-    """A `BuildConfig` field and what the CLI and the fingerprint need to know about it.
+           when: Callable[[Any], bool] | None = None, **cli: Any) -> Any:
+    """A `BuildConfig` field: its command-line option (`shardkit.options.option`'s arguments) and what the
+    fingerprint needs to know about it.
 
     Args:
         default: the value when the option is not given (MISSING: required).
         help: the option's help text.
         records: "output" (decides the output's bytes), "resume" (decides where a resume restarts) or None.
-        choices: returns the allowed values (from the implementing module's registry).
-        flags: command-line names used instead of `--FIELD-NAME` (kept for compatibility).
-        parse: converts the command-line text (sizes, "zstd:9", "auto"); the default is the field's type.
-        metavar: the value's name in `--help`.
         when: a recorded field is recorded only when `when(config)` holds (bestfit's settings).
-        positional: the field is the positional INPUT list.
-        cli_default: the default as the command line spells it (e.g. "64MB"), for `--help`.
+        **cli: `choices`, `flags`, `parse`, `metavar`, `positional`, `cli_default`, `repr` (see
+            `shardkit.options.option`).
     """
-    metadata = {"help": help, "records": records, "choices": choices, "flags": flags, "parse": parse,
-                "metavar": metavar, "when": when, "positional": positional, "cli_default": cli_default}
-    if default is dataclasses.MISSING:
-        return field(metadata=metadata, repr=repr)
-    return field(default=default, metadata=metadata, repr=repr)
+    return cli_option(default, help, records=records, when=when, **cli)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +111,8 @@ class BuildConfig:
         flags=("--pack",), metavar="MODE")
     shard_size: int = option(
         64 * 10**6, "uncompressed payload per shard: 64MB (decimal KB/MB/GB), 256MiB (binary KiB/MiB/GiB) or bytes",
-        records="output", parse=parse_size, metavar="SIZE", cli_default="64MB")
+        records="output", parse=lambda text: parse_size(text, option="--shard-size"), metavar="SIZE",
+        cli_default="64MB")
     compression_level: int = option(
         3, "shard compression: zstd with an optional level 1-22, e.g. zstd:9", records="output",
         parse=parse_compression, flags=("--compression",), metavar="zstd[:LEVEL]", cli_default="zstd (level 3)")
@@ -206,12 +181,6 @@ class BuildConfig:
 
 def fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(BuildConfig)}
-
-
-def flag(f: dataclasses.Field) -> str:
-    """The option's name as the command line spells it (its first flag, else `--field-name`)."""
-    flags = [name for name in f.metadata.get("flags", ()) if name.startswith("--")]
-    return flags[0] if flags else f"--{f.name.replace('_', '-')}"
 
 
 def recorded_fields(config: BuildConfig, kind: str) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import metrics
+from shardkit.options import format_size
 from shardkit.tools.inputs import InputFile
 
 
@@ -111,14 +112,6 @@ class Progress:
         self.bar.close()
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     totals, docs, packing, timing = report["totals"], report["documents"], report["packing"], report["timing"]
     ratio = totals["raw_bytes"] / totals["compressed_bytes"] if totals["compressed_bytes"] else 0.0
@@ -129,12 +122,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             " (" + ", ".join(f"{k}: {v:,}" for k, v in sorted(docs["rejected_by_reason"].items())) + ")"
             if docs["rejected_by_reason"] else "")),
         ("unreadable files", f"{len(report['file_errors'])}" + (
-            f" ({_size(report['bytes']['unreadable'])} unread)" if report["file_errors"] else "")),
+            f" ({format_size(report['bytes']['unreadable'])} unread)" if report["file_errors"] else "")),
         ("document tokens", f"{packing['document_tokens']:,}"),
         ("samples", f"{totals['samples']:,}"),
         ("shards", f"{totals['shards']:,}"),
-        ("bytes (stored)", _size(totals["compressed_bytes"])),
-        ("bytes (raw)", _size(totals["raw_bytes"])),
+        ("bytes (stored)", format_size(totals["compressed_bytes"])),
+        ("bytes (raw)", format_size(totals["raw_bytes"])),
         ("compression ratio", f"{ratio:.2f}x"),
         ("padding", f"{packing['padding_tokens']:,} tokens ({100 * packing['padding_fraction']:.2f}%)"),
         ("split documents", f"{packing['split_documents']:,}"),

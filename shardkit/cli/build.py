@@ -24,70 +24,8 @@ written and rejected is saved as build_report.json next to the manifest (shardki
 """
 
 
-class _Choices:
-    """The allowed values of an option, read from the implementing module's registry on first use, so
-    registering `shardkit build` imports nothing heavy (argparse only iterates them to check a value
-    or print help)."""
-
-    def __init__(self, names) -> None:
-        self._names = names
-
-    def __contains__(self, value) -> bool:
-        return value in self._names()
-
-    def __iter__(self):
-        return iter(self._names())
-
-
-def _converter(f):
-    """The `type=` of a field's option: its `parse` function, else its annotation (int, str, optional)."""
-    parse = f.metadata.get("parse")
-    if parse is None:
-        base = str(f.type).replace("| None", "").strip()
-        parse = {"int": int, "str": str}[base]
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as err:  # argparse would print only "invalid value": keep the reason
-            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1] if str(err).startswith("--")
-                                             else str(err)) from None
-
-    convert.__name__ = getattr(parse, "__name__", "value")
-    return convert
-
-
-def _add_field(p: argparse.ArgumentParser, f) -> None:
-    """One option generated from one `BuildConfig` field (defaults stay the dataclass's own)."""
-    from dataclasses import MISSING
-
-    meta = f.metadata
-    default = meta.get("cli_default") or f.default
-    help_text = meta["help"] + ("" if f.default is MISSING else f". Default: {default}")
-    if meta.get("positional"):
-        p.add_argument(f.name, nargs="+", metavar=meta.get("metavar"), help=help_text)
-        return
-    kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
-    names = list(meta.get("flags") or (f"--{f.name.replace('_', '-')}",))
-    if str(f.type) == "bool":
-        if f.default:  # on by default: the option turns it off
-            names = [f"--no-{f.name.replace('_', '-')}"]
-            kwargs.update(action="store_false", help=f"do not {meta['help']}")
-        else:
-            kwargs.update(action="store_true")
-    elif str(f.type).startswith("dict"):
-        kwargs.update(action="append", metavar=meta.get("metavar"))
-    else:
-        kwargs.update(type=_converter(f), metavar=meta.get("metavar"), required=f.default is MISSING)
-        if meta.get("choices"):
-            kwargs["choices"] = _Choices(meta["choices"])
-            kwargs["help"] += " (one of: %(choices)s)"
-    p.add_argument(*names, **kwargs)
-
-
 def _add_build(subparsers) -> None:
-    from dataclasses import fields
-
+    from shardkit.options import add_dataclass_options
     from shardkit.tools.config import BuildConfig
 
     p = subparsers.add_parser(
@@ -96,8 +34,8 @@ def _add_build(subparsers) -> None:
                     "shards and a manifest (shardkit.json) that the loaders stream. Every option is a field of "
                     "shardkit.tools.config.BuildConfig.",
         epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(BuildConfig):
-        _add_field(p, f)
+    # Plain flags (`--overwrite`, `--no-progress`): a `--flag [BOOL]` would swallow a following INPUT.
+    add_dataclass_options(p, BuildConfig, bool_values=False)
     # Not a BuildConfig field: where metrics are served changes nothing in the output or its fingerprint.
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)")
@@ -145,11 +83,10 @@ def _configure_logging() -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The `BuildConfig` the parsed options describe (options not given keep the dataclass defaults)."""
-    from dataclasses import fields
-
+    from shardkit.options import given_values
     from shardkit.tools.config import BuildConfig
 
-    given = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}
+    given = given_values(args, BuildConfig)
     if "storage_options" in given:
         given["storage_options"] = parse_storage_options(given["storage_options"])
     return BuildConfig(**given)

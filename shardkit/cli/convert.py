@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli.build import _add_field, _configure_logging, run_pipeline_command
+from shardkit.cli.build import _configure_logging, run_pipeline_command
 from shardkit.cli.dataset import parse_storage_options
 
 CONVERT_EPILOG = """\
@@ -34,17 +34,8 @@ The result opens with megatron-core's IndexedDataset(PREFIX) (and Megatron's --d
 """
 
 
-def _add_fields(p: argparse.ArgumentParser, config_class) -> None:
-    from dataclasses import fields
-
-    for f in fields(config_class):
-        if f.metadata.get("positional") and str(f.type) == "str":  # one value, not a list
-            p.add_argument(f.name, metavar=f.metadata.get("metavar"), help=f.metadata["help"])
-        else:
-            _add_field(p, f)
-
-
 def register(subparsers) -> None:
+    from shardkit.options import add_dataclass_options
     from shardkit.tools.convert.config import ConvertConfig, ExportConfig
 
     convert = subparsers.add_parser(
@@ -53,22 +44,23 @@ def register(subparsers) -> None:
                     "exactly as 'shardkit build' would from text. Every option is a field of "
                     "shardkit.tools.convert.config.ConvertConfig.",
         epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_fields(convert, ConvertConfig)
+    # Plain flags, as for `shardkit build`: a `--flag [BOOL]` would swallow a following SRC.
+    add_dataclass_options(convert, ConvertConfig, bool_values=False)
     convert.set_defaults(func=run_convert_command)
     export = subparsers.add_parser(
         "export", help="write a shardkit dataset in another format (a Megatron indexed dataset)",
         description="Write a shardkit dataset's documents (or samples) as a Megatron indexed dataset. Every option "
                     "is a field of shardkit.tools.convert.config.ExportConfig.",
         epilog=EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_fields(export, ExportConfig)
+    add_dataclass_options(export, ExportConfig, bool_values=False)
     export.set_defaults(func=run_export_command)
 
 
 def config_from_args(args: argparse.Namespace, config_class):
     """The configuration the parsed options describe (options not given keep the dataclass defaults)."""
-    from dataclasses import fields
+    from shardkit.options import given_values
 
-    given = {f.name: getattr(args, f.name) for f in fields(config_class) if hasattr(args, f.name)}
+    given = given_values(args, config_class)
     if "storage_options" in given:
         given["storage_options"] = parse_storage_options(given["storage_options"])
     return config_class(**given)

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from shardkit.options import format_size
+
 STORAGE_OPTION_HELP = (
     "fsspec storage option KEY=VALUE for the dataset's filesystem (repeatable), e.g. "
     "endpoint_url=http://127.0.0.1:9000 or client_kwargs='{\"region_name\": \"us-east-1\"}'. VALUE is parsed "
@@ -74,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     verify.add_argument("--quarantine-list", metavar="FILE", default=None, dest="quarantine_list",
                         help="also write the bad shards (name, SHA-256, URL, reason) to FILE as JSON, an empty list "
-                             "when all are good: a run leaves them out of its order with --quarantine_list FILE")
+                             "when all are good: a run leaves them out of its order with --quarantine-list FILE")
     verify.set_defaults(func=run_verify)
 
     cat = subparsers.add_parser(
@@ -139,15 +141,6 @@ def describe(manifest, url: str, *, shards: bool = False) -> dict[str, Any]:
     return info
 
 
-def _size(n: int) -> str:
-    value, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if value < 1024 or unit == "PiB":
-            break
-        value /= 1024
-    return f"{n:,} B" if unit == "B" else f"{value:.2f} {unit} ({n:,} B)"
-
-
 def format_table(info: dict[str, Any]) -> str:
     """Human-readable rendering of `describe`'s dict."""
     t, tok = info["totals"], info["tokenizer"]
@@ -165,8 +158,8 @@ def format_table(info: dict[str, Any]) -> str:
         ("shards", f"{t['shards']:,}"),
         ("samples", f"{t['samples']:,}"),
         ("tokens", f"{t['tokens']:,}"),
-        ("compressed", _size(t["compressed_bytes"])),
-        ("raw", _size(t["raw_bytes"])),
+        ("compressed", format_size(t["compressed_bytes"], exact=True)),
+        ("raw", format_size(t["raw_bytes"], exact=True)),
         ("compression", f"{ratio} (zstd{'' if level is None else f' level {level}'})"),
         ("token dtype", info["token_dtype"]),
         ("seq_len", seq),

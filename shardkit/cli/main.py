@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from shardkit import __version__
+from shardkit.options import OptionParser
 
 # Dataset commands (inspect, verify, cat), lineage (trace), the build side (build, tokenizer), the trainer (train, plot),
 # and the end-to-end demo.
@@ -28,11 +29,12 @@ COMMAND_PROVIDERS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="shardkit",
         description="Build tokenized shard datasets from raw corpora, inspect and verify them, "
                     "and train GPT-style models on them.",
-        epilog="Run 'shardkit COMMAND --help' for the options of one command.",
+        epilog="Run 'shardkit COMMAND --help' for the options of one command. Options are spelled in kebab-case "
+               "(--cache-limit); the snake_case spelling (--cache_limit) is accepted as an alias.",  # respell: keep
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

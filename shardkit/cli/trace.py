@@ -1,7 +1,7 @@
 """`shardkit trace`: the lineage of training data, both ways.
 
 - `shardkit trace RUN_DIR --step N [--rank R] [--text]`: what a step trained on. The run's sample-id logs
-  (`--log_sample_ids`: RUN_DIR/samples/rank-R.jsonl) give the ids, the shards' provenance the document
+  (`--log-sample-ids`: RUN_DIR/samples/rank-R.jsonl) give the ids, the shards' provenance the document
   segments (input file, document index) each sample holds; `--text` decodes them with the dataset's tokenizer.
 - `shardkit trace DATASET --source FILE --doc I [--run RUN_DIR]`: which samples hold a piece of that
   document, and, given a run, at which steps and ranks it was trained on.
@@ -15,38 +15,35 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardkit.cli.dataset import STORAGE_OPTION_HELP, parse_storage_options
-
-
-def _option(default: Any, help: str, *, metavar: str | None = None, flags: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "metavar": metavar, "flags": flags})
+from shardkit.options import add_dataclass_options, given_values, option, option_name
 
 
 @dataclass(frozen=True, kw_only=True)
 class TraceConfig:
     """What `shardkit trace` looks up (one field per option)."""
 
-    target: str = field(metadata={"help": "RUN_DIR (with --step) or DATASET URL (with --source and --doc)",
-                                  "positional": True, "metavar": "RUN_DIR|DATASET"})
-    step: int | None = _option(None, "forward: the optimizer step (from 1) whose samples to show", metavar="N")
-    rank: int | None = _option(None, "forward: only this data-parallel rank's samples (default: all ranks)",
+    target: str = option(help="RUN_DIR (with --step) or DATASET URL (with --source and --doc)", positional=True,
+                         metavar="RUN_DIR|DATASET")
+    step: int | None = option(None, "forward: the optimizer step (from 1) whose samples to show", metavar="N")
+    rank: int | None = option(None, "forward: only this data-parallel rank's samples (default: all ranks)",
                                metavar="R")
-    text: bool = _option(False, "print the decoded text of every document segment (reads the tokenizer)")
-    source: str | None = _option(None, "reverse: the input file (as the manifest's sources name it, or a path or "
+    text: bool = option(False, "print the decoded text of every document segment (reads the tokenizer)")
+    source: str | None = option(None, "reverse: the input file (as the manifest's sources name it, or a path or "
                                  "file name that matches one of them)", metavar="FILE")
-    doc: int | None = _option(None, "reverse: the document's index in that input (0-based line, row or paragraph)",
+    doc: int | None = option(None, "reverse: the document's index in that input (0-based line, row or paragraph)",
                               metavar="I")
-    run: str | None = _option(None, "reverse: also list the steps and ranks of this run that trained on those "
+    run: str | None = option(None, "reverse: also list the steps and ranks of this run that trained on those "
                               "samples", metavar="RUN_DIR")
-    data: str | None = _option(None, "forward: the dataset URL (default: the run's config.json --data)",
+    data: str | None = option(None, "forward: the dataset URL (default: the run's config.json --data)",
                                metavar="URL")
-    tokenizer: str | None = _option(None, "tokenizer spec for --text (default: the manifest's)", metavar="SPEC")
-    force: bool = _option(False, "with --text: decode even with a tokenizer that is not the dataset's")
-    json: bool = _option(False, "print one JSON object")
+    tokenizer: str | None = option(None, "tokenizer spec for --text (default: the manifest's)", metavar="SPEC")
+    force: bool = option(False, "with --text: decode even with a tokenizer that is not the dataset's")
+    json: bool = option(False, "print one JSON object")
 
     def __post_init__(self) -> None:
         forward, reverse = self.step is not None, self.source is not None or self.doc is not None
@@ -67,28 +64,18 @@ class TraceConfig:
                 raise ValueError(f"--doc must be >= 0, got {self.doc}")
             for name in ("rank", "data"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"--{name} goes with --step")
+                    raise ValueError(f"{option_name(name)} goes with --step")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "trace", help="lineage: the documents a training step read, or the samples and steps holding a document",
         description="shardkit trace RUN_DIR --step N [--rank R] [--text]: the samples every rank trained on at "
-                    "step N (from the run's --log_sample_ids logs), each with its shard and the document segments "
+                    "step N (from the run's --log-sample-ids logs), each with its shard and the document segments "
                     "it holds (input file, document index). shardkit trace DATASET --source FILE --doc I "
                     "[--run RUN_DIR]: the samples holding a piece of that document, and the steps that trained "
                     "on them. Reads verified shards, never the corpus.")
-    for f in dataclasses.fields(TraceConfig):
-        meta = f.metadata
-        if meta.get("positional"):
-            parser.add_argument(f.name, metavar=meta["metavar"], help=meta["help"])
-            continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
-        if str(f.type) == "bool":
-            kwargs["action"] = "store_true"
-        else:
-            kwargs.update(type=int if str(f.type).startswith("int") else str, metavar=meta["metavar"])
-        parser.add_argument(*(meta["flags"] or (f"--{f.name}",)), **kwargs)
+    add_dataclass_options(parser, TraceConfig, bool_values=False)
     parser.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                         dest="storage_option", help=STORAGE_OPTION_HELP)
     parser.set_defaults(func=run_trace)
@@ -100,7 +87,7 @@ def _fail(message: str) -> int:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceConfig) if hasattr(args, f.name)}
+    values = given_values(args, TraceConfig)
     try:
         config = TraceConfig(**values)
         options = parse_storage_options(args.storage_option)
@@ -122,7 +109,7 @@ def _sample_logs(run_dir: Path) -> list[Path]:
     logs = sorted((run_dir / "samples").glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]))
     if not logs:
         raise FileNotFoundError(f"{run_dir} holds no sample-id logs (samples/rank-R.jsonl): "
-                                "train with --log_sample_ids to trace its steps")
+                                "train with --log-sample-ids to trace its steps")
     return logs
 
 
@@ -306,7 +293,7 @@ def format_step(result: dict[str, Any]) -> str:
     for sample in result["samples"]:
         if sample["rank"] != rank:
             rank = sample["rank"]
-            lines.append(f"## rank {rank}" + (" (batch skipped by --skip_steps)" if sample["skipped"] else ""))
+            lines.append(f"## rank {rank}" + (" (batch skipped by --skip-steps)" if sample["skipped"] else ""))
         lines.append(f"sample {sample['sample_id']}: shard {sample['shard']} #{sample['shard_index']}")
         for segment in sample["segments"]:
             lines.append(_segment_line(segment))
@@ -396,7 +383,7 @@ def format_document(result: dict[str, Any]) -> str:
     if "steps" in result:
         lines.append(f"# trained on at {len(result['steps'])} step/rank records of the run")
         for hit in result["steps"]:
-            note = " (skipped by --skip_steps)" if hit["skipped"] else ""
+            note = " (skipped by --skip-steps)" if hit["skipped"] else ""
             lines.append(f"step {hit['step']} rank {hit['rank']}: samples "
                          + ", ".join(map(str, hit["sample_ids"])) + note)
     return "\n".join(lines)

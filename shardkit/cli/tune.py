@@ -15,13 +15,14 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from shardkit.train.options import _add_field, add_train_arguments
+    from shardkit.options import add_dataclass_options
+    from shardkit.train.options import add_train_arguments
     from shardkit.tune.config import TuneConfig
 
     parser = subparsers.add_parser(
         "tune", help="search hyperparameters over real trainer runs (TPE, random, grid, CMA-ES, PBT)",
-        allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage_options
-        usage="shardkit tune --data URL --eval_data URL --space NAME=KIND:ARGS [--space ...] [--trials N] "
+        allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage-options
+        usage="shardkit tune --data URL --eval-data URL --space NAME=KIND:ARGS [--space ...] [--trials N] "
               "[--sampler S] [trainer options]",
         description="Run trainer trials with hyperparameters drawn from --space, in an Optuna study stored in "
                     "a database (default OUTPUT/study.db; a rerun continues it), or train a population with "
@@ -31,15 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS",
                        help="a trainer option to search, e.g. lr=loguniform:1e-4:1e-2, warmup_steps=int:0:200, "
                             "dropout=uniform:0:0.2, schedule=choice:cosine,wsd (repeat for several)")
-    for field in dataclasses.fields(TuneConfig):
-        _add_field(group, field, None)
+    add_dataclass_options(group, TuneConfig)
     add_train_arguments(parser)
     parser.set_defaults(func=_tune)
 
 
 def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None]:
     """The trainer options given (`--config` file, then the command line), nested by section, and
-    `--storage_options` apart (it may hold credentials: it never goes into a file)."""
+    `--storage-options` apart (it may hold credentials: it never goes into a file)."""
     from shardkit.train.options import option_values
 
     from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
@@ -74,7 +74,7 @@ def _prepare(args: argparse.Namespace):
               f"{base.steps} / 10) for --pruner {config.pruner}; pass --eval_every N, or --pruner none to evaluate "
               "only at the end", file=sys.stderr)
     if config.sampler != "pbt" and config.pruner != "none" and not base.eval_every:
-        raise ValueError(f"--pruner {config.pruner} needs --eval_every N (intermediate results to prune on), "
+        raise ValueError(f"--pruner {config.pruner} needs --eval-every N (intermediate results to prune on), "
                          "or use --pruner none")
     if config.sampler == "pbt" and any(p.name == "steps" for p in params):
         raise ValueError("--sampler pbt sets --steps round by round: it cannot be searched")

@@ -59,10 +59,12 @@ class ShardReader:
 
     @property
     def num_samples(self) -> int:
+        """Samples in the shard."""
         return self.arrays.num_samples
 
     @property
     def has_doc_boundaries(self) -> bool:
+        """Whether the shard stores its samples' document segments."""
         return self.arrays.has_doc_boundaries
 
     def _check_index(self, i: int) -> int:

@@ -31,7 +31,16 @@ def numpy_token_dtype(token_dtype: str) -> np.dtype:
 
 @dataclass(frozen=True)
 class Sample:
-    """One training sample: its token ids and, optionally, its document segments."""
+    """One training sample: its token ids and, optionally, its document segments.
+
+    The three segment arrays go together (all or none), one entry per document segment the sample holds.
+
+    Attributes:
+        tokens: the token ids (a 1-D integer array; packed samples hold seq_len + 1 tokens).
+        doc_starts: where each segment begins inside `tokens` (the first is 0), or None.
+        doc_source: per segment, the index into the manifest's `sources` (-1 marks padding), or None.
+        doc_index: per segment, the document's index inside its source (line, row or paragraph), or None.
+    """
 
     tokens: np.ndarray
     doc_starts: np.ndarray | None = None
@@ -40,6 +49,7 @@ class Sample:
 
     @property
     def has_doc_boundaries(self) -> bool:
+        """Whether the sample stores its document segments."""
         return self.doc_starts is not None
 
 

@@ -85,6 +85,13 @@ class ShardWriter:
             self._closed = True
 
     def write(self, sample: Sample | np.ndarray) -> None:
+        """Add one sample (a `Sample`, or its token ids); the shard is written once it is full.
+
+        Raises:
+            ValueError: the writer is closed, the sample's tokens do not fit the token dtype or its segments
+                are inconsistent, or it has document boundaries where the shard's other samples have none
+                (or the reverse).
+        """
         if self._closed:
             raise ValueError("ShardWriter is closed")
         if not isinstance(sample, Sample):
@@ -133,6 +140,7 @@ class ShardWriter:
         return info
 
     def close(self) -> None:
+        """Write the last, partly filled shard; further writes are refused. Closing twice does nothing."""
         if not self._closed:
             self.flush()
             self._closed = True

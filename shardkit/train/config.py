@@ -20,6 +20,7 @@ from typing import Any
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.schedule import Schedule, parse_schedule
 from shardkit.train.step_ranges import format_steps, parse_steps
+from shardkit.options import option, option_name
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -29,12 +30,6 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 MODEL_STYLES = ("gpt2", "llama")
-
-
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, **metadata: Any) -> Any:
-    """A dataclass field whose help text (and allowed values) the CLI shows; `metadata` holds anything
-    else its owner records (e.g. `resumable_change=True` on a `ModelConfig` field)."""
-    return field(default=default, metadata={"help": help, "choices": choices, **metadata})
 
 
 def _check(condition: bool, message: str) -> None:
@@ -85,18 +80,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.style in MODEL_STYLES, f"--style must be one of {MODEL_STYLES}, got {self.style!r}")
         for name in ("n_layer", "n_head", "d_model"):
-            _check(getattr(self, name) >= 1, f"--{name} must be >= 1, got {getattr(self, name)}")
+            _check(getattr(self, name) >= 1, f"{option_name(name)} must be >= 1, got {getattr(self, name)}")
         _check(self.d_model % self.n_head == 0,
-               f"--d_model ({self.d_model}) must be divisible by --n_head ({self.n_head})")
+               f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head})")
         _check((self.d_model // self.n_head) % 2 == 0 or self.style != "llama",
-               f"RoPE needs an even head size: change --d_model or --n_head (head size {self.d_model // self.n_head})")
+               f"RoPE needs an even head size: change --d-model or --n-head (head size {self.d_model // self.n_head})")
         kv = self.n_kv_head or self.n_head
         _check(kv >= 1 and self.n_head % kv == 0,
-               f"--n_head ({self.n_head}) must be a multiple of --n_kv_head ({self.n_kv_head})")
-        _check(self.style == "llama" or kv == self.n_head, "--n_kv_head is only supported with --style llama")
+               f"--n-head ({self.n_head}) must be a multiple of --n-kv-head ({self.n_kv_head})")
+        _check(self.style == "llama" or kv == self.n_head, "--n-kv-head is only supported with --style llama")
         for name in ("vocab_size", "seq_len", "d_ff"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name} must be >= 1, got {value}")
+            _check(value is None or value >= 1, f"{option_name(name)} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         _check(self.init_std > 0, f"--init_std must be positive, got {self.init_std}")
         _check(self.make_vocab_size_divisible_by >= 1,
@@ -191,26 +186,25 @@ class DataConfig:
     """Where the training and evaluation samples come from (shardkit datasets, any fsspec URL), and how the
     loader orders, batches and caches them."""
 
-    data: str = field(default="", metadata={
-        "help": "training dataset URL (a directory or prefix holding shardkit.json), or a mixture: several "
+    data: str = option("", nargs="+", help=(
+        "training dataset URL (a directory or prefix holding shardkit.json), or a mixture: several "
                 "URL:WEIGHT entries separated by spaces or commas, e.g. --data s3://b/web:0.7 s3://b/code:0.3 "
                 "(only a trailing :NUMBER is a weight); a weight may be a schedule by loader step, as JSON: "
-                "URL:[[0,0.9],[10000,0.5]] (piecewise constant) or URL:linear:[[0,0.9],[10000,0.5]]",
-        "choices": None, "nargs": "+"})
+                "URL:[[0,0.9],[10000,0.5]] (piecewise constant) or URL:linear:[[0,0.9],[10000,0.5]]"))
     allow_mixture_change: bool = option(False, "on resume, continue from the checkpoint's position with the "
                                         "--data streams and weights given now, although they differ from the saved "
                                         "mixture (no sample of a stream's current epoch is repeated; the loader "
                                         "state records the change); without it such a resume is refused")
-    eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval_every steps")
+    eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval-every steps")
     batch_size: int = option(8, "samples per rank per micro-step")
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
-    storage_options: str | None = field(default=None, repr=False, metadata={
-        "help": "JSON object of fsspec options for --data and --eval_data, e.g. '{\"endpoint_url\": \"http://...\"}' "
-                "(may hold credentials: never printed nor saved in the run directory)", "choices": None})
-    # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle_window, --cache_limit,
-    # ...), except the order's seed, which is --data_seed (--seed seeds the weights). The evaluation set is
+    storage_options: str | None = option(None, repr=False, help=(
+        "JSON object of fsspec options for --data and --eval-data, e.g. '{\"endpoint_url\": \"http://...\"}' "
+                "(may hold credentials: never printed nor saved in the run directory)"))
+    # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle-window, --cache-limit,
+    # ...), except the order's seed, which is --data-seed (--seed seeds the weights). The evaluation set is
     # always read unshuffled.
     loader: LoaderConfig = field(default_factory=LoaderConfig, metadata={
         "help": "the loader's order, batching and cache options", "flatten": True, "rename": {"seed": "data_seed"}})
@@ -221,12 +215,12 @@ class DataConfig:
                 parsed = json.loads(self.storage_options)
             except json.JSONDecodeError:
                 parsed = None
-            _check(isinstance(parsed, dict), "--storage_options must be a JSON object (its value is not shown)")
+            _check(isinstance(parsed, dict), "--storage-options must be a JSON object (its value is not shown)")
         if self.data:
             data_entries(self.data)
-        _check(self.batch_size >= 1, f"--batch_size must be >= 1, got {self.batch_size}")
-        _check(self.num_workers >= 0, f"--num_workers must be >= 0, got {self.num_workers}")
-        _check(self.eval_batches >= 1, f"--eval_batches must be >= 1, got {self.eval_batches}")
+        _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        _check(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,16 +243,16 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _check(self.optimizer_name in OPTIMIZERS,
-               f"--optimizer_name must be one of {OPTIMIZERS}, got {self.optimizer_name!r}")
+               f"--optimizer-name must be one of {OPTIMIZERS}, got {self.optimizer_name!r}")
         _check(self.lr > 0, f"--lr must be positive, got {self.lr}")
-        _check(0 <= self.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.warmup_steps is None or self.warmup_steps >= 0,
-               f"--warmup_steps must be >= 0, got {self.warmup_steps}")
+               f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         _check(self.schedule in SCHEDULES, f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        _check(0 < self.decay_fraction <= 1, f"--decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        _check(self.weight_decay >= 0, f"--weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 < self.decay_fraction <= 1, f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "--beta1 and --beta2 must be in [0, 1)")
-        _check(self.grad_clip >= 0, f"--grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        _check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 disables), got {self.grad_clip}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,9 +263,9 @@ class ParallelConfig:
     the world size, and one of them may be -1 ("the rest"). See docs/PARALLELISM.md.
     """
 
-    parallel: str = option("auto", "shorthand for the data-parallel dims: 'ddp' (--dp_replicate -1), 'fsdp' "
-                           "(--dp_shard -1), 'hsdp' (shard within --shard_size ranks, replicate across), 'diloco' "
-                           "(--dp_replicate -1 without gradient sync: local SGD with an outer optimizer, see the "
+    parallel: str = option("auto", "shorthand for the data-parallel dims: 'ddp' (--dp-replicate -1), 'fsdp' "
+                           "(--dp-shard -1), 'hsdp' (shard within --shard-size ranks, replicate across), 'diloco' "
+                           "(--dp-replicate -1 without gradient sync: local SGD with an outer optimizer, see the "
                            "diloco options), 'none' (no data parallelism), or 'auto' (ddp, or fsdp when --tp/--pp > 1)", choices=PARALLEL_MODES)
     dp_replicate: int | None = option(None, "data-parallel replicas (gradients all-reduced); -1: the rest; "
                                       "default: from --parallel")
@@ -281,7 +275,7 @@ class ParallelConfig:
     pp: int = option(1, "pipeline stages: the block stack split by layer ranges; -1: the rest")
     pp_schedule: str = option("1f1b", "pipeline schedule: 'gpipe', '1f1b', or 'interleaved1f1b' "
                               "(2 stages per rank)", choices=PP_SCHEDULES)
-    pp_microbatches: int | None = option(None, "micro-batches per pipeline step (each --batch_size batch is "
+    pp_microbatches: int | None = option(None, "micro-batches per pipeline step (each --batch-size batch is "
                                          "split into them); default: --pp (2 x --pp when interleaved)")
     comm_stats: bool = option(True, "count the bytes each collective kind moves per step (metrics.jsonl); "
                               "a dispatch mode with a little CPU overhead per op")
@@ -294,22 +288,22 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check(self.parallel in PARALLEL_MODES, f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
-        _check(self.comm_hook in COMM_HOOKS, f"--comm_hook must be one of {COMM_HOOKS}, got {self.comm_hook!r}")
+        _check(self.comm_hook in COMM_HOOKS, f"--comm-hook must be one of {COMM_HOOKS}, got {self.comm_hook!r}")
         _check(self.comm_hook == "none" or self.parallel in ("ddp", "auto"),
-               f"--comm_hook {self.comm_hook} applies to --parallel ddp only, not {self.parallel}")
-        _check(self.powersgd_rank >= 1, f"--powersgd_rank must be >= 1, got {self.powersgd_rank}")
-        _check(self.shard_size is None or self.shard_size >= 1, f"--shard_size must be >= 1, got {self.shard_size}")
+               f"--comm-hook {self.comm_hook} applies to --parallel ddp only, not {self.parallel}")
+        _check(self.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {self.powersgd_rank}")
+        _check(self.shard_size is None or self.shard_size >= 1, f"--shard-size must be >= 1, got {self.shard_size}")
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
         for name, size in sizes.items():
-            _check(size is None or size == -1 or size >= 1, f"--{name} must be >= 1 or -1 (the rest), got {size}")
+            _check(size is None or size == -1 or size >= 1, f"{option_name(name)} must be >= 1 or -1 (the rest), got {size}")
         rest = [name for name, size in sizes.items() if size == -1]
         _check(len(rest) <= 1, f"only one mesh dimension may be -1 (the rest), got {', '.join('--' + n for n in rest)}")
         _check(self.parallel == "auto" or (self.dp_replicate is None and self.dp_shard is None),
                f"--parallel {self.parallel} sets the data-parallel dims itself: drop it (or use --parallel auto) "
-               "when giving --dp_replicate/--dp_shard")
-        _check(self.pp_schedule in PP_SCHEDULES, f"--pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+               "when giving --dp-replicate/--dp-shard")
+        _check(self.pp_schedule in PP_SCHEDULES, f"--pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
-               f"--pp_microbatches must be >= 1, got {self.pp_microbatches}")
+               f"--pp-microbatches must be >= 1, got {self.pp_microbatches}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,13 +323,13 @@ class DilocoConfig:
                              "synchronisation of the fragment (bounded staleness 1); 0: apply it at once")
 
     def __post_init__(self) -> None:
-        _check(self.sync_every >= 1, f"--sync_every must be >= 1, got {self.sync_every}")
-        _check(self.outer_lr > 0, f"--outer_lr must be positive, got {self.outer_lr}")
-        _check(0 <= self.outer_momentum < 1, f"--outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        _check(self.sync_every >= 1, f"--sync-every must be >= 1, got {self.sync_every}")
+        _check(self.outer_lr > 0, f"--outer-lr must be positive, got {self.outer_lr}")
+        _check(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         _check(1 <= self.sync_fragments <= self.sync_every,
-               f"--sync_fragments must be between 1 and --sync_every ({self.sync_every}), got {self.sync_fragments}")
-        _check(self.sync_dtype in SYNC_DTYPES, f"--sync_dtype must be one of {SYNC_DTYPES}, got {self.sync_dtype!r}")
-        _check(self.sync_delay in (0, 1), f"--sync_delay must be 0 or 1, got {self.sync_delay}")
+               f"--sync-fragments must be between 1 and --sync-every ({self.sync_every}), got {self.sync_fragments}")
+        _check(self.sync_dtype in SYNC_DTYPES, f"--sync-dtype must be one of {SYNC_DTYPES}, got {self.sync_dtype!r}")
+        _check(self.sync_delay in (0, 1), f"--sync-delay must be 0 or 1, got {self.sync_delay}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +348,7 @@ class CheckpointConfig:
     save_final: bool = option(True, "save a checkpoint after the last step")
 
     def __post_init__(self) -> None:
-        _check(self.checkpoint_every >= 0, f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _check(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         _check(self.keep >= 1, f"--keep must be >= 1, got {self.keep}")
         _check(bool(self.resume), "--resume must be 'auto', 'none' or a checkpoint directory")
 
@@ -382,7 +376,7 @@ class LoggingConfig:
                                   "0.0.0.0 for every interface (see docs/OBSERVABILITY.md before exposing them)")
     starvation_window: int = option(50, "steps over which the data-wait fraction is averaged for the starvation "
                                     "warning")
-    starvation_threshold: float = option(0.5, "warn once when the data-wait fraction over --starvation_window steps "
+    starvation_threshold: float = option(0.5, "warn once when the data-wait fraction over --starvation-window steps "
                                          "exceeds this (1 disables the warning)")
 
     def __post_init__(self) -> None:
@@ -411,7 +405,7 @@ class TrainConfig:
     loss_scale_growth_interval: int = option(2000, "fp16: clean steps in a row before the loss scale doubles")
     compile: bool = option(False, "torch.compile each transformer block")
     activation_checkpointing: bool = option(False, "recompute block activations in the backward pass")
-    eval_every: int = option(0, "evaluate on --eval_data every N steps (0: only at the end)")
+    eval_every: int = option(0, "evaluate on --eval-data every N steps (0: only at the end)")
     seed: int = option(1234, "seed of the weight init and dropout")
     skip_steps: str = option("", "steps whose batches are drawn and dropped without an optimizer step (after a "
                              "loss spike), e.g. '1200-1260,3100'; every other step gets the batch it would have "
@@ -429,19 +423,19 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         _check(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        _check(self.grad_accum >= 1, f"--grad_accum must be >= 1, got {self.grad_accum}")
+        _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_loss_scaling()
         _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
         object.__setattr__(self, "skip_steps", format_steps(parse_steps(self.skip_steps)))
         _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
-               "the diloco options (--sync_every, --outer_lr, ...) apply to --parallel diloco only, "
+               "the diloco options (--sync-every, --outer-lr, ...) apply to --parallel diloco only, "
                f"not {self.parallelism.parallel}")
         if self.optimizer.warmup_steps is None:  # resolved here so that config.json records the value used
             object.__setattr__(self, "optimizer", dataclasses.replace(
                 self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
-               f"--warmup_steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
+               f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
 
     def _check_loss_scaling(self) -> None:
         """Loss-scaling options, and the layouts fp16 does not compose with. ('auto' may pick fp16 on a GPU
@@ -559,5 +553,5 @@ def build_section(cls: type, values: dict[str, Any], *, source: str = "configura
             except ValueError as err:  # messages start with the field's name: say the option instead
                 message = str(err)
                 first = message.split(" ", 1)[0]
-                raise ValueError(f"--{rename.get(first, first)}{message[len(first):]}") from err
+                raise ValueError(f"{option_name(rename.get(first, first))}{message[len(first):]}") from err
     return cls(**own)

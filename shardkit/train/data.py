@@ -102,7 +102,7 @@ def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: s
             raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
                              "the trainer needs packed data: rebuild it with a --seq-len")
         if seq_len is not None and manifest.seq_len != seq_len:
-            raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq_len is {seq_len}")
+            raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq-len is {seq_len}")
         seq_len = manifest.seq_len  # the streams of a mixture must agree with the first
         manifests.append(manifest)
     return manifests[0]
@@ -128,7 +128,7 @@ class TrainStream:
             except StopIteration:
                 self._iterator = None
         raise ValueError("the training loader yields no batch for this rank in a whole epoch: the dataset "
-                         "is smaller than one global batch (lower --batch_size or use fewer ranks)")
+                         "is smaller than one global batch (lower --batch-size or use fewer ranks)")
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
@@ -155,7 +155,7 @@ class EvalData:
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        # skip_samples and --quarantine_list name samples and shards of the training data, not of the held-out set.
+        # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
         loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, skip_samples=(),
                                               quarantine_list=None),
                                      batch_size=self.config.batch_size, num_workers=0)
@@ -163,7 +163,7 @@ class EvalData:
         # loader gives every rank the same number of batches per epoch.
         count = min(self.config.eval_batches, len(loader))
         if count == 0:
-            raise ValueError(f"--eval_data {self.url} holds less than one global batch: lower --batch_size")
+            raise ValueError(f"--eval-data {self.url} holds less than one global batch: lower --batch-size")
         for index, batch in enumerate(loader):
             if index >= count:
                 break

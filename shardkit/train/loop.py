@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.metrics import TrainerMetrics
+from shardkit.options import option_name
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, format_steps, parse_steps
@@ -86,8 +87,8 @@ def build(config: TrainConfig) -> Run:
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
     if config.data.eval_data:
-        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval_data")
-        check_same_tokens(manifest, held_out, what=f"--eval_data {config.data.eval_data}",
+        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval-data")
+        check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
@@ -201,7 +202,7 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     run.parallel.broadcast_tied()  # the two pipeline stages' copies of a tied embedding start equal again
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
-    # Skipped steps stay skipped: a resume without (or with other) --skip_steps adds the checkpoint's.
+    # Skipped steps stay skipped: a resume without (or with other) --skip-steps adds the checkpoint's.
     skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
     run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
     run.resumed_path = path.name
@@ -363,7 +364,7 @@ def _train_steps(run: Run) -> int:
 
 
 def _skip_step(run: Run) -> None:
-    """--skip_steps: draw this step's batches and drop them (no forward, no update). The step counter and
+    """--skip-steps: draw this step's batches and drop them (no forward, no update). The step counter and
     the learning-rate schedule advance as if the step were taken, so every other step gets the batch and
     the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
     sample_ids: list[int] = []
@@ -376,7 +377,7 @@ def _skip_step(run: Run) -> None:
         run.sample_log.log(run.step, sample_ids, skipped=True)
     run.metrics.log({"step": run.step, "skipped": True, "samples": len(sample_ids)}, echo=False)
     if run.runtime.is_main:
-        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip_steps): {len(sample_ids)} samples per rank "
+        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip-steps): {len(sample_ids)} samples per rank "
               "drawn and dropped", flush=True)
     every = run.config.checkpoint.checkpoint_every
     if every and run.step % every == 0 and run.step < run.config.steps:
@@ -464,7 +465,7 @@ def _read_eval_batches(run: Run) -> list:
     if dist.is_initialized():
         dist.all_reduce(failed)
     if failed.item():
-        logger.error("evaluation at step %d failed to read --eval_data; saving the training state first", run.step)
+        logger.error("evaluation at step %d failed to read --eval-data; saving the training state first", run.step)
         save_checkpoint(run)
         if failure is not None:
             raise failure

@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardkit.records import read_records
+from shardkit.options import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, step_ti
 
 def format_line(record: dict[str, Any], total_steps: int) -> str:
     mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-    comm = " ".join(f"{kind.replace('_', '-')} {_bytes(record[f'comm_bytes_{kind}'])}" for kind in COMM_KINDS
+    comm = " ".join(f"{kind.replace('_', '-')} {format_size(record[f'comm_bytes_{kind}'])}" for kind in COMM_KINDS
                     if record.get(f"comm_bytes_{kind}"))
     return (f"step {record['step']:>6}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {_si(record['tokens_per_s'])} tok/s "
@@ -174,13 +175,6 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
             + (f" | comm {comm}" if comm else "")
             + (f" | loss scale {record['loss_scale']:g}, {record['overflow_steps']} overflow-skipped"
                if "loss_scale" in record else ""))
-
-
-def _bytes(value: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.1f}{unit}"
-    return f"{value:.0f}B"
 
 
 def _si(value: float) -> str:

@@ -135,7 +135,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         if config.vocab_size is None or config.seq_len is None:
-            raise ValueError("the model needs --vocab_size and --seq_len (normally taken from the dataset manifest)")
+            raise ValueError("the model needs --vocab-size and --seq-len (normally taken from the dataset manifest)")
         self.config = config
         self.activation_checkpointing = False
         # Tensor parallelism with sequence parallelism hands each block 1/tp of the sequence; positions
@@ -206,13 +206,13 @@ def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.T
     config = module.config
     seq = inputs.shape[1] * (1 if module.tok_emb is not None else module.sequence_shards)
     if seq > config.seq_len:
-        raise ValueError(f"input has {seq} tokens, more than the model's --seq_len {config.seq_len}")
+        raise ValueError(f"input has {seq} tokens, more than the model's --seq-len {config.seq_len}")
     mask = None
     positions = torch.arange(seq, device=inputs.device)
     if config.document_mask:
         if segment_ids is None:
-            raise ValueError("--document_mask needs segment ids: the dataset's shards store no document "
-                             "boundaries (rebuild with boundaries or turn --document_mask off)")
+            raise ValueError("--document-mask needs segment ids: the dataset's shards store no document "
+                             "boundaries (rebuild with boundaries or turn --document-mask off)")
         mask = document_attention_mask(segment_ids)
         positions = document_positions(segment_ids)
     x = inputs

@@ -40,7 +40,7 @@ def lr_factor(step: int, *, total_steps: int, config: OptimizerConfig) -> float:
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, *, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW or plain SGD (`--optimizer_name`); weight decay only on parameters with two or more
+    """AdamW or plain SGD (`--optimizer-name`); weight decay only on parameters with two or more
     dimensions except embeddings.
 
     Norm gains and biases are not decayed (decaying them only fights the normalisation), nor is the

@@ -1,7 +1,8 @@
 """Command-line options generated one-to-one from the configuration dataclasses.
 
-Each field `NAME` of section `SECTION` is `--NAME` and `--SECTION.NAME` (dashes or underscores);
-its help is the field's help text. `--config FILE` (JSON or TOML, nested like `TrainConfig`) is read
+Each field `NAME` of section `SECTION` is `--NAME` and `--SECTION.NAME`, spelled in kebab-case
+(`--min-lr-ratio`, `--optimizer.min-lr-ratio`; `shardkit.options` accepts the snake_case alias); its help
+is the field's help text. `--config FILE` (JSON or TOML, nested like `TrainConfig`) is read
 first, then the options given on the command line override it, over the chosen `--preset`.
 """
 
@@ -13,46 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardkit.options import OptionParser, add_field_option, option_name
 from shardkit.train.config import PRESETS, SECTIONS, TrainConfig, config_from_dict, section_options
-
-_NONE_WORDS = ("none", "null", "")
-
-
-def parse_bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _converter(type_text: str):
-    """Parse a value for a field annotated `type_text` (annotations are strings here)."""
-    optional = "None" in type_text
-    base = type_text.replace("| None", "").strip()
-    convert = {"int": int, "float": float, "str": str, "bool": parse_bool}[base]
-
-    def parse(text: str) -> Any:
-        if optional and text.strip().lower() in _NONE_WORDS:
-            return None
-        try:
-            return convert(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"expected {base}, got {text!r}") from err
-
-    parse.__name__ = base  # argparse names the type in its error message
-    return parse
-
 
 def _with_presets(default: Any, section: str | None, name: str) -> Any:
     """The default as `--help` states it: a field the presets set shows the default preset's value and
     every preset's (read from `PRESETS`, so the help cannot drift from what a run uses)."""
     if section is None and name == "preset":
         return f"{default}; " + "; ".join(
-            f"{preset} = " + " ".join(f"--{key} {value}" for values in table.values() for key, value in values.items())
+            f"{preset} = " + " ".join(f"{option_name(key)} {value}" for values in table.values() for key, value in values.items())
             for preset, table in PRESETS.items())
     by_preset = {preset: table[section][name] for preset, table in PRESETS.items()
                  if name in table.get(section or "", {})}
@@ -65,24 +35,12 @@ def _with_presets(default: Any, section: str | None, name: str) -> Any:
     return f"{default}; --preset {others}"
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None, name: str | None = None) -> None:
-    name = name or f.name
-    names = {f"--{name}", f"--{name.replace('_', '-')}"}
-    if section is not None:
-        names |= {f"--{section}.{name}", f"--{section}.{name.replace('_', '-')}"}
-    default = f.default if f.default is not dataclasses.MISSING else None
-    default = _with_presets(default, section, f.name)
-    help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
-    kwargs: dict[str, Any] = {"dest": f"{section}.{name}" if section else name,
-                              "default": argparse.SUPPRESS, "help": help_text, "type": _converter(f.metadata.get("cli_type") or str(f.type))}
-    if f.metadata.get("choices"):
-        kwargs["choices"] = f.metadata["choices"]
-    if f.metadata.get("nargs"):  # several values, joined with "," into the field's string
-        kwargs["nargs"] = f.metadata["nargs"]
-    kwargs["metavar"] = (f.metadata.get("cli_type") or str(f.type)).replace(" | None", "").upper()
-    if str(f.type) == "bool":
-        kwargs.update(nargs="?", const=True, metavar="BOOL")
-    group.add_argument(*sorted(names, key=lambda n: ("." in n, "-" in n[2:], n)), **kwargs)
+def add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None,
+              name: str | None = None) -> None:
+    """The option of one trainer field (`--NAME`, and `--SECTION.NAME` for a section's field), its default
+    in `--help` stated with the presets that change it."""
+    add_field_option(group, f, name=name, section=section, default_text=_with_presets(
+        f.default if f.default is not dataclasses.MISSING else None, section, f.name))
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +51,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     top = parser.add_argument_group("training")
     for f in dataclasses.fields(TrainConfig):
         if f.name not in SECTIONS:
-            _add_field(top, f, None)
+            add_field(top, f, None)
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
         for name, _, f in section_options(cls):
-            _add_field(group, f, section, name)
+            add_field(group, f, section, name)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -142,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def parse_train_args(argv: list[str] | None = None, *, prog: str = "python -m shardkit.train") -> TrainConfig:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog=prog, usage="%(prog)s --data URL [--config FILE] [--OPTION VALUE ...]", description="Pre-train a GPT-style model on a shardkit dataset. Launch with "
         "'torchrun --nproc_per_node N -m shardkit.train --data URL [options]' for several processes.")
     add_train_arguments(parser)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardkit.train.config import option
+from shardkit.options import option, option_name
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "pbt")
 PRUNERS = ("none", "median", "halving", "hyperband")
@@ -29,7 +29,7 @@ class TuneConfig:
                           "(population-based training over the trainer's checkpoints)", choices=SAMPLERS)
     pruner: str = option("median", "stop trials whose evaluations are clearly worse: 'median', 'halving' "
                          "(successive halving), 'hyperband' or 'none'", choices=PRUNERS)
-    objective: str = option("eval_loss", "value to minimise: the final 'eval_loss' (needs --eval_data) or the "
+    objective: str = option("eval_loss", "value to minimise: the final 'eval_loss' (needs --eval-data) or the "
                             "final training 'loss'", choices=OBJECTIVES)
     study: str = option("shardkit", "study name in the storage")
     storage: str | None = option(None, "SQLAlchemy URL of the Optuna study (e.g. postgresql://host/db for several "
@@ -52,16 +52,16 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         for name in ("trials", "nproc_per_trial", "grid_points", "heartbeat_s", "population"):
-            _check(getattr(self, name) >= 1, f"--{name} must be >= 1, got {getattr(self, name)}")
+            _check(getattr(self, name) >= 1, f"{option_name(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("parallel_trials", "max_failures"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name} must be >= 1, got {value}")
+            _check(value is None or value >= 1, f"{option_name(name)} must be >= 1, got {value}")
         _check(self.prune_startup_trials >= 0 and self.prune_warmup_steps >= 0,
-               "--prune_startup_trials and --prune_warmup_steps must be >= 0")
+               "--prune-startup-trials and --prune-warmup-steps must be >= 0")
         _check(0 < self.quantile <= 0.5, f"--quantile must be in (0, 0.5], got {self.quantile}")
         _check(bool(self.study), "--study must not be empty")
         if self.sampler == "pbt":
-            _check(self.perturb_every >= 1, "--sampler pbt needs --perturb_every STEPS (steps per round)")
+            _check(self.perturb_every >= 1, "--sampler pbt needs --perturb-every STEPS (steps per round)")
             _check(self.population >= 2, f"--sampler pbt needs --population >= 2, got {self.population}")
 
     @property

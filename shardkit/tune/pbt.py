@@ -1,6 +1,6 @@
 """Population-based training over the trainer's own DCP checkpoints (Jaderberg et al., 2017).
 
-Members train side by side in rounds of `--perturb_every` steps: round r runs each member's trainer
+Members train side by side in rounds of `--perturb-every` steps: round r runs each member's trainer
 with `--steps` = (r + 1) * S, resuming from the member's newest checkpoint. After a round the members
 are ranked by the objective at the round's last step; each member of the bottom quantile copies the
 checkpoint of a member of the top quantile (weights, optimizer, scheduler, loader position, RNG: the

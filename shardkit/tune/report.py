@@ -80,7 +80,7 @@ def best_values(trainer_config: dict[str, Any]) -> dict[str, Any]:
 
 def write_best(study, path: Path, *, objective: str) -> Path | None:
     """best.toml: the best complete trial's options; `python -m shardkit.train --config best.toml`
-    repeats that trial (give it a fresh --run_dir). None when no trial completed."""
+    repeats that trial (give it a fresh --run-dir). None when no trial completed."""
     from optuna.trial import TrialState
 
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
@@ -89,6 +89,6 @@ def write_best(study, path: Path, *, objective: str) -> Path | None:
     best = min(complete, key=lambda t: t.value)
     header = (f"best trial {best.number} of study {study.study_name!r}: {objective} {best.value!r}\n"
               f"parameters: {best.params}\n"
-              "reproduce: python -m shardkit.train --config best.toml --run_dir NEW_DIR "
-              "(add --storage_options if the data needs it)")
+              "reproduce: python -m shardkit.train --config best.toml --run-dir NEW_DIR "
+              "(add --storage-options if the data needs it)")
     return tomlfile.write(path, best_values(best.user_attrs["trainer_config"]), header=header)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict
-from shardkit.train.options import parse_bool
+from shardkit.options import option_name, parse_bool
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 # Options the tuner sets itself for every trial: searching them would break its bookkeeping.
@@ -87,7 +87,7 @@ def parse_param(spec: str) -> Param:
     """Parse one `NAME=KIND:ARGS`; raises ValueError naming the spec and what is wrong with it."""
     name, sep, rest = spec.partition("=")
     kind, _, args = rest.partition(":")
-    name, kind = name.strip(), kind.strip()
+    name, kind = name.strip().replace("-", "_"), kind.strip()  # the option's name (warmup-steps) or its field's
     if not sep or not name or kind not in KINDS or not args:
         raise ValueError(f"--space {spec!r}: expected NAME=KIND:ARGS with KIND one of {', '.join(KINDS)} "
                          "(e.g. lr=loguniform:1e-4:1e-2, warmup_steps=int:0:200, schedule=choice:cosine,wsd)")
@@ -97,7 +97,7 @@ def parse_param(spec: str) -> Param:
         raise ValueError(f"--space {spec!r}: unknown trainer option {name!r} "
                          "(see 'shardkit train --help' for the options)")
     if field_name in RESERVED:
-        raise ValueError(f"--space {spec!r}: --{field_name} is set by the tuner for each trial and cannot be searched")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} is set by the tuner for each trial and cannot be searched")
     section, field = known[field_name]
     field_type = str(field.type)
     if kind == "choice":
@@ -110,9 +110,9 @@ def parse_param(spec: str) -> Param:
         raise ValueError(f"--space {spec!r}: {kind} takes LOW:HIGH, got {args!r}")
     low, high = (_number(b, spec) for b in bounds)
     if field_type.startswith("bool") or field_type.startswith("str"):
-        raise ValueError(f"--space {spec!r}: --{field_name} is a {field_type} option: use choice:A,B")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} is a {field_type} option: use choice:A,B")
     if kind in ("uniform", "loguniform") and field_type.startswith("int"):
-        raise ValueError(f"--space {spec!r}: --{field_name} takes integers: use int:LOW:HIGH")
+        raise ValueError(f"--space {spec!r}: {option_name(field_name)} takes integers: use int:LOW:HIGH")
     if kind == "int" and (low != int(low) or high != int(high)):
         raise ValueError(f"--space {spec!r}: int bounds must be integers")
     if not low < high:

@@ -4,7 +4,7 @@ trials whose tuner died.
 A trial in state RUNNING whose tuner is gone would hold its place forever. Each trial records its
 owner (host, pid, process start time). A rerun on the same host marks the RUNNING trials of dead
 tuners FAIL at once; trials of other machines are judged by Optuna's heartbeat (the owner records one
-every `--heartbeat_s`; silence for 4x that marks the trial FAIL). Either way the failed trial's
+every `--heartbeat-s`; silence for 4x that marks the trial FAIL). Either way the failed trial's
 parameters are enqueued again, so an interrupted trial is retried with the same values.
 """
 

@@ -195,7 +195,7 @@ class StudyRun:
             failures = self.failures
         limit = self.config.max_failures or self.config.trials
         if failures >= limit:
-            raise RuntimeError(f"{failures} trials failed (limit --max_failures {limit}); the last: "
+            raise RuntimeError(f"{failures} trials failed (limit --max-failures {limit}); the last: "
                                f"trial {trial.number}: {reason}")
 
     def _run_trial(self, trial) -> None:
@@ -248,7 +248,7 @@ class StudyRun:
 
     def _intermediate(self, record: dict[str, Any]) -> tuple[int, float] | None:
         """(step, value) when `record` carries the objective: every eval_loss, or the training loss at
-        each --eval_every step."""
+        each --eval-every step."""
         key = self.config.objective
         if key not in record:
             return None

@@ -1,15 +1,15 @@
 """DiLoCo: local SGD with an outer optimizer (Douillard et al. 2023; Streaming DiLoCo, 2025).
 
 Every rank trains its own replica with the inner optimizer and no gradient communication. Every H
-(`--sync_every`) inner steps, a fragment of the model is synchronised: each rank's pseudo-gradient
+(`--sync-every`) inner steps, a fragment of the model is synchronised: each rank's pseudo-gradient
 (global - local, the global copy being the parameters of the last synchronisation) is averaged over
 the ranks with one all-reduce, the outer optimizer (SGD, Nesterov momentum by default) applies the
 average to the global copy, and the replica restarts from the new global parameters.
 
-- Fragments (`--sync_fragments F`): parameters are cut into F contiguous fragments of about equal
+- Fragments (`--sync-fragments F`): parameters are cut into F contiguous fragments of about equal
   size; fragment f synchronises after the inner steps s with s % H == f*H//F, so at most one
   fragment's bytes are on the wire at a time and the peak bandwidth drops by F.
-- Delay (`--sync_delay 1`): the all-reduce of sync k is launched asynchronously on a group of its own
+- Delay (`--sync-delay 1`): the all-reduce of sync k is launched asynchronously on a group of its own
   and overlaps the next H inner steps; the averaged pseudo-gradient of sync k is applied at sync k+1.
   After sync k the global copy is G_k = outer(G_{k-1}, avg delta_{k-1}) and the replica restarts from
   G_k - delta_k: the applied updates of every rank plus its own work of the last H steps, which the
@@ -143,7 +143,7 @@ class Diloco(_Meter):
         self.model, self.optimizer, self.rank = model, optimizer, rank
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if config.sync_fragments > len(named):
-            raise ValueError(f"--sync_fragments {config.sync_fragments} is more than the model's "
+            raise ValueError(f"--sync-fragments {config.sync_fragments} is more than the model's "
                              f"{len(named)} parameter tensors; use at most {len(named)}")
         self.names = [name for name, _ in named]
         self.local = [p for _, p in named]
@@ -294,8 +294,8 @@ class Diloco(_Meter):
         if changed:
             raise ValueError("the checkpoint was saved by a diloco run with "
                              + ", ".join(f"{key} {saved.get(key)} (now {current[key]})" for key in changed)
-                             + ": resume with the same --sync_fragments, --sync_delay, --sync_dtype and "
-                               "--outer_momentum (zero or not)")
+                             + ": resume with the same --sync-fragments, --sync-delay, --sync-dtype and "
+                               "--outer-momentum (zero or not)")
         state = self.state_dict()
         replica = f"replica_rank_{self.rank}"
         if replica in state:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardkit.options import option_name
 from shardkit.train.config import ModelConfig, ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -75,7 +76,7 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
     """The mesh sizes for `world_size` ranks, or ValueError naming the option to change."""
     tp, pp = config.tp, config.pp
     replicate, shard = config.dp_replicate, config.dp_shard
-    labels = {"dp_replicate": "--dp_replicate", "dp_shard": "--dp_shard", "tp": "--tp", "pp": "--pp"}
+    labels = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "pp": "--pp"}
     if replicate is None and shard is None:
         mode = config.parallel
         if mode == "auto":
@@ -86,10 +87,10 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
             replicate, shard = -1, 1
         elif mode == "fsdp":
             replicate, shard = 1, -1
-        else:  # hsdp: shard within a node (or --shard_size ranks), replicate across
+        else:  # hsdp: shard within a node (or --shard-size ranks), replicate across
             shard = config.shard_size or max(1, local_world_size // (max(tp, 1) * max(pp, 1)))
             replicate = -1
-            labels["dp_shard"] = "--shard_size" if config.shard_size else "--parallel hsdp's shard group (ranks per node)"
+            labels["dp_shard"] = "--shard-size" if config.shard_size else "--parallel hsdp's shard group (ranks per node)"
         if -1 in (tp, pp):  # the dims given explicitly take the rest; data parallelism gets none
             replicate, shard = (1 if replicate == -1 else replicate), (1 if shard == -1 else shard)
     sizes = {"dp_replicate": 1 if replicate is None else replicate, "dp_shard": 1 if shard is None else shard,
@@ -106,26 +107,26 @@ def resolve_dims(config: ParallelConfig, *, world_size: int, local_world_size: i
         hint = " (--parallel none runs one process; use ddp, fsdp or hsdp)" if config.parallel == "none" else ""
         raise ValueError(f"the mesh {' x '.join(f'{k} {v}' for k, v in sizes.items())} needs "
                          f"{math.prod(sizes.values())} processes but torchrun started {world_size}: "
-                         f"change --dp_replicate/--dp_shard/--tp/--pp (one may be -1){hint}")
+                         f"change --dp-replicate/--dp-shard/--tp/--pp (one may be -1){hint}")
     if config.parallel == "hsdp" and config.shard_size and sizes["dp_shard"] != config.shard_size:
-        raise ValueError(f"--parallel hsdp: world size {world_size} is not a multiple of --shard_size "
+        raise ValueError(f"--parallel hsdp: world size {world_size} is not a multiple of --shard-size "
                          f"{config.shard_size} times --tp {tp} x --pp {pp}")
     if sizes["pp"] == 1 and config.pp_microbatches not in (None, 1):
-        raise ValueError(f"--pp_microbatches {config.pp_microbatches} needs --pp > 1")
+        raise ValueError(f"--pp-microbatches {config.pp_microbatches} needs --pp > 1")
     stages = 2 if config.pp_schedule == "interleaved1f1b" else 1
     microbatches = config.pp_microbatches or sizes["pp"] * stages
     if sizes["pp"] > 1 and batch_size % microbatches:
-        raise ValueError(f"--batch_size {batch_size} is not a multiple of --pp_microbatches {microbatches}: "
+        raise ValueError(f"--batch-size {batch_size} is not a multiple of --pp-microbatches {microbatches}: "
                          "each pipeline micro-batch must hold the same number of samples")
     if sizes["pp"] > 1 and config.pp_schedule == "interleaved1f1b" and microbatches % sizes["pp"]:
-        raise ValueError(f"--pp_schedule interleaved1f1b needs --pp_microbatches ({microbatches}) to be a "
+        raise ValueError(f"--pp-schedule interleaved1f1b needs --pp-microbatches ({microbatches}) to be a "
                          f"multiple of --pp ({sizes['pp']})")
     if sizes["dp_replicate"] * sizes["dp_shard"] > 1 and config.comm_hook != "none" and (sizes["dp_shard"] > 1 or tp > 1 or pp > 1):
-        raise ValueError(f"--comm_hook {config.comm_hook} applies to plain DDP (--dp_replicate only) layouts")
+        raise ValueError(f"--comm-hook {config.comm_hook} applies to plain DDP (--dp-replicate only) layouts")
     local_sgd = config.parallel == "diloco"
     if local_sgd and (sizes["dp_shard"] > 1 or sizes["tp"] > 1 or sizes["pp"] > 1):
         raise ValueError("--parallel diloco replicates the whole model on every rank: it does not compose with "
-                         "--dp_shard, --tp or --pp yet (drop them)")
+                         "--dp-shard, --tp or --pp yet (drop them)")
     return ParallelDims(**sizes, local_sgd=local_sgd, pp_schedule=config.pp_schedule, pp_microbatches=microbatches if sizes["pp"] > 1 else 1)
 
 
@@ -134,12 +135,12 @@ def check_model_fits(dims: ParallelDims, model: ModelConfig) -> None:
     if dims.tp > 1:
         for name, value in (("n_head", model.n_head), ("n_kv_head", model.kv_heads)):
             if value % dims.tp:
-                raise ValueError(f"--{name} {value} is not divisible by --tp {dims.tp}: tensor parallelism "
+                raise ValueError(f"{option_name(name)} {value} is not divisible by --tp {dims.tp}: tensor parallelism "
                                  "splits attention by heads; pick a --tp that divides both")
         if model.hidden_size % dims.tp:
-            raise ValueError(f"the MLP width {model.hidden_size} (--d_ff) is not divisible by --tp {dims.tp}")
+            raise ValueError(f"the MLP width {model.hidden_size} (--d-ff) is not divisible by --tp {dims.tp}")
         if model.seq_len is not None and model.seq_len % dims.tp:
-            raise ValueError(f"--seq_len {model.seq_len} is not divisible by --tp {dims.tp}: sequence "
+            raise ValueError(f"--seq-len {model.seq_len} is not divisible by --tp {dims.tp}: sequence "
                              "parallelism splits the norms' activations by positions")
         padded = model.padded_vocab_size
         if padded is not None and padded % dims.tp:
@@ -153,7 +154,7 @@ def check_model_fits(dims: ParallelDims, model: ModelConfig) -> None:
             raise ValueError(f"--n_layer {model.n_layer} is smaller than the {stages} pipeline stages "
                              f"(--pp {dims.pp}, --pp_schedule {dims.pp_schedule}): lower --pp")
         if model.document_mask:
-            raise ValueError("--document_mask is not supported with --pp > 1 (segment ids do not travel "
+            raise ValueError("--document-mask is not supported with --pp > 1 (segment ids do not travel "
                              "between stages)")
 
 

@@ -131,7 +131,7 @@ def make_stages(owner: Transformer, mine: list[int], ranges: list[range]) -> lis
 
 def build_schedule(stages: list[nn.Module], indices: list[int], dims: ParallelDims, *, device: torch.device,
                    pp_group, loss_fn) -> Any:
-    """The pipeline schedule over this rank's stages (`--pp_schedule`, `--pp_microbatches`).
+    """The pipeline schedule over this rank's stages (`--pp-schedule`, `--pp-microbatches`).
 
     Gradients are not rescaled by the schedule (`scale_grads=False`): `loss_fn` divides by the number
     of micro-batches itself, so that gradient accumulation over several `step` calls stays a plain sum.

@@ -1,0 +1,131 @@
+"""The one option machinery (`shardkit.options`): kebab-case names with snake_case aliases on every
+command, one size parser and one size formatter."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shardkit.cli import build_parser, main
+from shardkit.options import OptionParser, format_size, parse_size
+from shardkit.train.options import add_train_arguments, parse_train_args
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser: `shardkit X [Y]` and `python -m shardkit.train`."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        found[name] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}")
+
+    walk(build_parser(), "shardkit")
+    train = OptionParser(prog="python -m shardkit.train")
+    add_train_arguments(train)
+    found["python -m shardkit.train"] = train
+    return found
+
+
+def test_every_option_of_every_command_is_kebab_case():
+    commands = _commands()
+    assert {"shardkit build", "shardkit inspect", "shardkit verify", "shardkit cat", "shardkit trace",
+            "shardkit train", "shardkit tune", "shardkit plot", "shardkit demo", "shardkit tokenizer train",
+            "python -m shardkit.train"} <= set(commands)
+    for command, parser in commands.items():
+        for action in parser._actions:
+            for name in action.option_strings:
+                assert "_" not in name, f"{command}: option {name} is not kebab-case"
+
+
+def test_help_lists_kebab_case_names_only(capsys):
+    for argv in (["train", "--help"], ["build", "--help"], ["tune", "--help"], ["trace", "--help"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        out = capsys.readouterr().out
+        assert "--eval-every" in out or argv[0] in ("build", "trace")
+        # torchrun's own --nproc_per_node (in the description) is not a shardkit option
+        options = [word for word in out.split() if word.startswith("--") and "nproc_per_node" not in word]
+        assert options and not [o for o in options if "_" in o.split("=")[0].split(".")[-1]], argv
+
+
+def test_snake_case_alias_of_every_trainer_option_gives_the_same_config():
+    kebab = parse_train_args(["--data", "/d", "--eval-every", "5", "--batch-size", "3", "--cache-limit", "64MB",
+                              "--optimizer.min-lr-ratio", "0.2", "--tie-embeddings", "false", "--data-seed=4"])
+    snake = parse_train_args(["--data", "/d", "--eval_every", "5", "--batch_size", "3", "--cache_limit", "64MB",  # respell: keep
+                              "--optimizer.min_lr_ratio", "0.2", "--tie_embeddings", "false", "--data_seed=4"])  # respell: keep
+    assert kebab == snake
+    assert kebab.eval_every == 5 and kebab.data.loader.cache_limit == 64 * 10**6 and kebab.data.loader.seed == 4
+    assert kebab.optimizer.min_lr_ratio == 0.2 and kebab.model.tie_embeddings is False
+
+
+def test_snake_case_alias_on_the_build_and_the_negative_flags():
+    from shardkit.cli.build import config_from_args
+
+    argv = ["build", "in.jsonl", "--output", "o", "--tokenizer", "byte", "--seq_len", "8",  # respell: keep
+            "--shard_size", "1.5KiB", "--no_progress", "--on_error", "fail"]  # respell: keep
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (config.seq_len, config.shard_size, config.progress, config.on_error) == (8, 1536, False, "fail")
+    assert parse_train_args(["--data", "/d", "--no-tensorboard"]).logging.tensorboard is False
+
+
+def test_values_after_double_dash_are_not_respelled():
+    parser = OptionParser()
+    parser.add_argument("--some-flag", action="store_true")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--some_flag", "--", "--keep_me"])  # respell: keep
+    assert args.some_flag and args.rest == ["--keep_me"]  # respell: keep
+
+
+def test_errors_name_the_kebab_case_option(capsys):
+    with pytest.raises(SystemExit):
+        parse_train_args(["--data", "/d", "--batch_size", "0"])  # respell: keep
+    err = capsys.readouterr().err
+    assert "--batch-size must be >= 1" in err and "batch_size" not in err
+    with pytest.raises(SystemExit):
+        parse_train_args(["--data", "/d", "--cache-limit", "lots"])
+    err = capsys.readouterr().err
+    assert "--cache-limit" in err and "cannot read 'lots' as a size" in err
+    assert main(["build", "x.jsonl", "--output", "o", "--tokenizer", "byte", "--seq-len", "0"]) == 1
+    assert "--seq-len must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, size", [
+    ("64MB", 64 * 10**6), ("64mb", 64 * 10**6), ("1.5GiB", 3 * 2**29), ("64M", 64 * 2**20), ("2k", 2048),
+    ("1000", 1000), (" 3 KB ", 3000), ("1TB", 10**12), ("1T", 2**40), (".5KiB", 512), (4096, 4096),
+])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MB", "1.2.3MB", "64 megabytes", "-5", "0", "0.1", True])
+def test_parse_size_refuses_naming_the_option(text):
+    with pytest.raises(ValueError, match="^--cache-limit"):
+        parse_size(text, option="--cache-limit")
+
+
+def test_format_size_round_trips_through_parse_size():
+    assert format_size(812) == "812 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 * 2**29, exact=True) == "1.5 GiB (1,610,612,736 B)"
+    for n in (1, 1023, 1024, 10**6, 3 * 2**29, 5 * 2**40):
+        text = format_size(n).replace(" ", "").replace(",", "")
+        assert abs(parse_size(text) - n) <= 0.05 * n
+
+
+def test_loader_config_takes_a_size_text():
+    from shardkit.loaders.config import LoaderConfig
+
+    assert LoaderConfig(cache_limit="1.5GiB").cache_limit == 3 * 2**29
+    with pytest.raises(ValueError, match="cache_limit"):
+        LoaderConfig(cache_limit="big")
+
+
+def test_space_names_a_trainer_option_by_either_spelling():
+    from shardkit.tune.space import parse_param
+
+    assert parse_param("warmup-steps=int:0:5") == parse_param("warmup_steps=int:0:5")
+    assert parse_param("optimizer.min-lr-ratio=uniform:0:1") == parse_param("optimizer.min_lr_ratio=uniform:0:1")  # respell: keep
