@@ -1,0 +1,62 @@
+"""transformers Trainer + accelerate through shardkit.integrations.huggingface (issue 24), with the real packages:
+every run is a new process (torchrun for 2 ranks, gloo), the resumed run resumes the Trainer's own way
+(`resume_from_checkpoint=True` picks the last checkpoint-N directory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration_procs import ids_of, run_script
+from loader_helpers import write_fixed
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SAMPLES, BATCH = 60, 4  # 15 steps per epoch on one rank, 7 on two (56 samples, 4 left out)
+
+
+@pytest.fixture(scope="module")
+def dataset_url(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("hf") / "data")
+    write_fixed(url, SAMPLES, seq_len=16, per_shard=20)
+    return url
+
+
+def run(dataset_url, folder, name, *options, ranks=1, check=True):
+    return run_script("hf_runs.py", dataset_url, folder, name, *options, ranks=ranks, check=check)
+
+
+def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
+    whole = run(dataset_url, tmp_path / "whole", "whole", "--steps", 20)[0]
+    stopped = run(dataset_url, tmp_path / "cut", "head", "--steps", 20, "--stop-at", 10)[0]
+    assert (tmp_path / "cut" / "checkpoint-10" / "shardkit_loader.json").is_file()
+    resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 20, "--resume")[0]
+    assert [s for s, _ in resumed] == list(range(10, 20))  # no replayed step, none missing
+    assert stopped + resumed == whole  # crosses the end of epoch 0 (step 15)
+    assert sorted(ids_of(whole, 0, 15)) == list(range(SAMPLES))
+
+
+@pytest.mark.slow
+def test_two_ranks_read_disjoint_complete_shares_and_resume_exactly_also_on_one(dataset_url, tmp_path):
+    # accelerate's dispatch_batches=True (only rank 0 would read) and split_batches=True (8 per step, 4 per rank).
+    whole = run(dataset_url, tmp_path / "whole", "whole", "--steps", 14, "--dispatch", 1, "--split", 1,
+                "--batch", 2 * BATCH, ranks=2)
+    for epoch in range(2):
+        shares = [ids_of(whole[rank], 7 * epoch, 7 * epoch + 7) for rank in range(2)]
+        assert not set(shares[0]) & set(shares[1])
+        assert len(set(shares[0] + shares[1])) == len(shares[0] + shares[1]) == 56
+    # dispatch_batches=False (accelerate's IterableDatasetShard would keep every other batch).
+    stopped = run(dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10, "--dispatch", 0, ranks=2)
+    resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 14, "--resume", "--dispatch", 0, ranks=2)
+    for rank in range(2):
+        assert stopped[rank] + resumed[rank] == whole[rank]
+
+    # 2 -> 1 ranks: the Trainer's step counting refuses; with ignore_data_skip the loader continues exactly.
+    refused = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",
+                  check=False)
+    assert refused.returncode != 0 and "ignore_data_skip=True" in refused.stderr, refused.stderr[-2000:]
+    one = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",
+              "--ignore-data-skip")[0]
+    # Epoch 1 began at step 7 on two ranks; 3 steps (24 samples) were read there, the rest (36) on one rank.
+    epoch1 = ids_of(stopped[0], 7) + ids_of(stopped[1], 7) + ids_of(one)[:36]
+    assert sorted(epoch1) == list(range(SAMPLES))
