@@ -1,7 +1,9 @@
-"""One transformers Trainer run over a StreamingDataset through ShardkitTrainer (started by tests/test_integrations_hf.py,
-alone or under torchrun): records the sample ids of every micro-batch per rank, optionally stops after a step.
+"""One transformers Trainer run over a StreamingDataset through ShardkitTrainer (started by
+tests/test_integrations_hf.py, alone or under torchrun): records the sample ids of every micro-batch per rank,
+optionally stops after a step.
 
-    python hf_runs.py DATASET OUT_DIR IDS_JSON --steps N [--stop-at K] [--resume [checkpoint-N]] [--dispatch 0|1] [--gas G]
+    python hf_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume [checkpoint-N]] [--dispatch 0|1]
+        [--split 0|1] [--batch B] [--gas G] [--ignore-data-skip]
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def main() -> None:
                              report_to=[], use_cpu=True, learning_rate=1e-3, seed=0, save_only_model=False,
                              accelerator_config=accelerator_config, disable_tqdm=True,
                              ignore_data_skip=opts.ignore_data_skip)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+                                       eos_token_id=0))
     dataset = StreamingDataset(opts.dataset, cache_dir=os.path.join(opts.folder, "cache"), shuffle_window=50)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset,
                                callbacks=[StopAt(opts.stop_at)] if opts.stop_at else [])

@@ -6,24 +6,46 @@ from __future__ import annotations
 
 import pytest
 
-from integration_procs import ids_of, run_script
-from loader_helpers import write_fixed
+from integration_procs import (
+    SAMPLES,
+    check_resumed,
+    check_two_rank_epochs,
+    ids_of,
+    run_script,
+    write_small_dataset,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SAMPLES, BATCH = 60, 4  # 15 steps per epoch on one rank, 7 on two (56 samples, 4 left out)
 
 
 @pytest.fixture(scope="module")
 def dataset_url(tmp_path_factory):
-    url = str(tmp_path_factory.mktemp("hf") / "data")
-    write_fixed(url, SAMPLES, seq_len=16, per_shard=20)
-    return url
+    return write_small_dataset(tmp_path_factory, "hf")
 
 
 def run(dataset_url, folder, name, *options, ranks=1, check=True):
     return run_script("hf_runs.py", dataset_url, folder, name, *options, ranks=ranks, check=check)
+
+
+def test_only_a_fixed_length_streaming_dataset_is_taken(dataset_url, tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataset
+    from shardkit.integrations.huggingface import ShardkitTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(TypeError, match="train_dataset=StreamingDataset"):
+        ShardkitTrainer(model=model, args=args, train_dataset=DataLoader(dataset, batch_size=None))
+    url = str(tmp_path / "variable")
+    write_variable(url, 20, max_len=10, per_shard=10)
+    with pytest.raises(ValueError, match="variable length"):
+        ShardkitTrainer(model=model, args=args, train_dataset=StreamingDataset(url, cache_dir=str(tmp_path / "c")))
 
 
 def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
@@ -40,16 +62,12 @@ def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_pat
 def test_two_ranks_read_disjoint_complete_shares_and_resume_exactly_also_on_one(dataset_url, tmp_path):
     # accelerate's dispatch_batches=True (only rank 0 would read) and split_batches=True (8 per step, 4 per rank).
     whole = run(dataset_url, tmp_path / "whole", "whole", "--steps", 14, "--dispatch", 1, "--split", 1,
-                "--batch", 2 * BATCH, ranks=2)
-    for epoch in range(2):
-        shares = [ids_of(whole[rank], 7 * epoch, 7 * epoch + 7) for rank in range(2)]
-        assert not set(shares[0]) & set(shares[1])
-        assert len(set(shares[0] + shares[1])) == len(shares[0] + shares[1]) == 56
+                "--batch", 8, ranks=2)
+    check_two_rank_epochs(whole, steps=((0, 7), (7, 14)))  # the Trainer's steps count from 0
     # dispatch_batches=False (accelerate's IterableDatasetShard would keep every other batch).
     stopped = run(dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10, "--dispatch", 0, ranks=2)
     resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 14, "--resume", "--dispatch", 0, ranks=2)
-    for rank in range(2):
-        assert stopped[rank] + resumed[rank] == whole[rank]
+    check_resumed(whole, stopped, resumed, first=10)
 
     # 2 -> 1 ranks: the Trainer's step counting refuses; with ignore_data_skip the loader continues exactly.
     refused = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",

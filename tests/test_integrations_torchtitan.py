@@ -7,20 +7,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_procs import ids_of, run_script
-from loader_helpers import ids_from_tokens, write_fixed
+from integration_procs import (
+    SAMPLES,
+    check_resumed,
+    check_two_rank_epochs,
+    ids_of,
+    run_script,
+    whole_and_resumed,
+    write_small_dataset,
+)
+from loader_helpers import ids_from_tokens
 
 pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is needed (see pyproject [integrations])")
 from shardkit.integrations.torchtitan import STATE_KEY, ShardkitDataLoader  # noqa: E402
 
-SAMPLES = 60  # 4 per rank per step: 15 steps per epoch on one rank, 7 on two
 
 
 @pytest.fixture(scope="module")
 def dataset_url(tmp_path_factory):
-    url = str(tmp_path_factory.mktemp("titan") / "data")
-    write_fixed(url, SAMPLES, seq_len=16, per_shard=20)
-    return url
+    return write_small_dataset(tmp_path_factory, "titan")
 
 
 def build(url, tmp_path, *, rank=0, world=1, seq_len=16, **config):
@@ -60,26 +65,17 @@ def test_bad_configuration_is_named(dataset_url, tmp_path):
 
 
 def test_checkpoint_manager_resume_in_a_new_process(dataset_url, tmp_path):
-    whole = run_script("titan_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 20)[0]
-    stopped = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "head", "--steps", 20, "--stop-at", 10)[0]
-    resumed = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "tail", "--steps", 20)[0]
-    assert [s for s, _ in resumed] == list(range(11, 21))
-    assert stopped + resumed == whole  # crosses the end of epoch 0 (step 15)
+    whole, head, tail = whole_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=20)
+    check_resumed(whole, head, tail)  # crosses the end of epoch 0 (step 15)
 
 
 @pytest.mark.slow
 def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
-    whole = run_script("titan_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 14, ranks=2)
-    for first in (1, 8):  # epochs 0 and 1: steps 1-7 and 8-14
-        shares = [ids_of(whole[rank], first, first + 7) for rank in range(2)]
-        assert not set(shares[0]) & set(shares[1]) and len(set(shares[0] + shares[1])) == 56
-    stopped = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10,
-                         ranks=2)
-    resumed = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "tail", "--steps", 14, ranks=2)
-    for rank in range(2):
-        assert stopped[rank] + resumed[rank] == whole[rank]
+    whole, head, tail = whole_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    check_two_rank_epochs(whole)
+    check_resumed(whole, head, tail)
     # 2 -> 1 ranks from the same checkpoint (torchtitan's own loader refuses another data-parallel size):
     # epoch 1 began at step 8; 3 steps of it (24 samples) were read on two ranks, the other 36 on one.
-    one = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 20, "--load-step", 10)[0]
+    one = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", 10)[0]
     assert one[0][0] == 11
-    assert sorted(ids_of(stopped[0], 8) + ids_of(stopped[1], 8) + ids_of(one)[:36]) == list(range(SAMPLES))
+    assert sorted(ids_of(head[0], 8) + ids_of(head[1], 8) + ids_of(one)[:36]) == list(range(SAMPLES))

@@ -3,12 +3,11 @@ ShardkitDataLoader built from its Config the way torchtitan's Trainer builds it,
 from torchtitan's containers, state through torchtitan's CheckpointManager (DCP). Records the sample ids of
 every step per rank. A run loads the latest checkpoint of FOLDER when there is one (torchtitan's resume).
 
-    python titan_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--load-step S]
+    python titan_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume STEP]
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 
-from integration_procs import run_parser  # noqa: E402
+from integration_procs import run_parser, write_ids  # noqa: E402
 from loader_helpers import ids_from_tokens  # noqa: E402
 from shardkit.integrations.torchtitan import ShardkitDataLoader  # noqa: E402
 
@@ -42,7 +41,7 @@ class TrainState:
 def main() -> None:
     parser = run_parser()
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--load-step", type=int, default=-1, help="the checkpoint step to load (-1: the latest)")
+    parser.add_argument("--resume", type=int, default=-1, help="the checkpoint step to load (-1: the latest)")
     opts = parser.parse_args()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1:
@@ -53,13 +52,14 @@ def main() -> None:
         dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=16, local_batch_size=4, snapshot_every_n_steps=5)
     model = torch.nn.Sequential(torch.nn.Embedding(512, 8), torch.nn.Linear(8, 512))
     optimizers = OptimizersContainer.Config(param_groups=[
-        ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]).build(model_parts=[model])
+        ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]).build(
+        model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=opts.steps)
     train_state = TrainState()
     checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=5, keep_latest_k=0).build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": train_state}, sd_adapter=None, base_folder=opts.folder)
-    checkpointer.load(step=opts.load_step)
+    checkpointer.load(step=opts.resume)
     seen = []
     batches = iter(dataloader)
     while train_state.step < opts.steps and train_state.step != opts.stop_at:
@@ -76,10 +76,7 @@ def main() -> None:
         schedulers.step()
         checkpointer.save(curr_step=train_state.step)
     checkpointer.close()
-    with open(f"{opts.ids}.{rank}", "w") as f:
-        json.dump(seen, f)
-    if world > 1:
-        dist.destroy_process_group()
+    write_ids(opts.ids, seen)
 
 
 if __name__ == "__main__":

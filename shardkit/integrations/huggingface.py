@@ -70,12 +70,16 @@ class ShardkitTrainer(Trainer):
     Raises:
         TypeError: `train_dataset` is not a `StreamingDataset` (a `StreamingDataLoader` or a DataLoader around
             the dataset would be wrapped by accelerate, which drops or duplicates a rank-aware share).
+        ValueError: the dataset's samples have no fixed length.
     """
 
     def __init__(self, *args: Any, train_dataset: StreamingDataset | None = None, **kwargs: Any):
         if not isinstance(train_dataset, StreamingDataset):
             raise TypeError(f"ShardkitTrainer needs train_dataset=StreamingDataset(...), got "
                             f"{type(train_dataset).__name__}: pass the dataset, the trainer builds its loader")
+        if train_dataset.sample_length is None:
+            raise ValueError(f"{train_dataset.streams[0].url}: samples of variable length; ShardkitTrainer needs "
+                             "fixed-length samples (a dataset built with seq_len)")
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
         self._batches: TrainerBatches | None = None
 
