@@ -1,4 +1,5 @@
-"""Starting the framework runs of the integration tests (tests/hf_runs.py, tests/titan_runs.py) in new processes."""
+"""The framework runs of the integration tests (tests/*_runs.py): started in new processes, their shared arguments,
+the dataset they read and the checks on the sample ids they record."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 SAMPLES = 60  # 4 per rank per step: 15 steps per epoch on one rank, 7 on two (56 samples, 4 left out)
 
 
-def write_small_dataset(tmp_path_factory, name: str) -> str:
-    """A fixed-length dataset of SAMPLES samples of 17 tokens in 3 shards (ids recoverable from the tokens)."""
+@pytest.fixture(scope="module")
+def dataset_url(tmp_path_factory) -> str:
+    """A fixed-length dataset of SAMPLES samples of 17 tokens in 3 shards (ids recoverable from the tokens);
+    a test module that imports this fixture gets one for its tests."""
     from loader_helpers import write_fixed
 
-    url = str(tmp_path_factory.mktemp(name) / "data")
+    url = str(tmp_path_factory.mktemp("integration") / "data")
     write_fixed(url, SAMPLES, seq_len=16, per_shard=20)
     return url
 

@@ -9,15 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from integration_procs import write_small_dataset
+from integration_procs import dataset_url  # noqa: F401 - a fixture: the module's dataset
 from loader_helpers import ids_from_tokens
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.integrations.batches import TypedBatches, causal_lm_fields, torch_token_dtype
-
-
-@pytest.fixture(scope="module")
-def dataset_url(tmp_path_factory):
-    return write_small_dataset(tmp_path_factory, "batches")
 
 
 def loader(url, tmp_path):

@@ -10,19 +10,13 @@ from integration_procs import (
     SAMPLES,
     check_resumed,
     check_two_rank_epochs,
+    dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
     run_script,
-    write_small_dataset,
 )
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-
-
-@pytest.fixture(scope="module")
-def dataset_url(tmp_path_factory):
-    return write_small_dataset(tmp_path_factory, "hf")
 
 
 def run(dataset_url, folder, name, *options, ranks=1, check=True):
@@ -48,14 +42,18 @@ def test_only_a_fixed_length_streaming_dataset_is_taken(dataset_url, tmp_path):
         ShardkitTrainer(model=model, args=args, train_dataset=StreamingDataset(url, cache_dir=str(tmp_path / "c")))
 
 
-def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
-    whole = run(dataset_url, tmp_path / "whole", "whole", "--steps", 20)[0]
-    stopped = run(dataset_url, tmp_path / "cut", "head", "--steps", 20, "--stop-at", 10)[0]
-    assert (tmp_path / "cut" / "checkpoint-10" / "shardkit_loader.json").is_file()
-    resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 20, "--resume")[0]
-    assert [s for s, _ in resumed] == list(range(10, 20))  # no replayed step, none missing
-    assert stopped + resumed == whole  # crosses the end of epoch 0 (step 15)
-    assert sorted(ids_of(whole, 0, 15)) == list(range(SAMPLES))
+@pytest.mark.parametrize("gas", [1, 2])
+def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path, gas):
+    # gas=2: 8 optimizer steps per epoch of 15 batches (the last one accumulates a single batch).
+    steps, stop = (20, 10) if gas == 1 else (10, 5)
+    options = ("--steps", steps, "--gas", gas)
+    whole = run(dataset_url, tmp_path / "whole", "whole", *options)[0]
+    stopped = run(dataset_url, tmp_path / "cut", "head", *options, "--stop-at", stop)[0]
+    assert (tmp_path / "cut" / f"checkpoint-{stop}" / "shardkit_loader.json").is_file()
+    resumed = run(dataset_url, tmp_path / "cut", "tail", *options, "--resume")[0]
+    assert resumed[0][0] == stop  # the Trainer's steps count from 0: no replayed step, none missing
+    assert stopped + resumed == whole  # crosses the end of epoch 0
+    assert sorted(i for _, ids in whole[:15] for i in ids) == list(range(SAMPLES))
 
 
 @pytest.mark.slow

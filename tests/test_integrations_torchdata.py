@@ -10,18 +10,12 @@ from integration_procs import (
     SAMPLES,
     check_resumed,
     check_two_rank_epochs,
+    dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
     whole_and_resumed,
-    write_small_dataset,
 )
 
 pytest.importorskip("torchdata.stateful_dataloader")
-
-
-
-@pytest.fixture(scope="module")
-def dataset_url(tmp_path_factory):
-    return write_small_dataset(tmp_path_factory, "torchdata")
 
 
 @pytest.mark.parametrize("options", [("--workers", 0), ("--workers", 2), ("--plain",)],

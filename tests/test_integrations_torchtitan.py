@@ -11,21 +11,15 @@ from integration_procs import (
     SAMPLES,
     check_resumed,
     check_two_rank_epochs,
+    dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
     run_script,
     whole_and_resumed,
-    write_small_dataset,
 )
 from loader_helpers import ids_from_tokens
 
 pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is needed (see pyproject [integrations])")
 from shardkit.integrations.torchtitan import STATE_KEY, ShardkitDataLoader  # noqa: E402
-
-
-
-@pytest.fixture(scope="module")
-def dataset_url(tmp_path_factory):
-    return write_small_dataset(tmp_path_factory, "titan")
 
 
 def build(url, tmp_path, *, rank=0, world=1, seq_len=16, **config):
