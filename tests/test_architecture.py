@@ -4,6 +4,8 @@
 - The build side (`tools/` = `shardkit.tools`) uses the core only; the loaders (`loaders/` = `shardkit.loaders`)
   likewise: the two never import each other, and neither imports the trainer.
 - The trainer (`shardkit/train/`) uses the loaders and the core, by their modules (not the lazy face).
+- The framework integrations (`shardkit/integrations/`) sit with the face: they use the loaders and the core,
+  and nothing but the face imports them.
 - Only the face (`shardkit/__init__.py`, `shardkit/__main__.py`, `shardkit/cli/`) and the tuner, which drives
   trainer runs, import the trainer.
 """
@@ -27,8 +29,9 @@ ALLOWED = {
     "build": {"core", "build"},
     "loaders": {"core", "loaders"},
     "trainer": {"core", "loaders", "trainer"},
+    "integrations": {"core", "loaders", "integrations"},
     "tune": {"core", "trainer", "tune"},
-    "face": {"core", "build", "loaders", "trainer", "tune", "face"},
+    "face": {"core", "build", "loaders", "trainer", "tune", "integrations", "face"},
 }
 
 
@@ -41,7 +44,7 @@ def part_of_module(module: str) -> str | None:
         return None
     if len(names) == 1:
         return "face"  # `from shardkit import X` goes through the lazy face
-    return {"tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune", "cli": "face",
+    return {"tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune", "integrations": "integrations", "cli": "face",
             "__main__": "face"}.get(names[1], "core")
 
 
@@ -111,9 +114,9 @@ def test_every_import_follows_the_house_rules():
 def test_the_parts_are_where_the_design_card_puts_them():
     modules = set(source_files().values())
     assert {"shardkit.cli.main", "shardkit.manifest", "shardkit.loaders.dataset", "shardkit.tools.build",
-            "shardkit.train.loop"} <= modules
+            "shardkit.train.loop", "shardkit.integrations.huggingface"} <= modules
     parts = {part_of_module(m) for m in modules}
-    assert {"core", "build", "loaders", "trainer", "face"} <= parts
+    assert {"core", "build", "loaders", "trainer", "integrations", "face"} <= parts
 
 
 @pytest.mark.parametrize("importer, line, expected", [
@@ -123,6 +126,8 @@ def test_the_parts_are_where_the_design_card_puts_them():
     ("shardkit/formats/reader.py", "from ..cli.dataset import describe", "core imports the CLI"),
     ("shardkit/train/data.py", "from shardkit import StreamingDataset", "imports through the lazy face"),
     ("loaders/state.py", "from shardkit import train", "loaders imports trainer"),
+    ("shardkit/integrations/batches.py", "from shardkit.train import loop", "integrations imports trainer"),
+    ("loaders/dataset.py", "import shardkit.integrations.batches", "loaders imports integrations"),
 ])
 def test_a_violation_is_reported_with_its_place(tmp_path, monkeypatch, importer, line, expected):
     # The checker itself must catch each kind of violation: add one import to a copy of a real module.

@@ -1,0 +1,13 @@
+"""shardkit's loader inside the training frameworks people already use (`docs/INTEGRATIONS.md`).
+
+One small module per framework; each imports its framework when it is itself imported, never before
+(`import shardkit.integrations` imports none of them):
+
+- `batches`: the batch conversions every adapter shares (token dtype for collectives, causal-LM fields).
+- `huggingface`: `ShardkitTrainer`, a transformers `Trainer` whose every rank reads its own share once and
+  whose loader state lives in the Trainer's own `checkpoint-N` directories.
+- `torchtitan`: `ShardkitDataLoader`, a torchtitan `BaseDataLoader` that resumes on another data-parallel size.
+
+torchdata's `StatefulDataLoader`, torch's `DataLoader` and Lightning need no adapter: see the document.
+The integrations use the loaders and the core only (tests/test_architecture.py).
+"""

@@ -1,0 +1,99 @@
+"""The framework runs of the integration tests (tests/*_runs.py): started in new processes, their shared arguments,
+the dataset they read and the checks on the sample ids they record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SAMPLES = 60  # 4 per rank per step: 15 steps per epoch on one rank, 7 on two (56 samples, 4 left out)
+
+
+@pytest.fixture(scope="module")
+def dataset_url(tmp_path_factory) -> str:
+    """A fixed-length dataset of SAMPLES samples of 17 tokens in 3 shards (ids recoverable from the tokens);
+    a test module that imports this fixture gets one for its tests."""
+    from loader_helpers import write_fixed
+
+    url = str(tmp_path_factory.mktemp("integration") / "data")
+    write_fixed(url, SAMPLES, seq_len=16, per_shard=20)
+    return url
+
+
+def whole_and_resumed(script: str, dataset_url: str, tmp_path: Path, *options, steps: int, ranks: int = 1):
+    """(uninterrupted run, run stopped after step 10, the latter resumed from step 10's checkpoint): each
+    {rank: [[step, sample ids], ...]}. The script takes --resume STEP."""
+    for folder in ("whole", "cut"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+    whole = run_script(script, dataset_url, tmp_path / "whole", "whole", "--steps", steps, *options, ranks=ranks)
+    head = run_script(script, dataset_url, tmp_path / "cut", "head", "--steps", steps, "--stop-at", 10, *options,
+                      ranks=ranks)
+    tail = run_script(script, dataset_url, tmp_path / "cut", "tail", "--steps", steps, "--resume", 10, *options,
+                      ranks=ranks)
+    return whole, head, tail
+
+
+def check_resumed(whole: dict, head: dict, tail: dict, *, first: int = 11) -> None:
+    """Every rank: the resumed run starts at step `first` and the stopped and resumed runs together are the
+    uninterrupted run (same sample ids at every step, none replayed, none missing)."""
+    for rank in whole:
+        assert tail[rank][0][0] == first
+        assert head[rank] + tail[rank] == whole[rank]
+
+
+def check_two_rank_epochs(whole: dict, steps=((1, 8), (8, 15))) -> None:
+    """Each epoch's [first, last) steps: the two ranks' samples disjoint and together the 56 samples it uses."""
+    for first, last in steps:
+        shares = [ids_of(whole[rank], first, last) for rank in range(2)]
+        assert not set(shares[0]) & set(shares[1])
+        assert len(set(shares[0] + shares[1])) == len(shares[0] + shares[1]) == 56
+
+
+def write_ids(path: str, seen: list) -> None:
+    """A run script's last act: the ids it saw to PATH.RANK, and the process group closed."""
+    import torch.distributed as dist
+
+    with open(f"{path}.{os.environ.get('RANK', 0)}", "w") as f:
+        json.dump(seen, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_script(script: str, dataset_url: str, folder: Path, name: str, *options, ranks: int = 1, check: bool = True):
+    """Run `script` in a new process (torchrun for several ranks, gloo); {rank: [[step, sample ids], ...]} it
+    recorded, or the finished process when `check` is off."""
+    from conftest import free_port
+
+    command = [str(HERE / script), dataset_url, str(folder), str(folder.parent / name), *map(str, options)]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                 f"--master-port={free_port()}"] if ranks > 1 else [sys.executable])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(launcher + command, capture_output=True, text=True, env=env, timeout=600)
+    if not check:
+        return done
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {rank: json.loads((folder.parent / f"{name}.{rank}").read_text()) for rank in range(ranks)}
+
+
+def ids_of(steps, first: int = 0, last: int | None = None) -> list[int]:
+    """Sample ids of the recorded steps in [first, last)."""
+    return [i for step, ids in steps if first <= step and (last is None or step < last) for i in ids]
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """The arguments every run script takes: the dataset, its output folder, where to write the ids it saw,
+    the steps to train and the step after which to stop (as a preemption would)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dataset")
+    parser.add_argument("folder")
+    parser.add_argument("ids")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--stop-at", type=int)
+    return parser

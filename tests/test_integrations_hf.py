@@ -1,0 +1,78 @@
+"""transformers Trainer + accelerate through shardkit.integrations.huggingface (issue 24), with the real packages:
+every run is a new process (torchrun for 2 ranks, gloo), the resumed run resumes the Trainer's own way
+(`resume_from_checkpoint=True` picks the last checkpoint-N directory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration_procs import (
+    SAMPLES,
+    check_resumed,
+    check_two_rank_epochs,
+    dataset_url,  # noqa: F401 - a fixture: the module's dataset
+    ids_of,
+    run_script,
+)
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def run(dataset_url, folder, name, *options, ranks=1, check=True):
+    return run_script("hf_runs.py", dataset_url, folder, name, *options, ranks=ranks, check=check)
+
+
+def test_only_a_fixed_length_streaming_dataset_is_taken(dataset_url, tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataset
+    from shardkit.integrations.huggingface import ShardkitTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(TypeError, match="train_dataset=StreamingDataset"):
+        ShardkitTrainer(model=model, args=args, train_dataset=DataLoader(dataset, batch_size=None))
+    url = str(tmp_path / "variable")
+    write_variable(url, 20, max_len=10, per_shard=10)
+    with pytest.raises(ValueError, match="variable length"):
+        ShardkitTrainer(model=model, args=args, train_dataset=StreamingDataset(url, cache_dir=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path, gas):
+    # gas=2: 8 optimizer steps per epoch of 15 batches (the last one accumulates a single batch).
+    steps, stop = (20, 10) if gas == 1 else (10, 5)
+    options = ("--steps", steps, "--gas", gas)
+    whole = run(dataset_url, tmp_path / "whole", "whole", *options)[0]
+    stopped = run(dataset_url, tmp_path / "cut", "head", *options, "--stop-at", stop)[0]
+    assert (tmp_path / "cut" / f"checkpoint-{stop}" / "shardkit_loader.json").is_file()
+    resumed = run(dataset_url, tmp_path / "cut", "tail", *options, "--resume")[0]
+    assert resumed[0][0] == stop  # the Trainer's steps count from 0: no replayed step, none missing
+    assert stopped + resumed == whole  # crosses the end of epoch 0
+    assert sorted(i for _, ids in whole[:15] for i in ids) == list(range(SAMPLES))
+
+
+@pytest.mark.slow
+def test_two_ranks_read_disjoint_complete_shares_and_resume_exactly_also_on_one(dataset_url, tmp_path):
+    # accelerate's dispatch_batches=True (only rank 0 would read) and split_batches=True (8 per step, 4 per rank).
+    whole = run(dataset_url, tmp_path / "whole", "whole", "--steps", 14, "--dispatch", 1, "--split", 1,
+                "--batch", 8, ranks=2)
+    check_two_rank_epochs(whole, steps=((0, 7), (7, 14)))  # the Trainer's steps count from 0
+    # dispatch_batches=False (accelerate's IterableDatasetShard would keep every other batch).
+    stopped = run(dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10, "--dispatch", 0, ranks=2)
+    resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 14, "--resume", "--dispatch", 0, ranks=2)
+    check_resumed(whole, stopped, resumed, first=10)
+
+    # 2 -> 1 ranks: the Trainer's step counting refuses; with ignore_data_skip the loader continues exactly.
+    refused = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",
+                  check=False)
+    assert refused.returncode != 0 and "ignore_data_skip=True" in refused.stderr, refused.stderr[-2000:]
+    one = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",
+              "--ignore-data-skip")[0]
+    # Epoch 1 began at step 7 on two ranks; 3 steps (24 samples) were read there, the rest (36) on one rank.
+    epoch1 = ids_of(stopped[0], 7) + ids_of(stopped[1], 7) + ids_of(one)[:36]
+    assert sorted(epoch1) == list(range(SAMPLES))

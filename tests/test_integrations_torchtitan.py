@@ -1,0 +1,75 @@
+"""torchtitan through shardkit.integrations.torchtitan (issue 24): its loader protocol (Config/build, `({"input":
+LongTensor}, labels)` batches, empty-state load) and its CheckpointManager (DCP) on CPU, each run in a new
+process; the resumed run loads the latest checkpoint the way torchtitan's Trainer does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_procs import (
+    SAMPLES,
+    check_resumed,
+    check_two_rank_epochs,
+    dataset_url,  # noqa: F401 - a fixture: the module's dataset
+    ids_of,
+    run_script,
+    whole_and_resumed,
+)
+from loader_helpers import ids_from_tokens
+
+pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan is needed (see pyproject [integrations])")
+from shardkit.integrations.torchtitan import STATE_KEY, ShardkitDataLoader  # noqa: E402
+
+
+def build(url, tmp_path, *, rank=0, world=1, seq_len=16, **config):
+    # The arguments torchtitan's Trainer passes to config.dataloader.build(...).
+    return ShardkitDataLoader.Config(dataset_path=url, cache_dir=str(tmp_path / "cache"), **config).build(
+        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=4,
+        snapshot_every_n_steps=None)
+
+
+def test_batches_are_input_and_next_token_labels_and_an_empty_state_starts_fresh(dataset_url, tmp_path):
+    loader = build(dataset_url, tmp_path)
+    inputs, labels = next(iter(loader))
+    assert list(inputs) == ["input"] and inputs["input"].dtype == labels.dtype == torch.int64
+    assert inputs["input"].shape == labels.shape == (4, 16)
+    assert torch.equal(inputs["input"][:, 1:], labels[:, :-1])
+    fresh = build(dataset_url, tmp_path)
+    fresh.load_state_dict({})  # what torchtitan loads into a run with no checkpoint
+    first = build(dataset_url, tmp_path)
+    assert torch.equal(next(iter(fresh))[0]["input"], next(iter(first))[0]["input"])
+    with pytest.raises(ValueError, match=STATE_KEY):
+        fresh.load_state_dict({"dp_rank_0": b"..."})  # torchtitan's own loader's state
+
+
+def test_it_goes_on_into_the_next_epoch_like_torchtitans_loaders(dataset_url, tmp_path):
+    batches = iter(build(dataset_url, tmp_path))
+    ids = [ids_from_tokens(next(batches)[0]["input"]) for _ in range(30)]
+    epochs = [sorted(int(i) for b in ids[e * 15:(e + 1) * 15] for i in b) for e in range(2)]
+    assert epochs[0] == epochs[1] == list(range(SAMPLES))
+    assert [b.tolist() for b in ids[:15]] != [b.tolist() for b in ids[15:]]  # reshuffled
+
+
+def test_bad_configuration_is_named(dataset_url, tmp_path):
+    with pytest.raises(ValueError, match="dataloader.dataset_path"):
+        build("", tmp_path)
+    with pytest.raises(ValueError, match="seq_len=32"):
+        build(dataset_url, tmp_path, seq_len=32)
+
+
+def test_checkpoint_manager_resume_in_a_new_process(dataset_url, tmp_path):
+    whole, head, tail = whole_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=20)
+    check_resumed(whole, head, tail)  # crosses the end of epoch 0 (step 15)
+
+
+@pytest.mark.slow
+def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
+    whole, head, tail = whole_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    check_two_rank_epochs(whole)
+    check_resumed(whole, head, tail)
+    # 2 -> 1 ranks from the same checkpoint (torchtitan's own loader refuses another data-parallel size):
+    # epoch 1 began at step 8; 3 steps of it (24 samples) were read on two ranks, the other 36 on one.
+    one = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", 10)[0]
+    assert one[0][0] == 11
+    assert sorted(ids_of(head[0], 8) + ids_of(head[1], 8) + ids_of(one)[:36]) == list(range(SAMPLES))
