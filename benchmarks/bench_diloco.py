@@ -10,7 +10,7 @@ DDP's gradient buckets, DiLoCo's pseudo-gradient all-reduces); the held-out loss
 The table shows medians over the seeds (`--seed`: weight init; the data order is the same) and
 writes JSON with the exact commands.
 
-Variants: ddp; diloco h10 / h50 (H = 10, 50); f4 (H = 50, 4 fragments); delay (H = 50, --sync_delay 1).
+Variants: ddp; diloco h10 / h50 (H = 10, 50); f4 (H = 50, 4 fragments); delay (H = 50, --sync-delay 1).
 """
 
 from __future__ import annotations
@@ -31,22 +31,22 @@ SHARED = Path(os.environ.get("SHARDKIT_SHARED", Path(__file__).resolve().parents
 
 VARIANTS: dict[str, list[str]] = {
     "ddp": ["--parallel", "ddp"],
-    "h10": ["--parallel", "diloco", "--sync_every", "10"],
-    "h50": ["--parallel", "diloco", "--sync_every", "50"],
-    "f4": ["--parallel", "diloco", "--sync_every", "50", "--sync_fragments", "4"],
-    "delay": ["--parallel", "diloco", "--sync_every", "50", "--sync_delay", "1"],
+    "h10": ["--parallel", "diloco", "--sync-every", "10"],
+    "h50": ["--parallel", "diloco", "--sync-every", "50"],
+    "f4": ["--parallel", "diloco", "--sync-every", "50", "--sync-fragments", "4"],
+    "delay": ["--parallel", "diloco", "--sync-every", "50", "--sync-delay", "1"],
 }
 
 
 def run_variant(args: argparse.Namespace, name: str, seed: int, train: Path, held_out: Path) -> dict:
     run_dir = Path(args.work_dir) / "diloco-runs" / f"{name}-seed{seed}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               "-m", "shardkit.train", "--data", str(train), "--eval_data", str(held_out), "--preset", "tiny",
-               "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--lr", str(args.lr),
-               "--warmup_steps", str(max(1, args.steps // 10)), "--eval_batches", str(args.eval_batches),
-               "--seed", str(seed), "--device", "cpu", "--log_every", str(max(1, args.steps // 5)),
-               "--run_dir", str(run_dir), "--resume", "none", "--checkpoint_every", "0", "--save_final", "false",
-               "--tensorboard", "false", "--cache_dir", str(Path(args.work_dir) / "cache"), *VARIANTS[name]]
+               "-m", "shardkit.train", "--data", str(train), "--eval-data", str(held_out), "--preset", "tiny",
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+               "--warmup-steps", str(max(1, args.steps // 10)), "--eval-batches", str(args.eval_batches),
+               "--seed", str(seed), "--device", "cpu", "--log-every", str(max(1, args.steps // 5)),
+               "--run-dir", str(run_dir), "--resume", "none", "--checkpoint-every", "0", "--save-final", "false",
+               "--tensorboard", "false", "--cache-dir", str(Path(args.work_dir) / "cache"), *VARIANTS[name]]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

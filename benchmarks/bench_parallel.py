@@ -30,14 +30,14 @@ from bench_train import build_data  # noqa: E402  (one random-token dataset writ
 LAYOUTS = {
     "single": (1, 1, ()),
     "ddp2": (2, 2, ("--parallel", "ddp")),
-    "dp_shard2": (2, 2, ("--dp_shard", "2")),
+    "dp_shard2": (2, 2, ("--dp-shard", "2")),
     "tp2": (2, 1, ("--tp", "2")),
-    "pp2": (2, 1, ("--pp", "2", "--pp_schedule", "1f1b")),
-    "pp2_interleaved": (2, 1, ("--pp", "2", "--pp_schedule", "interleaved1f1b")),
-    "tp2_dp_shard2": (4, 2, ("--tp", "2", "--dp_shard", "2")),
-    "pp2_dp_shard2": (4, 2, ("--pp", "2", "--dp_shard", "2")),
+    "pp2": (2, 1, ("--pp", "2", "--pp-schedule", "1f1b")),
+    "pp2_interleaved": (2, 1, ("--pp", "2", "--pp-schedule", "interleaved1f1b")),
+    "tp2_dp_shard2": (4, 2, ("--tp", "2", "--dp-shard", "2")),
+    "pp2_dp_shard2": (4, 2, ("--pp", "2", "--dp-shard", "2")),
     "pp2_tp2": (4, 1, ("--pp", "2", "--tp", "2")),
-    "dp_replicate2_dp_shard2": (4, 4, ("--dp_replicate", "2", "--dp_shard", "2")),
+    "dp_replicate2_dp_shard2": (4, 4, ("--dp-replicate", "2", "--dp-shard", "2")),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
@@ -46,10 +46,10 @@ def run_layout(args: argparse.Namespace, data: str, layout: str, run_dir: Path) 
     nproc, dp, options = LAYOUTS[layout]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "shardkit.train", "--data", data, "--preset", args.preset, "--steps", str(args.steps),
-               "--warmup_steps", "1", "--batch_size", str(args.global_batch // dp), "--device", args.device,
-               "--vocab_size", "50304", "--tie_embeddings", "false", "--n_layer", str(args.n_layer),
-               "--log_every", "1000", "--run_dir", str(run_dir), "--checkpoint_every", "0", "--save_final", "false",
-               "--resume", "none", "--cache_dir", str(run_dir.parent / "cache"), *options]
+               "--warmup-steps", "1", "--batch-size", str(args.global_batch // dp), "--device", args.device,
+               "--vocab-size", "50304", "--tie-embeddings", "false", "--n-layer", str(args.n_layer),
+               "--log-every", "1000", "--run-dir", str(run_dir), "--checkpoint-every", "0", "--save-final", "false",
+               "--resume", "none", "--cache-dir", str(run_dir.parent / "cache"), *options]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode:

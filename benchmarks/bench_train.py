@@ -50,14 +50,14 @@ def build_data(data_dir: Path, *, samples: int, seq_len: int) -> str:
 def train_command(args: argparse.Namespace, data: str, run_dir: Path) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                "-m", "shardkit.train", "--data", data, "--preset", args.preset, "--steps", str(args.steps),
-               "--warmup_steps", "5", "--batch_size", str(args.batch_size), "--precision", args.precision,
-               "--compile", str(args.compile).lower(), "--log_every", "10", "--run_dir", str(run_dir),
-               "--checkpoint_every", "0", "--save_final", "false", "--resume", "none",
-               "--num_workers", str(args.num_workers), "--cache_dir", str(run_dir.parent / "cache")]
+               "--warmup-steps", "5", "--batch-size", str(args.batch_size), "--precision", args.precision,
+               "--compile", str(args.compile).lower(), "--log-every", "10", "--run-dir", str(run_dir),
+               "--checkpoint-every", "0", "--save-final", "false", "--resume", "none",
+               "--num-workers", str(args.num_workers), "--cache-dir", str(run_dir.parent / "cache")]
     if args.parallel:
         command += ["--parallel", args.parallel]
     if args.vocab_size:
-        command += ["--vocab_size", str(args.vocab_size)]
+        command += ["--vocab-size", str(args.vocab_size)]
     return command + args.extra
 
 
@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench-train"))
     parser.add_argument("--out", default="bench_out/train.json")
-    parser.add_argument("extra", nargs="*", help="more trainer options after --, e.g. -- --activation_checkpointing")
+    parser.add_argument("extra", nargs="*", help="more trainer options after --, e.g. -- --activation-checkpointing")
     args = parser.parse_args()
 
     samples = args.steps * args.batch_size * args.nproc + 1024

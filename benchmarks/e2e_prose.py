@@ -86,11 +86,11 @@ def main() -> int:
     train_data, held_out_data = prepare_data(work, args.seq_len)
     entropy = unigram_entropy(train_data)
     run_dir = work / "run"
-    subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(train_data), "--eval_data", str(held_out_data),
-                    "--preset", "tiny", "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--lr", str(args.lr),
-                    "--warmup_steps", str(max(1, args.steps // 10)), "--eval_every", str(max(1, args.steps // 3)),
-                    "--eval_batches", "16", "--log_every", "25", "--run_dir", str(run_dir), "--resume", "none",
-                    "--checkpoint_every", "0", "--save_final", "false", "--device", "cpu"], check=True)
+    subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(train_data), "--eval-data", str(held_out_data),
+                    "--preset", "tiny", "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                    "--warmup-steps", str(max(1, args.steps // 10)), "--eval-every", str(max(1, args.steps // 3)),
+                    "--eval-batches", "16", "--log-every", "25", "--run-dir", str(run_dir), "--resume", "none",
+                    "--checkpoint-every", "0", "--save-final", "false", "--device", "cpu"], check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     result = {"unigram_entropy_nats": entropy, "eval_losses": {r["step"]: r["eval_loss"] for r in evals},

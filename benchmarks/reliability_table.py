@@ -80,7 +80,7 @@ SCENARIOS = [
     ("zstd_bomb_arrow-undeclared", "... frame size not declared", "tests/test_adversarial.py::test_zstd_bomb_is_refused_in_bounded_memory[arrow-undeclared]"),
     ("fuzz", "Fuzzed shards raise only CorruptShardError; fuzzed JSONL/Parquet ingest accounts for every record",
      "tests/test_fuzz.py"),
-    ("cache_dir_writable", "Cache root (explicit or default) or dataset directory writable by others (0777, 1777, 0770, 0722): UnsafeCacheDirError naming it and cache_dir=/--cache_dir",
+    ("cache_dir_writable", "Cache root (explicit or default) or dataset directory writable by others (0777, 1777, 0770, 0722): UnsafeCacheDirError naming it and cache_dir=/--cache-dir",
      "tests/test_cache_security.py::test_a_cache_dir_others_can_write_is_refused"),
     ("cache_dir_other_owner", "Cache directory owned by another user, a link to one, or a link another user planted: refused the same way",
      "tests/test_cache_security.py::test_a_cache_dir_owned_by_another_user_is_refused"),

@@ -297,7 +297,7 @@ class StreamingDataset(IterableDataset):
         differences, fixed = saved.differences(current), saved.differences(current, ignore=MIXTURE_FIELDS)
         if fixed or (differences and not allow_mixture_change):
             hint = ("" if fixed else "; to continue with the new mixture from the saved position, pass "
-                    "allow_mixture_change=True (shardkit train: --allow_mixture_change)")
+                    "allow_mixture_change=True (shardkit train: --allow-mixture-change)")
             raise ValueError("cannot resume: the saved loader state belongs to another order ("
                              + "; ".join(differences) + ")" + hint)
         self._mixture = resumed_record(saved, self._mixture_streams(), changed=bool(differences))

@@ -125,7 +125,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_train_starvation_warnings_total", "counter", "Starvation warnings logged.", ("rank",)),
         ("shardkit_train_loss_scale", "gauge",
          "fp16 loss scale the last step's backward pass used (halved by an overflow, doubled after "
-         "--loss_scale_growth_interval clean steps).", ("rank",)),
+         "--loss-scale-growth-interval clean steps).", ("rank",)),
         ("shardkit_train_overflow_steps_total", "counter",
          "fp16 steps whose gradients overflowed: update skipped, batches consumed (since this process started; "
          "metrics.jsonl's overflow_steps counts the whole run).", ("rank",)),

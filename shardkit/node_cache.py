@@ -56,7 +56,7 @@ def private_directory(path: str) -> None:
             return
     raise UnsafeCacheDirError(
         f"refusing cache directory {path}: it is {problem}, so another user could plant decoded shards in it "
-        "that would be served as training data. Pass cache_dir= (loader) or --cache_dir (trainer) a private "
+        "that would be served as training data. Pass cache_dir= (loader) or --cache-dir (trainer) a private "
         "directory of your own (shardkit creates a missing one with mode 0700), or chmod 700 it if it is yours")
 
 

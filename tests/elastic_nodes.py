@@ -71,14 +71,14 @@ class Node:
         options = []
         if self.storage_options is not None:
             config = dict(self.storage_options.get("config_kwargs") or {}, user_agent_extra=f"elastic-node-{self.name}")
-            options = ["--storage_options", json.dumps(dict(self.storage_options, config_kwargs=config))]
+            options = ["--storage-options", json.dumps(dict(self.storage_options, config_kwargs=config))]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes,
                 "--nproc_per_node", str(self.nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}", "--rdzv-id", "elastic-test",
                 # A short last call: the test's agents are all up when a round opens.
                 "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
                 "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.2",
-                "-m", "shardkit.train", *self.train_args, "--cache_dir", str(self.cache_dir), *options]
+                "-m", "shardkit.train", *self.train_args, "--cache-dir", str(self.cache_dir), *options]
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
@@ -168,9 +168,9 @@ def lose_and_return(workdir: Path, *, data: str, storage_options: dict | None, s
     Returns the nodes, the run directory and the wall-clock times of the kill and of node b's return.
     """
     run_dir = workdir / "run"
-    train_args = ["--data", data, "--steps", str(steps), "--batch_size", str(batch_size), "--warmup_steps", "2",
-                  "--checkpoint_every", str(checkpoint_every), "--keep", "3", "--log_sample_ids",
-                  "--log_every", "50", "--device", "cpu", "--run_dir", str(run_dir), "--resume", "auto"]
+    train_args = ["--data", data, "--steps", str(steps), "--batch-size", str(batch_size), "--warmup-steps", "2",
+                  "--checkpoint-every", str(checkpoint_every), "--keep", "3", "--log-sample-ids",
+                  "--log-every", "50", "--device", "cpu", "--run-dir", str(run_dir), "--resume", "auto"]
     port = free_port()
     nodes = [Node(name, workdir=workdir, rdzv_port=port, train_args=train_args, storage_options=storage_options)
              for name in ("a", "b")]

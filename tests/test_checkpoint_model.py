@@ -76,23 +76,23 @@ def test_dropout_is_a_resumable_change():
 
 
 def test_a_checkpoint_saved_before_vocabulary_padding_keeps_its_vocabulary():
-    """Its record has no make_vocab_size_divisible_by: it held exactly --vocab_size rows (50257 for GPT-2)."""
+    """Its record has no make_vocab_size_divisible_by: it held exactly --vocab-size rows (50257 for GPT-2)."""
     gpt2 = dataclasses.replace(BASE, vocab_size=50257)
     record = {k: v for k, v in model_record(gpt2).items() if k not in ("make_vocab_size_divisible_by",
                                                                          "padded_vocab_size")}
     old = saved_model_config(record, path="ckpt")
     assert old.padded_vocab_size == 50257
-    assert model_differences(old, gpt2) == ["padded vocabulary (--vocab_size rounded up to a multiple of "
-                                            "--make_vocab_size_divisible_by 1 / 128): checkpoint 50257, this run 50304"]
+    assert model_differences(old, gpt2) == ["padded vocabulary (--vocab-size rounded up to a multiple of "
+                                            "--make-vocab-size-divisible-by 1 / 128): checkpoint 50257, this run 50304"]
     assert model_differences(old, dataclasses.replace(gpt2, make_vocab_size_divisible_by=1)) == []
 
 
 def test_no_model_options_rebuild_the_checkpoints_model_if_it_suits_the_dataset():
     saved = dataclasses.replace(BASE, n_layer=5, rope_theta=500.0, dropout=0.1)
     assert resume_into(saved, BASE, from_checkpoint=True) == saved
-    with pytest.raises(ValueError, match="--seq_len: checkpoint 64, the dataset's samples 32"):
+    with pytest.raises(ValueError, match="--seq-len: checkpoint 64, the dataset's samples 32"):
         resume_into(dataclasses.replace(saved, seq_len=64), BASE, from_checkpoint=True)
-    with pytest.raises(ValueError, match="--vocab_size: checkpoint 100, the dataset's tokenizer 256"):
+    with pytest.raises(ValueError, match="--vocab-size: checkpoint 100, the dataset's tokenizer 256"):
         resume_into(dataclasses.replace(saved, vocab_size=100), BASE, from_checkpoint=True)
 
 

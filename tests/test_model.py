@@ -100,7 +100,7 @@ def test_padded_vocabulary_takes_no_probability_and_no_gradient():
 
 
 def test_rope_theta_is_honoured():
-    """The rotary tables are not saved (derived from the config): a model built with another --rope_theta
+    """The rotary tables are not saved (derived from the config): a model built with another --rope-theta
     computes other positions, and the same theta gives the same tables."""
     base, other = (make_model("llama", document_mask=False, rope_theta=theta) for theta in (10000.0, 500.0))
     assert not torch.equal(base.rope.cos, other.rope.cos)

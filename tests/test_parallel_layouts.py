@@ -28,7 +28,7 @@ GLOBAL_BATCH, STEPS, N_LAYER, SEQ_LEN, D_MODEL = 12, 5, 4, 32, 64
 # between the first and the last stage); 4 layers (2 x 2 interleaved stages). The byte dataset's tokens are
 # ids of that vocabulary too.
 VOCAB = 50257
-MODEL = ("--n_layer", str(N_LAYER), "--vocab_size", str(VOCAB), "--checkpoint_every", "3")
+MODEL = ("--n-layer", str(N_LAYER), "--vocab-size", str(VOCAB), "--checkpoint-every", "3")
 
 LAYOUTS = {  # name: (processes, dp ranks, options)
     "tp2": (2, 1, ("--tp", "2")),

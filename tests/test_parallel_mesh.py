@@ -56,12 +56,12 @@ def test_invalid_layouts_name_the_option(options, world_size, message):
 
 
 @pytest.mark.parametrize("model, layout, message", [
-    (ModelConfig(n_head=4, n_kv_head=1), ParallelDims(tp=2, dp_shard=2), "--n_kv_head 1 is not divisible by --tp 2"),
-    (ModelConfig(n_head=6, d_model=96), ParallelDims(tp=4), "--n_head 6"),
+    (ModelConfig(n_head=4, n_kv_head=1), ParallelDims(tp=2, dp_shard=2), "--n-kv-head 1 is not divisible by --tp 2"),
+    (ModelConfig(n_head=6, d_model=96), ParallelDims(tp=4), "--n-head 6"),
     (ModelConfig(vocab_size=255, n_head=3, d_model=48, d_ff=96), ParallelDims(tp=3),
-     "padded vocabulary 256 .* --make_vocab_size_divisible_by to a multiple of 3"),
-    (ModelConfig(seq_len=31), ParallelDims(tp=2), "--seq_len 31"),
-    (ModelConfig(n_layer=2, tie_embeddings=False), ParallelDims(pp=2, pp_schedule="interleaved1f1b"), "--n_layer 2"),
+     "padded vocabulary 256 .* --make-vocab-size-divisible-by to a multiple of 3"),
+    (ModelConfig(seq_len=31), ParallelDims(tp=2), "--seq-len 31"),
+    (ModelConfig(n_layer=2, tie_embeddings=False), ParallelDims(pp=2, pp_schedule="interleaved1f1b"), "--n-layer 2"),
 ])
 def test_models_that_do_not_split_are_refused(model, layout, message):
     with pytest.raises(ValueError, match=message):

@@ -41,13 +41,13 @@ def test_the_choice_depends_on_the_request_and_the_device_and_says_why(requested
 
 @pytest.mark.parametrize("values, message", [
     ({"precision": "fp16", "parallelism": {"parallel": "ddp", "comm_hook": "powersgd"}},
-     "--comm_hook powersgd does not compose with --precision fp16"),
-    ({"precision": "fp32", "loss_scale": 1024.0}, "--loss_scale and --loss_scale_growth_interval apply to "
+     "--comm-hook powersgd does not compose with --precision fp16"),
+    ({"precision": "fp32", "loss_scale": 1024.0}, "--loss-scale and --loss-scale-growth-interval apply to "
                                                   "--precision fp16 only, not fp32"),
     ({"precision": "bf16", "loss_scale_growth_interval": 10}, "apply to --precision fp16 only, not bf16"),
-    ({"precision": "fp16", "loss_scale": 0.0}, "--loss_scale must be positive and finite"),
-    ({"precision": "fp16", "loss_scale": float("inf")}, "--loss_scale must be positive and finite"),
-    ({"precision": "fp16", "loss_scale_growth_interval": 0}, "--loss_scale_growth_interval must be >= 1"),
+    ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be positive and finite"),
+    ({"precision": "fp16", "loss_scale": float("inf")}, "--loss-scale must be positive and finite"),
+    ({"precision": "fp16", "loss_scale_growth_interval": 0}, "--loss-scale-growth-interval must be >= 1"),
     ({"precision": "fp8"}, "--precision must be one of"),
 ])
 def test_bad_precision_options_are_refused_naming_the_option(values, message):
@@ -65,7 +65,7 @@ def test_auto_is_checked_again_once_it_resolved_to_fp16(tmp_path, data, monkeypa
               "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False}}
     assert config_from_dict(values).precision == "auto"
     monkeypatch.setattr(loop, "choose_precision", lambda *_, **__: PrecisionChoice("fp16", "a GPU without bf16"))
-    with pytest.raises(ValueError, match="--comm_hook powersgd does not compose with --precision fp16"):
+    with pytest.raises(ValueError, match="--comm-hook powersgd does not compose with --precision fp16"):
         build(config_from_dict(values))
 
 
@@ -75,9 +75,9 @@ def test_help_lists_fp16_and_the_loss_scale_options(capsys):
     with pytest.raises(SystemExit):
         parse_train_args(["--help"])
     text = capsys.readouterr().out
-    assert "fp16" in text and "--loss_scale" in text and "--loss_scale_growth_interval" in text
-    config = parse_train_args(["--data", "/d", "--precision", "fp16", "--loss_scale", "1024",
-                               "--loss_scale_growth_interval", "3"])
+    assert "fp16" in text and "--loss-scale" in text and "--loss-scale-growth-interval" in text
+    config = parse_train_args(["--data", "/d", "--precision", "fp16", "--loss-scale", "1024",
+                               "--loss-scale-growth-interval", "3"])
     assert (config.precision, config.loss_scale, config.loss_scale_growth_interval) == ("fp16", 1024.0, 3)
 
 
@@ -180,7 +180,7 @@ def test_a_bf16_checkpoint_resumed_in_fp16_starts_at_the_initial_scale(tmp_path,
     run_in_process(tmp_path / "run", data, steps=8, checkpoint={"checkpoint_every": 4}, precision="bf16")
     (tmp_path / "run" / "checkpoints" / "step_00000008").rename(tmp_path / "unused")
     run_in_process(tmp_path / "run", data, steps=8, loss_scale=1024.0, **FP16)
-    assert "saved by a bf16 run, this run is fp16: the loss scale starts at --loss_scale" in caplog.text
+    assert "saved by a bf16 run, this run is fp16: the loss scale starts at --loss-scale" in caplog.text
     assert loss_scales(tmp_path / "run")[5][0] == 1024.0
 
 
@@ -233,7 +233,7 @@ def test_a_forced_overflow_on_one_rank_is_skipped_on_every_rank(tmp_path, data, 
 
 # The scale doubles after every 3 clean steps in a row: the checkpoint of step 4 is one clean step into a
 # round, so the resumed run grows at step 7 only if it got the growth tracker back, not only the scale.
-DYNAMIC = ("--precision", "fp16", "--loss_scale", "32768", "--loss_scale_growth_interval", "3")
+DYNAMIC = ("--precision", "fp16", "--loss-scale", "32768", "--loss-scale-growth-interval", "3")
 
 
 @pytest.mark.slow

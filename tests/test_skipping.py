@@ -129,12 +129,12 @@ def test_bad_skip_samples_are_clear_errors(dataset_url):
 def test_the_trainer_takes_skip_samples_as_text():
     from shardkit.train.options import parse_train_args
 
-    config = parse_train_args(["--data", "ds", "--skip_samples", "5,7-9 web.jsonl#3"])
+    config = parse_train_args(["--data", "ds", "--skip-samples", "5,7-9 web.jsonl#3"])
     assert config.data.loader.skip_samples == (5, (7, 9), ("web.jsonl", 3))
 
 
 def test_a_huge_range_stays_two_numbers_and_is_refused_against_the_epoch(dataset_url):
-    """Issue 25 item 6: `--skip_samples 0-2000000000` was expanded into a set before its range check (OOM)."""
+    """Issue 25 item 6: `--skip-samples 0-2000000000` was expanded into a set before its range check (OOM)."""
     dataset = loader(dataset_url, 0, 1, skip_samples="0-2000000000").dataset
     assert dataset.config.skip_samples == ((0, 2000000000),)
     with pytest.raises(ValueError, match="sample id 2000000000 is out of range: the dataset holds 300 samples"):

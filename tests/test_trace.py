@@ -142,7 +142,7 @@ def test_lineage_locates_samples_across_empty_shards():
 
 @pytest.fixture(scope="module")
 def remixed(tmp_path_factory):
-    """A run on the mixture A,B for 2 steps, resumed with --allow_mixture_change on B alone for 2 more."""
+    """A run on the mixture A,B for 2 steps, resumed with --allow-mixture-change on B alone for 2 more."""
     from train_runs import write_byte_dataset
 
     root = tmp_path_factory.mktemp("remixed")

@@ -101,11 +101,11 @@ def test_resume_refuses_another_model(tmp_path, datasets, capsys):
     first = losses(tmp_path / "run")
     assert run_training(tmp_path / "run", data, steps=3) == 0  # finished already: resumes at 3, trains nothing
     assert "at step 3" in capsys.readouterr().out and losses(tmp_path / "run") == first
-    with pytest.raises(ValueError, match="--n_layer: checkpoint 2, this run 3"):
+    with pytest.raises(ValueError, match="--n-layer: checkpoint 2, this run 3"):
         run_training(tmp_path / "run", data, steps=4, **{"model.n_layer": 3})
     # The case: fields the old hand-written list left out (RoPE's tables are not saved at all).
-    with pytest.raises(ValueError, match="--rope_theta: checkpoint 10000.0, this run 500.0; "
-                                         "--norm_eps: checkpoint 1e-05, this run 0.1"):
+    with pytest.raises(ValueError, match="--rope-theta: checkpoint 10000.0, this run 500.0; "
+                                         "--norm-eps: checkpoint 1e-05, this run 0.1"):
         run_training(tmp_path / "run", data, steps=4, **{"model.rope_theta": 500.0, "model.norm_eps": 0.1})
     # Dropout is declared a change a resumed run may make.
     assert run_training(tmp_path / "run", data, steps=4, **{"model.dropout": 0.1}) == 0
@@ -122,7 +122,7 @@ def test_resume_without_model_options_builds_the_checkpoints_model(tmp_path, dat
     run_training(tmp_path / "run", data, steps=3, **model)
     with caplog.at_level("INFO", logger="shardkit.train.checkpoint"):
         assert run_training(tmp_path / "run", data, steps=5) == 0
-    assert "building the model checkpoint" in caplog.text and "--rope_theta 500.0" in caplog.text
+    assert "building the model checkpoint" in caplog.text and "--rope-theta 500.0" in caplog.text
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert (recorded["n_layer"], recorded["rope_theta"], recorded["norm_eps"]) == (3, 500.0, 1e-4)
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
@@ -177,8 +177,8 @@ def test_resume_from_a_crafted_checkpoint_runs_no_code(tmp_path, datasets, capsy
     run_training(tmp_path / "run", data, steps=3)
     flag = tmp_path / "pwned"
     tamper_metadata(find_latest(tmp_path / "run" / "checkpoints"), planting(flag))
-    code = main(["train", "--data", data, "--steps", "4", "--warmup_steps", "2", "--batch_size", "12",
-                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
+    code = main(["train", "--data", data, "--steps", "4", "--warmup-steps", "2", "--batch-size", "12",
+                 "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--tensorboard", "false",
                  "--resume", "auto"])
     err = capsys.readouterr().err
     assert code != 0 and not flag.exists()
@@ -218,7 +218,7 @@ def test_the_trainers_endpoint_listens_on_loopback_unless_told(tmp_path, dataset
     # The servers outlive the runs in this process.
     assert accepts("127.0.0.1", loopback) and not accepts(outside, loopback)
     assert accepts(outside, everywhere)
-    with pytest.raises(ValueError, match="--metrics_address must be an IP address or host name"):
+    with pytest.raises(ValueError, match="--metrics-address must be an IP address or host name"):
         run_training(tmp_path / "c", data, **{"logging.metrics_address": "http://0.0.0.0"})
 
 
@@ -237,9 +237,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_checkpoint(tmp_path
 
     data, _ = datasets
     disk = small_disk("600k")  # the tiny model's checkpoint takes about 2 MB
-    code = main(["train", "--data", data, "--steps", "3", "--warmup_steps", "1", "--batch_size", "12",
-                 "--run_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache"), "--tensorboard", "false",
-                 "--checkpoint_dir", str(disk / "checkpoints")])
+    code = main(["train", "--data", data, "--steps", "3", "--warmup-steps", "1", "--batch-size", "12",
+                 "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--tensorboard", "false",
+                 "--checkpoint-dir", str(disk / "checkpoints")])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     [line] = [line for line in err.splitlines() if "no space left" in line]
@@ -251,7 +251,7 @@ def test_metrics_ports_beyond_65535_are_refused_on_every_rank_before_any_process
     from train_runs import torchrun
 
     data, _ = datasets
-    result = torchrun(tmp_path / "run", data, nproc=2, extra=("--metrics_port", "65535"), timeout=120)
-    message = "--metrics_port 65535 + local rank goes up to 65536 with 2 ranks on this node, beyond 65535"
+    result = torchrun(tmp_path / "run", data, nproc=2, extra=("--metrics-port", "65535"), timeout=120)
+    message = "--metrics-port 65535 + local rank goes up to 65536 with 2 ranks on this node, beyond 65535"
     assert result.returncode != 0 and result.stderr.count(message) == 2, result.stderr[-3000:]
     assert "gloo" not in result.stderr.lower() and "ProcessGroup" not in result.stderr

@@ -139,9 +139,9 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
      "cannot open --storage postgresql://127.0.0.1:1/x"),
     (["--space", "lr=loguniform:1e-4:1e-2", "--storage", "sqlite:////nonexistent/dir/study.db"],
      "cannot open --storage sqlite:////nonexistent/dir/study.db"),
-    (["--space", "lr=loguniform:1e-4:1e-2", "--eval_every", "0"], "--pruner median needs --eval_every"),
-    (["--sampler", "pbt", "--perturb_every", "2", "--population", "2", "--space", "n_layer=int:1:3"],
-     "--sampler pbt copies checkpoints between members, so it cannot search model options (--n_layer)"),
+    (["--space", "lr=loguniform:1e-4:1e-2", "--eval-every", "0"], "--pruner median needs --eval-every"),
+    (["--sampler", "pbt", "--perturb-every", "2", "--population", "2", "--space", "n_layer=int:1:3"],
+     "--sampler pbt copies checkpoints between members, so it cannot search model options (--n-layer)"),
     (["--space", "compile=choice:true,maybe"], "choice 'maybe' is not a valid bool"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(datasets, tmp_path, capsys, extra, expected):
@@ -182,7 +182,7 @@ def test_storage_options_reach_trials_but_never_their_command_line(tmp_path, s3_
     output = tmp_path / "tune"
     process = subprocess.Popen(tune_command(*trainer_args((f"{url}/train", f"{url}/eval"), tmp_path / "cache", steps=2,
                                                           eval_every=2),
-                                            "--storage_options", json.dumps(options), "--output", str(output),
+                                            "--storage-options", json.dumps(options), "--output", str(output),
                                             "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2"),
                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainers = {}
@@ -239,7 +239,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_half_written_report(datasets, tmp
 def test_a_grid_search_that_completes_its_grid_exits_0(datasets, tmp_path):
     output = tmp_path / "grid"
     run_tune(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
-             "--sampler", "grid", "--grid_points", "2", "--trials", "5", "--pruner", "none",
+             "--sampler", "grid", "--grid-points", "2", "--trials", "5", "--pruner", "none",
              "--space", "lr=loguniform:1e-4:1e-2")
     trials = load_study(output).trials
     assert sorted(t.params["lr"] for t in trials) == pytest.approx([1e-4, 1e-2])  # each grid point once
@@ -251,7 +251,7 @@ def test_parallel_trials_get_a_metrics_port_each(datasets, tmp_path):
 
     output, port = tmp_path / "ports", free_port()
     run_tune(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
-             "--trials", "2", "--parallel_trials", "2", "--pruner", "none", "--metrics_port", str(port),
+             "--trials", "2", "--parallel-trials", "2", "--pruner", "none", "--metrics-port", str(port),
              "--space", "lr=loguniform:1e-4:1e-2")
     study = load_study(output)
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
@@ -266,19 +266,19 @@ def test_metrics_ports_of_parallel_trials_must_fit(datasets, tmp_path, capsys):
     from shardkit.cli.main import main
 
     code = main(["tune", *trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2), "--output",
-                 str(tmp_path / "tune"), "--space", "lr=loguniform:1e-4:1e-2", "--parallel_trials", "3",
-                 "--nproc_per_trial", "2", "--metrics_port", "65531"])
+                 str(tmp_path / "tune"), "--space", "lr=loguniform:1e-4:1e-2", "--parallel-trials", "3",
+                 "--nproc-per-trial", "2", "--metrics-port", "65531"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "--metrics_port 65531 leaves no room for 3 trial(s) at once of 2 rank(s)" in err
+    assert code == 2 and "--metrics-port 65531 leaves no room for 3 trial(s) at once of 2 rank(s)" in err
     assert "\n" not in err
 
 
 def test_tune_runs_on_its_defaults_without_eval_every(datasets, tmp_path):
     args = trainer_args(datasets, tmp_path / "cache", steps=20, eval_every=0)
-    at = args.index("--eval_every")
+    at = args.index("--eval-every")
     del args[at:at + 2]  # not given at all: the default median pruner still needs evaluations
     result = run_tune(*args, "--output", str(tmp_path / "tune"), "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2")
-    assert "no --eval_every given: trials evaluate every 2 steps (--steps 20 / 10) for --pruner median" in result.stderr
+    assert "no --eval-every given: trials evaluate every 2 steps (--steps 20 / 10) for --pruner median" in result.stderr
     [trial] = load_study(tmp_path / "tune").trials
     assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(2, 21, 2))
 
@@ -288,7 +288,7 @@ def test_tuners_started_together_on_one_sqlite_study_run_exactly_the_trials_aske
 
     output = tmp_path / "shared"
     command = tune_command(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
-                           "--trials", "3", "--parallel_trials", "2", "--pruner", "none",
+                           "--trials", "3", "--parallel-trials", "2", "--pruner", "none",
                            "--space", "lr=loguniform:1e-4:1e-2")
     tuners = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]  # a fresh study: both create its tables at once

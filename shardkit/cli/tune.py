@@ -65,13 +65,13 @@ def _prepare(args: argparse.Namespace):
     if not base.data.data:
         raise ValueError("--data is required: the URL of the training dataset")
     if config.objective == "eval_loss" and not base.data.eval_data:
-        raise ValueError("--objective eval_loss needs --eval_data (a held-out dataset), or use --objective loss")
+        raise ValueError("--objective eval_loss needs --eval-data (a held-out dataset), or use --objective loss")
     if config.sampler != "pbt" and config.pruner != "none" and "eval_every" not in values:
-        # The pruner compares trials at intermediate evaluations: without --eval_every, derive them from --steps.
+        # The pruner compares trials at intermediate evaluations: without --eval-every, derive them from --steps.
         values["eval_every"] = max(1, base.steps // 10)
         base = config_from_dict(values, source="trainer options")
-        print(f"shardkit tune: no --eval_every given: trials evaluate every {values['eval_every']} steps (--steps "
-              f"{base.steps} / 10) for --pruner {config.pruner}; pass --eval_every N, or --pruner none to evaluate "
+        print(f"shardkit tune: no --eval-every given: trials evaluate every {values['eval_every']} steps (--steps "
+              f"{base.steps} / 10) for --pruner {config.pruner}; pass --eval-every N, or --pruner none to evaluate "
               "only at the end", file=sys.stderr)
     if config.sampler != "pbt" and config.pruner != "none" and not base.eval_every:
         raise ValueError(f"--pruner {config.pruner} needs --eval-every N (intermediate results to prune on), "

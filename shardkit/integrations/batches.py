@@ -40,7 +40,7 @@ def fixed_length_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     tokens = batch["tokens"]
     if tokens.dim() != 2 or tokens.shape[1] < 2:
         raise ValueError(f"causal-LM batches need fixed-length samples of >= 2 tokens ([batch, length]); got tokens "
-                         f"of shape {tuple(tokens.shape)}: build the dataset with --seq_len")
+                         f"of shape {tuple(tokens.shape)}: build the dataset with --seq-len")
     return tokens.to(torch.int64)
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-# The storage options (they may hold credentials) when not given as --storage_options: an environment is
+# The storage options (they may hold credentials) when not given as --storage-options: an environment is
 # readable only by its own user, a command line by every local user (`shardkit tune` passes them so).
 STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 

@@ -307,7 +307,7 @@ class Checkpointer:
         if full:
             return OSError(errno.ENOSPC, f"no space left in {self.directory} for checkpoint step {step}: it needs "
                                          f"about {_mib(needed)} for this rank's part, {_mib(free or 0)} are free; "
-                                         "free space or choose another --checkpoint_dir (the previous checkpoints "
+                                         "free space or choose another --checkpoint-dir (the previous checkpoints "
                                          "are intact)")
         return OSError(f"checkpoint step {step} could not be written to {self.directory} ({_first_failure(err)}); "
                        "the previous checkpoints are intact")
@@ -427,7 +427,7 @@ def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
                    for f in dataclasses.fields(ModelConfig)
                    if not f.metadata.get("resumable_change") and getattr(saved, f.name) != getattr(current, f.name)]
     if saved.padded_vocab_size != current.padded_vocab_size:
-        differences.append(f"padded vocabulary (--vocab_size rounded up to a multiple of --make_vocab_size_divisible_by "
+        differences.append(f"padded vocabulary (--vocab-size rounded up to a multiple of --make-vocab-size-divisible-by "
                            f"{saved.make_vocab_size_divisible_by} / {current.make_vocab_size_divisible_by}): "
                            f"checkpoint {saved.padded_vocab_size}, this run {current.padded_vocab_size}")
     return differences
@@ -451,18 +451,18 @@ def model_to_resume(path: str | Path, meta: dict[str, Any], current: ModelConfig
     if from_checkpoint:
         problems = []
         if saved.seq_len != current.seq_len:
-            problems.append(f"--seq_len: checkpoint {saved.seq_len}, the dataset's samples {current.seq_len}")
+            problems.append(f"--seq-len: checkpoint {saved.seq_len}, the dataset's samples {current.seq_len}")
         if saved.vocab_size < dataset_vocab:
-            problems.append(f"--vocab_size: checkpoint {saved.vocab_size}, the dataset's tokenizer {dataset_vocab}")
+            problems.append(f"--vocab-size: checkpoint {saved.vocab_size}, the dataset's tokenizer {dataset_vocab}")
         if problems:
             raise ValueError(f"checkpoint {path} holds a model for other data: " + "; ".join(problems)
-                             + "; resume with the dataset it was trained on, or use another --checkpoint_dir")
-        logger.info("building the model checkpoint %s records (--model_from_checkpoint, on when no model option "
+                             + "; resume with the dataset it was trained on, or use another --checkpoint-dir")
+        logger.info("building the model checkpoint %s records (--model-from-checkpoint, on when no model option "
                     "is given): %s", path, " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(saved).items()))
         return saved
     differences = model_differences(saved, current)
     if differences:
         raise ValueError(f"checkpoint {path} was saved for another model: " + "; ".join(differences)
                          + ". Resume with the checkpoint's values (or with no model option at all, which builds "
-                         "the checkpoint's model), or use another --checkpoint_dir")
+                         "the checkpoint's model), or use another --checkpoint-dir")
     return current

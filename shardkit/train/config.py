@@ -54,13 +54,13 @@ class ModelConfig:
     style: str = option("llama", "architecture: 'llama' (RoPE, RMSNorm, SwiGLU, no biases) or 'gpt2' "
                         "(learned positions, LayerNorm, GELU MLP, biases)", choices=MODEL_STYLES)
     vocab_size: int | None = option(None, "vocabulary size; default: the dataset manifest's tokenizer.vocab_size "
-                                    "(the model pads it, see --make_vocab_size_divisible_by)")
+                                    "(the model pads it, see --make-vocab-size-divisible-by)")
     make_vocab_size_divisible_by: int = option(
         128, "the embedding and output projection hold the vocabulary rounded up to a multiple of this (Megatron's "
         "option; GPT-2's 50257 becomes 50304): the padded rows' logits are -inf, so they never enter the loss nor "
         "a sample; a multiple of 128 suits tensor cores and every power-of-two --tp up to 128; 1: no padding",
         # Compared on resume through the padded size it gives (a checkpoint records that too); checkpoints
-        # saved before padding existed hold exactly --vocab_size rows.
+        # saved before padding existed hold exactly --vocab-size rows.
         resumable_change=True, absent=1)
     seq_len: int | None = option(None, "context length; default: the dataset manifest's seq_len")
     n_layer: int = option(2, "number of transformer blocks")
@@ -93,15 +93,15 @@ class ModelConfig:
             value = getattr(self, name)
             _check(value is None or value >= 1, f"{option_name(name)} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
-        _check(self.init_std > 0, f"--init_std must be positive, got {self.init_std}")
+        _check(self.init_std > 0, f"--init-std must be positive, got {self.init_std}")
         _check(self.make_vocab_size_divisible_by >= 1,
-               f"--make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+               f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
         # An absurd size would otherwise allocate (or loop over layers) for minutes before running out of memory.
         parameters = self.n_layer * (4 * self.d_model ** 2 + 3 * self.d_model * self.hidden_size) + (
             (self.vocab_size or 0) + (self.seq_len or 0)) * self.d_model
         _check(parameters <= MAX_PARAMETERS,
-               f"the model would have about {parameters:.3g} parameters (--n_layer {self.n_layer}, --d_model "
-               f"{self.d_model}, --d_ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
+               f"the model would have about {parameters:.3g} parameters (--n-layer {self.n_layer}, --d-model "
+               f"{self.d_model}, --d-ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
 
     @property
     def padded_vocab_size(self) -> int | None:
@@ -380,12 +380,12 @@ class LoggingConfig:
                                          "exceeds this (1 disables the warning)")
 
     def __post_init__(self) -> None:
-        _check(self.log_every >= 1, f"--log_every must be >= 1, got {self.log_every}")
-        _check(0 <= self.metrics_port < 65536, f"--metrics_port must be in 0-65535, got {self.metrics_port}")
+        _check(self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}")
+        _check(0 <= self.metrics_port < 65536, f"--metrics-port must be in 0-65535, got {self.metrics_port}")
         _check(_is_address(self.metrics_address),
-               f"--metrics_address must be an IP address or host name, got {self.metrics_address!r}")
-        _check(self.starvation_window >= 1, f"--starvation_window must be >= 1, got {self.starvation_window}")
-        _check(0 < self.starvation_threshold, f"--starvation_threshold must be > 0, got {self.starvation_threshold}")
+               f"--metrics-address must be an IP address or host name, got {self.metrics_address!r}")
+        _check(self.starvation_window >= 1, f"--starvation-window must be >= 1, got {self.starvation_window}")
+        _check(0 < self.starvation_threshold, f"--starvation-threshold must be > 0, got {self.starvation_threshold}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,7 +400,7 @@ class TrainConfig:
                             "optimizer; fp16 with dynamic loss scaling), 'fp32', or 'auto' (bf16 on GPUs with native "
                             "bf16, fp16 on older GPUs, fp32 on CPU; the log says which and why)", choices=PRECISIONS)
     loss_scale: float = option(65536.0, "fp16: initial loss scale; halved at every step whose gradients overflow "
-                               "(that step's update is skipped), doubled after --loss_scale_growth_interval clean "
+                               "(that step's update is skipped), doubled after --loss-scale-growth-interval clean "
                                "steps in a row")
     loss_scale_growth_interval: int = option(2000, "fp16: clean steps in a row before the loss scale doubles")
     compile: bool = option(False, "torch.compile each transformer block")
@@ -426,7 +426,7 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_loss_scaling()
-        _check(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+        _check(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         object.__setattr__(self, "skip_steps", format_steps(parse_steps(self.skip_steps)))
         _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
                "the diloco options (--sync-every, --outer-lr, ...) apply to --parallel diloco only, "
@@ -440,19 +440,19 @@ class TrainConfig:
     def _check_loss_scaling(self) -> None:
         """Loss-scaling options, and the layouts fp16 does not compose with. ('auto' may pick fp16 on a GPU
         without bf16: the trainer checks its choice again, with the precision resolved.)"""
-        _check(0 < self.loss_scale < float("inf"), f"--loss_scale must be positive and finite, got {self.loss_scale}")
+        _check(0 < self.loss_scale < float("inf"), f"--loss-scale must be positive and finite, got {self.loss_scale}")
         _check(self.loss_scale_growth_interval >= 1,
-               f"--loss_scale_growth_interval must be >= 1, got {self.loss_scale_growth_interval}")
+               f"--loss-scale-growth-interval must be >= 1, got {self.loss_scale_growth_interval}")
         scaling = (self.loss_scale, self.loss_scale_growth_interval)
         _check(self.precision in ("fp16", "auto") or scaling == (65536.0, 2000),
-               f"--loss_scale and --loss_scale_growth_interval apply to --precision fp16 only, not {self.precision}")
+               f"--loss-scale and --loss-scale-growth-interval apply to --precision fp16 only, not {self.precision}")
         if self.precision != "fp16":
             return
         # PowerSGD keeps the compression error of each step and adds it to the next: the inf/NaN of one
         # overflowing step would stay in that error and make every later step overflow too.
         _check(self.parallelism.comm_hook != "powersgd",
-               "--comm_hook powersgd does not compose with --precision fp16 (dynamic loss scaling): an overflowing "
-               "step poisons PowerSGD's error feedback; use --comm_hook none or bf16, or --precision bf16/fp32")
+               "--comm-hook powersgd does not compose with --precision fp16 (dynamic loss scaling): an overflowing "
+               "step poisons PowerSGD's error feedback; use --comm-hook none or bf16, or --precision bf16/fp32")
 
     def to_dict(self) -> dict[str, Any]:
         """All values, with `storage_options` redacted (it may hold credentials)."""

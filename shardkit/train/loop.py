@@ -70,7 +70,7 @@ class Run:
     saved_step: int | None = None
     stop_signal: list[int] = field(default_factory=list)
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
-    skip_steps: StepRanges = StepRanges()  # --skip_steps and those the resumed checkpoint recorded
+    skip_steps: StepRanges = StepRanges()  # --skip-steps and those the resumed checkpoint recorded
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling
 
 
@@ -92,8 +92,8 @@ def build(config: TrainConfig) -> Run:
                           against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
-        raise ValueError(f"--vocab_size {config.model.vocab_size} is smaller than the dataset's tokenizer "
-                         f"vocabulary ({vocab}); leave it unset (the model pads it, see --make_vocab_size_divisible_by)")
+        raise ValueError(f"--vocab-size {config.model.vocab_size} is smaller than the dataset's tokenizer "
+                         f"vocabulary ({vocab}); leave it unset (the model pads it, see --make-vocab-size-divisible-by)")
     model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
@@ -158,12 +158,12 @@ def build(config: TrainConfig) -> Run:
 
 
 def check_metrics_ports(port: int, *, local_ranks: int) -> None:
-    """Refuse --metrics_port when a local rank's port (port + local rank) would pass 65535: before any
+    """Refuse --metrics-port when a local rank's port (port + local rank) would pass 65535: before any
     process group exists, so that every rank stops with this message instead of one rank failing alone
     and the others in a collective."""
     if port and port + local_ranks - 1 > 65535:
-        raise ValueError(f"--metrics_port {port} + local rank goes up to {port + local_ranks - 1} with {local_ranks} "
-                         f"ranks on this node, beyond 65535: use --metrics_port {65536 - local_ranks} or lower")
+        raise ValueError(f"--metrics-port {port} + local rank goes up to {port + local_ranks - 1} with {local_ranks} "
+                         f"ranks on this node, beyond 65535: use --metrics-port {65536 - local_ranks} or lower")
 
 
 def _trainer_metrics(config: TrainConfig, runtime: Runtime) -> TrainerMetrics:
@@ -227,13 +227,13 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
 
 def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
     """fp16 goes on with the checkpoint's loss scale, growth count and skipped-step total (kept in the
-    marker, like --skip_steps); a checkpoint of a bf16/fp32 run, or a run that is not fp16, starts afresh."""
+    marker, like --skip-steps); a checkpoint of a bf16/fp32 run, or a run that is not fp16, starts afresh."""
     saved = meta.get("loss_scaler")
     if run.scaler is not None and saved is not None:
         run.scaler.load_state_dict(saved)
     elif run.runtime.is_main and (run.scaler is not None or saved is not None):
         logger.info("the checkpoint was saved by a %s run, this run is %s: %s", meta.get("precision", "bf16/fp32"),
-                    run.precision, "the loss scale starts at --loss_scale" if run.scaler is not None
+                    run.precision, "the loss scale starts at --loss-scale" if run.scaler is not None
                     else "its loss scale is not used")
 
 
@@ -385,7 +385,7 @@ def _skip_step(run: Run) -> None:
 
 
 def _advance_schedule(run: Run) -> None:
-    """Step the learning-rate schedule, also after a step without an update (--skip_steps, an fp16
+    """Step the learning-rate schedule, also after a step without an update (--skip-steps, an fp16
     overflow): the schedule follows the step count, so every later step keeps its rate."""
     with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
         warnings.simplefilter("ignore", UserWarning)

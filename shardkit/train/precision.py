@@ -6,7 +6,7 @@ whether it has native bf16), so every branch of `--precision auto` is testable w
 FP16 has five exponent bits: gradients below ~6e-8 underflow to zero. `LossScaler` multiplies the loss
 by a scale S before the backward pass (so gradients are S times larger and stay representable), divides
 the gradients by S before clipping and the update, and adapts S: a step whose gradients hold an inf or
-a NaN is skipped and S halves; after `--loss_scale_growth_interval` clean steps in a row S doubles. It is
+a NaN is skipped and S halves; after `--loss-scale-growth-interval` clean steps in a row S doubles. It is
 torch's `GradScaler` where every rank holds the same whole gradients (one process, DDP after its
 all-reduce), and `ShardedGradScaler` wherever a rank holds only part of them (FSDP2/HSDP shards, tensor-
 parallel slices, pipeline stages) or its own (DiLoCo replicas): that one all-reduces the overflow flag

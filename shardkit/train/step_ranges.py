@@ -1,4 +1,4 @@
-"""`--skip_steps` values: sets of optimizer steps kept as sorted, disjoint inclusive ranges.
+"""`--skip-steps` values: sets of optimizer steps kept as sorted, disjoint inclusive ranges.
 
 A range is two numbers whatever its length: `1-99999999999999` costs what `7` costs, in the config, in
 the checkpoint's marker and in every membership test (a binary search), never a set of its members.
@@ -61,7 +61,7 @@ class StepRanges:
 
 
 def parse_steps(text: str) -> StepRanges:
-    """The steps of a `--skip_steps` value: step numbers (from 1) and inclusive ranges A-B, separated by commas.
+    """The steps of a `--skip-steps` value: step numbers (from 1) and inclusive ranges A-B, separated by commas.
 
     Raises:
         ValueError: an entry that is neither, naming it.
@@ -73,7 +73,7 @@ def parse_steps(text: str) -> StepRanges:
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
         first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
         if match is None or not 1 <= first <= last:
-            raise ValueError(f"--skip_steps entry {entry!r}: expected a step N >= 1 or a range A-B with 1 <= A <= B")
+            raise ValueError(f"--skip-steps entry {entry!r}: expected a step N >= 1 or a range A-B with 1 <= A <= B")
         ranges.append((first, last))
     return StepRanges(ranges)
 

@@ -3,10 +3,10 @@
 A trial is a real `python -m shardkit.train` (one rank) or `python -m torch.distributed.run -m
 shardkit.train` (K ranks) with its own run directory, started with this interpreter so that the same
 environment is used. Its options go in `RUN_DIR/trial.toml` (passed as `--config`), except
-`--storage_options`, which may hold credentials: it is never written to disk nor put on the command line
+`--storage-options`, which may hold credentials: it is never written to disk nor put on the command line
 (which every local user can read in /proc/PID/cmdline), but passed in the trainer's environment
 (`SHARDKIT_STORAGE_OPTIONS`, readable only by the same user). The trainer appends
-a record per step and `{"step": S, "eval_loss": X}` at every `--eval_every` to `RUN_DIR/metrics.jsonl`;
+a record per step and `{"step": S, "eval_loss": X}` at every `--eval-every` to `RUN_DIR/metrics.jsonl`;
 the runner reads the file as it grows and hands each record to a callback, which may stop the run
 (pruning).
 """
@@ -39,7 +39,7 @@ STOP_GRACE_S = 30.0  # after SIGTERM the trainer finishes its step and saves; th
 
 
 class MetricsPorts:
-    """Metrics ports for trials that run at once: with `--metrics_port P`, the k-th trial running serves
+    """Metrics ports for trials that run at once: with `--metrics-port P`, the k-th trial running serves
     its ranks on P + k * nproc + local rank, so no two trainers ask for one port.
 
     Raises:
@@ -49,9 +49,9 @@ class MetricsPorts:
     def __init__(self, base: int, *, slots: int, nproc: int):
         last = base + slots * nproc - 1
         if base and last > 65535:
-            raise ValueError(f"--metrics_port {base} leaves no room for {slots} trial(s) at once of {nproc} rank(s) "
-                             f"each (ports up to {last}); lower --metrics_port below {65536 - slots * nproc + 1} "
-                             "or --parallel_trials")
+            raise ValueError(f"--metrics-port {base} leaves no room for {slots} trial(s) at once of {nproc} rank(s) "
+                             f"each (ports up to {last}); lower --metrics-port below {65536 - slots * nproc + 1} "
+                             "or --parallel-trials")
         self.base, self.nproc = base, nproc
         self._free = list(range(slots))
         self._lock = threading.Lock()

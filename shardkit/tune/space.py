@@ -57,7 +57,7 @@ def _fields() -> dict[str, tuple[str | None, dataclasses.Field]]:
         f.name: (None, f) for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            if f.metadata.get("flatten"):  # e.g. the loader's options, given as --shuffle_window, --data_seed
+            if f.metadata.get("flatten"):  # e.g. the loader's options, given as --shuffle-window, --data-seed
                 rename = f.metadata.get("rename", {})
                 found.update({rename.get(g.name, g.name): (section, g) for g in dataclasses.fields(f.default_factory)})
             else:

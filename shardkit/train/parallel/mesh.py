@@ -144,15 +144,15 @@ def check_model_fits(dims: ParallelDims, model: ModelConfig) -> None:
                              "parallelism splits the norms' activations by positions")
         padded = model.padded_vocab_size
         if padded is not None and padded % dims.tp:
-            raise ValueError(f"the padded vocabulary {padded} (--vocab_size {model.vocab_size} rounded up to a multiple "
-                             f"of --make_vocab_size_divisible_by {model.make_vocab_size_divisible_by}) is not "
+            raise ValueError(f"the padded vocabulary {padded} (--vocab-size {model.vocab_size} rounded up to a multiple "
+                             f"of --make-vocab-size-divisible-by {model.make_vocab_size_divisible_by}) is not "
                              f"divisible by --tp {dims.tp}: the embedding and loss are split by vocabulary; set "
-                             f"--make_vocab_size_divisible_by to a multiple of {dims.tp}")
+                             f"--make-vocab-size-divisible-by to a multiple of {dims.tp}")
     if dims.pp > 1:
         stages = dims.pp * dims.stages_per_rank
         if model.n_layer < stages:
-            raise ValueError(f"--n_layer {model.n_layer} is smaller than the {stages} pipeline stages "
-                             f"(--pp {dims.pp}, --pp_schedule {dims.pp_schedule}): lower --pp")
+            raise ValueError(f"--n-layer {model.n_layer} is smaller than the {stages} pipeline stages "
+                             f"(--pp {dims.pp}, --pp-schedule {dims.pp_schedule}): lower --pp")
         if model.document_mask:
             raise ValueError("--document-mask is not supported with --pp > 1 (segment ids do not travel "
                              "between stages)")
