@@ -35,6 +35,7 @@ from shardkit.loaders.partition import (
     worker_step_chunks,
 )
 from shardkit.loaders.reading import PROGRESS_KEY, BatchReader, ShardOwners
+from shardkit.loaders.resharding import check_not_resharded
 from shardkit.loaders.quarantine import QuarantineSources, filter_order, resolve_quarantine_list
 from shardkit.loaders.remix import (
     MixtureRecord,
@@ -427,6 +428,7 @@ class StreamingDataset(IterableDataset):
         if self.batch_size is None and self.config.max_tokens is None:
             raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
         topology = self.resolve_topology()
+        check_not_resharded(topology.world_size)
         start, partitions, quarantine = self._resume or (
             0, self.resolve_partitions(topology), tuple((s, 0, 0) for s in self.listed_quarantine))
         self.pin_global_batch((self.batch_size or 1) * topology.world_size)

@@ -76,3 +76,26 @@ def test_two_ranks_read_disjoint_complete_shares_and_resume_exactly_also_on_one(
     # Epoch 1 began at step 7 on two ranks; 3 steps (24 samples) were read there, the rest (36) on one rank.
     epoch1 = ids_of(stopped[0], 7) + ids_of(stopped[1], 7) + ids_of(one)[:36]
     assert sorted(epoch1) == list(range(SAMPLES))
+
+
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_accelerate_sharding_a_rank_aware_dataset_again_is_refused(dataset_url, tmp_path, split_batches):
+    """A plain `Trainer(train_dataset=StreamingDataset)` on 2 ranks hands the rank-aware dataset to accelerate,
+    whose IterableDatasetShard keeps every other batch of each rank's share (no error, half the data):
+    shardkit refuses to be iterated under it and says what to use."""
+    from accelerate.data_loader import IterableDatasetShard
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=2, batch_size=2)
+    resharded = IterableDatasetShard(dataset, batch_size=4, num_processes=2, process_index=0,
+                                     split_batches=split_batches)
+    with pytest.raises(ValueError, match="IterableDatasetShard shards it again.*ShardkitTrainer"):
+        next(iter(DataLoader(resharded, batch_size=None)))
+    # The same dataset iterated directly (what shardkit's own integrations do) reads this rank's share.
+    first = next(iter(DataLoader(dataset, batch_size=None)))
+    assert first["tokens"].shape[0] == 2
+    # One process: nothing is sharded twice, so accelerate's wrapper is harmless and allowed.
+    alone = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1, batch_size=2)
+    assert next(iter(IterableDatasetShard(alone, batch_size=2, num_processes=1)))["tokens"].shape[0] == 2
