@@ -4,16 +4,13 @@ own output directory, as on two machines); and a tuner SIGKILLed mid-trial and r
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 
 import pytest
 
 from conftest import free_port
 from postgres_server import PostgresServer, binaries
-from tune_helpers import ENV, make_datasets, run_tune, trainer_args, tune_command
+from tune_helpers import ENV, kill_tuner_during_second_trial, make_datasets, run_tune, trainer_args, tune_command
 
 pytestmark = pytest.mark.slow
 
@@ -81,24 +78,13 @@ def test_tuner_killed_mid_trial_on_postgres_recovers_it(postgres, datasets, tmp_
     args = [*trainer_args(datasets, tmp_path / "cache", steps=30, eval_every=10),
             "--space", "lr=loguniform:1e-3:1e-2", "--trials", "3", "--sampler", "random",
             "--pruner", "none", "--storage", url, "--output", str(output)]
-    tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                states = [t.state.name for t in _trials(url)]
-            except KeyError:  # the study does not exist yet
-                states = []
-            running = output / "trials" / f"trial_{len(states) - 1:05d}" / "metrics.jsonl"
-            if states.count("COMPLETE") == 1 and states[-1] == "RUNNING" and running.exists():
-                break  # one trial finished, the next one is training
-            time.sleep(0.2)
-        else:
-            pytest.fail("the tuner did not reach its second trial in time")
-    finally:
-        os.killpg(tuner.pid, signal.SIGKILL)
-        tuner.wait()
+    def states() -> list[str]:
+        try:
+            return [t.state.name for t in _trials(url)]
+        except KeyError:  # the study does not exist yet
+            return []
+
+    kill_tuner_during_second_trial(args, output, states)
     before = _trials(url)
     interrupted = before[-1]
     assert interrupted.state.name == "RUNNING"

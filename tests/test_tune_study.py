@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from train_runs import write_byte_dataset
-from tune_helpers import ENV, final_eval, load_study, make_datasets, metrics, run_tune, trainer_args, tune_command
+from tune_helpers import (ENV, final_eval, kill_tuner_during_second_trial, load_study, make_datasets, metrics,
+                          run_tune, trainer_args, tune_command)
 
 pytestmark = pytest.mark.slow
 
@@ -87,23 +87,8 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
     args = [*trainer_args(datasets, tmp_path / "cache", steps=30, eval_every=10),
             "--space", "lr=loguniform:1e-3:1e-2", "--trials", "3", "--sampler", "random",
             "--pruner", "none", "--output", str(output)]
-    # Its own session: killpg reaches the tuner and every trainer it started (the whole tree).
-    tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rows = _study_rows(output) if (output / "study.db").exists() else []
-            states = [row[1] for row in rows]
-            running = (output / "trials" / f"trial_{len(rows) - 1:05d}" / "metrics.jsonl")
-            if states.count("COMPLETE") == 1 and states[-1] == "RUNNING" and running.exists():
-                break  # one trial finished, the next one is training
-            time.sleep(0.1)
-        else:
-            pytest.fail("the tuner did not reach its second trial in time")
-    finally:
-        os.killpg(tuner.pid, signal.SIGKILL)
-        tuner.wait()
+    kill_tuner_during_second_trial(args, output, lambda: [row[1] for row in _study_rows(output)]
+                                   if (output / "study.db").exists() else [], timeout=120)
     before = _study_rows(output)
     finished_before = {row[0]: row for row in before if row[1] == "COMPLETE"}
     finished_files = {n: (output / "trials" / f"trial_{n:05d}" / "metrics.jsonl").read_bytes()

@@ -51,3 +51,26 @@ def load_study(output: Path, name: str = "shardkit"):
     import optuna
 
     return optuna.load_study(study_name=name, storage=f"sqlite:///{output / 'study.db'}")
+
+
+def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, timeout: float = 180) -> None:
+    """Start `shardkit tune ARGS` in a session of its own, wait until one trial finished and the next one
+    trains (`states()`: the study's trial states in order, [] before the study exists), then SIGKILL the
+    whole tree (tuner and trainers), as a lost machine would."""
+    import signal
+    import time
+
+    tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = states()
+            running = output / "trials" / f"trial_{len(current) - 1:05d}" / "metrics.jsonl"
+            if current.count("COMPLETE") == 1 and current[-1] == "RUNNING" and running.exists():
+                return  # one trial finished, the next one is training
+            time.sleep(0.1)
+        raise AssertionError("the tuner did not reach its second trial in time")
+    finally:
+        os.killpg(tuner.pid, signal.SIGKILL)
+        tuner.wait()
