@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, results):
     config = ParallelConfig(pp=2, pp_schedule="gpipe")
     runtime = init_runtime(config, device="cpu", batch_size=BATCH)
     torch.manual_seed(0)
-    parallel = parallelize(Transformer(MODEL), runtime, config, bf16=False, compile=False, activation_checkpointing=False)
+    parallel = parallelize(Transformer(MODEL), runtime, config, param_dtype=None, compile=False, activation_checkpointing=False)
     optimizer = build_optimizer(parallel.model, OptimizerConfig(lr=1e-2))
     copy = parallel.model.tok_emb.weight  # rank 1 keeps the embedding's module, tied to its output projection
     assert rank == 0 or parallel.model.lm_head.weight is copy

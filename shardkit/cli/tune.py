@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardkit.options import option_name
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from shardkit.options import add_dataclass_options
@@ -81,7 +83,7 @@ def _prepare(args: argparse.Namespace):
     model_options = [p.name for p in params if p.section == "model"]
     if config.sampler == "pbt" and model_options:
         raise ValueError(f"--sampler pbt copies checkpoints between members, so it cannot search model options "
-                         f"({', '.join('--' + n for n in model_options)}): a member's checkpoint would go into a "
+                         f"({', '.join(option_name(n) for n in model_options)}): a member's checkpoint would go into a "
                          "different model; search them with --sampler tpe, random or grid")
     check_against_trainer(params, values)
     ports = MetricsPorts(base.logging.metrics_port, slots=config.concurrency, nproc=config.nproc_per_trial)

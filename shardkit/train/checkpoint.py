@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from shardkit.options import option_name
 from shardkit.train import faults
 from shardkit.train.config import ModelConfig
 from shardkit.train.checkpoint_metadata import SafeFileSystemReader
@@ -423,7 +424,7 @@ def saved_model_config(record: dict[str, Any], *, path: str | Path) -> ModelConf
 def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
     """'--NAME: checkpoint A, this run B' for each architecture field that differs (every `ModelConfig`
     field but those declared `resumable_change`), and for the padded vocabulary."""
-    differences = [f"--{f.name}: checkpoint {getattr(saved, f.name)}, this run {getattr(current, f.name)}"
+    differences = [f"{option_name(f.name)}: checkpoint {getattr(saved, f.name)}, this run {getattr(current, f.name)}"
                    for f in dataclasses.fields(ModelConfig)
                    if not f.metadata.get("resumable_change") and getattr(saved, f.name) != getattr(current, f.name)]
     if saved.padded_vocab_size != current.padded_vocab_size:
@@ -458,7 +459,7 @@ def model_to_resume(path: str | Path, meta: dict[str, Any], current: ModelConfig
             raise ValueError(f"checkpoint {path} holds a model for other data: " + "; ".join(problems)
                              + "; resume with the dataset it was trained on, or use another --checkpoint-dir")
         logger.info("building the model checkpoint %s records (--model-from-checkpoint, on when no model option "
-                    "is given): %s", path, " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(saved).items()))
+                    "is given): %s", path, " ".join(f"{option_name(k)} {v}" for k, v in dataclasses.asdict(saved).items()))
         return saved
     differences = model_differences(saved, current)
     if differences:
