@@ -135,6 +135,7 @@ class StreamingDataLoader(DataLoader):
 
     @property
     def epoch(self) -> int:
+        """The epoch the next iteration reads (advanced when an iteration reaches the end of its epoch)."""
         return self._epoch
 
     # -- iteration -----------------------------------------------------------------------------

@@ -187,9 +187,12 @@ class StreamingDataset(IterableDataset):
         return resolve_topology(**self._topology_args, **self._group_args)
 
     def resolve_partitions(self, topology: Topology) -> int:
+        """Partitions of the global order: `num_partitions` when set, else one per node of `topology` (fixed by the
+        first run and kept on resume, so an elastic resume continues the same order)."""
         return self.config.num_partitions if self.config.num_partitions is not None else topology.num_nodes
 
     def order_config(self, num_partitions: int) -> OrderConfig:
+        """The pure order's parameters (seed, shuffle, block size, window) with `num_partitions` resolved."""
         return self.config.order_config(num_partitions)
 
     def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()) -> Order:
@@ -491,6 +494,7 @@ class StreamingDataset(IterableDataset):
         return ids
 
     def steps_left(self, order: Order, start: int, plan: IterationPlan) -> int:
+        """Global steps of `order` from position `start` at the plan's global batch (after the partial-batch policy)."""
         return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
                               policy=self.config.partial_batches)
 

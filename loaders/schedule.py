@@ -83,6 +83,7 @@ class Schedule:
         return list(range(steps[0] // quantum * quantum + quantum, steps[-1] + quantum, quantum))
 
     def to_json(self) -> dict[str, Any]:
+        """The schedule as JSON-ready data: `{"schedule": [[step, weight], ...], "interpolate": bool}`."""
         return {"schedule": [list(p) for p in self.points], "interpolate": self.interpolate}
 
 
