@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from shardkit.options import option_name
 from shardkit.train.checkpoint import (Checkpointer, find_latest, model_differences, model_record, model_to_resume,
                                        saved_model_config)
 from shardkit.train.config import ModelConfig, OptimizerConfig
@@ -57,7 +58,7 @@ def test_the_record_holds_every_field_and_rebuilds_the_same_config():
 @pytest.mark.parametrize("name", ARCHITECTURE)
 def test_every_architecture_field_changed_on_resume_is_refused(name):
     other = changed(BASE, name)
-    message = f"--{name}: checkpoint {getattr(BASE, name)}, this run {getattr(other, name)}"
+    message = f"{option_name(name)}: checkpoint {getattr(BASE, name)}, this run {getattr(other, name)}"
     with pytest.raises(ValueError, match="saved for another model: .*" + message.replace("(", r"\(")
                        .replace(")", r"\)").replace(".", r"\.")):
         resume_into(BASE, other)
