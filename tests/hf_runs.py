@@ -75,6 +75,11 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     with open(f"{opts.ids}.{rank}", "w") as f:
         json.dump(trainer.seen, f)
+    # End the process group before the interpreter does: left to exit, gloo's threads were once torn down
+    # mid-flight ("terminate called without an active exception", exit -6) after a run that had finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
