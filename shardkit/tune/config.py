@@ -48,6 +48,9 @@ class TuneConfig:
     population: int = option(4, "pbt: members trained side by side")
     perturb_every: int = option(0, "pbt: steps per round; after each round the bottom members copy a top "
                                 "member's checkpoint and perturb its hyperparameters")
+    checkpoint_root: str | None = option(None, "pbt: directory or fsspec URL (e.g. s3://bucket/pbt) of the members' "
+                                         "checkpoints; tuners on several hosts sharing one --storage study give "
+                                         "the same shared root; default OUTPUT/pbt")
     quantile: float = option(0.25, "pbt: fraction of the population replaced after each round (at least one)")
 
     def __post_init__(self) -> None:
