@@ -1,5 +1,6 @@
-"""`shardkit tune --sampler pbt` shared by two tuners (as two hosts): one population in one study, on a real
-PostgreSQL server and on a SQLite file, each tuner with its own --output and one shared --checkpoint-root."""
+"""`shardkit tune --sampler pbt` shared by two tuners (as two hosts): one population in one study, each tuner
+with its own --output and one shared --checkpoint-root: a real PostgreSQL server with a shared directory, and
+a SQLite file with an S3 bucket (moto), where the tuners share no checkpoint directory at all."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import S3_TEST_CREDENTIALS
 from postgres_server import new_database, postgres  # noqa: F401  (postgres: the server fixture)
 from tune_helpers import ENV, make_datasets, metrics, trainer_args, tune_command
 
@@ -24,18 +26,31 @@ def datasets(tmp_path_factory):
     return make_datasets(tmp_path_factory.mktemp("tune-pbt-shared-data"))
 
 
-@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
-def test_two_tuners_train_one_population_from_each_others_checkpoints(database, datasets, tmp_path, request):
+def _is_checkpoint(root: str, name: str, options: dict) -> bool:
+    """Whether checkpoint `name` is complete (its marker written) under the root, local or on S3."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f"{root}/{name}/shardkit-checkpoint.json", **options)
+    return fs.exists(path)
+
+
+@pytest.mark.parametrize("database,checkpoints", [("postgresql", "directory"), ("sqlite", "s3")])
+def test_two_tuners_train_one_population_from_each_others_checkpoints(database, checkpoints, datasets, tmp_path,
+                                                                      request):
     url = (new_database(request.getfixturevalue("postgres"), "pbt") if database == "postgresql"
            else f"sqlite:///{tmp_path / 'shared' / 'study.db'}")
     (tmp_path / "shared").mkdir()
-    root = tmp_path / "shared" / "checkpoints"
-    common = [*trainer_args(datasets, tmp_path / "cache", steps=STEPS, eval_every=EVERY),
+    if checkpoints == "s3":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        root, secret, env = f"{bucket}/pbt", ["--storage-options", json.dumps(options)], {**ENV, **S3_TEST_CREDENTIALS}
+    else:
+        root, secret, env = str(tmp_path / "shared" / "checkpoints"), [], ENV
+    common = [*secret, *trainer_args(datasets, tmp_path / "cache", steps=STEPS, eval_every=EVERY),
               "--space", "lr=loguniform:1e-3:3e-2", "--sampler", "pbt", "--population", str(POPULATION),
               "--perturb-every", str(EVERY), "--quantile", "0.5", "--parallel-trials", "1",
-              "--storage", url, "--checkpoint-root", str(root)]
+              "--storage", url, "--checkpoint-root", root]
     outputs = {host: tmp_path / f"host-{host}" for host in "ab"}
-    tuners = [subprocess.Popen(tune_command(*common, "--output", str(output)), env=ENV, stdout=subprocess.PIPE,
+    tuners = [subprocess.Popen(tune_command(*common, "--output", str(output)), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for output in outputs.values()]
     logs = [tuner.communicate(timeout=240)[0] for tuner in tuners]
     assert [tuner.returncode for tuner in tuners] == [0, 0], "\n".join(log[-3000:] for log in logs)
@@ -70,7 +85,7 @@ def test_two_tuners_train_one_population_from_each_others_checkpoints(database, 
         written = rounds[(source, round_index - 1)]
         # A round resumes from the checkpoint its source wrote, wherever that ran, and says so.
         assert trial.user_attrs["resumed_from"] == written.user_attrs["checkpoint"] is not None
-        assert (root / written.user_attrs["checkpoint"]).is_dir()
+        assert _is_checkpoint(root, written.user_attrs["checkpoint"], options if checkpoints == "s3" else {})
         assert lineage[(member, round_index)]["resumed_from"] == written.user_attrs["checkpoint"]
         resumed = [r for r in metrics(trial.user_attrs["run_dir"])
                    if "resumed_from" in r and r["step"] == before["step"]]

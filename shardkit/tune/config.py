@@ -63,6 +63,8 @@ class TuneConfig:
                "--prune-startup-trials and --prune-warmup-steps must be >= 0")
         _check(0 < self.quantile <= 0.5, f"--quantile must be in (0, 0.5], got {self.quantile}")
         _check(bool(self.study), "--study must not be empty")
+        _check(self.checkpoint_root is None or self.sampler == "pbt",
+               "--checkpoint-root is where PBT members' checkpoints go: give it with --sampler pbt, or leave it out")
         if self.sampler == "pbt":
             _check(self.perturb_every >= 1, "--sampler pbt needs --perturb-every STEPS (steps per round)")
             _check(self.population >= 2, f"--sampler pbt needs --population >= 2, got {self.population}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardkit.storage import redact_url
 from shardkit.tune import pbt_plan
 from shardkit.tune import space as search_space
 from shardkit.tune import storage as study_storage
@@ -79,7 +80,11 @@ class PopulationRun:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.checkpoints = CheckpointRoot(self.config.checkpoint_root or str(self.directory), self.storage_options)
+        root = self.config.checkpoint_root or str(self.directory)
+        try:
+            self.checkpoints = CheckpointRoot(root, self.storage_options)
+        except (ValueError, ImportError) as err:  # an unknown protocol, or its fsspec package is not installed
+            raise ValueError(f"--checkpoint-root {redact_url(root)}: {err}") from None
 
     @property
     def directory(self) -> Path:
@@ -265,7 +270,8 @@ class PopulationRun:
                              *(event["params"][n] for n in names), event["score"], event["action"],
                              event.get("source", ""), event.get("source_score", ""),
                              *(new.get(n, "") for n in names),
-                             *(event.get(k) or "" for k in ("trial", "run_dir", "resumed_from", "checkpoint"))])
+                             *("" if event.get(k) is None else event[k]
+                               for k in ("trial", "run_dir", "resumed_from", "checkpoint"))])
         tomlfile.write_text(self.directory / "lineage.csv", text.getvalue())
 
     def write_best(self, state: dict[str, Any], path: Path) -> Path:
