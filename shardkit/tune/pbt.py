@@ -232,7 +232,7 @@ class PopulationRun:
             trial.set_user_attr("interrupted", True)
             self.study.tell(trial, state=TrialState.FAIL)
             return
-        score, curve = self._score(outcome, end_step)
+        score, curve = self._score(outcome, round_index * self.config.perturb_every, end_step)
         if outcome.returncode != 0:
             logger.warning("PBT member %d failed (status %d), ranked last; the end of %s:\n%s", member,
                            outcome.returncode, outcome.log, outcome.tail())
@@ -241,10 +241,11 @@ class PopulationRun:
         trial.set_user_attr("curve", curve)
         self.study.tell(trial, score)
 
-    def _score(self, outcome: Outcome, step: int) -> tuple[float, list[tuple[int, float]]]:
-        """The objective at `step` (inf when absent, not finite, or the trainer failed), and the round's curve."""
+    def _score(self, outcome: Outcome, start: int, step: int) -> tuple[float, list[tuple[int, float]]]:
+        """The objective at `step` (inf when absent, not finite, or the trainer failed), and the round's curve
+        (steps after `start`: the member's run directory holds the records of its earlier rounds too)."""
         key = self.config.objective
-        curve = [(int(r["step"]), float(r[key])) for r in outcome.records if key in r]
+        curve = [(int(r["step"]), float(r[key])) for r in outcome.records if key in r and int(r["step"]) > start]
         found = [value for at, value in curve if at == step]
         score = found[-1] if found and outcome.returncode == 0 else math.inf
         return (score if math.isfinite(score) else math.inf), curve
