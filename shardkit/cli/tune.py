@@ -170,14 +170,14 @@ def _run_study(config, params, values, secret, ports, output: Path) -> int:
 
 def _run_pbt(config, params, values, secret, ports, output: Path) -> int:
     from shardkit.tune import plots
-    from shardkit.tune.pbt import PopulationRun
+    from shardkit.tune.pbt import PopulationRun, population_fingerprint
     from shardkit.tune.report import format_table
     from shardkit.tune.storage import default_url
 
-    population = PopulationRun(config=config, params=params, base_values=values, output=output, study=None,
+    study = _open_study(config, output, population_fingerprint(config, params, values))
+    population = PopulationRun(config=config, params=params, base_values=values, output=output, study=study,
                                storage_url=config.storage or default_url(output), storage_options=secret,
                                ports=ports)
-    population.study = _open_study(config, output, population.fingerprint())
     state = population.run()
     last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
     rows = [{"member": e["member"], "objective": e["score"], **e["params"]} for e in last]

@@ -20,9 +20,6 @@ running is claimed again (at once on the same host, after the heartbeat's grace 
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
 import math
 import threading
@@ -32,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.storage import redact_url
-from shardkit.tune import pbt_plan
+from shardkit.tune import pbt_plan, report
 from shardkit.tune import space as search_space
 from shardkit.tune import storage as study_storage
 from shardkit.tune import tomlfile
 from shardkit.tune.config import TuneConfig
 from shardkit.tune.pbt_checkpoints import CheckpointRoot
-from shardkit.tune.report import best_values
 from shardkit.tune.runner import Launch, MetricsPorts, Outcome, run_trainer
 from shardkit.tune.study import WAIT_S, Heartbeat, run_workers
 
@@ -49,8 +45,22 @@ ROUND = "pbt_round"
 MEMBER = study_storage.PBT_MEMBER
 
 
-def _write_json(path: Path, data: Any) -> None:
-    tomlfile.write_text(path, json.dumps(data, indent=1) + "\n")
+def round_score(outcome: Outcome, objective: str, *, start: int, end: int) -> tuple[float, list[tuple[int, float]]]:
+    """The objective at step `end` (inf when absent, not finite, or the trainer failed), and the round's curve
+    (steps after `start`: the member's run directory holds the records of its earlier rounds too)."""
+    curve = [(int(r["step"]), float(r[objective])) for r in outcome.records
+             if objective in r and int(r["step"]) > start]
+    found = [value for at, value in curve if at == end]
+    score = found[-1] if found and outcome.returncode == 0 else math.inf
+    return (score if math.isfinite(score) else math.inf), curve
+
+
+def population_fingerprint(config: TuneConfig, params: tuple[search_space.Param, ...],
+                           base_values: dict[str, Any]) -> dict[str, Any]:
+    """What a tuner joining the population must agree on (checked against the study's record)."""
+    return {"space": [p.spec for p in params], "trainer_options": base_values, "objective": config.objective,
+            "pbt": {"population": config.population, "perturb_every": config.perturb_every,
+                    "quantile": config.quantile, "sampler_seed": config.sampler_seed}}
 
 
 @dataclass(frozen=True)
@@ -117,20 +127,13 @@ class PopulationRun:
         values.setdefault("checkpoint", {}).update(checkpoint_every=0, save_final=True)
         return values
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What a tuner joining the population must agree on (checked against the study's record)."""
-        return {"space": [p.spec for p in self.params], "trainer_options": self.base_values,
-                "objective": self.config.objective,
-                "pbt": {"population": self.config.population, "perturb_every": self.config.perturb_every,
-                        "quantile": self.config.quantile, "sampler_seed": self.config.sampler_seed}}
-
     def run(self) -> dict[str, Any]:
         """Train the population's rounds that are left, with the other tuners of the study; returns the state
         (the finished rounds, the members' last hyperparameters, the lineage) once every round finished."""
         study_storage.recover_interrupted(self.study, grace_s=study_storage.GRACE_FACTOR * self.config.heartbeat_s)
         run_workers(self._worker, self.config.concurrency, self.stop)
         state = self.state()
-        self.write_lineage(state)
+        report.write_lineage(state["lineage"], [p.name for p in self.params], self.directory)
         return state
 
     def records(self) -> dict[tuple[int, int], dict[str, Any]]:
@@ -232,7 +235,8 @@ class PopulationRun:
             trial.set_user_attr("interrupted", True)
             self.study.tell(trial, state=TrialState.FAIL)
             return
-        score, curve = self._score(outcome, round_index * self.config.perturb_every, end_step)
+        score, curve = round_score(outcome, self.config.objective, start=round_index * self.config.perturb_every,
+                                   end=end_step)
         if outcome.returncode != 0:
             logger.warning("PBT member %d failed (status %d), ranked last; the end of %s:\n%s", member,
                            outcome.returncode, outcome.log, outcome.tail())
@@ -241,15 +245,6 @@ class PopulationRun:
         trial.set_user_attr("curve", curve)
         self.study.tell(trial, score)
 
-    def _score(self, outcome: Outcome, start: int, step: int) -> tuple[float, list[tuple[int, float]]]:
-        """The objective at `step` (inf when absent, not finite, or the trainer failed), and the round's curve
-        (steps after `start`: the member's run directory holds the records of its earlier rounds too)."""
-        key = self.config.objective
-        curve = [(int(r["step"]), float(r[key])) for r in outcome.records if key in r and int(r["step"]) > start]
-        found = [value for at, value in curve if at == step]
-        score = found[-1] if found and outcome.returncode == 0 else math.inf
-        return (score if math.isfinite(score) else math.inf), curve
-
     def curves(self) -> dict[int, list[tuple[int, float]]]:
         """Each member's objective over all rounds, wherever they ran (from the study)."""
         result: dict[int, list[tuple[int, float]]] = {}
@@ -257,30 +252,12 @@ class PopulationRun:
             result.setdefault(member, []).extend(tuple(point) for point in record.get("curve", []))
         return result
 
-    def write_lineage(self, state: dict[str, Any]) -> None:
-        """lineage.json (every event) and lineage.csv (one row per member and round), whole or not at all."""
-        _write_json(self.directory / "lineage.json", state["lineage"])
-        names = [p.name for p in self.params]
-        text = io.StringIO(newline="")
-        writer = csv.writer(text)
-        writer.writerow(["round", "step", "member", *names, "score", "action", "source", "source_score",
-                         *(f"new_{n}" for n in names), "trial", "run_dir", "resumed_from", "checkpoint"])
-        for event in state["lineage"]:
-            new = event.get("new_params", {})
-            writer.writerow([event["round"], event["step"], event["member"],
-                             *(event["params"][n] for n in names), event["score"], event["action"],
-                             event.get("source", ""), event.get("source_score", ""),
-                             *(new.get(n, "") for n in names),
-                             *("" if event.get(k) is None else event[k]
-                               for k in ("trial", "run_dir", "resumed_from", "checkpoint"))])
-        tomlfile.write_text(self.directory / "lineage.csv", text.getvalue())
-
     def write_best(self, state: dict[str, Any], path: Path) -> Path:
         """best.toml: the final best member's hyperparameters over the whole run. PBT's result is a
         schedule of hyperparameters (see lineage.json); this is its last point, as one config."""
         last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
         best = min(last, key=lambda e: (e["score"], e["member"]))
-        values = best_values(self.member_values(best["member"], best["params"], self.steps))
+        values = report.best_values(self.member_values(best["member"], best["params"], self.steps))
         header = (f"PBT: best member {best['member']} at step {best['step']}: {self.config.objective} "
                   f"{best['score']!r}\nits hyperparameters changed during training; lineage.json has the "
                   "schedule")
