@@ -170,7 +170,7 @@ class PopulationRun:
 
     def _worker(self) -> None:
         while not self.stop.is_set():
-            claim = self._claim()
+            claim = self.claim()
             if claim is None:
                 return
             if claim == "wait":  # the next round waits for members that other tuners (or threads) train
@@ -178,7 +178,7 @@ class PopulationRun:
                 continue
             self._run_round(claim)
 
-    def _claim(self) -> _Claim | str | None:
+    def claim(self) -> _Claim | str | None:
         """Take the first member's round that may start and nobody holds (a new trial); "wait" when all
         that may start are taken, None when the population has finished. Under the study's lock: another
         tuner's claim is never read half-written, and no round is claimed twice."""
