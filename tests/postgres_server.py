@@ -16,6 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
+from conftest import free_port
+
 
 def binaries() -> Path | None:
     """The directory of `initdb` and `pg_ctl`, newest version first; None where PostgreSQL is absent."""
@@ -66,3 +70,28 @@ class PostgresServer:
             self._run(str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m", "immediate", "stop")
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL server for the test module (skips where PostgreSQL or psycopg2 is absent)."""
+    pytest.importorskip("psycopg2", reason="psycopg2-binary is needed for the PostgreSQL tests ([dev])")
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)")
+    server = PostgresServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def new_database(server: PostgresServer, name: str) -> str:
+    """Create database `name` on `server`; its SQLAlchemy URL."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(server.url(), isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return server.url(name)

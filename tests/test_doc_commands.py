@@ -55,7 +55,8 @@ SKIPPED = {  # a pattern in the command -> why it is not run here
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "sets the environment of the elastic agents launched next (on several nodes)",
     " createuser ": "needs a PostgreSQL server (tests/test_tune_postgres.py starts one)",
     " createdb ": "needs a PostgreSQL server (tests/test_tune_postgres.py starts one)",
-    "SHARDKIT_STUDY_URL": "needs a PostgreSQL server (tests/test_tune_postgres.py starts one)",
+    "SHARDKIT_STUDY_URL": "needs a PostgreSQL server (tests/test_tune_postgres.py and test_tune_pbt_shared.py "
+                          "start one)",
 }
 # Whole documents whose blocks are not commands to run here, and the test that checks them instead.
 CHECKED_ELSEWHERE = {"CLUSTERS.md": "Slurm and Kubernetes recipes: tests/test_cluster_recipes.py parses them"}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tune_helpers import make_datasets, metrics, run_tune, trainer_args
+from tune_helpers import kill_tuner_during_second_trial, load_study, make_datasets, metrics, run_tune, trainer_args
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +79,34 @@ def test_a_run_directory_whose_earlier_trainer_still_runs_is_waited_for(tmp_path
     assert waited >= 2, f"the second trainer started while the first ran (waited {waited:.1f}s)"
     assert f"waiting for trainer pid {earlier.pid}" in caplog.text
     assert json.loads((member / OWNER_NAME).read_text())["pid"] != earlier.pid  # the new trainer is recorded
+
+
+def test_a_killed_pbt_tuner_rerun_trains_each_members_round_once(tmp_path):
+    """The population lives in the study: a tuner SIGKILLed mid-round, rerun, claims that round again (the
+    killed trial is failed, not enqueued) and never reruns a finished one."""
+    datasets = make_datasets(tmp_path / "data")
+    output = tmp_path / "tune"
+    args = [*trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2), "--space", "lr=loguniform:1e-3:3e-2",
+            "--sampler", "pbt", "--population", "2", "--perturb-every", "2", "--parallel-trials", "1",
+            "--output", str(output)]
+
+    def states() -> list[str]:
+        try:
+            return [t.state.name for t in load_study(output).trials]
+        except Exception:  # the database or the study does not exist yet
+            return []
+
+    # One tuner slot: trial n is member n % 2's round n // 2; killed while member 1 trains round 0.
+    kill_tuner_during_second_trial(args, output, states,
+                                   metrics_of=lambda n: output / "pbt" / f"member_{n % 2:03d}" / "metrics.jsonl")
+    run_tune(*args, timeout=240)
+    trials = load_study(output).trials
+    killed = trials[1]
+    assert killed.state.name == "FAIL" and killed.user_attrs["interrupted"]
+    assert (killed.user_attrs["pbt_member"], killed.user_attrs["pbt_round"]) == (1, 0)
+    complete = [(t.user_attrs["pbt_member"], t.user_attrs["pbt_round"]) for t in trials if t.state.name == "COMPLETE"]
+    assert sorted(complete) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert not [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
+    assert trials[0].state.name == "COMPLETE"  # finished before the kill, never rerun
+    lineage = json.loads((output / "pbt" / "lineage.json").read_text())
+    assert sorted((e["member"], e["round"]) for e in lineage) == sorted(complete)

@@ -8,39 +8,15 @@ import subprocess
 
 import pytest
 
-from conftest import free_port
-from postgres_server import PostgresServer, binaries
+from postgres_server import new_database, postgres  # noqa: F401  (postgres: the server fixture)
 from tune_helpers import ENV, kill_tuner_during_second_trial, make_datasets, run_tune, trainer_args, tune_command
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def postgres():
-    pytest.importorskip("psycopg2", reason="psycopg2-binary is needed for the PostgreSQL tests ([dev])")
-    if binaries() is None:
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)")
-    server = PostgresServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     return make_datasets(tmp_path_factory.mktemp("tune-pg-data"))
-
-
-def _new_database(server: PostgresServer, name: str) -> str:
-    import sqlalchemy
-
-    engine = sqlalchemy.create_engine(server.url(), isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
-    engine.dispose()
-    return server.url(name)
 
 
 def _trials(url: str, study: str = "shardkit"):
@@ -50,7 +26,7 @@ def _trials(url: str, study: str = "shardkit"):
 
 
 def test_two_tuners_share_one_study_and_stop_at_n_trials(postgres, datasets, tmp_path):
-    url = _new_database(postgres, "shared")
+    url = new_database(postgres, "shared")
     common = [*trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2),
               "--space", "lr=loguniform:1e-4:1e-2", "--trials", "5", "--sampler", "random",
               "--pruner", "none", "--storage", url]
@@ -73,7 +49,7 @@ def test_two_tuners_share_one_study_and_stop_at_n_trials(postgres, datasets, tmp
 
 
 def test_tuner_killed_mid_trial_on_postgres_recovers_it(postgres, datasets, tmp_path):
-    url = _new_database(postgres, "killed")
+    url = new_database(postgres, "killed")
     output = tmp_path / "tune"
     args = [*trainer_args(datasets, tmp_path / "cache", steps=30, eval_every=10),
             "--space", "lr=loguniform:1e-3:1e-2", "--trials", "3", "--sampler", "random",

@@ -10,7 +10,7 @@ import pytest
 
 from shardkit.train.config import config_from_dict
 from shardkit.tune import tomlfile
-from shardkit.tune.pbt import exploit_and_explore
+from shardkit.tune.pbt_plan import exploit_and_explore
 from shardkit.tune.space import apply, check_against_trainer, grid, parse_param, parse_space, perturb, sample
 
 SPACE = ("lr=loguniform:1e-4:1e-2", "dropout=uniform:0:0.2", "optimizer.warmup_steps=int:0:200",

@@ -128,6 +128,10 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
     (["--sampler", "pbt", "--perturb-every", "2", "--population", "2", "--space", "n_layer=int:1:3"],
      "--sampler pbt copies checkpoints between members, so it cannot search model options (--n-layer)"),
     (["--space", "compile=choice:true,maybe"], "choice 'maybe' is not a valid bool"),
+    (["--space", "lr=loguniform:1e-4:1e-2", "--checkpoint-root", "shared/pbt"],
+     "--checkpoint-root is where PBT members' checkpoints go: give it with --sampler pbt"),
+    (["--sampler", "pbt", "--perturb-every", "2", "--population", "2", "--space", "lr=loguniform:1e-4:1e-2",
+      "--checkpoint-root", "nosuch://bucket/pbt"], "--checkpoint-root nosuch://bucket/pbt: Protocol not known"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(datasets, tmp_path, capsys, extra, expected):
     from shardkit.cli.main import main

@@ -53,10 +53,12 @@ def load_study(output: Path, name: str = "shardkit"):
     return optuna.load_study(study_name=name, storage=f"sqlite:///{output / 'study.db'}")
 
 
-def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, timeout: float = 180) -> None:
+def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, timeout: float = 180,
+                                   metrics_of=None) -> None:
     """Start `shardkit tune ARGS` in a session of its own, wait until one trial finished and the next one
-    trains (`states()`: the study's trial states in order, [] before the study exists), then SIGKILL the
-    whole tree (tuner and trainers), as a lost machine would."""
+    trains (`states()`: the study's trial states in order, [] before the study exists; `metrics_of(number)`:
+    the metrics.jsonl trial `number` writes, default its trial directory's), then SIGKILL the whole tree
+    (tuner and trainers), as a lost machine would."""
     import signal
     import time
 
@@ -66,7 +68,8 @@ def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, tim
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             current = states()
-            running = output / "trials" / f"trial_{len(current) - 1:05d}" / "metrics.jsonl"
+            running = (metrics_of(len(current) - 1) if metrics_of else
+                       output / "trials" / f"trial_{len(current) - 1:05d}" / "metrics.jsonl")
             if current.count("COMPLETE") == 1 and current[-1] == "RUNNING" and running.exists():
                 return  # one trial finished, the next one is training
             time.sleep(0.1)

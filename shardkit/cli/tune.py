@@ -125,19 +125,28 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
 
 
-def _run_study(config, params, values, secret, ports, output: Path) -> int:
+def _open_study(config, output: Path, fingerprint: dict[str, Any], **kwargs: Any):
+    """The study `--study` in `--storage` (created by the first tuner), checked against `fingerprint`."""
     import optuna
 
-    from shardkit.tune import plots, report
     from shardkit.tune.storage import default_url, open_storage
-    from shardkit.tune.study import StudyRun, check_fingerprint, make_pruner, make_sampler
+    from shardkit.tune.study import check_fingerprint
 
     storage = open_storage(config.storage or default_url(output), heartbeat_s=config.heartbeat_s)
     study = optuna.create_study(study_name=config.study, storage=storage, direction="minimize", load_if_exists=True,
-                                pruner=make_pruner(config, steps=int(values.get("steps", 1000)),
-                                                   eval_every=int(values.get("eval_every", 0)) or 1))
-    check_fingerprint(study, {"space": [p.spec for p in params], "trainer_options": values,
-                              "objective": config.objective})
+                                **kwargs)
+    check_fingerprint(study, fingerprint)
+    return study
+
+
+def _run_study(config, params, values, secret, ports, output: Path) -> int:
+    from shardkit.tune import plots, report
+    from shardkit.tune.study import StudyRun, make_pruner, make_sampler
+
+    study = _open_study(config, output, {"space": [p.spec for p in params], "trainer_options": values,
+                                         "objective": config.objective},
+                        pruner=make_pruner(config, steps=int(values.get("steps", 1000)),
+                                           eval_every=int(values.get("eval_every", 0)) or 1))
     # Seeded by the trials already there: a continued study does not redraw the first run's values.
     study.sampler = make_sampler(config, params, seed=config.sampler_seed + len(study.trials))
     try:
@@ -161,11 +170,14 @@ def _run_study(config, params, values, secret, ports, output: Path) -> int:
 
 def _run_pbt(config, params, values, secret, ports, output: Path) -> int:
     from shardkit.tune import plots
-    from shardkit.tune.pbt import PopulationRun
+    from shardkit.tune.pbt import PopulationRun, population_fingerprint
     from shardkit.tune.report import format_table
+    from shardkit.tune.storage import default_url
 
-    population = PopulationRun(config=config, params=params, base_values=values, output=output,
-                               storage_options=secret, ports=ports)
+    study = _open_study(config, output, population_fingerprint(config, params, values))
+    population = PopulationRun(config=config, params=params, base_values=values, output=output, study=study,
+                               storage_url=config.storage or default_url(output), storage_options=secret,
+                               ports=ports)
     state = population.run()
     last = [e for e in state["lineage"] if e["round"] == state["round"] - 1]
     rows = [{"member": e["member"], "objective": e["score"], **e["params"]} for e in last]

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardkit.records import read_records
 from shardkit.options import format_size
+from shardkit.records import read_records
+from shardkit.storage import write_file_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,9 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
         return
     # A torn last record (a crash mid-append) is dropped with a warning; damage elsewhere names file and line.
     kept = [record for _, record in read_records(path) if record.get("step", 0) <= last_step]
-    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+    # Replaced, not rewritten in place: a reader following the file as it grows (the tuner) sees a new file,
+    # never its old offset pointing into the middle of the shorter new content.
+    write_file_atomic(str(path), "".join(json.dumps(record) + "\n" for record in kept).encode())
 
 
 class MetricsLogger:

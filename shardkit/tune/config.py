@@ -48,6 +48,9 @@ class TuneConfig:
     population: int = option(4, "pbt: members trained side by side")
     perturb_every: int = option(0, "pbt: steps per round; after each round the bottom members copy a top "
                                 "member's checkpoint and perturb its hyperparameters")
+    checkpoint_root: str | None = option(None, "pbt: directory or fsspec URL (e.g. s3://bucket/pbt) of the members' "
+                                         "checkpoints; tuners on several hosts sharing one --storage study give "
+                                         "the same shared root; default OUTPUT/pbt")
     quantile: float = option(0.25, "pbt: fraction of the population replaced after each round (at least one)")
 
     def __post_init__(self) -> None:
@@ -60,6 +63,8 @@ class TuneConfig:
                "--prune-startup-trials and --prune-warmup-steps must be >= 0")
         _check(0 < self.quantile <= 0.5, f"--quantile must be in (0, 0.5], got {self.quantile}")
         _check(bool(self.study), "--study must not be empty")
+        _check(self.checkpoint_root is None or self.sampler == "pbt",
+               "--checkpoint-root is where PBT members' checkpoints go: give it with --sampler pbt, or leave it out")
         if self.sampler == "pbt":
             _check(self.perturb_every >= 1, "--sampler pbt needs --perturb-every STEPS (steps per round)")
             _check(self.population >= 2, f"--sampler pbt needs --population >= 2, got {self.population}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,22 @@ def write_best(study, path: Path, *, objective: str) -> Path | None:
               "reproduce: python -m shardkit.train --config best.toml --run-dir NEW_DIR "
               "(add --storage-options if the data needs it)")
     return tomlfile.write(path, best_values(best.user_attrs["trainer_config"]), header=header)
+
+
+def write_lineage(lineage: list[dict[str, Any]], names: list[str], directory: Path) -> None:
+    """A PBT population's lineage.json (every event) and lineage.csv (one row per member and round, with the
+    hyperparameters `names`), each written whole or not at all."""
+    tomlfile.write_text(directory / "lineage.json", json.dumps(lineage, indent=1) + "\n")
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["round", "step", "member", *names, "score", "action", "source", "source_score",
+                     *(f"new_{n}" for n in names), "trial", "run_dir", "resumed_from", "checkpoint"])
+    for event in lineage:
+        new = event.get("new_params", {})
+        writer.writerow([event["round"], event["step"], event["member"],
+                         *(event["params"][n] for n in names), event["score"], event["action"],
+                         event.get("source", ""), event.get("source_score", ""),
+                         *(new.get(n, "") for n in names),
+                         *("" if event.get(k) is None else event[k]
+                           for k in ("trial", "run_dir", "resumed_from", "checkpoint"))])
+    tomlfile.write_text(directory / "lineage.csv", text.getvalue())

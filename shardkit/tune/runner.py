@@ -123,15 +123,21 @@ def environment(storage_options: str | None) -> dict[str, str]:
 
 
 class MetricsFollower:
-    """Reads the records appended to a metrics.jsonl since the last call (complete lines only)."""
+    """Reads the records appended to a metrics.jsonl since the last call (complete lines only). A trainer
+    that resumes in a run directory replaces the file (keeping the records up to its checkpoint's step):
+    the follower then reads the new file from its start."""
 
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
+        self.identity: tuple[int, int] | None = None
 
     def new_records(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, "rb") as handle:
+                status = os.fstat(handle.fileno())
+                if (status.st_dev, status.st_ino) != self.identity or status.st_size < self.offset:
+                    self.identity, self.offset = (status.st_dev, status.st_ino), 0
                 handle.seek(self.offset)
                 data = handle.read()
         except FileNotFoundError:

@@ -25,6 +25,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GRACE_FACTOR = 4
+PBT_MEMBER = "pbt_member"  # the user attribute that makes a trial one PBT member's round
 
 
 def redact(url: str) -> str:
@@ -108,7 +109,7 @@ def open_storage(url: str, *, heartbeat_s: int):
     callback = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in
                 inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     try:
-        with _creation_lock(url):
+        with study_lock(url):
             return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
                                               grace_period=GRACE_FACTOR * heartbeat_s, **{callback: retry_failed})
     except ModuleNotFoundError as err:
@@ -125,11 +126,13 @@ _SERVER_LOCKS = {"postgresql": ("SELECT pg_advisory_lock(751902)", "SELECT pg_ad
 
 
 @contextlib.contextmanager
-def _creation_lock(url: str):
-    """One tuner at a time creates a study database's tables: tuners started together on a new study would
-    otherwise race on CREATE TABLE (SQLite: "UNIQUE constraint failed: alembic_version"; PostgreSQL:
-    "duplicate key value violates unique constraint pg_type_typname_nsp_index", since its CREATE TABLE
-    is not serialised either). A SQLite file is locked beside it, a server database with its own lock."""
+def study_lock(url: str):
+    """One tuner at a time holds a study database's lock: while it creates the tables (tuners started together
+    on a new study would otherwise race on CREATE TABLE: SQLite "UNIQUE constraint failed: alembic_version";
+    PostgreSQL "duplicate key value violates unique constraint pg_type_typname_nsp_index", since its CREATE
+    TABLE is not serialised either), and while a PBT tuner claims a member's round (`shardkit.tune.pbt`). A
+    SQLite file is locked beside it, a server database with its own lock (PostgreSQL's advisory lock, MySQL's
+    GET_LOCK), so tuners on several hosts exclude each other."""
     dialect = url.split(":", 1)[0].split("+", 1)[0]
     if dialect in _SERVER_LOCKS:
         import sqlalchemy
@@ -205,7 +208,13 @@ def _state(pid: int) -> str | None:
 
 
 def retry_failed(study, trial) -> None:
-    """Enqueue a failed trial's parameters again (also Optuna's callback for heartbeat-stale trials)."""
+    """Enqueue a failed trial's parameters again (also Optuna's callback for heartbeat-stale trials). A PBT
+    member's round is not enqueued: its failed trial leaves the round unclaimed, and the population claims it
+    again with the hyperparameters and checkpoint the population's plan gives it (`shardkit.tune.pbt`)."""
+    if PBT_MEMBER in trial.user_attrs:
+        logger.info("PBT trial %d (member %s) was interrupted: marked failed, its round is claimed again",
+                    trial.number, trial.user_attrs[PBT_MEMBER])
+        return
     study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
     logger.info("trial %d was interrupted: marked failed, its parameters are queued again", trial.number)
 

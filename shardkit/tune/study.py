@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,21 @@ def check_fingerprint(study, fingerprint: dict[str, Any]) -> None:
                              + "; rerun with the same options, or choose another --study")
 
 
+def run_workers(worker: Callable[[], None], count: int, stop: threading.Event) -> None:
+    """Run `count` copies of `worker` in threads until all return; on the first error (or Ctrl-C) set `stop`,
+    so that the others terminate their trainers and mark their trials, wait for them, and raise it."""
+    with ThreadPoolExecutor(count, thread_name_prefix="trial") as pool:
+        futures = [pool.submit(worker) for _ in range(count)]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # re-raise a worker's error (too many failures)
+        except BaseException:
+            stop.set()
+            wait(futures)
+            raise
+
+
 @dataclasses.dataclass
 class StudyRun:
     """One tuner process working on a study: its settings and what it has in flight."""
@@ -120,16 +136,7 @@ class StudyRun:
     def run(self) -> None:
         """Run trials until the study holds `--trials` finished ones (several at once with threads)."""
         study_storage.recover_interrupted(self.study, grace_s=study_storage.GRACE_FACTOR * self.config.heartbeat_s)
-        with ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="trial") as pool:
-            futures = [pool.submit(self._worker) for _ in range(self.config.concurrency)]
-            try:
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    future.result()  # re-raise a worker's error (too many failures)
-            except BaseException:
-                self.stop.set()  # the other workers terminate their trainers and mark their trials
-                wait(futures)
-                raise
+        run_workers(self._worker, self.config.concurrency, self.stop)
 
     def _next_trial(self):
         """Ask for a trial if the study still needs one; None when this worker should end, "wait" when
@@ -215,7 +222,7 @@ class StudyRun:
         values.setdefault("logging", {})["run_dir"] = str(run_dir)
         logger.info("trial %d: %s", trial.number, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                             for k, v in chosen.items()))
-        heartbeat = _Heartbeat(self.study, trial, self.config.heartbeat_s)
+        heartbeat = Heartbeat(self.study, trial, self.config.heartbeat_s)
         pruned: list[int] = []
 
         def on_record(record: dict[str, Any]) -> bool:
@@ -275,7 +282,7 @@ class StudyRun:
         logger.info("trial %d: %s %.6g (%.1fs)", trial.number, self.config.objective, final[-1], outcome.seconds)
 
 
-class _Heartbeat:
+class Heartbeat:
     """Records the trial's heartbeat in the storage every `interval_s` (called from the runner's poll)."""
 
     def __init__(self, study, trial, interval_s: float):
