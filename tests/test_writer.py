@@ -101,3 +101,34 @@ def test_write_dataset_to_memory_url(tmp_path, shard_format):
         for want, have in zip(samples, got):
             np.testing.assert_array_equal(have.tokens, want.tokens)
             np.testing.assert_array_equal(have.doc_starts, want.doc_starts)
+
+
+@pytest.mark.parametrize("limits", [dict(max_samples=7, max_bytes=None), dict(max_samples=None, max_bytes=1500),
+                                    dict(max_samples=5, max_bytes=900)])
+def test_write_arrays_rolls_over_at_the_same_samples_as_write(tmp_path, limits):
+    """Runs of samples written at once (the build's packers hand the writer whole batches) give the same
+    shards, byte for byte, as the samples written one by one, whatever the runs' sizes."""
+    from shardkit.formats import ShardWriter, arrays_from_samples
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for _ in range(60):
+        n = int(rng.integers(1, 90))
+        cuts = np.unique(np.concatenate([[0], rng.integers(1, n, int(rng.integers(0, 3)))])) if n > 1 else np.array([0])
+        samples.append(Sample(rng.integers(0, 60000, n), cuts, np.zeros(len(cuts), np.int32), np.arange(len(cuts))))
+    with ShardWriter(str(tmp_path / "one"), shard_format="arrow", **limits) as one:
+        for sample in samples:
+            one.write(sample)
+    with ShardWriter(str(tmp_path / "runs"), shard_format="arrow", **limits) as runs:
+        start = 0
+        for size in [1, 13, 0, 2, 30, 14]:
+            runs.write_arrays(arrays_from_samples(samples[start:start + size], "uint32"))
+            start += size
+    assert len(one.shards) > 3 and one.shards == runs.shards
+    with ShardWriter(str(tmp_path / "bad"), token_dtype="uint16") as bad:
+        with pytest.raises(ValueError, match=r"samples 0-1 of shard 0 \(written to .*bad\): token ids must be in"):
+            bad.write_arrays(arrays_from_samples([Sample(np.arange(3)), Sample(np.array([70000]))], "uint32"))
+        broken = arrays_from_samples(samples[:2], "uint32")
+        with pytest.raises(ValueError, match="first document segment does not start at 0"):
+            bad.write_arrays(type(broken)(broken.tokens, broken.sample_offsets, broken.doc_offsets,
+                                          broken.doc_starts + 1, broken.doc_source, broken.doc_index))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from shardkit import metrics
-from shardkit.formats import Sample, ShardWriter
+from shardkit.formats import ShardArrays, ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
 from shardkit.tools import state as build_state
@@ -270,13 +270,13 @@ def _shard_done(run: BuildRun, shard: ShardInfo) -> None:
     _save_checkpoint(run)
 
 
-def _write(run: BuildRun, samples: list[Sample]) -> None:
-    for sample in samples:
-        run.emitted += 1
-        if run.skip_samples > 0:  # already in a shard written before the interruption
-            run.skip_samples -= 1
-            continue
-        run.writer.write(sample)
+def _write(run: BuildRun, samples: ShardArrays) -> None:
+    count = samples.num_samples
+    skip = min(run.skip_samples, count)  # already in a shard written before the interruption
+    run.emitted += count
+    run.skip_samples -= skip
+    if skip < count:
+        run.writer.write_arrays(samples.slice(skip, count) if skip else samples)
 
 
 def _counted(run: BuildRun, units):

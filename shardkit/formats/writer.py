@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
-from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
+from shardkit.formats.sample import (OFFSETS_DTYPE, Sample, ShardArrays, check_arrays, check_sample, concat_arrays,
+                                     numpy_token_dtype)
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
 from shardkit.storage import Storage
 
@@ -68,7 +69,8 @@ class ShardWriter:
         self.next_index = start_index
         self.on_shard_done = on_shard_done
         self.shards: list[ShardInfo] = []
-        self._pending: list[Sample] = []
+        self._pending: list[ShardArrays] = []  # runs of samples of the shard being filled
+        self._pending_samples = 0
         self._pending_bytes = 0
         self._itemsize = numpy_token_dtype(token_dtype).itemsize
         self._closed = False
@@ -92,38 +94,77 @@ class ShardWriter:
                 are inconsistent, or it has document boundaries where the shard's other samples have none
                 (or the reverse).
         """
-        if self._closed:
-            raise ValueError("ShardWriter is closed")
+        self._check_open()
         if not isinstance(sample, Sample):
             sample = Sample(np.asarray(sample))
         sample = check_sample(sample, self.token_dtype,
-                              what=f"sample {len(self._pending)} of shard {self.next_index} (written to {self.storage.url})")
-        if self._pending and sample.has_doc_boundaries != self._pending[0].has_doc_boundaries:
-            raise ValueError(f"sample {len(self._pending)} of shard {self.next_index}: all samples of a shard must "
+                              what=f"sample {self._pending_samples} of shard {self.next_index} (written to {self.storage.url})")
+        offsets = np.array([0, len(sample.tokens)], dtype=OFFSETS_DTYPE)
+        if sample.has_doc_boundaries:
+            arrays = ShardArrays(sample.tokens, offsets, np.array([0, len(sample.doc_starts)], dtype=OFFSETS_DTYPE),
+                                 sample.doc_starts, sample.doc_source, sample.doc_index)
+        else:
+            arrays = ShardArrays(sample.tokens, offsets)
+        self._add(arrays)
+
+    def write_arrays(self, arrays: ShardArrays) -> None:
+        """Add a run of samples at once (what `write` does for each, checked with array operations); shards
+        roll over at the same samples as when they are written one by one.
+
+        Raises:
+            ValueError: as `write`, naming the run.
+        """
+        self._check_open()
+        if arrays.num_samples:
+            self._add(check_arrays(arrays, self.token_dtype, what=f"samples {self._pending_samples}-"
+                                   f"{self._pending_samples + arrays.num_samples - 1} of shard {self.next_index} "
+                                   f"(written to {self.storage.url})"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ShardWriter is closed")
+
+    def _add(self, arrays: ShardArrays) -> None:
+        """Append checked samples, writing each shard as it fills: a shard ends at the first sample that
+        brings it to `max_samples` or to `max_bytes` (tokens, plus 16 bytes per document segment)."""
+        if self._pending and arrays.has_doc_boundaries != self._pending[0].has_doc_boundaries:
+            raise ValueError(f"sample {self._pending_samples} of shard {self.next_index}: all samples of a shard must "
                              "either store document boundaries or not")
-        self._pending.append(sample)
-        self._pending_bytes += len(sample.tokens) * self._itemsize
-        if sample.doc_starts is not None:
-            self._pending_bytes += len(sample.doc_starts) * 16
-        if ((self.max_samples is not None and len(self._pending) >= self.max_samples)
-                or (self.max_bytes is not None and self._pending_bytes >= self.max_bytes)):
-            self.flush()
+        sizes = np.diff(arrays.sample_offsets) * self._itemsize
+        if arrays.has_doc_boundaries:
+            sizes += np.diff(arrays.doc_offsets) * 16
+        reached = np.cumsum(sizes)
+        start, count = 0, arrays.num_samples
+        while start < count:
+            before = int(reached[start - 1]) if start else 0
+            stop = count
+            if self.max_bytes is not None:
+                stop = min(stop, int(np.searchsorted(reached, before + self.max_bytes - self._pending_bytes)) + 1)
+            if self.max_samples is not None:
+                stop = min(stop, start + self.max_samples - self._pending_samples)
+            self._pending.append(arrays.slice(start, stop) if (start, stop) != (0, count) else arrays)
+            self._pending_samples += stop - start
+            self._pending_bytes += int(reached[stop - 1]) - before
+            if ((self.max_samples is not None and self._pending_samples >= self.max_samples)
+                    or (self.max_bytes is not None and self._pending_bytes >= self.max_bytes)):
+                self.flush()
+            start = stop
 
     def flush(self) -> ShardInfo | None:
         """Finish the current shard now (no-op when it is empty)."""
         if not self._pending:
             return None
-        info = self._write_shard(self._pending)
+        info = self._write_shard(concat_arrays(self._pending, self.token_dtype))
         self._pending = []
+        self._pending_samples = 0
         self._pending_bytes = 0
         return info
 
     def write_empty_shard(self) -> ShardInfo:
         """Write a shard with zero samples (valid, e.g. for an input with nothing in it)."""
-        return self._write_shard([])
+        return self._write_shard(concat_arrays([], self.token_dtype))
 
-    def _write_shard(self, samples: list[Sample]) -> ShardInfo:
-        arrays = arrays_from_samples(samples, self.token_dtype)
+    def _write_shard(self, arrays: ShardArrays) -> ShardInfo:
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
                                level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes)
         name = self.name_template.format(index=self.next_index) + SHARD_EXTENSIONS[self.shard_format]
