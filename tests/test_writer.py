@@ -132,3 +132,36 @@ def test_write_arrays_rolls_over_at_the_same_samples_as_write(tmp_path, limits):
         with pytest.raises(ValueError, match="first document segment does not start at 0"):
             bad.write_arrays(type(broken)(broken.tokens, broken.sample_offsets, broken.doc_offsets,
                                           broken.doc_starts + 1, broken.doc_source, broken.doc_index))
+
+
+def test_background_encoding_gives_the_same_shards_and_reports_them_in_order(tmp_path):
+    """With `encode_threads` shards are compressed and stored in threads while the next ones fill: the
+    bytes are the same, `on_shard_cut` sees each shard when its samples are fixed (before it is stored)
+    and `on_shard_done` sees them in order; a failed upload is raised to the writer's caller."""
+    from shardkit.formats import ShardWriter
+
+    samples = [np.arange(i, i + 200) % 5000 for i in range(80)]
+    with ShardWriter(str(tmp_path / "serial"), shard_format="arrow", max_samples=9) as serial:
+        for sample in samples:
+            serial.write(sample)
+    events = []
+    with ShardWriter(str(tmp_path / "threads"), shard_format="arrow", max_samples=9, encode_threads=2,
+                     on_shard_cut=lambda index: events.append(("cut", index)),
+                     on_shard_done=lambda info: events.append(("done", info.name))) as threaded:
+        for sample in samples:
+            threaded.write(sample)
+    assert threaded.shards == serial.shards and len(serial.shards) == 9
+    done = [name for kind, name in events if kind == "done"]
+    assert done == [s.name for s in serial.shards]
+    for number, name in enumerate(done):  # each shard was cut before it was reported
+        assert events.index(("cut", number)) < events.index(("done", name))
+
+    class FailingStorage(Storage):
+        def write_bytes(self, name, data):
+            raise OSError(f"upload of {name} refused")
+
+    with pytest.raises(OSError, match="upload of shard-000000.arrow refused"):
+        with ShardWriter(FailingStorage(str(tmp_path / "failing")), shard_format="arrow", max_samples=9,
+                         encode_threads=2) as failing:
+            for sample in samples:
+                failing.write(sample)
