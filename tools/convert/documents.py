@@ -121,15 +121,11 @@ def read_index_json(spec: str, storage_options, *, fields: tuple[str, ...], what
     return fs, path, _display(fs, name), index
 
 
-def source_file(fs, path: str, kind: str):
-    """The `InputFile` of one source file: its URL, size and content SHA-256 (the fingerprint holds it, so a
-    resumed conversion notices a source edited in place)."""
-    return source_files([(fs, path)], kind)[0]
-
-
 def source_files(located: list[tuple[Any, str]], kind: str) -> list:
-    """`source_file` of each (filesystem, path), in order, hashed by a few threads at once: reading and
-    SHA-256 release the GIL, and hashing a large source is a full read of it before the first unit."""
+    """The `InputFile` of each (filesystem, path), in order: its URL, size and content SHA-256 (the fingerprint
+    holds it, so a resumed conversion notices a source edited in place). Files are hashed by a few threads
+    at once: reading and SHA-256 release the GIL, and hashing is a full read of the source before the first
+    unit."""
     from concurrent.futures import ThreadPoolExecutor
 
     from shardkit.tools.inputs import InputFile, _display, content_sha256
