@@ -68,8 +68,9 @@ def samples_per_batch(arrays: ShardArrays, batch_bytes: int = BATCH_RAW_BYTES) -
 
 
 def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
-                 batch_bytes: int = BATCH_RAW_BYTES) -> tuple[bytes, int]:
-    """Serialise a shard; returns (file bytes, raw_bytes). `batch_bytes`: raw bytes per record batch."""
+                 batch_bytes: int = BATCH_RAW_BYTES) -> tuple[memoryview, int]:
+    """Serialise a shard; returns (file bytes, raw_bytes). `batch_bytes`: raw bytes per record batch. The
+    bytes are a view of pyarrow's output buffer (a shard is tens of MB: each copy costs a pass over it)."""
     schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
     step = samples_per_batch(arrays, batch_bytes)
     sink = pa.BufferOutputStream()
@@ -90,7 +91,7 @@ def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
             batch = pa.record_batch(columns, schema=schema)
             raw += batch_raw_bytes(batch)
             writer.write_batch(batch)
-    return sink.getvalue().to_pybytes(), raw
+    return memoryview(sink.getvalue()), raw
 
 
 def _flat(column: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
