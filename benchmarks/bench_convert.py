@@ -8,8 +8,13 @@ On ../shared/corpora/mix.jsonl.zst (override with --corpus) with the r50k (GPT-2
 (2) copy: the source's .bin and .idx files copied to another directory (`shutil.copyfile`, page cache
     warm, as for the conversions), bytes/s;
 (3) `shardkit convert --from megatron` (a subprocess running the CLI, --pack concat --seq-len 2048,
-    arrow shards) with --workers 1 and 2: tokens/s and source bytes/s over its whole wall time, and the
-    ratio to the copy rate (the issue's goal: >= 50%).
+    arrow shards, zstd --level) with --workers 1 and 2: tokens/s and source bytes/s over its whole wall
+    time, and the ratio to the copy rate (the issue's goal: >= 50%); with --compare PYTHON, the same
+    conversion by another interpreter's shardkit (e.g. a virtual environment holding main's code),
+    alternating with this one run by run so that both see the same machine;
+(4) the physical limits on one core, over the source's .bin bytes: zstd at --level in 1 MiB pieces (an
+    Arrow shard's record batches, through pyarrow's codec as the shard writer uses it), SHA-256 (shard,
+    block and source hashes) and CRC-32, and a memory copy.
 
 Every figure is the median of --runs runs. Prints a table, writes JSON (--out).
     python benchmarks/bench_convert.py --runs 3 --repeat 2 --out bench_out/convert.json
@@ -32,10 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
 
 
-def shardkit(*args: str) -> float:
-    """Run the CLI in a subprocess; returns its wall time."""
+def shardkit(*args: str, python: str = sys.executable) -> float:
+    """Run the CLI in a subprocess (of `python`); returns its wall time."""
     began = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True)
+    run = subprocess.run([python, "-m", "shardkit", *args], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"shardkit {args[0]} failed: {run.stderr[-2000:]}")
     return time.perf_counter() - began
@@ -75,21 +80,59 @@ def copy_rate(prefixes: list[Path], work: Path, runs: int) -> dict:
     return {"bytes": total, "seconds": median, "bytes_per_second": total / median}
 
 
-def convert(prefixes: list[Path], work: Path, workers: int, runs: int) -> dict:
-    walls, reports = [], []
+def convert(prefixes: list[Path], work: Path, workers: int, runs: int, level: int,
+            pythons: dict[str, str]) -> dict[str, dict]:
+    """Each interpreter's conversion, alternating run by run (this one first)."""
+    walls: dict[str, list[float]] = {name: [] for name in pythons}
+    reports: dict[str, list[dict]] = {name: [] for name in pythons}
     for _ in range(runs):
-        out = work / f"converted-{workers}"
-        shutil.rmtree(out, ignore_errors=True)
-        walls.append(shardkit("convert", *map(str, prefixes), "--from", "megatron", "--output", str(out),
-                              "--seq-len", "2048", "--workers", str(workers), "--no-progress"))
-        reports.append(json.loads((out / "build_report.json").read_text()))
-    wall = statistics.median(walls)
-    report = reports[0]
-    tokens = report["packing"]["document_tokens"]
-    return {"workers": workers, "tokens": tokens, "process_seconds": wall, "tokens_per_second": tokens / wall,
-            "bytes_per_second": report["bytes"]["in"] / wall,
-            "report_seconds": statistics.median(r["timing"]["seconds"] for r in reports),
-            "compressed_bytes": report["totals"]["compressed_bytes"]}
+        for name, python in pythons.items():
+            out = work / f"converted-{name}-{workers}"
+            shutil.rmtree(out, ignore_errors=True)
+            walls[name].append(shardkit("convert", *map(str, prefixes), "--from", "megatron", "--output", str(out),
+                                        "--seq-len", "2048", "--workers", str(workers), "--compression",
+                                        f"zstd:{level}", "--no-progress", python=python))
+            reports[name].append(json.loads((out / "build_report.json").read_text()))
+            shutil.rmtree(out, ignore_errors=True)
+    results = {}
+    for name in pythons:
+        wall = statistics.median(walls[name])
+        report = reports[name][0]
+        tokens = report["packing"]["document_tokens"]
+        results[name] = {"workers": workers, "tokens": tokens, "process_seconds": wall, "runs": walls[name],
+                         "tokens_per_second": tokens / wall, "bytes_per_second": report["bytes"]["in"] / wall,
+                         "report_seconds": statistics.median(r["timing"]["seconds"] for r in reports[name]),
+                         "compressed_bytes": report["totals"]["compressed_bytes"]}
+    return results
+
+
+def limits(prefixes: list[Path], level: int, runs: int) -> dict[str, float]:
+    """Single-core rates (bytes/s of input) of the steps a conversion cannot avoid, on the source's ids."""
+    import hashlib
+    import zlib
+
+    import pyarrow as pa
+
+    data = b"".join(p.with_suffix(".bin").read_bytes() for p in prefixes[:2])
+    buffer, codec, piece = pa.py_buffer(data), pa.Codec("zstd", compression_level=level), 1 << 20
+
+    def zstd() -> None:
+        for start in range(0, len(data), piece):
+            codec.compress(buffer.slice(start, min(piece, len(data) - start)))
+
+    steps = {f"zstd_level_{level}": zstd, "sha256": lambda: hashlib.sha256(data).digest(),
+             "crc32": lambda: zlib.crc32(data), "memory_copy": lambda: bytearray(data)}
+    rates = {}
+    for name, step in steps.items():
+        seconds = []
+        for _ in range(runs):
+            began = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - began)
+        rates[name] = len(data) / statistics.median(seconds)
+    compressed = sum(len(codec.compress(buffer.slice(s, min(piece, len(data) - s)))) for s in range(0, len(data), piece))
+    rates["zstd_ratio"] = len(data) / compressed
+    return rates
 
 
 def main() -> None:
@@ -98,22 +141,34 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "r50k_base.tiktoken")
     parser.add_argument("--repeat", type=int, default=2, help="copies of the exported corpus in the source")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--level", type=int, default=3, help="zstd level of the shards (--compression-level)")
+    parser.add_argument("--compare", default=None, metavar="PYTHON",
+                        help="another interpreter whose shardkit converts too, alternating with this one")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    pythons = {"this": sys.executable, **({"compare": args.compare} if args.compare else {})}
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         work = Path(tmp)
         prefixes, build = make_source(args.corpus, args.tokenizer, work, args.repeat)
         copy = copy_rate(prefixes, work, args.runs)
-        results = {"build": build, "copy": copy, "convert": [convert(prefixes, work, w, args.runs) for w in (1, 2)]}
+        converted = {w: convert(prefixes, work, w, args.runs, args.level, pythons) for w in (1, 2)}
+        results = {"build": build, "copy": copy, "limits": limits(prefixes, args.level, args.runs),
+                   "convert": [converted[w]["this"] for w in (1, 2)],
+                   "compare": [converted[w]["compare"] for w in (1, 2)] if args.compare else None}
+    first = results["convert"][0]
     print(f"source: {copy['bytes'] / 1e6:.1f} MB Megatron ({len(prefixes)} x the exported corpus), "
-          f"{results['convert'][0]['tokens']:,} tokens")
+          f"{first['tokens']:,} tokens")
     print(f"copy: {copy['bytes_per_second'] / 1e6:.0f} MB/s")
+    print("one core: " + ", ".join(f"{name} {rate / 1e6:.0f} MB/s" for name, rate in results["limits"].items()
+                                    if name != "zstd_ratio") + f" (zstd ratio {results['limits']['zstd_ratio']:.2f})")
     print(f"build (re-tokenize, w=2): {build['tokens_per_second'] / 1e6:.2f}M tokens/s "
-          f"-> {results['convert'][0]['tokens'] / build['tokens_per_second']:.1f} s for the source's tokens")
-    for c in results["convert"]:
-        print(f"convert w={c['workers']}: {c['tokens_per_second'] / 1e6:.2f}M tokens/s, "
-              f"{c['bytes_per_second'] / 1e6:.0f} MB/s ({c['bytes_per_second'] / copy['bytes_per_second']:.0%} of copy), "
-              f"{c['process_seconds']:.1f} s, {c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build")
+          f"-> {first['tokens'] / build['tokens_per_second']:.1f} s for the source's tokens")
+    for label in ("convert", "compare"):
+        for c in results[label] or ():
+            print(f"{label} w={c['workers']}: {c['tokens_per_second'] / 1e6:.2f}M tokens/s, "
+                  f"{c['bytes_per_second'] / 1e6:.0f} MB/s ({c['bytes_per_second'] / copy['bytes_per_second']:.1%} of "
+                  f"copy), {c['process_seconds']:.2f} s (runs {', '.join(f'{r:.2f}' for r in c['runs'])}), "
+                  f"{c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

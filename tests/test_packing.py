@@ -26,7 +26,7 @@ def run(packer, batches):
     for lengths, source, first in batches:
         _, tokens = make_docs(lengths)
         samples += packer.feed(tokens, np.array(lengths, dtype=np.int64), source, np.arange(first, first + len(lengths)))
-    return samples + packer.finish()
+    return samples + list(packer.finish())
 
 
 def pieces_by_doc(samples):
@@ -200,7 +200,7 @@ def test_stats_count_samples_documents_and_tokens(mode):
     # concat splits every document that crosses a window edge; the others only those longer than a window
     assert stats.split_documents == (3 if mode == "concat" else 1)
     assert max(len(s.tokens) for s in samples) == 10  # windows of seq_len + 1 tokens
-    assert packer.finish() == []  # finishing emptied the packer
+    assert packer.finish().num_samples == 0  # finishing emptied the packer
 
 
 def test_bestfit_keeps_max_open_windows_open_and_a_snapshot_restores_them():

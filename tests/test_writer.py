@@ -101,3 +101,67 @@ def test_write_dataset_to_memory_url(tmp_path, shard_format):
         for want, have in zip(samples, got):
             np.testing.assert_array_equal(have.tokens, want.tokens)
             np.testing.assert_array_equal(have.doc_starts, want.doc_starts)
+
+
+@pytest.mark.parametrize("limits", [dict(max_samples=7, max_bytes=None), dict(max_samples=None, max_bytes=1500),
+                                    dict(max_samples=5, max_bytes=900)])
+def test_write_arrays_rolls_over_at_the_same_samples_as_write(tmp_path, limits):
+    """Runs of samples written at once (the build's packers hand the writer whole batches) give the same
+    shards, byte for byte, as the samples written one by one, whatever the runs' sizes."""
+    from shardkit.formats import ShardWriter, arrays_from_samples
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for _ in range(60):
+        n = int(rng.integers(1, 90))
+        cuts = np.unique(np.concatenate([[0], rng.integers(1, n, int(rng.integers(0, 3)))])) if n > 1 else np.array([0])
+        samples.append(Sample(rng.integers(0, 60000, n), cuts, np.zeros(len(cuts), np.int32), np.arange(len(cuts))))
+    with ShardWriter(str(tmp_path / "one"), shard_format="arrow", **limits) as one:
+        for sample in samples:
+            one.write(sample)
+    with ShardWriter(str(tmp_path / "runs"), shard_format="arrow", **limits) as runs:
+        start = 0
+        for size in [1, 13, 0, 2, 30, 14]:
+            runs.write_arrays(arrays_from_samples(samples[start:start + size], "uint32"))
+            start += size
+    assert len(one.shards) > 3 and one.shards == runs.shards
+    with ShardWriter(str(tmp_path / "bad"), token_dtype="uint16") as bad:
+        with pytest.raises(ValueError, match=r"samples 0-1 of shard 0 \(written to .*bad\): token ids must be in"):
+            bad.write_arrays(arrays_from_samples([Sample(np.arange(3)), Sample(np.array([70000]))], "uint32"))
+        broken = arrays_from_samples(samples[:2], "uint32")
+        with pytest.raises(ValueError, match="first document segment does not start at 0"):
+            bad.write_arrays(type(broken)(broken.tokens, broken.sample_offsets, broken.doc_offsets,
+                                          broken.doc_starts + 1, broken.doc_source, broken.doc_index))
+
+
+def test_background_encoding_gives_the_same_shards_and_reports_them_in_order(tmp_path):
+    """With `encode_threads` shards are compressed and stored in threads while the next ones fill: the
+    bytes are the same, `on_shard_cut` sees each shard when its samples are fixed (before it is stored)
+    and `on_shard_done` sees them in order; a failed upload is raised to the writer's caller."""
+    from shardkit.formats import ShardWriter
+
+    samples = [np.arange(i, i + 200) % 5000 for i in range(80)]
+    with ShardWriter(str(tmp_path / "serial"), shard_format="arrow", max_samples=9) as serial:
+        for sample in samples:
+            serial.write(sample)
+    events = []
+    with ShardWriter(str(tmp_path / "threads"), shard_format="arrow", max_samples=9, encode_threads=2,
+                     on_shard_cut=lambda index: events.append(("cut", index)),
+                     on_shard_done=lambda info: events.append(("done", info.name))) as threaded:
+        for sample in samples:
+            threaded.write(sample)
+    assert threaded.shards == serial.shards and len(serial.shards) == 9
+    done = [name for kind, name in events if kind == "done"]
+    assert done == [s.name for s in serial.shards]
+    for number, name in enumerate(done):  # each shard was cut before it was reported
+        assert events.index(("cut", number)) < events.index(("done", name))
+
+    class FailingStorage(Storage):
+        def write_bytes(self, name, data):
+            raise OSError(f"upload of {name} refused")
+
+    with pytest.raises(OSError, match="upload of shard-000000.arrow refused"):
+        with ShardWriter(FailingStorage(str(tmp_path / "failing")), shard_format="arrow", max_samples=9,
+                         encode_threads=2) as failing:
+            for sample in samples:
+                failing.write(sample)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 import math
 import signal
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from shardkit import metrics
-from shardkit.formats import Sample, ShardWriter
+from shardkit.formats import ShardArrays, ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
 from shardkit.tools import state as build_state
@@ -41,6 +42,10 @@ __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_
            "print_summary", "run_build", "run_pipeline"]
 
 logger = logging.getLogger(__name__)
+# Shards compressed, hashed and stored in background threads while the parent packs the next ones: the
+# parent's zstd is the build's last serial step (see benchmarks/RESULTS.md, convert). Two keep a second
+# core busy without holding more than three shards in memory.
+ENCODE_THREADS = 2
 
 
 def _special(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
@@ -132,6 +137,7 @@ class BuildRun:
     expected_documents: dict[int, int] = field(default_factory=dict)
     writer: ShardWriter | None = None
     units_per_node: dict[str, int] = field(default_factory=dict)  # which node tokenized how many units
+    cut_boundaries: deque = field(default_factory=deque)  # `boundary` when each shard in flight was cut
 
 
 def run_build(config: BuildConfig) -> BuildResult:
@@ -257,26 +263,32 @@ def snapshot(run: BuildRun, position: tuple[int, int, int]) -> None:
                      "packer": copy.deepcopy(scalars)}, arrays)
 
 
-def _save_checkpoint(run: BuildRun) -> None:
-    meta, arrays = run.boundary
+def _save_checkpoint(run: BuildRun, boundary: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> None:
+    meta, arrays = boundary or run.boundary
     build_state.save_checkpoint(run.storage, {"fingerprint": run.build["fingerprint"], "extra_key": run.resume_key,
                                               "build": run.build, "shards": build_state.shards_to_meta(run.shards),
                                               "boundary": meta}, arrays)
 
 
+def _shard_cut(run: BuildRun, index: int) -> None:
+    # The checkpoint saved once this shard is stored must resume from a unit whose samples it holds:
+    # the boundary now, not the one packing has reached by then (the shard is encoded in the background).
+    run.cut_boundaries.append(run.boundary)
+
+
 def _shard_done(run: BuildRun, shard: ShardInfo) -> None:
     run.shards.append(shard)
     metrics.shard_written(run.config.shard_format, shard.compressed_bytes)
-    _save_checkpoint(run)
+    _save_checkpoint(run, run.cut_boundaries.popleft())
 
 
-def _write(run: BuildRun, samples: list[Sample]) -> None:
-    for sample in samples:
-        run.emitted += 1
-        if run.skip_samples > 0:  # already in a shard written before the interruption
-            run.skip_samples -= 1
-            continue
-        run.writer.write(sample)
+def _write(run: BuildRun, samples: ShardArrays) -> None:
+    count = samples.num_samples
+    skip = min(run.skip_samples, count)  # already in a shard written before the interruption
+    run.emitted += count
+    run.skip_samples -= skip
+    if skip < count:
+        run.writer.write_arrays(samples.slice(skip, count) if skip else samples)
 
 
 def _counted(run: BuildRun, units):
@@ -295,7 +307,9 @@ def emit(run: BuildRun, executor) -> None:
         _save_checkpoint(run)  # from the first byte on, the output says which build it belongs to
     run.writer = ShardWriter(run.storage, shard_format=config.shard_format, token_dtype=run.token_dtype,
                              max_bytes=config.shard_size, compression_level=config.compression_level,
-                             start_index=len(run.shards), on_shard_done=lambda shard: _shard_done(run, shard))
+                             start_index=len(run.shards), on_shard_done=lambda shard: _shard_done(run, shard),
+                             on_shard_cut=lambda index: _shard_cut(run, index),
+                             encode_threads=ENCODE_THREADS)
     units = run.side.units(run.start)
     progress = Progress(run.files, enabled=config.progress)
     next_unit = run.start[0]

@@ -3,7 +3,10 @@
 Documents arrive in build order as (tokens, lengths, source, doc_index) batches; each document's
 tokens already hold its BOS/EOS. Every packer is a deterministic function of that stream: the same
 documents always give the same samples, however they were batched. Each sample keeps its document
-segments (`doc_starts`, `doc_source`, `doc_index`; source -1 marks padding).
+segments (`doc_starts`, `doc_source`, `doc_index`; source -1 marks padding). The samples a batch
+completes come out as one `ShardArrays` (flat arrays, what `ShardWriter.write_arrays` takes): `concat`
+and `none` cut them with array operations over the whole batch, so their cost does not grow with the
+number of documents or windows in Python.
 
 - ``concat``: documents are joined and cut into windows of ``seq_len + 1`` tokens. Windows do not
   overlap: the model reads ``window[:-1]`` as input and ``window[1:]`` as targets, so each token is a
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardkit.formats import Sample
+from shardkit.formats import Sample, ShardArrays, arrays_from_samples
+from shardkit.formats.sample import OFFSETS_DTYPE
 
 PACKING_MODES = ("concat", "bestfit", "none")
 _I32 = np.int32
@@ -72,13 +76,16 @@ class Packer:
             raise ValueError(f"--seq-len must be >= 1 (a window holds seq_len + 1 tokens), got {self.sample_length - 1}")
         self.dtype = np.dtype(self.token_dtype)
 
-    def feed(self, tokens: np.ndarray, lengths: np.ndarray, source: int, doc_index: np.ndarray) -> list[Sample]:
+    def feed(self, tokens: np.ndarray, lengths: np.ndarray, source: int, doc_index: np.ndarray) -> ShardArrays:
         """Add a batch of documents from one source; return the samples completed by it."""
         raise NotImplementedError
 
-    def finish(self) -> list[Sample]:
+    def finish(self) -> ShardArrays:
         """Flush what is left (padded where the packing is fixed-length)."""
-        return []
+        return self._arrays([])
+
+    def _arrays(self, samples: list[Sample]) -> ShardArrays:
+        return arrays_from_samples(samples, self.token_dtype)
 
     def snapshot(self) -> dict:
         return {"stats": self.stats.as_dict()}
@@ -86,8 +93,8 @@ class Packer:
     def restore(self, state: dict) -> None:
         self.stats = PackStats(**state["stats"])
 
-    def _count(self, samples: list[Sample], lengths: np.ndarray) -> list[Sample]:
-        self.stats.samples += len(samples)
+    def _count(self, samples: ShardArrays, lengths: np.ndarray) -> ShardArrays:
+        self.stats.samples += samples.num_samples
         self.stats.documents += len(lengths)
         self.stats.document_tokens += int(lengths.sum())
         return samples
@@ -110,7 +117,7 @@ class ConcatPacker(Packer):
     def feed(self, tokens, lengths, source, doc_index):
         lengths = np.asarray(lengths, dtype=_I64)
         if not len(lengths):
-            return []
+            return self._arrays([])
         buffer = np.concatenate([self._carry, np.asarray(tokens, dtype=self.dtype)])
         offsets = np.zeros(len(lengths), dtype=_I64)
         np.cumsum(lengths[:-1], out=offsets[1:])
@@ -119,21 +126,20 @@ class ConcatPacker(Packer):
         indices = np.concatenate([self._indices, np.asarray(doc_index, dtype=_I64)])
         length = self.sample_length
         windows = len(buffer) // length
-        samples = []
-        for w in range(windows):
-            a = w * length
-            first = int(np.searchsorted(starts, a, side="right")) - 1
-            last = int(np.searchsorted(starts, a + length, side="left"))
-            end = a + length
-            if end < len(buffer) and (last == len(starts) or starts[last] != end):
-                # the window closes inside a document (buffers hold whole documents): it is split
-                key = (int(sources[last - 1]), int(indices[last - 1]))
-                if key != self._last_split:
-                    self.stats.split_documents += 1
-                    self._last_split = key
-            seg = np.maximum(starts[first:last] - a, 0)
-            samples.append(_sample(buffer[a:a + length], seg, sources[first:last], indices[first:last]))
+        window_starts = np.arange(windows, dtype=_I64) * length
+        # Window w holds the segments of documents first[w] .. last[w] - 1.
+        first = np.searchsorted(starts, window_starts, side="right") - 1
+        last = np.searchsorted(starts, window_starts + length, side="left")
+        self._count_splits(window_starts + length, last, starts, sources, indices, len(buffer))
+        counts = last - first
+        doc_offsets = np.zeros(windows + 1, dtype=OFFSETS_DTYPE)
+        np.cumsum(counts, out=doc_offsets[1:])
+        owner = np.repeat(np.arange(windows, dtype=_I64), counts)
+        segment = np.arange(int(doc_offsets[-1]), dtype=_I64) - doc_offsets[owner] + first[owner]
         cut = windows * length
+        samples = ShardArrays(buffer[:cut], np.arange(windows + 1, dtype=OFFSETS_DTYPE) * length, doc_offsets,
+                              np.maximum(starts[segment] - window_starts[owner], 0).astype(_I32),
+                              sources[segment].astype(_I32), indices[segment])
         first = int(np.searchsorted(starts, cut, side="right")) - 1 if cut < len(buffer) else len(starts)
         self._carry = buffer[cut:].copy()
         self._starts = np.maximum(starts[first:] - cut, 0)
@@ -141,9 +147,22 @@ class ConcatPacker(Packer):
         self._indices = indices[first:]
         return self._count(samples, lengths)
 
+    def _count_splits(self, window_ends, last, starts, sources, indices, buffered: int) -> None:
+        """Count the documents that windows close inside (buffers hold whole documents), each once even
+        when it spans many windows: consecutive windows closing inside the same document count one."""
+        inside = (window_ends < buffered) & (np.append(starts, -1)[last] != window_ends)
+        split_sources, split_indices = sources[last[inside] - 1], indices[last[inside] - 1]
+        if not len(split_sources):
+            return
+        previous_sources = np.concatenate([[self._last_split[0]], split_sources[:-1]])
+        previous_indices = np.concatenate([[self._last_split[1]], split_indices[:-1]])
+        self.stats.split_documents += int(np.count_nonzero((split_sources != previous_sources)
+                                                           | (split_indices != previous_indices)))
+        self._last_split = (int(split_sources[-1]), int(split_indices[-1]))
+
     def finish(self):
         if not len(self._carry):
-            return []
+            return self._arrays([])
         pad = self.sample_length - len(self._carry)
         tokens = np.concatenate([self._carry, np.full(pad, self.pad_id, dtype=self.dtype)])
         sample = _sample(tokens, [*self._starts, len(self._carry)], [*self._sources, -1], [*self._indices, -1])
@@ -152,7 +171,7 @@ class ConcatPacker(Packer):
         self.stats.samples += 1
         self._carry = np.zeros(0, dtype=self.dtype)
         self._starts = self._sources = self._indices = np.zeros(0, dtype=_I64)
-        return [sample]
+        return self._arrays([sample])
 
     def snapshot(self):
         return {**super().snapshot(), "carry": self._carry, "starts": self._starts, "sources": self._sources,
@@ -172,14 +191,20 @@ class NonePacker(Packer):
     def feed(self, tokens, lengths, source, doc_index):
         lengths = np.asarray(lengths, dtype=_I64)
         tokens = np.asarray(tokens, dtype=self.dtype)
-        samples, offset = [], 0
-        for n, index in zip(lengths.tolist(), np.asarray(doc_index).tolist()):
-            if n > self.sample_length:
-                self.stats.split_documents += 1
-            for a in range(0, n, self.sample_length):
-                piece = tokens[offset + a:offset + min(n, a + self.sample_length)]
-                samples.append(_sample(piece, [0], [source], [index]))
-            offset += n
+        length = self.sample_length
+        self.stats.split_documents += int(np.count_nonzero(lengths > length))
+        # Document d becomes ceil(n / length) consecutive samples: the tokens stay in place, only the
+        # sample offsets and the one segment per sample are made.
+        pieces = -(-lengths // length)
+        owner = np.repeat(np.arange(len(lengths), dtype=_I64), pieces)
+        piece_starts = np.zeros(len(lengths), dtype=_I64)
+        np.cumsum(pieces[:-1], out=piece_starts[1:])
+        within = (np.arange(len(owner), dtype=_I64) - piece_starts[owner]) * length
+        offsets = np.zeros(len(owner) + 1, dtype=OFFSETS_DTYPE)
+        np.cumsum(np.minimum(lengths[owner] - within, length), out=offsets[1:])
+        samples = ShardArrays(tokens[:int(offsets[-1])], offsets, np.arange(len(owner) + 1, dtype=OFFSETS_DTYPE),
+                              np.zeros(len(owner), dtype=_I32), np.full(len(owner), source, dtype=_I32),
+                              np.asarray(doc_index, dtype=_I64)[owner])
         return self._count(samples, lengths)
 
 
@@ -222,11 +247,11 @@ class BestFitPacker(Packer):
                 self._pending.append((tail, source, index))
                 if len(self._pending) >= self.buffer_docs:
                     samples.extend(self._pack(self.max_open))
-        return self._count(samples, lengths)
+        return self._count(self._arrays(samples), lengths)
 
     def finish(self):
-        samples = self._pack(0)
-        self.stats.samples += len(samples)
+        samples = self._arrays(self._pack(0))
+        self.stats.samples += samples.num_samples
         return samples
 
     def _pack(self, keep_open: int) -> list[Sample]:

@@ -8,7 +8,7 @@ document's index inside that source.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +81,20 @@ class ShardArrays:
         return sum(a.nbytes for a in (self.tokens, self.sample_offsets, self.doc_offsets,
                                       self.doc_starts, self.doc_source, self.doc_index) if a is not None)
 
+    def __iter__(self) -> Iterator[Sample]:
+        return (self.sample(i) for i in range(self.num_samples))
+
+    def slice(self, start: int, stop: int) -> ShardArrays:
+        """Samples [start, stop) as arrays of their own (offsets rebased to 0; token and segment arrays are
+        views)."""
+        t0, t1 = int(self.sample_offsets[start]), int(self.sample_offsets[stop])
+        offsets = self.sample_offsets[start:stop + 1] - t0
+        if self.doc_offsets is None:
+            return ShardArrays(self.tokens[t0:t1], offsets)
+        d0, d1 = int(self.doc_offsets[start]), int(self.doc_offsets[stop])
+        return ShardArrays(self.tokens[t0:t1], offsets, self.doc_offsets[start:stop + 1] - d0,
+                           self.doc_starts[d0:d1], self.doc_source[d0:d1], self.doc_index[d0:d1])
+
     def sample(self, i: int) -> Sample:
         start, end = int(self.sample_offsets[i]), int(self.sample_offsets[i + 1])
         tokens = self.tokens[start:end]
@@ -125,6 +139,21 @@ class ShardArrays:
                 raise CorruptShardError(name, "document segment starts are not increasing within a sample")
 
 
+def _checked_tokens(tokens, token_dtype: str, *, what: str) -> np.ndarray:
+    """`tokens` as a 1-D array of `token_dtype`, refused when an id does not fit it."""
+    dtype = numpy_token_dtype(token_dtype)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"{what}: tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype != dtype:
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{what}: tokens must be integers, got {tokens.dtype}")
+        limit = np.iinfo(dtype).max
+        if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
+            raise ValueError(f"{what}: token ids must be in [0, {limit}] for {token_dtype}")
+    return tokens.astype(dtype, copy=False)
+
+
 def check_sample(sample: Sample, token_dtype: str, *, what: str = "sample") -> Sample:
     """Validate one sample and return it with tokens in `token_dtype` (doc arrays in their dtypes).
 
@@ -135,17 +164,7 @@ def check_sample(sample: Sample, token_dtype: str, *, what: str = "sample") -> S
         ValueError: non-1-D tokens, ids outside the dtype, or inconsistent document segments.
         TypeError: non-integer tokens.
     """
-    dtype = numpy_token_dtype(token_dtype)
-    tokens = np.asarray(sample.tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"{what}: tokens must be 1-D, got shape {tokens.shape}")
-    if tokens.dtype != dtype:
-        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{what}: tokens must be integers, got {tokens.dtype}")
-        limit = np.iinfo(dtype).max
-        if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
-            raise ValueError(f"{what}: token ids must be in [0, {limit}] for {token_dtype}")
-        tokens = tokens.astype(dtype)
+    tokens = _checked_tokens(sample.tokens, token_dtype, what=what)
     if not sample.has_doc_boundaries:
         if sample.doc_source is not None or sample.doc_index is not None:
             raise ValueError(f"{what}: doc_source/doc_index given without doc_starts")
@@ -213,3 +232,62 @@ def arrays_from_samples(samples: Sequence[Sample], token_dtype: str) -> ShardArr
     except CorruptShardError as err:
         raise ValueError(f"invalid document boundaries: {err.reason}") from None
     return arrays
+
+
+def empty_arrays(token_dtype: str) -> ShardArrays:
+    """A shard of no samples."""
+    return ShardArrays(np.zeros(0, dtype=numpy_token_dtype(token_dtype)), np.zeros(1, dtype=OFFSETS_DTYPE))
+
+
+def concat_arrays(parts: Sequence[ShardArrays], token_dtype: str) -> ShardArrays:
+    """The samples of `parts`, in order, as one `ShardArrays` (all parts with document boundaries, or none;
+    the same arrays `arrays_from_samples` makes of the parts' samples)."""
+    parts = [p for p in parts if p.num_samples]
+    if not parts:
+        return empty_arrays(token_dtype)
+    if len({p.has_doc_boundaries for p in parts}) > 1:
+        raise ValueError("all samples of a shard must either store document boundaries or not")
+
+    def offsets(arrays: list[np.ndarray]) -> np.ndarray:
+        out = np.zeros(1 + sum(len(a) - 1 for a in arrays), dtype=OFFSETS_DTYPE)
+        np.cumsum(np.concatenate([np.diff(a) for a in arrays]), out=out[1:])
+        return out
+
+    tokens = np.concatenate([p.tokens for p in parts]).astype(numpy_token_dtype(token_dtype), copy=False)
+    if not parts[0].has_doc_boundaries:
+        return ShardArrays(tokens, offsets([p.sample_offsets for p in parts]))
+    return ShardArrays(tokens, offsets([p.sample_offsets for p in parts]), offsets([p.doc_offsets for p in parts]),
+                       *(np.concatenate([getattr(p, name) for p in parts]).astype(kind, copy=False)
+                         for name, kind in (("doc_starts", DOC_STARTS_DTYPE), ("doc_source", DOC_SOURCE_DTYPE),
+                                            ("doc_index", DOC_INDEX_DTYPE))))
+
+
+def check_arrays(arrays: ShardArrays, token_dtype: str, *, what: str) -> ShardArrays:
+    """`check_sample` for a run of samples at once: the arrays with tokens in `token_dtype` and the segment
+    arrays in their dtypes.
+
+    Raises:
+        ValueError: ids outside the dtype, or inconsistent offsets or document segments (names `what`).
+        TypeError: non-integer tokens.
+    """
+    tokens = _checked_tokens(arrays.tokens, token_dtype, what=what)
+    offsets = np.asarray(arrays.sample_offsets).astype(OFFSETS_DTYPE, copy=False)
+    if arrays.has_doc_boundaries:
+        checked = ShardArrays(tokens, offsets,
+                              np.asarray(arrays.doc_offsets).astype(OFFSETS_DTYPE, copy=False),
+                              np.asarray(arrays.doc_starts).astype(DOC_STARTS_DTYPE, copy=False),
+                              np.asarray(arrays.doc_source).astype(DOC_SOURCE_DTYPE, copy=False),
+                              np.asarray(arrays.doc_index).astype(DOC_INDEX_DTYPE, copy=False))
+    else:
+        checked = ShardArrays(tokens, offsets)
+    try:
+        checked.validate(what)
+    except CorruptShardError as err:
+        raise ValueError(f"{what}: {err.reason}") from None
+    if checked.has_doc_boundaries:
+        empty = np.diff(checked.sample_offsets) == 0
+        if np.any(empty & (np.diff(checked.doc_offsets) > 0)):
+            raise ValueError(f"{what}: an empty sample cannot have document segments")
+        if len(checked.doc_source) and int(checked.doc_source.min()) < -1:
+            raise ValueError(f"{what}: doc_source must be >= -1 (-1 marks padding)")
+    return checked

@@ -56,11 +56,13 @@ def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, le
     index_fields: dict = {}
     if format_version == 2 and arrays.num_samples:
         data, index_fields = _with_block_index(data, arrays, shard_format, block_bytes)
+    data = data if isinstance(data, bytes) else bytes(data)
     return EncodedShard(data, arrays.num_samples, int(arrays.tokens.size), raw,
                         hashlib.sha256(data).hexdigest(), arrays.has_doc_boundaries, **index_fields)
 
 
-def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block_bytes: int) -> tuple[bytes, dict]:
+def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_format: str,
+                      block_bytes: int) -> tuple[bytes, dict]:
     """The shard bytes with the block index inserted, and the manifest's index fields.
 
     Where it goes keeps every existing reader working: after a tar's end-of-archive marker (tar
@@ -87,7 +89,7 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block
         cuts = [*range(0, n, step), n]
         ranges = record_batch_ranges(data)
         raws = [_arrow_block_raw(arrays, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-        insert_at = len(data) - _ARROW_TRAILER - int.from_bytes(data[-_ARROW_TRAILER:-6], "little")
+        insert_at = len(data) - _ARROW_TRAILER - int.from_bytes(bytes(data[-_ARROW_TRAILER:-6]), "little")
     if len(ranges) != len(cuts) - 1:
         raise ValueError(f"found {len(ranges)} blocks in the encoded shard, expected {len(cuts) - 1}")
     doc_offsets = arrays.doc_offsets if arrays.doc_offsets is not None else np.zeros(n + 1, dtype=np.int64)
@@ -97,11 +99,11 @@ def _with_block_index(data: bytes, arrays: ShardArrays, shard_format: str, block
                        raw_bytes=raw)
               for (s, e), a, b, raw in zip(ranges, cuts[:-1], cuts[1:], raws)]
     index = BlockIndex(tuple(blocks)).to_bytes()
+    view = memoryview(data)  # one join, not a copy per slice and per concatenation
     if shard_format == "tar":  # the index replaces padding; the file stays a whole number of tar records
-        out = data[:insert_at] + index
-        out += b"\0" * (-len(out) % TAR_RECORD)
+        out = b"".join((view[:insert_at], index, b"\0" * (-(insert_at + len(index)) % TAR_RECORD)))
     else:
-        out = data[:insert_at] + index + data[insert_at:]
+        out = b"".join((view[:insert_at], index, view[insert_at:]))
     return out, {"index_offset": insert_at, "index_bytes": len(index),
                  "index_sha256": hashlib.sha256(index).hexdigest()}
 

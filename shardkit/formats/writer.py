@@ -8,13 +8,16 @@ shard is in place (`write_dataset` shows the whole sequence).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
-from shardkit.formats.sample import Sample, arrays_from_samples, check_sample, numpy_token_dtype
+from shardkit.formats.sample import (OFFSETS_DTYPE, Sample, ShardArrays, check_arrays, check_sample, concat_arrays,
+                                     numpy_token_dtype)
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
 from shardkit.storage import Storage
 
@@ -39,6 +42,12 @@ class ShardWriter:
             decode one block before the shard is local; 1 writes the original format.
         block_bytes: raw bytes per block (format v2; tar member groups and Arrow record batches; default
             per format, `shardkit.formats.blocks.DEFAULT_BLOCK_BYTES`).
+        encode_threads: shards encoded (compressed, hashed and stored) at once in background threads while
+            the next shard fills; 0 encodes in the caller's thread. zstd and SHA-256 release the GIL, so
+            this uses more cores; the shards' bytes do not depend on it. `on_shard_done` still runs in the
+            caller's thread and in shard order.
+        on_shard_cut: called with a shard's index when its samples are fixed, before it is encoded (with
+            `encode_threads`, `on_shard_done` comes later, after the caller may have written more).
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
@@ -46,7 +55,8 @@ class ShardWriter:
                  compression_level: int = 3, name_template: str = "shard-{index:06d}", start_index: int = 0,
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
                  storage_options: dict[str, Any] | None = None, format_version: int = 2,
-                 block_bytes: int | None = None):
+                 block_bytes: int | None = None, encode_threads: int = 0,
+                 on_shard_cut: Callable[[int], None] | None = None):
         if format_version not in SHARD_FORMAT_VERSIONS:
             raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
         if shard_format not in SHARD_EXTENSIONS:
@@ -56,6 +66,8 @@ class ShardWriter:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if encode_threads < 0:
+            raise ValueError(f"encode_threads must be >= 0, got {encode_threads}")
         self.storage = url if isinstance(url, Storage) else Storage(url, storage_options)
         self.shard_format = shard_format
         self.token_dtype = token_dtype
@@ -67,8 +79,13 @@ class ShardWriter:
         self.name_template = name_template
         self.next_index = start_index
         self.on_shard_done = on_shard_done
+        self.on_shard_cut = on_shard_cut
+        self.encode_threads = encode_threads
+        self._pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="shard-encode") if encode_threads else None
+        self._in_flight: deque[Future] = deque()  # shards being encoded, oldest first
         self.shards: list[ShardInfo] = []
-        self._pending: list[Sample] = []
+        self._pending: list[ShardArrays] = []  # runs of samples of the shard being filled
+        self._pending_samples = 0
         self._pending_bytes = 0
         self._itemsize = numpy_token_dtype(token_dtype).itemsize
         self._closed = False
@@ -83,6 +100,13 @@ class ShardWriter:
         else:
             self._pending.clear()
             self._closed = True
+            self._stop_encoding()
+
+    def _stop_encoding(self) -> None:
+        """Let shards being encoded finish (a thread cannot be stopped), without reporting them."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._in_flight.clear()
 
     def write(self, sample: Sample | np.ndarray) -> None:
         """Add one sample (a `Sample`, or its token ids); the shard is written once it is full.
@@ -92,48 +116,108 @@ class ShardWriter:
                 are inconsistent, or it has document boundaries where the shard's other samples have none
                 (or the reverse).
         """
-        if self._closed:
-            raise ValueError("ShardWriter is closed")
+        self._check_open()
         if not isinstance(sample, Sample):
             sample = Sample(np.asarray(sample))
         sample = check_sample(sample, self.token_dtype,
-                              what=f"sample {len(self._pending)} of shard {self.next_index} (written to {self.storage.url})")
-        if self._pending and sample.has_doc_boundaries != self._pending[0].has_doc_boundaries:
-            raise ValueError(f"sample {len(self._pending)} of shard {self.next_index}: all samples of a shard must "
+                              what=f"sample {self._pending_samples} of shard {self.next_index} (written to {self.storage.url})")
+        offsets = np.array([0, len(sample.tokens)], dtype=OFFSETS_DTYPE)
+        if sample.has_doc_boundaries:
+            arrays = ShardArrays(sample.tokens, offsets, np.array([0, len(sample.doc_starts)], dtype=OFFSETS_DTYPE),
+                                 sample.doc_starts, sample.doc_source, sample.doc_index)
+        else:
+            arrays = ShardArrays(sample.tokens, offsets)
+        self._add(arrays)
+
+    def write_arrays(self, arrays: ShardArrays) -> None:
+        """Add a run of samples at once (what `write` does for each, checked with array operations); shards
+        roll over at the same samples as when they are written one by one.
+
+        Raises:
+            ValueError: as `write`, naming the run.
+        """
+        self._check_open()
+        if arrays.num_samples:
+            self._add(check_arrays(arrays, self.token_dtype, what=f"samples {self._pending_samples}-"
+                                   f"{self._pending_samples + arrays.num_samples - 1} of shard {self.next_index} "
+                                   f"(written to {self.storage.url})"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("ShardWriter is closed")
+
+    def _add(self, arrays: ShardArrays) -> None:
+        """Append checked samples, writing each shard as it fills: a shard ends at the first sample that
+        brings it to `max_samples` or to `max_bytes` (tokens, plus 16 bytes per document segment)."""
+        if self._pending and arrays.has_doc_boundaries != self._pending[0].has_doc_boundaries:
+            raise ValueError(f"sample {self._pending_samples} of shard {self.next_index}: all samples of a shard must "
                              "either store document boundaries or not")
-        self._pending.append(sample)
-        self._pending_bytes += len(sample.tokens) * self._itemsize
-        if sample.doc_starts is not None:
-            self._pending_bytes += len(sample.doc_starts) * 16
-        if ((self.max_samples is not None and len(self._pending) >= self.max_samples)
-                or (self.max_bytes is not None and self._pending_bytes >= self.max_bytes)):
-            self.flush()
+        sizes = np.diff(arrays.sample_offsets) * self._itemsize
+        if arrays.has_doc_boundaries:
+            sizes += np.diff(arrays.doc_offsets) * 16
+        reached = np.cumsum(sizes)
+        start, count = 0, arrays.num_samples
+        while start < count:
+            before = int(reached[start - 1]) if start else 0
+            stop = count
+            if self.max_bytes is not None:
+                stop = min(stop, int(np.searchsorted(reached, before + self.max_bytes - self._pending_bytes)) + 1)
+            if self.max_samples is not None:
+                stop = min(stop, start + self.max_samples - self._pending_samples)
+            self._pending.append(arrays.slice(start, stop) if (start, stop) != (0, count) else arrays)
+            self._pending_samples += stop - start
+            self._pending_bytes += int(reached[stop - 1]) - before
+            if ((self.max_samples is not None and self._pending_samples >= self.max_samples)
+                    or (self.max_bytes is not None and self._pending_bytes >= self.max_bytes)):
+                self.flush()
+            start = stop
 
     def flush(self) -> ShardInfo | None:
-        """Finish the current shard now (no-op when it is empty)."""
+        """Finish the current shard now (no-op when it is empty). Returns its `ShardInfo`, or None while
+        it is encoded in the background (`encode_threads`)."""
         if not self._pending:
             return None
-        info = self._write_shard(self._pending)
+        arrays = concat_arrays(self._pending, self.token_dtype)
         self._pending = []
+        self._pending_samples = 0
         self._pending_bytes = 0
-        return info
+        return self._write_shard(arrays)
 
     def write_empty_shard(self) -> ShardInfo:
         """Write a shard with zero samples (valid, e.g. for an input with nothing in it)."""
-        return self._write_shard([])
+        self._collect(keep=0)
+        return self._write_shard(concat_arrays([], self.token_dtype), background=False)
 
-    def _write_shard(self, samples: list[Sample]) -> ShardInfo:
-        arrays = arrays_from_samples(samples, self.token_dtype)
+    def _write_shard(self, arrays: ShardArrays, *, background: bool = True) -> ShardInfo | None:
+        index = self.next_index
+        self.next_index += 1
+        if self.on_shard_cut is not None:
+            self.on_shard_cut(index)
+        if self._pool is None or not background:
+            return self._done(self._store(arrays, index))
+        self._in_flight.append(self._pool.submit(self._store, arrays, index))
+        self._collect(keep=self.encode_threads)
+        return None
+
+    def _store(self, arrays: ShardArrays, index: int) -> ShardInfo:
+        """Encode and upload one shard (in any thread: it touches nothing of the writer's state)."""
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
                                level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes)
-        name = self.name_template.format(index=self.next_index) + SHARD_EXTENSIONS[self.shard_format]
+        name = self.name_template.format(index=index) + SHARD_EXTENSIONS[self.shard_format]
         self.storage.write_bytes(name, encoded.data)
-        info = ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
+        return ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
                          compressed_bytes=len(encoded.data), raw_bytes=encoded.raw_bytes,
                          sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries,
                          index_offset=encoded.index_offset, index_bytes=encoded.index_bytes,
                          index_sha256=encoded.index_sha256)
-        self.next_index += 1
+
+    def _collect(self, *, keep: int) -> None:
+        """Report the background shards that are done, in order, waiting for the oldest while more than
+        `keep` are in flight (an encoding error is raised here)."""
+        while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0].done()):
+            self._done(self._in_flight.popleft().result())
+
+    def _done(self, info: ShardInfo) -> ShardInfo:
         self.shards.append(info)
         if self.on_shard_done is not None:
             self.on_shard_done(info)
@@ -142,8 +226,12 @@ class ShardWriter:
     def close(self) -> None:
         """Write the last, partly filled shard; further writes are refused. Closing twice does nothing."""
         if not self._closed:
-            self.flush()
-            self._closed = True
+            try:
+                self.flush()
+                self._collect(keep=0)
+            finally:
+                self._closed = True
+                self._stop_encoding()
 
 
 def write_dataset(url: str | Storage, samples: Iterable[Sample | np.ndarray], *, tokenizer: TokenizerInfo,

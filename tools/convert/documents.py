@@ -121,10 +121,21 @@ def read_index_json(spec: str, storage_options, *, fields: tuple[str, ...], what
     return fs, path, _display(fs, name), index
 
 
-def source_file(fs, path: str, kind: str):
-    """The `InputFile` of one source file: its URL, size and content SHA-256 (the fingerprint holds it, so a
-    resumed conversion notices a source edited in place)."""
+def source_files(located: list[tuple[Any, str]], kind: str) -> list:
+    """The `InputFile` of each (filesystem, path), in order: its URL, size and content SHA-256 (the fingerprint
+    holds it, so a resumed conversion notices a source edited in place). Files are hashed by a few threads
+    at once: reading and SHA-256 release the GIL, and hashing is a full read of the source before the first
+    unit."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from shardkit.tools.inputs import InputFile, _display, content_sha256
 
-    return InputFile(url=_display(fs, path), kind=kind, compression=None, size=int(fs.size(path)),
-                     sha256=content_sha256(fs, path))
+    def record(item):
+        fs, path = item
+        return InputFile(url=_display(fs, path), kind=kind, compression=None, size=int(fs.size(path)),
+                         sha256=content_sha256(fs, path))
+
+    if len(located) < 2:
+        return [record(item) for item in located]
+    with ThreadPoolExecutor(min(4, len(located)), thread_name_prefix="source-hash") as pool:
+        return list(pool.map(record, located))

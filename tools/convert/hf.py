@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shardkit.storage import open_filesystem
-from shardkit.tools.convert.documents import TokenSettings, source_file, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit, _open_raw, expand_inputs, iter_units
 
@@ -31,9 +31,8 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
                              f"directory, e.g. {spec.rstrip('/')}/{splits[0] if splits else 'train'}")
         if fs.isdir(path) and fs.exists(f"{path}/state.json"):
             state = json.loads(fs.cat_file(f"{path}/state.json"))
-            for entry in state.get("_data_files", []):
-                name = f"{path}/{entry['filename']}"
-                files.append(source_file(fs, name, "hf"))
+            entries = state.get("_data_files", [])
+            files.extend(source_files([(fs, f"{path}/{entry['filename']}") for entry in entries], "hf"))
         else:
             found = expand_inputs([spec], storage_options, content_hashes=True)
             wrong = [f.url for f in found if f.kind != "parquet"]

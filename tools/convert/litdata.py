@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_file, token_documents
+from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_files, token_documents
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit
 
@@ -42,9 +42,8 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[Input
         if dtype is None:
             raise ValueError(f"{where}: items are {formats}, not one integer tensor each (write them with "
                              "litdata.optimize(..., item_loader=TokensLoader()))")
-        for chunk in chunks:
-            url = f"{path}/{chunk['filename']}"
-            file = source_file(fs, url, "litdata")
+        files = source_files([(fs, f"{path}/{chunk['filename']}") for chunk in chunks], "litdata")
+        for file, chunk in zip(files, chunks):
             found.append((file, (file.url, dtype, int(chunk["chunk_size"])), int(chunk["chunk_size"])))
     return found
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_file, token_documents
+from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_files, token_documents
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit
 
@@ -60,23 +60,27 @@ def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options
     found = []
     for spec in inputs:
         fs, path, name, index = read_index_json(spec, storage_options, fields=("shards",), what="MDS")
-        for number, shard in enumerate(index["shards"]):
-            found.append(_shard(fs, path, shard, number, name, token_field))
+        stored = [_stored(shard, number, name, token_field) for number, shard in enumerate(index["shards"])]
+        files = source_files([(fs, f"{path}/{data['basename']}") for data in stored], "mds")
+        found += [_shard(file, shard, token_field) for file, shard in zip(files, index["shards"])]
     return found
 
 
-def _shard(fs, path: str, shard: dict, number: int, index_name: str, token_field: str
-           ) -> tuple[InputFile, MDSShard, int]:
+def _stored(shard: dict, number: int, index_name: str, token_field: str) -> dict:
+    """The index entry of the file that holds the shard (its compressed form when it has one), once the
+    shard is one this reader knows."""
     where = f"{index_name}: shard {number}"
     if shard.get("format") != "mds":
         raise ValueError(f"{where}: format {shard.get('format')!r}; only 'mds' shards are read")
     if token_field not in shard["column_names"]:
         raise ValueError(f"{where}: no column {token_field!r} (columns: {', '.join(shard['column_names'])}); "
                          "choose one with --token-field")
+    return shard["zip_data"] if shard.get("compression") else shard["raw_data"]
+
+
+def _shard(file: InputFile, shard: dict, token_field: str) -> tuple[InputFile, MDSShard, int]:
     stored = shard["zip_data"] if shard.get("compression") else shard["raw_data"]
-    url = f"{path}/{stored['basename']}"
     column = shard["column_names"].index(token_field)
-    file = source_file(fs, url, "mds")
     description = MDSShard(url=file.url, column=column, column_sizes=tuple(shard["column_sizes"]),
                            encoding=shard["column_encodings"][column], samples=int(shard["samples"]),
                            compression=shard.get("compression"), stored_bytes=int(stored["bytes"]),

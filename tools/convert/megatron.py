@@ -34,7 +34,7 @@ import numpy as np
 
 from shardkit.manifest import TokenizerInfo
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, source_file, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit, _display
 
@@ -121,14 +121,13 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[Input
         else:
             prefixes = [path]
         for prefix in prefixes:
-            files = []
             for suffix in (".bin", ".idx"):
                 if not fs.exists(prefix + suffix):
                     raise FileNotFoundError(f"SRC {spec}: {_display(fs, prefix + suffix)} does not exist "
                                             "(a Megatron dataset is PREFIX.bin + PREFIX.idx)")
-                files.append(source_file(fs, prefix + suffix, "megatron"))
-            pairs.append((files[0], files[1]))
-    return pairs
+            pairs.append((fs, prefix))
+    files = source_files([(fs, prefix + suffix) for fs, prefix in pairs for suffix in (".bin", ".idx")], "megatron")
+    return list(zip(files[0::2], files[1::2]))
 
 
 def read_metadata(bin_file: InputFile, storage_options) -> TokenizerInfo | None:
