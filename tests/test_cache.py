@@ -145,8 +145,11 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
         held_cache.open(1)
     held.close()
-    held_cache.open(1).close()  # released: shard 0 is evictable again
+    held = held_cache.open(1)  # released: shard 0 is evictable again
     assert held_cache.is_cached(1) and not held_cache.is_cached(0)
+    with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
+        held_cache.open(2)  # shard 0's bytes no longer count as held
+    held.close()
 
 
 def test_a_limit_of_zero_bytes_is_refused(tmp_path):
