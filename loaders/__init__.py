@@ -9,7 +9,11 @@ Modules, one job each:
 - `remix`: the mixture record of the loader state and mid-run mixture changes.
 - `token_budget`: equal-count, token-balanced batches for variable-length data (pure).
 - `topology`: rank, world size and node layout, resolved lazily.
-- `cache`: the node-local shard cache (flock, verify, decode once, mmap, LRU eviction).
+- `cache`: the node-local shard cache (opens, holds and prefetches shards; `make_store` resolves `cache_mode`).
+- `store`: the contract of a shard store (`ShardStore`) and the handle a reader holds (`CachedShard`).
+- `decoded_store`, `memory_stores`: the stores of `cache_mode` "decoded" (decode once, mmap, LRU eviction),
+  "compressed" and "none" (decoded into memory at each open).
+- `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
 - `batching`: global sample ids -> batch arrays from held shards.
 - `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches.
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).

@@ -139,3 +139,52 @@ def test_a_violation_is_reported_with_its_place(tmp_path, monkeypatch, importer,
     found = violations()
     assert any(expected in problem and problem.startswith(importer) for problem in found), found
     assert copy == source_files()
+
+
+# -- a feature is an operator, not a branch in a hub (issue 23: a shard store per cache mode, chosen once) --
+# (file, function) where a loaders module may decide by `cache_mode`: the store factory, and the option's own
+# check in LoaderConfig.
+MODE_DECISIONS_ALLOWED = {("loaders/cache.py", "make_store"), ("loaders/config.py", "__post_init__")}
+
+
+def _mentions_cache_mode(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "cache_mode" or isinstance(n, ast.Attribute)
+               and n.attr == "cache_mode" for n in ast.walk(node))
+
+
+def cache_mode_decisions(sources: dict[str, str]) -> list[str]:
+    """`file:line in function` of every comparison, lookup or match by a `cache_mode` outside the allowed places."""
+    found = []
+    for name, text in sources.items():
+        tree = ast.parse(text)
+        functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in ast.walk(tree):
+            decided = (isinstance(node, ast.Compare) and _mentions_cache_mode(node)
+                       or isinstance(node, ast.Subscript) and _mentions_cache_mode(node.slice)
+                       or isinstance(node, ast.Match) and _mentions_cache_mode(node.subject)
+                       or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                       and node.func.attr == "get" and any(_mentions_cache_mode(a) for a in node.args))
+            if not decided:
+                continue
+            inside = [f for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
+            function = max(inside, key=lambda f: f.lineno).name if inside else "<module>"
+            if (name, function) not in MODE_DECISIONS_ALLOWED:
+                found.append(f"{name}:{node.lineno} in {function}")
+    return found
+
+
+def _loaders_sources() -> dict[str, str]:
+    return {str(path.relative_to(REPO)): path.read_text() for path in sorted((REPO / "loaders").rglob("*.py"))}
+
+
+def test_only_the_store_factory_decides_by_cache_mode():
+    assert cache_mode_decisions(_loaders_sources()) == []
+
+
+@pytest.mark.parametrize("line", ["if self.cache_mode == 'none': pass", "x = {'none': 1}[config.cache_mode]",
+                                  "match cache_mode:\n    case 'none': pass", "x = STORES.get(cache_mode)"])
+def test_a_decision_by_cache_mode_is_reported_with_its_place(line):
+    sources = _loaders_sources()
+    sources["loaders/reading.py"] += f"\n{line}\n"
+    found = cache_mode_decisions(sources)
+    assert len(found) == 1 and found[0].startswith("loaders/reading.py:") and found[0].endswith("in <module>"), found

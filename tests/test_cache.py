@@ -20,6 +20,7 @@ from s3_proxy import CountingProxy
 from shardkit.errors import CorruptShardError
 from shardkit.formats import SHARD_READS
 from shardkit.loaders.cache import CacheLimitError, ShardCache
+from shardkit.loaders.decoded_store import decoded_size
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
@@ -120,7 +121,7 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     write_fixed(url, 90, per_shard=30)
     scratch = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch"))
     handle = scratch.open(0)
-    need = ShardCache.decoded_size(handle.reader.arrays)
+    need = decoded_size(handle.reader.arrays)
     handle.close()
     size = os.path.getsize(scratch.path(0))  # every shard holds 30 samples of the same length
     assert size <= need < size + 1024 + 6 * 64
@@ -144,8 +145,11 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
         held_cache.open(1)
     held.close()
-    held_cache.open(1).close()  # released: shard 0 is evictable again
+    held = held_cache.open(1)  # released: shard 0 is evictable again
     assert held_cache.is_cached(1) and not held_cache.is_cached(0)
+    with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
+        held_cache.open(2)  # shard 0's bytes no longer count as held
+    held.close()
 
 
 def test_a_limit_of_zero_bytes_is_refused(tmp_path):

@@ -140,7 +140,7 @@ def test_a_decoded_file_not_bound_to_its_shard_is_decoded_again(dataset, tmp_pat
     victim = StreamingDataset(dataset, shuffle=False)  # the default cache, where a poisoner would put files
     target = victim.caches[0].path(1)
     forge(target, good[1], good[2], kind)
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.cache"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.decoded_store"):
         ids, encoded = read_all(victim)
     assert sorted(ids.tolist()) == list(range(SAMPLES))
     assert np.array_equal(ids, encoded), "the loader served tokens that are not the shard's"

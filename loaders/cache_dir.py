@@ -1,0 +1,168 @@
+"""The node cache directory: shard file names, `flock` locks, temporaries, and LRU eviction under `cache_limit`.
+
+Coordination between the node's processes uses only `flock` locks on small companion files, which the
+kernel releases when a process dies, so a crashed or SIGKILLed process can never block or poison the others:
+
+- `<file>.dl`: exclusive while one process downloads, verifies and decodes (or completes block by block)
+  the shard. Finished files appear by atomic rename only, and the holder removes the temporaries a dead
+  predecessor left behind.
+- `<file>.lock`: shared while a reader holds a decoded shard open. Eviction takes it exclusive without
+  waiting, so it only ever removes shards that no live reader holds.
+- `<cache root>/.room.lock` (with `cache_limit` only): exclusive while one process evicts to make room and
+  writes a decoded shard, so the decoded files never exceed the limit even for a moment.
+
+The directories themselves are private (`shardkit.node_cache.private_tree`: mode 0700, refused otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+
+from shardkit import metrics
+from shardkit.manifest import ShardInfo
+from shardkit.names import check_relative_name
+
+DECODED_SUFFIX = ".skd"
+COMPRESSED_SUFFIX = ".skz"
+ROOM_LOCK = ".room.lock"  # in the cache root: held while one process makes room and admits a shard
+
+
+class CacheLimitError(OSError):
+    """`cache_limit` is too small for the shards that live readers need at the same time."""
+
+
+def shard_file(directory: str, shard: ShardInfo, suffix: str) -> str:
+    """`<directory>/<shard name>.<16 hex of its SHA-256><suffix>`, never outside `directory`: naming the
+    file after the shard's hash means a rebuilt dataset never reads stale data."""
+    relative = check_relative_name(f"{shard.name}.{shard.sha256[:16]}{suffix}", what="shard name")
+    full = os.path.normpath(os.path.join(directory, relative))
+    if not full.startswith(directory + os.sep):
+        raise ValueError(f"shard name {shard.name!r} would leave the cache directory {directory}")
+    return full
+
+
+# -- locks -----------------------------------------------------------------------------------------
+def lock_file(path: str) -> int:
+    """A descriptor of lock file `path` (created if missing), for `flock`."""
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str) -> Iterator[None]:
+    """Hold the exclusive `flock` of lock file `path` (waiting for it)."""
+    fd = lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def try_exclusive_lock(path: str) -> int | None:
+    """The descriptor holding the exclusive `flock` of lock file `path`, or None when another holds it
+    (closing the descriptor releases the lock)."""
+    fd = lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+# -- files -----------------------------------------------------------------------------------------
+def remove_stale_temporaries(path: str) -> None:
+    """Remove the temporaries of `path` a dead writer left (call with the download lock of `path` held)."""
+    # Only the holder of the download lock writes temporaries for this shard, so any that
+    # exist were left by a process that died mid-write.
+    directory, prefix = os.path.dirname(path), f".{os.path.basename(path)}.tmp-"
+    for name in os.listdir(directory):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def write_cache_file(path: str, data: bytes | memoryview) -> None:
+    """Write `data` to `path` by atomic rename: a reader finds the whole file or none. No fsync: a cache
+    file lost in a crash is fetched again, and one cut short fails its check at the next open."""
+    directory = os.path.dirname(path)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{os.path.basename(path)}.tmp-", delete=False) as fh:
+        try:
+            fh.write(data)
+        except BaseException:
+            os.unlink(fh.name)
+            raise
+    os.replace(fh.name, path)
+
+
+# -- eviction (decoded files only: `cache_limit` counts the `.skd` files) ---------------------------
+def _scan_decoded(cache_root: str) -> list[tuple[float, int, str]]:
+    """(last use, size, path) of every decoded file under `cache_root` (all datasets)."""
+    entries = []
+    for directory, _, names in os.walk(cache_root):
+        for name in names:
+            if name.endswith(DECODED_SUFFIX) and not name.startswith("."):
+                full = os.path.join(directory, name)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                try:  # last use: the lock file's mtime, touched at each open
+                    used = max(st.st_mtime, os.stat(full + ".lock").st_mtime)
+                except FileNotFoundError:
+                    used = st.st_mtime
+                entries.append((used, st.st_size, full))
+    return entries
+
+
+def _try_evict(path: str) -> bool:
+    """Remove decoded file `path` unless a live reader holds it; True when removed."""
+    try:
+        fd = try_exclusive_lock(path + ".lock")
+    except FileNotFoundError:
+        return False
+    if fd is None:
+        return False  # a live reader holds it
+    try:
+        os.unlink(path)
+        metrics.inc("shardkit_cache_evictions_total")
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def room_lock(cache_root: str, limited: bool) -> Iterator[None]:
+    """Hold the node's room lock while making room and writing (only under a limit: with none there is
+    nothing to count, so no need to serialise the node's writers)."""
+    if not limited:
+        yield
+        return
+    with exclusive_lock(os.path.join(cache_root, ROOM_LOCK)):
+        yield
+
+
+def make_room(cache_root: str, need: int, limit: int, *, exclude: str) -> tuple[int, int]:
+    """Evict least recently used unheld decoded files until `need` more bytes fit under `limit`.
+
+    Returns:
+        (bytes of decoded files left, files evicted).
+    """
+    entries = sorted(e for e in _scan_decoded(cache_root) if e[2] != exclude)
+    total = sum(size for _, size, _ in entries)
+    evicted = 0
+    for _, size, victim in entries:  # oldest use first
+        if total + need <= limit:
+            break
+        if _try_evict(victim):
+            total -= size
+            evicted += 1
+    return total, evicted
