@@ -208,7 +208,7 @@ class StreamingDataLoader(DataLoader):
                 workers = arrays.pop(metrics.WORKER_KEY, None)
                 if workers is not None:
                     metrics.merge_worker_counters(workers)
-                batch = batch_to_tensors(arrays)
+                batch = batch_to_tensors(arrays, self.dataset.config.token_dtype)
                 if pin:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 # Count before handing out: a state saved after receiving this batch includes it.

@@ -423,7 +423,9 @@ class StreamingDataset(IterableDataset):
                                      limit=plan.steps if offset == 0 else None)
         if get_worker_info() is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
-        return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
+        if plan.numpy_batches:
+            return batches
+        return (batch_to_tensors(strip_progress(b), self.config.token_dtype) for b in batches)
 
     def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
@@ -446,7 +448,7 @@ class StreamingDataset(IterableDataset):
             batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
         for batch in batches:
             self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
-            yield batch_to_tensors(strip_progress(batch))
+            yield batch_to_tensors(strip_progress(batch), self.config.token_dtype)
         self.epoch, self._steps_done, self._resume = self.epoch + 1, 0, None
 
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
@@ -554,6 +556,9 @@ def strip_progress(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return batch
 
 
-def batch_to_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Wrap a batch's arrays as tensors without copying."""
+def batch_to_tensors(batch: dict[str, np.ndarray], token_dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Wrap a batch's arrays as tensors without copying; `tokens` converted to `token_dtype` when it is set
+    (`LoaderConfig.token_dtype`; converted here, after any worker boundary, so workers send compact tokens)."""
+    if token_dtype is not None:
+        batch["tokens"] = batch["tokens"].astype(token_dtype, copy=False)
     return {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -3,7 +3,7 @@
 One small module per framework; each imports its framework when it is itself imported, never before
 (`import shardkit.integrations` imports none of them):
 
-- `batches`: the batch conversions every adapter shares (token dtype for collectives, causal-LM fields).
+- `batches`: the causal-LM fields every adapter builds from a batch.
 - `huggingface`: `ShardkitTrainer`, a transformers `Trainer` whose every rank reads its own share once and
   whose loader state lives in the Trainer's own `checkpoint-N` directories.
 - `torchtitan`: `ShardkitDataLoader`, a torchtitan `BaseDataLoader` that resumes on another data-parallel size.
