@@ -160,6 +160,10 @@ class StreamingDataset(IterableDataset):
         self._steps_done = 0
         self._iterations = 0
         self.epoch = 0
+        # Set by the StreamingDataLoader that drives this dataset: another loader iterating it on its own (what
+        # accelerator.prepare() builds around a prepared loader's dataset) would bypass the loader's batching and
+        # state, so standalone iteration is refused then.
+        self.claimed_by_loader = False
 
     def _check_compatible(self) -> None:
         first = self.manifests[0]
@@ -319,6 +323,7 @@ class StreamingDataset(IterableDataset):
         Raises:
             ValueError: the dataset has no `batch_size` (it is driven by a `StreamingDataLoader`: save that).
         """
+        self._refuse_if_claimed()
         if self.batch_size is None:
             raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
                              "the loader's state_dict() instead)")
@@ -359,8 +364,20 @@ class StreamingDataset(IterableDataset):
         self._resume = (saved.samples_consumed, saved.num_partitions, saved.quarantine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Epoch of the next standalone iteration, from its start (the loader manages epochs itself)."""
-        self.epoch = epoch
+        """Epoch of the next standalone iteration (a `StreamingDataLoader` manages epochs itself).
+
+        The epoch the dataset already stands in keeps its position: a state just loaded (frameworks such as
+        accelerate call `set_epoch(current epoch)` on resume, after the load) or the rest of an iteration that
+        was broken off. Another epoch starts from its beginning.
+
+        Raises:
+            ValueError: `epoch` is not an integer >= 0.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be an integer >= 0, got {epoch!r}")
+        if epoch == self.epoch:
+            return
+        self.epoch = int(epoch)
         self._iterations = 0
         self._steps_done, self._resume = 0, None
 
@@ -430,6 +447,7 @@ class StreamingDataset(IterableDataset):
     def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
         changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
+        self._refuse_if_claimed()
         if self.batch_size is None and self.config.max_tokens is None:
             raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
         topology = self.resolve_topology()
@@ -450,6 +468,14 @@ class StreamingDataset(IterableDataset):
             self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
             yield batch_to_tensors(strip_progress(batch), self.config.token_dtype)
         self.epoch, self._steps_done, self._resume = self.epoch + 1, 0, None
+
+    def _refuse_if_claimed(self) -> None:
+        if self.claimed_by_loader:
+            raise ValueError("this StreamingDataset belongs to a StreamingDataLoader but another loader iterates it "
+                             "(accelerator.prepare() rebuilds a prepared loader that way, losing its batching and "
+                             "state): iterate the StreamingDataLoader itself, not prepared; with accelerate, "
+                             "checkpoint it with shardkit.integrations.accelerate.checkpoint_loader "
+                             "(docs/INTEGRATIONS.md)")
 
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
                   limit: int | None = None, skip: int = 0) -> Iterator[np.ndarray]:
