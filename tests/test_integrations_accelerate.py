@@ -34,6 +34,21 @@ def test_preparing_the_loader_is_refused(dataset_url, tmp_path, options):
     assert next(iter(loader))["tokens"].shape == (4, 17)  # the loader itself reads
 
 
+def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_url, tmp_path):
+    """accelerate's default for an IterableDataset (dispatch_batches) lets rank 0 read and broadcast its batches:
+    on two ranks, rank 1's share would never be read. (Run on one process with the dataset told it is rank 0 of 2:
+    the wrapper is the same.)"""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=2, batch_size=2)
+    prepared = Accelerator(cpu=True).prepare(DataLoader(dataset, batch_size=None))
+    with pytest.raises(ValueError, match="DataLoaderDispatcher shards it again"):
+        next(iter(prepared))
+
+
 def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
     whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=20)
     procs.check_resumed(whole, head, tail)  # crosses the end of epoch 0 (step 15)

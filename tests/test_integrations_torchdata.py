@@ -55,4 +55,5 @@ def test_two_ranks_resumed_on_one(dataset_url, tmp_path, options):
     one = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10,
                      *options)[0]
     whole_one = run_script("torchdata_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 36, *options)[0]
+    check_two_rank_epochs(head, steps=((1, 8),))
     check_elastic(head, one, whole_one)
