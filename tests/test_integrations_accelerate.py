@@ -57,7 +57,11 @@ def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_pat
 
 
 @pytest.mark.slow
-def test_two_ranks_disjoint_complete_and_resumed(dataset_url, tmp_path):
+def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
     whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
     procs.check_two_rank_epochs(whole)
     procs.check_resumed(whole, head, tail)
+    # 2 -> 1 processes from the same checkpoint (the loader's state is global).
+    one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10)
+    whole_one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)
+    procs.check_elastic(head, one[0], whole_one[0])
