@@ -44,10 +44,16 @@ def main() -> None:
     if opts.resume is not None:  # the script resumes from the latest step-N folder by itself
         assert os.path.isdir(os.path.join(opts.folder, f"step-{opts.resume}")), opts.resume
     os.environ["SHARDKIT_CACHE_DIR"] = os.path.join(opts.folder, "cache")
+    # What `accelerate launch --cpu` sets: without it, accelerate under torchrun on a machine without GPUs runs
+    # each process on its own (DistributedType.NO: no gradient all-reduce, every process its own main process).
+    os.environ["ACCELERATE_USE_CPU"] = "true"
     script = with_values(doc_script(), {"DATASET": repr(opts.dataset), "RUN_DIR": repr(opts.folder), "BATCH_SIZE": "4",
                                         "MAX_STEPS, SAVE_EVERY": f"{opts.stop_at or opts.steps}, {opts.save_every}"})
     namespace = {"__name__": "__main__", "SEEN": []}
     exec(compile(script, str(DOC), "exec"), namespace)
+    expected = int(os.environ.get("WORLD_SIZE", 1))
+    if namespace["accelerator"].num_processes != expected:  # the run must be the distributed one it claims to be
+        raise SystemExit(f"accelerate runs {namespace['accelerator'].num_processes} processes, torchrun {expected}")
     write_ids(opts.ids, namespace["SEEN"])
 
 
