@@ -65,3 +65,35 @@ def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, 
     one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10)
     whole_one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)
     procs.check_elastic(head, one[0], whole_one[0])
+
+
+def test_accelerates_set_epoch_after_a_load_keeps_the_loaded_position(dataset_url, tmp_path):
+    """accelerate's prepared DataLoader passes set_epoch(epoch) on to the dataset, which a loop calls after resuming:
+    the epoch the loaded state stands in goes on from the loaded position; another epoch starts at its beginning."""
+    import itertools
+
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    def dataset():
+        return StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, batch_size=4,
+                                rank=0, world_size=1)
+
+    def ids(batches):
+        return [i for batch in batches for i in batch["sample_id"].tolist()]
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    reference = dataset()
+    epochs = [ids(DataLoader(reference, batch_size=None)) for _ in range(2)]
+    first = dataset()
+    head = ids(itertools.islice(DataLoader(first, batch_size=None), 6))
+    assert head == epochs[0][:24]
+    for epoch, expected in ((0, epochs[0][24:]), (1, epochs[1])):
+        resumed = dataset()
+        resumed.load_state_dict(first.state_dict())
+        prepared = accelerator.prepare(DataLoader(resumed, batch_size=None))
+        prepared.set_epoch(epoch)
+        assert ids(prepared) == expected
