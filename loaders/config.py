@@ -31,6 +31,7 @@ CORRUPT_POLICIES = ("raise", "skip")
 DEFAULT_CHUNK_SAMPLES = 2048
 DEFAULT_TOKEN_WINDOW = 4096
 CACHE_MODES = ("decoded", "compressed", "none")
+BATCH_TOKEN_DTYPES = ("int32", "int64")  # signed: what collectives (gloo has no uint16/uint32) and embeddings take
 
 
 def _option(default: Any, help: str, *, order: bool = False, **cli: Any) -> Any:
@@ -86,6 +87,11 @@ class LoaderConfig:
     segment_ids: bool = _option(False, "also emit dense per-token segment_ids [B, L] (a cumulative sum over every "
                                 "token of a batch); batches of data with document boundaries always carry "
                                 "cu_seqlens and padding_segments (docs/LOADING.md)")
+    token_dtype: str | None = _option(None, "dtype of the batches' tokens: none keeps the stored compact dtype "
+                                      "(uint16 for vocabularies under 65,536 ids, else uint32); 'int32' or 'int64' "
+                                      "for frameworks that broadcast or gather batches (gloo has no unsigned types: "
+                                      "accelerate's dispatch_batches) or feed them to an embedding as they come",
+                                      choices=BATCH_TOKEN_DTYPES)
     chunk_samples: int = _option(DEFAULT_CHUNK_SAMPLES, "samples gathered at once (amortises per-batch overhead)")
     cache_limit: int | None = _option(None, "size of the shards the node-local cache may hold (all datasets of the "
                                       "cache directory), e.g. 64GB, 1.5TiB or bytes; none: unlimited",
@@ -112,6 +118,9 @@ class LoaderConfig:
         check_policy(self.partial_batches)
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.token_dtype is not None and self.token_dtype not in BATCH_TOKEN_DTYPES:
+            raise ValueError(f"token_dtype must be None (the stored dtype) or one of {', '.join(BATCH_TOKEN_DTYPES)}, "
+                             f"got {self.token_dtype!r}")
         if self.on_corrupt not in CORRUPT_POLICIES:
             raise ValueError(f"on_corrupt must be one of {CORRUPT_POLICIES}, got {self.on_corrupt!r}")
         if self.quarantine_list is not None and (not isinstance(self.quarantine_list, str) or not self.quarantine_list):

@@ -97,6 +97,7 @@ class StreamingDataLoader(DataLoader):
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_batch, pin_memory=False,
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+        dataset.claimed_by_loader = True
         self.pin_batches = pin_memory
         self.samples_per_rank = batch_size or 1
         self.token_mode = dataset.config.max_tokens is not None
@@ -208,7 +209,7 @@ class StreamingDataLoader(DataLoader):
                 workers = arrays.pop(metrics.WORKER_KEY, None)
                 if workers is not None:
                     metrics.merge_worker_counters(workers)
-                batch = batch_to_tensors(arrays)
+                batch = batch_to_tensors(arrays, self.dataset.config.token_dtype)
                 if pin:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 # Count before handing out: a state saved after receiving this batch includes it.

@@ -35,7 +35,7 @@ from shardkit.loaders.partition import (
     worker_step_chunks,
 )
 from shardkit.loaders.reading import PROGRESS_KEY, BatchReader, ShardOwners
-from shardkit.loaders.resharding import check_not_resharded
+from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
 from shardkit.loaders.quarantine import QuarantineSources, filter_order, resolve_quarantine_list
 from shardkit.loaders.remix import (
     MixtureRecord,
@@ -45,7 +45,7 @@ from shardkit.loaders.remix import (
 )
 from shardkit.loaders.schedule import Schedule, weight_spec
 from shardkit.loaders.skipping import resolve_skipped
-from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
+from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState, check_worker_steps
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -158,8 +158,13 @@ class StreamingDataset(IterableDataset):
         # (or this DataLoader worker) already yielded of it. Only a finished iteration advances the epoch.
         self._resume: tuple[int, int, tuple] | None = None
         self._steps_done = 0
+        self._loaded_steps_batch: int | None = None  # the global batch of loaded worker steps (check_worker_steps)
         self._iterations = 0
         self.epoch = 0
+        # Set by the StreamingDataLoader that drives this dataset: another loader iterating it on its own (what
+        # accelerator.prepare() builds around a prepared loader's dataset) would bypass the loader's batching and
+        # state, so standalone iteration is refused then.
+        self.claimed_by_loader = False
 
     def _check_compatible(self) -> None:
         first = self.manifests[0]
@@ -319,6 +324,7 @@ class StreamingDataset(IterableDataset):
         Raises:
             ValueError: the dataset has no `batch_size` (it is driven by a `StreamingDataLoader`: save that).
         """
+        check_not_rewrapped(self.claimed_by_loader)
         if self.batch_size is None:
             raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
                              "the loader's state_dict() instead)")
@@ -356,13 +362,26 @@ class StreamingDataset(IterableDataset):
                                  f"DataLoader workers; resume it with num_workers={state.get('num_workers')}")
         self.resume_from(saved, allow_mixture_change=allow_mixture_change)
         self.epoch, self._steps_done = saved.epoch, int(steps)
+        self._loaded_steps_batch = saved.global_batch_size if steps else None
         self._resume = (saved.samples_consumed, saved.num_partitions, saved.quarantine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Epoch of the next standalone iteration, from its start (the loader manages epochs itself)."""
-        self.epoch = epoch
+        """Epoch of the next standalone iteration (a `StreamingDataLoader` manages epochs itself).
+
+        The epoch the dataset already stands in keeps its position: a state just loaded (frameworks such as
+        accelerate call `set_epoch(current epoch)` on resume, after the load) or the rest of an iteration that
+        was broken off. Another epoch starts from its beginning.
+
+        Raises:
+            ValueError: `epoch` is not an integer >= 0.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be an integer >= 0, got {epoch!r}")
+        if epoch == self.epoch:
+            return
+        self.epoch = int(epoch)
         self._iterations = 0
-        self._steps_done, self._resume = 0, None
+        self._steps_done, self._resume, self._loaded_steps_batch = 0, None, None
 
     def set_plan(self, plan: IterationPlan) -> None:
         """Where the next iteration starts; later iterations (persistent workers) take later epochs."""
@@ -423,11 +442,14 @@ class StreamingDataset(IterableDataset):
                                      limit=plan.steps if offset == 0 else None)
         if get_worker_info() is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
-        return batches if plan.numpy_batches else (batch_to_tensors(strip_progress(b)) for b in batches)
+        if plan.numpy_batches:
+            return batches
+        return (batch_to_tensors(strip_progress(b), self.config.token_dtype) for b in batches)
 
     def _standalone(self) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
         changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
+        check_not_rewrapped(self.claimed_by_loader)
         if self.batch_size is None and self.config.max_tokens is None:
             raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
         topology = self.resolve_topology()
@@ -439,6 +461,7 @@ class StreamingDataset(IterableDataset):
                              num_partitions=partitions, quarantine=quarantine)
         if self.config.max_tokens is None:
             self.check_batch_fits(plan.batch_size, topology)
+        check_worker_steps(self._loaded_steps_batch, plan.batch_size * topology.world_size)
         worker, num_workers = _worker()
         if self.config.max_tokens is not None:
             batches = self._generate_tokens(plan.epoch, start, (), plan, worker, num_workers, skip=self._steps_done)
@@ -446,8 +469,8 @@ class StreamingDataset(IterableDataset):
             batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
         for batch in batches:
             self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
-            yield batch_to_tensors(strip_progress(batch))
-        self.epoch, self._steps_done, self._resume = self.epoch + 1, 0, None
+            yield batch_to_tensors(strip_progress(batch), self.config.token_dtype)
+        self.epoch, self._steps_done, self._resume, self._loaded_steps_batch = self.epoch + 1, 0, None, None
 
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
                   limit: int | None = None, skip: int = 0) -> Iterator[np.ndarray]:
@@ -554,6 +577,9 @@ def strip_progress(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return batch
 
 
-def batch_to_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Wrap a batch's arrays as tensors without copying."""
+def batch_to_tensors(batch: dict[str, np.ndarray], token_dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Wrap a batch's arrays as tensors without copying; `tokens` converted to `token_dtype` when it is set
+    (`LoaderConfig.token_dtype`; converted here, after any worker boundary, so workers send compact tokens)."""
+    if token_dtype is not None:
+        batch["tokens"] = batch["tokens"].astype(token_dtype, copy=False)
     return {k: torch.from_numpy(v) for k, v in batch.items()}

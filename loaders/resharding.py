@@ -1,4 +1,4 @@
-"""Refuse a second sharding layer on top of the rank-aware dataset.
+"""Refuse a second sharding layer on top of the rank-aware dataset (or another loader around a loader's dataset).
 
 `StreamingDataset` already gives each rank its own share of every epoch. Frameworks that shard an
 `IterableDataset` themselves do it again on top: accelerate (and so transformers' `Trainer`) either lets
@@ -47,3 +47,17 @@ def check_not_resharded(world_size: int) -> None:
             f"{wrapper} shards it again: ranks would silently skip most of the data. With transformers' Trainer "
             "use shardkit.integrations.ShardkitTrainer; with accelerate, iterate a StreamingDataLoader directly "
             "instead of passing the dataset or its loader to accelerator.prepare() (docs/INTEGRATIONS.md)")
+
+
+def check_not_rewrapped(claimed_by_loader: bool) -> None:
+    """Raise when a dataset that a `StreamingDataLoader` drives is iterated by another loader around it (what
+    `accelerator.prepare(loader)` builds): the loader's batching and state would be bypassed.
+
+    Raises:
+        ValueError: naming what to do instead.
+    """
+    if claimed_by_loader:
+        raise ValueError("this StreamingDataset belongs to a StreamingDataLoader but another loader iterates it "
+                         "(accelerator.prepare() rebuilds a prepared loader that way, losing its batching and state): "
+                         "iterate the StreamingDataLoader itself, not prepared; with accelerate, checkpoint it with "
+                         "shardkit.integrations.accelerate.checkpoint_loader (docs/INTEGRATIONS.md)")

@@ -118,6 +118,20 @@ class LoaderState:
                 for name in ORDER_FIELDS if name not in ignore and getattr(self, name) != getattr(other, name)]
 
 
+def check_worker_steps(saved_global_batch: int | None, global_batch: int) -> None:
+    """Raise when loaded DataLoader-worker steps would resume at another global batch. A worker's state counts its
+    own steps; which global positions they covered depends on every worker's count, which no worker has.
+
+    Raises:
+        ValueError: saying what to resume with.
+    """
+    if saved_global_batch not in (None, global_batch):
+        raise ValueError(f"cannot resume: the state was saved by a DataLoader worker at a global batch of "
+                         f"{saved_global_batch} samples; its steps do not convert to a global batch of {global_batch} "
+                         "(batch_size x world_size): resume with the saved world size and batch size, or save with "
+                         "num_workers=0 or use StreamingDataLoader, whose states are global")
+
+
 _unrecorded = set(ORDER_FIELDS) - {f.name for f in fields(LoaderState)}
 if _unrecorded:  # an order field added to LoaderConfig must be recorded here too, or resumes go unchecked
     raise TypeError(f"LoaderState lacks the order fields {sorted(_unrecorded)} of LoaderConfig")

@@ -56,6 +56,20 @@ def check_two_rank_epochs(whole: dict, steps=((1, 8), (8, 15))) -> None:
         assert len(set(shares[0] + shares[1])) == len(shares[0] + shares[1]) == 56
 
 
+def check_elastic(head: dict, one: list, whole_one: list, *, resumed_at: int = 10, epoch_start=(8, 16)) -> None:
+    """Two ranks stopped after step `resumed_at` (`head`) and resumed on one (`one`), against an uninterrupted
+    one-rank run (`whole_one`); `epoch_start`: the step at which the unfinished epoch began on two ranks and on one
+    (the same batch per rank). What the two ranks read of that epoch is together what the one-rank run read up to
+    the same position, and every resumed step reads what the one-rank run read at the same position."""
+    at = epoch_start[1] + 2 * (resumed_at - epoch_start[0] + 1)  # the one-rank step at the resumed position
+    read = ids_of(head[0], epoch_start[0]) + ids_of(head[1], epoch_start[0])
+    assert sorted(read) == sorted(ids_of(whole_one, epoch_start[1], at))
+    assert one[0][0] == resumed_at + 1
+    steps = dict((step, ids) for step, ids in whole_one)
+    assert len(steps) >= at + len(one) - 1, "the uninterrupted run is too short to compare"
+    assert [ids for _, ids in one] == [steps[at + i] for i in range(len(one))]
+
+
 def write_ids(path: str, seen: list) -> None:
     """A run script's last act: the ids it saw to PATH.RANK, and the process group closed."""
     import torch.distributed as dist
@@ -71,6 +85,7 @@ def run_script(script: str, dataset_url: str, folder: Path, name: str, *options,
     recorded, or the finished process when `check` is off."""
     from conftest import free_port
 
+    folder.mkdir(parents=True, exist_ok=True)
     command = [str(HERE / script), dataset_url, str(folder), str(folder.parent / name), *map(str, options)]
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                  f"--master-port={free_port()}"] if ranks > 1 else [sys.executable])

@@ -1,5 +1,5 @@
-"""shardkit.integrations.batches: the token dtype of batches handed to frameworks (issue 24 item 2) and the
-causal-LM fields the adapters build."""
+"""The token dtype of batches handed to frameworks (the loader option token_dtype, issue 24 item 2) and the
+causal-LM fields the adapters build (shardkit.integrations.batches)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,24 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from integration_procs import dataset_url  # noqa: F401 - a fixture: the module's dataset
 from loader_helpers import ids_from_tokens
 from shardkit import StreamingDataLoader, StreamingDataset
-from shardkit.integrations.batches import TypedBatches, causal_lm_fields, torch_token_dtype
+from shardkit.integrations.batches import causal_lm_fields
 
 
-def loader(url, tmp_path):
-    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, rank=0, world_size=1)
-    return StreamingDataLoader(dataset, batch_size=4)
+def loader(url, tmp_path, workers=0, **options):
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, rank=0, world_size=1,
+                               **options)
+    return StreamingDataLoader(dataset, batch_size=4, num_workers=workers)
+
+
+def standalone(url, tmp_path, workers=0, **options):
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, rank=0, world_size=1,
+                               batch_size=4, **options)
+    return DataLoader(dataset, batch_size=None, num_workers=workers)
 
 
 @pytest.fixture
@@ -27,25 +35,28 @@ def gloo(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("make, workers", [(loader, 0), (loader, 2), (standalone, 0)],
+                         ids=["loader-0-workers", "loader-2-workers", "dataset-in-a-dataloader"])
 @pytest.mark.parametrize("name", ["int32", "int64"])
-def test_typed_batches_cross_gloo_collectives_that_compact_tokens_cannot(dataset_url, tmp_path, gloo, name):
-    raw = next(iter(loader(dataset_url, tmp_path)))
-    assert raw["tokens"].dtype == torch.uint16  # the stored dtype of a vocabulary under 65,536
+def test_the_token_dtype_option_makes_batches_gloo_can_broadcast(dataset_url, tmp_path, gloo, name, make, workers):
+    raw = list(make(dataset_url, tmp_path, workers))
+    assert raw[0]["tokens"].dtype == torch.uint16  # the stored dtype of a vocabulary under 65,536
     with pytest.raises(RuntimeError, match="Invalid scalar type"):
-        dist.broadcast(raw["tokens"], src=0)  # what accelerate's dispatch_batches does with every batch
-    typed = next(iter(TypedBatches(loader(dataset_url, tmp_path), token_dtype=name)))
-    assert typed["tokens"].dtype == torch_token_dtype(name)
-    dist.broadcast(typed["tokens"], src=0)
-    assert torch.equal(typed["tokens"].to(torch.int64), raw["tokens"].to(torch.int64))
-    assert torch.equal(typed["sample_id"], raw["sample_id"])
+        dist.broadcast(raw[0]["tokens"], src=0)  # what accelerate's dispatch_batches does with every batch
+    typed = list(make(dataset_url, tmp_path, workers, token_dtype=name))
+    assert len(typed) == len(raw) == 15
+    for got, want in zip(typed, raw):
+        assert got["tokens"].dtype == getattr(torch, name)
+        dist.broadcast(got["tokens"], src=0)
+        assert torch.equal(got["tokens"].to(torch.int64), want["tokens"].to(torch.int64))
+        assert torch.equal(got["sample_id"], want["sample_id"])
 
 
-def test_typed_batches_pass_state_and_length_through(dataset_url, tmp_path):
-    whole = [b["sample_id"].tolist() for b in TypedBatches(loader(dataset_url, tmp_path))]
-    first = TypedBatches(loader(dataset_url, tmp_path))
-    assert len(first) == len(whole) == 15
+def test_typed_batches_resume_like_compact_ones(dataset_url, tmp_path):
+    whole = [b["sample_id"].tolist() for b in loader(dataset_url, tmp_path, token_dtype="int32")]
+    first = loader(dataset_url, tmp_path, token_dtype="int32")
     head = [b["sample_id"].tolist() for b in itertools.islice(first, 6)]
-    resumed = TypedBatches(loader(dataset_url, tmp_path))
+    resumed = loader(dataset_url, tmp_path)  # not an order option: a state resumes with any token dtype
     resumed.load_state_dict(first.state_dict())
     assert head + [b["sample_id"].tolist() for b in resumed] == whole
 
@@ -58,6 +69,6 @@ def test_causal_lm_fields_are_inputs_and_next_tokens(dataset_url, tmp_path):
     assert ids_from_tokens(inputs).tolist() == batch["sample_id"].tolist()
 
 
-def test_a_bad_dtype_is_refused_naming_the_option():
-    with pytest.raises(ValueError, match="token_dtype must be one of"):
-        torch_token_dtype("float32")
+def test_a_bad_dtype_is_refused_naming_the_option(dataset_url, tmp_path):
+    with pytest.raises(ValueError, match="^token_dtype must be None .* int32, int64, got 'float32'"):
+        StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), token_dtype="float32")

@@ -1,6 +1,6 @@
 """StreamingDataset inside torchdata's StatefulDataLoader and torch's DataLoader (issue 24), in the loop a user writes
 (tests/torchdata_runs.py): the state saved with torch.save and resumed in a new process, with 0 and 2 workers,
-across an epoch end, on one and two ranks (gloo). In-process save/load details: tests/test_standalone_resume.py."""
+across an epoch end, on one and two ranks (gloo), and from two ranks to one. In-process save/load details: tests/test_standalone_resume.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import pytest
 
 from integration_procs import (
     SAMPLES,
+    check_elastic,
     check_resumed,
     check_two_rank_epochs,
     dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
+    run_script,
     whole_and_resumed,
 )
 
@@ -35,3 +37,23 @@ def test_two_ranks_disjoint_complete_and_resumed(dataset_url, tmp_path, workers)
                                           ranks=2)
     check_two_rank_epochs(whole)
     check_resumed(whole, head, tail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [("--workers", 0), ("--plain",), ("--workers", 2)],
+                         ids=["stateful-0-workers", "dataloader-0-workers", "stateful-2-workers-refused"])
+def test_two_ranks_resumed_on_one(dataset_url, tmp_path, options):
+    """2 -> 1 ranks: a state without workers is global (the position in the epoch's global order), so one rank
+    continues exactly; a worker's state counts that worker's steps only, and is refused on another world size."""
+    head = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10,
+                      *options, ranks=2)
+    if options[-1] == 2:
+        refused = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10,
+                             *options, check=False)
+        assert refused.returncode != 0 and "do not convert to a global batch of 4" in refused.stderr, refused.stderr
+        return
+    one = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10,
+                     *options)[0]
+    whole_one = run_script("torchdata_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 36, *options)[0]
+    check_two_rank_epochs(head, steps=((1, 8),))
+    check_elastic(head, one, whole_one)

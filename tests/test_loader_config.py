@@ -17,7 +17,7 @@ from shardkit.loaders.state import ORDER_FIELDS, LoaderState
     ({"num_partitions": 0}, "num_partitions"), ({"partial_batches": "keep"}, "partial_batches"),
     ({"epoch_size": 0}, "epoch_size"), ({"max_tokens": 0}, "max_tokens"), ({"token_window": 0}, "token_window"),
     ({"chunk_samples": 0}, "chunk_samples"), ({"cache_limit": 0}, "cache_limit"), ({"cache_wait": -1}, "cache_wait"),
-    ({"shuffle": "no"}, "shuffle"), ({"prefetch": 1}, "prefetch"),
+    ({"shuffle": "no"}, "shuffle"), ({"prefetch": 1}, "prefetch"), ({"token_dtype": "uint16"}, "token_dtype"),
 ])
 def test_validation_names_the_option(values, option):
     with pytest.raises(ValueError, match=f"^{option} "):

@@ -67,3 +67,28 @@ def test_plain_dataloader_resumes_from_the_datasets_own_state(dataset_url, tmp_p
     fresh = make(dataset_url, tmp_path)
     fresh.load_state_dict(state)
     assert head + ids(DataLoader(fresh, batch_size=None)) == whole
+
+
+def test_set_epoch_of_the_loaded_epoch_keeps_the_loaded_position(dataset_url, tmp_path):
+    """accelerate (and loops written like DistributedSampler's) call set_epoch(epoch) after loading a state; the
+    plain DataLoader loads at once, so that call must not send the dataset back to the start of its epoch."""
+    reference = make(dataset_url, tmp_path)
+    epochs = [ids(DataLoader(reference, batch_size=None)) for _ in range(3)]
+    for epoch in (0, 1):
+        ds = make(dataset_url, tmp_path)
+        ds.set_epoch(epoch)
+        head = ids(itertools.islice(DataLoader(ds, batch_size=None), 20))
+        ds.set_epoch(epoch)  # the epoch it stands in: the rest of the broken-off iteration follows
+        head += ids(itertools.islice(DataLoader(ds, batch_size=None), 5))
+        resumed = make(dataset_url, tmp_path)
+        resumed.load_state_dict(ds.state_dict())
+        resumed.set_epoch(epoch)
+        assert head + ids(DataLoader(resumed, batch_size=None)) == epochs[epoch]
+        resumed.set_epoch(epoch + 1)  # the next epoch (after the rest of this one) comes whole
+        assert ids(DataLoader(resumed, batch_size=None)) == epochs[epoch + 1]
+    moved = make(dataset_url, tmp_path)
+    moved.load_state_dict(ds.state_dict())  # stands in epoch 1, 25 batches in
+    moved.set_epoch(0)  # another epoch: from its beginning
+    assert ids(DataLoader(moved, batch_size=None)) == epochs[0]
+    with pytest.raises(ValueError, match="set_epoch: epoch must be an integer >= 0, got -1"):
+        moved.set_epoch(-1)

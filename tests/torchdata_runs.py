@@ -34,16 +34,16 @@ def main() -> None:
                                cache_dir=os.path.join(opts.folder, "cache"))
     loader = (DataLoader if opts.plain else StatefulDataLoader)(dataset, batch_size=None, num_workers=opts.workers)
     stateful = dataset if opts.plain else loader
-    step, epoch, resumed = 0, 0, False
+    step, epoch = 0, 0
     if opts.resume is not None:
         saved = torch.load(os.path.join(opts.folder, f"step-{opts.resume}-rank-{rank}.pt"), weights_only=True)
         stateful.load_state_dict(saved["loader"])
-        step, epoch, resumed = saved["step"], saved["epoch"], True
+        step, epoch = saved["step"], saved["epoch"]
     seen = []
     while step < opts.steps and step != opts.stop_at:
-        if not resumed:
-            dataset.set_epoch(epoch)  # with workers the epoch lives in the workers' copies (docs/LOADING.md)
-        resumed = False
+        # With workers the epoch lives in the workers' copies (docs/LOADING.md): name it before each epoch. After
+        # a load, naming the loaded epoch keeps the loaded position (the plain DataLoader loads at once).
+        dataset.set_epoch(epoch)
         for batch in loader:
             step += 1
             seen.append([step, batch["sample_id"].tolist()])

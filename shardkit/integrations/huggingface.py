@@ -11,7 +11,6 @@ and a resume starts from that state instead of re-reading.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -23,12 +22,11 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from shardkit.integrations.batches import fixed_length_tokens
+from shardkit.integrations.loader_state import LOADER_STATE_FILE, load_loader_state, save_loader_state
 from shardkit.loaders.dataloader import StreamingDataLoader
 from shardkit.loaders.dataset import StreamingDataset
 
 logger = logging.getLogger(__name__)
-
-LOADER_STATE_FILE = "shardkit_loader.json"  # beside the Trainer's trainer_state.json in checkpoint-N/
 
 
 def causal_lm_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,12 +119,8 @@ class ShardkitTrainer(Trainer):
                                                      resume_from_checkpoint, trial)
         if resume_from_checkpoint is None:
             return epochs, steps
+        load_loader_state(self._batches.loader, resume_from_checkpoint, saved_by="ShardkitTrainer")
         path = os.path.join(resume_from_checkpoint, LOADER_STATE_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(f"{resume_from_checkpoint} has no {LOADER_STATE_FILE}: it was not saved by "
-                             "ShardkitTrainer (or its save was cut short); resume from an earlier checkpoint")
-        with open(path) as f:
-            self._batches.loader.load_state_dict(json.load(f))
         if self.args.ignore_data_skip:
             return epochs, steps  # the loader continues where it stopped; the Trainer counts from the epoch start
         position = self._batches.position()
@@ -142,10 +136,7 @@ class ShardkitTrainer(Trainer):
         if not self.args.should_save or self._batches is None:
             return  # the state is global: identical on every rank, written once
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        path = os.path.join(folder, LOADER_STATE_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self._batches.loader.state_dict(), f)
-        os.replace(path + ".tmp", path)
+        save_loader_state(self._batches.loader, folder)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,99 @@
+"""accelerate without the Trainer (issue 24): the script of docs/INTEGRATIONS.md run as it stands
+(tests/accelerate_runs.py), a new process per run (torchrun for 2 ranks, gloo), resumed with `load_state` from the
+folder `save_state` wrote; and `accelerator.prepare()` of shardkit's loader refused, since it would rebuild it."""
+
+from __future__ import annotations
+
+import pytest
+
+import integration_procs as procs
+from integration_procs import dataset_url  # noqa: F401 - a fixture: the module's dataset
+
+pytest.importorskip("accelerate")
+
+
+@pytest.mark.parametrize("options", [dict(dispatch_batches=None), dict(dispatch_batches=False),
+                                     dict(dispatch_batches=False, use_stateful_dataloader=True)],
+                         ids=["dispatch-default", "no-dispatch", "stateful"])
+def test_preparing_the_loader_is_refused(dataset_url, tmp_path, options):
+    """prepare() rebuilds a DataLoader of accelerate's around the loader's dataset: the loader's batching and state
+    would be gone (and on several processes rank 0's share broadcast, or every other batch of each share kept)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.integrations.accelerate import checkpoint_loader
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**options))
+    loader = StreamingDataLoader(StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache")), batch_size=4)
+    with pytest.raises(ValueError, match="belongs to a StreamingDataLoader.*checkpoint_loader"):
+        next(iter(accelerator.prepare(loader)))  # the stateful one refuses in prepare() already
+    with pytest.raises(TypeError, match="not pass it to accelerator.prepare"):
+        checkpoint_loader(accelerator, accelerator.prepare(torch.utils.data.DataLoader(range(8), batch_size=4)))
+    assert next(iter(loader))["tokens"].shape == (4, 17)  # the loader itself reads
+
+
+def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_url, tmp_path):
+    """accelerate's default for an IterableDataset (dispatch_batches) lets rank 0 read and broadcast its batches:
+    on two ranks, rank 1's share would never be read. (Run on one process with the dataset told it is rank 0 of 2:
+    the wrapper is the same.)"""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=2, batch_size=2)
+    prepared = Accelerator(cpu=True).prepare(DataLoader(dataset, batch_size=None))
+    with pytest.raises(ValueError, match="DataLoaderDispatcher shards it again"):
+        next(iter(prepared))
+
+
+def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
+    whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=20)
+    procs.check_resumed(whole, head, tail)  # crosses the end of epoch 0 (step 15)
+    assert (tmp_path / "cut" / "step-10" / "shardkit_loader.json").is_file()
+    assert sorted(procs.ids_of(whole[0], 1, 16)) == list(range(procs.SAMPLES))
+
+
+@pytest.mark.slow
+def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
+    whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    procs.check_two_rank_epochs(whole)
+    procs.check_resumed(whole, head, tail)
+    # 2 -> 1 processes from the same checkpoint (the loader's state is global).
+    one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10)
+    whole_one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)
+    procs.check_elastic(head, one[0], whole_one[0])
+
+
+def test_accelerates_set_epoch_after_a_load_keeps_the_loaded_position(dataset_url, tmp_path):
+    """accelerate's prepared DataLoader passes set_epoch(epoch) on to the dataset, which a loop calls after resuming:
+    the epoch the loaded state stands in goes on from the loaded position; another epoch starts at its beginning."""
+    import itertools
+
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    def dataset():
+        return StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, batch_size=4,
+                                rank=0, world_size=1)
+
+    def ids(batches):
+        return [i for batch in batches for i in batch["sample_id"].tolist()]
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    reference = dataset()
+    epochs = [ids(DataLoader(reference, batch_size=None)) for _ in range(2)]
+    first = dataset()
+    head = ids(itertools.islice(DataLoader(first, batch_size=None), 6))
+    assert head == epochs[0][:24]
+    for epoch, expected in ((0, epochs[0][24:]), (1, epochs[1])):
+        resumed = dataset()
+        resumed.load_state_dict(first.state_dict())
+        prepared = accelerator.prepare(DataLoader(resumed, batch_size=None))
+        prepared.set_epoch(epoch)
+        assert ids(prepared) == expected
