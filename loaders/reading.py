@@ -18,6 +18,7 @@ import numpy as np
 from shardkit import metrics
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
 from shardkit.loaders.topology import Topology
+from shardkit.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class BatchReader:
         prefetch: download upcoming shards in background threads.
     """
 
-    def __init__(self, *, table: ShardTable, caches: Sequence[Any], shard_owner: Any, manifests: Sequence[Any],
+    def __init__(self, *, table: ShardTable, caches: Sequence[Any], shard_owner: ShardOwners, manifests: Sequence[Manifest],
                  sample_length: int | None, token_dtype: np.dtype, pad_id: int, with_segments: bool,
                  dense_segments: bool, prefetch: bool):
         self.table, self.caches, self.shard_owner, self.manifests = table, caches, shard_owner, manifests
