@@ -553,13 +553,17 @@ def main() -> None:
                         "serves a range in proportion to its length (moto reads the whole object for each range)")
     parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
                         "v1 vs v2 and each cache_mode, local and moto S3, resume on a fresh node, and the "
-                        "installed peers (benchmarks/peers.py)")
+                        "installed peers (benchmarks/peers.py); with --real: cold rows beside the warm ones")
     parser.add_argument("--real", action="store_true", help="real-token rows only (benchmarks/real_tokens.py): GPT-2 "
                         "tokens of ../shared with document boundaries, seq 1024, warm, beside the memmap limit")
     parser.add_argument("--baseline", default=None, help="--real: a commit to measure in the same run (A/B)")
     parser.add_argument("--after", default=None, help="--real: measure this commit instead of the working tree")
     parser.add_argument("--workers", type=int, nargs="+", default=[0], help="--real: DataLoader workers")
     parser.add_argument("--epochs", type=int, default=4, help="--real: warm epochs per run")
+    parser.add_argument("--cache-modes", nargs="+", default=["decoded"], choices=["decoded", "compressed", "none"],
+                        help="--real: cache_mode of each row")
+    parser.add_argument("--peers", action="store_true", help="--real: LitData's cold pass on the same samples")
+    parser.add_argument("--real-format", default="tar", choices=["tar", "arrow"], help="--real: shard format")
     args = parser.parse_args()
     if args.real:
         import real_tokens
@@ -571,7 +575,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
         return
-    if args.cold:
+    if args.cold and not args.real:
         result = cold_benchmark(args)
         print_cold(result)
         out = Path(args.out if args.out != "bench_out/loader.json" else "bench_out/loader_cold.json")

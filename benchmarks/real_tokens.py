@@ -1,6 +1,7 @@
 """Real-token rows of the loader benchmark (issue 23): GPT-2 tokens of ../shared with document boundaries.
 
-    python benchmarks/bench_loader.py --real [--baseline REF] [--runs 3] [--workers 0 2]
+    python benchmarks/bench_loader.py --real [--baseline REF] [--runs 3] [--workers 0 2] [--cold] \
+        [--cache-modes decoded compressed none] [--peers]
 
 Data: every second document of `../shared/corpora/mix.jsonl.zst` (or $SHARDKIT_SHARED/corpora), built once with
 `shardkit build --tokenizer gpt2_hf_tokenizer.json --seq-len 1024 --format tar` under --data-dir: about 10k
@@ -13,6 +14,13 @@ and CPU microseconds per sample (process time of the main process / samples; wit
 is not in it). With `--baseline REF` the same child runs from an install of commit REF (a `git archive`
 extract with its own virtual environment under --data-dir) and the two alternate run by run (A/B in one run);
 `--after REF` measures another commit the same way instead of the working tree.
+
+With `--cold` each child also makes one pass from a fresh cache directory (dataset construction included,
+after an untimed first batch from another fresh cache, so that the process's first imports are not in it):
+time to its first batch, samples/s over the pass and CPU us per sample; `--cache-modes` repeats the warm and
+cold rows for each `cache_mode` (warm "none" streams every epoch from storage again). `--peers` adds a cold
+pass of LitData on the same samples in the same run (`benchmarks/peers.py`: chunks of ~64 MiB written once,
+a fresh cache per run, batch 8, shuffle on, 0 workers, every pass checked for exactness).
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ def shared_dir() -> Path:
                      "rows need it")
 
 
-def build_real(data_dir: Path) -> tuple[str, Path, int]:
-    """The dataset's URL, its flat memmap copy and its sample count (built once)."""
+def build_real(data_dir: Path, shard_format: str = "tar") -> tuple[str, Path, int]:
+    """The dataset's URL, its flat memmap copy and its sample count (built once per shard format; the samples
+    and so the flat copy are the same in every format)."""
     import zstandard
 
     from shardkit.formats import ShardReader
@@ -49,7 +58,7 @@ def build_real(data_dir: Path) -> tuple[str, Path, int]:
     from shardkit.storage import Storage
 
     shared = shared_dir()
-    url, flat = data_dir / f"mix-half-{SEQ}-tar", data_dir / f"mix-half-{SEQ}.u16"
+    url, flat = data_dir / f"mix-half-{SEQ}-{shard_format}", data_dir / f"mix-half-{SEQ}.u16"
     data_dir.mkdir(parents=True, exist_ok=True)
     if not (url / "shardkit.json").exists():
         corpus = data_dir / "mix-half.jsonl"
@@ -60,7 +69,7 @@ def build_real(data_dir: Path) -> tuple[str, Path, int]:
                     out.write(line)
         subprocess.run([sys.executable, "-m", "shardkit", "build", str(corpus), "--output", str(url), "--tokenizer",
                         str(shared / "tokenizers" / "gpt2_hf_tokenizer.json"), "--seq-len", str(SEQ), "--format",
-                        "tar", "--workers", "2", "--no-progress"], check=True)
+                        shard_format, "--workers", "2", "--no-progress"], check=True)
     storage = Storage(str(url))
     manifest = load_manifest(storage)
     if not flat.exists():
@@ -84,12 +93,47 @@ def memmap_limit(flat: Path, samples: int, batch: int, runs: int) -> float:
     return statistics.median(rates)
 
 
-def measure_child(url: str, cache: str, batch: int, workers: int, epochs: int) -> dict:
-    """Warm epochs of StreamingDataLoader (in this interpreter's shardkit)."""
+def measure_child(url: str, cache: str, batch: int, workers: int, epochs: int, cache_mode: str = "decoded",
+                  cold: bool = False) -> dict:
+    """Warm epochs of StreamingDataLoader (in this interpreter's shardkit); `cold`: one pass from a fresh cache
+    directory under `cache` instead."""
+    import tempfile
+
     from shardkit import StreamingDataLoader, StreamingDataset
 
-    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=cache, rank=0, world_size=1), batch_size=batch,
-                                 num_workers=workers, persistent_workers=workers > 0)
+    def make_loader(cache_dir: str) -> StreamingDataLoader:
+        options = {"cache_mode": cache_mode} if cache_mode != "decoded" else {}  # a baseline may predate the option
+        return StreamingDataLoader(StreamingDataset(url, cache_dir=cache_dir, rank=0, world_size=1, **options),
+                                   batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
+
+    if cold:
+        import shutil
+
+        def drain(loader: StreamingDataLoader) -> None:  # background completions, before the directory goes
+            for stream_cache in loader.dataset.caches:
+                getattr(stream_cache, "drain", lambda: None)()
+
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        # Untimed: one first batch from another fresh cache, so that the timed one does not include this
+        # process's first imports of the read path (a peer measured in a running process has them too).
+        warmup = tempfile.mkdtemp(prefix="cold-warmup-", dir=cache)
+        loader = make_loader(warmup)
+        next(iter(loader))
+        drain(loader)
+        shutil.rmtree(warmup, ignore_errors=True)
+        fresh = tempfile.mkdtemp(prefix="cold-", dir=cache)
+        wall, proc = time.perf_counter(), time.process_time()
+        loader = make_loader(fresh)
+        iterator = iter(loader)
+        first = next(iterator)
+        first_s = time.perf_counter() - wall
+        got = len(first["tokens"]) + sum(len(b["tokens"]) for b in iterator)
+        end = time.perf_counter()
+        drain(loader)
+        shutil.rmtree(fresh, ignore_errors=True)
+        return {"samples_per_s": got / (end - wall), "first_batch_s": first_s, "samples": got,
+                "cpu_us_per_sample": (time.process_time() - proc) / got * 1e6, "keys": sorted(first)}
+    loader = make_loader(cache)
     for _ in loader:  # fills the cache (not timed)
         pass
     rates, starts, cpu = [], [], []
@@ -129,7 +173,7 @@ def baseline_python(ref: str, data_dir: Path) -> str:
 
 def real_benchmark(args) -> dict:
     data_dir = Path(args.data_dir).resolve()
-    url, flat, samples = build_real(data_dir / "real")
+    url, flat, samples = build_real(data_dir / "real", args.real_format)
     batch = args.batch
     # --after REF measures a commit too (an install of its own), so editing the working tree meanwhile is safe.
     sides = {f"after ({args.after})" if args.after else "after": baseline_python(args.after, data_dir) if args.after
@@ -138,36 +182,57 @@ def real_benchmark(args) -> dict:
         sides = {f"before ({args.baseline})": baseline_python(args.baseline, data_dir), **sides}
     rows: dict[str, list[dict]] = {}
     limits = []
+    peer_data = {}
+    if args.peers:
+        import peers
+
+        peer_data = peers.build_peers(data_dir / "real", flat, samples, SEQ + 1, 64 * 2**20)
+        peer_data = {label: row for label, row in peer_data.items() if label.startswith("LitData")}
+    kinds = ("warm", "cold") if args.cold else ("warm",)
     for run in range(args.runs):
         limits.append(memmap_limit(flat, samples, batch, 1))  # in every run: the machine is shared
-        for workers in args.workers:
-            for side, python in sides.items():  # alternating: before, after, before, after, ...
-                cache = str(data_dir / "real" / f"cache-{side.split()[0]}")
-                out = subprocess.run([python, __file__, "--measure", url, cache, str(batch), str(workers),
-                                      str(args.epochs)], check=True, capture_output=True, text=True,
-                                     cwd="/").stdout  # cwd: the child imports the installed shardkit only
-                rows.setdefault(f"{side}, workers={workers}", []).append(json.loads(out.strip().splitlines()[-1]))
+        for kind in kinds:
+            for mode in args.cache_modes:
+                for workers in args.workers:
+                    for side, python in sides.items():  # alternating: before, after, before, after, ...
+                        cache = str(data_dir / "real" / f"cache-{side.split()[0]}-{args.real_format}-{mode}")
+                        out = subprocess.run([python, __file__, "--measure", url, cache, str(batch), str(workers),
+                                              str(args.epochs), mode, kind], check=True, capture_output=True,
+                                             text=True, cwd="/").stdout  # cwd: the child imports the installed shardkit
+                        name = f"{side}, {kind}, cache_mode={mode}, workers={workers}"
+                        rows.setdefault(name, []).append(json.loads(out.strip().splitlines()[-1]))
+        if peer_data:
+            for label, row in peers.measure_peers(peer_data, "local", samples, batch, 1).items():
+                rows.setdefault(f"peer: {label}, cold, workers=0", []).append(row)
         print(f"  run {run + 1}/{args.runs} done", flush=True)
     limit = statistics.median(limits)
-    table = {name: {k: statistics.median(r[k] for r in runs) for k in ("samples_per_s", "epoch_start_s",
-                                                                        "cpu_us_per_sample")}
-             | {"runs": [round(r["samples_per_s"]) for r in runs], "keys": runs[0]["keys"]}
-             for name, runs in rows.items()}
-    return {"data": {"url": url, "samples": samples, "tokens_per_sample": SEQ + 1, "batch": batch},
+    fields = ("samples_per_s", "epoch_start_s", "first_batch_s", "cpu_us_per_sample")
+    table = {name: {k: statistics.median(r[k] for r in runs) for k in fields if k in runs[0]}
+             | {"runs": [round(r["samples_per_s"]) for r in runs], "keys": runs[0].get("keys", [])}
+             | ({"exact": all(r["exact"] for r in runs)} if "exact" in runs[0] else {})
+             for name, runs in rows.items() if "goal" not in runs[0]}
+    return {"data": {"url": url, "samples": samples, "tokens_per_sample": SEQ + 1, "batch": batch,
+                     "format": args.real_format},
             "memmap_gather_limit": limit, "rows": table}
 
 
 def print_real(result: dict) -> None:
     limit = result["memmap_gather_limit"]
-    print(f"\nreal tokens: {result['data']['samples']:,} samples of {SEQ + 1} GPT-2 tokens, batch "
-          f"{result['data']['batch']}, warm")
-    print(f"{'loader':<36} {'samples/s':>10} {'of limit':>9} {'epoch start ms':>15} {'CPU us/sample':>14}")
-    print(f"{'limit: numpy memmap gathers':<36} {limit:>10,.0f} {'100%':>9}")
+    print(f"\nreal tokens: {result['data']['samples']:,} samples of {SEQ + 1} GPT-2 tokens, "
+          f"{result['data'].get('format', 'tar')} shards, batch {result['data']['batch']}")
+    print(f"{'loader':<62} {'samples/s':>10} {'of limit':>9} {'epoch start ms':>15} {'first batch ms':>15} "
+          f"{'CPU us/sample':>14}")
+    print(f"{'limit: numpy memmap gathers':<62} {limit:>10,.0f} {'100%':>9}")
     for name, row in result["rows"].items():
-        print(f"{name:<36} {row['samples_per_s']:>10,.0f} {row['samples_per_s'] / limit:>9.0%} "
-              f"{row['epoch_start_s'] * 1e3:>15.1f} {row['cpu_us_per_sample']:>14.1f}   keys {','.join(row['keys'])}")
+        start = f"{row['epoch_start_s'] * 1e3:>15.1f}" if "epoch_start_s" in row else f"{'':>15}"
+        first = f"{row['first_batch_s'] * 1e3:>15.1f}" if "first_batch_s" in row else f"{'':>15}"
+        cpu = f"{row['cpu_us_per_sample']:>14.1f}" if "cpu_us_per_sample" in row else f"{'':>14}"
+        extra = f"   keys {','.join(row['keys'])}" if row["keys"] else f"   exact {row.get('exact')}"
+        print(f"{name:<62} {row['samples_per_s']:>10,.0f} {row['samples_per_s'] / limit:>9.0%} {start} {first} "
+              f"{cpu}{extra}")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--measure"]:
     _url, _cache, _batch, _workers, _epochs = sys.argv[2:7]
-    print(json.dumps(measure_child(_url, _cache, int(_batch), int(_workers), int(_epochs))))
+    _mode, _kind = (sys.argv[7:9] + ["decoded", "warm"][len(sys.argv[7:9]):])
+    print(json.dumps(measure_child(_url, _cache, int(_batch), int(_workers), int(_epochs), _mode, _kind == "cold")))

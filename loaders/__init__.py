@@ -9,13 +9,18 @@ Modules, one job each:
 - `remix`: the mixture record of the loader state and mid-run mixture changes.
 - `token_budget`: equal-count, token-balanced batches for variable-length data (pure).
 - `topology`: rank, world size and node layout, resolved lazily.
+- `effective_order`: an epoch's order after skip_samples and quarantine (`ExcludedOrder`s), one pure function.
+- `rank_steps`: the iteration plan and this rank's (worker's) sample ids step by step (pure).
+- `steps`, `token_batches`: the step sources (fixed-size, token budget) and the token-budget batch generator.
 - `cache`: the node-local shard cache (opens, holds and prefetches shards; `make_store` resolves `cache_mode`).
 - `store`: the contract of a shard store (`ShardStore`) and the handle a reader holds (`CachedShard`).
 - `decoded_store`, `memory_stores`: the stores of `cache_mode` "decoded" (decode once, mmap, LRU eviction),
   "compressed" and "none" (decoded into memory at each open).
 - `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
-- `batching`: global sample ids -> batch arrays from held shards.
-- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches.
+- `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
+- `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
+  prefetches them; numpy batches -> tensors (and bundles for worker pipes).
+- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (wiring of the above).
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
 - `state`, `dataloader`: the resume state and `StreamingDataLoader`.
 

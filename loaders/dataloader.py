@@ -22,7 +22,10 @@ from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
-from shardkit.loaders.dataset import PROGRESS_KEY, IterationPlan, StreamingDataset, batch_to_tensors
+from shardkit.loaders.dataset import StreamingDataset
+from shardkit.loaders.rank_steps import IterationPlan
+from shardkit.loaders.tensors import batch_to_tensors
+from shardkit.loaders.token_batches import PROGRESS_KEY
 from shardkit.loaders.partition import dropped_in_epoch, partial_batch
 from shardkit.loaders.quarantine import Quarantine
 from shardkit.loaders.state import LoaderState

@@ -1,9 +1,11 @@
 """`StreamingDataset`: a torch IterableDataset that yields whole batches of this rank's share.
 
-Every decision about which sample goes where is delegated to pure functions (`order`,
-`partition`, `mixing`); this module only wires them to the node-local cache and to torch. The
-iterator produces *whole batches* so that, with DataLoader workers, one batch crosses the process
-boundary as a handful of tensors instead of `batch_size` pickled samples.
+This module is wiring. Every decision about which sample goes where is a pure function elsewhere
+(`effective_order`: an epoch's order after skip_samples and quarantine; `rank_steps`: this rank's sample
+ids step by step; `token_batches`: token-budget steps); the streams, manifests and caches are
+`sources.Sources`; reading is the `reading.BatchReader`'s. The iterator produces *whole batches* so that,
+with DataLoader workers, one batch crosses the process boundary as a handful of arrays instead of
+`batch_size` pickled samples.
 
 The dataset is usually driven by `StreamingDataLoader`, which resolves the topology in the main
 process, tells the dataset where to start (epoch, consumed positions) and counts what the training
@@ -14,64 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from shardkit.loaders.batching import ShardTable
-from shardkit.loaders.cache import ShardCache
-from shardkit.node_cache import fetch_manifest
-from shardkit.loaders.config import LoaderConfig, loader_config
-from shardkit.loaders.fingerprint import data_fingerprint
-from shardkit.loaders.mixing import MixtureOrder, Stream
-from shardkit.loaders.order import EpochOrder, Order, OrderConfig, excluding
-from shardkit.loaders.partition import (
-    partial_batch,
-    rank_positions,
-    steps_in_epoch,
-    worker_step_chunks,
-)
-from shardkit.loaders.reading import PROGRESS_KEY, BatchReader, ShardOwners
-from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
-from shardkit.loaders.quarantine import QuarantineSources, filter_order, resolve_quarantine_list
-from shardkit.loaders.remix import (
-    MixtureRecord,
-    MixtureStreams,
-    fresh_record,
-    resumed_record,
-)
-from shardkit.loaders.schedule import Schedule, weight_spec
-from shardkit.loaders.skipping import resolve_skipped
-from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState, check_worker_steps
-from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardkit.errors import CorruptShardError
-from shardkit.formats.sample import numpy_token_dtype
-from shardkit.manifest import Manifest
-from shardkit.storage import Storage
+from shardkit.loaders.config import LoaderConfig, loader_config
+from shardkit.loaders.effective_order import effective_order
+from shardkit.loaders.fingerprint import data_fingerprint
+from shardkit.loaders.mixing import Stream
+from shardkit.loaders.order import Order, OrderConfig
+from shardkit.loaders.partition import steps_in_epoch
+from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_list
+from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
+from shardkit.loaders.reading import BatchReader
+from shardkit.loaders.remix import MixtureRecord, MixtureStreams, fresh_record, resumed_record
+from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
+from shardkit.loaders.schedule import weight_spec
+from shardkit.loaders.skipping import resolve_skipped
+from shardkit.loaders.sources import Sources, streams_of
+from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState, check_worker_steps
+from shardkit.loaders.tensors import batch_to_tensors, bundled, strip_progress
+from shardkit.loaders.token_batches import PROGRESS_KEY, token_batches
+from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True, kw_only=True)
-class IterationPlan:
-    """Where the next iteration starts and who reads it (set by the loader in the main process)."""
-
-    epoch: int
-    start: int
-    batch_size: int
-    topology: Topology
-    num_partitions: int
-    numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
-    bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
-    segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
-    quarantine: tuple[tuple[int, int, int], ...] = ()  # (shard, epoch, position) left out (loaders.quarantine)
-    steps: int | None = None  # read at most this many steps of the first epoch (on_corrupt="skip": one segment)
+# Re-exported: their callers import them from here (the loader, the trainer, integrations, benchmarks).
+__all__ = ["PROGRESS_KEY", "IterationPlan", "StreamingDataset", "batch_to_tensors", "bundled", "strip_progress"]
+_MEMO_ORDERS = 4  # an epoch's order with quarantine scans the epoch once: keep the last few
 
 
 class StreamingDataset(IterableDataset):
@@ -101,57 +76,30 @@ class StreamingDataset(IterableDataset):
                  mesh_dim: Any = None, batch_size: int | None = None, **overrides: Any):
         super().__init__()
         self.config = config = loader_config(config, overrides, caller="StreamingDataset")
-        self.streams = streams = _streams_of(source)
+        self.streams = streams_of(source)
         self._topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank,
                                    local_world_size=local_world_size)
         check_topology_args(**self._topology_args)
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
-                         for s in streams]
-        # cache_mode "none" keeps nothing on disk, not even the node's manifest copy: every process reads it.
-        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir, cache_mode=config.cache_mode)
-                                          for st in self.storages]
-        self._check_compatible()
-        first = self.manifests[0]
-        self.sample_length = first.sample_length
-        self.token_dtype = numpy_token_dtype(first.token_dtype)
-        self.has_doc_boundaries = all(bool(m.columns.has_doc_boundaries.all()) for m in self.manifests)
-        tok = first.tokenizer
-        self.pad_id = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
-        self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait,
-                                  cache_mode=config.cache_mode)
-                       for st, m in zip(self.storages, self.manifests)]
-        self._shard_owner = ShardOwners([len(m.shards) for m in self.manifests])
-        samples = [m.columns.samples for m in self.manifests]
-        self.table = ShardTable(samples[0] if len(samples) == 1 else np.concatenate(samples))
+        self.sources = sources = Sources(self.streams, config, cache_dir=cache_dir, storage_options=storage_options)
+        self.manifests, self.caches, self.table = sources.manifests, sources.caches, sources.table
+        batch_format = sources.batch_format()
+        self.sample_length, self.token_dtype = batch_format["sample_length"], batch_format["token_dtype"]
         self.num_samples = sum(m.num_samples for m in self.manifests)
-        self.reader = BatchReader(table=self.table, caches=self.caches, shard_owner=self._shard_owner,
-                                  manifests=self.manifests, sample_length=self.sample_length,
-                                  token_dtype=self.token_dtype, pad_id=self.pad_id,
-                                  with_segments=self.has_doc_boundaries, dense_segments=config.segment_ids,
-                                  prefetch=config.prefetch)
-        if config.epoch_size is not None and len(streams) == 1:
-            raise ValueError("epoch_size applies to mixtures of several Streams only")
-        if config.skip_samples and len(streams) > 1:
-            raise ValueError(f"skip_samples applies to a single dataset, not a mixture of {len(streams)} Streams")
-        self._skipped: np.ndarray | None = None  # skip_samples resolved to sample ids (on first use)
+        self.reader = BatchReader(table=self.table, caches=self.caches, shard_owner=sources.owners,
+                                  manifests=self.manifests, dense_segments=config.segment_ids,
+                                  prefetch=config.prefetch, **batch_format)
         self.batch_size = batch_size
-        longest = max((m.max_sample_tokens or 0) for m in self.manifests)
-        if config.max_tokens is not None and longest > config.max_tokens:
-            raise ValueError(f"max_tokens={config.max_tokens} is below the longest sample the manifests allow "
-                             f"(max_sample_tokens={longest}); raise max_tokens")
-        if config.max_tokens is not None and any(isinstance(s.weight, Schedule) for s in streams):
-            raise ValueError("weight Schedules need fixed-size batches (their steps become positions); "
-                             "drop max_tokens or use fixed weights")
         self._group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         self.listed_quarantine = (resolve_quarantine_list(config.quarantine_list, self.manifests,
-                                                          [s.url for s in streams])
+                                                          [s.url for s in self.streams])
                                   if config.quarantine_list is not None else ())
-        self._filtered: dict[tuple, Order] = {}
+        self._skipped: np.ndarray | None = None  # skip_samples resolved to sample ids (on first use)
+        self._orders: dict[tuple, Order] = {}
         self._plan: IterationPlan | None = None
-        self._fingerprints: dict[str, str] = {}  # see fingerprint(): computed once, O(shards) each
+        self._fingerprints: dict[str | int, str] = {}  # see fingerprint(): computed once, O(shards) each
         self._mixture: MixtureRecord | None = None  # see mixture_record()
         # Standalone iteration (no StreamingDataLoader): where the current epoch's iteration started
         # (start, num_partitions, quarantine entries; None: the epoch's start) and the batches this process
@@ -165,20 +113,6 @@ class StreamingDataset(IterableDataset):
         # accelerator.prepare() builds around a prepared loader's dataset) would bypass the loader's batching and
         # state, so standalone iteration is refused then.
         self.claimed_by_loader = False
-
-    def _check_compatible(self) -> None:
-        first = self.manifests[0]
-        for stream, manifest in zip(self.streams[1:], self.manifests[1:]):
-            for attr in ("token_dtype", "sample_length"):
-                if getattr(manifest, attr) != getattr(first, attr):
-                    raise ValueError(f"stream {stream.url}: {attr}={getattr(manifest, attr)!r} differs from "
-                                     f"{self.streams[0].url} ({getattr(first, attr)!r}); "
-                                     "streams of a mixture must agree")
-            tok, ref = manifest.tokenizer, first.tokenizer
-            if tok.vocab_size != ref.vocab_size or tok.name != ref.name:
-                raise ValueError(f"stream {stream.url} uses tokenizer {manifest.tokenizer.name} "
-                                 f"({manifest.tokenizer.vocab_size} ids), {self.streams[0].url} uses "
-                                 f"{first.tokenizer.name} ({first.tokenizer.vocab_size} ids)")
 
     def __getstate__(self) -> dict:
         # Process groups and meshes do not pickle; workers get the topology through the plan.
@@ -202,52 +136,33 @@ class StreamingDataset(IterableDataset):
 
     def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()) -> Order:
         """The global order of `epoch` (pure function of manifests, seed, epoch and partitions), without the
-        positions of quarantined shards (`quarantine` entries, see `shardkit.loaders.quarantine`)."""
-        config = self.order_config(num_partitions)
-        record = self.mixture_record()
-        if record is None:
-            base = EpochOrder(self.manifests[0].columns.samples, config, epoch)
-            order = excluding(base, base.positions_of(self.skipped_ids())) if self.config.skip_samples else base
-        else:
-            order = MixtureOrder([m.columns.samples for m in self.manifests],
-                                 [s.weight for s in self.streams], config, epoch, plan=record.plan)
-        if not quarantine:
-            return order
+        skipped samples and the positions of quarantined shards (`quarantine` entries, see
+        `shardkit.loaders.quarantine`)."""
         key = (epoch, num_partitions, tuple(quarantine))
-        if key not in self._filtered:  # a filter scans the epoch's order: keep the last few
-            if len(self._filtered) >= 4:
-                self._filtered.pop(next(iter(self._filtered)))
-            self._filtered[key] = filter_order(order, self.table.ends, quarantine, epoch)
-        return self._filtered[key]
+        if key in self._orders:
+            return self._orders[key]
+        record = self.mixture_record()
+        order = effective_order(self.sources.shard_sizes, self.order_config(num_partitions), epoch,
+                                mixture=record.plan if record is not None else None,
+                                skipped=self.skipped_ids() if self.config.skip_samples and record is None else None,
+                                quarantine=quarantine)
+        if quarantine:  # quarantine scans the epoch's order once: keep the last few
+            if len(self._orders) >= _MEMO_ORDERS:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = order
+        return order
 
     def quarantine_sources(self) -> QuarantineSources:
         """The functions and values the loader's quarantine works with (it is never handed the dataset)."""
         return QuarantineSources(order=self.order, rank_shards=self.rank_shards, shard_ends=self.table.ends,
-                                 shard_sizes=self.table.sizes, describe=self._describe_shard,
-                                 verify=self._verify_shard, agreement_group=self.agreement_group,
+                                 shard_sizes=self.table.sizes, describe=self.sources.describe_shard,
+                                 verify=self.sources.verify_shard, agreement_group=self.agreement_group,
                                  listed=self.listed_quarantine, listed_path=self.config.quarantine_list,
                                  checking=self.config.on_corrupt == "skip")
 
-    def _describe_shard(self, index: int) -> tuple[str, int, str]:
-        stream, local = self._shard_owner[index]
-        shard = self.manifests[stream].shards[local]
-        return self.storages[stream].url_of(shard.name), shard.samples, self.streams[stream].url
-
-    def _verify_shard(self, index: int) -> str | None:
-        """Why shard `index` is corrupt, or None; a shard already in the node cache was verified when cached."""
-        stream, local = self._shard_owner[index]
-        cache = self.caches[stream]
-        if cache.is_cached(local):
-            return None
-        try:
-            cache.open(local).close()
-        except CorruptShardError as err:
-            return err.reason
-        return None
-
     def shard_owner(self, index: int) -> tuple[int, int]:
         """(stream, shard within the stream) of shard `index` over all streams."""
-        return self._shard_owner[index]
+        return self.sources.owners[index]
 
     def agreement_group(self) -> Any:
         """The data-parallel process group (None: the default group)."""
@@ -433,13 +348,9 @@ class StreamingDataset(IterableDataset):
         plan = self._plan
         offset, self._iterations = self._iterations, self._iterations + 1
         worker, num_workers = _worker()
-        start = plan.start if offset == 0 else 0
-        if self.config.max_tokens is not None:
-            batches = self._generate_tokens(plan.epoch + offset, start, plan.segments if offset == 0 else (), plan,
-                                            worker, num_workers)
-        else:
-            batches = self._generate(plan.epoch + offset, start, plan, worker, num_workers,
-                                     limit=plan.steps if offset == 0 else None)
+        batches = self._batches(plan.epoch + offset, plan.start if offset == 0 else 0, plan, worker, num_workers,
+                                segments=plan.segments if offset == 0 else (),
+                                limit=plan.steps if offset == 0 else None)
         if get_worker_info() is not None and plan.bundle > 1:
             return bundled(batches, plan.bundle)
         if plan.numpy_batches:
@@ -462,124 +373,40 @@ class StreamingDataset(IterableDataset):
         if self.config.max_tokens is None:
             self.check_batch_fits(plan.batch_size, topology)
         check_worker_steps(self._loaded_steps_batch, plan.batch_size * topology.world_size)
-        worker, num_workers = _worker()
-        if self.config.max_tokens is not None:
-            batches = self._generate_tokens(plan.epoch, start, (), plan, worker, num_workers, skip=self._steps_done)
-        else:
-            batches = self._generate(plan.epoch, start, plan, worker, num_workers, skip=self._steps_done)
-        for batch in batches:
+        for batch in self._batches(plan.epoch, start, plan, *_worker(), skip=self._steps_done):
             self._steps_done += 1  # before handing out: a state saved after receiving this batch includes it
             yield batch_to_tensors(strip_progress(batch), self.config.token_dtype)
         self.epoch, self._steps_done, self._resume, self._loaded_steps_batch = self.epoch + 1, 0, None, None
 
+    def _batches(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int, *,
+                 segments: tuple[tuple[int, int], ...] = (), limit: int | None = None,
+                 skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """The numpy batches this reader reads of `epoch` from position `start` (the step source chosen once
+        by the config: token-budget windows, or fixed-size steps at most `limit` of them)."""
+        if self.config.max_tokens is not None:
+            return token_batches(self.reader, self.order(epoch, plan.num_partitions, plan.quarantine), epoch=epoch,
+                                 start=start, segments=segments, plan=plan, worker=worker, num_workers=num_workers,
+                                 skip=skip, max_tokens=self.config.max_tokens, token_window=self.config.token_window)
+        return self.reader.batches(self.chunk_ids(epoch, start, plan, worker, num_workers, limit, skip), plan.topology)
+
     def chunk_ids(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
                   limit: int | None = None, skip: int = 0) -> Iterator[np.ndarray]:
-        """Sample ids [steps, batch] of this rank's batches, a chunk of `chunk_samples` at a time, in order.
-
-        Lazy: the steps are enumerated chunk by chunk, so the first chunk (also after a resume deep
-        into the epoch) costs O(chunk), whatever the epoch's length. The smaller last step of
-        partial_batches="partial" comes alone in its chunk. `limit`: at most that many steps from
-        `start` (on_corrupt="skip" reads one checked segment at a time). `skip`: leave out this worker's
-        first that many steps (a standalone resume; index arithmetic only, nothing is read).
-        """
-        order = self.order(epoch, plan.num_partitions, plan.quarantine)
-        yield from self._chunk_ids(order, start, plan, worker, num_workers, limit, skip)
-
-    def _chunk_ids(self, order: Order, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                   limit: int | None, skip: int = 0) -> Iterator[np.ndarray]:
-        batch = plan.batch_size
-        total = self.steps_left(order, start, plan)
-        last = partial_batch(order.num_positions, start=start, global_batch=batch * plan.topology.world_size,
-                             world_size=plan.topology.world_size, policy=self.config.partial_batches)
-        for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
-                                        num_workers=num_workers, bundle=plan.bundle,
-                                        chunk=max(1, self.config.chunk_samples // batch)):
-            if skip:
-                steps, skip = steps[skip:], max(0, skip - len(steps))
-                if not len(steps):
-                    continue
-            if last is not None and steps[-1] == total - 1:  # the epoch's smaller last step
-                if len(steps) > 1:
-                    yield self._step_ids(order, start, steps[:-1], plan, batch)
-                yield self._step_ids(order, start, steps[-1:], plan, last)
-            else:
-                yield self._step_ids(order, start, steps, plan, batch)
-
-    def _step_ids(self, order: Order, start: int, steps: np.ndarray, plan: IterationPlan, width: int) -> np.ndarray:
-        """This rank's sample ids [steps, width] (width: samples per rank in these steps)."""
-        topo = plan.topology
-        positions = rank_positions(steps, start=start, num_positions=order.num_positions,
-                                   world_size=topo.world_size, batch_size=width, rank=topo.rank,
-                                   partition_of=order.partition_of, stride=plan.batch_size * topo.world_size)
-        # Rows of a batch in sample-id order: runs per shard, copied in one pass (batching.py).
-        ids = order.sample_ids(positions)
-        ids.sort(axis=1)
-        return ids
-
-    def steps_left(self, order: Order, start: int, plan: IterationPlan) -> int:
-        """Global steps of `order` from position `start` at the plan's global batch (after the partial-batch policy)."""
-        return steps_in_epoch(order.num_positions, start=start, global_batch=plan.batch_size * plan.topology.world_size,
-                              policy=self.config.partial_batches)
+        """Sample ids [steps, batch] of this rank's batches of `epoch`, a chunk of `chunk_samples` at a time, in
+        order (see `shardkit.loaders.rank_steps.rank_step_ids` for `limit` and `skip`)."""
+        return rank_step_ids(self.order(epoch, plan.num_partitions, plan.quarantine), start=start, plan=plan,
+                             policy=self.config.partial_batches, chunk_samples=self.config.chunk_samples,
+                             worker=worker, num_workers=num_workers, limit=limit, skip=skip)
 
     def rank_shards(self, order: Order, *, start: int, steps: int, plan: IterationPlan) -> list[int]:
         """Shards this rank reads in the first `steps` steps from `start` (in the order it needs them)."""
         shards: dict[int, None] = {}
-        for ids in self._chunk_ids(order, start, plan, worker=0, num_workers=1, limit=steps):
+        for ids in rank_step_ids(order, start=start, plan=plan, policy=self.config.partial_batches,
+                                 chunk_samples=self.config.chunk_samples, limit=steps):
             shards.update(dict.fromkeys(self.reader.shards_in_order(ids)))
         return list(shards)
-
-    def _generate(self, epoch: int, start: int, plan: IterationPlan, worker: int, num_workers: int,
-                  limit: int | None = None, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        return self.reader.batches(self.chunk_ids(epoch, start, plan, worker, num_workers, limit, skip), plan.topology)
-
-    def _generate_tokens(self, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: IterationPlan,
-                         worker: int, num_workers: int, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        return self.reader.token_batches(self.order(epoch, plan.num_partitions, plan.quarantine), epoch=epoch,
-                                         start=start, segments=segments, plan=plan, worker=worker,
-                                         num_workers=num_workers, skip=skip, max_tokens=self.config.max_tokens,
-                                         token_window=self.config.token_window)
 
 
 def _worker() -> tuple[int, int]:
     """(this DataLoader worker, number of workers); (0, 1) outside workers."""
     info = get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
-
-
-def _streams_of(source: Any) -> list[Stream]:
-    if isinstance(source, os.PathLike):
-        source = os.fspath(source)
-    if isinstance(source, str):
-        source = Stream(source)
-    if isinstance(source, Stream):
-        return [source]
-    streams = list(source) if isinstance(source, (list, tuple)) else None
-    if not streams or not all(isinstance(s, Stream) for s in streams):
-        raise TypeError(f"source must be a dataset URL (str), a Stream, or a non-empty list of Stream, "
-                        f"got {type(source).__name__} {source!r}"[:300])
-    return streams
-
-
-def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:
-    """Group a worker's batches into lists of `size` (its steps come in bundles of that many)."""
-    bundle: list[dict[str, np.ndarray]] = []
-    for batch in batches:
-        bundle.append(batch)
-        if len(bundle) == size:
-            yield bundle
-            bundle = []
-    if bundle:
-        yield bundle
-
-
-def strip_progress(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    batch.pop(PROGRESS_KEY, None)
-    return batch
-
-
-def batch_to_tensors(batch: dict[str, np.ndarray], token_dtype: str | None = None) -> dict[str, torch.Tensor]:
-    """Wrap a batch's arrays as tensors without copying; `tokens` converted to `token_dtype` when it is set
-    (`LoaderConfig.token_dtype`; converted here, after any worker boundary, so workers send compact tokens)."""
-    if token_dtype is not None:
-        batch["tokens"] = batch["tokens"].astype(token_dtype, copy=False)
-    return {k: torch.from_numpy(v) for k, v in batch.items()}

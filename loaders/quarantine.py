@@ -36,7 +36,10 @@ from typing import Any
 import numpy as np
 
 from shardkit import metrics
+from shardkit.manifest import Manifest
 from shardkit.loaders.order import ExcludedOrder, Order, excluding
+from shardkit.loaders.rank_steps import IterationPlan
+from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,7 @@ def excluded_of_shard(order: Order, base: Order, shard_ends: np.ndarray, shard: 
     return int(np.sum(owners == shard))
 
 
-def resolve_quarantine_list(path: str, manifests: Sequence[Any], urls: Sequence[str]) -> tuple[int, ...]:
+def resolve_quarantine_list(path: str, manifests: Sequence[Manifest], urls: Sequence[str]) -> tuple[int, ...]:
     """Shard indices (over all streams) that the quarantine list at `path` names.
 
     Raises:
@@ -133,7 +136,7 @@ class QuarantineSources:
     """
 
     order: Callable[[int, int, tuple[Entry, ...]], Order]
-    rank_shards: Callable[..., list[int]]
+    rank_shards: Callable[..., list[int]]  # (order, *, start, steps, plan)
     shard_ends: np.ndarray
     shard_sizes: np.ndarray
     describe: Callable[[int], tuple[str, int, str]]
@@ -215,7 +218,7 @@ class Quarantine:
                          f"to read: {how}" + (f" (first: {first_corrupt})" if first_corrupt else "")
                          + ". Check the data (shardkit verify) or the quarantine list")
 
-    def check(self, *, epoch: int, start: int, steps: int, plan: Any) -> None:
+    def check(self, *, epoch: int, start: int, steps: int, plan: IterationPlan) -> None:
         """Verify the shards this rank reads in `steps` steps from `start`; agree on the corrupt ones over
         the process group and quarantine them; repeat on the re-planned segment until none is new."""
         while True:
@@ -231,7 +234,7 @@ class Quarantine:
             for shard in new:
                 self.add([shard], epoch=epoch, consumed=start, num_partitions=plan.num_partitions, why=reasons[shard])
 
-    def _agree(self, local: list[tuple[int, str]], topology: Any) -> list[tuple[int, int, str]]:
+    def _agree(self, local: list[tuple[int, str]], topology: Topology) -> list[tuple[int, int, str]]:
         mine = [(shard, topology.rank, reason) for shard, reason in local]
         if topology.world_size == 1:
             return mine

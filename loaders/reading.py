@@ -17,15 +17,11 @@ import numpy as np
 
 from shardkit import metrics
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.order import Order
-from shardkit.loaders.partition import worker_of_step
-from shardkit.loaders.steps import TokenBudgetSteps
-from shardkit.loaders.token_budget import plan_remaining
 from shardkit.loaders.topology import Topology
+from shardkit.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 _PREFETCH_THREADS = 4
 _GOLDEN = (5**0.5 - 1) / 2
 _COLD_STEP_BATCHES = 32  # most batches gathered per block check while shards arrive block by block
@@ -46,7 +42,7 @@ class BatchReader:
         prefetch: download upcoming shards in background threads.
     """
 
-    def __init__(self, *, table: ShardTable, caches: Sequence[Any], shard_owner: Any, manifests: Sequence[Any],
+    def __init__(self, *, table: ShardTable, caches: Sequence[Any], shard_owner: ShardOwners, manifests: Sequence[Manifest],
                  sample_length: int | None, token_dtype: np.dtype, pad_id: int, with_segments: bool,
                  dense_segments: bool, prefetch: bool):
         self.table, self.caches, self.shard_owner, self.manifests = table, caches, shard_owner, manifests
@@ -70,10 +66,7 @@ class BatchReader:
                     # Shards read block by block complete themselves: prefetching them whole now would
                     # make the first batch wait for whole shards.
                     self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
-                for index in needed:
-                    if index not in held:
-                        stream, local = self.shard_owner[index]
-                        held[index] = self.caches[stream].open(local, on_demand=True)
+                self.hold(needed, held)
                 if executor is not None and upcoming is not None:  # after the opens, for the same reason
                     self._prefetch(executor, self.shards_in_order(upcoming), topo)
                 keep = set(needed) | (set(self.shards_in_order(upcoming)) if upcoming is not None else set())
@@ -87,58 +80,15 @@ class BatchReader:
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
 
-    def token_batches(self, order: Order, *, epoch: int, start: int, segments: tuple[tuple[int, int], ...], plan: Any,
-                      worker: int, num_workers: int, skip: int, max_tokens: int,
-                      token_window: int) -> Iterator[dict[str, np.ndarray]]:
-        """Token-budget batches: plan each window of the global order (see `token_budget`); `skip`: leave out
-        this worker's first that many batches (a standalone resume: planned, not read)."""
-        topo, total = plan.topology, order.num_positions
-        step = 0  # steps of this iteration, dealt round robin to the DataLoader workers
-        held: dict[int, Any] = {}
-        rank_tokens, repeats = np.zeros(topo.world_size, dtype=np.int64), 0
-        try:
-            for window_start in range(start, total, token_window):
-                ids = order.sample_ids(np.arange(window_start, min(window_start + token_window, total)))
-                needed = self.shards_in_order(ids)
-                for index in [i for i in held if i not in set(needed)]:
-                    held.pop(index).close()
-                for index in needed:
-                    if index not in held:
-                        stream, local = self.shard_owner[index]
-                        held[index] = self.caches[stream].open(local, on_demand=True)
-                self._ensure(ids, held)
-                lengths = self._lengths(ids, held)
-                first = window_start == start
-                prior = segments if first else ()
-                prior, done = TokenBudgetSteps.resume_point(prior, topo.world_size)
-                window_plan, covered = plan_remaining(lengths, prior, world_size=topo.world_size,
-                                                      max_tokens=max_tokens)
-                mine = window_plan.batches[topo.rank]
-                rank_tokens += window_plan.rank_tokens
-                repeats += window_plan.repeats
-                for k in range(done, window_plan.steps):
-                    if worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker and skip:
-                        skip -= 1
-                    elif worker_of_step(step, num_workers=num_workers, bundle=plan.bundle) == worker:
-                        rows = mine[k]
-                        rows = np.where(rows < 0, window_plan.filler, rows)
-                        batch = gather_variable(ids[covered[rows]], table=self.table,
-                                                reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
-                                                pad_id=self.pad_id, with_segments=self.with_segments,
-                                                dense_segments=self.dense_segments)
-                        batch[PROGRESS_KEY] = np.array([window_start, k + 1, k + 1 == window_plan.steps],
-                                                       dtype=np.int64)
-                        yield batch
-                    step += 1
-            if worker == 0 and rank_tokens.sum():
-                logger.info("epoch %d (token budget %d): %d steps, token imbalance across ranks %.2f%% "
-                            "(max / mean - 1), %d repeated samples filled empty batches", epoch, max_tokens,
-                            step, 100 * (rank_tokens.max() / rank_tokens.mean() - 1), repeats)
-        finally:
-            for handle in held.values():
-                handle.close()
+    def hold(self, needed: list[int], held: dict[int, Any]) -> None:
+        """Open the shards `needed` that `held` lacks (a read on demand: they may still be arriving)."""
+        for index in needed:
+            if index not in held:
+                stream, local = self.shard_owner[index]
+                held[index] = self.caches[stream].open(local, on_demand=True)
 
-    def _lengths(self, ids: np.ndarray, held: dict[int, Any]) -> np.ndarray:
+    def lengths(self, ids: np.ndarray, held: dict[int, Any]) -> np.ndarray:
+        """Tokens of each sample `ids` (from the held shards' offsets)."""
         shard, local = self.table.locate(ids)
         lengths = np.empty(len(ids), dtype=np.int64)
         for index in np.unique(shard):
@@ -170,7 +120,7 @@ class BatchReader:
         cache = self.caches[stream]
         return cache._serves_blocks(local, cache.path(local))
 
-    def _ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
+    def ensure(self, ids: np.ndarray, held: dict[int, Any]) -> None:
         """Make the samples `ids` readable in shards still arriving block by block (cold format v2 shards)."""
         shard, local = self.table.locate(np.asarray(ids, dtype=np.int64).reshape(-1))
         cold = [(held[index], local[shard == index]) for index in np.unique(shard).tolist()
@@ -193,12 +143,18 @@ class BatchReader:
             # gather, not a whole chunk's.
             rows = ids[b:b + step]
             if incomplete:
-                self._ensure(rows, held)
+                self.ensure(rows, held)
             yield from self._gather(rows, held)
             b, step = b + len(rows), min(2 * step, _COLD_STEP_BATCHES)
             incomplete = [h for h in incomplete if not h.complete]
         if b < len(ids):
             yield from self._gather(ids[b:], held)
+
+    def gather_rows(self, ids: np.ndarray, held: dict[int, Any]) -> dict[str, np.ndarray]:
+        """One batch of the samples `ids` (any lengths: padded rows), from the held shards."""
+        return gather_variable(ids, table=self.table, reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
+                               pad_id=self.pad_id, with_segments=self.with_segments,
+                               dense_segments=self.dense_segments)
 
     def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
         def reader_of(index: int):
@@ -210,9 +166,7 @@ class BatchReader:
                                     batch=ids.shape[1], dense_segments=self.dense_segments)
         else:
             for row in ids:
-                yield gather_variable(row, table=self.table, reader_of=reader_of, token_dtype=self.token_dtype,
-                                      pad_id=self.pad_id, with_segments=self.with_segments,
-                                      dense_segments=self.dense_segments)
+                yield self.gather_rows(row, held)
 
 
 def prefetch_order(shards: list[int], topo: Topology) -> list[int]:
