@@ -162,9 +162,11 @@ def test_fp16_on_cpu_skips_the_forced_overflow_consumes_its_batches_and_records_
     assert all(scales[step] == (32768.0, False, 1) for step in range(4, 9))
     assert sample_ids(tmp_path / "fp16") == sample_ids(tmp_path / "fp32")  # the skipped step consumed its batch
     fp16, fp32 = losses(tmp_path / "fp16"), losses(tmp_path / "fp32")
-    # Steps 1-3 see the same weights: fp16 rounding only (a run that did not compute in fp16 matches bitwise).
-    for step in (1, 2, 3):
-        assert fp16[step] == pytest.approx(fp32[step], rel=1e-2) and fp16[step] != fp32[step]
+    # Steps 1-3 see the same weights: fp16 rounding only (a run that did not compute in fp16 matches bitwise at
+    # every step; one step's mean loss may round to the same float32 by chance: the data is cut from this
+    # repository's sources, so it changes with every commit).
+    assert all(fp16[step] == pytest.approx(fp32[step], rel=1e-2) for step in (1, 2, 3))
+    assert any(fp16[step] != fp32[step] for step in (1, 2, 3))
     # Adam stepped 7 times, not 8: step 3 made no update.
     assert {int(state["step"]) for state in run.optimizer.state.values()} == {7}
     assert metrics.value("shardkit_train_overflow_steps_total", rank="0") - counted == 1
