@@ -7,7 +7,6 @@ checkpoints and restores it with `fit(ckpt_path=...)`. Records the sample ids of
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from integration_procs import run_parser  # noqa: E402
+from integration_procs import run_parser, write_ids  # noqa: E402
 from shardkit import StreamingDataLoader, StreamingDataset  # noqa: E402
 
 
@@ -68,8 +67,9 @@ def main() -> None:
     module = TinyLM(opts.dataset, opts.folder)
     resume = None if opts.resume is None else os.path.join(opts.folder, "ckpt", f"step={opts.resume}.ckpt")
     trainer.fit(module, ckpt_path=resume)
-    with open(f"{opts.ids}.{trainer.global_rank}", "w") as f:
-        json.dump(module.seen, f)
+    # write_ids also ends the process group: left to the interpreter's exit, gloo's threads were once torn down
+    # mid-flight after a finished 2-rank run ("terminate called without an active exception", exit -6).
+    write_ids(opts.ids, module.seen)
 
 
 if __name__ == "__main__":
