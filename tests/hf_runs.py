@@ -8,7 +8,6 @@ optionally stops after a step.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
-from integration_procs import run_parser  # noqa: E402
+from integration_procs import run_parser, write_ids  # noqa: E402
 from loader_helpers import ids_from_tokens  # noqa: E402
 from shardkit import StreamingDataset  # noqa: E402
 from shardkit.integrations.huggingface import ShardkitTrainer  # noqa: E402
@@ -72,14 +71,7 @@ def main() -> None:
     trainer.seen = []
     resume = None if opts.resume is None else True if opts.resume == "last" else os.path.join(opts.folder, opts.resume)
     trainer.train(resume_from_checkpoint=resume)
-    rank = int(os.environ.get("RANK", 0))
-    with open(f"{opts.ids}.{rank}", "w") as f:
-        json.dump(trainer.seen, f)
-    # End the process group before the interpreter does: left to exit, gloo's threads were once torn down
-    # mid-flight ("terminate called without an active exception", exit -6) after a run that had finished.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    write_ids(opts.ids, trainer.seen)
 
 
 if __name__ == "__main__":

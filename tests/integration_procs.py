@@ -76,7 +76,10 @@ def write_ids(path: str, seen: list) -> None:
 
     with open(f"{path}.{os.environ.get('RANK', 0)}", "w") as f:
         json.dump(seen, f)
+    # End the process group before the interpreter does: left to exit, gloo's threads were torn down mid-flight
+    # after finished 2-rank runs ("terminate called without an active exception", exit -6).
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
