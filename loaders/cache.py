@@ -27,6 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from shardkit import metrics
+from shardkit.forking import restart_after_fork
 from shardkit.loaders.cache_dir import CacheLimitError  # noqa: F401 - re-exported: raised through open()
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.decoded_store import DecodedStore
@@ -90,6 +91,7 @@ class ShardCache:
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
         self._start()
+        restart_after_fork(self)
         private_tree(self.cache_root, self.directory)
         metrics.watch_cache_dir(self.cache_root)
 
@@ -117,6 +119,12 @@ class ShardCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._start()
+        restart_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker): a store, lock and block readers of its own, as a spawned
+        worker gets by unpickling; the parent's threads (block reads, completions) do not exist here."""
         self._start()
 
     def path(self, index: int) -> str:

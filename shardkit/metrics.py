@@ -148,6 +148,8 @@ _cache_roots: set[str] = set()
 def registry():
     """The `CollectorRegistry` holding every metric of `METRICS` (created on first use)."""
     global _registry
+    if _registry is not None:
+        return _registry
     with _lock:
         if _registry is None:
             from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -164,6 +166,29 @@ def registry():
             _metrics["shardkit_cache_bytes"].set_function(_cache_disk_bytes)
             _registry = reg
     return _registry
+
+
+# A DataLoader forks its workers whatever the parent's other threads are doing; one of them may be inside
+# `_lock` or inside a prometheus_client lock at that instant, and the child's copy of that lock would stay
+# held forever (its holder does not exist there): the worker's first `inc` would hang. So no thread holds
+# `_lock` across a fork, and a forked child starts with a lock, a registry and endpoints of its own (a
+# worker only keeps `_pending`; any other child is a new process with counts of its own).
+def _before_fork() -> None:
+    _lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _registry, _metrics, _servers
+    _lock = threading.Lock()
+    _registry, _metrics, _servers = None, {}, {}
+    _pending.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _child(name: str, labels: dict[str, Any]):

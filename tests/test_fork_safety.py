@@ -1,0 +1,122 @@
+"""DataLoader workers forked while the parent's other threads are busy: no lock or thread pool of the parent
+may reach a worker in a state that hangs it (shardkit/forking.py, the fork hooks of shardkit/metrics.py).
+
+Each run gives the DataLoader a timeout, so a hung worker fails the test with "DataLoader timed out"
+instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from loader_helpers import ids_from_tokens, write_fixed
+from shardkit import StreamingDataLoader, StreamingDataset, metrics
+from shardkit.loaders import cache as cache_module
+
+WORKER_TIMEOUT = 60  # seconds a worker may take for one batch before the run counts as hung
+
+
+def epoch_ids(dataset, *, batch_size: int = 8) -> np.ndarray:
+    loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=2, multiprocessing_context="fork",
+                                 timeout=WORKER_TIMEOUT)
+    ids = []
+    for batch in loader:
+        assert np.array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
+        ids.append(batch["sample_id"].numpy().copy())
+    return np.concatenate(ids)
+
+
+def test_workers_forked_while_a_parent_thread_counts_metrics(tmp_path):
+    """A thread of the parent records shardkit metrics without pause (as prefetch threads or a trainer's
+    do) while the loader forks its workers, epoch after epoch: a fork that caught the metrics lock held
+    used to leave the worker hung at its first count."""
+    url = str(tmp_path / "ds")
+    write_fixed(url, 96, per_shard=16)
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1)
+    stop = threading.Event()
+    counted = [0]
+
+    def count() -> None:
+        while not stop.is_set():
+            metrics.inc("shardkit_storage_requests_total", operation="fork-test")
+            counted[0] += 1
+
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    try:
+        for epoch in range(6):
+            dataset.set_epoch(epoch)
+            assert sorted(epoch_ids(dataset).tolist()) == list(range(96)), f"epoch {epoch}"
+    finally:
+        stop.set()
+        thread.join()
+    assert counted[0] > 0
+    # The parent's counts are intact: the fork hooks hand the lock back in the parent.
+    assert metrics.value("shardkit_storage_requests_total", operation="fork-test") >= counted[0]
+
+
+def test_workers_forked_after_the_parent_read_blocks(tmp_path, monkeypatch, s3_bucket):
+    """The parent reads a batch first from S3 (format v2 shards read block by block, in parallel: a pool of
+    block-reading threads, idle afterwards), then forks workers that read other shards block by block. An
+    inherited pool counts its missing threads as idle and never runs the work: each worker needs its own."""
+    monkeypatch.setattr(cache_module, "WHOLE_READ_BYTES", 0)  # every shard read block by block
+    from shardkit.formats import write_dataset
+    from shardkit.manifest import TokenizerInfo
+    from loader_helpers import VOCAB, fixed_sample
+
+    url, options = s3_bucket
+    write_dataset(url, (fixed_sample(i, 65) for i in range(480)), seq_len=64, packing="concat", max_samples=120,
+                  tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=VOCAB), format_version=2,
+                  block_bytes=2048, storage_options=options)
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), storage_options=options, shuffle=False,
+                               rank=0, world_size=1, prefetch=False, chunk_samples=16)
+    first = next(iter(StreamingDataLoader(dataset, batch_size=8)))
+    assert first["sample_id"].tolist() == list(range(8))
+    assert dataset.caches[0]._block_executor is not None, "the parent read blocks through its pool"
+    assert not any(dataset.caches[0].is_cached(i) for i in (1, 2, 3)), "the workers read the other shards"
+    dataset.caches[0].drain(timeout=60)
+    assert sorted(epoch_ids(dataset).tolist()) == list(range(480))
+
+
+def test_a_lock_held_at_fork_time_is_free_in_the_child():
+    """The mechanism itself, without timing luck: fork while another thread holds the metrics lock (it is
+    released only after the fork); the child must count at once."""
+    import multiprocessing as mp
+    import time
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with metrics._lock:
+            entered.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    entered.wait(10)
+    # The fork hook waits for the lock: release it a moment after the fork begins.
+    threading.Timer(0.5, release.set).start()
+    ctx = mp.get_context("fork")
+    done = ctx.Queue()
+    start = time.monotonic()
+    child = ctx.Process(target=_count_in_child, args=(done,))
+    child.start()
+    child.join(30)
+    holder.join(10)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the forked child hung on a lock another thread of its parent held"
+    assert done.get(timeout=5) == 1.0, "the child could not count"
+    assert time.monotonic() - start < 30
+
+
+def _count_in_child(done) -> None:
+    if not metrics._lock.acquire(timeout=20):  # what a DataLoader worker's first count does
+        done.put("the metrics lock stayed held")
+        return
+    metrics._lock.release()
+    metrics.inc("shardkit_storage_requests_total", operation="child")
+    done.put(metrics.value("shardkit_storage_requests_total", operation="child"))
