@@ -149,6 +149,10 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
         except FileNotFoundError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, INDEX_NAME))
+        finally:
+            # The future keeps the error, whose traceback keeps this frame and its callers': a reference
+            # cycle that would hold the caller's objects (a DataLoader and its workers) until a collection.
+            index = None
     logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
                  "copied" if not storage.is_local else "read in place", directory)
     manifest, (size, digest), checked_index = load_manifest_and_digest(

@@ -203,9 +203,9 @@ def retry_call(
         try:
             return fn()
         except FileNotFoundError as err:
-            missing = FileNotFoundError(f"{what} {url}: not found ({describe_error(err)})")
-            missing.errno = errno.ENOENT
-            raise missing from err
+            # Made by a function: an error held in a local of this frame, whose traceback holds this frame,
+            # would be a reference cycle keeping every caller's frame (and their objects) alive.
+            raise _not_found(what, url, err) from err
         except Exception as err:  # noqa: BLE001 - classified below, re-raised with context
             transient = is_transient(err)
             delay = next(delays, None) if transient else None
@@ -223,6 +223,12 @@ def retry_call(
                 # A sleep can run long (a loaded machine): the deadline holds for the start of every try.
                 raise StorageError(f"{what} {url} failed after {attempt} attempts: {describe_error(err)} "
                                    f"({clock() - started:.1f}s, past the {policy.deadline:g}s deadline)") from err
+
+
+def _not_found(what: str, url: str, err: FileNotFoundError) -> FileNotFoundError:
+    missing = FileNotFoundError(f"{what} {url}: not found ({describe_error(err)})")
+    missing.errno = errno.ENOENT
+    return missing
 
 
 _USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")

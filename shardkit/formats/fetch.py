@@ -75,22 +75,26 @@ def _check_while_decoding(data: bytes, shard: ShardInfo, url: str,
         try:
             check_shard_bytes(data, shard=url, sha256=shard.sha256, size=shard.compressed_bytes)
         except CorruptShardError as err:
-            errors.append(err)
+            # Without its traceback, which holds this frame and so `errors`: no reference cycle.
+            errors.append(err.with_traceback(None))
 
     if decode is None:
         check()
         return (errors[0], None) if errors else (None, data)
     hasher = threading.Thread(target=check, name="shardkit-hash", daemon=True)
     hasher.start()
+    # The decode error is never kept in a local: its traceback holds this frame, and with it every caller's
+    # (a reference cycle that would keep a DataLoader and its workers alive until a collection).
     try:
-        decoded, decode_error = decode(data), None
-    except CorruptShardError as err:
-        decoded, decode_error = None, err
+        decoded = decode(data)
+    except CorruptShardError:
+        hasher.join()
+        if errors:
+            return errors[0], None  # the bytes are not what the manifest promised: the read is the culprit
+        raise  # the bytes are what the manifest promised, yet undecodable: a re-read cannot help
     hasher.join()
     if errors:
         return errors[0], None
-    if decode_error is not None:
-        raise decode_error  # the bytes are what the manifest promised, yet undecodable: a re-read cannot help
     return None, decoded
 
 

@@ -1,5 +1,6 @@
-"""DataLoader workers forked while the parent's other threads are busy: no lock or thread pool of the parent
-may reach a worker in a state that hangs it (shardkit/forking.py, the fork hooks of shardkit/metrics.py).
+"""DataLoader worker processes: forked safely while the parent's other threads are busy (no lock or thread
+pool of the parent may reach a worker in a state that hangs it: shardkit/forking.py, the fork hooks of
+shardkit/metrics.py), and gone as soon as their loader is dropped (no reference cycle keeps it alive).
 
 Each run gives the DataLoader a timeout, so a hung worker fails the test with "DataLoader timed out"
 instead of hanging the suite.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from loader_helpers import ids_from_tokens, write_fixed
 from shardkit import StreamingDataLoader, StreamingDataset, metrics
@@ -120,3 +122,62 @@ def _count_in_child(done) -> None:
     metrics._lock.release()
     metrics.inc("shardkit_storage_requests_total", operation="child")
     done.put(metrics.value("shardkit_storage_requests_total", operation="child"))
+
+
+@pytest.mark.parametrize("cache_mode", ["decoded", "none"])
+def test_a_dropped_loader_goes_at_once_with_its_workers(tmp_path, cache_mode):
+    """A loader over a dataset without a manifest index and with a corrupt shard (quarantined): its last
+    reference dropped, it is freed at once, and its persistent workers exit. Errors the read path caught
+    (the missing index, the failed check) used to stay in reference cycles holding the caller's frames,
+    so the loader and its workers lived on until a garbage collection, which then waited out torch's 5 s
+    worker-join timeout per worker."""
+    import gc
+    import time
+    import weakref
+
+    from shardkit.manifest import load_manifest
+
+    url = str(tmp_path / "ds")
+    write_fixed(url, 96, per_shard=16)
+    path = tmp_path / "ds" / load_manifest(url).shards[1].name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # fails its SHA-256 at every read: quarantined
+    path.write_bytes(bytes(data))
+
+    def run() -> tuple[weakref.ref, list[int]]:
+        dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1,
+                                   on_corrupt="skip", cache_mode=cache_mode, chunk_samples=16)
+        loader = StreamingDataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
+                                     multiprocessing_context="fork", timeout=WORKER_TIMEOUT)
+        ids = [batch["sample_id"].numpy() for batch in loader]
+        assert sorted(np.concatenate(ids).tolist()) == [i for i in range(96) if not 16 <= i < 32]
+        return weakref.ref(loader), [worker.pid for worker in loader._iterator._workers]
+
+    gc.collect()
+    gc.disable()  # what is freed below is freed by reference counting alone
+    try:
+        loader, pids = run()
+        assert loader() is None, "the dropped loader is still alive (held by a reference cycle)"
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.05)
+    assert not alive, f"workers {alive} of the dropped loader are still running"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False  # reaped
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
