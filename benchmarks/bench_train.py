@@ -1,6 +1,6 @@
 """Trainer throughput: tokens/s, MFU, data-wait fraction and peak memory of `shardkit.train`.
 
-    python benchmarks/bench_train.py [--preset gpt2-124m] [--nproc 1] [--runs 3] [--out bench_out/train.json]
+    python benchmarks/bench_train.py [--preset gpt2-124m] [--nproc 1] [--runs 3] [--data URL] [--out bench_out/train.json]
 
 Writes a dataset of random token ids (GPT-2 vocabulary, --seq-len + 1 tokens per sample) once under
 --data-dir, then launches `torchrun --standalone --nproc_per_node N -m shardkit.train` --runs times
@@ -73,7 +73,9 @@ def summarise(run_dir: Path, skip: int) -> dict[str, float]:
 
     return {"tokens_per_s": median("tokens_per_s"), "tokens_per_s_per_device": median("tokens_per_s_per_device"),
             "mfu": median("mfu"), "data_wait_fraction": median("data_wait_fraction"),
-            "step_time_s": median("step_time_s"), "peak_memory_gib": max(r["peak_memory_gib"] for r in steady)}
+            "step_time_s": median("step_time_s"), "peak_memory_gib": max(r["peak_memory_gib"] for r in steady),
+            # the last logged step's training loss (meaningful with --data: real text, not random tokens)
+            "final_loss": steady[-1]["loss"]}
 
 
 def main() -> int:
@@ -90,13 +92,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=15, help="leading steps left out (warm-up, compilation)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--data", default=None,
+                        help="train on this shardkit dataset (e.g. real GPT-2-tokenized text, whose final loss means "
+                             "something) instead of random tokens")
     parser.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "shardkit-bench-train"))
     parser.add_argument("--out", default="bench_out/train.json")
     parser.add_argument("extra", nargs="*", help="more trainer options after --, e.g. -- --activation-checkpointing")
     args = parser.parse_args()
 
     samples = args.steps * args.batch_size * args.nproc + 1024
-    data = build_data(Path(args.data_dir), samples=samples, seq_len=args.seq_len)
+    data = args.data or build_data(Path(args.data_dir), samples=samples, seq_len=args.seq_len)
     results = []
     for index in range(args.runs):
         run_dir = Path(args.data_dir) / "runs" / f"run-{index}"
@@ -127,6 +132,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({
         "device": device, "host": platform.node(), "preset": args.preset, "seq_len": args.seq_len,
         "batch_size": args.batch_size, "nproc": args.nproc, "precision": args.precision, "compile": args.compile,
+        "data": args.data or "random tokens",
         "command": shlex.join(train_command(args, data, Path("RUN_DIR"))), "runs": results, "median": summary,
     }, indent=1) + "\n")
     print(f"wrote {args.out}")
