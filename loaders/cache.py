@@ -91,12 +91,12 @@ class ShardCache:
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
         self._start()
-        restart_after_fork(self)
         private_tree(self.cache_root, self.directory)
         metrics.watch_cache_dir(self.cache_root)
 
     def _start(self) -> None:
-        """This process's store and block-by-block state (made again in a process that unpickles the cache)."""
+        """This process's store and block-by-block state (made again in a process that unpickles the cache,
+        and in one forked from this one: `_after_fork`)."""
         self._context = StoreContext(manifest=self.manifest, storage_of=self._storage_of, url=self._storage_of.url,
                                      cache_root=self.cache_root, directory=self.directory, stats=self.stats,
                                      cache_limit=self.cache_limit, wait_timeout=self.wait_timeout)
@@ -104,6 +104,7 @@ class ShardCache:
         self._lock = threading.Lock()
         self._partial: dict[str, PartialShard] = {}  # shards this process is reading block by block
         self._block_executor: ThreadPoolExecutor | None = None
+        restart_after_fork(self)
 
     @property
     def storage(self) -> Storage:
@@ -120,7 +121,6 @@ class ShardCache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._start()
-        restart_after_fork(self)
 
     def _after_fork(self) -> None:
         """In a forked child (a DataLoader worker): a store, lock and block readers of its own, as a spawned

@@ -23,28 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 from conftest import free_port
+from process_tree import descendants, signal_all
 
 # torch >= 2.4 shares the rendezvous TCPStore with the workers and caches the round-0 master address:
 # a node that returns later waits for a MASTER_ADDR no one publishes in the new round and gives up
 # (the scale-up failure of issue 26). Every agent of an elastic job must run with this set.
 ELASTIC_AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc; torchrun's workers are in sessions of their own)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class Node:
@@ -93,12 +77,7 @@ class Node:
     def kill(self) -> float:
         """SIGKILL the agent and every worker at once, as a lost machine; returns the time it happened."""
         assert self.process is not None
-        pids = [self.process.pid, *_children(self.process.pid)]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all([self.process.pid, *descendants(self.process.pid)], signal.SIGKILL)
         killed_at = time.time()
         self.process.wait(timeout=30)
         return killed_at

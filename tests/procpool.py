@@ -21,6 +21,8 @@ import tempfile
 import time
 import traceback
 
+from process_tree import descendants, signal_all
+
 # faulthandler writes every thread's stack here when the process (or a child it forked) gets SIGUSR1.
 _DUMP_SIGNAL = signal.SIGUSR1
 
@@ -50,26 +52,6 @@ def _serve(index: int, tasks, results, parent: int, dump_path: str) -> None:
         # What a task left in reference cycles (a DataLoader iterator and its workers) goes now, not during
         # a later task, inside whatever that one is doing.
         gc.collect()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Children, grandchildren, ... of `pid` (Linux /proc), deepest last."""
-    found, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{current}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found.extend(kids)
-            frontier.extend(kids)
-    return found
 
 
 class ProcessPool:
@@ -138,23 +120,15 @@ class ProcessPool:
     def _replace(self, indices: list[int]) -> str:
         """Dump the stacks of pool processes `indices` and their children, kill them all, start them again;
         returns the stacks."""
-        trees = {i: [self.procs[i].pid, *_descendants(self.procs[i].pid)] for i in indices}
+        trees = {i: [self.procs[i].pid, *descendants(self.procs[i].pid)] for i in indices}
         for pids in trees.values():
-            for pid in pids:
-                try:
-                    os.kill(pid, _DUMP_SIGNAL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, _DUMP_SIGNAL)
         time.sleep(2.0)  # faulthandler writes from the signal handler; give every process a moment
         report = []
         for i, pids in trees.items():
             with open(self._dump_path(i)) as f:
                 report.append(f"--- stacks of pool process {i} (pids {pids}) ---\n{f.read()}")
-            for pid in reversed(pids):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGKILL)
             self.procs[i].join(10)
             self._start(i)
         return "\n".join(report)

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kill_harness import _fork, _wait  # noqa: E402
+from process_tree import descendants, signal_all  # noqa: E402
 from train_runs import loss_scales, losses, sample_ids  # noqa: E402
 
 STEPS = 8
@@ -147,25 +148,6 @@ def train_matrix(data: str, workdir: str, points: int, seed: int, options: dict 
     return figures
 
 
-def _process_tree(root: int) -> list[int]:
-    """`root` and its descendants, from /proc (parent pids), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tree, pending = [], [root]
-    while pending:
-        pid = pending.pop(0)
-        tree.append(pid)
-        pending.extend(children.get(pid, []))
-    return tree
-
-
 def _find_launcher(run_dir: str) -> int | None:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -187,17 +169,13 @@ def kill_torchrun(run_dir: str, target: int, delay: float) -> dict:
         time.sleep(0.01)
     if launcher is None:
         return {"killed": 0, "reason": "no torchrun names " + run_dir}
-    while len(_process_tree(launcher)) < 3 and time.monotonic() < give_up:  # the launcher and two ranks
+    while len(descendants(launcher)) < 2 and time.monotonic() < give_up:  # the launcher and two ranks
         time.sleep(0.01)
     while _latest_step(Path(run_dir)) < target and time.monotonic() < give_up:
         time.sleep(0.002)
     time.sleep(delay)
-    tree = _process_tree(launcher)  # before the launcher dies: its orphaned ranks could not be found after
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    tree = [launcher, *descendants(launcher)]  # before the launcher dies: its orphaned ranks could not be found after
+    signal_all(tree, signal.SIGKILL)
     return {"killed": len(tree), "latest_step_at_kill": _latest_step(Path(run_dir))}
 
 
