@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
 from collections.abc import Iterator
 
 from shardkit import metrics
 from shardkit.manifest import ShardInfo
 from shardkit.names import check_relative_name
+from shardkit.storage import TEMPORARY_MARK
 
 DECODED_SUFFIX = ".skd"
 COMPRESSED_SUFFIX = ".skz"
@@ -79,26 +79,13 @@ def remove_stale_temporaries(path: str) -> None:
     """Remove the temporaries of `path` a dead writer left (call with the download lock of `path` held)."""
     # Only the holder of the download lock writes temporaries for this shard, so any that
     # exist were left by a process that died mid-write.
-    directory, prefix = os.path.dirname(path), f".{os.path.basename(path)}.tmp-"
+    directory, prefix = os.path.dirname(path), os.path.basename(path) + TEMPORARY_MARK
     for name in os.listdir(directory):
-        if name.startswith(prefix):
+        if name.startswith((prefix, "." + prefix)):  # the second: the hidden spelling of older versions
             try:
                 os.unlink(os.path.join(directory, name))
             except FileNotFoundError:
                 pass
-
-
-def write_cache_file(path: str, data: bytes | memoryview) -> None:
-    """Write `data` to `path` by atomic rename: a reader finds the whole file or none. No fsync: a cache
-    file lost in a crash is fetched again, and one cut short fails its check at the next open."""
-    directory = os.path.dirname(path)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{os.path.basename(path)}.tmp-", delete=False) as fh:
-        try:
-            fh.write(data)
-        except BaseException:
-            os.unlink(fh.name)
-            raise
-    os.replace(fh.name, path)
 
 
 # -- eviction (decoded files only: `cache_limit` counts the `.skd` files) ---------------------------

@@ -14,10 +14,11 @@ import os
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
 from shardkit.formats import ShardArrays, check_shard_bytes, read_shard
-from shardkit.loaders.cache_dir import COMPRESSED_SUFFIX, write_cache_file
+from shardkit.loaders.cache_dir import COMPRESSED_SUFFIX
 from shardkit.loaders.partial import PartialShard
 from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
 from shardkit.manifest import ShardInfo
+from shardkit.storage import write_file_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class CompressedStore:
                              "a shard's file, and none was given")
         path = self._path(index)
         self._context.private_dirs(path)
-        write_cache_file(path, data)
+        # No fsync: a cache file lost in a crash is fetched again, and one cut short fails its check at the next open.
+        write_file_atomic(path, data, fsync=False)
 
     def abandon(self, partial: PartialShard) -> None:
         """Finish and store the shard (see `DecodedStore.abandon`)."""

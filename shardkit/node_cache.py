@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from shardkit.errors import ManifestError
 from shardkit.manifest import MANIFEST_NAME, Manifest, load_manifest, load_manifest_and_digest
 from shardkit.shard_columns import INDEX_NAME
-from shardkit.storage import Storage
+from shardkit.storage import Storage, atomic_path, write_file_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
                  "copied" if not storage.is_local else "read in place", directory)
     manifest, (size, digest), checked_index = load_manifest_and_digest(
         local, display_url=storage.url_of(MANIFEST_NAME), index_copy=os.path.join(directory, INDEX_NAME))
-    _write_atomic(record_path, json.dumps([identity, size, digest, checked_index]))
+    write_file_atomic(record_path, json.dumps([identity, size, digest, checked_index]).encode(), fsync=False)
     return manifest
 
 
@@ -173,17 +173,6 @@ def _read_record(path: str, identity: str) -> tuple[int, str, str | None] | None
 
 
 def _download_atomic(storage: Storage, name: str, directory: str) -> None:
-    temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    try:
+    # No fsync here or for the record: the node cache holds copies of the store, fetched again when lost.
+    with atomic_path(os.path.join(directory, name), fsync=False) as temporary:
         storage.download(name, temporary)
-        os.replace(temporary, os.path.join(directory, name))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as fh:
-        fh.write(text)
-    os.replace(temporary, path)

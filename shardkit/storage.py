@@ -9,6 +9,7 @@ Credentials never appear in `repr`, logs or error messages: only the URL does.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -277,22 +278,47 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 
-def write_file_atomic(path: str, data: bytes) -> None:
-    """Write `data` to the local file `path` through a temporary name, fsync and a rename: a crash, a full
-    disk or a concurrent writer never leaves half a file at `path` (nor the temporary, on an error)."""
+# The one spelling of a temporary file: beside its target (same filesystem, so the rename is atomic),
+# unique per writer, and recognisable to the cleaners of what a kill left (`tools.state.clear_state`,
+# `loaders.cache_dir.remove_stale_temporaries`).
+TEMPORARY_MARK = ".tmp-"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, *, fsync: bool = True) -> Iterator[str]:
+    """A temporary path beside the local file `path`, for the block to write by any means (`open`, a
+    library's `save(path)`, a download). When the block ends without an error the temporary is renamed over
+    `path`, so readers, a crash or a concurrent writer see the old file or the whole new one, never part of
+    one; when it raises, the temporary is removed. This is the only single-file rename of the package.
+
+    Args:
+        fsync: flush the data to the disk before the rename, so that a power loss cannot leave an empty or
+            partial file under `path`. False for caches, whose files are fetched again when lost and fail
+            their checks when cut short.
+    """
+    temporary = f"{path}{TEMPORARY_MARK}{uuid.uuid4().hex}"
+    try:
+        yield temporary
+        if fsync:
+            fd = os.open(temporary, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+
+
+def write_file_atomic(path: str, data: bytes | memoryview, *, fsync: bool = True) -> None:
+    """Write `data` to the local file `path` (creating its directory) through `atomic_path`."""
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path, fsync=fsync) as temporary, open(temporary, "xb") as fh:
+        fh.write(data)
+
 
 class Storage:
     """One dataset prefix (a "directory" URL) on an fsspec filesystem.

@@ -19,7 +19,7 @@ from shardkit.formats.fetch import read_shard
 from shardkit.formats.reader import ShardReader
 from shardkit.formats.sample import ShardArrays
 from shardkit.manifest import Manifest, ShardInfo
-from shardkit.storage import Storage
+from shardkit.storage import Storage, atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ def write_quarantine_list(path: str, storage: Storage, manifest: Manifest, probl
     same name, and by URL for people reading it. The file is replaced atomically.
     """
     import json
-    import os
 
     by_name = {shard.name: shard for shard in manifest.shards}
     shards = [{"name": p.shard, "sha256": by_name[p.shard].sha256, "samples": by_name[p.shard].samples,
@@ -124,11 +123,9 @@ def write_quarantine_list(path: str, storage: Storage, manifest: Manifest, probl
                "reason": p.reason} for p in problems]
     document = {"kind": QUARANTINE_KIND, "version": QUARANTINE_VERSION, "dataset": storage.display_url,
                 "shards": shards}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
+    with atomic_path(path) as temporary, open(temporary, "x") as fh:
         json.dump(document, fh, indent=1)
         fh.write("\n")
-    os.replace(tmp, path)
 
 
 def read_quarantine_list(path: str) -> list[tuple[str, str]]:

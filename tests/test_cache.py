@@ -280,6 +280,22 @@ def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket
     assert leftovers == []
 
 
+def test_the_holder_removes_the_temporaries_a_killed_writer_left(tmp_path):
+    """What a write killed mid-way leaves (the core's atomic write, or the hidden spelling of older versions),
+    the next holder of the shard's download lock removes, and nothing of other files."""
+    from shardkit.loaders.cache_dir import remove_stale_temporaries
+    from shardkit.storage import atomic_path
+
+    path = str(tmp_path / "shard-0.tar.0123456789abcdef.skd")
+    killed = atomic_path(path, fsync=False)  # entered and never left: the process died inside the block
+    with open(killed.__enter__(), "xb") as fh:
+        fh.write(b"half a shard")
+    (tmp_path / ".shard-0.tar.0123456789abcdef.skd.tmp-abc").write_bytes(b"older")
+    (tmp_path / "shard-1.tar.0123456789abcdef.skd.tmp-abc").write_bytes(b"another shard's, being written")
+    remove_stale_temporaries(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-1.tar.0123456789abcdef.skd.tmp-abc"]
+
+
 def test_a_fresh_node_gets_the_manifest_and_its_index_at_once_after_the_head(tmp_path, monkeypatch):
     """Both GETs of a node's first manifest read are in flight together (one round trip, not two), and
     both start after the HEAD whose identity the node records (so the copy is never older than it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import http.server
+import os
 import pickle
 import random
 import re
@@ -20,7 +21,7 @@ import pytest
 from shardkit.errors import StorageError, UnsafeNameError
 from shardkit.formats import Sample, ShardReader, write_dataset
 from shardkit.manifest import TokenizerInfo, load_manifest
-from shardkit.storage import RetryPolicy, Storage, is_transient, retry_call
+from shardkit.storage import RetryPolicy, Storage, atomic_path, is_transient, retry_call, write_file_atomic
 from shardkit.verify import verify_dataset
 
 
@@ -107,6 +108,33 @@ def test_delete_and_atomic_overwrite(backend):
     storage.delete("s.tar")
     assert not storage.exists("s.tar") and storage.list_names() == []
     storage.delete("s.tar")  # deleting what is gone is not an error
+
+
+def test_atomic_path_publishes_the_whole_file_or_leaves_the_old_one(tmp_path):
+    target = tmp_path / "report.json"
+    write_file_atomic(str(target), b"old")
+    with pytest.raises(OSError, match="disk full"):
+        with atomic_path(str(target)) as temporary:
+            with open(temporary, "xb") as fh:
+                fh.write(b"half of the new")
+            raise OSError(errno.ENOSPC, "disk full")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    with atomic_path(str(target)) as temporary:
+        # The temporary lies beside the target (one filesystem: an atomic rename), named as the cleaners expect.
+        assert os.path.dirname(temporary) == str(tmp_path) and temporary.startswith(f"{target}.tmp-")
+        with open(temporary, "xb") as fh:
+            fh.write(b"new")
+        assert target.read_bytes() == b"old"  # nothing is published before the block ends
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_atomic_path_fsyncs_the_temporary_only_when_asked(tmp_path, monkeypatch, fsync):
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    write_file_atomic(str(tmp_path / "sub" / "f.bin"), memoryview(b"data"), fsync=fsync)  # creates the directory
+    assert (tmp_path / "sub" / "f.bin").read_bytes() == b"data"
+    assert [os.path.basename(path).split(".tmp-")[0] for path in synced] == (["f.bin"] if fsync else [])
 
 
 def test_download_to_local_file(backend, tmp_path):

@@ -32,13 +32,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import uuid
 import zlib
 
 import numpy as np
 
 from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import ShardArrays
+from shardkit.storage import atomic_path
 
 MAGIC = b"SKDECODE"
 VERSION = 2
@@ -81,27 +81,21 @@ def write_decoded(path: str, arrays: ShardArrays, *, shard_sha256: str | None = 
         entry["offset"] += data_start
     header = header_json(entries).encode()
     header = header + b" " * (data_start - len(MAGIC) - 8 - len(header))
-    directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as fh:
-            head = MAGIC + struct.pack("<Q", len(header)) + header
-            fh.write(head)
-            crc = zlib.crc32(head)
-            for name, array in present:
-                # Padding is written (not skipped with seek) so that the CRC covers exactly the bytes on disk.
-                gap = bytes(entries[name]["offset"] - fh.tell())
-                payload = memoryview(np.ascontiguousarray(array)).cast("B")
-                fh.write(gap)
-                fh.write(payload)
-                crc = zlib.crc32(payload, zlib.crc32(gap, crc))
-            tail = bytes(data_start + cursor - fh.tell())
-            fh.write(tail)
-            fh.write(TRAILER.pack(TRAILER_MAGIC, zlib.crc32(tail, crc)))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # No fsync: a decoded file is a cache of its shard, decoded again when lost, refused by its CRC when cut short.
+    with atomic_path(path, fsync=False) as temporary, open(temporary, "xb") as fh:
+        head = MAGIC + struct.pack("<Q", len(header)) + header
+        fh.write(head)
+        crc = zlib.crc32(head)
+        for name, array in present:
+            # Padding is written (not skipped with seek) so that the CRC covers exactly the bytes on disk.
+            gap = bytes(entries[name]["offset"] - fh.tell())
+            payload = memoryview(np.ascontiguousarray(array)).cast("B")
+            fh.write(gap)
+            fh.write(payload)
+            crc = zlib.crc32(payload, zlib.crc32(gap, crc))
+        tail = bytes(data_start + cursor - fh.tell())
+        fh.write(tail)
+        fh.write(TRAILER.pack(TRAILER_MAGIC, zlib.crc32(tail, crc)))
     return os.path.getsize(path)
 
 

@@ -15,17 +15,19 @@ bestfit-packed document longer than a window comes back as its full windows and,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
 
 import numpy as np
 
 from shardkit.formats import ShardArrays, ShardReader, read_shard
 from shardkit.manifest import load_manifest
-from shardkit.storage import Storage, open_filesystem
+from shardkit.storage import Storage, atomic_path, open_filesystem
 from shardkit.tools.convert.config import ExportConfig
 from shardkit.tools.convert.megatron import METADATA_SUFFIX, encode_index, export_dtype
 
@@ -61,31 +63,17 @@ def documents_of(arrays: ShardArrays, *, unit: str) -> tuple[np.ndarray, np.ndar
     return tokens, keys, lengths[keep]
 
 
-class _Output:
-    """A file written whole or not at all: a local file goes to a temporary name and is renamed on success
-    (an object store publishes an object only when its upload completes)."""
-
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-        self.local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        self.target = f"{path}.tmp-{uuid.uuid4().hex}" if self.local else path
-
-    def __enter__(self):
-        if self.local:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self.file = self.fs.open(self.target, "wb")
-        return self.file
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None and self.local:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-        self.file.close()
-        if self.local:
-            if exc_type is None:
-                os.replace(self.target, self.path)
-            elif os.path.exists(self.target):
-                os.unlink(self.target)
+@contextlib.contextmanager
+def _output(fs, path: str) -> Iterator[BinaryIO]:
+    """A file written whole or not at all: a local file through the core's `atomic_path` (fsynced, renamed on
+    success); an object store publishes an object only when its upload completes."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        with fs.open(path, "wb") as fh:
+            yield fh
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with atomic_path(path) as temporary, open(temporary, "xb") as fh:
+        yield fh
 
 
 def run_export(config: ExportConfig) -> ExportResult:
@@ -111,7 +99,7 @@ def run_export(config: ExportConfig) -> ExportResult:
     current: int | None = None  # length so far of the last document, which the next shard may continue
     last_key = None
     tokens_written = 0
-    with _Output(fs, prefix + ".bin") as out:
+    with _output(fs, prefix + ".bin") as out:
         for shard in tqdm(manifest.shards, desc="export", unit="shard", disable=not config.progress):
             reader = read_shard(storage, shard, decode=lambda data, shard=shard: ShardReader.from_bytes(
                 data, shard=shard, manifest=manifest, verify=False))
@@ -139,10 +127,10 @@ def run_export(config: ExportConfig) -> ExportResult:
     documents = np.concatenate(finished).astype(np.int64) if finished else np.zeros(0, dtype=np.int64)
     if documents.size and documents.max() >= 2**31:
         raise ValueError(f"a document of {int(documents.max())} tokens does not fit Megatron's int32 lengths")
-    with _Output(fs, prefix + ".idx") as out:
+    with _output(fs, prefix + ".idx") as out:
         out.write(encode_index(dtype, documents, np.arange(len(documents) + 1)))
     metadata = {"tokenizer": asdict(manifest.tokenizer), "dataset": storage.display_url,
                 "fingerprint": manifest.build.get("fingerprint"), "unit": config.unit}
-    with _Output(fs, prefix + METADATA_SUFFIX) as out:
+    with _output(fs, prefix + METADATA_SUFFIX) as out:
         out.write((json.dumps(metadata, indent=1, sort_keys=True) + "\n").encode())
     return ExportResult(prefix=config.output, documents=len(documents), tokens=tokens_written, dtype=dtype.name)
