@@ -18,7 +18,7 @@ _LAZY_NAMES = {
     "Schedule": "shardkit.loaders.schedule",
     "LoaderConfig": "shardkit.loaders.config",
     "Manifest": "shardkit.manifest",
-    "ShardInfo": "shardkit.manifest",
+    "ShardInfo": "shardkit.shard_info",
     "TokenizerInfo": "shardkit.manifest",
     "load_manifest": "shardkit.manifest",
     "ShardWriter": "shardkit.formats.writer",

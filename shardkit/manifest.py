@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from shardkit.errors import ManifestError
-from shardkit.names import check_relative_name
-from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, file_sha256, map_index_file
+from shardkit.hashing import read_pieces, sha256_pieces
+from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, map_index_file
+from shardkit.shard_info import ShardInfo
 from shardkit.storage import Storage, http_answer
 
 logger = logging.getLogger(__name__)
@@ -100,62 +101,6 @@ class TokenizerInfo:
                              *self.special_ids.items()):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ManifestError(f"tokenizer {label}={value} is outside the vocabulary [0, {self.vocab_size})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardInfo:
-    """One shard as the manifest records it.
-
-    Attributes:
-        name: path relative to the dataset prefix.
-        samples: number of samples.
-        tokens: number of tokens over all samples.
-        compressed_bytes: size of the shard file as stored.
-        raw_bytes: size of its payload before compression (docs/FORMAT.md defines it per format).
-        sha256: SHA-256 hex digest of the shard file as stored.
-        has_doc_boundaries: whether per-sample document boundaries and provenance are stored.
-        index_offset, index_bytes, index_sha256: format version 2 only (None in version 1, and for an
-            empty shard): where the shard's block index lies in the file and its SHA-256, which lets a
-            reader verify and decode one block at a time (`shardkit.formats.blocks`).
-    """
-
-    name: str
-    samples: int
-    tokens: int
-    compressed_bytes: int
-    raw_bytes: int
-    sha256: str
-    has_doc_boundaries: bool
-    index_offset: int | None = None
-    index_bytes: int | None = None
-    index_sha256: str | None = None
-
-    @property
-    def has_block_index(self) -> bool:
-        """Whether the shard carries a block index (format v2: verified ranged reads of single blocks)."""
-        return self.index_sha256 is not None
-
-    def __post_init__(self) -> None:
-        check_relative_name(self.name, what="shard name")
-        index = (self.index_offset, self.index_bytes, self.index_sha256)
-        if any(v is not None for v in index):
-            if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in index[:2]) or not _is_sha256(index[2]):
-                raise ManifestError(f"shard {self.name}: index_offset, index_bytes and index_sha256 must be given "
-                                    "together (two non-negative integers and 64 lowercase hex digits)")
-        for label in ("samples", "tokens", "compressed_bytes", "raw_bytes"):
-            value = getattr(self, label)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-                raise ManifestError(f"shard {self.name}: {label} must be a non-negative integer below 2^63, got {value!r}")
-        if not _is_sha256(self.sha256):
-            raise ManifestError(f"shard {self.name}: sha256 must be 64 lowercase hex digits")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The manifest entry; a version 1 shard has no index fields at all."""
-        return {k: v for k, v in asdict(self).items() if v is not None or not k.startswith("index_")}
-
-
-def _is_sha256(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -581,14 +526,11 @@ def json_digest(storage: Storage) -> tuple[int, str]:
     if storage.is_local:
         # One small buffer, refilled: this runs beside the index checks, whose peak memory it adds to.
         with open(storage.path(MANIFEST_NAME), "rb", buffering=0) as fh:
-            digest = file_sha256(fh)
-            return fh.tell(), digest.hexdigest()
-    digest, size = hashlib.sha256(), 0
+            size, digest = sha256_pieces(read_pieces(fh))
+            return size, digest.hexdigest()
     total = storage.size(MANIFEST_NAME)
-    for start in range(0, total, _DIGEST_CHUNK):
-        chunk = storage.read_range(MANIFEST_NAME, start, min(start + _DIGEST_CHUNK, total))
-        digest.update(chunk)
-        size += len(chunk)
+    size, digest = sha256_pieces(storage.read_range(MANIFEST_NAME, start, min(start + _DIGEST_CHUNK, total))
+                                 for start in range(0, total, _DIGEST_CHUNK))
     return size, digest.hexdigest()
 
 

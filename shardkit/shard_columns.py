@@ -34,7 +34,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from shardkit.errors import ManifestError
+from shardkit.hashing import read_pieces, sha256_pieces
 from shardkit.names import check_relative_name
+from shardkit.shard_info import ShardInfo
 
 INDEX_NAME = "shardkit.index"
 INDEX_MAGIC = b"SKINDEX1"
@@ -44,7 +46,6 @@ COUNT_FIELDS = ("samples", "tokens", "compressed_bytes", "raw_bytes")
 _UNSAFE_PARTS = (b"\x00", b"//", b"/./", b"/../", b"\\", b"://")
 _HASH_CHUNK = 1 << 17  # names hashed or compared this many at a time (bounds the temporary arrays)
 _SCAN_BYTES = 1 << 20  # bytes of names searched at a time for unsafe parts (bounds the copy searched)
-_READ_BYTES = 1 << 20  # per read while hashing a file
 MAX_NAME_BYTES = 1024  # S3's limit for a whole key; also bounds the name-hashing loop
 
 
@@ -76,7 +77,7 @@ class ShardColumns(Sequence):
         return self.block_index[0] >= 0
 
     @classmethod
-    def from_shards(cls, shards: Sequence[Any]) -> ShardColumns:
+    def from_shards(cls, shards: Sequence[ShardInfo]) -> ShardColumns:
         encoded = [s.name.encode() for s in shards]
         offsets = np.zeros(len(shards) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=offsets[1:])
@@ -119,8 +120,6 @@ class ShardColumns(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return tuple(self[i] for i in range(*index.indices(len(self))))
-        from shardkit.manifest import ShardInfo  # manifest.py imports this module
-
         i = range(len(self))[index]
         block = {}
         if self.block_index is not None and self.block_index[0][i] >= 0:
@@ -132,7 +131,7 @@ class ShardColumns(Sequence):
                          sha256=self.sha256[i].tobytes().hex(), has_doc_boundaries=bool(self.has_doc_boundaries[i]),
                          **block)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[ShardInfo]:
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
@@ -367,7 +366,7 @@ def map_index_file(fh: BinaryIO, *, source: str, checked_stamp: str | None = Non
         raise ManifestError(f"{source}: index too short for its shards")
     if stamp != checked_stamp:
         fh.seek(0)
-        if file_sha256(fh, len(view) - 32).digest() != view[-32:]:
+        if sha256_pieces(read_pieces(fh, len(view) - 32))[1].digest() != view[-32:]:
             raise ManifestError(f"{source}: index checksum mismatch (truncated or damaged)")
     return header, _columns(view, header, names_start, source=source), stamp
 
@@ -375,20 +374,6 @@ def map_index_file(fh: BinaryIO, *, source: str, checked_stamp: str | None = Non
 def file_stamp(st: os.stat_result) -> str:
     """What identifies one version of a local file: size, modification time and inode."""
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-
-
-def file_sha256(fh: BinaryIO, size: int | None = None) -> Any:
-    """The SHA-256 object of the next `size` bytes of `fh` (all of it when None), read into one small
-    buffer, refilled: bounded memory whatever the file's size."""
-    digest, buffer = hashlib.sha256(), bytearray(_READ_BYTES)
-    view, left = memoryview(buffer), size
-    while left is None or left > 0:
-        count = fh.readinto(view if left is None else view[:min(left, _READ_BYTES)])
-        if not count:
-            break
-        digest.update(view[:count])
-        left = None if left is None else left - count
-    return digest
 
 
 def _index_header(data: bytes | memoryview, *, source: str) -> tuple[dict[str, Any], int]:

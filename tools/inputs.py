@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import io
 import logging
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 import fsspec
 
+from shardkit.hashing import read_pieces, sha256_pieces
 from shardkit.storage import open_filesystem, redact_url, retry_call
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,10 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path)
 
 
-def content_sha256(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes, read in chunks (memory stays flat whatever the file's size)."""
-    digest = hashlib.sha256()
+def content_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """SHA-256 of a file's bytes, read in pieces (memory stays flat whatever the file's size)."""
     with _RetryingInput(fs, path, redact_url(_display(fs, path))) as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+        return sha256_pieces(read_pieces(fh))[1].hexdigest()
 
 
 def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | None = None, *,

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shardkit.formats.fetch import file_sha256
+from shardkit.hashing import file_sha256
 from shardkit.manifest import TokenizerInfo
+from shardkit.storage import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +398,6 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, output: str | Path | Non
     if output is not None:
         output = Path(output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(output.name + ".tmp")
-        tokenizer.save(str(tmp))
-        os.replace(tmp, output)
+        with atomic_path(str(output)) as temporary:
+            tokenizer.save(temporary)
     return tokenizer

@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 # transient fault that Storage sees (an error, a reset) is retried there, within its own budget; a
 # second read with the wrong bytes means the stored object itself differs from the manifest.
 SHARD_READS = 2
-_CHUNK = 1 << 20
 
 
 def read_shard(storage: Storage, shard: ShardInfo, *, decode: Callable[[bytes], Any] | None = None,
@@ -96,15 +95,6 @@ def _check_while_decoding(data: bytes, shard: ShardInfo, url: str,
     if errors:
         return errors[0], None
     return None, decoded
-
-
-def file_sha256(path: str) -> str:
-    """SHA-256 of a local file, read in 1 MiB pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_block_index(storage: Storage, shard: ShardInfo, *, reads: int = SHARD_READS,
