@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardkit.options import document_fields, option, parse_size
 
-if TYPE_CHECKING:
-    from shardkit.loaders.order import OrderConfig
-
 # Defined here, not in `order`/`partition`, so that the trainer's `--help` (generated from this class)
-# does not import numpy; those modules take them from here.
+# does not import numpy; those modules take them from here, with `OrderConfig` and `check_policy`: the
+# order and partition modules import this one, never the other way round.
 DEFAULT_SHUFFLE_WINDOW = 8192
 PARTIAL_POLICIES = ("drop", "pad", "partial")
 CORRUPT_POLICIES = ("raise", "skip")
@@ -32,6 +30,42 @@ DEFAULT_CHUNK_SAMPLES = 2048
 DEFAULT_TOKEN_WINDOW = 4096
 CACHE_MODES = ("decoded", "compressed", "none")
 BATCH_TOKEN_DTYPES = ("int32", "int64")  # signed: what collectives (gloo has no uint16/uint32) and embeddings take
+
+
+def check_policy(policy: str) -> str:
+    """`policy` when it is one of the `partial_batches` policies; ValueError naming the option otherwise."""
+    if policy not in PARTIAL_POLICIES:
+        raise ValueError(f"partial_batches must be one of {PARTIAL_POLICIES}, got {policy!r}")
+    return policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderConfig:
+    """What decides the order of an epoch (besides the shard sizes and the epoch number).
+
+    Attributes:
+        shuffle: shuffle blocks and samples; False gives 0..N-1 interleaved over partitions.
+        seed: non-negative base seed.
+        num_partitions: canonical partitions (usually the number of nodes of the first run).
+        block_size: samples per shuffled block; None shuffles whole shards (least download volume).
+        shuffle_window: samples shuffled together inside a partition (bounds the cache needed).
+    """
+
+    shuffle: bool = True
+    seed: int = 0
+    num_partitions: int = 1
+    block_size: int | None = None
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 or None (whole shards), got {self.block_size}")
+        if self.shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be >= 1, got {self.shuffle_window}")
 
 
 def _option(default: Any, help: str, *, order: bool = False, **cli: Any) -> Any:
@@ -108,8 +142,6 @@ class LoaderConfig:
                                           "(written by `shardkit verify --quarantine-list FILE`)")
 
     def __post_init__(self) -> None:
-        from shardkit.loaders.partition import check_policy
-
         for name in ("shuffle", "prefetch", "segment_ids"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -143,8 +175,6 @@ class LoaderConfig:
 
     def order_config(self, num_partitions: int) -> OrderConfig:
         """The pure order's parameters, with the number of partitions resolved."""
-        from shardkit.loaders.order import OrderConfig
-
         return OrderConfig(shuffle=self.shuffle, seed=self.seed, num_partitions=num_partitions,
                            block_size=self.block_size, shuffle_window=self.shuffle_window)
 

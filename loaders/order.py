@@ -24,42 +24,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from shardkit.loaders.config import DEFAULT_SHUFFLE_WINDOW
+from shardkit.loaders.config import DEFAULT_SHUFFLE_WINDOW, OrderConfig
 _MAX_CACHED_WINDOWS = 256
-
-
-@dataclass(frozen=True, kw_only=True)
-class OrderConfig:
-    """What decides the order of an epoch (besides the shard sizes and the epoch number).
-
-    Attributes:
-        shuffle: shuffle blocks and samples; False gives 0..N-1 interleaved over partitions.
-        seed: non-negative base seed.
-        num_partitions: canonical partitions (usually the number of nodes of the first run).
-        block_size: samples per shuffled block; None shuffles whole shards (least download volume).
-        shuffle_window: samples shuffled together inside a partition (bounds the cache needed).
-    """
-
-    shuffle: bool = True
-    seed: int = 0
-    num_partitions: int = 1
-    block_size: int | None = None
-    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.num_partitions < 1:
-            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1 or None (whole shards), got {self.block_size}")
-        if self.shuffle_window < 1:
-            raise ValueError(f"shuffle_window must be >= 1, got {self.shuffle_window}")
 
 
 class Order(Protocol):

@@ -23,13 +23,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from shardkit.loaders.config import PARTIAL_POLICIES
-
-
-def check_policy(policy: str) -> str:
-    if policy not in PARTIAL_POLICIES:
-        raise ValueError(f"partial_batches must be one of {PARTIAL_POLICIES}, got {policy!r}")
-    return policy
+from shardkit.loaders.config import check_policy
 
 
 def steps_in_epoch(num_positions: int, *, start: int, global_batch: int, policy: str = "drop") -> int:
