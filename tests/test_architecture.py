@@ -8,11 +8,18 @@
   and nothing but the face imports them.
 - Only the face (`shardkit/__init__.py`, `shardkit/__main__.py`, `shardkit/cli/`) and the tuner, which drives
   trainer runs, import the trainer.
+- Only the store factory decides by `cache_mode`.
+- A single file is written atomically by the core's one helper (`shardkit.storage.atomic_path`): no other
+  module renames a file into place, except the two directory publishes (checkpoints, PBT).
+- No import cycle between modules, also through imports inside functions (`test_no_import_cycle_between_modules`
+  says which imports are not counted, and why).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import pytest
@@ -22,6 +29,7 @@ import shardkit
 REPO = Path(__file__).resolve().parents[1]
 LAZY = "shardkit (a lazy name of the face)"
 LAZY_NAMES = set(shardkit._LAZY_NAMES)
+_parsed = functools.lru_cache(maxsize=None)(ast.parse)  # one parse per text for all the checks of a module
 
 # Part -> the parts it may import (itself included).
 ALLOWED = {
@@ -152,25 +160,39 @@ def _mentions_cache_mode(node: ast.AST) -> bool:
                and n.attr == "cache_mode" for n in ast.walk(node))
 
 
-def cache_mode_decisions(sources: dict[str, str]) -> list[str]:
-    """`file:line in function` of every comparison, lookup or match by a `cache_mode` outside the allowed places."""
+def _function_at(nodes: list[ast.AST], line: int) -> str:
+    """The name of the innermost function of `nodes` (a module's) that holds `line`; "<module>" if none."""
+    inside = [f for f in nodes if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and f.lineno <= line <= (f.end_lineno or f.lineno)]
+    return max(inside, key=lambda f: f.lineno).name if inside else "<module>"
+
+
+def places_outside(sources: dict[str, str], pick: Callable[[list[ast.AST]], list[ast.AST]],
+                   allowed: Container[tuple[str, str]]) -> list[str]:
+    """`file:line in function` of every node that `pick` takes from a module's nodes, outside the `allowed`
+    (file, function) places."""
     found = []
     for name, text in sources.items():
-        tree = ast.parse(text)
-        functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for node in ast.walk(tree):
-            decided = (isinstance(node, ast.Compare) and _mentions_cache_mode(node)
-                       or isinstance(node, ast.Subscript) and _mentions_cache_mode(node.slice)
-                       or isinstance(node, ast.Match) and _mentions_cache_mode(node.subject)
-                       or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                       and node.func.attr == "get" and any(_mentions_cache_mode(a) for a in node.args))
-            if not decided:
-                continue
-            inside = [f for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
-            function = max(inside, key=lambda f: f.lineno).name if inside else "<module>"
-            if (name, function) not in MODE_DECISIONS_ALLOWED:
+        nodes = list(ast.walk(_parsed(text)))
+        for node in pick(nodes):
+            function = _function_at(nodes, node.lineno)
+            if (name, function) not in allowed:
                 found.append(f"{name}:{node.lineno} in {function}")
     return found
+
+
+def _decides_by_cache_mode(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Compare) and _mentions_cache_mode(node)
+            or isinstance(node, ast.Subscript) and _mentions_cache_mode(node.slice)
+            or isinstance(node, ast.Match) and _mentions_cache_mode(node.subject)
+            or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get" and any(_mentions_cache_mode(a) for a in node.args))
+
+
+def cache_mode_decisions(sources: dict[str, str]) -> list[str]:
+    """`file:line in function` of every comparison, lookup or match by a `cache_mode` outside the allowed places."""
+    return places_outside(sources, lambda nodes: [n for n in nodes if _decides_by_cache_mode(n)],
+                          MODE_DECISIONS_ALLOWED)
 
 
 def _loaders_sources() -> dict[str, str]:
@@ -188,3 +210,187 @@ def test_a_decision_by_cache_mode_is_reported_with_its_place(line):
     sources["loaders/reading.py"] += f"\n{line}\n"
     found = cache_mode_decisions(sources)
     assert len(found) == 1 and found[0].startswith("loaders/reading.py:") and found[0].endswith("in <module>"), found
+
+
+# -- one atomic write for single files (issue 32) --
+# (file, function) where a file or directory may be renamed into place: the core's one atomic write of a single
+# file, and the two directory publishes (a `.partial` directory renamed to its final name once complete).
+RENAMES_ALLOWED = {
+    ("shardkit/storage.py", "atomic_path"): "the atomic write of a single file (temporary, fsync, rename)",
+    ("shardkit/train/checkpoint.py", "_finish"): "publishes a training checkpoint: step_N.partial/ -> step_N/",
+    ("shardkit/tune/pbt_checkpoints.py", "local"): "publishes a downloaded PBT checkpoint: NAME.partial/ -> NAME/",
+}
+_RENAMING_METHODS = {"rename", "renames", "mv", "move"}  # os.rename, Path.rename, fsspec's mv, shutil.move
+
+
+def _renames_in(node: ast.Call, renaming_names: set[str]) -> bool:
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id in renaming_names  # `from os import replace` and the like
+    if not isinstance(func, ast.Attribute):
+        return False
+    if func.attr in _RENAMING_METHODS:
+        return True
+    if func.attr != "replace":
+        return False
+    if isinstance(func.value, ast.Name) and func.value.id == "os":
+        return True
+    # Path.replace(target): one argument, no keywords (str.replace takes two, dataclasses.replace keywords).
+    return (len(node.args) == 1 and not node.keywords
+            and not (isinstance(func.value, ast.Name) and func.value.id == "dataclasses"))
+
+
+def _renaming_calls(nodes: list[ast.AST]) -> list[ast.AST]:
+    renaming_names = {alias.asname or alias.name for node in nodes if isinstance(node, ast.ImportFrom)
+                      and node.module in ("os", "shutil") for alias in node.names
+                      if alias.name in ("replace", "rename", "renames", "move")}
+    return [n for n in nodes if isinstance(n, ast.Call) and _renames_in(n, renaming_names)]
+
+
+def renames(sources: dict[str, str]) -> list[str]:
+    """`file:line in function` of every rename into place (os.replace, os.rename, Path.rename/replace, fsspec's
+    mv, shutil.move) outside `RENAMES_ALLOWED`."""
+    return places_outside(sources, _renaming_calls, RENAMES_ALLOWED)
+
+
+def _package_sources() -> dict[str, str]:
+    return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
+
+
+def test_single_files_are_written_atomically_by_the_one_helper():
+    """A file that must appear whole goes through `shardkit.storage.atomic_path` (or `write_file_atomic` on top
+    of it), which names the temporary, fsyncs when asked and renames: no module renames a temporary of its own."""
+    assert renames(_package_sources()) == []
+    sources = _package_sources()
+    for (name, function), why in RENAMES_ALLOWED.items():  # each allowed place still exists and renames
+        tree = _parsed(sources[name])
+        assert any(isinstance(f, ast.FunctionDef) and f.name == function and any(
+            isinstance(n, ast.Call) and _renames_in(n, set()) for n in ast.walk(f)) for f in ast.walk(tree)), why
+
+
+@pytest.mark.parametrize("line", [
+    "def publish(tmp, path):\n    os.replace(tmp, path)",
+    "def publish(tmp, path):\n    os.rename(tmp, path)",
+    "def publish(tmp, path):\n    Path(tmp).replace(path)",
+    "def publish(fs, tmp, path):\n    fs.mv(tmp, path)",
+    "from os import replace as publish_file\npublish_file('a.tmp', 'a')",
+])
+def test_an_inline_rename_is_reported_with_its_place(line):
+    sources = _package_sources()
+    sources["loaders/cache_dir.py"] += f"\n{line}\n"
+    found = renames(sources)
+    assert len(found) == 1 and found[0].startswith("loaders/cache_dir.py:"), found
+
+
+# -- no import cycle, even through imports inside functions (issue 32) --
+def module_sources() -> dict[str, tuple[str, str]]:
+    """Every module of the package -> (its file relative to the checkout, its text)."""
+    return {module: (str(path.relative_to(REPO)), path.read_text()) for path, module in source_files().items()}
+
+
+def import_graph(sources: dict[str, tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """Module -> {module it imports: `file:line` of the first such import}, from every import statement: at
+    module level, inside functions, under `if TYPE_CHECKING:`.
+
+    `from a.b import c` imports module `a.b.c` when there is one, else module `a.b`. A lazily exported name of a
+    package (`_LAZY_NAMES`, PEP 562) is an import of the module that defines it, since that is what runs; the
+    table itself is no import of the package. The packages above an imported module are no imports either
+    (see `test_no_import_cycle_between_modules`).
+    """
+    lazy = {}  # package -> {lazily exported name: module that defines it}
+    for module, (_, text) in sources.items():
+        for node in _parsed(text).body:
+            if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY_NAMES"
+                                                     for t in node.targets)):
+                lazy[module] = ast.literal_eval(node.value)
+    graph = {}
+    for module, (name, text) in sources.items():
+        package = module if name.endswith("__init__.py") else module.rpartition(".")[0]
+        edges = graph[module] = {}
+        for node in ast.walk(_parsed(text)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in sources
+                           else lazy.get(base, {}).get(alias.name, base) for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in sources and target != module:
+                    edges.setdefault(target, f"{name}:{node.lineno}")
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each as the imports
+    inside it (`file:line: a imports b`)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                members = set(component)
+                cycles.append(sorted(f"{where}: {a} imports {b}" for a in members
+                                     for b, where in graph[a].items() if b in members))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or through others, even by an import inside a function: such
+    an import hides the cycle from the reader and from `import`'s order until the function runs.
+
+    Two kinds of import are not counted, on principle:
+    - The packages above an imported module (`import a.b.c` runs `a/__init__.py` and `a/b/__init__.py` first):
+      a package is initialised before any of its modules, so a package that re-exports its own modules (such as
+      `shardkit.formats`) cannot meet one of them half-initialised. An explicit import of a package
+      (`from shardkit.formats import read_shard`) counts, and leads to the modules the package imports.
+    - The lazy tables of the face and of `shardkit.loaders` (`_LAZY_NAMES`, resolved by a module-level
+      `__getattr__` on a name's first use, once the package is initialised): `from shardkit import ShardWriter`
+      counts as an import of `shardkit.formats.writer`, the module that runs, not of every module in the table.
+    Dynamic imports (`importlib.import_module` with a computed name) are not seen.
+    """
+    assert import_cycles(import_graph(module_sources())) == []
+
+
+@pytest.mark.parametrize("module, line, members", [
+    ("shardkit.shard_columns", "def late():\n    from shardkit.manifest import Manifest",
+     {"shardkit.manifest", "shardkit.shard_columns"}),
+    ("shardkit.loaders.config", "def late():\n    from shardkit.loaders.partition import steps_in_epoch",
+     {"shardkit.loaders.config", "shardkit.loaders.partition"}),
+    ("shardkit.loaders.config", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import order",
+     {"shardkit.loaders.config", "shardkit.loaders.order"}),
+    ("shardkit.manifest", "def late():\n    from shardkit import ShardWriter",  # a lazy name of the face
+     {"shardkit.manifest", "shardkit.formats.writer"}),
+])
+def test_an_import_cycle_is_reported_with_its_imports(module, line, members):
+    sources = module_sources()
+    name, text = sources[module]
+    sources[module] = (name, text + f"\n{line}\n")
+    cycles = import_cycles(import_graph(sources))
+    assert len(cycles) == 1, cycles
+    assert {m for entry in cycles[0] for m in entry.split(": ", 1)[1].split(" imports ")} == members, cycles
+    # The added import is reported where it is (after the module's own lines).
+    assert any(entry.startswith(f"{name}:") and int(entry.split(":")[1]) > len(text.splitlines())
+               and entry.split(": ", 1)[1].startswith(f"{module} imports") for entry in cycles[0]), cycles
