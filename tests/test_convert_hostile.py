@@ -313,3 +313,33 @@ def test_litdata_chunk_bytes_helper_reads_back(tmp_path):
     write_hand_made_litdata(tmp_path / "lit", documents)
     docs = convert([tmp_path / "lit"], tmp_path / "ds", "litdata").report["documents"]
     assert docs["written"] == 7 and docs["rejected"] == 0
+
+
+def compressed_shard_declaring(directory, samples: int) -> tuple[bytes, bytes]:
+    """(raw, stored) of a zstd shard of 10 samples whose entry declares `samples` and the raw size they need."""
+    raw = mds_shard_bytes(random_documents(10, seed=48))
+    stored = zstd_of(raw)
+    entry = mds_entry(raw, samples, stored=stored)
+    entry["raw_data"]["bytes"] = 4 * samples + 8
+    write_mds_with(directory, entry, stored)
+    return raw, stored
+
+
+def test_a_compressed_shard_declaring_more_than_its_codec_can_inflate_is_refused_up_front(tmp_path, capsys):
+    _, stored = compressed_shard_declaring(tmp_path / "mds", 10**12)
+    code, err = convert_cli(tmp_path / "mds", tmp_path / "ds", "mds", capsys)
+    assert_refused(code, err, tmp_path / "ds", str(tmp_path / "mds" / "index.json"), "shard 1 (shard.00000.mds.zstd)",
+                   f"declares 4000000000008 decompressed bytes, but its {len(stored)} bytes of zstd inflate to at most "
+                   f"{len(stored) << 15}")
+
+
+def test_a_compressed_shard_inflating_short_of_its_declared_samples_stops_in_one_line(tmp_path, capsys):
+    """Within what its codec could inflate (so the index passes), but the bytes it does inflate to cannot
+    hold the samples declared: the worker stops the conversion instead of rejecting each one."""
+    raw, _ = compressed_shard_declaring(tmp_path / "mds", 10**6)
+    code, err = convert_cli(tmp_path / "mds", tmp_path / "ds", "mds", capsys)
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert f"shard.00000.mds.zstd: index.json declares 1000000 samples, but the shard's {len(raw)} bytes hold at " \
+           f"most {(len(raw) - 8) // 4}" in err[0]
+    # what a stop under --on-error fail leaves too: the build state, no shard and no manifest
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["_build"]
