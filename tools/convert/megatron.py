@@ -187,7 +187,7 @@ def _cuts(megatron: MegatronIndex, unit_bytes: int) -> list[int]:
 
 
 def sequence_ends(pointers: np.ndarray, lengths: np.ndarray, itemsize: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(byte end of each sequence, whether it lies within [0, size)), without int64 overflow.
+    """(byte end of each sequence, whether it lies within the first `size` bytes), without int64 overflow.
 
     `pointer + length * itemsize` wraps for a pointer near 2**63 and would then look like a sequence
     inside the file; here a pointer is first bounded by `size`, and a length by the room left after it,
