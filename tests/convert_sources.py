@@ -143,3 +143,96 @@ def write_litdata(directory, documents, *, dtype="int32", chunk_bytes=8000) -> N
                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=str(directory.parent))
     if run.returncode != 0:
         raise RuntimeError(f"litdata.optimize failed: {run.stderr[-2000:]}")
+
+
+# -- hand-made sources (a few bytes each, for hostile and damaged variants) ------------------------------
+def mds_shard_bytes(documents, *, dtype: str = "uint16") -> bytes:
+    """One raw MDS shard (MDSWriter's layout) of a single column `input_ids` encoded `ndarray:DTYPE`:
+    u32 count, u32 offsets[count + 1], the writer's JSON config, then per sample its u32 size and the
+    value (one byte `ndim << 2 | 2`, a u32 length, the ids)."""
+    import struct
+
+    config = b'{"version": 2}'
+    samples = []
+    for ids in documents:
+        value = bytes([1 << 2 | 2]) + struct.pack("<I", len(ids)) + np.asarray(ids, dtype=dtype).tobytes()
+        samples.append(struct.pack("<I", len(value)) + value)
+    start = 4 * (len(samples) + 2) + len(config)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in samples])]).astype(np.int64) + start
+    return struct.pack("<I", len(samples)) + offsets.astype("<u4").tobytes() + config + b"".join(samples)
+
+
+def mds_entry(raw: bytes, samples: int, *, stored: bytes | None = None, basename: str = "shard.00000.mds",
+              dtype: str = "uint16") -> dict:
+    """The index.json entry of a hand-made shard (`stored`: its zstd form, when compressed)."""
+    import hashlib
+
+    entry = {"format": "mds", "version": 2, "column_names": ["input_ids"], "column_encodings": [f"ndarray:{dtype}"],
+             "column_sizes": [None], "samples": samples, "compression": None, "hashes": ["sha1"],
+             "size_limit": 1 << 26,
+             "raw_data": {"basename": basename, "bytes": len(raw), "hashes": {"sha1": hashlib.sha1(raw).hexdigest()}},
+             "zip_data": None}
+    if stored is not None:
+        entry["compression"] = "zstd"
+        entry["zip_data"] = {"basename": f"{basename}.zstd", "bytes": len(stored),
+                             "hashes": {"sha1": hashlib.sha1(stored).hexdigest()}}
+    return entry
+
+
+def write_hand_made_mds(directory, documents, *, compressed: bool = False) -> dict:
+    """A one-shard MDS dataset written without MosaicML Streaming; returns its index."""
+    import json
+
+    import zstandard
+
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = mds_shard_bytes(documents)
+    stored = zstandard.ZstdCompressor().compress(raw) if compressed else None
+    entry = mds_entry(raw, len(documents), stored=stored)
+    name = entry["zip_data"]["basename"] if compressed else entry["raw_data"]["basename"]
+    (directory / name).write_bytes(stored if compressed else raw)
+    index = {"version": 2, "shards": [entry]}
+    (directory / "index.json").write_text(json.dumps(index))
+    return index
+
+
+def litdata_chunk_bytes(documents, *, dtype: str = "int32") -> bytes:
+    """One LitData chunk of TokensLoader items: u32 count, u32 offsets[count + 1] (absolute), the ids."""
+    import struct
+
+    items = [np.asarray(ids, dtype=dtype).tobytes() for ids in documents]
+    start = 4 * (len(items) + 2)
+    offsets = np.concatenate([[0], np.cumsum([len(i) for i in items])]).astype(np.int64) + start
+    return struct.pack("<I", len(items)) + offsets.astype("<u4").tobytes() + b"".join(items)
+
+
+def write_hand_made_litdata(directory, documents) -> dict:
+    """A one-chunk LitData dataset (int32 ids, `no_header_tensor:15`) written without litdata; returns its index."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = litdata_chunk_bytes(documents)
+    (directory / "chunk-0-0.bin").write_bytes(chunk)
+    index = {"chunks": [{"filename": "chunk-0-0.bin", "chunk_size": len(documents), "chunk_bytes": len(chunk),
+                         "dim": sum(len(d) for d in documents)}],
+             "config": {"data_format": ["no_header_tensor:15"], "compression": None, "item_loader": "TokensLoader",
+                        "chunk_bytes": 8000, "chunk_size": None, "data_spec": None}}
+    (directory / "index.json").write_text(json.dumps(index))
+    return index
+
+
+def write_hand_made_hf(directory, documents) -> dict:
+    """A `save_to_disk` directory (one Arrow stream file and its state.json) written with pyarrow alone;
+    returns the state."""
+    import json
+
+    import pyarrow as pa
+
+    directory.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"input_ids": pa.array([list(map(int, d)) for d in documents], pa.list_(pa.int32()))})
+    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        out.write_table(table)
+    state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "0", "_format_columns": None,
+             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+    (directory / "state.json").write_text(json.dumps(state))
+    return state

@@ -90,7 +90,7 @@ def test_a_file_that_is_not_a_tokenizer_is_one_clear_line(tmp_path, capsys, name
     code = main(["build", str(corpus), "--output", str(tmp_path / "out"), "--tokenizer", str(tmp_path / name),
                  "--seq-len", "8", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1, err
+    assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"shardkit build: error: --tokenizer {tmp_path / name}: not ") and "Traceback" not in err[0]
 
 

@@ -85,7 +85,7 @@ def test_a_source_without_tokenizer_identity_is_refused(tmp_path, source, capsys
     code = main(["convert", str(prefix), "--from", "megatron", "--output", str(tmp_path / "ds"), "--seq-len", "63",
                  "--no-progress"])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1
+    assert code == 2 and len(err.splitlines()) == 1
     assert "--tokenizer is required" in err and str(prefix) in err
 
 
@@ -189,7 +189,7 @@ def test_a_file_that_is_not_an_index_is_one_error(tmp_path, source, capsys):
     code = main(["convert", str(prefix), "--from", "megatron", "--output", str(tmp_path / "ds"), "--tokenizer",
                  "byte", "--seq-len", "63", "--no-progress"])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1 and "corpus.idx" in err and "truncated or not an index" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "corpus.idx" in err and "truncated or not an index" in err
 
 
 def test_unreferenced_bytes_after_the_last_sequence_are_reported(tmp_path, source):

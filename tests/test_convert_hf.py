@@ -91,7 +91,7 @@ def test_a_missing_column_or_a_dataset_dict_is_one_error(tmp_path, capsys):
     code = main(["convert", str(tmp_path / "dict"), "--from", "hf", "--output", str(tmp_path / "ds"), "--tokenizer",
                  "byte", "--seq-len", "63", "--no-progress"])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1 and "is a DatasetDict (splits: train, test)" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "is a DatasetDict (splits: train, test)" in err
     with pytest.raises(ValueError, match=r"data-00000-of-00001.arrow: .*no column 'tokens' \(columns: input_ids\); "
                                          "choose one with --token-field"):
         convert([tmp_path / "dict" / "train"], tmp_path / "wrong", token_field="tokens")

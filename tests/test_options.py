@@ -89,7 +89,7 @@ def test_errors_name_the_kebab_case_option(capsys):
         parse_train_args(["--data", "/d", "--cache-limit", "lots"])
     err = capsys.readouterr().err
     assert "--cache-limit" in err and "cannot read 'lots' as a size" in err
-    assert main(["build", "x.jsonl", "--output", "o", "--tokenizer", "byte", "--seq-len", "0"]) == 1
+    assert main(["build", "x.jsonl", "--output", "o", "--tokenizer", "byte", "--seq-len", "0"]) == 2
     assert "--seq-len must be a positive integer" in capsys.readouterr().err
 
 

@@ -95,9 +95,29 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return differ
 
 
-def _ours(name: str) -> bool:
-    return (name in (MANIFEST_NAME, REPORT_NAME) or name.startswith(f"{STATE_DIR}/")
-            or (name.startswith(_SHARD_PREFIX) and "/" not in name))
+def _ours(name: str, shards: set[str] | None = None) -> bool:
+    """Whether shardkit wrote `name`: the manifest, the report, the build state, and the shards named in
+    `shards` (what the previous run recorded; None: any `shard-*` name, for the leftovers of this run)."""
+    if name in (MANIFEST_NAME, REPORT_NAME) or name.startswith(f"{STATE_DIR}/"):
+        return True
+    return name in shards if shards is not None else (name.startswith(_SHARD_PREFIX) and "/" not in name)
+
+
+def _recorded_shards(storage: Storage, links: set[str]) -> set[str]:
+    """The shards the previous run's records name: its manifest's and its checkpoint's (a run stopped before
+    its manifest). `--overwrite` removes these (and their temporaries) and nothing else: a user's
+    `shard-notes.csv` in the output is not ours to delete. Records behind a link are not read."""
+    names: set[str] = set()
+    try:
+        if MANIFEST_NAME not in links:
+            names.update(shard.name for shard in load_manifest(storage).shards)
+    except (ManifestError, OSError):
+        pass  # no manifest (or not one shardkit can read): it names nothing
+    checkpoint = load_checkpoint(storage) if STATE_DIR not in links and CHECKPOINT_NAME not in links else None
+    if checkpoint is not None:
+        names.update(shard.get("name") for shard in checkpoint[0].get("shards") or ()
+                     if isinstance(shard, dict) and isinstance(shard.get("name"), str))
+    return names
 
 
 def _links(storage: Storage) -> set[str]:
@@ -133,13 +153,15 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
     names = storage.list_names()
     hint = "pass --overwrite to replace it, or choose another --output"
     if overwrite:
+        recorded = _recorded_shards(storage, links)
+        ours = lambda name: _ours(name, recorded) or _ours(name.split(".tmp-", 1)[0], recorded)  # noqa: E731
         for link in links:  # the link itself goes, never what it points at
-            if _ours(link) or link == STATE_DIR:
+            if ours(link) or link == STATE_DIR:
                 os.unlink(storage.path(link))
         names = [n for n in names if not any(n == link or n.startswith(f"{link}/") for link in links)]
-        foreign = [n for n in names if not _ours(n)]
+        foreign = [n for n in names if not ours(n)]
         for name in names:
-            if _ours(name):
+            if ours(name):
                 storage.delete(name)
         if foreign:
             logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",

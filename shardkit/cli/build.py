@@ -107,7 +107,8 @@ def run_build_command(args: argparse.Namespace) -> int:
 
 def run_pipeline_command(tool: str, run) -> int:
     """Run one command of the build pipeline (`build`, `convert`): `run()` returns (config, BuildResult).
-    Bad input and configuration errors are one line naming the command; the summary goes to stderr."""
+    Bad input and configuration errors are one line naming the command (exit 2 for a `ValueError`, the
+    user's mistake; 1 for bad records under --on-error fail and storage errors); the summary goes to stderr."""
     _configure_logging()
     from shardkit.tools.build import BuildInputError, print_summary
 
@@ -116,7 +117,10 @@ def run_pipeline_command(tool: str, run) -> int:
     except BuildInputError as err:
         print(f"{tool}: bad input: {err}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as err:  # FileExistsError is an OSError
+    except ValueError as err:  # the user's mistake: an option, or a source that is not what it claims
+        print(f"{tool}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # FileExistsError is one
         print(f"{tool}: error: {err}", file=sys.stderr)
         return 1
     if result.status == "done":

@@ -94,33 +94,6 @@ def file_units(sources, *, kind: str, start: tuple[int, int, int]):
         index += 1
 
 
-def read_index_json(spec: str, storage_options, *, fields: tuple[str, ...], what: str):
-    """(filesystem, dataset directory, display name of its index.json, the index) of an MDS or LitData SRC
-    (the directory, or its index.json). `fields` must be present, else the index is refused naming it.
-
-    Raises:
-        FileNotFoundError: no index.json there. ValueError: it is not JSON or lacks a field.
-    """
-    import json
-
-    from shardkit.storage import open_filesystem
-    from shardkit.tools.inputs import _display
-
-    fs, path = open_filesystem(spec, storage_options)
-    path = path[:-len("/index.json")] if path.endswith("/index.json") else path.rstrip("/")
-    name = f"{path}/index.json"
-    if not fs.exists(name):
-        raise FileNotFoundError(f"SRC {spec}: no index.json (a {what} dataset is a directory holding one)")
-    try:
-        index = json.loads(fs.cat_file(name))
-        missing = [f for f in fields if f not in index]
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{_display(fs, name)}: not a {what} index ({err})") from err
-    if missing or not isinstance(index, dict):
-        raise ValueError(f"{_display(fs, name)}: not a {what} index (no {', '.join(missing) or 'object'})")
-    return fs, path, _display(fs, name), index
-
-
 def source_files(located: list[tuple[Any, str]], kind: str) -> list:
     """The `InputFile` of each (filesystem, path), in order: its URL, size and content SHA-256 (the fingerprint
     holds it, so a resumed conversion notices a source edited in place). Files are hashed by a few threads

@@ -16,8 +16,9 @@ import numpy as np
 
 from shardkit.storage import open_filesystem
 from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
+from shardkit.tools.convert.source_index import IndexEntry, read_json_object
 from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _open_raw, expand_inputs, iter_units
+from shardkit.tools.inputs import InputFile, WorkUnit, _display, _open_raw, expand_inputs, iter_units
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
@@ -26,13 +27,14 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
     for spec in inputs:
         fs, path = open_filesystem(spec, storage_options)
         if fs.isdir(path) and fs.exists(f"{path}/dataset_dict.json"):
-            splits = json.loads(fs.cat_file(f"{path}/dataset_dict.json")).get("splits", [])
+            name = _display(fs, f"{path}/dataset_dict.json")
+            splits = IndexEntry(read_json_object(fs, f"{path}/dataset_dict.json", name=name, what="a DatasetDict index"),
+                                where="", file=name).list("splits")
+            splits = [str(split) for split in splits]
             raise ValueError(f"SRC {spec} is a DatasetDict (splits: {', '.join(splits)}); give one split's "
                              f"directory, e.g. {spec.rstrip('/')}/{splits[0] if splits else 'train'}")
         if fs.isdir(path) and fs.exists(f"{path}/state.json"):
-            state = json.loads(fs.cat_file(f"{path}/state.json"))
-            entries = state.get("_data_files", [])
-            files.extend(source_files([(fs, f"{path}/{entry['filename']}") for entry in entries], "hf"))
+            files.extend(source_files([(fs, f"{path}/{name}") for name in _data_files(fs, path)], "hf"))
         else:
             found = expand_inputs([spec], storage_options, content_hashes=True)
             wrong = [f.url for f in found if f.kind != "parquet"]
@@ -43,6 +45,19 @@ def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:
     if len({f.kind for f in files}) > 1:
         raise ValueError("give either save_to_disk directories or Parquet files as SRC, not both")
     return files
+
+
+def _data_files(fs, path: str) -> list[str]:
+    """The Arrow files a `save_to_disk` directory's state.json lists, each refused when it leaves the directory.
+
+    Raises:
+        ValueError: state.json is not JSON of the documented shape, or names a file outside the directory.
+    """
+    name = _display(fs, f"{path}/state.json")
+    state = IndexEntry(read_json_object(fs, f"{path}/state.json", name=name, what="a save_to_disk state"),
+                       where="", file=name)
+    return [IndexEntry(entry, where=f"_data_files {number}", file=name).file_name("filename")
+            for number, entry in enumerate(state.list("_data_files"))]
 
 
 def units(files: list[InputFile], *, token_field: str, unit_bytes: int, storage_options,

@@ -11,7 +11,8 @@ requirements replace the CPU torch, is not needed); the tests write sources with
 
 Every item yielded to `optimize` is one document (TokensLoader reads blocks across them, but the chunk
 keeps each item's extent). A work unit is one chunk file. Compressed chunks are refused: TokensLoader
-memory-maps chunks and cannot read them either.
+memory-maps chunks and cannot read them either. `index.json` is checked first (`source_index`): its
+shape, chunk names that stay inside the dataset, and item counts the chunk files can hold.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_files, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
+from shardkit.tools.convert.source_index import IndexEntry, items_held, read_index_json
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit
 
@@ -28,23 +30,35 @@ TENSOR_DTYPES = {11: "uint8", 12: "int8", 13: "int16", 14: "int16", 15: "int32",
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[tuple[InputFile, tuple[str, str, int], int]]:
-    """(chunk file, (its URL, dtype, items), items) of each chunk of each SRC (a directory holding `index.json`)."""
+    """(chunk file, (its URL, dtype, items), items) of each chunk of each SRC (a directory holding `index.json`).
+
+    Raises:
+        ValueError: `index.json` is not a readable LitData index of TokensLoader chunks, names a file outside
+            the dataset, or declares more items than a chunk's bytes can hold (one line naming it).
+    """
     found = []
     for spec in inputs:
-        fs, path, where, index = read_index_json(spec, storage_options, fields=("config", "chunks"), what="LitData")
-        config, chunks = index["config"], index["chunks"]
-        formats = config.get("data_format") or []
-        if config.get("compression"):
-            raise ValueError(f"{where}: chunks compressed with {config['compression']!r}; only uncompressed "
+        fs, path, where, index = read_index_json(spec, storage_options, fields=("config", "chunks"), what="a LitData")
+        top = IndexEntry(index, where="", file=where)
+        config, chunks = top.entry("config"), top.list("chunks")
+        formats = config.list("data_format") if config.value.get("data_format") is not None else []
+        if config.value.get("compression"):
+            raise ValueError(f"{where}: chunks compressed with {config.value['compression']!r}; only uncompressed "
                              "TokensLoader chunks are read")
-        kind, _, code = formats[0].partition(":") if len(formats) == 1 else ("", "", "")
+        kind, _, code = formats[0].partition(":") if len(formats) == 1 and isinstance(formats[0], str) else ("", "", "")
         dtype = TENSOR_DTYPES.get(int(code)) if kind == "no_header_tensor" and code.isdigit() else None
         if dtype is None:
             raise ValueError(f"{where}: items are {formats}, not one integer tensor each (write them with "
                              "litdata.optimize(..., item_loader=TokensLoader()))")
-        files = source_files([(fs, f"{path}/{chunk['filename']}") for chunk in chunks], "litdata")
-        for file, chunk in zip(files, chunks):
-            found.append((file, (file.url, dtype, int(chunk["chunk_size"])), int(chunk["chunk_size"])))
+        entries = [IndexEntry(chunk, where=f"chunk {number}", file=where) for number, chunk in enumerate(chunks)]
+        names = [entry.file_name("filename") for entry in entries]
+        counts = [entry.count("chunk_size") for entry in entries]
+        files = source_files([(fs, f"{path}/{name}") for name in names], "litdata")
+        for number, (file, name, items) in enumerate(zip(files, names, counts)):
+            if items > items_held(file.size):  # else a damaged chunk costs a rejection per declared item
+                raise ValueError(f"{where}: chunk {number} ({name}) declares {items} items, but its {file.size} bytes "
+                                 f"hold at most {items_held(file.size)} (the index does not describe this file)")
+            found.append((file, (file.url, dtype, items), items))
     return found
 
 

@@ -17,6 +17,10 @@ needed; the tests write sources with streaming's own `MDSWriter`.
 
 A work unit is one shard file. Every hash `index.json` lists for it that hashlib (or xxhash, when
 installed) computes is checked: a shard failing one has each of its samples rejected, naming the hash.
+So is its size: a compressed shard is inflated to at most the raw size `index.json` declares (a small
+file that inflates further is refused there, never held whole), it must inflate to exactly that size,
+and its last sample must end where its bytes end. `index.json` itself is checked first
+(`source_index`): its shape, names that stay inside the dataset, and sample counts its files can hold.
 """
 
 from __future__ import annotations
@@ -24,18 +28,26 @@ from __future__ import annotations
 import bz2
 import gzip
 import hashlib
+import io
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.tools.convert.documents import TokenSettings, read_index_json, source_files, token_documents
+from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
+from shardkit.tools.convert.source_index import IndexEntry, items_held, read_index_json
 from shardkit.tools.documents import UnitResult
 from shardkit.tools.inputs import InputFile, WorkUnit
 
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
                 65: "int64"}
 _SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
+# The most bytes one stored byte can inflate to, per codec: a zstd RLE block is 4 bytes for at most
+# 128 KiB; deflate's longest match is 258 bytes for about 2 bits (1032:1); a bzip2 block's run-length
+# stage makes 5 bytes into 259 and measures ~1.2 million : 1 on zeros. A raw size declared beyond this
+# cannot be the file's.
+MAX_EXPANSION = {"zstd": 1 << 15, "gz": 1032, "bz2": 1 << 21}
+_READ_PIECE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,43 +62,73 @@ class MDSShard:
     compression: str | None
     stored_bytes: int
     stored_hashes: dict
+    raw_bytes: int
     raw_hashes: dict
 
 
 def expand_sources(inputs: tuple[str, ...], *, token_field: str, storage_options
                    ) -> list[tuple[InputFile, MDSShard, int]]:
     """(shard file, its description, its samples) of each shard of each SRC (a directory holding
-    `index.json`), in index order (`documents.file_units` makes one work unit of each)."""
+    `index.json`), in index order (`documents.file_units` makes one work unit of each).
+
+    Raises:
+        ValueError: `index.json` is not a readable MDS index, names a file outside the dataset, or declares
+            more samples than a shard's bytes can hold (one line naming it, the shard and the field).
+    """
     found = []
     for spec in inputs:
-        fs, path, name, index = read_index_json(spec, storage_options, fields=("shards",), what="MDS")
-        stored = [_stored(shard, number, name, token_field) for number, shard in enumerate(index["shards"])]
-        files = source_files([(fs, f"{path}/{data['basename']}") for data in stored], "mds")
-        found += [_shard(file, shard, token_field) for file, shard in zip(files, index["shards"])]
+        fs, path, name, index = read_index_json(spec, storage_options, fields=("shards",), what="an MDS")
+        shards = IndexEntry(index, where="", file=name).list("shards")
+        described = [_describe(IndexEntry(shard, where=f"shard {number}", file=name), token_field)
+                     for number, shard in enumerate(shards)]
+        files = source_files([(fs, f"{path}/{basename}") for basename, _ in described], "mds")
+        for number, (file, (basename, fields)) in enumerate(zip(files, described)):
+            shard = MDSShard(url=file.url, **fields)
+            _check_room(shard, file, where=f"{name}: shard {number} ({basename})")
+            found.append((file, shard, shard.samples))
     return found
 
 
-def _stored(shard: dict, number: int, index_name: str, token_field: str) -> dict:
-    """The index entry of the file that holds the shard (its compressed form when it has one), once the
-    shard is one this reader knows."""
-    where = f"{index_name}: shard {number}"
-    if shard.get("format") != "mds":
-        raise ValueError(f"{where}: format {shard.get('format')!r}; only 'mds' shards are read")
-    if token_field not in shard["column_names"]:
-        raise ValueError(f"{where}: no column {token_field!r} (columns: {', '.join(shard['column_names'])}); "
-                         "choose one with --token-field")
-    return shard["zip_data"] if shard.get("compression") else shard["raw_data"]
+def _describe(entry: IndexEntry, token_field: str) -> tuple[str, dict]:
+    """(the stored file's name, the `MDSShard` fields) of one shard entry, once it is a shard this reader
+    knows and its entry has the documented shape."""
+    if entry.value.get("format") != "mds":
+        entry.refuse(f"{entry.prefix}format {entry.value.get('format')!r}; only 'mds' shards are read")
+    names, encodings, sizes = (entry.list(key) for key in ("column_names", "column_encodings", "column_sizes"))
+    if not len(names) == len(encodings) == len(sizes) or not all(isinstance(n, str) for n in names + encodings) \
+            or not all(size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 0)
+                       for size in sizes):
+        entry.refuse(f"{entry.prefix}column_names, column_encodings and column_sizes must be lists of one string, "
+                     "string and size (an integer >= 0 or null) per column")
+    if token_field not in names:
+        entry.refuse(f"{entry.prefix}no column {token_field!r} (columns: {', '.join(names)}); "
+                     "choose one with --token-field")
+    compression = entry.text("compression", optional=True)
+    if compression is not None and compression.split(":", 1)[0] not in MAX_EXPANSION:
+        entry.refuse(f"{entry.prefix}compression {compression!r} is not read (only {', '.join(MAX_EXPANSION)})")
+    raw = entry.entry("raw_data")
+    stored = entry.entry("zip_data") if compression else raw
+    column = names.index(token_field)
+    return stored.file_name("basename"), dict(
+        column=column, column_sizes=tuple(sizes), encoding=encodings[column], samples=entry.count("samples"),
+        compression=compression, stored_bytes=stored.count("bytes"), stored_hashes=stored.hashes("hashes"),
+        raw_bytes=raw.count("bytes"), raw_hashes=raw.hashes("hashes"))
 
 
-def _shard(file: InputFile, shard: dict, token_field: str) -> tuple[InputFile, MDSShard, int]:
-    stored = shard["zip_data"] if shard.get("compression") else shard["raw_data"]
-    column = shard["column_names"].index(token_field)
-    description = MDSShard(url=file.url, column=column, column_sizes=tuple(shard["column_sizes"]),
-                           encoding=shard["column_encodings"][column], samples=int(shard["samples"]),
-                           compression=shard.get("compression"), stored_bytes=int(stored["bytes"]),
-                           stored_hashes=dict(stored.get("hashes") or {}),
-                           raw_hashes=dict((shard.get("raw_data") or {}).get("hashes") or {}))
-    return file, description, description.samples
+def _check_room(shard: MDSShard, file: InputFile, *, where: str) -> None:
+    """Refuse a shard whose declared samples its bytes cannot hold: the per-sample work (a rejection for
+    each, when the shard is damaged) is then bounded by the file, not by a number in the index."""
+    if shard.compression:
+        most = file.size * MAX_EXPANSION[shard.compression.split(":", 1)[0]]
+        if shard.raw_bytes > most:
+            raise ValueError(f"{where} declares {shard.raw_bytes} decompressed bytes, but its {file.size} bytes of "
+                             f"{shard.compression} inflate to at most {most} (the index does not describe this file)")
+        nbytes, what = shard.raw_bytes, f"{shard.raw_bytes} decompressed bytes (as declared)"
+    else:
+        nbytes, what = file.size, f"{file.size} bytes"
+    if shard.samples > items_held(nbytes):
+        raise ValueError(f"{where} declares {shard.samples} samples, but its {what} hold at most "
+                         f"{items_held(nbytes)} (the index does not describe this file)")
 
 
 def _digest(algorithm: str, data: bytes) -> str | None:
@@ -109,33 +151,50 @@ def _hash_problem(data: bytes, hashes: dict, what: str) -> str | None:
     return None
 
 
-def _decompress(algorithm: str, data: bytes) -> bytes:
-    family = algorithm.split(":", 1)[0]
+def _inflate(algorithm: str, data: bytes, limit: int) -> bytes:
+    """The decompressed bytes, read in pieces and never more than `limit` + 1 of them (a bomb stops
+    there: the caller sees more than it was told and refuses the shard)."""
+    family, source = algorithm.split(":", 1)[0], io.BytesIO(data)
     if family == "zstd":
         import zstandard
 
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    if family == "gz":
-        return gzip.decompress(data)
-    if family == "bz2":
-        return bz2.decompress(data)
-    raise ValueError(f"compression {algorithm!r} is not supported (zstd, gz, bz2)")
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+    elif family == "gz":
+        reader = gzip.GzipFile(fileobj=source)
+    else:  # bz2: expand_sources refuses any other codec
+        reader = bz2.BZ2File(source)
+    pieces, total = [], 0
+    with reader:
+        while total <= limit and (piece := reader.read(min(_READ_PIECE, limit + 1 - total))):
+            pieces.append(piece)
+            total += len(piece)
+    return b"".join(pieces)
 
 
 def _shard_problem(shard: MDSShard, stored: bytes) -> tuple[bytes, str | None]:
-    """(the decompressed shard, the reason its samples cannot be read or None)."""
+    """(the decompressed shard, the reason its samples cannot be read or None).
+
+    Raises:
+        ValueError: the shard inflates to bytes that cannot hold the samples `index.json` declares: the index
+            does not describe this file, and rejecting each declared sample would cost what it claims.
+    """
     if len(stored) != shard.stored_bytes:
         return b"", f"the shard holds {len(stored)} bytes, index.json says {shard.stored_bytes} (truncated or replaced)"
     problem = _hash_problem(stored, shard.stored_hashes, "stored file")
-    if problem:
-        return b"", problem
+    if problem or not shard.compression:
+        return stored, problem
     try:
-        raw = _decompress(shard.compression, stored) if shard.compression else stored
+        raw = _inflate(shard.compression, stored, shard.raw_bytes)
     except Exception as err:  # noqa: BLE001 - any codec error means the same: unreadable
         return b"", f"the shard does not decompress ({type(err).__name__}: {err})"
-    if shard.compression:
-        problem = _hash_problem(raw, shard.raw_hashes, "decompressed")
-    return raw, problem
+    if len(raw) > shard.raw_bytes:
+        return b"", f"the shard decompresses to more than the {shard.raw_bytes} bytes index.json declares"
+    if len(raw) < shard.raw_bytes:
+        if shard.samples > items_held(len(raw)):
+            raise ValueError(f"{shard.url}: index.json declares {shard.samples} samples, but the shard's {len(raw)} "
+                             f"bytes hold at most {items_held(len(raw))} (the index does not describe this file)")
+        return b"", f"the shard decompresses to {len(raw)} bytes, index.json declares {shard.raw_bytes}"
+    return raw, _hash_problem(raw, shard.raw_hashes, "decompressed")
 
 
 def _array_bounds(encoding: str, blob: memoryview) -> tuple[np.dtype, int]:
@@ -181,6 +240,8 @@ def _samples(shard: MDSShard, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.nd
     offsets = np.frombuffer(raw, "<u4", count + 1, 4).astype(np.int64)
     if np.any(np.diff(offsets) < 0) or offsets[-1] > len(raw):
         raise ValueError("its sample offsets run backwards or past its end")
+    if offsets[-1] < len(raw):  # a writer ends the shard with its last sample: these bytes are nobody's
+        raise ValueError(f"{len(raw) - int(offsets[-1])} bytes after the last sample")
     view = memoryview(raw)
     variable = [i for i, size in enumerate(shard.column_sizes) if size is None]
     pieces, lengths = [], np.zeros(count, dtype=np.int64)

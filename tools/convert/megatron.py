@@ -186,25 +186,43 @@ def _cuts(megatron: MegatronIndex, unit_bytes: int) -> list[int]:
     return cuts if len(cuts) > 1 else [0, 0]  # an empty dataset still gets one unit: it accounts the file
 
 
+def sequence_ends(pointers: np.ndarray, lengths: np.ndarray, itemsize: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(byte end of each sequence, whether it lies within the first `size` bytes), without int64 overflow.
+
+    `pointer + length * itemsize` wraps for a pointer near 2**63 and would then look like a sequence
+    inside the file; here a pointer is first bounded by `size`, and a length by the room left after it,
+    so no sum ever exceeds `size`. A sequence outside gets its pointer as its end (never read).
+    """
+    pointers = np.asarray(pointers, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    inside = (pointers >= 0) & (pointers <= size)
+    room = (size - np.where(inside, pointers, size)) // itemsize  # in [0, size]: no overflow
+    inside &= (lengths >= 0) & (lengths <= room)
+    ends = np.where(inside, pointers + np.where(inside, lengths, 0) * itemsize, pointers)
+    return ends, inside
+
+
 def _unit(bin_file: InputFile, megatron: MegatronIndex, source: int, file_unit: int, index: int, first: int,
           last_document: int, *, last: bool) -> WorkUnit:
     a, b = int(megatron.document_indices[first]), int(megatron.document_indices[last_document])
     pointers, lengths = megatron.sequence_pointers[a:b], megatron.sequence_lengths[a:b].astype(np.int64)
-    ends = pointers + lengths * megatron.dtype.itemsize
-    start = int(pointers.min()) if b > a else 0
-    end = int(ends.max()) if b > a else 0
-    reached = min(max(end, 0), bin_file.size)
+    itemsize = megatron.dtype.itemsize
+    ends, inside = sequence_ends(pointers, lengths, itemsize, bin_file.size)
+    start = int(pointers[inside].min()) if inside.any() else 0
+    end = int(ends[inside].max()) if inside.any() else 0
+    reached = end
     file_error = None
     if last:
-        final = int((megatron.sequence_pointers + megatron.sequence_lengths.astype(np.int64)
-                     * megatron.dtype.itemsize).max()) if len(megatron.sequence_lengths) else 0
+        all_ends, all_inside = sequence_ends(megatron.sequence_pointers, megatron.sequence_lengths, itemsize,
+                                             bin_file.size)
+        final = int(all_ends[all_inside].max()) if all_inside.any() else 0
         if final < bin_file.size:
             reached = max(reached, final)
             file_error = f"{bin_file.size - final} bytes after the last sequence are referenced by no .idx entry"
         elif b == a:
             reached = bin_file.size
-    payload = MegatronSlice(url=bin_file.url, dtype=megatron.dtype.str, file_size=bin_file.size, start=max(start, 0),
-                            end=min(max(end, 0), bin_file.size), first_document=first, pointers=pointers,
+    payload = MegatronSlice(url=bin_file.url, dtype=megatron.dtype.str, file_size=bin_file.size, start=start,
+                            end=end, first_document=first, pointers=pointers,
                             lengths=lengths, sequences_per_document=np.diff(megatron.document_indices[first:last_document + 1]))
     return WorkUnit(index=index, source=source, file_unit=file_unit, kind="megatron", first_record=first,
                     payload=payload, input_offset=reached, file_error=file_error,
@@ -230,10 +248,10 @@ def read_unit(unit: WorkUnit, settings: TokenSettings) -> UnitResult:
     ids = np.frombuffer(data, dtype=dtype, count=(available - part.start) // dtype.itemsize)
     documents = len(part.sequences_per_document)
     records = part.first_document + np.arange(documents, dtype=np.int64)
-    sequence_ends = part.pointers + part.lengths * dtype.itemsize
-    broken = (part.pointers < part.start) | (sequence_ends > available) | ((part.pointers - part.start) % dtype.itemsize != 0)
+    ends, inside = sequence_ends(part.pointers, part.lengths, dtype.itemsize, available)
+    broken = ~inside | (part.pointers < part.start) | ((part.pointers - part.start) % dtype.itemsize != 0)
     owner = np.repeat(np.arange(documents), part.sequences_per_document)
-    contiguous = not broken.any() and np.array_equal(part.pointers[1:], sequence_ends[:-1]) and \
+    contiguous = not broken.any() and np.array_equal(part.pointers[1:], ends[:-1]) and \
         (len(part.pointers) == 0 or part.pointers[0] == part.start)
     lengths = np.bincount(owner, weights=part.lengths, minlength=documents).astype(np.int64)
     if contiguous:  # the common case: the unit's sequences lie back to back, the bytes are the documents
@@ -242,7 +260,8 @@ def read_unit(unit: WorkUnit, settings: TokenSettings) -> UnitResult:
     bad_documents = np.unique(owner[broken])
     for doc in bad_documents.tolist():
         sequence = int(np.flatnonzero(broken & (owner == doc))[0])
-        begin, finish = int(part.pointers[sequence]), int(sequence_ends[sequence])
+        begin = int(part.pointers[sequence])  # Python ints: the end is exact even where int64 would wrap
+        finish = begin + int(part.lengths[sequence]) * dtype.itemsize
         rejected.append((int(records[doc]), "bytes outside the .bin (a truncated .bin, or .idx offsets past the "
                                             f"data): [{begin}, {finish}) of {part.file_size} bytes"))
     keep = np.ones(documents, dtype=bool)
