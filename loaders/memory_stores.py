@@ -15,7 +15,7 @@ from shardkit import metrics
 from shardkit.errors import CorruptShardError
 from shardkit.formats import ShardArrays, check_shard_bytes, read_shard
 from shardkit.loaders.cache_dir import COMPRESSED_SUFFIX, write_cache_file
-from shardkit.loaders.partial import PartialShard
+from shardkit.loaders.block_reader import BlockReader
 from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
 from shardkit.manifest import ShardInfo
 
@@ -65,7 +65,7 @@ class StreamStore:
     def put(self, index: int, arrays: ShardArrays, data: bytes | memoryview | None) -> None:
         """Nothing is kept."""
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """Nothing would keep the rest of the shard: stop fetching it."""
         partial.cancel()
 
@@ -136,6 +136,6 @@ class CompressedStore:
         self._context.private_dirs(path)
         write_cache_file(path, data)
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """Finish and store the shard (see `DecodedStore.abandon`)."""
         partial.start_completion()
