@@ -154,8 +154,8 @@ class StreamingDataLoader(DataLoader):
         else:  # one checked segment at a time (see shardkit.loaders.quarantine)
             segment = max(1, self.plan.config.chunk_samples // self.samples_per_rank)
             while True:
-                plan = self._iteration(topology)
-                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=plan)
+                iteration = self._iteration(topology)
+                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=iteration)
                 num_positions = self._positions(self._epoch)
                 self._quarantine.refuse_if_everything_left(num_positions)
                 if batching.finished(self._steps.consumed, num_positions, global_batch):

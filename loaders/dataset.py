@@ -3,9 +3,9 @@
 This module is the face. What the dataset reads is its `ReadPlan` (`shardkit.loaders.read_plan`): the
 epoch's order, the mixture, the batch mode chosen once from the config, the reader, and where the next
 iteration starts; the data loader talks to the plan only. Every decision about which sample goes where
-is a pure function elsewhere (`effective_order`, `rank_steps`, `token_batches`). The iterator produces *whole batches* so that,
-with DataLoader workers, one batch crosses the process boundary as a handful of arrays instead of
-`batch_size` pickled samples.
+is a pure function elsewhere (`effective_order`, `rank_steps`, `token_batches`). The iterator produces
+*whole batches* so that, with DataLoader workers, one batch crosses the process boundary as a handful of
+arrays instead of `batch_size` pickled samples.
 
 The dataset is usually driven by `StreamingDataLoader`, which resolves the topology in the main
 process, tells the dataset where to start (epoch, consumed positions) and counts what the training

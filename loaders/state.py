@@ -9,7 +9,8 @@ into a loader whose order would differ raises `ValueError` naming every differen
 
 The state is composed of the read side's stages (`Stage`): the order and its data (`ReadPlan`), the
 mixture (`remix.Mixture`), the step source (`steps`) and the quarantine each give their fields with
-`state()` and take them back from a loaded state with `restore(saved)`.
+`state()` and take them back from a loaded state with `restore(saved)`. The reader and the batch mode
+hold no position (the step source does), so they have no state of their own.
 """
 
 from __future__ import annotations

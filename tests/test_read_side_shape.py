@@ -179,7 +179,8 @@ def test_the_loader_reaches_the_dataset_only_through_its_plan():
 
 
 def test_the_reach_check_sees_a_reach():
-    source = "class L:\n    def f(self, dataset):\n        return dataset.config, self.dataset.table, self.dataset.plan\n"
+    source = ("class L:\n    def f(self, dataset):\n"
+              "        return dataset.config, self.dataset.table, self.dataset.plan\n")
     assert _dataset_reaches(ast.parse(source)) == {"config", "table", "plan"}
 
 
