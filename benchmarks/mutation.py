@@ -58,7 +58,7 @@ TARGETS: dict[str, tuple[str, str, list[str]]] = {
                        "tests/test_decoded.py"]),
     "memory_stores": ("loaders/memory_stores.py", "shardkit.loaders.memory_stores",
                       ["tests/test_cache.py", "tests/test_blocks.py"]),
-    "partial": ("loaders/partial.py", "shardkit.loaders.partial", ["tests/test_blocks.py"]),
+    "block_reader": ("loaders/block_reader.py", "shardkit.loaders.block_reader", ["tests/test_blocks.py"]),
     "manifest": ("shardkit/manifest.py", "shardkit.manifest",
                  ["tests/test_manifest.py", "tests/test_manifest_index.py"]),
     "packing": ("tools/packing.py", "shardkit.tools.packing", ["tests/test_packing.py"]),

@@ -12,17 +12,21 @@ Modules, one job each:
 - `effective_order`: an epoch's order after skip_samples and quarantine (`ExcludedOrder`s), one pure function.
 - `rank_steps`: the iteration plan and this rank's (worker's) sample ids step by step (pure).
 - `steps`, `token_batches`: the step sources (fixed-size, token budget) and the token-budget batch generator.
+- `batch_modes`: fixed-size or token-budget batching, chosen once from the config (`BATCH_MODES`).
 - `cache`: the node-local shard cache (opens, holds and prefetches shards; `make_store` resolves `cache_mode`).
 - `store`: the contract of a shard store (`ShardStore`) and the handle a reader holds (`CachedShard`).
 - `decoded_store`, `memory_stores`: the stores of `cache_mode` "decoded" (decode once, mmap, LRU eviction),
   "compressed" and "none" (decoded into memory at each open).
+- `block_reader`: `BlockReader`, a format v2 shard read block by block (verified) before it is local.
 - `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
 - `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
 - `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
   prefetches them; numpy batches -> tensors (and bundles for worker pipes).
-- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (wiring of the above).
+- `read_plan`: `ReadPlan`, what the data loader asks of a dataset (order, mixture, batch mode, reader, the next
+  iteration), in one object.
+- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (the face of its plan).
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
-- `state`, `dataloader`: the resume state and `StreamingDataLoader`.
+- `state`, `dataloader`: the resume state (composed of the stages' `state()`) and `StreamingDataLoader`.
 
 The public names (`__all__`): `StreamingDataset`, `StreamingDataLoader`, `LoaderConfig`, `Stream`,
 `Schedule` and `start_metrics_server`, also importable from `shardkit`. This package imports torch only

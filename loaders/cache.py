@@ -9,7 +9,7 @@ into memory at each open) or "none" (nothing on disk: every open reads from stor
 (`shardkit.loaders.cache_dir`), so a crashed or SIGKILLed process can never block or poison the others.
 
 With `open(..., on_demand=True)` (the dataset's cold path), a format v2 shard that is not local yet is
-served block by block (`shardkit.loaders.partial`): the blocks the first batches need come by ranged reads,
+served block by block (`shardkit.loaders.block_reader`): the blocks the first batches need come by ranged reads,
 verified against their hashes, and the shard is completed in the background and then stored as the store
 says.
 
@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shardkit import metrics
 from shardkit.forking import restart_after_fork
+from shardkit.loaders.block_reader import BlockReader
 from shardkit.loaders.cache_dir import CacheLimitError  # noqa: F401 - re-exported: raised through open()
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.decoded_store import DecodedStore
 from shardkit.loaders.memory_stores import CompressedStore, StreamStore
-from shardkit.loaders.partial import PartialShard
 from shardkit.loaders.store import CachedShard, CacheStats, ShardStore, StorageOpener, StoreContext
 from shardkit.manifest import Manifest
 from shardkit.node_cache import (  # noqa: F401 - UnsafeCacheDirError, fetch_manifest: re-exported for callers
@@ -102,7 +102,7 @@ class ShardCache:
                                      cache_limit=self.cache_limit, wait_timeout=self.wait_timeout)
         self.store = make_store(self.cache_mode, self._context)
         self._lock = threading.Lock()
-        self._partial: dict[str, PartialShard] = {}  # shards this process is reading block by block
+        self._partial: dict[str, BlockReader] = {}  # shards this process is reading block by block
         self._block_executor: ThreadPoolExecutor | None = None
         restart_after_fork(self)
 
@@ -201,9 +201,9 @@ class ShardCache:
 
         completes = release_claim is not None
         metrics.cache_lookup(self._context.url, hit=False)
-        partial = PartialShard(self._storage_of, shard, self.manifest, executor=self._blocks_executor(),
-                               on_read=self.stats.count_range, on_complete=on_complete if completes else None,
-                               keep_bytes=self.store.keeps_bytes)
+        partial = BlockReader(self._storage_of, shard, self.manifest, executor=self._blocks_executor(),
+                              on_read=self.stats.count_range, on_complete=on_complete if completes else None,
+                              keep_bytes=self.store.keeps_bytes)
         if completes:
             self._partial[path] = partial
             partial.complete_in_background(on_failure=release)

@@ -26,10 +26,8 @@ from shardkit.loaders.dataset import StreamingDataset
 from shardkit.loaders.rank_steps import IterationPlan
 from shardkit.loaders.tensors import batch_to_tensors
 from shardkit.loaders.token_batches import PROGRESS_KEY
-from shardkit.loaders.partition import dropped_in_epoch, partial_batch
 from shardkit.loaders.quarantine import Quarantine
 from shardkit.loaders.state import LoaderState
-from shardkit.loaders.steps import step_source
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -90,37 +88,29 @@ class StreamingDataLoader(DataLoader):
                  prefetch_factor: int | None = None):
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
-        if dataset.config.max_tokens is not None:
-            if batch_size is not None:
-                raise ValueError("the dataset batches by max_tokens; pass batch_size=None")
-        elif not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        # The one object the loader asks of the dataset (its order, mixture, batch mode, reader).
+        self.plan = plan = dataset.plan
+        self.samples_per_rank = plan.batching.samples_per_rank(batch_size)
         # Workers send numpy batches (pickled by value through the pipe: no shared-memory file
         # descriptor per tensor); the main process wraps them as tensors and pins them itself.
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_batch, pin_memory=False,
                          timeout=timeout, multiprocessing_context=multiprocessing_context,
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
-        dataset.claimed_by_loader = True
+        plan.claim()
         self.pin_batches = pin_memory
-        self.samples_per_rank = batch_size or 1
-        self.token_mode = dataset.config.max_tokens is not None
         self._epoch = 0
         # Positions of the epoch's global order handed to the training loop (and the token-budget window's
-        # segments): the step source owns them and their resume fields.
-        self._steps = step_source(dataset.config.max_tokens, dataset.config.token_window)
-        self._num_partitions: int | None = dataset.config.num_partitions
+        # segments): the batch mode's step source owns them and their resume fields.
+        self._steps = plan.batching.step_source()
         self._topology: Topology | None = None
-        self._quarantine = Quarantine(dataset.quarantine_sources())
+        self._quarantine = Quarantine(plan.quarantine_sources())
         # Persistent workers continue with the next epoch by themselves only after a complete epoch.
         self._workers_in_sync = False
 
     # -- topology ------------------------------------------------------------------------------
     def _resolve(self) -> Topology:
-        topology = self.dataset.resolve_topology()
-        if self._num_partitions is None:
-            self._num_partitions = self.dataset.resolve_partitions(topology)
-        self._topology = topology
-        return topology
+        self._topology = self.plan.topology()  # also fixes the order's partitions
+        return self._topology
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (every rank gets the same number).
@@ -128,14 +118,15 @@ class StreamingDataLoader(DataLoader):
         Raises:
             TypeError: in token-budget mode, where the count depends on the lengths read.
         """
-        if self.token_mode:
-            raise TypeError("len() is unknown in token-budget mode: batches depend on the sample lengths")
-        topology = self._resolve()
-        return self.dataset.batches_per_epoch(self.samples_per_rank, topology, num_positions=self._positions(self._epoch))
+        return self._steps_left(self._resolve(), start=0, num_positions=self._positions(self._epoch))
+
+    def _steps_left(self, topology: Topology, *, start: int, num_positions: int) -> int:
+        return self.plan.batching.steps_left(num_positions, start=start,
+                                             global_batch=self.samples_per_rank * topology.world_size)
 
     def _positions(self, epoch: int) -> int:
         """Positions of `epoch`'s order without the quarantined shards."""
-        return self.dataset.order(epoch, self._num_partitions, self._quarantine.entries).num_positions
+        return self.plan.order(epoch, self.plan.num_partitions, self._quarantine.entries).num_positions
 
     @property
     def epoch(self) -> int:
@@ -145,52 +136,40 @@ class StreamingDataLoader(DataLoader):
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
-        self.dataset.pin_global_batch(self.samples_per_rank * topology.world_size)
+        batching, global_batch = self.plan.batching, self.samples_per_rank * topology.world_size
+        self.plan.mixture.pin(global_batch)
         num_positions = self._positions(self._epoch)
-        finished = (self._steps.consumed >= num_positions if self.token_mode else
-                    self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
-                                                   num_positions=num_positions) == 0)
-        if finished:
+        if batching.finished(self._steps.consumed, num_positions, global_batch):
             self._epoch = self._epoch + 1  # resumed at an epoch's end
             self._steps.reset()
             num_positions = self._positions(self._epoch)
         self._quarantine.refuse_if_everything_left(num_positions)
-        if not self.token_mode:
-            self.dataset.check_batch_fits(self.samples_per_rank, topology)
-        if self._steps.consumed == 0 and not self.token_mode:
-            self._log_epoch(num_positions, topology)
+        batching.check_fits(self.plan.positions_per_epoch, batch_size=self.samples_per_rank,
+                            world_size=topology.world_size)
+        if self._steps.consumed == 0 and (summary := batching.epoch_summary(num_positions, global_batch=global_batch,
+                                                                            world_size=topology.world_size)):
+            logger.info("epoch %d: %s", self._epoch, summary)
         if not self._quarantine.checking:
             yield from self._read(topology, steps=None)
         else:  # one checked segment at a time (see shardkit.loaders.quarantine)
-            segment = max(1, self.dataset.config.chunk_samples // self.samples_per_rank)
+            segment = max(1, self.plan.config.chunk_samples // self.samples_per_rank)
             while True:
-                plan = self._plan(topology)
-                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=plan)
-                self._quarantine.refuse_if_everything_left(self._positions(self._epoch))
-                if self.dataset.batches_per_epoch(self.samples_per_rank, topology, start=self._steps.consumed,
-                                                  num_positions=self._positions(self._epoch)) == 0:
+                iteration = self._iteration(topology)
+                self._quarantine.check(epoch=self._epoch, start=self._steps.consumed, steps=segment, plan=iteration)
+                num_positions = self._positions(self._epoch)
+                self._quarantine.refuse_if_everything_left(num_positions)
+                if batching.finished(self._steps.consumed, num_positions, global_batch):
                     break
                 yield from self._read(topology, steps=segment)
         self._epoch = self._epoch + 1
         self._steps.reset()
         self._workers_in_sync = self.persistent_workers and not self._quarantine.checking
 
-    def _plan(self, topology: Topology, steps: int | None = None) -> IterationPlan:
+    def _iteration(self, topology: Topology, steps: int | None = None) -> IterationPlan:
         return IterationPlan(epoch=self._epoch, start=self._steps.consumed, batch_size=self.samples_per_rank,
-                             topology=topology, num_partitions=self._num_partitions, numpy_batches=True,
+                             topology=topology, num_partitions=self.plan.num_partitions, numpy_batches=True,
                              bundle=self._bundle_size() if self.num_workers else 1, segments=self._steps.segments,
                              quarantine=self._quarantine.entries, steps=steps)
-
-    def _log_epoch(self, num_positions: int, topology: Topology) -> None:
-        global_batch = self.samples_per_rank * topology.world_size
-        policy = self.dataset.config.partial_batches
-        left = dropped_in_epoch(num_positions, global_batch=global_batch, policy=policy,
-                                world_size=topology.world_size)
-        last = partial_batch(num_positions, start=0, global_batch=global_batch, world_size=topology.world_size,
-                             policy=policy)
-        logger.info("epoch %d: %d batches per rank, global batch %d, %s %d positions (partial_batches=%s%s)",
-                    self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left), policy,
-                    f": last batch {last} samples per rank" if last is not None else "")
 
     def _read(self, topology: Topology, *, steps: int | None) -> Iterator[dict[str, torch.Tensor]]:
         """Hand out the batches of one reader run: the rest of the epoch, or `steps` steps of it."""
@@ -198,7 +177,7 @@ class StreamingDataLoader(DataLoader):
             self._iterator._shutdown_workers()
             self._iterator = None
         if self._iterator is None or self.num_workers == 0:
-            self.dataset.set_plan(self._plan(topology, steps))
+            self.plan.begin(self._iteration(topology, steps))
         self._workers_in_sync = False
         # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
@@ -212,7 +191,7 @@ class StreamingDataLoader(DataLoader):
                 workers = arrays.pop(metrics.WORKER_KEY, None)
                 if workers is not None:
                     metrics.merge_worker_counters(workers)
-                batch = batch_to_tensors(arrays, self.dataset.config.token_dtype)
+                batch = batch_to_tensors(arrays, self.plan.config.token_dtype)
                 if pin:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 # Count before handing out: a state saved after receiving this batch includes it.
@@ -226,28 +205,21 @@ class StreamingDataLoader(DataLoader):
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
-        ds = self.dataset
-        if ds.sample_length is None:
+        plan = self.plan
+        if plan.sample_length is None:
             return 4
-        row = ds.sample_length * (ds.token_dtype.itemsize + (4 if ds.config.segment_ids else 0)) + 8
+        row = plan.sample_length * (plan.stored_token_dtype.itemsize + (4 if plan.config.segment_ids else 0)) + 8
         return max(1, min(16, _BUNDLE_BYTES // (row * self.samples_per_rank)))
 
     # -- state ---------------------------------------------------------------------------------
-    def _current_state(self, num_partitions: int | None = None) -> LoaderState:
-        topology = self._topology or self._resolve()
-        ds = self.dataset
-        ds.pin_global_batch(self.samples_per_rank * topology.world_size)
-        record = ds.mixture_record()
-        order = {**ds.config.order_values(), "num_partitions": num_partitions or self._num_partitions}
-        return LoaderState(epoch=self._epoch, **self._steps.get_state(), dataset=ds.fingerprint(),
-                           num_samples=ds.num_samples, global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size,
-                           mixture=record.to_dict() if record is not None else None,
-                           quarantine=self._quarantine.state(), **order)
-
     def state_dict(self) -> dict[str, Any]:
-        """The global resume state (identical on every rank; see `shardkit.loaders.state`)."""
-        return self._current_state().to_dict()
+        """The global resume state (identical on every rank; see `shardkit.loaders.state`): the composition of
+        the stages' states (the order and mixture, the step source, the quarantine)."""
+        topology = self._topology or self._resolve()
+        global_batch = self.samples_per_rank * topology.world_size
+        self.plan.mixture.pin(global_batch)
+        return LoaderState(epoch=self._epoch, global_batch_size=global_batch, world_size=topology.world_size,
+                           **self.plan.state(), **self._steps.state(), **self._quarantine.state()).to_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` output, possibly saved with another world size or batch size.
@@ -262,24 +234,17 @@ class StreamingDataLoader(DataLoader):
             ValueError: the state is malformed or its order differs (dataset, seed, partitions...).
         """
         saved = LoaderState.from_dict(state)
-        shards = len(self.dataset.table.ends)
-        bad = [entry for entry in saved.quarantine if not 0 <= entry[0] < shards]
-        if bad:
-            raise ValueError(f"cannot resume: the state quarantines shard {bad[0][0]}, but the dataset has {shards}")
-        changed = self.dataset.resume_from(saved, allow_mixture_change=allow_mixture_change)
+        self._quarantine.check_saved(saved)
+        changed = self.plan.restore(saved, allow_mixture_change=allow_mixture_change)
         # The saved position is checked against the epoch it was saved in: a mixture change may shorten
         # it, so then the saved epoch's length bounds it (quarantined positions only shorten an epoch).
         num_positions = (saved.epoch_size or saved.num_samples if changed else
-                         self.dataset.order(saved.epoch, saved.num_partitions, saved.quarantine).num_positions)
-        # The last step of an epoch may overrun its end: padded (pad, partial) or a whole token window (token budget).
-        overrun = (saved.token_window if saved.max_tokens is not None else
-                   saved.global_batch_size if saved.partial_batches in ("pad", "partial") else 0)
-        if saved.samples_consumed > num_positions + overrun:
+                         self.plan.order(saved.epoch, saved.num_partitions, saved.quarantine).num_positions)
+        # The last step of an epoch may overrun its end (a padded step, a whole token window).
+        if saved.samples_consumed > num_positions + self.plan.batching.overrun(saved):
             raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
                              f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
-        self._num_partitions = saved.num_partitions
         self._epoch = saved.epoch
-        self._steps.from_state(saved)
-        self._quarantine.restore(saved.quarantine, epoch=saved.epoch, consumed=saved.samples_consumed,
-                                 num_partitions=saved.num_partitions)
+        self._steps.restore(saved)
+        self._quarantine.restore(saved)
         self._workers_in_sync = False

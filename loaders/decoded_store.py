@@ -44,7 +44,7 @@ from shardkit.loaders.cache_dir import (
     remove_stale_temporaries,
     room_lock,
 )
-from shardkit.loaders.partial import PartialShard
+from shardkit.loaders.block_reader import BlockReader
 from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
 from shardkit.manifest import ShardInfo
 
@@ -159,7 +159,7 @@ class DecodedStore:
         except CacheLimitError as err:
             logger.debug("shard %s not stored in the cache: %s", shard.name, err)
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """Finish and store the shard: a reader that stops early (an abandoned iterator, a first-batch
         check) may hold the node's download lock of it, and without this the node's readers would read it
         block by block in every epoch and no process of the node would ever store it."""

@@ -14,8 +14,8 @@ import os
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
 from shardkit.formats import ShardArrays, check_shard_bytes, read_shard
+from shardkit.loaders.block_reader import BlockReader
 from shardkit.loaders.cache_dir import COMPRESSED_SUFFIX
-from shardkit.loaders.partial import PartialShard
 from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
 from shardkit.manifest import ShardInfo
 from shardkit.storage import write_file_atomic
@@ -66,7 +66,7 @@ class StreamStore:
     def put(self, index: int, arrays: ShardArrays, data: bytes | memoryview | None) -> None:
         """Nothing is kept."""
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """Nothing would keep the rest of the shard: stop fetching it."""
         partial.cancel()
 
@@ -138,6 +138,6 @@ class CompressedStore:
         # No fsync: a cache file lost in a crash is fetched again, and one cut short fails its check at the next open.
         write_file_atomic(path, data, fsync=False)
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """Finish and store the shard (see `DecodedStore.abandon`)."""
         partial.start_completion()

@@ -39,6 +39,7 @@ from shardkit import metrics
 from shardkit.manifest import Manifest
 from shardkit.loaders.order import ExcludedOrder, Order, excluding
 from shardkit.loaders.rank_steps import IterationPlan
+from shardkit.loaders.state import LoaderState
 from shardkit.loaders.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -166,19 +167,32 @@ class Quarantine:
             logger.warning("quarantine_list %s: leaving %d shards (%d samples) out of the order",
                            sources.listed_path, len(listed), samples)
 
-    def restore(self, saved: Sequence[Sequence[int]], *, epoch: int, consumed: int, num_partitions: int) -> None:
-        """Entries of a loader state; listed shards it lacks join from the resume point on."""
-        self.entries = tuple((int(s), int(e), int(p)) for s, e, p in saved)
+    def state(self) -> dict[str, Any]:
+        return {"quarantine": self.entries}
+
+    def check_saved(self, saved: LoaderState) -> None:
+        """Raise when a loaded state quarantines a shard the dataset does not have (before its order is built).
+
+        Raises:
+            ValueError: naming the shard and the dataset's shard count.
+        """
+        shards = len(self.sources.shard_sizes)
+        bad = [entry for entry in saved.quarantine if not 0 <= entry[0] < shards]
+        if bad:
+            raise ValueError(f"cannot resume: the state quarantines shard {bad[0][0]}, but the dataset has {shards}")
+
+    def restore(self, saved: LoaderState) -> None:
+        """The entries of a loaded state; listed shards it lacks join from its position on."""
+        self.check_saved(saved)
+        self.entries = saved.quarantine
         known = {s for s, _, _ in self.entries}
         listed = set(self.sources.listed)
         self.reasons = {s: (f"quarantine_list {self.sources.listed_path}" if s in listed else
                             "quarantined by an earlier run (the resumed loader state)") for s in known}
         late = [s for s in self.sources.listed if s not in known]
         if late:
-            self.add(late, epoch=epoch, consumed=consumed, num_partitions=num_partitions, why="quarantine_list")
-
-    def state(self) -> tuple[tuple[int, int, int], ...]:
-        return self.entries
+            self.add(late, epoch=saved.epoch, consumed=saved.samples_consumed, num_partitions=saved.num_partitions,
+                     why="quarantine_list")
 
     def add(self, shards: Sequence[int], *, epoch: int, consumed: int, num_partitions: int, why: str) -> None:
         """Quarantine `shards` from effective position `consumed` of `epoch` on; log and count them."""

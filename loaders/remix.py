@@ -15,6 +15,8 @@ numbers per stream and one entry per change (step, position, old and new weights
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -22,6 +24,8 @@ from typing import Any
 from shardkit.loaders.mixing import MixturePlan
 from shardkit.loaders.schedule import Schedule, weight_from_spec, weight_spec
 from shardkit.loaders.state import LoaderState
+
+logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 
@@ -186,3 +190,43 @@ def changed_record(old: MixtureRecord, *, epoch: int, position: int, streams: Mi
                          policy=old.policy, anchor_epoch=epoch, anchor_position=position, anchor_step=step,
                          counts=tuple(s.count for s in entries), global_batch=old.global_batch, retired=retired,
                          changes=(*old.changes, change))
+
+
+class Mixture:
+    """The mixing stage: the mixture's record and its part of the loader state (`state()` / `restore(saved)`).
+
+    Args:
+        streams: () -> the dataset's streams as the record needs them (called when first needed: it
+            fingerprints every stream).
+        mixed: several streams (a single dataset has no record until its mixture changes).
+    """
+
+    def __init__(self, streams: Callable[[], MixtureStreams], *, mixed: bool):
+        self._streams, self._mixed = streams, mixed
+        self._record: MixtureRecord | None = None
+
+    @property
+    def record(self) -> MixtureRecord | None:
+        """The record (None for a single dataset that never changed its mixture)."""
+        if self._record is None and self._mixed:
+            self._record = fresh_record(self._streams())
+        return self._record
+
+    def pin(self, global_batch: int) -> None:
+        """Fix the positions per step of weight schedules: the first run's global batch, kept on resume."""
+        record = self.record
+        if record is not None:
+            self._record = record.pinned(global_batch)
+
+    def state(self) -> dict[str, Any]:
+        record = self.record
+        return {"mixture": record.to_dict() if record is not None else None}
+
+    def restore(self, saved: LoaderState, *, changed: bool = False) -> None:
+        """Adopt the saved record, or (`changed`: the streams or weights differ) continue it with this
+        dataset's streams from the saved position (see `resumed_record` for what it raises)."""
+        self._record = resumed_record(saved, self._streams(), changed=changed)
+        if changed:
+            change = self._record.changes[-1]
+            logger.info("mixture changed at step %d (epoch %d, position %d): %s -> %s", change["step"], saved.epoch,
+                        saved.samples_consumed, change["old"], change["new"])

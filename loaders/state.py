@@ -6,12 +6,17 @@ rank holds the same dict, so torch.distributed.checkpoint may deduplicate it, an
 another world size, batch size or number of workers continues the same global order from that
 position (elastic resume). The remaining fields pin what the order depends on; loading a state
 into a loader whose order would differ raises `ValueError` naming every difference.
+
+The state is composed of the read side's stages (`Stage`): the order and its data (`ReadPlan`), the
+mixture (`remix.Mixture`), the step source (`steps`) and the quarantine each give their fields with
+`state()` and take them back from a loaded state with `restore(saved)`. The reader and the batch mode
+hold no position (the step source does), so they have no state of their own.
 """
 
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW, LoaderConfig
 from shardkit.loaders.skipping import normalize_skip
@@ -23,6 +28,18 @@ STATE_KIND = "shardkit.StreamingDataLoader"
 ORDER_FIELDS = ("dataset", "num_samples", *LoaderConfig.order_fields())
 # The order fields a mixture change may alter (`load_state_dict(..., allow_mixture_change=True)`).
 MIXTURE_FIELDS = ("dataset", "num_samples", "epoch_size")
+
+
+class Stage(Protocol):
+    """A read-side stage's part of the resume state (torchdata.nodes' `get_state` / `reset(state)`)."""
+
+    def state(self) -> dict[str, Any]:
+        """This stage's fields of `LoaderState`."""
+        ...
+
+    def restore(self, saved: LoaderState) -> None:
+        """Continue from a loaded state (each stage reads its own fields)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,9 +10,10 @@ chosen once from the config:
   the steps each world size already took of it (`window_segments`), so an elastic resume plans only
   the window's remaining samples.
 
-Both read and write their fields of `LoaderState` (`get_state` / `from_state`), and tell whether the
-epoch is finished. The readers (the dataset, in the workers) get the same fields through the iteration
-plan; `TokenBudgetSteps.resume_point` is the one place that decides where a resumed window continues.
+Both are read-side stages (`shardkit.loaders.state.Stage`): `state()` gives their fields of `LoaderState`,
+`restore(saved)` takes them back. The readers (the dataset, in the workers) get the same fields through
+the iteration plan; `TokenBudgetSteps.resume_point` is the one place that decides where a resumed window
+continues. Which of the two a loader uses is its batch mode's choice (`shardkit.loaders.batch_modes`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class StepSource(Protocol):
 
     def reset(self) -> None: ...
 
-    def get_state(self) -> dict[str, Any]: ...
+    def state(self) -> dict[str, Any]: ...
 
-    def from_state(self, saved: LoaderState) -> None: ...
+    def restore(self, saved: LoaderState) -> None: ...
 
 
 @dataclass
@@ -56,10 +57,10 @@ class FixedSteps:
     def reset(self) -> None:
         self.consumed = 0
 
-    def get_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"samples_consumed": self.consumed, "window_segments": ()}
 
-    def from_state(self, saved: LoaderState) -> None:
+    def restore(self, saved: LoaderState) -> None:
         self.consumed = saved.samples_consumed
 
 
@@ -85,10 +86,10 @@ class TokenBudgetSteps:
     def reset(self) -> None:
         self.consumed, self.segments = 0, ()
 
-    def get_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {"samples_consumed": self.consumed, "window_segments": self.segments}
 
-    def from_state(self, saved: LoaderState) -> None:
+    def restore(self, saved: LoaderState) -> None:
         self.consumed, self.segments = saved.samples_consumed, saved.window_segments
 
     @staticmethod
@@ -99,7 +100,3 @@ class TokenBudgetSteps:
             return segments[:-1], segments[-1][1]
         return segments, 0
 
-
-def step_source(max_tokens: int | None, token_window: int) -> StepSource:
-    """The step source of a configuration (chosen once)."""
-    return TokenBudgetSteps(token_window) if max_tokens is not None else FixedSteps()

@@ -4,7 +4,7 @@
 `ShardStore`: "decoded" (`shardkit.loaders.decoded_store`), "compressed" or "none"
 (`shardkit.loaders.memory_stores`). The cache opens, holds and prefetches shards through it and never asks
 which mode it runs in; each store decides where a shard comes from on a lookup, what a prefetch keeps, and
-what becomes of a shard completed block by block (`shardkit.loaders.partial`).
+what becomes of a shard completed block by block (`shardkit.loaders.block_reader`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shardkit.formats import ShardArrays, ShardReader, check_decoded, decode_shard
+from shardkit.loaders.block_reader import BlockReader, BlockRequest
 from shardkit.loaders.cache_dir import DECODED_SUFFIX, shard_file, try_exclusive_lock
-from shardkit.loaders.partial import BlockRequest, PartialShard
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.node_cache import private_tree
 from shardkit.storage import Storage
@@ -178,7 +178,7 @@ class CachedShard:
     """
 
     def __init__(self, reader: ShardReader, store: ShardStore, *, nbytes: int = 0, release: Release | None = None,
-                 partial: PartialShard | None = None, adopt: Callable[[], CachedShard | None] | None = None):
+                 partial: BlockReader | None = None, adopt: Callable[[], CachedShard | None] | None = None):
         self.reader, self.nbytes, self.partial = reader, nbytes, partial
         self._store = store
         self._release = release  # None once released
@@ -194,7 +194,7 @@ class CachedShard:
         self.request(local_samples).wait()
 
     def start_index(self) -> None:
-        """Start reading the block index of a shard read block by block (see `PartialShard.start_index`)."""
+        """Start reading the block index of a shard read block by block (see `BlockReader.start_index`)."""
         if self.partial is not None and not self.partial.complete:
             self.partial.start_index()
 
@@ -257,6 +257,6 @@ class ShardStore(Protocol):
         """Keep shard `index`, completed block by block and verified (`data`: its file, if `keeps_bytes`)."""
         ...
 
-    def abandon(self, partial: PartialShard) -> None:
+    def abandon(self, partial: BlockReader) -> None:
         """A reader let go of `partial` before it was complete: finish and keep it, or stop fetching it."""
         ...

@@ -138,3 +138,27 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
             positions = (begin + step * width + np.arange(width)) % num_positions
             np.testing.assert_array_equal(union, np.sort(order[positions]),
                                           err_msg=f"{what} the elastic resume, global step {step}")
+
+
+def check_stage_resume(make_stage: Callable, steps: list[Callable], complete: Callable) -> list[dict]:
+    """One read-side stage's `state()` / `restore(saved)` (`shardkit.loaders.state.Stage`) at every point of a run.
+
+    `make_stage()` builds a fresh stage; each of `steps` advances one (a batch handed out, a shard quarantined, a
+    global batch pinned...); `complete(fields)` makes a whole `LoaderState` around a stage's fields. The run's states
+    are recorded at its start, after each step and at its end; from each, a fresh stage restored must give the same
+    state and, run through the remaining steps, the same states as the uninterrupted run. Returns those states.
+    """
+    reference = make_stage()
+    states = [reference.state()]
+    for step in steps:
+        step(reference)
+        states.append(reference.state())
+    assert len({repr(s) for s in states}) > 1, "the steps never changed the stage's state: nothing was checked"
+    for point, saved in enumerate(states):
+        resumed = make_stage()
+        resumed.restore(complete(saved))
+        assert resumed.state() == saved, f"restored at point {point}: {resumed.state()} != {saved}"
+        for k, step in enumerate(steps[point:], start=point + 1):
+            step(resumed)
+            assert resumed.state() == states[k], f"resumed at point {point}, after step {k}: state differs"
+    return states

@@ -22,7 +22,7 @@ from shardkit.formats.blocks import BlockIndex
 from shardkit.formats.shard_bytes import decode_block
 from shardkit.loaders import cache as cache_module
 from shardkit.loaders.config import CACHE_MODES
-from shardkit.loaders.partial import PartialShard
+from shardkit.loaders.block_reader import BlockReader
 from shardkit.manifest import MANIFEST_NAME, TokenizerInfo, load_manifest
 from shardkit.storage import Storage
 
@@ -96,8 +96,8 @@ def test_cold_first_batch_comes_from_ranged_reads(s3_bucket, s3_endpoint, tmp_pa
     shard = manifest.shards[0]
     # Hold the background completion until the first batch is out, so the count is the first batch's alone.
     first_batch_out = threading.Event()
-    complete = PartialShard._complete
-    monkeypatch.setattr(PartialShard, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
+    complete = BlockReader._complete
+    monkeypatch.setattr(BlockReader, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
     proxy = CountingProxy(s3_endpoint)
     try:
         from shardkit.loaders.dataset import StreamingDataset
@@ -145,8 +145,8 @@ def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket,
     url, options = s3_bucket
     manifest = write_blocks(url, 480, per_shard=240, storage_options=options)
     first_batch_out = threading.Event()
-    complete = PartialShard._complete
-    monkeypatch.setattr(PartialShard, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
+    complete = BlockReader._complete
+    monkeypatch.setattr(BlockReader, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
     reads: list[tuple[str, int, float, float]] = []
     read_range = Storage.read_range
 
@@ -182,7 +182,7 @@ def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monke
     is read again alone, then named, never used."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardkit.loaders import partial as partial_module
+    from shardkit.loaders import block_reader as block_reader_module
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240)
@@ -196,13 +196,13 @@ def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monke
             reads.append((start, end))
         return read_range(self, name, start, end)
 
-    def fresh() -> PartialShard:  # no background completion: every ensure reads its own blocks
+    def fresh() -> BlockReader:  # no background completion: every ensure reads its own blocks
         storage = Storage(url)
-        return PartialShard(lambda: storage, shard, manifest, executor=ThreadPoolExecutor(2))
+        return BlockReader(lambda: storage, shard, manifest, executor=ThreadPoolExecutor(2))
 
     monkeypatch.setattr(Storage, "read_range", counting)
     one_block = blocks[3].byte_end - blocks[3].byte_start
-    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", one_block)
+    monkeypatch.setattr(block_reader_module, "COALESCE_GAP_BYTES", one_block)
     partial = fresh()
     wanted = [blocks[2].sample_start, blocks[4].sample_start, blocks[9].sample_start]
     partial.ensure(wanted)
@@ -212,12 +212,12 @@ def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monke
     between = blocks[3].sample_start  # read with them, checked and decoded too
     assert partial.reader.tokens(between).tolist() == fixed_sample(between, SEQ + 1).tokens.tolist()
 
-    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", 0)  # only blocks that touch
+    monkeypatch.setattr(block_reader_module, "COALESCE_GAP_BYTES", 0)  # only blocks that touch
     reads.clear()
     partial.ensure([blocks[11].sample_start, blocks[12].sample_start, blocks[14].sample_start])
     assert reads == [(blocks[11].byte_start, blocks[12].byte_end), (blocks[14].byte_start, blocks[14].byte_end)]
 
-    monkeypatch.setattr(partial_module, "COALESCE_GAP_BYTES", one_block)
+    monkeypatch.setattr(block_reader_module, "COALESCE_GAP_BYTES", one_block)
     flip_byte(url, shard.name, (blocks[21].byte_start + blocks[21].byte_end) // 2)
     reads.clear()
     with pytest.raises(CorruptShardError, match=rf"{shard.name}: block 21 .* on each of 2 reads"):
@@ -292,13 +292,13 @@ def test_bytes_outside_the_blocks_are_checked_only_where_they_are_kept(tmp_path,
 def test_a_completion_in_many_runs_reuses_its_buffer_without_mixing_blocks(tmp_path, cold_blocks, monkeypatch):
     """The background completion reads each run of blocks into one reused buffer: with runs of ~3 blocks
     (so every run overwrites the previous one's bytes), every sample still arrives intact."""
-    import shardkit.loaders.partial as partial_module
+    import shardkit.loaders.block_reader as block_reader_module
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240, shard_format="arrow")
     shard = manifest.shards[0]
     blocks = block_index(url, shard).blocks
-    monkeypatch.setattr(partial_module, "COMPLETION_RANGE_BYTES", 3 * (blocks[1].byte_end - blocks[1].byte_start))
+    monkeypatch.setattr(block_reader_module, "COMPLETION_RANGE_BYTES", 3 * (blocks[1].byte_end - blocks[1].byte_start))
     reads = count_reads(monkeypatch)
     cache = cache_module.ShardCache(Storage(url), manifest, str(tmp_path / "cache"), cache_mode="none")
     handle = cache.open(0, on_demand=True)

@@ -269,7 +269,7 @@ def test_trainer_reweights_on_resume_only_with_allow_mixture_change(tmp_path, ca
     reweighted = f"{tmp_path}/web:0.9,{tmp_path}/code:0.1"
     with pytest.raises(ValueError, match="allow_mixture_change"):
         run_training(reweighted, 6)
-    with caplog.at_level("INFO", logger="shardkit.loaders.dataset"):
+    with caplog.at_level("INFO", logger="shardkit.loaders.remix"):
         assert run_training(reweighted, 6, allow_mixture_change=True) == 0
     assert "mixture changed at step 3 (epoch 0, position 36)" in caplog.text
     log = [json.loads(line) for line in (run_dir / "samples" / "rank-0.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -82,24 +83,38 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
     assert (from_a, len(ids) - from_a) == (48, 16)
 
 
-def test_trainer_reads_the_manifest_through_the_node_cache(tmp_path, monkeypatch):
-    """The trainer's dataset check and the loader after it hash the manifest once per node, not per read."""
+def test_trainer_fetches_each_manifest_once_and_checks_the_loaders_copy(tmp_path, monkeypatch):
+    """The trainer's data (training and held-out set) fetch each manifest once per process, through the node cache
+    (one hash per node), and its dataset checks read the loader's copy instead of fetching it again."""
     from shardkit import node_cache as cache_module
     from shardkit.train.config import DataConfig
-    from shardkit.train.data import check_dataset
+    from shardkit.train.data import EvalData, TrainStream, check_dataset
+    from shardkit.train.parallel import Runtime
+    from shardkit.train.parallel.mesh import ParallelDims
 
     tokenizer = TokenizerInfo(kind="byte", name="byte", vocab_size=258, pad_id=PAD)
     url = str(tmp_path / "a")
     manifest = write_dataset(url, (padded_sample(i) for i in range(16)), seq_len=SEQ_LEN, packing="bestfit",
                              tokenizer=tokenizer)
-    hashes = []  # the node's first process hashes the JSON as it loads it
-    real = cache_module.load_manifest_and_digest
-    monkeypatch.setattr(cache_module, "load_manifest_and_digest", lambda *a, **k: hashes.append(1) or real(*a, **k))
+    hashes, fetches = [], []  # the node's first process hashes the JSON as it loads it; every fetch loads it
+    hash_and_load, load = cache_module.load_manifest_and_digest, cache_module.load_manifest
+    monkeypatch.setattr(cache_module, "load_manifest_and_digest",
+                        lambda *a, **k: hashes.append(1) or fetches.append(1) or hash_and_load(*a, **k))
+    monkeypatch.setattr(cache_module, "load_manifest", lambda *a, **k: fetches.append(1) or load(*a, **k))
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                      dims=ParallelDims())
     for mode in ("decoded", "none"):
-        config = DataConfig(data=url, batch_size=4, cache_dir=str(tmp_path / mode),
+        fetches.clear()
+        config = DataConfig(data=url, eval_data=url, batch_size=4, cache_dir=str(tmp_path / mode),
                             loader=LoaderConfig(cache_mode=mode))
-        assert check_dataset(url, config, seq_len=SEQ_LEN, what="--data") == manifest
+        train, held_out = TrainStream(config, runtime), EvalData(url, config, runtime)
+        assert check_dataset(train.loader.dataset, seq_len=SEQ_LEN, what="--data") == manifest
+        assert check_dataset(held_out.dataset, seq_len=SEQ_LEN, what="--eval-data") == manifest
+        first = [b["sample_id"].tolist() for b in held_out.batches()]
+        assert [b["sample_id"].tolist() for b in held_out.batches()] == first and first  # the same at each evaluation
+        assert len(fetches) == 2, "a manifest was fetched again (once for the training data, once for the held-out)"
         records = list((tmp_path / mode).rglob("shardkit.json.record"))
         assert len(records) == (mode != "none")  # "none" keeps nothing on disk, not even the record
-        StreamingDataset(url, config.loader, cache_dir=config.cache_dir, rank=0, world_size=1)
-    assert len(hashes) == 1  # the check hashed it for the node; the loader trusted the node's record
+    assert len(hashes) == 1  # the first fetch hashed it for the node; the later ones trusted the node's record
+    with pytest.raises(ValueError, match="--data .* has seq_len 8 but --seq-len is 9"):
+        check_dataset(train.loader.dataset, seq_len=SEQ_LEN + 1, what="--data")

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from shardkit.manifest import Manifest
-from shardkit.storage import Storage
 from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
 
@@ -87,25 +86,18 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
                             storage_options=storage_options(config), **overrides)
 
 
-def check_dataset(spec: str, config: DataConfig, *, seq_len: int | None, what: str) -> Manifest:
-    """The manifest of the dataset (the first stream of a mixture), after checking that every stream
-    holds fixed-length samples the model can take."""
-    from shardkit.node_cache import fetch_manifest
-
-    manifests = []
-    for url, _ in data_entries(spec):
-        storage = Storage(url, storage_options(config))
-        # Through the node cache, as the loader reads it next: one manifest GET and one hash per node,
-        # not one per rank.
-        manifest = fetch_manifest(storage, config.cache_dir, cache_mode=config.loader.cache_mode)
+def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest:
+    """The manifest of a `StreamingDataset` the trainer reads (the first stream of a mixture), after checking that
+    every stream holds fixed-length samples the model can take. The dataset fetched the manifests (through the
+    node cache, once per process): the check reads them there rather than fetching them again."""
+    for stream, manifest in zip(dataset.streams, dataset.manifests):
         if manifest.sample_length is None:
-            raise ValueError(f"{what} {url} holds variable-length samples (packing={manifest.packing!r}); "
+            raise ValueError(f"{what} {stream.url} holds variable-length samples (packing={manifest.packing!r}); "
                              "the trainer needs packed data: rebuild it with a --seq-len")
         if seq_len is not None and manifest.seq_len != seq_len:
-            raise ValueError(f"{what} {url} has seq_len {manifest.seq_len} but --seq-len is {seq_len}")
+            raise ValueError(f"{what} {stream.url} has seq_len {manifest.seq_len} but --seq-len is {seq_len}")
         seq_len = manifest.seq_len  # the streams of a mixture must agree with the first
-        manifests.append(manifest)
-    return manifests[0]
+    return dataset.manifests[0]
 
 
 class TrainStream:
@@ -150,15 +142,15 @@ class EvalData:
     """The held-out set: the same first `eval_batches` batches per rank at every evaluation."""
 
     def __init__(self, url: str, config: DataConfig, runtime: Runtime):
-        self.url, self.config, self.runtime = url, config, runtime
+        self.url, self.config = url, config
+        # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
+        # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
+        self.dataset = _dataset(url, config, runtime, shuffle=False, skip_samples=(), quarantine_list=None)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
 
-        # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
-        loader = StreamingDataLoader(_dataset(self.url, self.config, self.runtime, shuffle=False, skip_samples=(),
-                                              quarantine_list=None),
-                                     batch_size=self.config.batch_size, num_workers=0)
+        loader = StreamingDataLoader(self.dataset, batch_size=self.config.batch_size, num_workers=0)
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
         count = min(self.config.eval_batches, len(loader))

@@ -85,9 +85,12 @@ def build(config: TrainConfig) -> Run:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
     check_metrics_ports(config.logging.metrics_port, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
-    manifest = check_dataset(config.data.data, config.data, seq_len=config.model.seq_len, what="--data")
-    if config.data.eval_data:
-        held_out = check_dataset(config.data.eval_data, config.data, seq_len=manifest.seq_len, what="--eval-data")
+    # The loaders fetch each manifest once (through the node cache); the checks read theirs.
+    data = TrainStream(config.data, runtime)
+    manifest = check_dataset(data.loader.dataset, seq_len=config.model.seq_len, what="--data")
+    eval_data = EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None
+    if eval_data is not None:
+        held_out = check_dataset(eval_data.dataset, seq_len=manifest.seq_len, what="--eval-data")
         check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
     vocab = manifest.tokenizer.vocab_size
@@ -123,8 +126,7 @@ def build(config: TrainConfig) -> Run:
     checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
-              scheduler=scheduler, data=TrainStream(config.data, runtime),
-              eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
+              scheduler=scheduler, data=data, eval_data=eval_data,
               checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
               precision=precision.name, flops_per_token=flops_per_token(model_config, num_parameters),
               peak_flops=peak_flops(runtime.device, precision=precision.name),

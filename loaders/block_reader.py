@@ -1,4 +1,5 @@
-"""`PartialShard`: a format v2 shard read block by block, before it is local.
+"""`BlockReader`: a format v2 shard read block by block, before it is local (not `partial_batches`, which is
+what an epoch does with its last, smaller batch).
 
 The shard's arrays are allocated whole from the manifest's counts and filled as blocks arrive. Before a
 batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
@@ -55,9 +56,9 @@ _MISSING, _CLAIMED, _DONE = 0, 1, 2
 
 @dataclass
 class BlockRequest:
-    """Reads started by `PartialShard.request`; `wait()` returns once their blocks are verified and placed."""
+    """Reads started by `BlockReader.request`; `wait()` returns once their blocks are verified and placed."""
 
-    shard: PartialShard | None = None
+    shard: BlockReader | None = None
     needed: list[int] = field(default_factory=list)
     local_runs: list[tuple[int, int]] = field(default_factory=list)  # read by `wait`, in the caller's thread
     futures: list[Future] = field(default_factory=list)
@@ -70,7 +71,7 @@ class BlockRequest:
             self.shard._wait(self)
 
 
-class PartialShard:
+class BlockReader:
     """A v2 shard whose blocks are fetched, verified and decoded on demand, and completed in the background.
 
     Args:
