@@ -14,7 +14,10 @@ On ../shared/corpora/mix.jsonl.zst (override with --corpus) with the r50k (GPT-2
     alternating with this one run by run so that both see the same machine;
 (4) the physical limits on one core, over the source's .bin bytes: zstd at --level in 1 MiB pieces (an
     Arrow shard's record batches, through pyarrow's codec as the shard writer uses it), SHA-256 (shard,
-    block and source hashes) and CRC-32, and a memory copy.
+    block and source hashes) and CRC-32, and a memory copy;
+(5) the compression limit (issue 36: convert's goal is >= 60% of it): zstd at --level plus SHA-256 of the
+    source and of the compressed bytes, 1 MiB pieces on one thread per core available (and on one thread),
+    in the same run as the conversions; each conversion is stated as a fraction of it.
 
 Every figure is the median of --runs runs. Prints a table, writes JSON (--out).
     python benchmarks/bench_convert.py --runs 3 --repeat 2 --out bench_out/convert.json
@@ -102,6 +105,7 @@ def convert(prefixes: list[Path], work: Path, workers: int, runs: int, level: in
         results[name] = {"workers": workers, "tokens": tokens, "process_seconds": wall, "runs": walls[name],
                          "tokens_per_second": tokens / wall, "bytes_per_second": report["bytes"]["in"] / wall,
                          "report_seconds": statistics.median(r["timing"]["seconds"] for r in reports[name]),
+                         "source_bytes": report["bytes"]["in"],
                          "compressed_bytes": report["totals"]["compressed_bytes"]}
     return results
 
@@ -135,6 +139,39 @@ def limits(prefixes: list[Path], level: int, runs: int) -> dict[str, float]:
     return rates
 
 
+def compression_limit(prefixes: list[Path], level: int, runs: int) -> dict[str, float]:
+    """The rate (source bytes/s) at which this machine can do what a conversion cannot avoid, on all its cores:
+    zstd at `level` in 1 MiB pieces (pyarrow's codec, as the shard writer uses it), SHA-256 of the source bytes
+    (the fingerprint's) and of the compressed bytes (the shard's); one thread per core available (what
+    `--encode-threads` defaults to), and one thread for the scaling."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+
+    from shardkit.tools.executors import available_cores
+
+    data = pa.py_buffer(b"".join(p.with_suffix(".bin").read_bytes() for p in prefixes[:2]))
+    piece = 1 << 20
+    pieces = [data.slice(start, min(piece, data.size - start)) for start in range(0, data.size, piece)]
+
+    def encode(part: pa.Buffer) -> None:
+        compressed = pa.Codec("zstd", compression_level=level).compress(part)
+        hashlib.sha256(part).digest()
+        hashlib.sha256(compressed).digest()
+
+    rates = {}
+    for threads in sorted({1, available_cores()}):
+        seconds = []
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(runs):
+                began = time.perf_counter()
+                list(pool.map(encode, pieces))
+                seconds.append(time.perf_counter() - began)
+        rates[f"threads_{threads}"] = data.size / statistics.median(seconds)
+    return {"cores": available_cores(), "bytes": data.size, **rates}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=SHARED / "corpora" / "mix.jsonl.zst")
@@ -153,6 +190,7 @@ def main() -> None:
         copy = copy_rate(prefixes, work, args.runs)
         converted = {w: convert(prefixes, work, w, args.runs, args.level, pythons) for w in (1, 2)}
         results = {"build": build, "copy": copy, "limits": limits(prefixes, args.level, args.runs),
+                   "compression_limit": compression_limit(prefixes, args.level, args.runs),
                    "convert": [converted[w]["this"] for w in (1, 2)],
                    "compare": [converted[w]["compare"] for w in (1, 2)] if args.compare else None}
     first = results["convert"][0]
@@ -161,13 +199,19 @@ def main() -> None:
     print(f"copy: {copy['bytes_per_second'] / 1e6:.0f} MB/s")
     print("one core: " + ", ".join(f"{name} {rate / 1e6:.0f} MB/s" for name, rate in results["limits"].items()
                                     if name != "zstd_ratio") + f" (zstd ratio {results['limits']['zstd_ratio']:.2f})")
+    limit = results["compression_limit"]
+    on_all = limit[f"threads_{limit['cores']}"]
+    print(f"zstd level {args.level} + SHA-256 (source and compressed): {limit['threads_1'] / 1e6:.0f} MB/s on one "
+          f"thread, {on_all / 1e6:.0f} MB/s on all {limit['cores']} cores (the compression limit)")
     print(f"build (re-tokenize, w=2): {build['tokens_per_second'] / 1e6:.2f}M tokens/s "
           f"-> {first['tokens'] / build['tokens_per_second']:.1f} s for the source's tokens")
     for label in ("convert", "compare"):
         for c in results[label] or ():
             print(f"{label} w={c['workers']}: {c['tokens_per_second'] / 1e6:.2f}M tokens/s, "
                   f"{c['bytes_per_second'] / 1e6:.0f} MB/s ({c['bytes_per_second'] / copy['bytes_per_second']:.1%} of "
-                  f"copy), {c['process_seconds']:.2f} s (runs {', '.join(f'{r:.2f}' for r in c['runs'])}), "
+                  f"copy, {c['bytes_per_second'] / on_all:.0%} of the compression limit; "
+                  f"{c['source_bytes'] / c['report_seconds'] / on_all:.0%} over the report's seconds, without the "
+                  f"interpreter's start-up), {c['process_seconds']:.2f} s (runs {', '.join(f'{r:.2f}' for r in c['runs'])}), "
                   f"{c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

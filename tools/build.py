@@ -33,6 +33,7 @@ from shardkit.tools import state as build_state
 from shardkit.tools.config import BuildConfig, build_record, parse_compression, parse_size, resume_key
 from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
 from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
+from shardkit.tools.encode_threads import choose_encode_threads
 from shardkit.tools.executors import available_cores, make_executor
 from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.tools.packing import Packer, make_packer
@@ -42,10 +43,6 @@ __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_
            "print_summary", "run_build", "run_pipeline"]
 
 logger = logging.getLogger(__name__)
-# Shards compressed, hashed and stored in background threads while the parent packs the next ones: the
-# parent's zstd is the build's last serial step (see benchmarks/RESULTS.md, convert). Two keep a second
-# core busy without holding more than three shards in memory.
-ENCODE_THREADS = 2
 
 
 def _special(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
@@ -309,7 +306,7 @@ def emit(run: BuildRun, executor) -> None:
                              max_bytes=config.shard_size, compression_level=config.compression_level,
                              start_index=len(run.shards), on_shard_done=lambda shard: _shard_done(run, shard),
                              on_shard_cut=lambda index: _shard_cut(run, index),
-                             encode_threads=ENCODE_THREADS)
+                             encode_threads=choose_encode_threads(config.shard_size, config.encode_threads))
     units = run.side.units(run.start)
     progress = Progress(run.files, enabled=config.progress)
     next_unit = run.start[0]

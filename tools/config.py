@@ -140,6 +140,10 @@ class BuildConfig:
                                records="output", when=lambda config: config.packing == "bestfit", metavar="WINDOWS")
     workers: int | None = option(None, "parallel tokenizer processes (or Ray tasks in flight); default: the cores "
                                        "available to this process. The output does not depend on it", metavar="N")
+    encode_threads: int | None = option(
+        None, "shards compressed, hashed and stored at once in background threads while the next ones are packed "
+              "(0: in the main thread); default: one per core available, as many as half the available memory holds "
+              "at 3x --shard-size each. The output does not depend on it", metavar="N")
     executor: str = option("local", "'local': worker processes on this machine; 'ray': Ray tasks (see "
                                     "--ray-address). Same output either way",
                            choices=registry("shardkit.tools.executors", "EXECUTORS"), metavar="KIND")
@@ -171,6 +175,8 @@ class BuildConfig:
                 raise ValueError(f"{flag(f)} must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.encode_threads is not None and self.encode_threads < 0:
+            raise ValueError(f"--encode-threads must be >= 0, got {self.encode_threads}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"--compression level must be in 1-22, got {self.compression_level}")
         for name in ("shard_size", "max_doc_chars", "bestfit_buffer", "unit_bytes", "bestfit_open"):

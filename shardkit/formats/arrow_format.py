@@ -94,10 +94,27 @@ def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
     return memoryview(sink.getvalue()), raw
 
 
-def _flat(column: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.flatten().to_numpy(zero_copy_only=False)
-    return offsets - offsets[0], values.astype(dtype, copy=False)
+def _flat(column: pa.ListArray, dtype: np.dtype, *, shard: str, number: int) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's offsets (from 0, int64) and the values they cover, read straight from its Arrow buffers:
+    `to_numpy` and `flatten` give the same arrays but import pandas (when installed) and pyarrow.compute on first
+    use, most of a fresh process's first batch. The values stay a read-only view of the decompressed buffer, as
+    `to_numpy`'s zero-copy path left them."""
+    child = column.values
+    try:
+        bounds = (np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=4 * column.offset)
+                  if len(column) else np.zeros(1, dtype=np.int32))
+        lo, hi = int(bounds[0]), int(bounds[-1])
+        if lo < 0 or hi < lo or hi > len(child):
+            raise ValueError(f"list offsets [{lo}, {hi}) fall outside the {len(child)} values")
+        nulls = column.null_count or child.slice(lo, hi - lo).null_count
+        kind = np.dtype(str(child.type))  # the schema was checked: uint16, uint32, int32 or int64
+        values = (np.frombuffer(child.buffers()[1], dtype=kind, count=hi - lo, offset=kind.itemsize * (child.offset + lo))
+                  if hi > lo else np.zeros(0, dtype=kind))
+    except (TypeError, ValueError) as err:  # a missing buffer, or one shorter than the lengths it declares
+        raise CorruptShardError(shard, f"record batch {number}: a list column is corrupt ({err})") from err
+    if nulls:  # inside the lists too: numpy would turn them into arbitrary token ids
+        raise CorruptShardError(shard, f"record batch {number} holds nulls")
+    return bounds.astype(np.int64) - lo, values.astype(dtype, copy=False)
 
 
 def decode_arrow(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
@@ -134,16 +151,13 @@ def _new_parts() -> dict[str, list[np.ndarray]]:
 
 def _add_batch(parts: dict[str, list[np.ndarray]], batch: pa.RecordBatch, *, dtype: np.dtype, has_docs: bool,
                shard: str, number: int) -> None:
-    # Nulls inside the lists count too: numpy would turn them into arbitrary token ids.
-    if any(batch.column(i).null_count or batch.column(i).flatten().null_count for i in range(batch.num_columns)):
-        raise CorruptShardError(shard, f"record batch {number} holds nulls")
-    offsets, values = _flat(batch.column("tokens"), dtype)
+    offsets, values = _flat(batch.column("tokens"), dtype, shard=shard, number=number)
     parts["tokens"].append(values)
     parts["lengths"].append(np.diff(offsets))
     if has_docs:
-        doc_offsets, starts = _flat(batch.column("doc_starts"), DOC_STARTS_DTYPE)
+        doc_offsets, starts = _flat(batch.column("doc_starts"), DOC_STARTS_DTYPE, shard=shard, number=number)
         for name, kind in (("doc_source", DOC_SOURCE_DTYPE), ("doc_index", DOC_INDEX_DTYPE)):
-            other_offsets, values = _flat(batch.column(name), kind)
+            other_offsets, values = _flat(batch.column(name), kind, shard=shard, number=number)
             if not np.array_equal(other_offsets, doc_offsets):
                 raise CorruptShardError(shard, f"record batch {number}: {name} does not line up with doc_starts")
             parts[name].append(values)

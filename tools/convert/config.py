@@ -75,6 +75,7 @@ class ConvertConfig:
     bestfit_open: int = same_as_build("bestfit_open")
     workers: int | None = same_as_build("workers", help="parallel reader processes (or Ray tasks in flight); "
                                                         "default: the cores available. The output does not depend on it")
+    encode_threads: int | None = same_as_build("encode_threads")
     executor: str = same_as_build("executor")
     ray_address: str | None = same_as_build("ray_address")
     overwrite: bool = same_as_build("overwrite")
@@ -92,7 +93,7 @@ class ConvertConfig:
             raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"--compression level must be in 1-22, got {self.compression_level}")
-        check_fields(self, minimums={"workers": 1, "shard_size": 1, "bestfit_buffer": 1, "bestfit_open": 0,
+        check_fields(self, minimums={"workers": 1, "encode_threads": 0, "shard_size": 1, "bestfit_buffer": 1, "bestfit_open": 0,
                                      "unit_bytes": 1})
 
 

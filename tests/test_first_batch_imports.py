@@ -1,0 +1,80 @@
+"""The first batch imports only what reading needs (issue 36): no pandas and no pyarrow.compute, which pyarrow's
+`to_numpy`/`flatten` pulled in (0.2-0.3 s of a fresh process's first batch) whenever pandas is installed; and the
+buffer reads that replaced them give the same arrays."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from loader_helpers import write_fixed
+from shardkit.errors import CorruptShardError
+from shardkit.formats.arrow_format import _flat
+
+# Runs in a fresh interpreter: the whole-shard path (the decoded cache) and the cold path (block by block,
+# WHOLE_READ_BYTES 0 as in test_blocks), each through StreamingDataLoader; sys.modules is read after each.
+CHILD = """
+import json, sys, tempfile
+from shardkit.loaders import StreamingDataLoader, StreamingDataset
+from shardkit.loaders import cache as cache_module
+
+def first_batch(url, cold):
+    cache_module.WHOLE_READ_BYTES = 0 if cold else 1 << 40
+    dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1)
+    batch = next(iter(StreamingDataLoader(dataset, batch_size=4, num_workers=0)))
+    assert batch["tokens"].shape[0] == 4
+    return {"pandas": "pandas" in sys.modules, "pyarrow.compute": "pyarrow.compute" in sys.modules}
+
+print(json.dumps({path: first_batch(url, cold) for path, url, cold in
+                  (("whole shard", sys.argv[1], False), ("cold blocks", sys.argv[1], True))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard_format", ["arrow", "tar"])
+def test_first_batch_imports_neither_pandas_nor_pyarrow_compute(tmp_path, shard_format):
+    if importlib.util.find_spec("pandas") is None:
+        pytest.skip("pandas is not installed: the import this test guards against cannot happen here")
+    url = str(tmp_path / "ds")
+    write_fixed(url, 96, seq_len=16, per_shard=48, shard_format=shard_format)
+    result = subprocess.run([sys.executable, "-c", CHILD, url], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    imported = json.loads(result.stdout.splitlines()[-1])
+    assert imported == {path: {"pandas": False, "pyarrow.compute": False} for path in ("whole shard", "cold blocks")}
+
+
+def _reference(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """What `_flat` returned before, through pyarrow's own conversions."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    return offsets - offsets[0], column.flatten().to_numpy(zero_copy_only=False)
+
+
+@pytest.mark.parametrize("value_type", [pa.uint16(), pa.uint32(), pa.int32(), pa.int64()])
+def test_buffer_reads_match_pyarrow_on_sliced_and_empty_lists(value_type):
+    """`_flat` reads the buffers itself: slice offsets of the lists and of their values must both apply."""
+    lists = [[1, 2, 3], [], [4], [5, 6, 7, 8], [9, 10]]
+    empty = pa.ListArray.from_arrays(pa.array([0], type=pa.int32()), pa.array([], type=value_type))
+    whole = pa.array(lists, type=pa.list_(value_type))
+    # A list array over a sliced child: the child's own offset must be applied too.
+    shifted_child = pa.ListArray.from_arrays(pa.array([0, 2, 2, 5], type=pa.int32()),
+                                             pa.array([99, 1, 2, 3, 4, 5], type=value_type).slice(1))
+    for column in (whole, whole.slice(1, 3), whole.slice(3), whole.slice(2, 0), shifted_child, shifted_child.slice(1),
+                   empty):
+        offsets, values = _flat(column, np.dtype(str(value_type)), shard="s", number=0)
+        want_offsets, want_values = _reference(column)
+        np.testing.assert_array_equal(offsets, want_offsets)
+        np.testing.assert_array_equal(values, want_values)
+        assert offsets.dtype == np.int64 and values.dtype == np.dtype(str(value_type))
+
+
+def test_nulls_in_the_lists_or_their_values_are_corrupt():
+    with pytest.raises(CorruptShardError, match="record batch 3 holds nulls"):
+        _flat(pa.array([[1, None]], type=pa.list_(pa.uint16())), np.dtype(np.uint16), shard="s", number=3)
+    with pytest.raises(CorruptShardError, match="record batch 3 holds nulls"):
+        _flat(pa.array([[1], None], type=pa.list_(pa.uint16())), np.dtype(np.uint16), shard="s", number=3)
