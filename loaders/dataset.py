@@ -28,6 +28,7 @@ from shardkit.loaders.effective_order import effective_order
 from shardkit.loaders.fingerprint import data_fingerprint
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order, OrderConfig
+from shardkit.loaders.parent_watch import watch_parent
 from shardkit.loaders.partition import steps_in_epoch
 from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_list
 from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
@@ -409,4 +410,7 @@ class StreamingDataset(IterableDataset):
 def _worker() -> tuple[int, int]:
     """(this DataLoader worker, number of workers); (0, 1) outside workers."""
     info = get_worker_info()
-    return (info.id, info.num_workers) if info is not None else (0, 1)
+    if info is None:
+        return 0, 1
+    watch_parent()  # a worker must not outlive its parent (shardkit.loaders.parent_watch)
+    return info.id, info.num_workers

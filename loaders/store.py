@@ -9,7 +9,6 @@ what becomes of a shard completed block by block (`shardkit.loaders.partial`).
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable
@@ -160,8 +159,8 @@ def claim_download(context: StoreContext, index: int) -> Release | None:
     a function that gives it back, or None when another process of the node holds it."""
     path = context.path(index)
     context.private_dirs(path)
-    fd = try_exclusive_lock(path + ".dl")
-    return None if fd is None else functools.partial(os.close, fd)
+    download = try_exclusive_lock(path + ".dl")
+    return None if download is None else download.close
 
 
 class CachedShard:
