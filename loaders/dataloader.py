@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
+from shardkit.loaders.closing import closed_at_exit
 from shardkit.loaders.dataset import StreamingDataset
 from shardkit.loaders.rank_steps import IterationPlan
 from shardkit.loaders.tensors import batch_to_tensors
@@ -192,6 +193,7 @@ class StreamingDataLoader(DataLoader):
                     self._epoch, len(self), global_batch, "drops" if left >= 0 else "pads", abs(left), policy,
                     f": last batch {last} samples per rank" if last is not None else "")
 
+    @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def _read(self, topology: Topology, *, steps: int | None) -> Iterator[dict[str, torch.Tensor]]:
         """Hand out the batches of one reader run: the rest of the epoch, or `steps` steps of it."""
         if self._iterator is not None and not self._workers_in_sync:
