@@ -66,19 +66,20 @@ def test_a_handle_collected_inside_its_shards_lock_is_closed_without_a_deadlock(
     assert cache.is_cached(0), "the dropped handle's shard was finished and stored, as a closed one's is"
 
 
-def test_a_same_size_shard_swapped_in_is_refused_cleanly_with_collections_everywhere(blocks_url, tmp_path):
+def test_a_same_size_shard_swapped_in_is_refused_cleanly_with_collections_everywhere(tmp_path):
     """`cache_mode="compressed"`, a cold cache, and a shard replaced by another valid shard of the same size
     (only the hash tells them apart), with the collector running at nearly every allocation so that it runs
     inside the read path's locked sections: the read raises `CorruptShardError` naming the shard, and
-    returns (it used to hang in a handle's `__del__`)."""
+    returns (it used to hang in a handle's `__del__`, the case of issue 34)."""
     from shardkit import StreamingDataLoader, StreamingDataset
 
-    manifest = load_manifest(blocks_url)
+    url = str(tmp_path / "ds")
+    manifest = write_fixed(url, 4000, per_shard=1000, seq_len=512)  # 2.5 MB shards: read block by block
     first, second = manifest.shards[0], manifest.shards[1]
     assert first.compressed_bytes == second.compressed_bytes
-    shutil.copy(os.path.join(blocks_url, second.name), os.path.join(blocks_url, first.name))
-    dataset = StreamingDataset(blocks_url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1,
-                               cache_mode="compressed", chunk_samples=16)
+    shutil.copy(os.path.join(url, second.name), os.path.join(url, first.name))
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1,
+                               cache_mode="compressed")
     outcome: list[BaseException | None] = []
 
     def read() -> None:
@@ -108,6 +109,7 @@ def test_a_same_size_shard_swapped_in_is_refused_cleanly_with_collections_everyw
 EXITS = {
     # 34.15: a `break` out of the loader's loop, the iterator still held by a global.
     "loader_iterator_kept": """
+        import torch  # first, as a training script does: the teardown's order depends on it
         from shardkit import StreamingDataLoader, StreamingDataset
         dataset = StreamingDataset(URL, cache_dir=CACHE, rank=0, world_size=1)
         iterator = iter(StreamingDataLoader(dataset, batch_size=8))

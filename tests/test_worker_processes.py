@@ -254,7 +254,8 @@ def test_workers_exit_when_their_training_process_dies_hard(tmp_path, figures, d
         died = time.monotonic()
         out.seek(0)
         printed = out.read()
-    workers = next((list(map(int, line.split()[1:])) for line in printed.splitlines() if line.startswith("WORKERS")), [])
+    workers = next((list(map(int, line.split()[1:])) for line in printed.splitlines()
+                    if line.startswith("WORKERS")), [])
     assert len(workers) == 2, printed
     deadline = died + ORPHAN_SECONDS
     alive = workers
