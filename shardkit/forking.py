@@ -52,7 +52,7 @@ class LockFile:
         with _descriptors_lock:
             self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             _descriptors.add(self.fd)
-        self._pid = os.getpid()
+            self._pid = os.getpid()
 
     def lock(self, *, shared: bool = False, wait: bool = True) -> bool:
         """Take the file's flock (shared or exclusive); without `wait`, False when another holds it."""
