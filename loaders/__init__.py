@@ -17,6 +17,9 @@ Modules, one job each:
 - `decoded_store`, `memory_stores`: the stores of `cache_mode` "decoded" (decode once, mmap, LRU eviction),
   "compressed" and "none" (decoded into memory at each open).
 - `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
+- `closing`: what a reader left open is closed outside the garbage collector and before the interpreter's
+  teardown (a shard handle's `__del__` takes no lock; unfinished reading generators are closed at exit).
+- `parent_watch`: a DataLoader worker ends as soon as its parent process is gone.
 - `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
 - `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
   prefetches them; numpy batches -> tensors (and bundles for worker pipes).
