@@ -99,11 +99,13 @@ def test_workers_forked_while_a_parent_thread_holds_a_download_lock(tmp_path):
     dataset = StreamingDataset(url, cache_dir=cache_dir, shuffle=False, rank=0, world_size=1, prefetch=False)
     holding = threading.Event()
 
+    others = set(descendants(os.getpid()))  # e.g. a moto server an earlier test started
+
     def download_shard_0() -> None:  # what `DecodedStore._fetch` holds while it downloads, as a real reader would
         release = dataset.caches[0].store.claim(0)
         holding.set()
         deadline = time.monotonic() + 30
-        while len(descendants(os.getpid())) < 2 and time.monotonic() < deadline:
+        while len(set(descendants(os.getpid())) - others) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the loader forked its workers
         time.sleep(0.5)
         release()
