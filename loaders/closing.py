@@ -31,6 +31,7 @@ from shardkit.forking import restart_after_fork
 logger = logging.getLogger(__name__)
 
 _open_generators: weakref.WeakSet = weakref.WeakSet()
+_open_generators_lock = threading.Lock()  # generators start in any thread; the exit hook lists them
 
 
 class Closer:
@@ -85,15 +86,26 @@ def closed_at_exit(generator_function: Callable[..., Generator]) -> Callable[...
     @functools.wraps(generator_function)
     def start(*args, **kwargs) -> Generator:
         generator = generator_function(*args, **kwargs)
-        _open_generators.add(generator)
+        with _open_generators_lock:
+            _open_generators.add(generator)
         return generator
 
     return start
 
 
+def _new_lock_in_child() -> None:
+    global _open_generators_lock
+    _open_generators_lock = threading.Lock()  # another thread may have held the parent's at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 @atexit.register
 def _close_open_generators() -> None:
-    for generator in list(_open_generators):
+    with _open_generators_lock:
+        generators = list(_open_generators)
+    for generator in generators:
         try:
             generator.close()
         except Exception as err:  # noqa: BLE001 - e.g. one running in a daemon thread right now: leave it

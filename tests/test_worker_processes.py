@@ -233,7 +233,9 @@ def train():
     os._exit(3)
 
 if IN_THREAD:  # a loader iterated in another thread: its workers are not tied to the main thread's end
-    threading.Thread(target=train).start()
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()  # (a main thread that ends first starts the interpreter's shutdown: no thread pool then)
 else:
     train()
 """
