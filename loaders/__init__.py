@@ -19,6 +19,9 @@ Modules, one job each:
   "compressed" and "none" (decoded into memory at each open).
 - `block_reader`: `BlockReader`, a format v2 shard read block by block (verified) before it is local.
 - `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
+- `closing`: what a reader left open is closed outside the garbage collector and before the interpreter's
+  teardown (a shard handle's `__del__` takes no lock; unfinished reading generators are closed at exit).
+- `parent_watch`: a DataLoader worker ends as soon as its parent process is gone.
 - `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
 - `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
   prefetches them; numpy batches -> tensors (and bundles for worker pipes).

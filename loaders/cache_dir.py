@@ -17,11 +17,11 @@ The directories themselves are private (`shardkit.node_cache.private_tree`: mode
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from collections.abc import Iterator
 
 from shardkit import metrics
+from shardkit.forking import LockFile
 from shardkit.manifest import ShardInfo
 from shardkit.names import check_relative_name
 from shardkit.storage import TEMPORARY_MARK
@@ -46,32 +46,27 @@ def shard_file(directory: str, shard: ShardInfo, suffix: str) -> str:
 
 
 # -- locks -----------------------------------------------------------------------------------------
-def lock_file(path: str) -> int:
-    """A descriptor of lock file `path` (created if missing), for `flock`."""
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-
-
+# Every lock file is opened as a `LockFile`: a DataLoader worker forked while a thread of its parent holds a
+# lock must not hold it too (`shardkit.forking`).
 @contextlib.contextmanager
 def exclusive_lock(path: str) -> Iterator[None]:
     """Hold the exclusive `flock` of lock file `path` (waiting for it)."""
-    fd = lock_file(path)
+    lock = LockFile(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        lock.lock()
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.close()  # releases the lock
 
 
-def try_exclusive_lock(path: str) -> int | None:
-    """The descriptor holding the exclusive `flock` of lock file `path`, or None when another holds it
-    (closing the descriptor releases the lock)."""
-    fd = lock_file(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+def try_exclusive_lock(path: str) -> LockFile | None:
+    """The lock file `path` holding its exclusive `flock`, or None when another holds it (`close()` releases
+    the lock)."""
+    lock = LockFile(path)
+    if not lock.lock(wait=False):
+        lock.close()
         return None
-    return fd
+    return lock
 
 
 # -- files -----------------------------------------------------------------------------------------
@@ -111,10 +106,10 @@ def _scan_decoded(cache_root: str) -> list[tuple[float, int, str]]:
 def _try_evict(path: str) -> bool:
     """Remove decoded file `path` unless a live reader holds it; True when removed."""
     try:
-        fd = try_exclusive_lock(path + ".lock")
+        lock = try_exclusive_lock(path + ".lock")
     except FileNotFoundError:
         return False
-    if fd is None:
+    if lock is None:
         return False  # a live reader holds it
     try:
         os.unlink(path)
@@ -123,7 +118,7 @@ def _try_evict(path: str) -> bool:
     except FileNotFoundError:
         return False
     finally:
-        os.close(fd)
+        lock.close()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
+from shardkit.loaders.closing import closed_at_exit
 from shardkit.loaders.dataset import StreamingDataset
 from shardkit.loaders.rank_steps import IterationPlan
 from shardkit.loaders.tensors import batch_to_tensors
@@ -171,6 +172,7 @@ class StreamingDataLoader(DataLoader):
                              bundle=self._bundle_size() if self.num_workers else 1, segments=self._steps.segments,
                              quarantine=self._quarantine.entries, steps=steps)
 
+    @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def _read(self, topology: Topology, *, steps: int | None) -> Iterator[dict[str, torch.Tensor]]:
         """Hand out the batches of one reader run: the rest of the epoch, or `steps` steps of it."""
         if self._iterator is not None and not self._workers_in_sync:

@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardkit.loaders.config import LoaderConfig, loader_config
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order
+from shardkit.loaders.parent_watch import watch_parent
 from shardkit.loaders.rank_steps import IterationPlan
 from shardkit.loaders.read_plan import ReadPlan
 from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
@@ -237,4 +238,7 @@ class StreamingDataset(IterableDataset):
 def _worker() -> tuple[int, int]:
     """(this DataLoader worker, number of workers); (0, 1) outside workers."""
     info = get_worker_info()
-    return (info.id, info.num_workers) if info is not None else (0, 1)
+    if info is None:
+        return 0, 1
+    watch_parent()  # a worker must not outlive its parent (shardkit.loaders.parent_watch)
+    return info.id, info.num_workers

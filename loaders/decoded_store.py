@@ -19,7 +19,7 @@ truncated, damaged) is removed with a warning naming it and decoded again, never
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import functools
 import logging
 import os
 import threading
@@ -27,6 +27,7 @@ import time
 
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
+from shardkit.forking import LockFile
 from shardkit.formats import (
     ShardArrays,
     ShardReader,
@@ -39,7 +40,6 @@ from shardkit.formats import (
 from shardkit.loaders.cache_dir import (
     CacheLimitError,
     exclusive_lock,
-    lock_file,
     make_room,
     remove_stale_temporaries,
     room_lock,
@@ -84,9 +84,9 @@ class DecodedStore:
         context = self._context
         shard, path = context.manifest.shards[index], context.path(index)
         context.private_dirs(path)
-        fd = lock_file(path + ".lock")
+        reading = LockFile(path + ".lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            reading.lock(shared=True)
             fresh = None
             if os.path.exists(path):
                 context.stats.hits += 1
@@ -101,19 +101,19 @@ class DecodedStore:
             else:
                 # The lock file's mtime is the last use (eviction is least recently used); the decoded
                 # file's own mtime stays its write time, part of the identity its CRC check is kept under.
-                os.utime(fd)
+                os.utime(reading.fd)
                 reader = self._open_bound(shard, path)
                 nbytes = os.path.getsize(path)
         except BaseException:
-            os.close(fd)
+            reading.close()
             raise
         with self._lock:
             self._held_bytes += nbytes
         metrics.inc("shardkit_cache_held_bytes", nbytes)
-        return CachedShard(reader, self, nbytes=nbytes, release=lambda: self._release(fd, nbytes))
+        return CachedShard(reader, self, nbytes=nbytes, release=functools.partial(self._release, reading, nbytes))
 
-    def _release(self, fd: int, nbytes: int) -> None:
-        os.close(fd)  # releases the shared lock: eviction may remove the shard again
+    def _release(self, reading: LockFile, nbytes: int) -> None:
+        reading.close()  # releases the shared lock: eviction may remove the shard again
         with self._lock:
             self._held_bytes -= nbytes
         metrics.inc("shardkit_cache_held_bytes", -nbytes)
@@ -168,12 +168,10 @@ class DecodedStore:
     # -- downloading ---------------------------------------------------------------------------
     def _fetch(self, shard: ShardInfo, path: str, *, block: bool) -> bool:
         handoff = self._context.handoff
-        fd = lock_file(path + ".dl")
+        download = LockFile(path + ".dl")
         handoff.begin(path)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-            except BlockingIOError:
+            if not download.lock(wait=block):
                 return False
             if os.path.exists(path):
                 return True  # another process finished it while we waited
@@ -182,7 +180,7 @@ class DecodedStore:
             return self._admit(path, arrays, shard=shard, wait=block)
         finally:
             handoff.end(path)
-            os.close(fd)
+            download.close()
 
     def _download(self, shard: ShardInfo) -> ShardArrays:
         context = self._context

@@ -17,6 +17,7 @@ import numpy as np
 
 from shardkit import metrics
 from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
+from shardkit.loaders.closing import closed_at_exit
 from shardkit.loaders.topology import Topology
 from shardkit.manifest import Manifest
 
@@ -49,6 +50,7 @@ class BatchReader:
         self.sample_length, self.token_dtype, self.pad_id = sample_length, token_dtype, pad_id
         self.with_segments, self.dense_segments, self.prefetch = with_segments, dense_segments, prefetch
 
+    @closed_at_exit
     def batches(self, chunks: Iterator[np.ndarray], topo: Topology) -> Iterator[dict[str, np.ndarray]]:
         """The batches of `chunks` (sample ids [steps, batch], in order): holds the shards a chunk needs
         and prefetches the next chunk's while it is read."""

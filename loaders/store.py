@@ -9,7 +9,6 @@ what becomes of a shard completed block by block (`shardkit.loaders.block_reader
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Protocol
 
 from shardkit.formats import ShardArrays, ShardReader, check_decoded, decode_shard
 from shardkit.loaders.block_reader import BlockReader, BlockRequest
+from shardkit.loaders.closing import closer
 from shardkit.loaders.cache_dir import DECODED_SUFFIX, shard_file, try_exclusive_lock
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.node_cache import private_tree
@@ -160,8 +160,8 @@ def claim_download(context: StoreContext, index: int) -> Release | None:
     a function that gives it back, or None when another process of the node holds it."""
     path = context.path(index)
     context.private_dirs(path)
-    fd = try_exclusive_lock(path + ".dl")
-    return None if fd is None else functools.partial(os.close, fd)
+    download = try_exclusive_lock(path + ".dl")
+    return None if download is None else download.close
 
 
 class CachedShard:
@@ -183,6 +183,10 @@ class CachedShard:
         self._store = store
         self._release = release  # None once released
         self._adopt = adopt
+        self._closed = False
+        self._closer = closer  # what `__del__` needs, reachable without module globals
+        self._pid = closer.pid
+        closer.start()
 
     @property
     def complete(self) -> bool:
@@ -211,14 +215,36 @@ class CachedShard:
 
     def close(self) -> None:
         """Let go of the shard (a shard still arriving block by block is finished or stopped, as its store says)."""
-        if self.partial is not None and not self.partial.complete:
-            self._store.abandon(self.partial)
-        if self._release is not None:
-            release, self._release = self._release, None
-            release()
+        parts = self._take_parts()
+        if parts is not None:
+            self._let_go(*parts)
 
     def __del__(self) -> None:
-        self.close()
+        # The collector runs this wherever it finds the handle unreachable, maybe in a thread that holds a
+        # lock the close takes, or at interpreter exit: no lock here, the close goes to the closing thread
+        # (shardkit.loaders.closing).
+        parts = self._take_parts()
+        if parts is not None:
+            self._closer.later(self._let_go, *parts)
+
+    def _take_parts(self) -> tuple[ShardStore, PartialShard | None, Release | None] | None:
+        """What closing has left to do, once: None when nothing (closed already, or a handle a forked process
+        inherited: its locks and threads belong to the process that opened it)."""
+        if self._closed:
+            return None
+        self._closed = True
+        if self._pid != self._closer.pid:
+            return None
+        partial = self.partial if self.partial is not None and not self.partial.complete else None
+        release, self._release = self._release, None
+        return (self._store, partial, release) if partial is not None or release is not None else None
+
+    @staticmethod
+    def _let_go(store: ShardStore, partial: PartialShard | None, release: Release | None) -> None:
+        if partial is not None:
+            store.abandon(partial)
+        if release is not None:
+            release()
 
 
 class ShardStore(Protocol):

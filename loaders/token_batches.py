@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.loaders.closing import closed_at_exit
 from shardkit.loaders.order import Order
 from shardkit.loaders.partition import worker_of_step
 from shardkit.loaders.rank_steps import IterationPlan
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 PROGRESS_KEY = "_progress"  # token-budget batches carry (window start, steps done, window finished)
 
 
+@closed_at_exit
 def token_batches(reader: BatchReader, order: Order, *, epoch: int, start: int, segments: Segments,
                   plan: IterationPlan, worker: int, num_workers: int, max_tokens: int, token_window: int,
                   skip: int = 0) -> Iterator[dict[str, np.ndarray]]:

@@ -8,7 +8,6 @@ the loaders (`shardkit.loaders.cache` keeps the shards in the same directories).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -18,6 +17,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from shardkit.errors import ManifestError
+from shardkit.forking import LockFile
 from shardkit.manifest import MANIFEST_NAME, Manifest, load_manifest, load_manifest_and_digest
 from shardkit.shard_columns import INDEX_NAME
 from shardkit.storage import Storage, atomic_path, write_file_atomic
@@ -116,14 +116,14 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode
     record_path = os.path.join(directory, MANIFEST_NAME + ".record")
     record = _read_record(record_path, identity)
     if record is None:
-        fd = os.open(os.path.join(directory, MANIFEST_NAME + ".dl"), os.O_RDWR | os.O_CREAT, 0o600)
+        download = LockFile(os.path.join(directory, MANIFEST_NAME + ".dl"))  # a fork must not hold it too
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            download.lock()
             record = _read_record(record_path, identity)  # another process may have just done it
             if record is None:
                 return _fetch_manifest_locked(storage, local, directory, identity, record_path)
         finally:
-            os.close(fd)  # releases the lock
+            download.close()  # releases the lock
     size, digest, checked_index = record
     return load_manifest(local, display_url=url, known_digest=(size, digest), index_copy=index_copy,
                          checked_index=checked_index)

@@ -1,6 +1,7 @@
-"""DataLoader worker processes: forked safely while the parent's other threads are busy (no lock or thread
-pool of the parent may reach a worker in a state that hangs it: shardkit/forking.py, the fork hooks of
-shardkit/metrics.py), and gone as soon as their loader is dropped (no reference cycle keeps it alive).
+"""DataLoader worker processes: forked safely while the parent's other threads are busy (no lock, thread
+pool or flock of the parent may reach a worker in a state that hangs it: shardkit/forking.py, the fork hooks
+of shardkit/metrics.py), gone as soon as their loader is dropped (no reference cycle keeps it alive), and
+gone when their parent dies (shardkit/loaders/parent_watch.py).
 
 Each run gives the DataLoader a timeout, so a hung worker fails the test with "DataLoader timed out"
 instead of hanging the suite.
@@ -8,21 +9,27 @@ instead of hanging the suite.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from loader_helpers import ids_from_tokens, write_fixed
+from loader_helpers import ids_from_tokens, lock_is_held, write_fixed
+from process_tree import descendants, signal_all
 from shardkit import StreamingDataLoader, StreamingDataset, metrics
 from shardkit.loaders import cache as cache_module
 
 WORKER_TIMEOUT = 60  # seconds a worker may take for one batch before the run counts as hung
 
 
-def epoch_ids(dataset, *, batch_size: int = 8) -> np.ndarray:
+def epoch_ids(dataset, *, batch_size: int = 8, timeout: float = WORKER_TIMEOUT) -> np.ndarray:
     loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=2, multiprocessing_context="fork",
-                                 timeout=WORKER_TIMEOUT)
+                                 timeout=timeout)
     ids = []
     for batch in loader:
         assert np.array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
@@ -82,11 +89,39 @@ def test_workers_forked_after_the_parent_read_blocks(tmp_path, monkeypatch, s3_b
     assert sorted(epoch_ids(dataset).tolist()) == list(range(480))
 
 
+def test_workers_forked_while_a_parent_thread_holds_a_download_lock(tmp_path):
+    """A thread of the parent reading through the node cache holds a shard's download lock (an flock) while the
+    loader forks its workers, and lets go of it a moment later. An flock belongs to the open file description,
+    which the fork shares: each worker held the lock too, for good, and the worker that needed the shard waited
+    for it forever (as did every other process of the node)."""
+    url, cache_dir = str(tmp_path / "ds"), str(tmp_path / "cache")
+    write_fixed(url, 96, per_shard=16)
+    dataset = StreamingDataset(url, cache_dir=cache_dir, shuffle=False, rank=0, world_size=1, prefetch=False)
+    holding = threading.Event()
+
+    others = set(descendants(os.getpid()))  # e.g. a moto server an earlier test started
+
+    def download_shard_0() -> None:  # what `DecodedStore._fetch` holds while it downloads, as a real reader would
+        release = dataset.caches[0].store.claim(0)
+        holding.set()
+        deadline = time.monotonic() + 30
+        while len(set(descendants(os.getpid())) - others) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the loader forked its workers
+        time.sleep(0.5)
+        release()
+
+    thread = threading.Thread(target=download_shard_0, daemon=True)
+    thread.start()
+    holding.wait(10)
+    assert sorted(epoch_ids(dataset, timeout=20).tolist()) == list(range(96))
+    thread.join(10)
+    assert not lock_is_held(dataset.caches[0].path(0) + ".dl"), "no process holds the download lock afterwards"
+
+
 def test_a_lock_held_at_fork_time_is_free_in_the_child():
     """The mechanism itself, without timing luck: fork while another thread holds the metrics lock (it is
     released only after the fork); the child must count at once."""
     import multiprocessing as mp
-    import time
 
     entered, release = threading.Event(), threading.Event()
 
@@ -132,7 +167,6 @@ def test_a_dropped_loader_goes_at_once_with_its_workers(tmp_path, cache_mode):
     so the loader and its workers lived on until a garbage collection, which then waited out torch's 5 s
     worker-join timeout per worker."""
     import gc
-    import time
     import weakref
 
     from shardkit.manifest import load_manifest
@@ -169,8 +203,6 @@ def test_a_dropped_loader_goes_at_once_with_its_workers(tmp_path, cache_mode):
 
 
 def _alive(pid: int) -> bool:
-    import os
-
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -181,3 +213,90 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# -- a worker does not outlive its parent ---------------------------------------------------------------
+ORPHANING_RUN = """
+import os, signal, sys, threading
+from process_tree import descendants
+from shardkit import StreamingDataLoader, StreamingDataset
+
+dataset = StreamingDataset(URL, cache_dir=CACHE, shuffle=False, rank=0, world_size=1)
+loader = StreamingDataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork")
+
+def train():
+    iterator = iter(loader)
+    next(iterator)
+    print("WORKERS", *descendants(os.getpid()), flush=True)
+    if DEATH == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+if IN_THREAD:  # a loader iterated in another thread: its workers are not tied to the main thread's end
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()  # (a main thread that ends first starts the interpreter's shutdown: no thread pool then)
+else:
+    train()
+"""
+
+
+@pytest.mark.parametrize("death, in_thread", [("sigkill", False), ("os_exit", True)])
+def test_workers_exit_when_their_training_process_dies_hard(tmp_path, figures, death, in_thread):
+    """A training process dies hard (SIGKILL, `os._exit`) while its loader's two workers hold batches it never
+    took: the workers must end too. They used to stay forever (parent pid 1): torch's loop noticed the dead
+    parent and returned, but the process then waited to flush its last batches into a pipe nobody reads
+    (ours carry the tokens, ~66 KiB a message here, more than a pipe holds)."""
+    url = str(tmp_path / "ds")
+    write_fixed(url, 2000, per_shard=200, seq_len=256)
+    script = (f"URL, CACHE, DEATH, IN_THREAD = {url!r}, {str(tmp_path / 'cache')!r}, {death!r}, {in_thread}\n"
+              + ORPHANING_RUN)
+    # Output to a file, not a pipe: the orphaned workers hold what they inherited, and a pipe would not end.
+    with open(tmp_path / "out", "w+") as out:
+        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+        died = time.monotonic()
+        out.seek(0)
+        printed = out.read()
+    workers = next((list(map(int, line.split()[1:])) for line in printed.splitlines()
+                    if line.startswith("WORKERS")), [])
+    assert len(workers) == 2, printed
+    deadline = died + ORPHAN_SECONDS
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.05)
+    seconds = time.monotonic() - died
+    signal_all(alive, signal.SIGKILL)  # a failed run leaves nothing behind
+    assert not alive, f"workers {alive} outlived their dead parent by {ORPHAN_SECONDS} s"
+    figures.add(f"orphaned_workers_{death}", runs=1, workers=len(workers), seconds_to_exit=round(seconds, 2))
+
+
+ORPHAN_SECONDS = 10  # torch's own workers (tensors in shared memory) take up to ~12 s; ours must be quicker
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (not merely a zombie that a non-reaping pid 1 keeps), whoever its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_persistent_workers_forked_from_a_thread_that_ended_keep_serving(tmp_path):
+    """A loader whose first epoch ran in a thread that has ended since: its persistent workers serve the next
+    epoch. (The kernel's parent-death signal follows the forking thread, not the process: asked for in such
+    workers, it would kill them when the thread ends.)"""
+    url = str(tmp_path / "ds")
+    write_fixed(url, 96, per_shard=16)
+    dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle=False, rank=0, world_size=1)
+    loader = StreamingDataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork", timeout=WORKER_TIMEOUT)
+    epochs: list[list[int]] = []
+    first = threading.Thread(target=lambda: epochs.append([int(i) for b in loader for i in b["sample_id"]]))
+    first.start()
+    first.join(120)
+    time.sleep(0.5)  # a signal on the thread's end would have arrived
+    epochs.append([int(i) for b in loader for i in b["sample_id"]])
+    assert [sorted(ids) for ids in epochs] == [list(range(96))] * 2
