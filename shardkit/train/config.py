@@ -38,6 +38,9 @@ def _check(condition: bool, message: str) -> None:
 
 
 MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp32 weights alone)
+# Megatron pads to 128 x tensor-parallel size; 2**20 leaves room for any --tp while a padded vocabulary
+# stays within reach of the parameter bound below (2**40 asked for 281 TB of embedding rows).
+MAX_VOCAB_MULTIPLE = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,11 +97,12 @@ class ModelConfig:
             _check(value is None or value >= 1, f"{option_name(name)} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         _check(self.init_std > 0, f"--init-std must be positive, got {self.init_std}")
-        _check(self.make_vocab_size_divisible_by >= 1,
-               f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        _check(1 <= self.make_vocab_size_divisible_by <= MAX_VOCAB_MULTIPLE,
+               f"--make-vocab-size-divisible-by must be in 1-{MAX_VOCAB_MULTIPLE} (the vocabulary is padded to a "
+               f"multiple of it), got {self.make_vocab_size_divisible_by}")
         # An absurd size would otherwise allocate (or loop over layers) for minutes before running out of memory.
         parameters = self.n_layer * (4 * self.d_model ** 2 + 3 * self.d_model * self.hidden_size) + (
-            (self.vocab_size or 0) + (self.seq_len or 0)) * self.d_model
+            (self.padded_vocab_size or 0) + (self.seq_len or 0)) * self.d_model
         _check(parameters <= MAX_PARAMETERS,
                f"the model would have about {parameters:.3g} parameters (--n-layer {self.n_layer}, --d-model "
                f"{self.d_model}, --d-ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
