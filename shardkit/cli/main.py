@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from shardkit import __version__
 from shardkit.options import OptionParser
+from shardkit.redaction import redacted_output
 
 # Dataset commands (inspect, verify, cat), lineage (trace), the build side (build, tokenizer), the trainer (train, plot),
 # and the end-to-end demo.
@@ -50,16 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything printed, by shardkit or by a library it calls, masks the credentials of the URLs given.
+    with redacted_output(*argv):
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        try:
+            return int(args.func(args) or 0)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
