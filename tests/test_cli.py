@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardkit.cli import main
-from shardkit.cli.dataset import parse_storage_options
+from shardkit.options import parse_storage_options
 from conftest import shared_path
 from shardkit.errors import CorruptShardError
 from shardkit.formats.fetch import SHARD_READS

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.schedule import Schedule, parse_schedule
 from shardkit.train.step_ranges import format_steps, parse_steps
-from shardkit.options import option, option_name
+from shardkit.options import option, option_name, parse_storage_options, storage_options_option
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -204,9 +203,9 @@ class DataConfig:
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
-    storage_options: str | None = option(None, repr=False, help=(
-        "JSON object of fsspec options for --data and --eval-data, e.g. '{\"endpoint_url\": \"http://...\"}' "
-                "(may hold credentials: never printed nor saved in the run directory)"))
+    storage_options: str | None = storage_options_option(
+        "fsspec options for --data and --eval-data: a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}', or "
+        "KEY=VALUE; repeatable (may hold credentials: never printed nor saved in the run directory)")
     # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle-window, --cache-limit,
     # ...), except the order's seed, which is --data-seed (--seed seeds the weights). The evaluation set is
     # always read unshuffled.
@@ -214,12 +213,7 @@ class DataConfig:
         "help": "the loader's order, batching and cache options", "flatten": True, "rename": {"seed": "data_seed"}})
 
     def __post_init__(self) -> None:
-        if self.storage_options is not None:
-            try:
-                parsed = json.loads(self.storage_options)
-            except json.JSONDecodeError:
-                parsed = None
-            _check(isinstance(parsed, dict), "--storage-options must be a JSON object (its value is not shown)")
+        parse_storage_options(self.storage_options)  # a ValueError names the option, never the value
         if self.data:
             data_entries(self.data)
         _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
