@@ -166,12 +166,13 @@ def argparse_outside_the_option_machine(sources: dict[str, str]) -> list[str]:
     return found
 
 
-def _package_sources() -> dict[str, str]:
+def _option_sources() -> dict[str, str]:
+    # main has the same helper as `_package_sources` (the atomic-write check): one of them goes on merging
     return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
 
 
 def test_no_argparse_outside_the_option_machine():
-    assert argparse_outside_the_option_machine(_package_sources()) == []
+    assert argparse_outside_the_option_machine(_option_sources()) == []
 
 
 @pytest.mark.parametrize("line, what", [
@@ -181,7 +182,7 @@ def test_no_argparse_outside_the_option_machine():
     ("p = OptionParser(prog='x')", "calls OptionParser"),
 ])
 def test_hand_built_options_are_reported_with_their_place(line, what):
-    sources = _package_sources()
+    sources = _option_sources()
     sources["shardkit/cli/build.py"] += f"\n{line}\n"
     found = argparse_outside_the_option_machine(sources)
     assert len(found) == 1 and found[0].startswith("shardkit/cli/build.py:") and found[0].endswith(what), found
@@ -234,4 +235,3 @@ def test_a_decision_by_cache_mode_is_reported_with_its_place(line):
     sources["loaders/reading.py"] += f"\n{line}\n"
     found = cache_mode_decisions(sources)
     assert len(found) == 1 and found[0].startswith("loaders/reading.py:") and found[0].endswith("in <module>"), found
-
