@@ -167,7 +167,6 @@ def argparse_outside_the_option_machine(sources: dict[str, str]) -> list[str]:
 
 
 def _option_sources() -> dict[str, str]:
-    # main has the same helper as `_package_sources` (the atomic-write check): one of them goes on merging
     return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
 
 
