@@ -20,10 +20,10 @@ from typing import Any, TextIO
 
 MASK = "***"
 _USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
-# A password shorter than this is not looked for alone (masking every "pw" in every message would
-# garble them); it is still masked as part of its whole user-info.
-_MIN_SECRET = 4
-_credentials: set[str] = set()
+# A password is also looked for alone (not followed by "@") when it is at least this long: a short one
+# ("pw") would mask pieces of ordinary words; it is still masked as part of its user-info.
+_MIN_SECRET = 8
+_credentials: set[str] = set()  # each user-info followed by "@", and each long password alone
 _lock = threading.Lock()
 
 
@@ -33,11 +33,11 @@ def remember_credentials(*texts: str) -> None:
     for text in texts:
         for match in _USERINFO.finditer(text if isinstance(text, str) else ""):
             userinfo = match.group(2)
-            found.add(userinfo)
+            if userinfo:
+                found.add(f"{userinfo}@")
             password = userinfo.partition(":")[2]
             if len(password) >= _MIN_SECRET:
                 found.add(password)
-    found.discard("")
     if found - _credentials:
         with _lock:
             _credentials.update(found)
@@ -49,7 +49,7 @@ def redact_url(text: str) -> str:
     this process, wherever it appears (`Invalid bucket name "key:secret@bucket"` -> `"***@bucket"`)."""
     text = _USERINFO.sub(rf"\1{MASK}@", text)
     for secret in sorted(_credentials, key=len, reverse=True):  # a whole user-info before its password alone
-        text = text.replace(secret, MASK)
+        text = text.replace(secret, f"{MASK}@" if secret.endswith("@") else MASK)
     return text
 
 

@@ -562,3 +562,11 @@ def test_credentials_of_an_opened_url_are_masked_in_text_others_format(monkeypat
         finally:
             logger.removeHandler(handler)
     assert stream.getvalue() == "cannot open ***@bucket\n"
+
+
+def test_short_user_names_and_passwords_never_garble_other_text():
+    from shardkit.storage import open_filesystem, redact_url
+
+    open_filesystem("memory://u:pass@bucket/p")
+    open_filesystem("memory://ed@bucket/q")
+    assert redact_url("u passed; u:pass@bucket ed@bucket") == "u passed; ***@bucket ***@bucket"
