@@ -4,6 +4,7 @@ command, one size parser and one size formatter."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -183,3 +184,23 @@ def test_a_bad_storage_option_is_one_line_naming_the_option_never_its_value(caps
     assert run(TrainConfig(data=DataConfig(data="/d"))) == 2
     err = capsys.readouterr().err
     assert "TOPSECRET" not in err and f"{STORAGE_OPTIONS_ENV}: --storage-options is neither KEY=VALUE" in err, err
+
+
+def test_tune_hands_its_trials_the_storage_options_as_one_json_object(tmp_path, monkeypatch):
+    """Whatever form they were given in (a --config table, KEY=VALUE, the environment), the trials' environment
+    gets one JSON object, which the trainer reads back."""
+    from shardkit.cli.tune import _values
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+    from shardkit.options import parse_storage_options
+
+    monkeypatch.delenv(STORAGE_OPTIONS_ENV, raising=False)
+    config = tmp_path / "base.toml"
+    config.write_text('[data]\nstorage_options = {anon = true, endpoint_url = "http://127.0.0.1:9"}\n')
+    for argv in (["--config", str(config)], ["-o", "anon=true", "-o", "endpoint_url=http://127.0.0.1:9"]):
+        args = build_parser().parse_args(["tune", "--data", "/d", "--space", "lr=loguniform:1e-4:1e-2", *argv])
+        values, secret = _values(args, {"space"})
+        assert json.loads(secret) == {"anon": True, "endpoint_url": "http://127.0.0.1:9"}
+        assert "storage_options" not in values.get("data", {})
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, "anon=false")
+    args = build_parser().parse_args(["tune", "--data", "/d", "--space", "lr=loguniform:1e-4:1e-2"])
+    assert parse_storage_options(_values(args, {"space"})[1]) == {"anon": False}

@@ -7,6 +7,7 @@ search. Light imports only: Optuna and torch load when the command runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -49,9 +50,12 @@ def _values(args: Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None
 
     from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
 
+    from shardkit.options import parse_storage_options
+
     values = option_values(args, skip=skip)
     secret = values.get("data", {}).pop("storage_options", None) or os.environ.get(STORAGE_OPTIONS_ENV)
-    return values, secret
+    # One JSON text for the trials' environment, whatever form was given (a --config table, KEY=VALUE).
+    return values, json.dumps(parse_storage_options(secret)) if secret else None
 
 
 def _prepare(args: Namespace):
