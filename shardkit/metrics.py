@@ -512,13 +512,16 @@ def markdown_reference() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from shardkit.options import command_parser, option
 
-    parser = argparse.ArgumentParser(prog="python -m shardkit.metrics",
-                                     description="Print the metric reference (Markdown) generated from the code.")
-    parser.add_argument("--markdown", action="store_true", help="print the reference tables")
+    @dataclass(frozen=True, kw_only=True)
+    class _ReferenceOptions:
+        markdown: bool = option(False, "print the reference tables")
+
+    parser = command_parser(prog="python -m shardkit.metrics", options=[_ReferenceOptions], bool_values=False,
+                            description="Print the metric reference (Markdown) generated from the code.")
     args = parser.parse_args(argv)
-    if not args.markdown:
+    if not getattr(args, "markdown", False):
         parser.print_help()
         return 2
     print(markdown_reference(), end="")

@@ -12,6 +12,12 @@ name in `metadata`; `add_field_option` turns one such field into one argparse op
 - **booleans**: `--NAME [BOOL]` (true/false, yes/no, 1/0, on/off; alone: true) and `--no-NAME`; commands
   with positional lists (build, trace) take them as plain flags `--NAME` / `--no-NAME`.
 - **sizes** (`metadata["parse"] = parse_size`): `64MB`, `1.5GiB`, `64M` or plain bytes, see `parse_size`.
+- **storage options** (`storage_options_option()`): `-o KEY=VALUE` or `-o '{"KEY": VALUE}'`, repeatable, the same
+  on every command, under the names `--storage-option`, `--storage-options` and `-o` (`parse_storage_options`).
+- **repeated values**: a `tuple[str, ...]` field that is not positional is an option given once per value.
+
+Commands are made here too (`command_parser`, `add_command`, `add_command_group`, `option_group`), so no
+other module builds an argparse parser by hand (tests/test_architecture.py holds it to that).
 
 The core imports no side: it reads the dataclass it is handed and nothing else.
 """
@@ -20,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 NONE_WORDS = ("none", "null", "")
+# The parsed command line a command's function receives.
+Namespace = argparse.Namespace
 
 # Decimal units are powers of 1000 (KB, MB, GB, TB, as disks and object stores count); binary units are
 # powers of 1024 (KiB, MiB, GiB, TiB, and the bare letters K, M, G, T, as `ls -h` and `--cache-limit 64G`
@@ -121,11 +130,16 @@ class OptionParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+class OptionValueError(argparse.ArgumentTypeError, ValueError):
+    """A value an option cannot take: argparse reports its message as is, and callers outside the command
+    line (a search space, a config file) catch it as the `ValueError` it also is."""
+
+
 def parse_bool(text: str | bool) -> bool:
     """True for 1/true/yes/on, False for 0/false/no/off (any case).
 
     Raises:
-        argparse.ArgumentTypeError: any other text.
+        OptionValueError: any other text.
     """
     if isinstance(text, bool):
         return text
@@ -134,7 +148,7 @@ def parse_bool(text: str | bool) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise OptionValueError(f"expected true or false, got {text!r}")
 
 
 def parse_size(text: str | int, *, option: str = "size") -> int:
@@ -169,6 +183,81 @@ def format_size(n: float, *, exact: bool = False) -> str:
         return f"{n:,.0f} B"
     text = f"{value:,.1f} {unit}"
     return f"{text} ({n:,.0f} B)" if exact else text
+
+
+STORAGE_OPTIONS_HELP = (
+    "fsspec storage option for the dataset's filesystem: KEY=VALUE (VALUE is read as JSON when it can be: quote a "
+    "string that looks like a number, key='\"123\"') or a JSON object of several; repeatable, e.g. "
+    "-o endpoint_url=http://127.0.0.1:9000 -o client_kwargs='{\"region_name\": \"us-east-1\"}'. Values may hold "
+    "credentials: never printed nor saved")
+
+
+def parse_storage_options(value: Any, *, option: str = "--storage-options") -> dict[str, Any]:
+    """fsspec storage options from any of the forms the commands accept: None, a dict, one text, or several
+    texts (a repeated option); each text is a JSON object or `KEY=VALUE` (VALUE as JSON where it parses, else
+    the text). Later texts override earlier keys.
+
+    Raises:
+        ValueError: a text that is neither, naming `option` and the text's position but never its content
+            (it may hold a credential).
+    """
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    items = [value] if isinstance(value, str) else list(value)
+    options: dict[str, Any] = {}
+    for position, item in enumerate(items, start=1):
+        if not isinstance(item, str):
+            raise ValueError(f"{option} value number {position} is a {type(item).__name__}, not text")
+        where = f"{option} value number {position}" if len(items) > 1 else f"{option}"
+        if item.lstrip().startswith("{"):
+            try:
+                parsed = json.loads(item)
+            except json.JSONDecodeError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{where} is not a JSON object (its text is not shown: it may hold a credential)")
+            options.update(parsed)
+            continue
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"{where} is neither KEY=VALUE nor a JSON object (its text is not shown: it may hold "
+                             "a credential)")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def merge_storage_options(previous: str | None, text: str) -> str:
+    """The storage options given so far (JSON text) with one more `-o` value folded in, as JSON text."""
+    merged = {**parse_storage_options(previous), **parse_storage_options(text, option="the value")}
+    return json.dumps(merged, sort_keys=True)
+
+
+def storage_options_option(help: str = STORAGE_OPTIONS_HELP, **metadata: Any) -> Any:
+    """The storage-options field every command shares: `--storage-option`, `--storage-options` and `-o`,
+    repeatable, each value `KEY=VALUE` or a JSON object; the field holds them merged as one JSON object's
+    text (`parse_storage_options` reads it), which never enters a repr. `metadata`: what its owner records."""
+    return option(None, help, flags=("--storage-option", "--storage-options", "-o"), metavar="KEY=VALUE|JSON",
+                  merge=merge_storage_options, cli_type="str | None", repr=False, **metadata)
+
+
+class _Merge(argparse.Action):
+    """Each occurrence of the option folds its value into those before it (`combine(previous, text)`)."""
+
+    def __init__(self, *args: Any, combine: Callable[[Any, str], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.combine = combine
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            setattr(namespace, self.dest, self.combine(getattr(namespace, self.dest, None), values))
+        except ValueError as err:
+            raise argparse.ArgumentError(self, str(err)) from None
 
 
 class _Choices:
@@ -256,7 +345,9 @@ def add_field_option(target: Any, f: dataclasses.Field, *, name: str | None = No
         target.add_argument(*names, **kwargs)
         target.add_argument(negative, dest=dest, action="store_false", default=argparse.SUPPRESS, help=negative_help)
         return
-    if str(f.type).startswith("dict"):  # KEY=VALUE pairs, repeated
+    if meta.get("merge"):  # repeated, each value folded into the ones before
+        kwargs.update(action=_Merge, combine=meta["merge"], metavar=meta.get("metavar"))
+    elif str(f.type).startswith(("dict", "tuple")):  # KEY=VALUE pairs or values, repeated
         kwargs.update(action="append", metavar=meta.get("metavar"))
     else:
         kwargs.update(type=field_converter(f, name), required=required,
@@ -282,3 +373,60 @@ def add_dataclass_options(target: Any, cls: type, *, bool_values: bool = True,
 def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of `cls` given on the command line (options not given keep the dataclass defaults)."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
+def command_parser(*, version: str | None = None, options: Iterable[type] = (), bool_values: bool = True,
+                   **kwargs: Any) -> OptionParser:
+    """A program's top-level parser (`shardkit`, `python -m shardkit.train`, `python -m shardkit.metrics`).
+
+    Args:
+        version: what `--version` prints (no `--version` without it).
+        options, bool_values: dataclasses whose fields are its options, as in `add_command`.
+        **kwargs: `prog`, `usage`, `description`, `epilog`, as `ArgumentParser` takes them.
+    """
+    parser = OptionParser(**kwargs)
+    if version:
+        parser.add_argument("--version", action="version", version=version)
+    for cls in options:
+        add_dataclass_options(parser, cls, bool_values=bool_values)
+    return parser
+
+
+def add_subcommands(parser: argparse.ArgumentParser, *, dest: str = "command", metavar: str = "COMMAND") -> Any:
+    """The subparsers of `parser`, for `add_command` and `add_command_group`."""
+    return parser.add_subparsers(dest=dest, metavar=metavar)
+
+
+def add_command_group(subparsers: Any, name: str, *, help: str, description: str = "") -> Any:
+    """A command whose actions are subcommands (`shardkit tokenizer train`): its subparsers. Alone, the
+    command prints its help and exits 2."""
+    parser = subparsers.add_parser(name, help=help, description=description or help)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+    return add_subcommands(parser, dest=f"{name}_command", metavar="ACTION")
+
+
+def add_command(subparsers: Any, name: str, func: Callable[[Namespace], int], *, help: str, description: str,
+                options: Iterable[type] = (), epilog: str | None = None, usage: str | None = None,
+                bool_values: bool = True, allow_abbrev: bool = True) -> OptionParser:
+    """Add command `name`, whose options are the fields of the dataclasses `options`, that runs `func(args)`.
+
+    Args:
+        subparsers: what `command_parser(...).add_subparsers()` (or `add_command_group`) returned.
+        func: runs the command; `given_values(args, cls)` gives each dataclass's fields given.
+        help, description, usage, epilog: as `--help` shows them.
+        bool_values: see `add_field_option` (False for commands with positional arguments).
+        allow_abbrev: False where one option's name starts another's (`--storage`, `--storage-options`).
+    """
+    # An epilog of several lines (examples) keeps its line breaks, and then so does the description.
+    formatter = argparse.RawDescriptionHelpFormatter if epilog and "\n" in epilog else argparse.HelpFormatter
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog, usage=usage,
+                                   allow_abbrev=allow_abbrev, formatter_class=formatter)
+    for cls in options:
+        add_dataclass_options(parser, cls, bool_values=bool_values)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def option_group(parser: Any, title: str, description: str | None = None) -> Any:
+    """A titled group of options in `--help` (add options to it with `add_dataclass_options`)."""
+    return parser.add_argument_group(title, description)

@@ -26,6 +26,7 @@ import fsspec
 from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
+from shardkit.redaction import redact_url, remember_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -232,14 +233,6 @@ def _not_found(what: str, url: str, err: FileNotFoundError) -> FileNotFoundError
     return missing
 
 
-_USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)([^/@\s]*)@")
-
-
-def redact_url(url: str) -> str:
-    """`url` (or any text holding URLs) with user-info parts masked (`s3://key:secret@bucket` -> `s3://***@bucket`)."""
-    return _USERINFO.sub(r"\1***@", url)
-
-
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
@@ -266,6 +259,7 @@ def _single_retry_policy(fs: fsspec.AbstractFileSystem) -> None:
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """`(filesystem, path)` of `url`, built the one way shardkit builds them: its options (see
     `filesystem_options`) and one try per call in s3fs, so that `retry_call` is the only retry layer."""
+    remember_credentials(url)  # before any library can quote the URL's parts in an error
     options = dict(storage_options or {})
     fs, path = fsspec.core.url_to_fs(url, **filesystem_options(url, options))
     _single_retry_policy(fs)
@@ -351,6 +345,7 @@ class Storage:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         _single_retry_policy(self.fs)  # an unpickled filesystem is built afresh
+        remember_credentials(self.url)  # a worker process masks what its parent masked
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"Storage({self.display_url!r})"

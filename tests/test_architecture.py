@@ -149,6 +149,52 @@ def test_a_violation_is_reported_with_its_place(tmp_path, monkeypatch, importer,
     assert copy == source_files()
 
 
+# -- one option machine (issue 32): every command's options come from dataclass fields through shardkit/options.py --
+# Only the machine touches argparse. The `shardkit` dispatcher (cli/main.py) and `python -m shardkit.train` build
+# their top-level parsers through it too (`command_parser`, `add_subcommands`), so they need no exception.
+OPTION_MACHINE = {"shardkit/options.py"}
+PARSER_BUILDING = {"ArgumentParser", "OptionParser", "add_argument", "add_argument_group",
+                   "add_mutually_exclusive_group", "add_parser", "add_subparsers"}
+
+
+def argparse_outside_the_option_machine(sources: dict[str, str]) -> list[str]:
+    """`file:line: what` of every argparse import and every parser-building call outside the option machine."""
+    found = []
+    for name, text in sources.items():
+        if name in OPTION_MACHINE:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names) or (
+                    isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse"):
+                found.append(f"{name}:{node.lineno}: imports argparse")
+            elif isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if called in PARSER_BUILDING:
+                    found.append(f"{name}:{node.lineno}: calls {called}")
+    return found
+
+
+def _option_sources() -> dict[str, str]:
+    return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
+
+
+def test_no_argparse_outside_the_option_machine():
+    assert argparse_outside_the_option_machine(_option_sources()) == []
+
+
+@pytest.mark.parametrize("line, what", [
+    ("import argparse", "imports argparse"), ("from argparse import Namespace", "imports argparse"),
+    ("parser.add_argument('--metrics-port', type=int)", "calls add_argument"),
+    ("group = parser.add_argument_group('x')", "calls add_argument_group"),
+    ("p = OptionParser(prog='x')", "calls OptionParser"),
+])
+def test_hand_built_options_are_reported_with_their_place(line, what):
+    sources = _option_sources()
+    sources["shardkit/cli/build.py"] += f"\n{line}\n"
+    found = argparse_outside_the_option_machine(sources)
+    assert len(found) == 1 and found[0].startswith("shardkit/cli/build.py:") and found[0].endswith(what), found
+
+
 # -- a feature is an operator, not a branch in a hub (issue 23: a shard store per cache mode, chosen once) --
 # (file, function) where a loaders module may decide by `cache_mode`: the store factory, and the option's own
 # check in LoaderConfig.

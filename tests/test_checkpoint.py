@@ -289,3 +289,28 @@ def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
     fresh = make_state(1)
     with pytest.raises(ValueError, match=r"'\.\./\.\./outside\.distcp', outside its checkpoint directory"):
         checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
+
+
+def test_a_storage_file_linked_outside_the_checkpoint_is_refused(tmp_path):
+    """A `__0_0.distcp` that is a symbolic link to a file elsewhere (of the listed size, as an attacker or a
+    careless copy makes it) is refused naming it, by `--resume DIR` and by `--resume auto`; a link that
+    stays inside the checkpoint loads."""
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path / "ck", rank=0)
+    for step in (1, 2):
+        save(checkpointer, step, model, optimizer, scheduler)
+    newest = tmp_path / "ck" / "step_00000002"
+    storage_file = newest / "__0_0.distcp"
+    outside = tmp_path / "elsewhere.distcp"
+    storage_file.rename(outside)
+    storage_file.symlink_to(outside)
+    fresh = make_state(1)
+    with pytest.raises(ValueError, match=r"step_00000002 is damaged: __0_0\.distcp is a symbolic link to "
+                                         r".*elsewhere\.distcp, outside the checkpoint: refused"):
+        checkpointer.load(newest, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
+    resumable, skipped = find_resumable(tmp_path / "ck")
+    assert resumable.name == "step_00000001" and [path.name for path, _ in skipped] == ["step_00000002"]
+    storage_file.unlink()
+    outside.rename(newest / "kept-inside.bin")
+    storage_file.symlink_to("kept-inside.bin")
+    assert checkpointer.load(newest, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1).step == 2

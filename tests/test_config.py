@@ -150,6 +150,7 @@ def test_help_states_every_presets_values_from_the_table(monkeypatch, capsys):
     (["--data", "/a:1e-320,/b:1e300"], "each share of it above zero"),
     (["--data", "/a", "--n-layer", str(10**29)], "the model would have about 5.32e+33 parameters (--n-layer 1000"),
     (["--data", "/a", "--d-model", str(2**40), "--n-head", "1"], "more than 1e+13: check those sizes"),
+    (["--data", "/a", "--make-vocab-size-divisible-by", str(2**40)], "--make-vocab-size-divisible-by must be in 1-"),
 ])
 def test_absurd_weights_and_model_sizes_are_one_line_before_anything_runs(capsys, argv, message):
     from shardkit.cli import main

@@ -4,6 +4,7 @@ command, one size parser and one size formatter."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -129,3 +130,77 @@ def test_space_names_a_trainer_option_by_either_spelling():
 
     assert parse_param("warmup-steps=int:0:5") == parse_param("warmup_steps=int:0:5")
     assert parse_param("optimizer.min-lr-ratio=uniform:0:1") == parse_param("optimizer.min_lr_ratio=uniform:0:1")  # respell: keep
+
+
+STORAGE_FLAGS = ["-o", "endpoint_url=http://127.0.0.1:9", "--storage-options", '{"anon": true, "retries": 3}',
+                 "--storage-option", "retries=5", "--storage_options", 'client_kwargs={"region_name": "eu"}']  # respell: keep
+STORAGE_WANTED = {"endpoint_url": "http://127.0.0.1:9", "anon": True, "retries": 5, "client_kwargs": {"region_name": "eu"}}
+
+
+@pytest.mark.parametrize("argv, read", [
+    (["build", "in.jsonl", "--output", "o", "--tokenizer", "byte", "--seq-len", "8"], "build"),
+    (["convert", "src", "--from", "megatron", "--output", "o", "--tokenizer", "byte", "--seq-len", "8"], "convert"),
+    (["inspect", "ds"], "InspectOptions"), (["verify", "ds"], "VerifyOptions"), (["cat", "ds", "-i", "0"], "CatOptions"),
+    (["trace", "run", "--step", "1"], "TraceConfig"), (["train", "--data", "/d"], "train"),
+    (["tune", "--data", "/d", "--space", "lr=loguniform:1e-4:1e-2"], "train"),
+])
+def test_storage_options_take_both_forms_under_every_name_on_every_command(argv, read):
+    """KEY=VALUE and JSON objects, repeated, as -o, --storage-option or --storage-options (and its snake_case
+    alias): one parser (`parse_storage_options`) reads them the same on every command; later keys win."""
+    from shardkit.cli import build as build_cli, dataset, trace
+    from shardkit.options import given_values, parse_storage_options
+    from shardkit.tools.convert.config import ConvertConfig
+    from shardkit.train.options import config_from_args as train_config
+
+    args = build_parser().parse_args([*argv, *STORAGE_FLAGS])
+    if read == "build":
+        options = build_cli.config_from_args(args).storage_options
+    elif read == "convert":
+        options = build_cli.config_from_args(args, ConvertConfig).storage_options
+    elif read == "train":
+        options = parse_storage_options(getattr(args, "data.storage_options"))
+        if argv[0] == "train":
+            assert parse_storage_options(train_config(args).data.storage_options) == STORAGE_WANTED
+    else:
+        cls = getattr(dataset, read, None) or getattr(trace, read)
+        options = parse_storage_options(given_values(args, cls)["storage_options"])
+    assert options == STORAGE_WANTED
+    # python -m shardkit.train (torchrun's entry) and its environment variable read them the same way
+    assert parse_storage_options(parse_train_args(["--data", "/d", *STORAGE_FLAGS]).data.storage_options) == STORAGE_WANTED
+
+
+def test_a_bad_storage_option_is_one_line_naming_the_option_never_its_value(capsys, monkeypatch):
+    for argv in (["inspect", "ds", "-o", "TOPSECRETVALUE"], ["train", "--data", "/d", "--storage-options", "{TOPSECRET"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "TOPSECRET" not in err, err
+        assert "argument --storage-option/--storage-options/-o: the value is neither KEY=VALUE nor a JSON object" in err \
+            or "the value is not a JSON object" in err, err
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV, run
+    from shardkit.train.config import TrainConfig, DataConfig
+
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, "TOPSECRETVALUE")
+    assert run(TrainConfig(data=DataConfig(data="/d"))) == 2
+    err = capsys.readouterr().err
+    assert "TOPSECRET" not in err and f"{STORAGE_OPTIONS_ENV}: --storage-options is neither KEY=VALUE" in err, err
+
+
+def test_tune_hands_its_trials_the_storage_options_as_one_json_object(tmp_path, monkeypatch):
+    """Whatever form they were given in (a --config table, KEY=VALUE, the environment), the trials' environment
+    gets one JSON object, which the trainer reads back."""
+    from shardkit.cli.tune import _values
+    from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
+    from shardkit.options import parse_storage_options
+
+    monkeypatch.delenv(STORAGE_OPTIONS_ENV, raising=False)
+    config = tmp_path / "base.toml"
+    config.write_text('[data]\nstorage_options = {anon = true, endpoint_url = "http://127.0.0.1:9"}\n')
+    for argv in (["--config", str(config)], ["-o", "anon=true", "-o", "endpoint_url=http://127.0.0.1:9"]):
+        args = build_parser().parse_args(["tune", "--data", "/d", "--space", "lr=loguniform:1e-4:1e-2", *argv])
+        values, secret = _values(args, {"space"})
+        assert json.loads(secret) == {"anon": True, "endpoint_url": "http://127.0.0.1:9"}
+        assert "storage_options" not in values.get("data", {})
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, "anon=false")
+    args = build_parser().parse_args(["tune", "--data", "/d", "--space", "lr=loguniform:1e-4:1e-2"])
+    assert parse_storage_options(_values(args, {"space"})[1]) == {"anon": False}

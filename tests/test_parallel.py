@@ -93,3 +93,52 @@ def test_single_process_needs_no_process_group(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     runtime = init_runtime(ParallelConfig(), device="cpu")
     assert (runtime.mode, runtime.world_size, runtime.distributed) == ("none", 1, False)
+
+
+WARNS_ON_REJOIN = """
+import logging
+from shardkit.train.config import ParallelConfig
+from shardkit.train.parallel import init_runtime
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+init_runtime(ParallelConfig(), device="cpu")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, variable", [("torch.distributed.run", None), ("torch.distributed.run", "1"),
+                                                ("shardkit.train.elastic", None)],
+                         ids=["torchrun-unset", "torchrun-set", "shardkit-launcher"])
+def test_rank_0_warns_when_torchrun_shares_its_store_with_an_elastic_job(tmp_path, launcher, variable):
+    """A real torchrun agent (c10d rendezvous, restarts allowed) tells its workers it shares its store; without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a node that leaves never rejoins, and rank 0 says so naming it.
+    `python -m shardkit.train.elastic` is torchrun with the variable set: no warning to forget."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "runtime.py"
+    script.write_text(WARNS_ON_REJOIN)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    if variable:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = variable
+    result = subprocess.run([sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "1",
+                             "--max-restarts", "1", str(script)], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "never rejoin" in line]
+    if variable or launcher != "torch.distributed.run":
+        assert warnings == [], result.stderr
+    else:
+        assert len(warnings) == 1 and "WARNING" in warnings[0], result.stderr
+        assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node" in warnings[0]
+
+
+def test_a_single_node_run_without_restarts_is_not_warned_about_rejoining(monkeypatch, caplog):
+    from shardkit.train.parallel.runtime import warn_if_nodes_cannot_rejoin
+
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert not warn_if_nodes_cannot_rejoin()
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert warn_if_nodes_cannot_rejoin()

@@ -564,3 +564,37 @@ def test_a_sleep_that_runs_long_does_not_start_a_try_past_the_deadline():
     with pytest.raises(StorageError, match="failed after .* attempts"):
         retry_call(always_failing, url="memory://x", what="read", policy=policy, sleep=lambda _: time.sleep(0.05))
     assert len(calls) >= 3 and calls[-1] - started <= 0.2, [round(t - started, 3) for t in calls]
+
+
+def test_credentials_of_an_opened_url_are_masked_in_text_others_format(monkeypatch):
+    """A library that quotes a URL's parts without `://` (botocore: `Invalid bucket name "KEY:SECRET@bucket"`),
+    and a log record written by any logger under `redacted_output`, never show a remembered user-info."""
+    import io
+    import logging
+    import sys
+
+    from shardkit.redaction import redacted_output
+    from shardkit.storage import open_filesystem, redact_url
+
+    open_filesystem("memory://K3YID:s3cr3t-of-the-test@bucket/p")
+    assert redact_url('Invalid bucket name "K3YID:s3cr3t-of-the-test@bucket"') == 'Invalid bucket name "***@bucket"'
+    assert redact_url("signature of s3cr3t-of-the-test failed") == "signature of *** failed"
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    logger = logging.getLogger("some.library")
+    with redacted_output():
+        handler = logging.StreamHandler()  # as basicConfig makes it inside a command: on sys.stderr then
+        logger.addHandler(handler)
+        try:
+            logger.error("cannot open %s", "K3YID:s3cr3t-of-the-test@bucket")
+        finally:
+            logger.removeHandler(handler)
+    assert stream.getvalue() == "cannot open ***@bucket\n"
+
+
+def test_short_user_names_and_passwords_never_garble_other_text():
+    from shardkit.storage import open_filesystem, redact_url
+
+    open_filesystem("memory://u:pass@bucket/p")
+    open_filesystem("memory://ed@bucket/q")
+    assert redact_url("u passed; u:pass@bucket ed@bucket") == "u passed; ***@bucket ***@bucket"

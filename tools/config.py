@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shardkit.options import flag, parse_size
+from shardkit.options import flag, parse_size, storage_options_option
 from shardkit.options import option as cli_option
 
 ON_ERROR_MODES = ("skip", "fail")
@@ -158,10 +158,9 @@ class BuildConfig:
     max_examples: int = option(20, "rejected documents listed by file and line in the report",
                                flags=("--report-examples",), metavar="N")
     progress: bool = option(True, "show the progress bar")
-    storage_options: dict[str, Any] | None = option(
-        None, "fsspec option for the inputs' and the output's filesystems, e.g. -o endpoint_url=http://host:9000; "
-              "repeat for several (values are never logged)",
-        flags=("--storage-option", "-o"), metavar="KEY=VALUE", repr=False)
+    storage_options: dict[str, Any] | None = storage_options_option(
+        "fsspec options for the inputs' and the output's filesystems: KEY=VALUE (e.g. -o endpoint_url=http://host:9000) "
+        "or a JSON object; repeat for several (values are never logged)", records=None, when=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))

@@ -1,11 +1,13 @@
-"""`shardkit build` and `shardkit tokenizer train`: argument parsing only (heavy imports happen inside)."""
+"""`shardkit build` and `shardkit tokenizer train`: their options only (heavy imports happen inside)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
+from typing import Any
 
-from shardkit.cli.dataset import parse_storage_options
+from shardkit.options import (Namespace, add_command, add_command_group, given_values, option,
+                              parse_storage_options)
 
 BUILD_EPILOG = """\
 examples:
@@ -24,56 +26,51 @@ written and rejected is saved as build_report.json next to the manifest (shardki
 """
 
 
-def _add_build(subparsers) -> None:
-    from shardkit.options import add_dataclass_options
+@dataclass(frozen=True, kw_only=True)
+class MetricsOptions:
+    """Where the build serves its metrics: not a BuildConfig field, as it changes nothing in the output or its
+    fingerprint."""
+
+    metrics_port: int = option(0, "serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)",
+                               metavar="P")
+    metrics_address: str = option("127.0.0.1", "address the metrics endpoint listens on (127.0.0.1: this machine "
+                                  "only; 0.0.0.0 for every interface, see docs/OBSERVABILITY.md)", metavar="ADDR")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerTrainOptions:
+    inputs: tuple[str, ...] = option(help="files, directories, globs or fsspec URLs", positional=True,
+                                     metavar="INPUT")
+    vocab_size: int = option(help="vocabulary size including the 256 byte symbols and specials, e.g. 32000",
+                             metavar="N")
+    output: str = option(help="tokenizer.json to write", metavar="FILE")
+    text_field: str = option("text", "JSON key / Parquet column", metavar="NAME")
+    txt_mode: str = option("file", "a .txt document is the whole file or each paragraph",
+                           choices=("file", "paragraph"), metavar="{file,paragraph}")
+    min_frequency: int = option(2, "pairs seen fewer times are not merged", metavar="N")
+    max_documents: int | None = option(None, "train on the first N accepted documents only", metavar="N",
+                                       cli_default="all")
+
+
+def register(subparsers: Any) -> None:
     from shardkit.tools.config import BuildConfig
 
-    p = subparsers.add_parser(
-        "build", help="tokenize and pack corpora into shards + a manifest",
-        description="Tokenize raw corpora, pack the tokens into fixed-length samples and write zstd-compressed "
-                    "shards and a manifest (shardkit.json) that the loaders stream. Every option is a field of "
-                    "shardkit.tools.config.BuildConfig.",
-        epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Plain flags (`--overwrite`, `--no-progress`): a `--flag [BOOL]` would swallow a following INPUT.
-    add_dataclass_options(p, BuildConfig, bool_values=False)
-    # Not a BuildConfig field: where metrics are served changes nothing in the output or its fingerprint.
-    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
-                   help="serve Prometheus metrics at http://HOST:P/metrics while the build runs (0: off)")
-    p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
-                   help="address the metrics endpoint listens on (default: 127.0.0.1, this machine only; 0.0.0.0 "
-                        "for every interface, see docs/OBSERVABILITY.md)")
-    p.set_defaults(func=run_build_command)
-
-
-def _add_tokenizer(subparsers) -> None:
-    p = subparsers.add_parser("tokenizer", help="tokenizer tools (train a byte-level BPE)",
-                              description="Tokenizer tools.")
-    sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
-    train = sub.add_parser(
-        "train", help="train a byte-level BPE on corpora",
-        description="Train a byte-level BPE with HF tokenizers on the documents of INPUT (same input types as "
-                    "'shardkit build') and save it as tokenizer.json, usable as 'shardkit build --tokenizer FILE'. "
-                    "<|endoftext|> is added as the EOS token (id 0).",
-        epilog="example:\n  shardkit tokenizer train corpus/*.jsonl.zst --vocab-size 32000 --output tok/tokenizer.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories, globs or fsspec URLs")
-    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                       help="vocabulary size including the 256 byte symbols and specials, e.g. 32000")
-    train.add_argument("--output", required=True, metavar="FILE", help="tokenizer.json to write")
-    train.add_argument("--text-field", default="text", metavar="NAME", help="JSON key / Parquet column. Default: text")
-    train.add_argument("--txt-mode", choices=("file", "paragraph"), default="file",
-                       help="a .txt document is the whole file or each paragraph. Default: file")
-    train.add_argument("--min-frequency", type=int, default=2, metavar="N",
-                       help="pairs seen fewer times are not merged. Default: 2")
-    train.add_argument("--max-documents", type=int, default=None, metavar="N",
-                       help="train on the first N accepted documents only. Default: all")
-    train.set_defaults(func=run_tokenizer_train)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
-
-
-def register(subparsers) -> None:
-    _add_build(subparsers)
-    _add_tokenizer(subparsers)
+    add_command(subparsers, "build", run_build_command, options=[BuildConfig, MetricsOptions], bool_values=False,
+                help="tokenize and pack corpora into shards + a manifest",
+                description="Tokenize raw corpora, pack the tokens into fixed-length samples and write zstd-compressed "
+                            "shards and a manifest (shardkit.json) that the loaders stream. Every option is a field "
+                            "of shardkit.tools.config.BuildConfig.",
+                epilog=BUILD_EPILOG)
+    tokenizer = add_command_group(subparsers, "tokenizer", help="tokenizer tools (train a byte-level BPE)",
+                                  description="Tokenizer tools.")
+    add_command(tokenizer, "train", run_tokenizer_train, options=[TokenizerTrainOptions], bool_values=False,
+                help="train a byte-level BPE on corpora",
+                description="Train a byte-level BPE with HF tokenizers on the documents of INPUT (same input types as "
+                            "'shardkit build') and save it as tokenizer.json, usable as 'shardkit build --tokenizer "
+                            "FILE'. <|endoftext|> is added as the EOS token (id 0).",
+                epilog="example:\n  shardkit tokenizer train corpus/*.jsonl.zst --vocab-size 32000 --output "
+                       "tok/tokenizer.json")
 
 
 def _configure_logging() -> None:
@@ -81,24 +78,26 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def config_from_args(args: argparse.Namespace):
-    """The `BuildConfig` the parsed options describe (options not given keep the dataclass defaults)."""
-    from shardkit.options import given_values
-    from shardkit.tools.config import BuildConfig
+def config_from_args(args: Namespace, config_class: type | None = None):
+    """The configuration (`BuildConfig`, or `config_class` of convert and export) the parsed options describe
+    (options not given keep the dataclass defaults)."""
+    if config_class is None:
+        from shardkit.tools.config import BuildConfig as config_class
 
-    given = given_values(args, BuildConfig)
+    given = given_values(args, config_class)
     if "storage_options" in given:
         given["storage_options"] = parse_storage_options(given["storage_options"])
-    return BuildConfig(**given)
+    return config_class(**given)
 
 
-def run_build_command(args: argparse.Namespace) -> int:
+def run_build_command(args: Namespace) -> int:
     def build():
         from shardkit.tools.build import run_build
 
-        if args.metrics_port:
+        metrics = MetricsOptions(**given_values(args, MetricsOptions))
+        if metrics.metrics_port:
             from shardkit.metrics import start_metrics_server
-            start_metrics_server(args.metrics_port, addr=args.metrics_address)
+            start_metrics_server(metrics.metrics_port, addr=metrics.metrics_address)
         config = config_from_args(args)
         return config, run_build(config)
 
@@ -132,12 +131,13 @@ def run_pipeline_command(tool: str, run) -> int:
     return 0
 
 
-def run_tokenizer_train(args: argparse.Namespace) -> int:
+def run_tokenizer_train(namespace: Namespace) -> int:
     _configure_logging()
     from shardkit.tools.tokenizer_training import train_from_inputs
 
+    args = TokenizerTrainOptions(**given_values(namespace, TokenizerTrainOptions))
     try:
-        info = train_from_inputs(args.inputs, vocab_size=args.vocab_size, output=args.output,
+        info = train_from_inputs(list(args.inputs), vocab_size=args.vocab_size, output=args.output,
                                  text_field=args.text_field, txt_mode=args.txt_mode,
                                  min_frequency=args.min_frequency, max_documents=args.max_documents)
     except (ValueError, OSError) as err:

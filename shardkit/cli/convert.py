@@ -6,11 +6,11 @@ so options shared with `shardkit build` are spelled, documented and checked the 
 
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Any
 
-from shardkit.cli.build import _configure_logging, run_pipeline_command
-from shardkit.cli.dataset import parse_storage_options
+from shardkit.cli.build import _configure_logging, config_from_args, run_pipeline_command
+from shardkit.options import Namespace, add_command
 
 CONVERT_EPILOG = """\
 examples:
@@ -34,39 +34,24 @@ The result opens with megatron-core's IndexedDataset(PREFIX) (and Megatron's --d
 """
 
 
-def register(subparsers) -> None:
-    from shardkit.options import add_dataclass_options
+def register(subparsers: Any) -> None:
     from shardkit.tools.convert.config import ConvertConfig, ExportConfig
 
-    convert = subparsers.add_parser(
-        "convert", help="convert a tokenized dataset (Megatron, Hugging Face) into shards without re-tokenizing",
-        description="Read documents of token ids from another format and write shardkit shards and a manifest, "
-                    "exactly as 'shardkit build' would from text. Every option is a field of "
-                    "shardkit.tools.convert.config.ConvertConfig.",
-        epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Plain flags, as for `shardkit build`: a `--flag [BOOL]` would swallow a following SRC.
-    add_dataclass_options(convert, ConvertConfig, bool_values=False)
-    convert.set_defaults(func=run_convert_command)
-    export = subparsers.add_parser(
-        "export", help="write a shardkit dataset in another format (a Megatron indexed dataset)",
-        description="Write a shardkit dataset's documents (or samples) as a Megatron indexed dataset. Every option "
-                    "is a field of shardkit.tools.convert.config.ExportConfig.",
-        epilog=EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_options(export, ExportConfig, bool_values=False)
-    export.set_defaults(func=run_export_command)
+    add_command(subparsers, "convert", run_convert_command, options=[ConvertConfig], bool_values=False,
+                help="convert a tokenized dataset (Megatron, Hugging Face) into shards without re-tokenizing",
+                description="Read documents of token ids from another format and write shardkit shards and a "
+                            "manifest, exactly as 'shardkit build' would from text. Every option is a field of "
+                            "shardkit.tools.convert.config.ConvertConfig.",
+                epilog=CONVERT_EPILOG)
+    add_command(subparsers, "export", run_export_command, options=[ExportConfig], bool_values=False,
+                help="write a shardkit dataset in another format (a Megatron indexed dataset)",
+                description="Write a shardkit dataset's documents (or samples) as a Megatron indexed dataset. Every "
+                            "option is a field of shardkit.tools.convert.config.ExportConfig.",
+                epilog=EXPORT_EPILOG)
 
 
-def config_from_args(args: argparse.Namespace, config_class):
-    """The configuration the parsed options describe (options not given keep the dataclass defaults)."""
-    from shardkit.options import given_values
-
-    given = given_values(args, config_class)
-    if "storage_options" in given:
-        given["storage_options"] = parse_storage_options(given["storage_options"])
-    return config_class(**given)
-
-
-def run_convert_command(args: argparse.Namespace) -> int:
+def run_convert_command(args: Namespace) -> int:
     def convert():
         from shardkit.tools.convert import ConvertConfig, run_convert
 
@@ -76,7 +61,7 @@ def run_convert_command(args: argparse.Namespace) -> int:
     return run_pipeline_command("shardkit convert", convert)
 
 
-def run_export_command(args: argparse.Namespace) -> int:
+def run_export_command(args: Namespace) -> int:
     _configure_logging()
     from shardkit.tools.convert.config import ExportConfig
     from shardkit.tools.convert.export import run_export

@@ -1,101 +1,83 @@
 """`shardkit inspect`, `shardkit verify` and `shardkit cat`: look at a dataset from the command line.
 
-Only argparse is imported at module level: the CLI builds its parser from this module on every start,
-and `inspect` must answer in well under a second, so numpy, fsspec and the shard formats load inside
-the commands (and torch never).
+Each command's options are the fields of its dataclass (`InspectOptions`, `VerifyOptions`, `CatOptions`). Only
+light modules are imported at module level: the CLI builds its parser from this module on every start, and
+`inspect` must answer in well under a second, so numpy, fsspec and the shard formats load inside the
+commands (and torch never).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from shardkit.options import format_size
-
-STORAGE_OPTION_HELP = (
-    "fsspec storage option KEY=VALUE for the dataset's filesystem (repeatable), e.g. "
-    "endpoint_url=http://127.0.0.1:9000 or client_kwargs='{\"region_name\": \"us-east-1\"}'. VALUE is parsed "
-    "as JSON when it can be (quote a string that looks like a number: key='\"123\"'). Values are never printed.")
+from shardkit.options import (Namespace, add_command, format_size, given_values, option, parse_storage_options,
+                              storage_options_option)
 
 
-def parse_storage_options(items: list[str] | None) -> dict[str, Any]:
-    """Turn repeated `KEY=VALUE` strings into fsspec storage_options; JSON values where they parse.
+@dataclass(frozen=True, kw_only=True)
+class DatasetOptions:
+    """The dataset every one of these commands reads."""
 
-    Raises:
-        ValueError: an item without `=` or with an empty key. The message never repeats the value,
-            which may be a credential.
-    """
-    options: dict[str, Any] = {}
-    for position, item in enumerate(items or (), start=1):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--storage-option number {position} is not KEY=VALUE "
-                             "(its text is not shown: it may hold a credential)")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+    url: str = option(help="dataset prefix: a local path or any fsspec URL (file://, memory://, s3://bucket/prefix, "
+                           "...)", positional=True, metavar="URL")
+    storage_options: str | None = storage_options_option()
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", metavar="URL", help="dataset prefix: a local path or any fsspec URL "
-                                                   "(file://, memory://, s3://bucket/prefix, ...)")
-    parser.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                        dest="storage_option", help=STORAGE_OPTION_HELP)
+@dataclass(frozen=True, kw_only=True)
+class InspectOptions(DatasetOptions):
+    json: bool = option(False, "print one JSON object instead of a table")
+    shards: bool = option(False, "also list every shard (name, samples, tokens, bytes)")
+    plot: str | None = option(None, "also draw the sample-length histogram and tokens per source into PNG (reads "
+                                    "shards)", metavar="PNG")
+    plot_shards: int = option(64, "with --plot: read at most N shards, spread evenly over the dataset", metavar="N")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions(DatasetOptions):
+    jobs: int = option(4, "shards checked at once (threads)", flags=("--jobs", "-j"), metavar="N")
+    progress: bool = option(True, "show a progress bar on stderr")
+    quarantine_list: str | None = option(
+        None, "also write the bad shards (name, SHA-256, URL, reason) to FILE as JSON, an empty list when all are "
+              "good: a run leaves them out of its order with --quarantine-list FILE", metavar="FILE")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CatOptions(DatasetOptions):
+    index: int = option(help="global sample index", flags=("--index", "-i"), metavar="N")
+    decode: bool = option(False, "print text (needs the tokenizer; see --tokenizer)")
+    tokenizer: str | None = option(None, "tokenizer spec for --decode (default: the manifest's tokenizer name), e.g. "
+                                         "byte, a tokenizer.json path or tiktoken:cl100k_base", metavar="SPEC")
+    force: bool = option(False, "decode even with a tokenizer whose identity (name, vocab size, vocab SHA-256) "
+                                "differs from the manifest's (the text is then likely wrong)")
+    json: bool = option(False, "print one JSON object")
+
+
+# name, options, help, description of each command (it runs `run_NAME`)
+COMMANDS = (
+    ("inspect", InspectOptions, "summarise a dataset from its manifest (shards, samples, tokens, sizes, tokenizer)",
+     "Print what a dataset holds, from its manifest alone (no shard is read): shards, samples, tokens, compressed "
+     "and raw bytes, compression ratio, token dtype, sequence length, packing and tokenizer."),
+    ("verify", VerifyOptions, "re-read every shard and check it against the manifest",
+     "Re-read every shard and check its size and SHA-256 against the manifest, then decode it and check its "
+     "sample/token counts, token ids (< vocab_size) and sample lengths. Exit status 0 when every shard is good, 1 "
+     "when any is bad (each bad shard is listed with the reason), 2 when the manifest itself cannot be read."),
+    ("cat", CatOptions, "print one sample as token ids, or as text with --decode",
+     "Print sample N of the dataset (global index over all shards in manifest order; negative counts from the end) "
+     "as token ids, or as text with --decode, with its document segments when the shards store them. The shard is "
+     "verified (SHA-256) before anything is printed."),
+)
+
+
+def register(subparsers: Any) -> None:
     """Add the inspect, verify and cat subcommands to the `shardkit` parser."""
-    inspect = subparsers.add_parser(
-        "inspect", help="summarise a dataset from its manifest (shards, samples, tokens, sizes, tokenizer)",
-        description="Print what a dataset holds, from its manifest alone (no shard is read): shards, "
-                    "samples, tokens, compressed and raw bytes, compression ratio, token dtype, sequence "
-                    "length, packing and tokenizer.")
-    _add_common(inspect)
-    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    inspect.add_argument("--shards", action="store_true", help="also list every shard (name, samples, tokens, bytes)")
-    inspect.add_argument("--plot", metavar="PNG", default=None,
-                         help="also draw the sample-length histogram and tokens per source into PNG (reads shards)")
-    inspect.add_argument("--plot-shards", type=int, default=64, metavar="N",
-                         help="with --plot: read at most N shards, spread evenly over the dataset. Default: 64")
-    inspect.set_defaults(func=run_inspect)
-
-    verify = subparsers.add_parser(
-        "verify", help="re-read every shard and check it against the manifest",
-        description="Re-read every shard and check its size and SHA-256 against the manifest, then decode "
-                    "it and check its sample/token counts, token ids (< vocab_size) and sample lengths. "
-                    "Exit status 0 when every shard is good, 1 when any is bad (each bad shard is listed "
-                    "with the reason), 2 when the manifest itself cannot be read.")
-    _add_common(verify)
-    verify.add_argument("--jobs", "-j", type=int, default=4, metavar="N",
-                        help="shards checked at once (threads; default 4)")
-    verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    verify.add_argument("--quarantine-list", metavar="FILE", default=None, dest="quarantine_list",
-                        help="also write the bad shards (name, SHA-256, URL, reason) to FILE as JSON, an empty list "
-                             "when all are good: a run leaves them out of its order with --quarantine-list FILE")
-    verify.set_defaults(func=run_verify)
-
-    cat = subparsers.add_parser(
-        "cat", help="print one sample as token ids, or as text with --decode",
-        description="Print sample N of the dataset (global index over all shards in manifest order; "
-                    "negative counts from the end) as token ids, or as text with --decode, with its "
-                    "document segments when the shards store them. The shard is verified (SHA-256) "
-                    "before anything is printed.")
-    _add_common(cat)
-    cat.add_argument("--index", "-i", type=int, required=True, metavar="N", help="global sample index")
-    cat.add_argument("--decode", action="store_true", help="print text (needs the tokenizer; see --tokenizer)")
-    cat.add_argument("--tokenizer", metavar="SPEC", default=None,
-                     help="tokenizer spec for --decode (default: the manifest's tokenizer name), e.g. byte, "
-                          "a tokenizer.json path or tiktoken:cl100k_base")
-    cat.add_argument("--force", action="store_true",
-                     help="decode even with a tokenizer whose identity (name, vocab size, vocab SHA-256) differs "
-                          "from the manifest's (the text is then likely wrong)")
-    cat.add_argument("--json", action="store_true", help="print one JSON object")
-    cat.set_defaults(func=run_cat)
+    runs = {"inspect": run_inspect, "verify": run_verify, "cat": run_cat}
+    for name, options, help_text, description in COMMANDS:
+        # Plain flags (`--json`, `--no-progress`): a `--flag [BOOL]` would swallow a following URL.
+        add_command(subparsers, name, runs[name], options=[options], bool_values=False, help=help_text,
+                    description=description)
 
 
 def _fail(command: str, message: str, status: int = 2) -> int:
@@ -103,12 +85,12 @@ def _fail(command: str, message: str, status: int = 2) -> int:
     return status
 
 
-def _open(args: argparse.Namespace, command: str):
-    """(storage, manifest) for args.url, or raise ValueError/OSError with a clear message."""
+def _open(options: DatasetOptions):
+    """(storage, manifest) of the dataset, or raise ValueError/OSError with a clear message."""
     from shardkit.manifest import load_manifest
     from shardkit.storage import Storage
 
-    storage = Storage(args.url, parse_storage_options(args.storage_option))
+    storage = Storage(options.url, parse_storage_options(options.storage_options))
     return storage, load_manifest(storage)
 
 
@@ -184,9 +166,10 @@ def format_table(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_inspect(args: argparse.Namespace) -> int:
+def run_inspect(namespace: Namespace) -> int:
     try:
-        storage, manifest = _open(args, "inspect")
+        args = InspectOptions(**given_values(namespace, InspectOptions))
+        storage, manifest = _open(args)
     except (ValueError, OSError) as err:
         return _fail("inspect", str(err))
     info = describe(manifest, storage.display_url, shards=args.shards)
@@ -196,7 +179,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_dataset(args: argparse.Namespace, storage, manifest) -> int:
+def _plot_dataset(args: InspectOptions, storage, manifest) -> int:
     from shardkit.formats import ShardReader
     from shardkit.train.plot import plot_dataset
 
@@ -216,11 +199,12 @@ def _plot_dataset(args: argparse.Namespace, storage, manifest) -> int:
 
 # -- verify ---------------------------------------------------------------------------------------
 
-def run_verify(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        return _fail("verify", f"--jobs must be >= 1, got {args.jobs}")
+def run_verify(namespace: Namespace) -> int:
     try:
-        storage, manifest = _open(args, "verify")
+        args = VerifyOptions(**given_values(namespace, VerifyOptions))
+        if args.jobs < 1:
+            return _fail("verify", f"--jobs must be >= 1, got {args.jobs}")
+        storage, manifest = _open(args)
     except (ValueError, OSError) as err:
         return _fail("verify", str(err))
     from tqdm import tqdm
@@ -229,7 +213,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     bad = 0
     with tqdm(total=len(manifest.shards), unit="shard", desc="verify", file=sys.stderr,
-              disable=args.no_progress, dynamic_ncols=True) as bar:
+              disable=not args.progress, dynamic_ncols=True) as bar:
         def advance(shard, reason) -> None:
             nonlocal bad
             bad += reason is not None
@@ -294,9 +278,10 @@ def tokenizer_differences(info, expected) -> list[str]:
             for name in fields if getattr(info, name) != getattr(expected, name)]
 
 
-def run_cat(args: argparse.Namespace) -> int:
+def run_cat(namespace: Namespace) -> int:
     try:
-        storage, manifest = _open(args, "cat")
+        args = CatOptions(**given_values(namespace, CatOptions))
+        storage, manifest = _open(args)
         position, local = locate(manifest, args.index)
     except (ValueError, OSError, IndexError) as err:
         return _fail("cat", str(err))

@@ -9,30 +9,35 @@ each one, so it doubles as a worked example.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from shardkit.options import Namespace, add_command, given_values, option
 
 HOLD_OUT_EVERY = 20
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser(
-        "demo", help="build the Python standard library's sources into shards and train a tiny model on them (CPU)",
-        description="End-to-end demo on an embedded corpus (this Python's standard library sources; no download): "
-                    "writes JSONL, runs 'shardkit build', 'shardkit train' and 'shardkit plot', and prints where "
-                    "the loss plot is. Takes a few minutes on a laptop CPU.",
-        epilog="Example: shardkit demo --out runs/demo --steps 300")
-    demo.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=300, metavar="N", help="training steps (default: 300)")
-    demo.add_argument("--corpus-mb", type=float, default=8.0, metavar="MB",
-                      help="how much of the standard library to use, in MB of source (default: 8)")
-    demo.add_argument("--seq-len", type=int, default=128, metavar="N", help="training context length (default: 128)")
-    demo.add_argument("--workers", type=int, default=None, metavar="N", help="build worker processes (default: all cores)")
-    demo.set_defaults(func=run)
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    out: str = option("runs/demo", "output directory", metavar="DIR")
+    steps: int = option(300, "training steps", metavar="N")
+    corpus_mb: float = option(8.0, "how much of the standard library to use, in MB of source", metavar="MB")
+    seq_len: int = option(128, "training context length", metavar="N")
+    workers: int | None = option(None, "build worker processes", metavar="N", cli_default="all cores")
+
+
+def register(subparsers: Any) -> None:
+    add_command(subparsers, "demo", run, options=[DemoOptions],
+                help="build the Python standard library's sources into shards and train a tiny model on them (CPU)",
+                description="End-to-end demo on an embedded corpus (this Python's standard library sources; no "
+                            "download): writes JSONL, runs 'shardkit build', 'shardkit train' and 'shardkit plot', "
+                            "and prints where the loss plot is. Takes a few minutes on a laptop CPU.",
+                epilog="Example: shardkit demo --out runs/demo --steps 300")
 
 
 def stdlib_sources() -> list[Path]:
@@ -98,7 +103,8 @@ def _last_eval_loss(run_dir: Path) -> float | None:
     return loss
 
 
-def run(args: argparse.Namespace) -> int:
+def run(namespace: Namespace) -> int:
+    args = DemoOptions(**given_values(namespace, DemoOptions))
     out = Path(args.out).resolve()
     print(f"shardkit demo: corpus = this Python's standard library sources ({sysconfig.get_paths()['stdlib']})")
     train_jsonl, val_jsonl, files = write_corpus(out / "corpus", int(args.corpus_mb * 2**20))

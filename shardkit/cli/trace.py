@@ -11,7 +11,6 @@ Only shards are read (verified), never the corpus. Options are the fields of `Tr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -19,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.cli.dataset import STORAGE_OPTION_HELP, parse_storage_options
-from shardkit.options import add_dataclass_options, given_values, option, option_name
+from shardkit.options import (Namespace, add_command, given_values, option, option_name, parse_storage_options,
+                              storage_options_option)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +43,7 @@ class TraceConfig:
     tokenizer: str | None = option(None, "tokenizer spec for --text (default: the manifest's)", metavar="SPEC")
     force: bool = option(False, "with --text: decode even with a tokenizer that is not the dataset's")
     json: bool = option(False, "print one JSON object")
+    storage_options: str | None = storage_options_option()
 
     def __post_init__(self) -> None:
         forward, reverse = self.step is not None, self.source is not None or self.doc is not None
@@ -67,18 +67,14 @@ class TraceConfig:
                     raise ValueError(f"{option_name(name)} goes with --step")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "trace", help="lineage: the documents a training step read, or the samples and steps holding a document",
-        description="shardkit trace RUN_DIR --step N [--rank R] [--text]: the samples every rank trained on at "
-                    "step N (from the run's --log-sample-ids logs), each with its shard and the document segments "
-                    "it holds (input file, document index). shardkit trace DATASET --source FILE --doc I "
-                    "[--run RUN_DIR]: the samples holding a piece of that document, and the steps that trained "
-                    "on them. Reads verified shards, never the corpus.")
-    add_dataclass_options(parser, TraceConfig, bool_values=False)
-    parser.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                        dest="storage_option", help=STORAGE_OPTION_HELP)
-    parser.set_defaults(func=run_trace)
+def register(subparsers: Any) -> None:
+    add_command(subparsers, "trace", run_trace, options=[TraceConfig], bool_values=False,
+                help="lineage: the documents a training step read, or the samples and steps holding a document",
+                description="shardkit trace RUN_DIR --step N [--rank R] [--text]: the samples every rank trained on "
+                            "at step N (from the run's --log-sample-ids logs), each with its shard and the document "
+                            "segments it holds (input file, document index). shardkit trace DATASET --source FILE "
+                            "--doc I [--run RUN_DIR]: the samples holding a piece of that document, and the steps "
+                            "that trained on them. Reads verified shards, never the corpus.")
 
 
 def _fail(message: str) -> int:
@@ -86,11 +82,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def run_trace(args: argparse.Namespace) -> int:
+def run_trace(args: Namespace) -> int:
     values = given_values(args, TraceConfig)
     try:
         config = TraceConfig(**values)
-        options = parse_storage_options(args.storage_option)
+        options = parse_storage_options(config.storage_options)
         result = trace_step(config, options) if config.step is not None else trace_document(config, options)
     except (ValueError, OSError, IndexError, RuntimeError) as err:
         return _fail(str(err))

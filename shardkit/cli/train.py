@@ -5,29 +5,35 @@ Light imports only: torch loads when a command runs.
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from shardkit.options import Namespace, add_command, given_values, option
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+@dataclass(frozen=True, kw_only=True)
+class PlotOptions:
+    run_dir: str = option(help="a training run directory (holds metrics.jsonl)", positional=True, metavar="RUN_DIR")
+    output: str | None = option(None, "PNG path", flags=("--output", "-o"), cli_default="RUN_DIR/curves.png")
+
+
+def register(subparsers: Any) -> None:
     from shardkit.train.options import add_train_arguments
 
-    train = subparsers.add_parser(
-        "train", help="pre-train a GPT-style model on a shardkit dataset (one process)",
-        usage="shardkit train --data URL [--config FILE] [--OPTION VALUE ...]",
-        description="Pre-train a GPT-style model on a shardkit dataset in this process. For several "
-                    "processes or GPUs run 'torchrun --nproc_per_node N -m shardkit.train' with the same options.")
+    train = add_command(subparsers, "train", _train,
+                        help="pre-train a GPT-style model on a shardkit dataset (one process)",
+                        usage="shardkit train --data URL [--config FILE] [--OPTION VALUE ...]",
+                        description="Pre-train a GPT-style model on a shardkit dataset in this process. For several "
+                                    "processes or GPUs run 'torchrun --nproc_per_node N -m shardkit.train' with the "
+                                    "same options.")
     add_train_arguments(train)
-    train.set_defaults(func=_train)
-
-    plot = subparsers.add_parser("plot", help="plot a run's loss and throughput curves to a PNG",
-                                 description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/curves.png "
-                                             "(training and eval loss, tokens/s per step).")
-    plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory (holds metrics.jsonl)")
-    plot.add_argument("--output", "-o", default=None, help="PNG path (default RUN_DIR/curves.png)")
-    plot.set_defaults(func=_plot)
+    add_command(subparsers, "plot", _plot, options=[PlotOptions],
+                help="plot a run's loss and throughput curves to a PNG",
+                description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/curves.png (training and eval loss, "
+                            "tokens/s per step).")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: Namespace) -> int:
     import sys
 
     from shardkit.train.__main__ import run
@@ -41,11 +47,12 @@ def _train(args: argparse.Namespace) -> int:
     return run(config)
 
 
-def _plot(args: argparse.Namespace) -> int:
+def _plot(namespace: Namespace) -> int:
     import sys
 
     from shardkit.train.plot import plot_run
 
+    args = PlotOptions(**given_values(namespace, PlotOptions))
     try:
         path = plot_run(args.run_dir, output=args.output)
     except (OSError, ValueError) as err:

@@ -6,23 +6,30 @@ search. Light imports only: Optuna and torch load when the command runs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.options import option_name
+from shardkit.options import Namespace, add_command, add_dataclass_options, option, option_group, option_name
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from shardkit.options import add_dataclass_options
+@dataclass(frozen=True, kw_only=True)
+class SpaceOptions:
+    space: tuple[str, ...] = option((), "a trainer option to search, e.g. lr=loguniform:1e-4:1e-2, "
+                                        "warmup_steps=int:0:200, dropout=uniform:0:0.2, schedule=choice:cosine,wsd "
+                                        "(repeat for several)", metavar="NAME=KIND:ARGS", cli_default="none")
+
+
+def register(subparsers: Any) -> None:
     from shardkit.train.options import add_train_arguments
     from shardkit.tune.config import TuneConfig
 
-    parser = subparsers.add_parser(
-        "tune", help="search hyperparameters over real trainer runs (TPE, random, grid, CMA-ES, PBT)",
+    parser = add_command(
+        subparsers, "tune", _tune, help="search hyperparameters over real trainer runs (TPE, random, grid, CMA-ES, PBT)",
         allow_abbrev=False,  # --storage must never be read as an abbreviation of --storage-options
         usage="shardkit tune --data URL --eval-data URL --space NAME=KIND:ARGS [--space ...] [--trials N] "
               "[--sampler S] [trainer options]",
@@ -30,28 +37,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "a database (default OUTPUT/study.db; a rerun continues it), or train a population with "
                     "--sampler pbt. Writes trials.csv, best.toml (a trainer --config) and PNG plots to "
                     "--output. See docs/TUNING.md.")
-    group = parser.add_argument_group("tuning")
-    group.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS",
-                       help="a trainer option to search, e.g. lr=loguniform:1e-4:1e-2, warmup_steps=int:0:200, "
-                            "dropout=uniform:0:0.2, schedule=choice:cosine,wsd (repeat for several)")
+    group = option_group(parser, "tuning")
+    add_dataclass_options(group, SpaceOptions)
     add_dataclass_options(group, TuneConfig)
     add_train_arguments(parser)
-    parser.set_defaults(func=_tune)
 
 
-def _values(args: argparse.Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None]:
+def _values(args: Namespace, skip: set[str]) -> tuple[dict[str, Any], str | None]:
     """The trainer options given (`--config` file, then the command line), nested by section, and
     `--storage-options` apart (it may hold credentials: it never goes into a file)."""
     from shardkit.train.options import option_values
 
     from shardkit.train.__main__ import STORAGE_OPTIONS_ENV
 
+    from shardkit.options import parse_storage_options
+
     values = option_values(args, skip=skip)
     secret = values.get("data", {}).pop("storage_options", None) or os.environ.get(STORAGE_OPTIONS_ENV)
-    return values, secret
+    # One JSON text for the trials' environment, whatever form was given (a --config table, KEY=VALUE).
+    return values, json.dumps(parse_storage_options(secret)) if secret else None
 
 
-def _prepare(args: argparse.Namespace):
+def _prepare(args: Namespace):
     from shardkit.train.config import config_from_dict
     from shardkit.tune.config import TuneConfig
     from shardkit.tune.runner import MetricsPorts
@@ -59,9 +66,10 @@ def _prepare(args: argparse.Namespace):
 
     names = {f.name for f in dataclasses.fields(TuneConfig)}
     config = TuneConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if not args.space:
+    space = getattr(args, "space", [])
+    if not space:
         raise ValueError("give at least one --space NAME=KIND:ARGS (e.g. --space lr=loguniform:1e-4:1e-2)")
-    params = parse_space(args.space)
+    params = parse_space(space)
     values, secret = _values(args, names | {"space", "config", "func", "command"})
     base = config_from_dict(values, source="trainer options")
     if not base.data.data:
@@ -90,7 +98,7 @@ def _prepare(args: argparse.Namespace):
     return config, params, values, secret, ports
 
 
-def _tune(args: argparse.Namespace) -> int:
+def _tune(args: Namespace) -> int:
     import logging
     import warnings
 

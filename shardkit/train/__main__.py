@@ -16,9 +16,12 @@ STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardkit.redaction import redacted_output
     from shardkit.train.options import parse_train_args
 
-    return run(parse_train_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with redacted_output(*argv):  # every rank's messages mask the credentials of the URLs given
+        return run(parse_train_args(argv))
 
 
 def run(config) -> int:

@@ -126,6 +126,9 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return f"{MARKER_NAME} is missing"
     except ValueError as err:
         return str(err)
+    escaped = _link_leaving(path)
+    if escaped is not None:
+        return escaped
     if files is None:
         return None  # saved before markers listed their files: nothing to check against
     if not isinstance(files, dict):
@@ -139,6 +142,20 @@ def checkpoint_problem(path: str | Path) -> str | None:
             return f"{name} is missing"
         if actual != size:
             return f"{name} has {actual} bytes, the marker says {size}"
+    return None
+
+
+def _link_leaving(path: Path) -> str | None:
+    """The problem of a symbolic link in checkpoint `path` that resolves outside it, or None.
+
+    DCP opens its storage files by name inside the directory, and a name is checked to stay there; a
+    link would still take the read elsewhere (a file of another run, or of another user, loaded as
+    weights). Links that stay inside are harmless; so is a checkpoint directory that is itself a link."""
+    root = path.resolve()
+    for entry in sorted(path.iterdir()):
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            return (f"{entry.name} is a symbolic link to {os.readlink(entry)}, outside the checkpoint: refused "
+                    "(a checkpoint's files must be inside its directory; copy the file in if it is yours)")
     return None
 
 

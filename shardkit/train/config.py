@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.schedule import Schedule, parse_schedule
 from shardkit.train.step_ranges import format_steps, parse_steps
-from shardkit.options import option, option_name
+from shardkit.options import option, option_name, parse_storage_options, storage_options_option
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp", "hsdp", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
@@ -38,6 +37,9 @@ def _check(condition: bool, message: str) -> None:
 
 
 MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp32 weights alone)
+# Megatron pads to 128 x tensor-parallel size; 2**20 leaves room for any --tp while a padded vocabulary
+# stays within reach of the parameter bound below (2**40 asked for 281 TB of embedding rows).
+MAX_VOCAB_MULTIPLE = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,11 +96,12 @@ class ModelConfig:
             _check(value is None or value >= 1, f"{option_name(name)} must be >= 1, got {value}")
         _check(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         _check(self.init_std > 0, f"--init-std must be positive, got {self.init_std}")
-        _check(self.make_vocab_size_divisible_by >= 1,
-               f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        _check(1 <= self.make_vocab_size_divisible_by <= MAX_VOCAB_MULTIPLE,
+               f"--make-vocab-size-divisible-by must be in 1-{MAX_VOCAB_MULTIPLE} (the vocabulary is padded to a "
+               f"multiple of it), got {self.make_vocab_size_divisible_by}")
         # An absurd size would otherwise allocate (or loop over layers) for minutes before running out of memory.
         parameters = self.n_layer * (4 * self.d_model ** 2 + 3 * self.d_model * self.hidden_size) + (
-            (self.vocab_size or 0) + (self.seq_len or 0)) * self.d_model
+            (self.padded_vocab_size or 0) + (self.seq_len or 0)) * self.d_model
         _check(parameters <= MAX_PARAMETERS,
                f"the model would have about {parameters:.3g} parameters (--n-layer {self.n_layer}, --d-model "
                f"{self.d_model}, --d-ff {self.hidden_size}), more than {MAX_PARAMETERS:.0e}: check those sizes")
@@ -200,9 +203,9 @@ class DataConfig:
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
     eval_batches: int = option(8, "batches per rank in one evaluation")
-    storage_options: str | None = option(None, repr=False, help=(
-        "JSON object of fsspec options for --data and --eval-data, e.g. '{\"endpoint_url\": \"http://...\"}' "
-                "(may hold credentials: never printed nor saved in the run directory)"))
+    storage_options: str | None = storage_options_option(
+        "fsspec options for --data and --eval-data: a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}', or "
+        "KEY=VALUE; repeatable (may hold credentials: never printed nor saved in the run directory)")
     # Every LoaderConfig field is a data option of the same name (--shuffle, --shuffle-window, --cache-limit,
     # ...), except the order's seed, which is --data-seed (--seed seeds the weights). The evaluation set is
     # always read unshuffled.
@@ -210,12 +213,7 @@ class DataConfig:
         "help": "the loader's order, batching and cache options", "flatten": True, "rename": {"seed": "data_seed"}})
 
     def __post_init__(self) -> None:
-        if self.storage_options is not None:
-            try:
-                parsed = json.loads(self.storage_options)
-            except json.JSONDecodeError:
-                parsed = None
-            _check(isinstance(parsed, dict), "--storage-options must be a JSON object (its value is not shown)")
+        parse_storage_options(self.storage_options)  # a ValueError names the option, never the value
         if self.data:
             data_entries(self.data)
         _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")

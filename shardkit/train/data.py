@@ -7,7 +7,6 @@ after another, and keeps the loader's state in its checkpoints.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from shardkit.manifest import Manifest
+from shardkit.options import parse_storage_options
 from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
 
@@ -63,7 +63,7 @@ def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
 
 
 def storage_options(config: DataConfig) -> dict[str, Any] | None:
-    return json.loads(config.storage_options) if config.storage_options else None
+    return parse_storage_options(config.storage_options) or None
 
 
 def _source(spec: str) -> Any:

@@ -8,14 +8,24 @@ first, then the options given on the command line override it, over the chosen `
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.options import OptionParser, add_field_option, option_name
+from shardkit.options import (Namespace, add_dataclass_options, add_field_option, command_parser, option, option_group,
+                              option_name)
 from shardkit.train.config import PRESETS, SECTIONS, TrainConfig, config_from_dict, section_options
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigFileOption:
+    """Read before the command line, which overrides it."""
+
+    config: str | None = option(None, "JSON or TOML file of options, nested by section like the options below; "
+                                      "command-line options override it", metavar="FILE")
+
 
 def _with_presets(default: Any, section: str | None, name: str) -> Any:
     """The default as `--help` states it: a field the presets set shows the default preset's value and
@@ -35,7 +45,7 @@ def _with_presets(default: Any, section: str | None, name: str) -> Any:
     return f"{default}; --preset {others}"
 
 
-def add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str | None,
+def add_field(group: Any, f: dataclasses.Field, section: str | None,
               name: str | None = None) -> None:
     """The option of one trainer field (`--NAME`, and `--SECTION.NAME` for a section's field), its default
     in `--help` stated with the presets that change it."""
@@ -43,17 +53,15 @@ def add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, section: str
         f.default if f.default is not dataclasses.MISSING else None, section, f.name))
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+def add_train_arguments(parser: Any) -> None:
     """Add `--config` and one option per configuration field to `parser`."""
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="JSON or TOML file of options, nested by section like the options below; "
-                             "command-line options override it")
-    top = parser.add_argument_group("training")
+    add_dataclass_options(parser, ConfigFileOption)
+    top = option_group(parser, "training")
     for f in dataclasses.fields(TrainConfig):
         if f.name not in SECTIONS:
             add_field(top, f, None)
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section, cls.__doc__)
+        group = option_group(parser, section, cls.__doc__)
         for name, _, f in section_options(cls):
             add_field(group, f, section, name)
 
@@ -78,7 +86,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def option_values(args: argparse.Namespace, *, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+def option_values(args: Namespace, *, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """The `--config FILE` values overlaid with the options given on the command line, nested by section
     (the input of `config_from_dict`); `skip` names parser destinations that are not trainer options."""
     values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
@@ -93,14 +101,14 @@ def option_values(args: argparse.Namespace, *, skip: set[str] | frozenset[str] =
     return values
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: Namespace) -> TrainConfig:
     """Merge preset, `--config FILE` and command-line options into a validated `TrainConfig`."""
     source = f"--config {args.config} and the command line" if getattr(args, "config", None) else "command line"
     return config_from_dict(option_values(args), source=source)
 
 
 def parse_train_args(argv: list[str] | None = None, *, prog: str = "python -m shardkit.train") -> TrainConfig:
-    parser = OptionParser(
+    parser = command_parser(
         prog=prog, usage="%(prog)s --data URL [--config FILE] [--OPTION VALUE ...]", description="Pre-train a GPT-style model on a shardkit dataset. Launch with "
         "'torchrun --nproc_per_node N -m shardkit.train --data URL [options]' for several processes.")
     add_train_arguments(parser)

@@ -13,12 +13,12 @@ are always loaded by the trainer, with `weights_only` tensors and a restricted r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
+from shardkit.options import parse_storage_options
 from shardkit.storage import Storage
 from shardkit.train.checkpoint import MARKER_NAME, find_latest
 
@@ -34,7 +34,7 @@ class CheckpointRoot:
     """
 
     def __init__(self, url: str, storage_options: str | None = None):
-        self.storage = Storage(url, json.loads(storage_options) if storage_options else None)
+        self.storage = Storage(url, parse_storage_options(storage_options))
 
     @staticmethod
     def round_name(member: int, round_index: int) -> str:

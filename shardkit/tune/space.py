@@ -11,7 +11,6 @@ function of its arguments: sampling and perturbing take the random generator the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import random
@@ -79,7 +78,7 @@ def _convert_choice(text: str, field_type: str, spec: str) -> Any:
     base = field_type.replace("| None", "").strip()
     try:
         return {"int": int, "float": float, "str": str, "bool": parse_bool}[base](text.strip())
-    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:  # parse_bool raises the last
+    except (ValueError, TypeError) as err:  # parse_bool's OptionValueError is a ValueError
         raise ValueError(f"--space {spec!r}: choice {text!r} is not a valid {base}") from err
 
 

@@ -83,6 +83,8 @@ def init_runtime(config: ParallelConfig, *, device: str = "auto", batch_size: in
     torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(torch_device)
+    if rank == 0:
+        warn_if_nodes_cannot_rejoin()
     # Before any process-group work: an impossible layout is a message naming the option, not a hang.
     dims = resolve_dims(config, world_size=world_size, local_world_size=local_world_size, batch_size=batch_size)
     mesh = None
@@ -102,6 +104,27 @@ def init_runtime(config: ParallelConfig, *, device: str = "auto", batch_size: in
         logger.info("rank %d/%d runs alone on %s (no process group)", rank, world_size, torch_device)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
                    device=torch_device, dims=dims, mesh=mesh)
+
+
+REJOIN_VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def warn_if_nodes_cannot_rejoin() -> bool:
+    """Warn (and return True) when torchrun's agent shares its rendezvous store with the workers in a job whose
+    membership can change: a node that leaves then never rejoins (docs/PARALLELISM.md, "Elastic training").
+
+    The agent tells its workers `TORCHELASTIC_USE_AGENT_STORE=True` unless every agent runs with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; membership can change when restarts are allowed or several
+    nodes take part (a single-node run without restarts has no node to lose, so it stays quiet).
+    """
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get(REJOIN_VARIABLE) != "1"
+    elastic = _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0 or _env_int("GROUP_WORLD_SIZE", 1) > 1
+    if not (shared and elastic):
+        return False
+    logger.warning("torchrun's agent shares its rendezvous store with the workers: a node that leaves will never "
+                   "rejoin this job; export %s=1 on every node before torchrun (docs/PARALLELISM.md, \"Elastic "
+                   "training\")", REJOIN_VARIABLE)
+    return True
 
 
 def _attempt_store(world_size: int, timeout: datetime.timedelta):
