@@ -227,7 +227,7 @@ class CachedShard:
         if parts is not None:
             self._closer.later(self._let_go, *parts)
 
-    def _take_parts(self) -> tuple[ShardStore, PartialShard | None, Release | None] | None:
+    def _take_parts(self) -> tuple[ShardStore, BlockReader | None, Release | None] | None:
         """What closing has left to do, once: None when nothing (closed already, or a handle a forked process
         inherited: its locks and threads belong to the process that opened it)."""
         if self._closed:
@@ -240,7 +240,7 @@ class CachedShard:
         return (self._store, partial, release) if partial is not None or release is not None else None
 
     @staticmethod
-    def _let_go(store: ShardStore, partial: PartialShard | None, release: Release | None) -> None:
+    def _let_go(store: ShardStore, partial: BlockReader | None, release: Release | None) -> None:
         if partial is not None:
             store.abandon(partial)
         if release is not None:
