@@ -85,7 +85,7 @@ def test_inspect_is_fast_and_never_imports_torch(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
-    assert "torch" not in imported and "pyarrow" not in imported and "shardkit" in imported
+    assert not {"torch", "pyarrow", "tokenizers", "tiktoken", "sentencepiece"} & imported and "shardkit" in imported
     assert json.loads(result.stdout)["totals"]["samples"] == 50
 
 
