@@ -54,7 +54,7 @@ def read_documents(path: Path, limit: int | None = None) -> list[str]:
 
 
 def bare_tokenizer(tokenizer_path: Path, docs: list[str], runs: int) -> dict:
-    from shardkit.tools.tokenizers import load_tokenizer
+    from shardkit.text.tokenizers import load_tokenizer
 
     encoding = load_tokenizer(str(tokenizer_path)).encoding
     results = {}

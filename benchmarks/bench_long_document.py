@@ -23,7 +23,7 @@ TOKENIZERS = {"gpt2 (HF json)": "tokenizers/gpt2_hf_tokenizer.json", "cl100k (ti
 CHILD = r"""
 import io, json, resource, sys, time
 import numpy as np, zstandard
-from shardkit.tools.tokenizers import load_tokenizer
+from shardkit.text.tokenizers import load_tokenizer
 spec, corpus, megabytes, mode = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 tokenizer = load_tokenizer(spec)
 tokenizer.encode("warm up")

@@ -61,7 +61,7 @@ TARGETS: dict[str, tuple[str, str, list[str]]] = {
     "block_reader": ("loaders/block_reader.py", "shardkit.loaders.block_reader", ["tests/test_blocks.py"]),
     "manifest": ("shardkit/manifest.py", "shardkit.manifest",
                  ["tests/test_manifest.py", "tests/test_manifest_index.py"]),
-    "packing": ("tools/packing.py", "shardkit.tools.packing", ["tests/test_packing.py"]),
+    "packing": ("shardkit/text/packing.py", "shardkit.text.packing", ["tests/test_packing.py"]),
 }
 
 COMPARE_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,

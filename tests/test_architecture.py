@@ -1,8 +1,9 @@
 """The house rules of ../shared/STYLE.md, read from the source with `ast` (every import, also inside functions).
 
 - The core (`shardkit/*.py`, `shardkit/formats/`) imports no other part.
-- The build side (`tools/` = `shardkit.tools`) uses the core only; the loaders (`loaders/` = `shardkit.loaders`)
-  likewise: the two never import each other, and neither imports the trainer.
+- The text layer (`shardkit/text/` = `shardkit.text`: input readers, tokenizer specs, packers) uses the core only.
+- The build side (`tools/` = `shardkit.tools`) uses the core and the text layer; the loaders (`loaders/` =
+  `shardkit.loaders`) likewise: the two never import each other, and neither imports the trainer.
 - The trainer (`shardkit/train/`) uses the loaders and the core, by their modules (not the lazy face).
 - The framework integrations (`shardkit/integrations/`) sit with the face: they use the loaders and the core,
   and nothing but the face imports them.
@@ -34,12 +35,13 @@ _parsed = functools.lru_cache(maxsize=None)(ast.parse)  # one parse per text for
 # Part -> the parts it may import (itself included).
 ALLOWED = {
     "core": {"core"},
-    "build": {"core", "build"},
-    "loaders": {"core", "loaders"},
+    "text": {"core", "text"},
+    "build": {"core", "text", "build"},
+    "loaders": {"core", "text", "loaders"},
     "trainer": {"core", "loaders", "trainer"},
     "integrations": {"core", "loaders", "integrations"},
     "tune": {"core", "trainer", "tune"},
-    "face": {"core", "build", "loaders", "trainer", "tune", "integrations", "face"},
+    "face": {"core", "text", "build", "loaders", "trainer", "tune", "integrations", "face"},
 }
 
 
@@ -52,8 +54,8 @@ def part_of_module(module: str) -> str | None:
         return None
     if len(names) == 1:
         return "face"  # `from shardkit import X` goes through the lazy face
-    return {"tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune", "integrations": "integrations", "cli": "face",
-            "__main__": "face"}.get(names[1], "core")
+    return {"text": "text", "tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune",
+            "integrations": "integrations", "cli": "face", "__main__": "face"}.get(names[1], "core")
 
 
 def source_files() -> dict[Path, str]:
@@ -122,13 +124,34 @@ def test_every_import_follows_the_house_rules():
 def test_the_parts_are_where_the_design_card_puts_them():
     modules = set(source_files().values())
     assert {"shardkit.cli.main", "shardkit.manifest", "shardkit.loaders.dataset", "shardkit.tools.build",
-            "shardkit.train.loop", "shardkit.integrations.huggingface"} <= modules
+            "shardkit.train.loop", "shardkit.integrations.huggingface", "shardkit.text.inputs",
+            "shardkit.text.tokenizers", "shardkit.text.packing", "shardkit.text.documents"} <= modules
     parts = {part_of_module(m) for m in modules}
-    assert {"core", "build", "loaders", "trainer", "integrations", "face"} <= parts
+    assert {"core", "text", "build", "loaders", "trainer", "integrations", "face"} <= parts
+
+
+def _add_line(monkeypatch, importer: str, line: str) -> None:
+    """Make the checker read `importer` (a real module) with `line` added at its end."""
+    path = REPO / importer
+    original = path.read_text()
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: original + f"\n{line}\n" if self == path
+                        else Path.read_bytes(self).decode())
+
+
+@pytest.mark.parametrize("importer, line", [
+    ("tools/build.py", "from shardkit.text.packing import make_packer"),
+    ("loaders/dataset.py", "from shardkit.text.tokenizers import load_tokenizer"),
+])
+def test_both_sides_may_import_the_text_layer(monkeypatch, importer, line):
+    _add_line(monkeypatch, importer, line)
+    assert violations() == []
 
 
 @pytest.mark.parametrize("importer, line, expected", [
-    ("loaders/cache.py", "from shardkit.tools.tokenizers import load_tokenizer", "loaders imports build"),
+    ("loaders/cache.py", "from shardkit.tools.build import run_build", "loaders imports build"),
+    ("shardkit/text/packing.py", "from shardkit.tools.build import run_build", "text imports build"),
+    ("shardkit/text/documents.py", "from shardkit.loaders.reading import read_sample", "text imports loaders"),
+    ("shardkit/manifest.py", "from shardkit.text.tokenizers import load_tokenizer", "core imports text"),
     ("tools/build.py", "import shardkit.loaders.order", "build imports loaders"),
     ("shardkit/manifest.py", "from shardkit.train import loop", "core imports trainer"),
     ("shardkit/formats/reader.py", "from ..cli.dataset import describe", "core imports the CLI"),
@@ -139,11 +162,8 @@ def test_the_parts_are_where_the_design_card_puts_them():
 ])
 def test_a_violation_is_reported_with_its_place(tmp_path, monkeypatch, importer, line, expected):
     # The checker itself must catch each kind of violation: add one import to a copy of a real module.
-    original = (REPO / importer).read_text()
     copy = {**source_files()}
-    path = REPO / importer
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: original + f"\n{line}\n" if self == path
-                        else Path.read_bytes(self).decode())
+    _add_line(monkeypatch, importer, line)
     found = violations()
     assert any(expected in problem and problem.startswith(importer) for problem in found), found
     assert copy == source_files()

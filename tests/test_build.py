@@ -17,8 +17,8 @@ from shardkit.cli import main
 from shardkit.formats import ShardReader
 from shardkit.manifest import MANIFEST_NAME, load_manifest
 from shardkit.storage import Storage
+from shardkit.text.tokenizers import load_tokenizer
 from shardkit.tools.build import BuildConfig, BuildInputError, parse_compression, parse_size, run_build
-from shardkit.tools.tokenizers import load_tokenizer
 
 WORDS = "the of and a to in is was he for it with as his on be at by had are but from or".split()
 

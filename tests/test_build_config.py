@@ -11,12 +11,12 @@ import pytest
 
 from shardkit.cli import build_parser
 from shardkit.cli.build import config_from_args
+from shardkit.manifest import SHARD_FORMATS
+from shardkit.text.inputs import TXT_MODES
+from shardkit.text.packing import PACKING_MODES
 from shardkit.tools.build import run_build
 from shardkit.tools.config import BuildConfig, build_record, flag, recorded_fields, resume_key
 from shardkit.tools.executors import EXECUTORS
-from shardkit.tools.inputs import TXT_MODES
-from shardkit.tools.packing import PACKING_MODES
-from shardkit.manifest import SHARD_FORMATS
 
 REPO = Path(__file__).resolve().parents[1]
 

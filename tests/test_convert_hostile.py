@@ -94,7 +94,7 @@ def write_mds_with(directory, entry, stored: bytes) -> None:
 def test_an_mds_shard_inflating_past_its_declared_size_is_refused_with_bounded_memory(tmp_path):
     from shardkit.tools.convert import mds
     from shardkit.tools.convert.documents import TokenSettings
-    from shardkit.tools.inputs import WorkUnit
+    from shardkit.text.inputs import WorkUnit
 
     documents = random_documents(10, seed=41)
     raw = mds_shard_bytes(documents)
@@ -268,7 +268,7 @@ def test_a_compressed_shard_whose_bytes_cannot_hold_its_count_is_refused_in_boun
     what it inflated to), instead of rejecting 10**12 samples one by one."""
     from shardkit.tools.convert import mds
     from shardkit.tools.convert.documents import TokenSettings
-    from shardkit.tools.inputs import WorkUnit
+    from shardkit.text.inputs import WorkUnit
 
     raw = mds_shard_bytes(random_documents(10, seed=45))
     stored = zstd_of(raw)

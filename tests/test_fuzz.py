@@ -115,8 +115,8 @@ def ingest(path: str) -> tuple[int, int, int, list[str | None], list[str]]:
     counts them; `documents` read back from its output tokens (the byte tokenizer's ids are the
     UTF-8 bytes), which is what the test checks against the records it generated.
     """
-    from shardkit.tools.documents import DocumentSettings, tokenize_unit
-    from shardkit.tools.inputs import expand_inputs, iter_units
+    from shardkit.text.documents import DocumentSettings, tokenize_unit
+    from shardkit.text.inputs import expand_inputs, iter_units
 
     files = expand_inputs([path])
     settings_ = DocumentSettings(tokenizer="byte", token_dtype="uint16", eos_id=None, max_doc_chars=5000)

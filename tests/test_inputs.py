@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from shardkit.tools.documents import DocumentSettings, parse_unit, tokenize_unit
-from shardkit.tools.inputs import classify, expand_inputs, iter_units
+from shardkit.text.documents import DocumentSettings, parse_unit, tokenize_unit
+from shardkit.text.inputs import classify, expand_inputs, iter_units
 
 
 def lines(*objs):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.formats import arrays_from_samples
-from shardkit.tools.packing import BestFitPacker, ConcatPacker, NonePacker, make_packer
+from shardkit.text.packing import BestFitPacker, ConcatPacker, NonePacker, make_packer
 
 PAD = 9999
 

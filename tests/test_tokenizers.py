@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import shared_path
-from shardkit.tools.tokenizers import load_tokenizer, train_bpe
+from shardkit.text.tokenizers import load_tokenizer, train_bpe
 
 TEXTS = ["Hello, world! Ünïcödé text, numbers 12345 and <|endoftext|> literally.",
          "The quick brown fox jumps over the lazy dog. " * 20, "日本語のテキスト", "a"]

@@ -12,8 +12,8 @@ import zstandard
 
 from conftest import shared_path
 from shardkit.cli import main
+from shardkit.text.tokenizers import load_tokenizer
 from shardkit.tools.build import run_build
-from shardkit.tools.tokenizers import load_tokenizer
 from test_build import config, read_samples
 from test_train_inprocess import run_training
 from train_runs import sample_ids

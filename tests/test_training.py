@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from shardkit.cli import main
-from shardkit.tools.tokenizers import load_tokenizer
+from shardkit.text.tokenizers import load_tokenizer
 
 
 def test_train_cli_reads_inputs_like_build(tmp_path, capsys):

@@ -60,7 +60,7 @@ def installed(tmp_path_factory):
 def test_the_installed_package_comes_from_the_wheel_alone(installed):
     bin_dir, env, work = installed
     out = _run([str(bin_dir / "python"), "-c", "import json, sys, shardkit, shardkit.train.parallel, "
-                "shardkit.loaders.dataset, shardkit.tools.build; print(json.dumps([shardkit.__file__, sys.path]))"],
+                "shardkit.loaders.dataset, shardkit.tools.build, shardkit.text.documents; print(json.dumps([shardkit.__file__, sys.path]))"],
                cwd=work, env=env)
     location, path = json.loads(out.splitlines()[-1])
     assert Path(location).is_relative_to(bin_dir.parent), location

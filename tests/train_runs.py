@@ -35,7 +35,7 @@ def write_byte_dataset(url: str, *, num_samples: int = NUM_SAMPLES, seq_len: int
 
 def write_gpt2_dataset(url: str, tokenizer_path: str, *, num_samples: int = 48, seq_len: int = SEQ_LEN) -> None:
     """Packed samples of this repository's Python sources tokenized with the real GPT-2 tokenizer (50257 ids)."""
-    from shardkit.tools.tokenizers import load_tokenizer
+    from shardkit.text.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     text = "".join(path.read_text() for path in sorted((REPO / "shardkit" / "train").rglob("*.py")))

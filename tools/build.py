@@ -29,14 +29,14 @@ from shardkit import metrics
 from shardkit.formats import ShardArrays, ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
 from shardkit.storage import Storage
+from shardkit.text.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
+from shardkit.text.documents import cached_tokenizer as worker_tokenizer
+from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs, iter_units
+from shardkit.text.packing import Packer, make_packer
 from shardkit.tools import state as build_state
 from shardkit.tools.config import BuildConfig, build_record, parse_compression, parse_size, resume_key
-from shardkit.tools.documents import DocumentSettings, UnitResult, tokenize_unit, warm_up
-from shardkit.tools.documents import cached_tokenizer as worker_tokenizer
 from shardkit.tools.encode_threads import choose_encode_threads
 from shardkit.tools.executors import available_cores, make_executor
-from shardkit.tools.inputs import InputFile, WorkUnit, expand_inputs, iter_units
-from shardkit.tools.packing import Packer, make_packer
 from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
 
 __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_compression", "parse_size",

@@ -107,7 +107,7 @@ class BuildConfig:
         "concat", "'concat': join documents with EOS and cut windows (the last partial window is padded and "
         "reported); 'bestfit': best-fit-decreasing packing of whole documents, splitting only documents longer "
         "than a window (padding fraction and split count are reported); 'none': one document per sample, split "
-        "at N+1 tokens", records="output", choices=registry("shardkit.tools.packing", "PACKING_MODES"),
+        "at N+1 tokens", records="output", choices=registry("shardkit.text.packing", "PACKING_MODES"),
         flags=("--pack",), metavar="MODE")
     shard_size: int = option(
         64 * 10**6, "uncompressed payload per shard: 64MB (decimal KB/MB/GB), 256MiB (binary KiB/MiB/GiB) or bytes",
@@ -120,7 +120,7 @@ class BuildConfig:
                              records="output", metavar="NAME")
     txt_mode: str = option("file", "what one document of a .txt file is: 'file' (the whole file) or 'paragraph' "
                                    "(text separated by one or more blank lines)",
-                           records="output", choices=registry("shardkit.tools.inputs", "TXT_MODES"), metavar="MODE")
+                           records="output", choices=registry("shardkit.text.inputs", "TXT_MODES"), metavar="MODE")
     on_error: str = option(
         "skip", "bad input (malformed JSON, missing or non-string text, invalid UTF-8, empty or enormous documents, "
         "unreadable or truncated files): 'skip' counts it and lists examples in the report and summary; 'fail' "

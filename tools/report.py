@@ -16,7 +16,7 @@ from typing import Any
 
 from shardkit import metrics
 from shardkit.options import format_size
-from shardkit.tools.inputs import InputFile
+from shardkit.text.inputs import InputFile
 
 
 def reason_category(reason: str) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from shardkit.tools.documents import parse_unit
-from shardkit.tools.inputs import expand_inputs, iter_units
-from shardkit.tools.tokenizers import train_bpe
+from shardkit.text.documents import parse_unit
+from shardkit.text.inputs import expand_inputs, iter_units
+from shardkit.text.tokenizers import train_bpe
 
 
 def train_from_inputs(inputs: Sequence[str], *, vocab_size: int, output: str, text_field: str = "text",

@@ -254,9 +254,9 @@ def locate(manifest, index: int) -> tuple[int, int]:
 
 def _load_tokenizer(spec: str):
     try:
-        from shardkit.tools.tokenizers import load_tokenizer
+        from shardkit.text.tokenizers import load_tokenizer
     except ImportError as err:
-        raise RuntimeError(f"--decode needs shardkit's tokenizer module (shardkit.tools.tokenizers) and the tokenizers "
+        raise RuntimeError(f"--decode needs shardkit's tokenizer module (shardkit.text.tokenizers) and the tokenizers "
                            f"extra: pip install 'shardkit[tokenizers]' ({err})") from err
     try:
         return load_tokenizer(spec)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import WorkUnit
+from shardkit.text.documents import UnitResult
+from shardkit.text.inputs import WorkUnit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ def source_files(located: list[tuple[Any, str]], kind: str) -> list:
     unit."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardkit.tools.inputs import InputFile, _display, content_sha256
+    from shardkit.text.inputs import InputFile, _display, content_sha256
 
     def record(item):
         fs, path = item

@@ -3,7 +3,7 @@
 `Dataset.save_to_disk` writes Arrow IPC *stream* files (`data-00000-of-00001.arrow`, listed in the
 directory's `state.json`); they are read here with pyarrow, so any fsspec URL works and `datasets`
 itself is needed only by whoever wrote them. Parquet files go through the build's own Parquet reader
-(`shardkit.tools.inputs`), with the token column in place of the text column. Each work unit is one
+(`shardkit.text.inputs`), with the token column in place of the text column. Each work unit is one
 record batch of the token column; a row is a document and its `doc_index` is its row number.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from shardkit.storage import open_filesystem
+from shardkit.text.documents import UnitResult
+from shardkit.text.inputs import InputFile, WorkUnit, _display, _open_raw, expand_inputs, iter_units
 from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
 from shardkit.tools.convert.source_index import IndexEntry, read_json_object
-from shardkit.tools.documents import UnitResult
-from shardkit.tools.inputs import InputFile, WorkUnit, _display, _open_raw, expand_inputs, iter_units
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:

@@ -6,10 +6,10 @@ import time
 from dataclasses import replace
 
 from shardkit.manifest import TokenizerInfo, token_dtype_for_vocab
+from shardkit.text.documents import cached_tokenizer
 from shardkit.tools.build import BuildResult, InputSide, _worker_start, run_pipeline
 from shardkit.tools.convert.config import ConvertConfig
 from shardkit.tools.convert.documents import TokenSettings, file_units
-from shardkit.tools.documents import cached_tokenizer
 
 __all__ = ["run_convert", "source_side", "tokenizer_identity"]
 

@@ -44,7 +44,7 @@ def read_index_json(spec: str, storage_options, *, fields: tuple[str, ...], what
         FileNotFoundError: no index.json there. ValueError: it is not a JSON object or lacks a field.
     """
     from shardkit.storage import open_filesystem
-    from shardkit.tools.inputs import _display
+    from shardkit.text.inputs import _display
 
     fs, path = open_filesystem(spec, storage_options)
     path = path[:-len("/index.json")] if path.endswith("/index.json") else path.rstrip("/")

@@ -1,4 +1,4 @@
-"""Tokenizers for the build, behind one small contract: `load_tokenizer(spec) -> Tokenizer`.
+"""Tokenizers for the build and the loaders, behind one small contract: `load_tokenizer(spec) -> Tokenizer`.
 
 A spec names the tokenizer so that it can be reloaded later (it is recorded in the manifest):
 

@@ -1,4 +1,4 @@
-"""Worker side of the build: parse one work unit into documents, check them, tokenize them.
+"""Parse one work unit into documents, check them, tokenize them (the build's worker side).
 
 `tokenize_unit(unit, settings)` is a pure function of its arguments (the tokenizer is loaded once
 per process from `settings.tokenizer` and cached), so local processes and Ray tasks give the
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardkit.tools.inputs import WorkUnit, _paragraphs
-from shardkit.tools.tokenizers import Tokenizer, load_tokenizer
+from shardkit.text.inputs import WorkUnit, _paragraphs
+from shardkit.text.tokenizers import Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True, kw_only=True)

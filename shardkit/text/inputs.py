@@ -1,13 +1,13 @@
-"""Build inputs: expand INPUT arguments into files, and cut each file into ordered work units.
+"""Text inputs: expand INPUT arguments into files, and cut each file into ordered work units.
 
 Recognised by name: ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` (one JSON object per line, the text in
 ``--text-field``), ``.parquet`` (the ``--text-field`` column) and ``.txt``. A ``.txt`` document is the
 whole file (``--txt-mode file``, the default) or each paragraph, i.e. each run of lines separated by
 one or more blank lines (``--txt-mode paragraph``).
 
-This module runs in the parent process only: it reads and decompresses the files and hands raw
+In the build this module runs in the parent process only: it reads and decompresses the files and hands raw
 line ranges (or Parquet column slices) to workers, which parse and tokenize them
-(`shardkit.tools.documents`). Work units depend only on the file contents and `unit_bytes`, never
+(`shardkit.text.documents`). Work units depend only on the file contents and `unit_bytes`, never
 on the number of workers, so the build's output does not either.
 """
 
