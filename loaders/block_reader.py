@@ -338,9 +338,11 @@ class BlockReader:
         with self._lock:
             if not self._wants_completion or self._completion is not None:
                 return
+            # Started under the lock: a `wait_complete` in another thread must never see a thread not yet
+            # started (join() raises on one).
             self._completion = threading.Thread(target=self._complete, name=f"shardkit-complete-{self.shard.name}",
                                                 daemon=True)
-        self._completion.start()
+            self._completion.start()
 
     def cancel(self) -> None:
         """Stop the background completion after its current read (nothing is stored, nothing raised)."""
