@@ -194,12 +194,13 @@ def argparse_outside_the_option_machine(sources: dict[str, str]) -> list[str]:
     return found
 
 
-def _option_sources() -> dict[str, str]:
+def _package_sources() -> dict[str, str]:
+    """Every source file of the package, by its path in the repository -> its text."""
     return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
 
 
 def test_no_argparse_outside_the_option_machine():
-    assert argparse_outside_the_option_machine(_option_sources()) == []
+    assert argparse_outside_the_option_machine(_package_sources()) == []
 
 
 @pytest.mark.parametrize("line, what", [
@@ -209,7 +210,7 @@ def test_no_argparse_outside_the_option_machine():
     ("p = OptionParser(prog='x')", "calls OptionParser"),
 ])
 def test_hand_built_options_are_reported_with_their_place(line, what):
-    sources = _option_sources()
+    sources = _package_sources()
     sources["shardkit/cli/build.py"] += f"\n{line}\n"
     found = argparse_outside_the_option_machine(sources)
     assert len(found) == 1 and found[0].startswith("shardkit/cli/build.py:") and found[0].endswith(what), found
@@ -317,10 +318,6 @@ def renames(sources: dict[str, str]) -> list[str]:
     """`file:line in function` of every rename into place (os.replace, os.rename, Path.rename/replace, fsspec's
     mv, shutil.move) outside `RENAMES_ALLOWED`."""
     return places_outside(sources, _renaming_calls, RENAMES_ALLOWED)
-
-
-def _package_sources() -> dict[str, str]:
-    return {str(path.relative_to(REPO)): path.read_text() for path in source_files()}
 
 
 def test_single_files_are_written_atomically_by_the_one_helper():
