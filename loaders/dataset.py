@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardkit.loaders.config import LoaderConfig, loader_config
 from shardkit.loaders.effective_order import effective_order
 from shardkit.loaders.fingerprint import data_fingerprint
+from shardkit.loaders.frameworks import check_framework
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order, OrderConfig
 from shardkit.loaders.partition import steps_in_epoch
@@ -33,7 +34,7 @@ from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_li
 from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
 from shardkit.loaders.reading import BatchReader
 from shardkit.loaders.remix import MixtureRecord, MixtureStreams, fresh_record, resumed_record
-from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
+from shardkit.loaders.resharding import NEEDS_BATCH_SIZE, check_not_resharded, check_not_rewrapped
 from shardkit.loaders.schedule import weight_spec
 from shardkit.loaders.skipping import resolve_skipped
 from shardkit.loaders.sources import Sources, streams_of
@@ -41,6 +42,7 @@ from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState, check_worker_ste
 from shardkit.loaders.tensors import batch_to_tensors, bundled, strip_progress
 from shardkit.loaders.token_batches import PROGRESS_KEY, token_batches
 from shardkit.loaders.topology import Topology, check_topology_args, resolve_topology
+from shardkit.loaders.worker_copies import WorkerIterations
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ class StreamingDataset(IterableDataset):
         # accelerator.prepare() builds around a prepared loader's dataset) would bypass the loader's batching and
         # state, so standalone iteration is refused then.
         self.claimed_by_loader = False
+        self.worker_iterations = WorkerIterations()  # refuses a state taken here while workers iterate copies
 
     def __getstate__(self) -> dict:
         # Process groups and meshes do not pickle; workers get the topology through the plan.
@@ -122,8 +125,14 @@ class StreamingDataset(IterableDataset):
 
     # -- configuration -------------------------------------------------------------------------
     def resolve_topology(self) -> Topology:
-        """Rank, world and node layout, resolved now (see `shardkit.loaders.topology`)."""
-        return resolve_topology(**self._topology_args, **self._group_args)
+        """Rank, world and node layout, resolved now (see `shardkit.loaders.topology`).
+
+        Raises:
+            ValueError: a training framework among the callers runs the dataset the wrong way (`frameworks`).
+        """
+        topology = resolve_topology(**self._topology_args, **self._group_args)
+        check_framework(topology.world_size, standalone=not self.claimed_by_loader)
+        return topology
 
     def resolve_partitions(self, topology: Topology) -> int:
         """Partitions of the global order: `num_partitions` when set, else one per node of `topology` (fixed by the
@@ -240,9 +249,9 @@ class StreamingDataset(IterableDataset):
             ValueError: the dataset has no `batch_size` (it is driven by a `StreamingDataLoader`: save that).
         """
         check_not_rewrapped(self.claimed_by_loader)
+        self.worker_iterations.check_state_here()
         if self.batch_size is None:
-            raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
-                             "the loader's state_dict() instead)")
+            raise ValueError(f"StreamingDataset.state_dict() {NEEDS_BATCH_SIZE}")
         topology = self.resolve_topology()
         start, partitions, quarantine = self._resume or (0, self.resolve_partitions(topology),
                                                          tuple((s, 0, 0) for s in self.listed_quarantine))
@@ -361,8 +370,9 @@ class StreamingDataset(IterableDataset):
         """One epoch (or its rest) without StreamingDataLoader. A generator: creating it and throwing it away
         changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
         check_not_rewrapped(self.claimed_by_loader)
+        self.worker_iterations.note_iteration()
         if self.batch_size is None and self.config.max_tokens is None:
-            raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
+            raise ValueError(f"StreamingDataset iterated without a StreamingDataLoader {NEEDS_BATCH_SIZE}")
         topology = self.resolve_topology()
         check_not_resharded(topology.world_size)
         start, partitions, quarantine = self._resume or (
