@@ -36,6 +36,21 @@ def test_preparing_the_loader_is_refused(dataset_url, tmp_path, options):
     assert next(iter(loader))["tokens"].shape == (4, 17)  # the loader itself reads
 
 
+def test_accelerate_running_this_process_alone_while_the_loader_splits_the_data_is_refused(dataset_url, tmp_path):
+    """torchrun on a machine without GPUs, without accelerate's CPU setting: accelerate runs each process on its own
+    while the loader splits the data by torchrun's WORLD_SIZE. (One process, the dataset told it is rank 0 of 2: what
+    it reads from torchrun's environment.)"""
+    from accelerate import Accelerator
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.integrations.accelerate import checkpoint_loader
+
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="^accelerate trains this process on its own, but the dataset splits the data "
+                                         "over 2 ranks .* ACCELERATE_USE_CPU=true under torchrun"):
+        checkpoint_loader(Accelerator(cpu=True), StreamingDataLoader(dataset, batch_size=4))
+
+
 def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_url, tmp_path):
     """accelerate's default for an IterableDataset (dispatch_batches) lets rank 0 read and broadcast its batches:
     on two ranks, rank 1's share would never be read. (Run on one process with the dataset told it is rank 0 of 2:

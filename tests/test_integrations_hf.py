@@ -69,7 +69,15 @@ def test_two_ranks_read_disjoint_complete_shares_and_resume_exactly_also_on_one(
     resumed = run(dataset_url, tmp_path / "cut", "tail", "--steps", 14, "--resume", "--dispatch", 0, ranks=2)
     check_resumed(whole, stopped, resumed, first=10)
 
-    # 2 -> 1 ranks: the Trainer's step counting refuses; with ignore_data_skip the loader continues exactly.
+    # 2 -> 1 ranks with the same global batch (8 on one rank after 4 on each of two): accepted and exact.
+    same_batch = run(dataset_url, tmp_path / "cut", "same-batch", "--steps", 14, "--resume", "checkpoint-10",
+                     "--batch", 8)[0]
+    assert same_batch[0][0] == 10
+    epoch1 = ids_of(stopped[0], 7) + ids_of(stopped[1], 7) + ids_of(same_batch)
+    assert sorted(epoch1) == sorted(ids_of(whole[0], 7) + ids_of(whole[1], 7))
+
+    # 2 -> 1 ranks with another global batch: the Trainer's step counting refuses; with ignore_data_skip the loader
+    # continues exactly.
     refused = run(dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", "checkpoint-10",
                   check=False)
     assert refused.returncode != 0 and "ignore_data_skip=True" in refused.stderr, refused.stderr[-2000:]

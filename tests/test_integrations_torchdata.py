@@ -1,6 +1,9 @@
 """StreamingDataset inside torchdata's StatefulDataLoader and torch's DataLoader (issue 24), in the loop a user writes
 (tests/torchdata_runs.py): the state saved with torch.save and resumed in a new process, with 0 and 2 workers,
-across an epoch end, on one and two ranks (gloo), and from two ranks to one. In-process save/load details: tests/test_standalone_resume.py."""
+across an epoch end, on one and two ranks (gloo), and from two ranks to one (with 2 workers on one rank: the
+document's recipe, tests/test_doc_recipes.py); and the mistakes refused (issue 35): the dataset's own state taken
+while torch DataLoader workers iterate copies of it, a state loaded with another number of workers. In-process
+save/load details: tests/test_standalone_resume.py."""
 
 from __future__ import annotations
 
