@@ -26,7 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardkit.loaders.config import LoaderConfig, loader_config
 from shardkit.loaders.effective_order import effective_order
 from shardkit.loaders.fingerprint import data_fingerprint
-from shardkit.loaders.frameworks import check_framework
+from shardkit.loaders.frameworks import NEEDS_BATCH_SIZE, check_framework
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order, OrderConfig
 from shardkit.loaders.partition import steps_in_epoch
@@ -34,7 +34,7 @@ from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_li
 from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
 from shardkit.loaders.reading import BatchReader
 from shardkit.loaders.remix import MixtureRecord, MixtureStreams, fresh_record, resumed_record
-from shardkit.loaders.resharding import NEEDS_BATCH_SIZE, check_not_resharded, check_not_rewrapped
+from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
 from shardkit.loaders.schedule import weight_spec
 from shardkit.loaders.skipping import resolve_skipped
 from shardkit.loaders.sources import Sources, streams_of

@@ -1,8 +1,8 @@
 """Refuse the ways of running the dataset inside a training framework that train on the wrong data without a word.
 
-The framework is not passed to the dataset; it is found among the calling frames (as `resharding` finds
-accelerate's wrappers), when the dataset resolves its topology: at `len()`, at the start of an iteration and at
-`state_dict()`.
+The framework is not passed to the dataset; it is found among the calling frames (`calling_objects`, which
+`resharding` also uses to find accelerate's wrappers), when the dataset resolves its topology: at `len()`, at the
+start of an iteration and at `state_dict()`.
 
 - A framework that runs this process on its own (Lightning's default `devices=1` on a CPU machine, the
   transformers `Trainer` under torchrun without `ACCELERATE_USE_CPU`), while the dataset splits the data by
@@ -17,6 +17,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+# What a dataset without batch_size needs, iterated or saved on its own (it yields whole batches; a DataLoader's
+# batch_size would batch batches), and the ways that need none.
+NEEDS_BATCH_SIZE = ("needs batch_size=: it yields whole batches, so the batch size goes to the dataset, "
+                    "StreamingDataset(url, batch_size=B) inside DataLoader(dataset, batch_size=None); or iterate a "
+                    "StreamingDataLoader(dataset, batch_size=B) and save its state; with transformers' Trainer use "
+                    "shardkit.integrations.huggingface.ShardkitTrainer (docs/INTEGRATIONS.md)")
 # How to run each framework on as many processes as torchrun started.
 DISTRIBUTED_FIX = {
     "Lightning": 'pass L.Trainer(devices=<processes per node>, strategy="ddp") (DDP, over gloo on CPUs)',
@@ -47,7 +53,7 @@ def _lightning_trainer(owner: Any) -> Any:
     """Lightning's Trainer, when `owner` is it or one of its loops or connectors; else None."""
     if not type(owner).__module__.startswith(("lightning.pytorch.", "pytorch_lightning.")):
         return None
-    if _is_instance(owner, type(owner).__module__, "Trainer"):
+    if type(owner).__name__ == "Trainer":
         return owner
     trainer = getattr(owner, "trainer", None)
     return trainer if trainer is not None and hasattr(trainer, "world_size") else None

@@ -18,13 +18,6 @@ RESHARDING_WRAPPERS = {("accelerate.data_loader", "IterableDatasetShard"),
                        ("accelerate.data_loader", "DataLoaderDispatcher")}
 
 
-# What a standalone dataset without batch_size needs (it yields whole batches), and the ways that need none.
-NEEDS_BATCH_SIZE = ("needs batch_size=: it yields whole batches, so the batch size goes to the dataset, "
-                    "StreamingDataset(url, batch_size=B) inside DataLoader(dataset, batch_size=None); or iterate a "
-                    "StreamingDataLoader(dataset, batch_size=B) and save its state; with transformers' Trainer use "
-                    "shardkit.integrations.huggingface.ShardkitTrainer (docs/INTEGRATIONS.md)")
-
-
 def resharding_wrapper(max_depth: int = 40) -> str | None:
     """The name of a resharding wrapper among the calling frames, or None."""
     for owner in calling_objects(max_depth):

@@ -13,7 +13,6 @@ from doc_recipes import BATCH_SIZE, CONFIG_BLOCKS, RECIPES, all_python_blocks, p
 from integration_procs import dataset_url  # noqa: F401 - a fixture: the module's dataset
 from integration_procs import own_loader_steps, run_script
 
-pytestmark = pytest.mark.slow
 FRAMEWORK = {"huggingface": "transformers", "accelerate": "accelerate",
              "torchtitan": "torchtitan.components.checkpoint", "torchdata": "torchdata.stateful_dataloader", "lightning": "lightning"}
 
@@ -40,6 +39,7 @@ def test_every_python_block_of_the_document_is_run_here():
     assert sorted(covered) == sorted(all_python_blocks())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_a_stopped_run_resumes_in_a_new_process_on_shardkits_samples(dataset_url, tmp_path, name):
     needs_framework(name)
@@ -49,6 +49,7 @@ def test_a_stopped_run_resumes_in_a_new_process_on_shardkits_samples(dataset_url
     assert head[0] + tail[0] == own_loader(name, dataset_url, tmp_path, steps=20)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_the_documented_two_process_launch_reads_shardkits_shares(dataset_url, tmp_path, name):
     needs_framework(name)
