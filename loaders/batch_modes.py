@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shardkit.loaders.config import LoaderConfig
+from shardkit.loaders.frameworks import NEEDS_BATCH_SIZE
 from shardkit.loaders.order import Order
 from shardkit.loaders.partition import dropped_in_epoch, partial_batch, steps_in_epoch
 from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
@@ -63,7 +64,7 @@ class FixedBatches:
     def standalone_batch_size(self, batch_size: int | None) -> int:
         """Samples per rank of a dataset iterated on its own (its `batch_size`)."""
         if batch_size is None:
-            raise ValueError("StreamingDataset needs batch_size= when iterated without StreamingDataLoader")
+            raise ValueError(f"StreamingDataset iterated without a StreamingDataLoader {NEEDS_BATCH_SIZE}")
         return batch_size
 
     def step_source(self) -> StepSource:

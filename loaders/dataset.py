@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardkit.loaders.config import LoaderConfig, loader_config
+from shardkit.loaders.frameworks import NEEDS_BATCH_SIZE
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order
 from shardkit.loaders.parent_watch import watch_parent
@@ -34,6 +35,7 @@ from shardkit.loaders.state import LoaderState, check_worker_steps
 from shardkit.loaders.tensors import batch_to_tensors, bundled, strip_progress
 from shardkit.loaders.token_batches import PROGRESS_KEY
 from shardkit.loaders.topology import Topology, check_topology_args
+from shardkit.loaders.worker_copies import WorkerIterations
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class StreamingDataset(IterableDataset):
         self._steps_done = 0
         self._loaded_steps_batch: int | None = None  # the global batch of loaded worker steps (check_worker_steps)
         self.epoch = 0
+        self.worker_iterations = WorkerIterations()  # refuses a state taken here while workers iterate copies
 
     # -- what users ask of the data ------------------------------------------------------------
     def resolve_topology(self) -> Topology:
@@ -124,9 +127,9 @@ class StreamingDataset(IterableDataset):
         """
         plan = self.plan
         check_not_rewrapped(plan.claimed)
+        self.worker_iterations.check_state_here()
         if self.batch_size is None:
-            raise ValueError("StreamingDataset.state_dict() needs batch_size= (under a StreamingDataLoader, save "
-                             "the loader's state_dict() instead)")
+            raise ValueError(f"StreamingDataset.state_dict() {NEEDS_BATCH_SIZE}")
         topology = plan.topology()
         start, quarantine = self._start()
         global_batch = self.batch_size * topology.world_size
@@ -217,6 +220,7 @@ class StreamingDataset(IterableDataset):
         changes nothing; only reaching the end of the epoch advances it (`state_dict` counts the batches)."""
         plan = self.plan
         check_not_rewrapped(plan.claimed)
+        self.worker_iterations.note_iteration()
         batch_size = plan.batching.standalone_batch_size(self.batch_size)
         topology = plan.topology()
         check_not_resharded(topology.world_size)

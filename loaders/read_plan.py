@@ -19,6 +19,7 @@ from shardkit.loaders.batch_modes import batch_mode
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.effective_order import effective_order
 from shardkit.loaders.fingerprint import data_fingerprint
+from shardkit.loaders.frameworks import check_framework
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.order import Order
 from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_list
@@ -82,6 +83,9 @@ class ReadPlan:
         """Rank, world and node layout, resolved now; also fixes the partitions of the order (`num_partitions`,
         else one per node of the first run, kept on resume so that an elastic resume continues the same order)."""
         topology = resolve_topology(**self._topology_args, **self._group_args)
+        # A framework among the callers that runs the dataset the wrong way is refused here, where every path
+        # (the loader, standalone iteration, a state) learns the world size (shardkit.loaders.frameworks).
+        check_framework(topology.world_size, standalone=not self.claimed)
         if self.num_partitions is None:
             self.num_partitions = topology.num_nodes
         return topology

@@ -11,7 +11,7 @@ dataset sees the wrapper in its caller's frames and refuses, saying what to use 
 
 from __future__ import annotations
 
-import sys
+from shardkit.loaders.frameworks import calling_objects
 
 # (module, class) of the wrappers that shard again what they iterate.
 RESHARDING_WRAPPERS = {("accelerate.data_loader", "IterableDatasetShard"),
@@ -20,15 +20,10 @@ RESHARDING_WRAPPERS = {("accelerate.data_loader", "IterableDatasetShard"),
 
 def resharding_wrapper(max_depth: int = 40) -> str | None:
     """The name of a resharding wrapper among the calling frames, or None."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
+    for owner in calling_objects(max_depth):
         kind = type(owner)
         if (kind.__module__, kind.__name__) in RESHARDING_WRAPPERS:
             return f"{kind.__module__}.{kind.__name__}"
-        frame = frame.f_back
     return None
 
 
@@ -45,8 +40,8 @@ def check_not_resharded(world_size: int) -> None:
         raise ValueError(
             f"StreamingDataset is rank-aware (each of the {world_size} ranks reads its own share), but "
             f"{wrapper} shards it again: ranks would silently skip most of the data. With transformers' Trainer "
-            "use shardkit.integrations.ShardkitTrainer; with accelerate, iterate a StreamingDataLoader directly "
-            "instead of passing the dataset or its loader to accelerator.prepare() (docs/INTEGRATIONS.md)")
+            "use shardkit.integrations.huggingface.ShardkitTrainer; with accelerate, iterate a StreamingDataLoader "
+            "directly instead of passing the dataset or its loader to accelerator.prepare() (docs/INTEGRATIONS.md)")
 
 
 def check_not_rewrapped(claimed_by_loader: bool) -> None:

@@ -3,7 +3,10 @@ tests/test_integrations_hf.py, alone or under torchrun): records the sample ids 
 optionally stops after a step.
 
     python hf_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume [checkpoint-N]] [--dispatch 0|1]
-        [--split 0|1] [--batch B] [--gas G] [--ignore-data-skip]
+        [--split 0|1] [--batch B] [--gas G] [--ignore-data-skip] [--no-cpu-setting]
+
+--no-cpu-setting leaves out use_cpu=True: under torchrun on a machine without GPUs accelerate then runs each process
+on its own (the mistake ShardkitTrainer refuses).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=5)
     parser.add_argument("--ignore-data-skip", action="store_true")
+    parser.add_argument("--no-cpu-setting", action="store_true")
     opts = parser.parse_args()
     torch.manual_seed(0)
     accelerator_config = {"split_batches": bool(opts.split)}
@@ -60,7 +64,8 @@ def main() -> None:
         accelerator_config["dispatch_batches"] = bool(opts.dispatch)
     args = TrainingArguments(output_dir=opts.folder, max_steps=opts.steps, per_device_train_batch_size=opts.batch,
                              gradient_accumulation_steps=opts.gas, save_steps=opts.save_steps, logging_steps=1000,
-                             report_to=[], use_cpu=True, learning_rate=1e-3, seed=0, save_only_model=False,
+                             report_to=[], use_cpu=not opts.no_cpu_setting, learning_rate=1e-3, seed=0,
+                             save_only_model=False,
                              accelerator_config=accelerator_config, disable_tqdm=True,
                              ignore_data_skip=opts.ignore_data_skip)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,

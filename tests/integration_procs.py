@@ -83,21 +83,40 @@ def write_ids(path: str, seen: list) -> None:
         dist.destroy_process_group()
 
 
-def run_script(script: str, dataset_url: str, folder: Path, name: str, *options, ranks: int = 1, check: bool = True):
-    """Run `script` in a new process (torchrun for several ranks, gloo); {rank: [[step, sample ids], ...]} it
-    recorded, or the finished process when `check` is off."""
+def run_script(script: str, dataset_url: str, folder: Path, name: str, *options, ranks: int = 1, check: bool = True,
+               torchrun: bool = False):
+    """Run `script` in a new process (torchrun for several ranks or with `torchrun`, gloo); {rank: [[step, sample
+    ids], ...]} it recorded, or the finished process when `check` is off."""
     from conftest import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     command = [str(HERE / script), dataset_url, str(folder), str(folder.parent / name), *map(str, options)]
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-                 f"--master-port={free_port()}"] if ranks > 1 else [sys.executable])
+                 f"--master-port={free_port()}"] if ranks > 1 or torchrun else [sys.executable])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(launcher + command, capture_output=True, text=True, env=env, timeout=600)
     if not check:
         return done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {rank: json.loads((folder.parent / f"{name}.{rank}").read_text()) for rank in range(ranks)}
+
+
+def own_loader_steps(dataset_url: str, cache_dir: str, *, steps: int, ranks: int = 1, batch_size: int = 4,
+                     **options) -> dict[int, list]:
+    """{rank: [[step, sample ids], ...]} of steps 1..`steps` as shardkit's own StreamingDataLoader reads them (in
+    this process, each rank told its place), through as many epochs as it takes: what a framework run must read."""
+    import itertools
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    read = {}
+    for rank in range(ranks):
+        loader = StreamingDataLoader(StreamingDataset(dataset_url, cache_dir=cache_dir, rank=rank, world_size=ranks,
+                                                      **options), batch_size=batch_size)
+        batches = itertools.chain.from_iterable(loader for _ in itertools.count())
+        read[rank] = [[step, batch["sample_id"].tolist()]
+                      for step, batch in zip(range(1, steps + 1), batches)]
+    return read
 
 
 def ids_of(steps, first: int = 0, last: int | None = None) -> list[int]:

@@ -2,7 +2,10 @@
 tests/test_integrations_lightning.py, alone or under torchrun): Lightning saves the loader's state_dict() in its
 checkpoints and restores it with `fit(ckpt_path=...)`. Records the sample ids of every step per rank.
 
-    python lightning_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume STEP]
+    python lightning_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume STEP] [--default-devices]
+
+--default-devices leaves `devices` and `strategy` to Lightning (one process on a CPU machine, also under torchrun):
+the mistake shardkit refuses.
 """
 
 from __future__ import annotations
@@ -55,13 +58,14 @@ class StopAt(L.Callback):
 def main() -> None:
     parser = run_parser()
     parser.add_argument("--resume", type=int, help="the checkpoint step to resume from")
+    parser.add_argument("--default-devices", action="store_true")
     opts = parser.parse_args()
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", 1))
     checkpoints = ModelCheckpoint(dirpath=os.path.join(opts.folder, "ckpt"), filename="{step}",
                                   every_n_train_steps=5, save_top_k=-1)
-    trainer = L.Trainer(max_steps=opts.steps, accelerator="cpu", devices=world, num_nodes=1,
-                        strategy="ddp" if world > 1 else "auto", logger=False, enable_progress_bar=False,
+    layout = {} if opts.default_devices else dict(devices=world, num_nodes=1, strategy="ddp" if world > 1 else "auto")
+    trainer = L.Trainer(max_steps=opts.steps, accelerator="cpu", **layout, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, max_epochs=-1,
                         callbacks=[checkpoints] + ([StopAt(opts.stop_at)] if opts.stop_at else []))
     module = TinyLM(opts.dataset, opts.folder)

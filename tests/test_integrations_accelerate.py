@@ -1,6 +1,7 @@
 """accelerate without the Trainer (issue 24): the script of docs/INTEGRATIONS.md run as it stands
-(tests/accelerate_runs.py), a new process per run (torchrun for 2 ranks, gloo), resumed with `load_state` from the
-folder `save_state` wrote; and `accelerator.prepare()` of shardkit's loader refused, since it would rebuild it."""
+(tests/recipe_runs.py; tests/test_doc_recipes.py runs it too, against shardkit's own loader), a new process per run
+(torchrun for 2 ranks, gloo), resumed with `load_state` from the folder `save_state` wrote; and
+`accelerator.prepare()` of shardkit's loader refused, since it would rebuild it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import integration_procs as procs
 from integration_procs import dataset_url  # noqa: F401 - a fixture: the module's dataset
 
 pytest.importorskip("accelerate")
+RECIPE = ("--recipe", "accelerate")  # the document's script (tests/recipe_runs.py)
 
 
 @pytest.mark.parametrize("options", [dict(dispatch_batches=None), dict(dispatch_batches=False),
@@ -34,6 +36,21 @@ def test_preparing_the_loader_is_refused(dataset_url, tmp_path, options):
     assert next(iter(loader))["tokens"].shape == (4, 17)  # the loader itself reads
 
 
+def test_accelerate_running_this_process_alone_while_the_loader_splits_the_data_is_refused(dataset_url, tmp_path):
+    """torchrun on a machine without GPUs, without accelerate's CPU setting: accelerate runs each process on its own
+    while the loader splits the data by torchrun's WORLD_SIZE. (One process, the dataset told it is rank 0 of 2: what
+    it reads from torchrun's environment.)"""
+    from accelerate import Accelerator
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.integrations.accelerate import checkpoint_loader
+
+    dataset = StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="^accelerate trains this process on its own, but the dataset splits the data "
+                                         "over 2 ranks .* ACCELERATE_USE_CPU=true under torchrun"):
+        checkpoint_loader(Accelerator(cpu=True), StreamingDataLoader(dataset, batch_size=4))
+
+
 def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_url, tmp_path):
     """accelerate's default for an IterableDataset (dispatch_batches) lets rank 0 read and broadcast its batches:
     on two ranks, rank 1's share would never be read. (Run on one process with the dataset told it is rank 0 of 2:
@@ -49,21 +66,17 @@ def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_ur
         next(iter(prepared))
 
 
-def test_one_process_resume_continues_with_the_same_samples(dataset_url, tmp_path):
-    whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=20)
-    procs.check_resumed(whole, head, tail)  # crosses the end of epoch 0 (step 15)
-    assert (tmp_path / "cut" / "step-10" / "shardkit_loader.json").is_file()
-    assert sorted(procs.ids_of(whole[0], 1, 16)) == list(range(procs.SAMPLES))
-
-
 @pytest.mark.slow
 def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
-    whole, head, tail = procs.whole_and_resumed("accelerate_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    whole, head, tail = procs.whole_and_resumed("recipe_runs.py", dataset_url, tmp_path, *RECIPE, steps=14, ranks=2)
     procs.check_two_rank_epochs(whole)
     procs.check_resumed(whole, head, tail)
     # 2 -> 1 processes from the same checkpoint (the loader's state is global).
-    one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10)
-    whole_one = procs.run_script("accelerate_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)
+    assert (tmp_path / "cut" / "run" / "step-10" / "shardkit_loader.json").is_file()
+    one = procs.run_script("recipe_runs.py", dataset_url, tmp_path / "cut", "one", *RECIPE, "--steps", 25, "--resume",
+                           10)
+    whole_one = procs.run_script("recipe_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", *RECIPE,
+                                 "--steps", 36)
     procs.check_elastic(head, one[0], whole_one[0])
 
 

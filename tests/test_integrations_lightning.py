@@ -1,18 +1,18 @@
 """Lightning with a StreamingDataLoader from `train_dataloader()` (issue 24: it works; this keeps it working):
 Lightning stores the loader's state_dict() in its checkpoints and `fit(ckpt_path=...)` restores it, in a new
-process, on one and two ranks (DDP over gloo, started by torchrun), and from two ranks to one."""
+process, on two ranks (DDP over gloo, started by torchrun) and from two ranks to one (one rank: the document's
+recipe, tests/test_doc_recipes.py); and the mistakes refused (issue 35): a torch DataLoader, which Lightning cannot
+checkpoint, and Lightning running each process on its own under torchrun."""
 
 from __future__ import annotations
 
 import pytest
 
 from integration_procs import (
-    SAMPLES,
     check_elastic,
     check_resumed,
     check_two_rank_epochs,
     dataset_url,  # noqa: F401 - a fixture: the module's dataset
-    ids_of,
     run_script,
     whole_and_resumed,
 )
@@ -20,11 +20,59 @@ from integration_procs import (
 pytest.importorskip("lightning")
 
 
-def test_lightning_checkpoint_resumes_the_loader(dataset_url, tmp_path):
-    whole, head, tail = whole_and_resumed("lightning_runs.py", dataset_url, tmp_path, steps=20)
-    check_resumed(whole, head, tail)
-    whole = whole[0]
-    assert sorted(ids_of(whole, 1, 16)) == list(range(SAMPLES))
+def fit_two_steps(loader, tmp_path):
+    """Lightning's fit on one CPU process, two steps over `loader` (what train_dataloader returns)."""
+    import lightning as L
+    import torch
+
+    class TinyLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Embedding(512, 8)
+
+        def train_dataloader(self):
+            return loader
+
+        def training_step(self, batch, index):
+            return self.model(batch["tokens"].long()).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer.fit(TinyLM())
+    return trainer
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torch_dataloader_is_refused_and_a_stateful_one_is_not(dataset_url, tmp_path, workers):
+    """A torch DataLoader has no state for Lightning's checkpoints: a resume would train its epoch again from the
+    start (with workers, the dataset's own state never moves either). torchdata's StatefulDataLoader is saved."""
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+    from shardkit.integrations.torchdata import StatefulDataLoader
+
+    def dataset():
+        return StreamingDataset(dataset_url, cache_dir=str(tmp_path / "cache"), batch_size=4)
+
+    with pytest.raises(ValueError, match="^Lightning iterates this StreamingDataset through a torch DataLoader.*"
+                                         "Return a StreamingDataLoader from train_dataloader"):
+        fit_two_steps(DataLoader(dataset(), batch_size=None, num_workers=workers), tmp_path)
+    assert fit_two_steps(StatefulDataLoader(dataset(), batch_size=None, num_workers=workers),
+                         tmp_path).global_step == 2
+
+
+@pytest.mark.slow
+def test_lightning_not_distributed_under_torchrun_is_refused(dataset_url, tmp_path):
+    """torchrun starts 2 processes, but Lightning's default devices on a CPU machine is 1: each process would
+    train its own model on half the data (shardkit splits by torchrun's WORLD_SIZE)."""
+    refused = run_script("lightning_runs.py", dataset_url, tmp_path, "refused", "--steps", 4, "--default-devices",
+                         ranks=2, check=False)
+    assert refused.returncode != 0
+    assert "Lightning trains this process on its own, but the dataset splits the data over 2 ranks" in refused.stderr
+    assert 'strategy="ddp"' in refused.stderr, refused.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
 """StreamingDataset inside torchdata's StatefulDataLoader and torch's DataLoader (issue 24), in the loop a user writes
 (tests/torchdata_runs.py): the state saved with torch.save and resumed in a new process, with 0 and 2 workers,
-across an epoch end, on one and two ranks (gloo), and from two ranks to one. In-process save/load details: tests/test_standalone_resume.py."""
+across an epoch end, on one and two ranks (gloo), and from two ranks to one (with 2 workers on one rank: the
+document's recipe, tests/test_doc_recipes.py); and the mistakes refused (issue 35): the dataset's own state taken
+while torch DataLoader workers iterate copies of it, a state loaded with another number of workers. In-process
+save/load details: tests/test_standalone_resume.py."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from integration_procs import (
 pytest.importorskip("torchdata.stateful_dataloader")
 
 
-@pytest.mark.parametrize("options", [("--workers", 0), ("--workers", 2), ("--plain",)],
-                         ids=["stateful-0-workers", "stateful-2-workers", "dataloader-0-workers"])
+# With 2 workers: the document's recipe (tests/test_doc_recipes.py).
+@pytest.mark.parametrize("options", [("--workers", 0), ("--plain",)],
+                         ids=["stateful-0-workers", "dataloader-0-workers"])
 def test_resume_in_a_new_process_continues_across_the_epoch_end(dataset_url, tmp_path, options):
     whole, head, tail = whole_and_resumed("torchdata_runs.py", dataset_url, tmp_path, *options, steps=20)
     check_resumed(whole, head, tail)
@@ -57,3 +61,46 @@ def test_two_ranks_resumed_on_one(dataset_url, tmp_path, options):
     whole_one = run_script("torchdata_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 36, *options)[0]
     check_two_rank_epochs(head, steps=((1, 8),))
     check_elastic(head, one, whole_one)
+
+
+def dataset(url, tmp_path):
+    from shardkit import StreamingDataset
+
+    return StreamingDataset(url, cache_dir=str(tmp_path / "cache"), shuffle_window=50, batch_size=4, rank=0,
+                            world_size=1)
+
+
+def test_the_state_of_a_dataset_that_torch_dataloader_workers_iterate_is_refused(dataset_url, tmp_path):
+    """The workers iterate copies: the training process's dataset never moves, and its state would say that
+    nothing was read (a resume would train the epoch again)."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    read = dataset(dataset_url, tmp_path)
+    list(itertools.islice(DataLoader(read, batch_size=None, num_workers=2), 3))
+    with pytest.raises(ValueError, match="^StreamingDataset.state_dict\\(\\) in the training process, but "
+                                         "DataLoader workers iterate.*StreamingDataLoader.*StatefulDataLoader"):
+        read.state_dict()
+    alone = dataset(dataset_url, tmp_path)  # without workers the dataset itself moves: its state is right
+    list(itertools.islice(DataLoader(alone, batch_size=None), 3))
+    assert alone.state_dict()["samples_consumed"] == 12
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 0), (0, 2), (2, 1)])
+def test_a_state_resumed_with_another_number_of_workers_is_refused_on_load(dataset_url, tmp_path, saved, resumed):
+    """torchdata itself fails only at the next iteration, on its own keys (an AssertionError about _num_yielded)."""
+    import itertools
+
+    from shardkit.integrations.torchdata import StatefulDataLoader
+
+    loader = StatefulDataLoader(dataset(dataset_url, tmp_path), batch_size=None, num_workers=saved)
+    list(itertools.islice(loader, 3))
+    state = loader.state_dict()
+    other = StatefulDataLoader(dataset(dataset_url, tmp_path), batch_size=None, num_workers=resumed)
+    with pytest.raises(ValueError, match=f"^cannot resume: the loader state was saved by a StatefulDataLoader with "
+                                         f"num_workers={saved}, this one has num_workers={resumed}"):
+        other.load_state_dict(state)
+    same = StatefulDataLoader(dataset(dataset_url, tmp_path), batch_size=None, num_workers=saved)
+    same.load_state_dict(state)
+    assert len(list(same)) == 12  # the rest of the 15-step epoch

@@ -1,6 +1,7 @@
-"""A plain training loop over StreamingDataset inside torchdata's StatefulDataLoader or torch's DataLoader (started
-by tests/test_integrations_torchdata.py, alone or under torchrun). Saves `{"loader": state, "step", "epoch"}` with
-torch.save every 5 steps and loads it (weights_only) on --resume: the loop a user writes.
+"""A plain training loop over StreamingDataset inside torchdata's StatefulDataLoader (shardkit's, as documented) or
+torch's DataLoader (started by tests/test_integrations_torchdata.py, alone or under torchrun). Saves
+`{"loader": state, "step", "epoch"}` with torch.save every 5 steps and loads it (weights_only) on --resume: the
+loop a user writes.
 
     python torchdata_runs.py DATASET FOLDER IDS_JSON --steps N [--stop-at K] [--resume S] [--workers W] [--plain]
 """
@@ -15,10 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
-
 from integration_procs import run_parser, write_ids  # noqa: E402
 from shardkit import StreamingDataset  # noqa: E402
+from shardkit.integrations.torchdata import StatefulDataLoader  # noqa: E402
 
 
 def main() -> None:

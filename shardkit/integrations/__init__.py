@@ -10,7 +10,8 @@ One small module per framework; each imports its framework when it is itself imp
   `save_state`/`load_state`, for loops that use accelerate without the Trainer.
 - `loader_state`: the loader state as a JSON file inside a framework's checkpoint folder (shared by the two above).
 - `torchtitan`: `ShardkitDataLoader`, a torchtitan `BaseDataLoader` that resumes on another data-parallel size.
+- `torchdata`: torchdata's `StatefulDataLoader`, refusing on load a state saved with another number of workers.
 
-torchdata's `StatefulDataLoader`, torch's `DataLoader` and Lightning need no adapter: see the document.
+torch's `DataLoader` and Lightning need no adapter: see the document.
 The integrations use the loaders and the core only (tests/test_architecture.py).
 """

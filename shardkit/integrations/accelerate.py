@@ -14,6 +14,7 @@ from typing import Any
 
 from shardkit.integrations.loader_state import load_loader_state, save_loader_state
 from shardkit.loaders.dataloader import StreamingDataLoader
+from shardkit.loaders.frameworks import check_processes
 
 
 def checkpoint_loader(accelerator: Any, loader: StreamingDataLoader) -> None:
@@ -25,10 +26,13 @@ def checkpoint_loader(accelerator: Any, loader: StreamingDataLoader) -> None:
 
     Raises:
         TypeError: `loader` is not a `StreamingDataLoader` (a prepared loader is accelerate's own).
+        ValueError: accelerate runs this process on its own while the loader splits the data over several ranks
+            (torchrun on a machine without GPUs, without accelerate's CPU setting).
     """
     if not isinstance(loader, StreamingDataLoader):
         raise TypeError(f"checkpoint_loader needs the StreamingDataLoader itself, got {type(loader).__name__}: do "
                         "not pass it to accelerator.prepare() (docs/INTEGRATIONS.md)")
+    check_processes("accelerate", accelerator.num_processes, loader.dataset.resolve_topology().world_size)
 
     def save(models: list, weights: list, output_dir: str) -> None:
         # The state is global (identical on every rank): one process per shared directory writes it.

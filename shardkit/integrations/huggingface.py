@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,13 +37,16 @@ def causal_lm_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class TrainerBatches:
     """What the Trainer iterates: the loader's batches as `input_ids`/`labels`. Not a DataLoader, so
-    accelerate never wraps it, and without `set_epoch`: the loader moves through epochs itself."""
+    accelerate never wraps it, and without `set_epoch`: the loader moves through epochs itself.
+    `sample_ids(ids)` is called with each batch's `sample_id` as the Trainer takes the batch."""
 
-    def __init__(self, loader: StreamingDataLoader):
+    def __init__(self, loader: StreamingDataLoader, sample_ids: Callable[[torch.Tensor], None]):
         self.loader = loader
+        self.sample_ids = sample_ids
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.loader:
+            self.sample_ids(batch["sample_id"])
             yield causal_lm_batch(batch)
 
     def __len__(self) -> int:
@@ -65,13 +68,19 @@ class ShardkitTrainer(Trainer):
     (`per_device_train_batch_size // world_size` with accelerate's `split_batches=True`). `data_collator` and
     `remove_unused_columns` do not apply: batches come whole, as `input_ids` and `labels`.
 
+    Args:
+        on_sample_ids: called with the `sample_id` (int64 [batch]) of each micro-batch as the Trainer takes it,
+            `state.global_step` then being the step it trains in (for lineage; also settable as an attribute).
+        *args, **kwargs: the `Trainer`'s.
+
     Raises:
         TypeError: `train_dataset` is not a `StreamingDataset` (a `StreamingDataLoader` or a DataLoader around
             the dataset would be wrapped by accelerate, which drops or duplicates a rank-aware share).
         ValueError: the dataset's samples have no fixed length.
     """
 
-    def __init__(self, *args: Any, train_dataset: StreamingDataset | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, train_dataset: StreamingDataset | None = None,
+                 on_sample_ids: Callable[[torch.Tensor], None] | None = None, **kwargs: Any):
         if not isinstance(train_dataset, StreamingDataset):
             raise TypeError(f"ShardkitTrainer needs train_dataset=StreamingDataset(...), got "
                             f"{type(train_dataset).__name__}: pass the dataset, the trainer builds its loader")
@@ -79,6 +88,7 @@ class ShardkitTrainer(Trainer):
             raise ValueError(f"{train_dataset.streams[0].url}: samples of variable length; ShardkitTrainer needs "
                              "fixed-length samples (a dataset built with seq_len)")
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        self.on_sample_ids = on_sample_ids
         self._batches: TrainerBatches | None = None
 
     def get_train_dataloader(self) -> TrainerBatches:
@@ -87,8 +97,12 @@ class ShardkitTrainer(Trainer):
             self._batches = TrainerBatches(StreamingDataLoader(
                 self.train_dataset, batch_size=self._samples_per_rank(), num_workers=args.dataloader_num_workers,
                 pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
-                prefetch_factor=args.dataloader_prefetch_factor))
+                prefetch_factor=args.dataloader_prefetch_factor), self._sample_ids)
         return self._batches
+
+    def _sample_ids(self, ids: torch.Tensor) -> None:
+        if self.on_sample_ids is not None:
+            self.on_sample_ids(ids)
 
     def _samples_per_rank(self) -> int:
         batch, world = self._train_batch_size, self.accelerator.num_processes

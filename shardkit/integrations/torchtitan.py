@@ -10,7 +10,7 @@ rank: epoch and positions consumed), so it is saved once under one key and resum
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ class ShardkitDataLoader(BaseDataLoader):
         dp_world_size, dp_rank: the data-parallel size and rank torchtitan passes.
         local_batch_size: samples per rank per micro-batch.
         seq_len: the model's sequence length: the dataset's samples must hold `seq_len + 1` tokens.
+        on_sample_ids: called with the `sample_id` (int64 [batch]) of each batch as it is handed out (for
+            lineage; also settable as the attribute `on_sample_ids` of a loader torchtitan built).
         **unused: the other build arguments torchtitan passes (`tokenizer`: shards are already tokenized;
             `snapshot_every_n_steps`: the state is a few scalars, taken at any step).
 
@@ -61,7 +63,8 @@ class ShardkitDataLoader(BaseDataLoader):
                 raise ValueError(f"dataloader.num_workers must be >= 0, got {self.num_workers}")
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, local_batch_size: int,
-                 seq_len: int | None = None, **unused: Any):
+                 seq_len: int | None = None, on_sample_ids: Callable[[torch.Tensor], None] | None = None,
+                 **unused: Any):
         url = config.dataset_path or config.dataset
         if not url:
             raise ValueError("dataloader.dataset_path must be the URL of a shardkit dataset (holding shardkit.json)")
@@ -74,11 +77,14 @@ class ShardkitDataLoader(BaseDataLoader):
                              f"training.seq_len={None if length is None else length - 1}")
         self.loader = StreamingDataLoader(self.dataset, batch_size=local_batch_size, num_workers=config.num_workers)
         self.infinite = config.infinite
+        self.on_sample_ids = on_sample_ids
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
             for batch in self.loader:  # one epoch (or its rest); the loader moves on to the next itself
                 inputs, labels = causal_lm_fields(batch)
+                if self.on_sample_ids is not None:
+                    self.on_sample_ids(batch["sample_id"])
                 yield {"input": inputs}, labels
             if not self.infinite:
                 return

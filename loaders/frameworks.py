@@ -1,0 +1,107 @@
+"""Refuse the ways of running the dataset inside a training framework that train on the wrong data without a word.
+
+The framework is not passed to the dataset; it is found among the calling frames (`calling_objects`, which
+`resharding` also uses to find accelerate's wrappers), when the dataset resolves its topology: at `len()`, at the
+start of an iteration and at `state_dict()`.
+
+- A framework that runs this process on its own (Lightning's default `devices=1` on a CPU machine, the
+  transformers `Trainer` under torchrun without `ACCELERATE_USE_CPU`), while the dataset splits the data by
+  torchrun's `WORLD_SIZE`: each process would train its own model on a part of the data.
+- Lightning around a torch `DataLoader`: it has no state for Lightning to save, so a resume trains the epoch
+  again from its start.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+# What a dataset without batch_size needs, iterated or saved on its own (it yields whole batches; a DataLoader's
+# batch_size would batch batches), and the ways that need none.
+NEEDS_BATCH_SIZE = ("needs batch_size=: it yields whole batches, so the batch size goes to the dataset, "
+                    "StreamingDataset(url, batch_size=B) inside DataLoader(dataset, batch_size=None); or iterate a "
+                    "StreamingDataLoader(dataset, batch_size=B) and save its state; with transformers' Trainer use "
+                    "shardkit.integrations.huggingface.ShardkitTrainer (docs/INTEGRATIONS.md)")
+# How to run each framework on as many processes as torchrun started.
+DISTRIBUTED_FIX = {
+    "Lightning": 'pass L.Trainer(devices=<processes per node>, strategy="ddp") (DDP, over gloo on CPUs)',
+    "transformers' Trainer": "on machines without GPUs set ACCELERATE_USE_CPU=true under torchrun (or "
+                             "TrainingArguments(use_cpu=True))",
+    "accelerate": "on machines without GPUs use accelerate launch --cpu, or set ACCELERATE_USE_CPU=true under torchrun",
+}
+
+
+def calling_objects(max_depth: int = 120) -> Iterator[Any]:
+    """The `self` of each calling frame, innermost first (frames of functions yield nothing)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if owner is not None:
+            yield owner
+        frame = frame.f_back
+
+
+def _is_instance(owner: Any, module: str, name: str) -> bool:
+    """Whether `owner` is an instance of `module.name` (checked by name: the framework may not be installed)."""
+    return any(kind.__module__ == module and kind.__name__ == name for kind in type(owner).__mro__)
+
+
+def _lightning_trainer(owner: Any) -> Any:
+    """Lightning's Trainer, when `owner` is it or one of its loops or connectors; else None."""
+    if not type(owner).__module__.startswith(("lightning.pytorch.", "pytorch_lightning.")):
+        return None
+    if type(owner).__name__ == "Trainer":
+        return owner
+    trainer = getattr(owner, "trainer", None)
+    return trainer if trainer is not None and hasattr(trainer, "world_size") else None
+
+
+def running_framework() -> tuple[str, int, bool] | None:
+    """(framework, the processes it trains on, whether a plain torch DataLoader iterates the dataset) of the
+    framework among the calling frames; None outside Lightning and the transformers Trainer."""
+    plain_loader = False
+    for owner in calling_objects():
+        kind = type(owner)
+        if kind.__module__ == "torch.utils.data.dataloader" and kind.__name__ in (
+                "DataLoader", "_SingleProcessDataLoaderIter", "_MultiProcessingDataLoaderIter"):
+            plain_loader = True
+        trainer = _lightning_trainer(owner)
+        if trainer is not None:
+            return "Lightning", int(trainer.world_size), plain_loader
+        if _is_instance(owner, "transformers.trainer", "Trainer"):
+            return "transformers' Trainer", int(owner.args.world_size), plain_loader
+    return None
+
+
+def check_processes(framework: str, processes: int, world_size: int) -> None:
+    """Raise when `framework` trains this process alone while the dataset splits the data over `world_size` ranks.
+
+    Raises:
+        ValueError: naming the framework's setting that runs it on every process.
+    """
+    if processes == 1 and world_size > 1:
+        raise ValueError(f"{framework} trains this process on its own, but the dataset splits the data over "
+                         f"{world_size} ranks (torchrun's WORLD_SIZE): each process would train its own model on "
+                         f"1/{world_size} of the data. {DISTRIBUTED_FIX[framework]} (docs/INTEGRATIONS.md)")
+
+
+def check_framework(world_size: int, *, standalone: bool) -> None:
+    """Refuse the framework among the calling frames when it runs the dataset the wrong way (module docstring);
+    `standalone`: the dataset is iterated without a StreamingDataLoader.
+
+    Raises:
+        ValueError: naming the right way.
+    """
+    found = running_framework()
+    if found is None:
+        return
+    framework, processes, plain_loader = found
+    check_processes(framework, processes, world_size)
+    if framework == "Lightning" and standalone and plain_loader:
+        raise ValueError("Lightning iterates this StreamingDataset through a torch DataLoader, which has no state "
+                         "for Lightning's checkpoints: a resume would train the epoch again from its start. Return a "
+                         "StreamingDataLoader from train_dataloader() (or torchdata's StatefulDataLoader) "
+                         "(docs/INTEGRATIONS.md)")
