@@ -28,11 +28,11 @@ from shardkit.metrics import TrainerMetrics
 from shardkit.options import option_name
 from shardkit.train import faults, rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
-from shardkit.train.config import TrainConfig, format_steps, parse_steps
+from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
 from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
-from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
-                                    step_metrics)
+from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, PendingSteps, SampleLog, peak_flops,
+                                    peak_memory_gib)
 from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
@@ -41,6 +41,11 @@ from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, Lo
                                       choose_precision, device_has_native_bf16)
 
 logger = logging.getLogger(__name__)
+
+# On a GPU the loop reads the device's numbers (losses, gradient norms) only at sync points, and that is
+# also where the ranks agree on a stop (SIGTERM/SIGINT) and on a finished background checkpoint: at most
+# this many steps apart, whatever --log-every is (docs/PARALLELISM.md, "Stopping").
+MAX_STEPS_BETWEEN_SYNCS = 10
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Run:
     sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
     step: int = 0
     data_wait: float = 0.0  # seconds the current step waited for batches
+    tokens_per_step: int = 0  # each data-parallel batch once: tensor and pipeline peers train on the same tokens
+    pending: PendingSteps | None = None  # the steps since the last sync point, their numbers on the device
     resumed_step: int | None = None
     resumed_path: str | None = None
     saved_step: int | None = None
@@ -107,6 +114,7 @@ def build(config: TrainConfig) -> Run:
                                  native_bf16=device_has_native_bf16(runtime.device))
     # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
     config = dataclasses.replace(config, model=model_config, precision=precision.name)
+    config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
     torch.manual_seed(config.seed)
@@ -133,7 +141,10 @@ def build(config: TrainConfig) -> Run:
               scaler=build_loss_scaler(precision.name, device=runtime.device, mode=runtime.mode,
                                        sharded=runtime.dims.tp > 1 or runtime.dims.pp > 1,
                                        init_scale=config.loss_scale,
-                                       growth_interval=config.loss_scale_growth_interval))
+                                       growth_interval=config.loss_scale_growth_interval,
+                                       max_overflow_steps=config.max_overflow_steps),
+              tokens_per_step=config.data.batch_size * manifest.seq_len * config.grad_accum * runtime.dp_size,
+              pending=PendingSteps(runtime.device))
     run.watch = _trainer_metrics(config, runtime)
     resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.skip_steps)
@@ -146,6 +157,7 @@ def build(config: TrainConfig) -> Run:
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
                     num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
         logger.info("precision %s: %s", precision.name, precision.reason)
+        logger.info("%s", describe_step(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size))
     _barrier()
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
@@ -305,62 +317,96 @@ def train(run: Run) -> int:
 def _train_steps(run: Run) -> int:
     config, runtime = run.config, run.runtime
     run.model.train()
-    # Each data-parallel batch once: tensor and pipeline peers of a dp rank train on the same tokens.
-    tokens_per_step = config.data.batch_size * config.model.seq_len * config.grad_accum * runtime.dp_size
-    every = config.checkpoint.checkpoint_every
     while run.step < config.steps:
         faults.inject_now("step", run.step + 1, runtime.rank)
         if run.step + 1 in run.skip_steps:
             _skip_step(run)
-            continue
-        started = time.perf_counter()
-        sample_ids: list[int] = []
-        # Counts the bytes each collective kind moves in this step's forward, backward and update.
-        comm = CollectiveCounter() if config.parallelism.comm_stats and runtime.distributed else contextlib.nullcontext()
-        with comm:
-            loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
-        data_wait = run.data_wait
-        run.step += 1
-        run.sync.after_inner_step(run.step)
-        # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
-        # many ranks finished writing a background checkpoint (it completes once all have).
-        flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
-        summary = torch.cat([(loss_sum / config.grad_accum).reshape(1),
-                             torch.tensor(flags, device=runtime.device, dtype=torch.float32)])
-        if dist.is_initialized():
-            dist.all_reduce(summary)
-            summary[:2] /= runtime.world_size
-        loss_value, wait_value, stop, written = summary.tolist()
-        if run.checkpointer.saving_in_background and written == runtime.world_size:
-            run.checkpointer.wait()
-        step_time = time.perf_counter() - started
-        if run.sample_log is not None:
-            run.sample_log.log(run.step, sample_ids)
-        record = step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
-                              step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
-                              world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                              peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
-                              comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
-        record |= run.sync.step_metrics(run.step, tokens_per_step)
-        if run.scaler is not None:
-            record |= run.scaler.step_metrics()
-        run.metrics.log(record)
-        run.watch.step(record, tokens=tokens_per_step)
-        if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
-            run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
-        if stop:
-            save_checkpoint(run)
-            if runtime.is_main:
-                print(f"stopped by a signal after step {run.step}; checkpoint saved, resume with --resume auto",
-                      flush=True)
-            return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
-        if every and run.step % every == 0 and run.step < config.steps:
-            save_checkpoint(run)
+        else:
+            _train_step(run)
+        exit_code = after_step(run)
+        if exit_code is not None:
+            return exit_code
     if config.checkpoint.save_final:  # before the final evaluation: nothing after training may lose it
         save_checkpoint(run)
     if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
     return 0
+
+
+def _train_step(run: Run) -> None:
+    """One optimizer step; its numbers join `run.pending` (loss and gradient norm stay on the device)."""
+    config, runtime = run.config, run.runtime
+    started = time.perf_counter()
+    sample_ids: list[int] = []
+    # Counts the bytes each collective kind moves in this step's forward, backward and update.
+    comm = CollectiveCounter() if config.parallelism.comm_stats and runtime.distributed else contextlib.nullcontext()
+    with comm:
+        loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
+    run.step += 1
+    run.sync.after_inner_step(run.step)
+    if run.sample_log is not None:
+        run.sample_log.log(run.step, sample_ids)
+    extra = run.sync.step_metrics(run.step, run.tokens_per_step) | {"time": time.time()}
+    if run.scaler is not None:
+        extra |= run.scaler.step_metrics()
+    run.pending.add({"step": run.step, "lr": lr, "step_time": time.perf_counter() - started,
+                     "data_wait": run.data_wait, "tokens": run.tokens_per_step, "world_size": runtime.world_size,
+                     "flops_per_token": run.flops_per_token, "peak": run.peak_flops,
+                     "memory_gib": peak_memory_gib(runtime.device),
+                     "comm": comm.record() if isinstance(comm, CollectiveCounter) else None},
+                    loss=loss_sum / config.grad_accum, grad_norm=grad_norm, extra=extra)
+
+
+def after_step(run: Run) -> int | None:
+    """The bookkeeping after a step: at sync points, the records, evaluation, a stop, checkpoints.
+    Returns an exit code when the run stops here."""
+    config, step = run.config, run.step
+    every = config.checkpoint.checkpoint_every
+    checkpoint_due = bool(every) and step % every == 0 and step < config.steps
+    eval_due = run.eval_data is not None and bool(config.eval_every) and step % config.eval_every == 0
+    # One process needs no agreement: it stops after the step the signal came in.
+    alone_and_stopped = bool(run.stop_signal) and not run.runtime.distributed
+    overflowing = run.scaler is not None and run.scaler.overflows_in_a_row >= run.scaler.max_overflow_steps
+    if not (checkpoint_due or eval_due or alone_and_stopped or overflowing or is_sync_point(run)):
+        return None
+    stop = sync_point(run)
+    if run.scaler is not None:
+        run.scaler.check(step)
+    if eval_due:
+        run.metrics.log({"step": step, "eval_loss": evaluate(run)}, echo=True)
+    if stop:
+        save_checkpoint(run)
+        if run.runtime.is_main:
+            print(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume auto", flush=True)
+        return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
+    if checkpoint_due:
+        save_checkpoint(run)
+    return None
+
+
+def is_sync_point(run: Run) -> bool:
+    """Whether the loop reads the device's numbers after this step: the first and last steps, and every
+    min(--log-every, MAX_STEPS_BETWEEN_SYNCS) steps (also at checkpoints and evaluations, see `after_step`)."""
+    step = run.step
+    return step in (1, run.config.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
+
+
+def sync_point(run: Run) -> bool:
+    """Read the pending steps' numbers (one all-reduce and one host conversion), write their records,
+    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT."""
+    runtime = run.runtime
+    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
+    records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
+                                                      distributed=runtime.distributed)
+    if run.checkpointer.saving_in_background and written == runtime.world_size:
+        run.checkpointer.wait()
+    for record in records:
+        if record.get("skipped"):
+            run.metrics.log(record, echo=False)
+            continue
+        run.metrics.log(record)
+        run.watch.step(record, tokens=run.tokens_per_step)
+    return stopped > 0
 
 
 def _skip_step(run: Run) -> None:
@@ -369,19 +415,16 @@ def _skip_step(run: Run) -> None:
     the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
     sample_ids: list[int] = []
     for _ in range(run.config.grad_accum):
-        sample_ids += next(run.data)["sample_id"].tolist()
+        sample_ids += next(run.data).sample_ids
     run.step += 1
     _advance_schedule(run)
     run.sync.after_inner_step(run.step)
     if run.sample_log is not None:
         run.sample_log.log(run.step, sample_ids, skipped=True)
-    run.metrics.log({"step": run.step, "skipped": True, "samples": len(sample_ids)}, echo=False)
+    run.pending.add_record({"step": run.step, "skipped": True, "samples": len(sample_ids), "time": time.time()})
     if run.runtime.is_main:
         print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip-steps): {len(sample_ids)} samples per rank "
               "drawn and dropped", flush=True)
-    every = run.config.checkpoint.checkpoint_every
-    if every and run.step % every == 0 and run.step < run.config.steps:
-        save_checkpoint(run)
 
 
 def _advance_schedule(run: Run) -> None:
@@ -411,7 +454,7 @@ def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torc
     loss_scale = _loss_scale(run)
     for micro in range(config.grad_accum):
         waited = time.perf_counter()
-        batch = to_batch(next(run.data), run.runtime.device)
+        batch = next(run.data)  # on the device already (see `TrainStream`): this only waits for the loader
         run.data_wait += time.perf_counter() - waited
         sample_ids += batch.sample_ids
         # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
