@@ -181,7 +181,7 @@ def run_bare(case: Case, args: argparse.Namespace) -> dict[str, float]:
     from shardkit.train.model import Transformer, flops_per_token
     from shardkit.train.optim import build_optimizer
     from shardkit.train.parallel import init_runtime, parallelize
-    from shardkit.train.precision import COMPUTE_DTYPES
+    from shardkit.train.precision import PrecisionChoice
 
     runtime = init_runtime(ParallelConfig(parallel="none"), device=args.device)
     device = runtime.device
@@ -193,7 +193,8 @@ def run_bare(case: Case, args: argparse.Namespace) -> dict[str, float]:
                            activation_checkpointing=False)
     optimizer = build_optimizer(parallel.model, OptimizerConfig(**PRESETS[case.preset].get("optimizer", {})),
                                 fused=device.type == "cuda")
-    dtype = COMPUTE_DTYPES[args.precision]
+    precision = PrecisionChoice(args.precision, "asked for by bench_train.py --precision")
+    dtype = precision.compute_dtype
     tokens = torch.randint(0, vocab, (case.grad_accum, case.batch_size, case.seq_len + 1), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
@@ -201,7 +202,7 @@ def run_bare(case: Case, args: argparse.Namespace) -> dict[str, float]:
 
     def step():
         for micro in range(case.grad_accum):
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            with runtime.autocast(dtype):
                 parallel.forward_backward(tokens[micro, :, :-1], tokens[micro, :, 1:], None,
                                           scale=1.0 / case.grad_accum, sync=micro == case.grad_accum - 1)
         parallel.clip_grad_norm_(1.0)
@@ -220,7 +221,7 @@ def run_bare(case: Case, args: argparse.Namespace) -> dict[str, float]:
         windows.append(time.perf_counter() - started)
     seconds = statistics.median(windows) / case.log_every
     tokens_per_s = case.grad_accum * case.batch_size * case.seq_len / seconds
-    peak = peak_flops(device, precision=args.precision)
+    peak = peak_flops(device, precision=precision)
     return {"tokens_per_s": tokens_per_s,
             "mfu": flops_per_token(model_config, model.num_parameters()) * tokens_per_s / peak if peak else None,
             "data_wait_fraction": None, "step_time_s": seconds,

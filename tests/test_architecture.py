@@ -188,3 +188,37 @@ def test_a_decision_by_cache_mode_is_reported_with_its_place(line):
     sources["loaders/reading.py"] += f"\n{line}\n"
     found = cache_mode_decisions(sources)
     assert len(found) == 1 and found[0].startswith("loaders/reading.py:") and found[0].endswith("in <module>"), found
+
+
+# The data-parallel modes; a comparison with them outside shardkit/train/parallel/ is a layout question asked
+# in the wrong place (the option's own checks in config.py validate --parallel, they decide no layout).
+LAYOUT_MODES = {"none", "ddp", "fsdp", "hsdp", "diloco"}
+
+
+def _is_layout_question(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    names = {n.attr if isinstance(n, ast.Attribute) else n.id for side in sides for n in ast.walk(side)
+             if isinstance(n, (ast.Attribute, ast.Name))}
+    constants = {n.value for side in sides for n in ast.walk(side) if isinstance(n, ast.Constant)}
+    return bool(names & {"mode", "data_parallel"}) and bool(constants & LAYOUT_MODES)
+
+
+def layout_questions(sources: dict[str, str]) -> list[str]:
+    """`file:line` of every comparison of a parallel mode outside shardkit/train/parallel/ and config.py."""
+    return [f"{name}:{node.lineno}" for name, text in sources.items() for node in ast.walk(ast.parse(text))
+            if _is_layout_question(node)]
+
+
+def _trainer_sources() -> dict[str, str]:
+    root = REPO / "shardkit" / "train"
+    return {str(path.relative_to(REPO)): path.read_text() for path in sorted(root.rglob("*.py"))
+            if root / "parallel" not in path.parents and path.name != "config.py"}
+
+
+def test_only_the_parallel_package_asks_about_the_layout():
+    assert layout_questions(_trainer_sources()) == []
+    sources = _trainer_sources()
+    sources["shardkit/train/loop.py"] += "\nenabled = run.runtime.mode not in ('fsdp', 'hsdp')\n"
+    assert [place.split(":")[0] for place in layout_questions(sources)] == ["shardkit/train/loop.py"]

@@ -21,6 +21,7 @@ from train_runs import (check_ok, checkpoints, free_port, loss_scales, losses, s
                         write_byte_dataset)
 
 FP16 = {"precision": "fp16"}
+FP16_CHOICE = choose_precision("fp16", device_type="cpu", native_bf16=False)
 
 
 @pytest.mark.parametrize("requested, device_type, native_bf16, chosen, why", [
@@ -100,9 +101,10 @@ def test_loss_scaler_skips_an_overflow_halves_grows_and_resumes_exactly():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scaler = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1024.0,
+    scaler = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=1024.0,
                                growth_interval=2)
-    assert build_loss_scaler("bf16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1.0,
+    assert build_loss_scaler(choose_precision("bf16", device_type="cpu", native_bf16=False),
+                             device=torch.device("cpu"), agree_over_ranks=False, init_scale=1.0,
                              growth_interval=1) is None
     assert _tiny_step(scaler, model, optimizer, overflow=False)
     before = [p.detach().clone() for p in model.parameters()]
@@ -114,7 +116,7 @@ def test_loss_scaler_skips_an_overflow_halves_grows_and_resumes_exactly():
     assert _tiny_step(scaler, model, optimizer, overflow=False)  # one clean step: the growth tracker is at 1
     saved = json.loads(json.dumps(scaler.state_dict()))  # the checkpoint marker holds it as JSON
     assert saved == {"scale": 512.0, "growth_tracker": 1, "overflow_steps": 1, "overflows_in_a_row": 0}
-    resumed = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1024.0,
+    resumed = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=1024.0,
                                 growth_interval=2)
     resumed.load_state_dict(saved)
     for continued in (scaler, resumed):  # the second clean step in a row doubles the scale, in both
@@ -127,7 +129,7 @@ def test_the_scale_stops_at_its_floor_and_too_many_overflows_in_a_row_stop_the_r
     went on and exited 0."""
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scaler = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=4.0,
+    scaler = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=4.0,
                                growth_interval=2, max_overflow_steps=5)
     for _ in range(4):
         assert not _tiny_step(scaler, model, optimizer, overflow=True)
@@ -140,7 +142,7 @@ def test_the_scale_stops_at_its_floor_and_too_many_overflows_in_a_row_stop_the_r
     with pytest.raises(TooManyOverflows, match="the last 5 optimizer steps .* overflowed although the loss scale "
                                                "went down to 1 .*--max-overflow-steps 5.*lower --lr"):
         scaler.check(step=10)
-    small = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=0.25,
+    small = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=0.25,
                               growth_interval=2)
     assert small.min_scale == 0.25  # a scale asked below 1 is its own floor
 

@@ -1,7 +1,8 @@
 """The training loop: build everything from a `TrainConfig`, train, evaluate, checkpoint, close.
 
 Reads top to bottom like nanoGPT's train.py: `build` sets up the process group, model, optimizer,
-data, checkpoints and metrics (resuming if asked); `train` runs the optimizer steps; `close` ends
+data, checkpoints and metrics (resuming if asked); `train` runs the optimizer steps (each a
+`train_step` from `shardkit.train.step`, then one `after_step` for the bookkeeping); `close` ends
 the run. Everything that decides the result (init seed, sample order, RNG state) is explicit, so an
 interrupted run resumed from its checkpoint repeats the uninterrupted run's losses bit for bit.
 """
@@ -12,11 +13,9 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,20 +24,19 @@ import torch
 import torch.distributed as dist
 
 from shardkit.metrics import TrainerMetrics
-from shardkit.options import option_name
-from shardkit.train import faults, rng
+from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
+from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
-from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, PendingSteps, SampleLog, peak_flops,
-                                    peak_memory_gib)
+from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog, peak_flops, peak_memory_gib
 from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
-from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, LossScaler, build_loss_scaler,
-                                      choose_precision, device_has_native_bf16)
+from shardkit.train.precision import (LossScaler, PrecisionChoice, build_loss_scaler, choose_precision,
+                                      device_has_native_bf16)
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +62,11 @@ class Run:
     checkpointer: Checkpointer
     metrics: MetricsLogger
     sample_log: SampleLog | None
-    precision: str  # 'bf16', 'fp16' or 'fp32', resolved from --precision
+    precision: PrecisionChoice  # resolved from --precision
     flops_per_token: float
     peak_flops: float | None
     sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
     step: int = 0
-    data_wait: float = 0.0  # seconds the current step waited for batches
     tokens_per_step: int = 0  # each data-parallel batch once: tensor and pipeline peers train on the same tokens
     pending: PendingSteps | None = None  # the steps since the last sync point, their numbers on the device
     resumed_step: int | None = None
@@ -134,12 +131,12 @@ def build(config: TrainConfig) -> Run:
               scheduler=scheduler, data=TrainStream(config.data, runtime),
               eval_data=EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None,
               checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
-              precision=precision.name, flops_per_token=flops_per_token(model_config, num_parameters),
-              peak_flops=peak_flops(runtime.device, precision=precision.name),
+              precision=precision, flops_per_token=flops_per_token(model_config, num_parameters),
+              peak_flops=peak_flops(runtime.device, precision=precision),
               sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
                               world_size=runtime.world_size),
-              scaler=build_loss_scaler(precision.name, device=runtime.device, mode=runtime.mode,
-                                       sharded=runtime.dims.tp > 1 or runtime.dims.pp > 1,
+              scaler=build_loss_scaler(precision, device=runtime.device,
+                                       agree_over_ranks=runtime.ranks_hold_partial_gradients,
                                        init_scale=config.loss_scale,
                                        growth_interval=config.loss_scale_growth_interval,
                                        max_overflow_steps=config.max_overflow_steps),
@@ -245,7 +242,7 @@ def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
         run.scaler.load_state_dict(saved)
     elif run.runtime.is_main and (run.scaler is not None or saved is not None):
         logger.info("the checkpoint was saved by a %s run, this run is %s: %s", meta.get("precision", "bf16/fp32"),
-                    run.precision, "the loss scale starts at --loss-scale" if run.scaler is not None
+                    run.precision.name, "the loss scale starts at --loss-scale" if run.scaler is not None
                     else "its loss scale is not used")
 
 
@@ -270,7 +267,7 @@ def save_checkpoint(run: Run) -> None:
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
             "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
-            "skip_steps": run.config.skip_steps, "precision": run.precision,
+            "skip_steps": run.config.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
@@ -283,15 +280,6 @@ def save_checkpoint(run: Run) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _autocast(run: Run):
-    # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-process runs use autocast.
-    dtype = COMPUTE_DTYPES[run.precision]
-    enabled = dtype is not None and run.runtime.mode not in ("fsdp", "hsdp")
-    return torch.autocast(run.runtime.device.type, dtype=dtype or torch.float32, enabled=enabled)
-
-
 
 
 @contextlib.contextmanager
@@ -315,52 +303,26 @@ def train(run: Run) -> int:
 
 
 def _train_steps(run: Run) -> int:
-    config, runtime = run.config, run.runtime
     run.model.train()
-    while run.step < config.steps:
-        faults.inject_now("step", run.step + 1, runtime.rank)
-        if run.step + 1 in run.skip_steps:
-            _skip_step(run)
-        else:
-            _train_step(run)
-        exit_code = after_step(run)
+    while run.step < run.config.steps:
+        step = run.step + 1
+        result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
+        exit_code = after_step(run, result)
         if exit_code is not None:
             return exit_code
-    if config.checkpoint.save_final:  # before the final evaluation: nothing after training may lose it
-        save_checkpoint(run)
-    if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
-        run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
-    return 0
+    return finish(run)
 
 
-def _train_step(run: Run) -> None:
-    """One optimizer step; its numbers join `run.pending` (loss and gradient norm stay on the device)."""
-    config, runtime = run.config, run.runtime
-    started = time.perf_counter()
-    sample_ids: list[int] = []
-    # Counts the bytes each collective kind moves in this step's forward, backward and update.
-    comm = CollectiveCounter() if config.parallelism.comm_stats and runtime.distributed else contextlib.nullcontext()
-    with comm:
-        loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
-    run.step += 1
-    run.sync.after_inner_step(run.step)
+def after_step(run: Run, result: StepResult) -> int | None:
+    """The bookkeeping after a step: the step count, the outer synchronisation (DiLoCo), the sample log,
+    the step's record; at sync points the records, evaluation, a stop, checkpoints. Returns an exit code
+    when the run stops here."""
+    config, step = run.config, result.step
+    run.step = step
+    run.sync.after_inner_step(step)
     if run.sample_log is not None:
-        run.sample_log.log(run.step, sample_ids)
-    extra = run.sync.step_metrics(run.step, run.tokens_per_step) | {"time": time.time()}
-    if run.scaler is not None:
-        extra |= run.scaler.step_metrics()
-    run.pending.add({"step": run.step, "lr": lr, "step_time": time.perf_counter() - started,
-                     "data_wait": run.data_wait, "tokens": run.tokens_per_step, "world_size": runtime.world_size,
-                     "flops_per_token": run.flops_per_token, "peak": run.peak_flops,
-                     "memory_gib": peak_memory_gib(runtime.device),
-                     "comm": comm.record() if isinstance(comm, CollectiveCounter) else None},
-                    loss=loss_sum / config.grad_accum, grad_norm=grad_norm, extra=extra)
-
-
-def after_step(run: Run) -> int | None:
-    """The bookkeeping after a step: at sync points, the records, evaluation, a stop, checkpoints.
-    Returns an exit code when the run stops here."""
-    config, step = run.config, run.step
+        run.sample_log.log(step, result.sample_ids, skipped=result.loss is None)
+    _add_record(run, result)
     every = config.checkpoint.checkpoint_every
     checkpoint_due = bool(every) and step % every == 0 and step < config.steps
     eval_due = run.eval_data is not None and bool(config.eval_every) and step % config.eval_every == 0
@@ -382,6 +344,34 @@ def after_step(run: Run) -> int | None:
     if checkpoint_due:
         save_checkpoint(run)
     return None
+
+
+def finish(run: Run) -> int:
+    """After the last step: the final checkpoint, then the final evaluation (nothing after training may
+    lose the checkpoint). Returns the exit code."""
+    config = run.config
+    if config.checkpoint.save_final:
+        save_checkpoint(run)
+    if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
+        run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
+    return 0
+
+
+def _add_record(run: Run, result: StepResult) -> None:
+    """The step's record joins the pending ones (written at the next sync point)."""
+    if result.loss is None:
+        run.pending.add_record({"step": result.step, "skipped": True, "samples": len(result.sample_ids),
+                                "time": time.time()})
+        return
+    extra = run.sync.step_metrics(result.step, run.tokens_per_step) | {"time": time.time()}
+    if run.scaler is not None:
+        extra |= run.scaler.step_metrics()
+    runtime = run.runtime
+    run.pending.add({"step": result.step, "lr": result.lr, "step_time": result.seconds,
+                     "data_wait": result.data_wait, "tokens": run.tokens_per_step,
+                     "world_size": runtime.world_size, "flops_per_token": run.flops_per_token,
+                     "peak": run.peak_flops, "memory_gib": peak_memory_gib(runtime.device), "comm": result.comm},
+                    loss=result.loss, grad_norm=result.grad_norm, extra=extra)
 
 
 def is_sync_point(run: Run) -> bool:
@@ -409,73 +399,6 @@ def sync_point(run: Run) -> bool:
     return stopped > 0
 
 
-def _skip_step(run: Run) -> None:
-    """--skip-steps: draw this step's batches and drop them (no forward, no update). The step counter and
-    the learning-rate schedule advance as if the step were taken, so every other step gets the batch and
-    the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
-    sample_ids: list[int] = []
-    for _ in range(run.config.grad_accum):
-        sample_ids += next(run.data).sample_ids
-    run.step += 1
-    _advance_schedule(run)
-    run.sync.after_inner_step(run.step)
-    if run.sample_log is not None:
-        run.sample_log.log(run.step, sample_ids, skipped=True)
-    run.pending.add_record({"step": run.step, "skipped": True, "samples": len(sample_ids), "time": time.time()})
-    if run.runtime.is_main:
-        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip-steps): {len(sample_ids)} samples per rank "
-              "drawn and dropped", flush=True)
-
-
-def _advance_schedule(run: Run) -> None:
-    """Step the learning-rate schedule, also after a step without an update (--skip-steps, an fp16
-    overflow): the schedule follows the step count, so every later step keeps its rate."""
-    with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
-        warnings.simplefilter("ignore", UserWarning)
-        run.scheduler.step()
-
-
-def _loss_scale(run: Run) -> float:
-    """What this step's losses are multiplied by before the backward pass: fp16's loss scale (far
-    beyond fp16's range when the fault injection asks this step to overflow), else 1."""
-    if run.scaler is None:
-        return 1.0
-    overflow = faults.overflow_now(run.step + 1, run.runtime.rank)
-    return run.scaler.scale * (FORCED_OVERFLOW_FACTOR if overflow else 1.0)
-
-
-def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The micro-steps of one optimizer step (their sample ids appended to `sample_ids`), gradient
-    clipping and the update; returns (summed micro-step losses, grad norm, lr). Under fp16 an
-    overflowing step consumes its batches but skips the update (see `LossScaler`)."""
-    config = run.config
-    run.data_wait = 0.0
-    loss_sum = torch.zeros((), device=run.runtime.device)
-    loss_scale = _loss_scale(run)
-    for micro in range(config.grad_accum):
-        waited = time.perf_counter()
-        batch = next(run.data)  # on the device already (see `TrainStream`): this only waits for the loader
-        run.data_wait += time.perf_counter() - waited
-        sample_ids += batch.sample_ids
-        # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
-        with _autocast(run):
-            loss = run.parallel.forward_backward(batch.inputs, batch.targets, batch.segment_ids,
-                                                 scale=loss_scale / config.grad_accum,
-                                                 sync=micro == config.grad_accum - 1)
-        loss_sum += loss
-    if run.scaler is not None:
-        run.scaler.unscale_(run.optimizer)  # clip the true gradients
-    grad_norm = run.parallel.clip_grad_norm_(config.optimizer.grad_clip or math.inf)
-    lr = run.optimizer.param_groups[0]["lr"]
-    if run.scaler is not None:
-        run.scaler.step(run.optimizer)
-    else:
-        run.optimizer.step()
-    _advance_schedule(run)
-    run.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, lr
-
-
 def evaluate(run: Run) -> float:
     """Mean loss over the held-out batches, averaged over ranks. Runs under no_grad: a DDP forward
     with grad enabled would expect a backward before the next one."""
@@ -486,7 +409,7 @@ def evaluate(run: Run) -> float:
         for raw in batches:
             batch = to_batch(raw, run.runtime.device)
             # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
-            with _autocast(run):
+            with run.runtime.autocast(run.precision.compute_dtype):
                 total[0] += run.parallel.loss(batch.inputs, batch.targets, batch.segment_ids).double()
             total[1] += batch.num_tokens
     run.parallel.reshard_after_eval()

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardkit.options import format_size
 from shardkit.records import read_records
 from shardkit.storage import write_file_atomic
+from shardkit.train.precision import PrecisionChoice
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,14 @@ PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def peak_flops(device: torch.device, *, precision: str) -> float | None:
-    """Peak FLOP/s of one device for the run's precision ('bf16', 'fp16', 'fp32'), or None (CPU, unknown GPU)."""
+def peak_flops(device: torch.device, *, precision: PrecisionChoice) -> float | None:
+    """Peak FLOP/s of one device for the run's precision, or None (CPU, unknown GPU)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for key, half_peak, fp32_peak in PEAK_FLOPS:
         if key in name:
-            return half_peak if precision in ("bf16", "fp16") else fp32_peak
+            return half_peak if precision.sixteen_bit else fp32_peak
     logger.warning("no peak-FLOPs figure for %r: MFU will be reported as n/a", name)
     return None
 

@@ -27,9 +27,6 @@ import torch
 import torch.distributed as dist
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-# The scale an injected overflow multiplies the loss by (faults "overflow:STEP"): any fp16 gradient
-# overflows (2**64 times the scale is far above fp16's 65504), while the fp32 loss stays finite.
-FORCED_OVERFLOW_FACTOR = 2.0 ** 64
 
 
 @dataclass(frozen=True)
@@ -43,6 +40,16 @@ class PrecisionChoice:
     def compute_dtype(self) -> torch.dtype | None:
         """The autocast / FSDP parameter dtype, or None for fp32."""
         return COMPUTE_DTYPES[self.name]
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Whether the forward and backward run in 16 bits (on the 16-bit tensor-core peak)."""
+        return self.compute_dtype is not None
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether gradients need dynamic loss scaling (fp16's narrow exponent range)."""
+        return self.name == "fp16"
 
 
 def choose_precision(requested: str, *, device_type: str, native_bf16: bool) -> PrecisionChoice:
@@ -153,19 +160,18 @@ class LossScaler:
         self.last_scale = self.scale
 
 
-def build_loss_scaler(precision: str, *, device: torch.device, mode: str, sharded: bool, init_scale: float,
+def build_loss_scaler(precision: PrecisionChoice, *, device: torch.device, agree_over_ranks: bool, init_scale: float,
                       growth_interval: int, max_overflow_steps: int = 32) -> LossScaler | None:
-    """The loss scaler of a run computing in `precision` (None unless fp16).
+    """The loss scaler of a run computing in `precision` (None unless it needs loss scaling).
 
     Args:
-        mode: how the dp dims are applied ('none', 'ddp', 'fsdp', 'hsdp', 'diloco').
-        sharded: whether a rank holds only part of the gradients besides FSDP (tensor or pipeline
-            parallelism), so that ranks must agree on an overflow.
+        agree_over_ranks: whether a rank holds only part of the gradients, or its own, so that the ranks
+            must agree on an overflow (`Runtime.ranks_hold_partial_gradients`).
     """
-    if precision != "fp16":
+    if not precision.loss_scaling:
         return None
     options = {"init_scale": init_scale, "growth_interval": growth_interval}
-    if dist.is_initialized() and (sharded or mode not in ("none", "ddp")):
+    if agree_over_ranks:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD, **options)
