@@ -457,3 +457,35 @@ def test_an_import_cycle_is_reported_with_its_imports(module, line, members):
     # The added import is reported where it is (after the module's own lines).
     assert any(entry.startswith(f"{name}:") and int(entry.split(":")[1]) > len(text.splitlines())
                and entry.split(": ", 1)[1].startswith(f"{module} imports") for entry in cycles[0]), cycles
+# The data-parallel modes; a comparison with them outside shardkit/train/parallel/ is a layout question asked
+# in the wrong place (the option's own checks in config.py validate --parallel, they decide no layout).
+LAYOUT_MODES = {"none", "ddp", "fsdp", "hsdp", "diloco"}
+
+
+def _is_layout_question(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    names = {n.attr if isinstance(n, ast.Attribute) else n.id for side in sides for n in ast.walk(side)
+             if isinstance(n, (ast.Attribute, ast.Name))}
+    constants = {n.value for side in sides for n in ast.walk(side) if isinstance(n, ast.Constant)}
+    return bool(names & {"mode", "data_parallel"}) and bool(constants & LAYOUT_MODES)
+
+
+def layout_questions(sources: dict[str, str]) -> list[str]:
+    """`file:line` of every comparison of a parallel mode outside shardkit/train/parallel/ and config.py."""
+    return [f"{name}:{node.lineno}" for name, text in sources.items() for node in ast.walk(ast.parse(text))
+            if _is_layout_question(node)]
+
+
+def _trainer_sources() -> dict[str, str]:
+    root = REPO / "shardkit" / "train"
+    return {str(path.relative_to(REPO)): path.read_text() for path in sorted(root.rglob("*.py"))
+            if root / "parallel" not in path.parents and path.name != "config.py"}
+
+
+def test_only_the_parallel_package_asks_about_the_layout():
+    assert layout_questions(_trainer_sources()) == []
+    sources = _trainer_sources()
+    sources["shardkit/train/loop.py"] += "\nenabled = run.runtime.mode not in ('fsdp', 'hsdp')\n"
+    assert [place.split(":")[0] for place in layout_questions(sources)] == ["shardkit/train/loop.py"]

@@ -9,7 +9,8 @@ import pytest
 
 from shardkit.cli import build_parser
 from shardkit.loaders.config import LoaderConfig
-from shardkit.train.config import ModelConfig, TrainConfig, config_from_dict, data_entries
+from shardkit.train.config import (PRESETS, ModelConfig, TrainConfig, config_from_dict, data_entries,
+                                   describe_step, with_step_size)
 from shardkit.train.options import parse_train_args
 
 
@@ -158,3 +159,29 @@ def test_absurd_weights_and_model_sizes_are_one_line_before_anything_runs(capsys
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardkit train: error:") and message in err and "\n" not in err, err
+
+
+def test_global_batch_tokens_derives_the_gradient_accumulation_or_says_what_does_not_divide():
+    config = config_from_dict({"preset": "gpt2-124m", "global_batch_tokens": 524288})
+    assert config.data.batch_size == 32 and config.grad_accum is None  # resolved once seq_len and dp are known
+    resolved = with_step_size(config, seq_len=1024, dp_size=2)
+    assert resolved.grad_accum == 8
+    assert describe_step(resolved, seq_len=1024, dp_size=2) == (
+        "one optimizer step holds 524,288 tokens: --batch-size 32 x seq_len 1024 x --grad-accum 8 micro-steps x 2 "
+        "data-parallel rank(s)")
+    with pytest.raises(ValueError, match="--global-batch-tokens 524288 is not a multiple of one micro-step's 98304 "
+                                         "tokens .--batch-size 32 x seq_len 1024 x 3 data-parallel ranks."):
+        with_step_size(config, seq_len=1024, dp_size=3)
+    with pytest.raises(ValueError, match="is not a multiple"):  # less than one micro-step is no step
+        with_step_size(dataclasses.replace(config, global_batch_tokens=1024), seq_len=1024, dp_size=1)
+    agreeing = dataclasses.replace(config, grad_accum=8)
+    assert with_step_size(agreeing, seq_len=1024, dp_size=2) == agreeing
+    with pytest.raises(ValueError, match="--grad-accum 4 disagrees with --global-batch-tokens 524288, which needs 8"):
+        with_step_size(dataclasses.replace(config, grad_accum=4), seq_len=1024, dp_size=2)
+    plain = config_from_dict({})
+    assert plain.grad_accum == 1 and with_step_size(plain, seq_len=1024, dp_size=8) == plain
+    with pytest.raises(ValueError, match="--global-batch-tokens must be >= 1"):
+        config_from_dict({"global_batch_tokens": 0})
+    # Each GPU preset names its micro-batch (docs/PARALLELISM.md, "How big a step is").
+    assert {name: table.get("data", {}).get("batch_size") for name, table in PRESETS.items()} == {
+        "tiny": None, "gpt2-124m": 32, "gpt2-350m": 16, "llama-1b": 8}

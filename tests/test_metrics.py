@@ -9,6 +9,7 @@ import torch
 
 from shardkit.train.metrics import (MetricsLogger, SampleLog, format_line, peak_flops, peak_memory_gib,
                                     step_metrics)
+from shardkit.train.precision import PrecisionChoice
 
 
 def test_step_metrics_formula():
@@ -25,7 +26,7 @@ def test_step_metrics_formula():
 
 
 def test_no_peak_on_cpu_and_memory_is_measured():
-    assert peak_flops(torch.device("cpu"), precision="bf16") is None
+    assert peak_flops(torch.device("cpu"), precision=PrecisionChoice("bf16", "asked for")) is None
     assert peak_memory_gib(torch.device("cpu")) > 0
 
 

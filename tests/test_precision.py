@@ -16,11 +16,12 @@ from shardkit.train import faults
 from shardkit.train.checkpoint import find_latest, read_marker
 from shardkit.train.config import TrainConfig, config_from_dict
 from shardkit.train.loop import build, close, train
-from shardkit.train.precision import LossScaler, build_loss_scaler, choose_precision
+from shardkit.train.precision import LossScaler, TooManyOverflows, build_loss_scaler, choose_precision
 from train_runs import (check_ok, checkpoints, free_port, loss_scales, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
 FP16 = {"precision": "fp16"}
+FP16_CHOICE = choose_precision("fp16", device_type="cpu", native_bf16=False)
 
 
 @pytest.mark.parametrize("requested, device_type, native_bf16, chosen, why", [
@@ -42,11 +43,17 @@ def test_the_choice_depends_on_the_request_and_the_device_and_says_why(requested
 @pytest.mark.parametrize("values, message", [
     ({"precision": "fp16", "parallelism": {"parallel": "ddp", "comm_hook": "powersgd"}},
      "--comm-hook powersgd does not compose with --precision fp16"),
-    ({"precision": "fp32", "loss_scale": 1024.0}, "--loss-scale and --loss-scale-growth-interval apply to "
-                                                  "--precision fp16 only, not fp32"),
+    ({"precision": "fp32", "loss_scale": 1024.0}, "--loss-scale, --loss-scale-growth-interval and "
+                                                  "--max-overflow-steps apply to --precision fp16 only, not fp32"),
+    ({"precision": "bf16", "max_overflow_steps": 5}, "apply to --precision fp16 only, not bf16"),
+    ({"precision": "fp16", "max_overflow_steps": 0}, "--max-overflow-steps must be >= 1"),
     ({"precision": "bf16", "loss_scale_growth_interval": 10}, "apply to --precision fp16 only, not bf16"),
-    ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be positive and finite"),
-    ({"precision": "fp16", "loss_scale": float("inf")}, "--loss-scale must be positive and finite"),
+    ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be a normal float32 number"),
+    ({"precision": "fp16", "loss_scale": float("inf")}, "--loss-scale must be a normal float32 number"),
+    # Finite in float64 but inf in float32 (the scale's tensor), and a float32 subnormal: NaN gradients.
+    ({"precision": "fp16", "loss_scale": 1e39}, "--loss-scale must be a normal float32 number, between "
+                                                "1.175e-38 and 3.403e[+]38, got 1e[+]39"),
+    ({"precision": "fp16", "loss_scale": 1e-39}, "--loss-scale must be a normal float32 number.*got 1e-39"),
     ({"precision": "fp16", "loss_scale_growth_interval": 0}, "--loss-scale-growth-interval must be >= 1"),
     ({"precision": "fp8"}, "--precision must be one of"),
 ])
@@ -94,9 +101,10 @@ def test_loss_scaler_skips_an_overflow_halves_grows_and_resumes_exactly():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scaler = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1024.0,
+    scaler = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=1024.0,
                                growth_interval=2)
-    assert build_loss_scaler("bf16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1.0,
+    assert build_loss_scaler(choose_precision("bf16", device_type="cpu", native_bf16=False),
+                             device=torch.device("cpu"), agree_over_ranks=False, init_scale=1.0,
                              growth_interval=1) is None
     assert _tiny_step(scaler, model, optimizer, overflow=False)
     before = [p.detach().clone() for p in model.parameters()]
@@ -107,13 +115,53 @@ def test_loss_scaler_skips_an_overflow_halves_grows_and_resumes_exactly():
     assert scaler.scale == 512.0
     assert _tiny_step(scaler, model, optimizer, overflow=False)  # one clean step: the growth tracker is at 1
     saved = json.loads(json.dumps(scaler.state_dict()))  # the checkpoint marker holds it as JSON
-    assert saved == {"scale": 512.0, "growth_tracker": 1, "overflow_steps": 1}
-    resumed = build_loss_scaler("fp16", device=torch.device("cpu"), mode="none", sharded=False, init_scale=1024.0,
+    assert saved == {"scale": 512.0, "growth_tracker": 1, "overflow_steps": 1, "overflows_in_a_row": 0}
+    resumed = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=1024.0,
                                 growth_interval=2)
     resumed.load_state_dict(saved)
     for continued in (scaler, resumed):  # the second clean step in a row doubles the scale, in both
         assert _tiny_step(continued, model, optimizer, overflow=False)
         assert continued.scale == 1024.0 and continued.overflow_steps == 1
+
+
+def test_the_scale_stops_at_its_floor_and_too_many_overflows_in_a_row_stop_the_run():
+    """Every step overflowing used to halve the scale down to 0.0 (no growth recovers from it) while the run
+    went on and exited 0."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=4.0,
+                               growth_interval=2, max_overflow_steps=5)
+    for _ in range(4):
+        assert not _tiny_step(scaler, model, optimizer, overflow=True)
+        scaler.check(step=1)  # fewer than 5 in a row: goes on
+    assert scaler.scale == 1.0 and scaler.step_metrics()["overflow"]  # 4 -> 2 -> 1, then held at the floor of 1
+    assert _tiny_step(scaler, model, optimizer, overflow=False) and scaler.overflows_in_a_row == 0  # a clean step
+    for step in range(5):
+        assert not _tiny_step(scaler, model, optimizer, overflow=True)
+    assert scaler.scale == 1.0 and scaler.overflow_steps == 9
+    with pytest.raises(TooManyOverflows, match="the last 5 optimizer steps .* overflowed although the loss scale "
+                                               "went down to 1 .*--max-overflow-steps 5.*lower --lr"):
+        scaler.check(step=10)
+    small = build_loss_scaler(FP16_CHOICE, device=torch.device("cpu"), agree_over_ranks=False, init_scale=0.25,
+                              growth_interval=2)
+    assert small.min_scale == 0.25  # a scale asked below 1 is its own floor
+
+
+def test_a_run_whose_every_step_overflows_stops_with_one_line_and_exit_1(tmp_path, data, monkeypatch, capsys):
+    from shardkit.cli import main
+
+    monkeypatch.setenv(faults.ENV_NAME, ",".join(f"overflow:{step}" for step in range(1, 9)))
+    run_dir = tmp_path / "run"
+    code = main(["train", "--data", data, "--steps", "8", "--warmup-steps", "1", "--batch-size", "4", "--device",
+                 "cpu", "--precision", "fp16", "--loss-scale", "8", "--max-overflow-steps", "6", "--run-dir",
+                 str(run_dir), "--cache-dir", str(tmp_path / "cache"), "--tensorboard", "false"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.count("\n") == 1 and err.startswith("error: fp16: the gradients of the last 6 optimizer steps (up "
+                                                   "to step 6) overflowed"), err
+    scales = loss_scales(run_dir)  # the records up to the stop are written: 8, 4, 2, 1, then held at 1
+    assert [scales[step][0] for step in range(1, 7)] == [8.0, 4.0, 2.0, 1.0, 1.0, 1.0]
+    assert all(scales[step][1] for step in range(1, 7)) and max(scales) == 6
 
 
 def test_overflow_faults_are_parsed_and_act_on_every_attempt(monkeypatch):
@@ -173,7 +221,8 @@ def test_fp16_on_cpu_skips_the_forced_overflow_consumes_its_batches_and_records_
     assert metrics.value("shardkit_train_loss_scale", rank="0") == 32768.0
     marker = read_marker(find_latest(tmp_path / "fp16" / "checkpoints"))
     assert marker["precision"] == "fp16"
-    assert marker["loss_scaler"] == {"scale": 32768.0, "growth_tracker": 5, "overflow_steps": 1}
+    assert marker["loss_scaler"] == {"scale": 32768.0, "growth_tracker": 5, "overflow_steps": 1,
+                                     "overflows_in_a_row": 0}
     assert json.loads((tmp_path / "fp16" / "config.json").read_text())["precision"] == "fp16"
 
 
@@ -250,7 +299,10 @@ def test_fp16_sigkill_of_every_rank_then_resume_is_bitwise_exact(tmp_path, data,
     run_dir = tmp_path / "run"
     killed = torchrun(run_dir, data, parallel=parallel, fault="overflow:7:1,step:8", extra=DYNAMIC)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
-    assert checkpoints(run_dir) == ["step_00000004"] and max(losses(run_dir)) == 7
+    # It ran steps 5-7 (their sample ids are logged at once); their metrics records waited for the next sync
+    # point (step 8's checkpoint) and died with the run: the resumed run writes them.
+    assert checkpoints(run_dir) == ["step_00000004"] and max(sample_ids(run_dir)) == 7
+    assert max(losses(run_dir)) == 4
     resumed = check_ok(torchrun(run_dir, data, parallel=parallel, fault="overflow:7:1", extra=DYNAMIC))
     assert "resumed from" in resumed.stdout and "step 4" in resumed.stdout
     assert losses(run_dir) == losses(reference)  # float equality: bitwise

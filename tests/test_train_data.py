@@ -78,7 +78,7 @@ def test_trainer_data_options_reach_the_loader_and_mix_streams(tmp_path):
     stream = TrainStream(config, runtime)
     dataset = stream.loader.dataset
     assert dataset.config == config.loader and dataset.caches[0].cache_limit == 10**7
-    ids = np.concatenate([next(stream)["sample_id"].numpy() for _ in range(8)])
+    ids = np.concatenate([next(stream).sample_ids for _ in range(8)])
     from_a = int((ids < 64).sum())
     assert (from_a, len(ids) - from_a) == (48, 16)
 

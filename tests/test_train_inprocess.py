@@ -74,9 +74,14 @@ def test_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, datasets, refe
     assert losses(run_dir) == losses(reference)
 
 
-def test_gradient_accumulation_matches_the_full_batch(tmp_path, datasets, reference):
+@pytest.mark.parametrize("step_size", [{"grad_accum": 2}, {"global_batch_tokens": 2 * 6 * 32}])
+def test_gradient_accumulation_matches_the_full_batch(tmp_path, datasets, reference, step_size, caplog):
     data, _ = datasets
-    run_training(tmp_path / "accumulated", data, grad_accum=2, **{"data.batch_size": 6})
+    caplog.set_level("INFO", logger="shardkit.train.loop")
+    run_training(tmp_path / "accumulated", data, **step_size, **{"data.batch_size": 6})
+    assert json.loads((tmp_path / "accumulated" / "config.json").read_text())["grad_accum"] == 2
+    assert ("one optimizer step holds 384 tokens: --batch-size 6 x seq_len 32 x --grad-accum 2 micro-steps x 1 "
+            "data-parallel rank(s)") in caplog.text
     full, accumulated = losses(reference), losses(tmp_path / "accumulated")
     assert full.keys() == accumulated.keys()
     for step in full:  # same samples per step; only the summation order differs

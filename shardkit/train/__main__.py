@@ -46,6 +46,9 @@ def run(config) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # fp16's loss scale gave up (TooManyOverflows): not a user's mistake
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         close(state)
 

@@ -36,6 +36,12 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# float32's largest finite and smallest normal numbers (torch.finfo(torch.float32).max and .tiny).
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+# fp16: optimizer steps in a row with overflowing gradients before the run stops. From the default scale
+# (2**16) 16 halvings reach the floor of 1; 16 more steps that overflow at scale 1 leave no doubt.
+MAX_OVERFLOW_STEPS = 32
+
 MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp32 weights alone)
 # Megatron pads to 128 x tensor-parallel size; 2**20 leaves room for any --tp while a padded vocabulary
 # stays within reach of the parameter bound below (2**40 asked for 281 TB of embedding rows).
@@ -393,7 +399,12 @@ class TrainConfig:
     preset: str = option("tiny", "model preset: " + ", ".join(("tiny", "gpt2-124m", "gpt2-350m", "llama-1b")))
     steps: int = option(1000, "optimizer steps to train for; resuming with another value rescales the "
                         "learning-rate schedule to the new total from the next step (the run prints the change)")
-    grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync only on the last)")
+    grad_accum: int | None = option(None, "micro-steps per optimizer step (gradients sync only on the last); "
+                                    "default 1, or what --global-batch-tokens implies")
+    global_batch_tokens: int | None = option(
+        None, "tokens per optimizer step over all data-parallel ranks, e.g. 524288 (0.5M, GPT-2/3-small's): the "
+        "gradient accumulation is derived as N / (--batch-size x seq_len x data-parallel ranks), which must divide "
+        "N exactly; a --grad-accum given as well must equal it")
     precision: str = option("auto", "'bf16' or 'fp16' autocast / FSDP mixed precision (fp32 master weights and "
                             "optimizer; fp16 with dynamic loss scaling), 'fp32', or 'auto' (bf16 on GPUs with native "
                             "bf16, fp16 on older GPUs, fp32 on CPU; the log says which and why)", choices=PRECISIONS)
@@ -401,6 +412,11 @@ class TrainConfig:
                                "(that step's update is skipped), doubled after --loss-scale-growth-interval clean "
                                "steps in a row")
     loss_scale_growth_interval: int = option(2000, "fp16: clean steps in a row before the loss scale doubles")
+    max_overflow_steps: int = option(
+        MAX_OVERFLOW_STEPS, "fp16: stop the run (exit 1) after this many optimizer steps in a row whose gradients "
+        "overflowed: the scale has been halved that often (it stops at a floor of min(1, --loss-scale)), so the "
+        "inf/NaN comes from the model, not from fp16's range; resume from the last checkpoint with a lower --lr, "
+        "--skip-steps over the bad batches, or --precision bf16")
     compile: bool = option(False, "torch.compile each transformer block")
     activation_checkpointing: bool = option(False, "recompute block activations in the backward pass")
     eval_every: int = option(0, "evaluate on --eval-data every N steps (0: only at the end)")
@@ -421,7 +437,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         _check(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        _check(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        _check(self.grad_accum is None or self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        _check(self.global_batch_tokens is None or self.global_batch_tokens >= 1,
+               f"--global-batch-tokens must be >= 1, got {self.global_batch_tokens}")
+        if self.grad_accum is None and self.global_batch_tokens is None:
+            object.__setattr__(self, "grad_accum", 1)
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_loss_scaling()
         _check(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
@@ -438,12 +458,18 @@ class TrainConfig:
     def _check_loss_scaling(self) -> None:
         """Loss-scaling options, and the layouts fp16 does not compose with. ('auto' may pick fp16 on a GPU
         without bf16: the trainer checks its choice again, with the precision resolved.)"""
-        _check(0 < self.loss_scale < float("inf"), f"--loss-scale must be positive and finite, got {self.loss_scale}")
+        # The scale lives in a float32 tensor: 1e39 would be inf there, 1e-39 a subnormal that turns the
+        # gradients into NaN.
+        _check(FLOAT32_TINY <= self.loss_scale <= FLOAT32_MAX,
+               f"--loss-scale must be a normal float32 number, between {FLOAT32_TINY:.4g} and {FLOAT32_MAX:.4g}, "
+               f"got {self.loss_scale:g}")
         _check(self.loss_scale_growth_interval >= 1,
                f"--loss-scale-growth-interval must be >= 1, got {self.loss_scale_growth_interval}")
-        scaling = (self.loss_scale, self.loss_scale_growth_interval)
-        _check(self.precision in ("fp16", "auto") or scaling == (65536.0, 2000),
-               f"--loss-scale and --loss-scale-growth-interval apply to --precision fp16 only, not {self.precision}")
+        _check(self.max_overflow_steps >= 1, f"--max-overflow-steps must be >= 1, got {self.max_overflow_steps}")
+        scaling = (self.loss_scale, self.loss_scale_growth_interval, self.max_overflow_steps)
+        _check(self.precision in ("fp16", "auto") or scaling == (65536.0, 2000, MAX_OVERFLOW_STEPS),
+               "--loss-scale, --loss-scale-growth-interval and --max-overflow-steps apply to --precision fp16 only, "
+               f"not {self.precision}")
         if self.precision != "fp16":
             return
         # PowerSGD keeps the compression error of each step and adds it to the next: the inf/NaN of one
@@ -465,17 +491,52 @@ SECTIONS: dict[str, type] = {
     "parallelism": ParallelConfig, "diloco": DilocoConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
 }
 
-# Presets fill in the model section (and a sensible learning rate); anything given explicitly wins.
+# Presets fill in the model section (and a sensible learning rate); anything given explicitly wins. The GPU
+# presets' micro-batch (--batch-size, samples per rank per micro-step at seq_len 1024) is sized for an 80 GB
+# GPU in bf16 from the memory arithmetic in docs/PARALLELISM.md ("How big a step is"), with room left for the
+# allocator and torch.compile; benchmarks/bench_train.py measures the peak.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # ~0.1M parameters with a byte vocabulary: runs a step in milliseconds on a CPU.
     "tiny": {"model": {"style": "llama", "n_layer": 2, "n_head": 4, "d_model": 64}, "optimizer": {"lr": 3e-3}},
     # GPT-2 small (124M with the 50257 vocabulary) and medium (350M), as in the GPT-2 paper.
-    "gpt2-124m": {"model": {"style": "gpt2", "n_layer": 12, "n_head": 12, "d_model": 768}, "optimizer": {"lr": 6e-4}},
-    "gpt2-350m": {"model": {"style": "gpt2", "n_layer": 24, "n_head": 16, "d_model": 1024}, "optimizer": {"lr": 3e-4}},
+    "gpt2-124m": {"model": {"style": "gpt2", "n_layer": 12, "n_head": 12, "d_model": 768}, "optimizer": {"lr": 6e-4},
+                  "data": {"batch_size": 32}},
+    "gpt2-350m": {"model": {"style": "gpt2", "n_layer": 24, "n_head": 16, "d_model": 1024}, "optimizer": {"lr": 3e-4},
+                  "data": {"batch_size": 16}},
     # Llama-3.2-1B's shape: 16 layers, width 2048, 32 query / 8 key-value heads, SwiGLU 8192, tied embeddings.
     "llama-1b": {"model": {"style": "llama", "n_layer": 16, "n_head": 32, "n_kv_head": 8, "d_model": 2048,
-                           "d_ff": 8192, "rope_theta": 500000.0}, "optimizer": {"lr": 3e-4}},
+                           "d_ff": 8192, "rope_theta": 500000.0}, "optimizer": {"lr": 3e-4},
+                 "data": {"batch_size": 8}},
 }
+
+
+def with_step_size(config: TrainConfig, *, seq_len: int, dp_size: int) -> TrainConfig:
+    """`config` with --grad-accum resolved from --global-batch-tokens (unchanged without it), once the
+    sequence length (the dataset's) and the data-parallel size (the mesh's) are known.
+
+    Raises:
+        ValueError: the micro-batches do not divide --global-batch-tokens, or --grad-accum disagrees.
+    """
+    if config.global_batch_tokens is None:
+        return config
+    micro = config.data.batch_size * seq_len * dp_size
+    accum, left = divmod(config.global_batch_tokens, micro)
+    if left or accum == 0:
+        raise ValueError(f"--global-batch-tokens {config.global_batch_tokens} is not a multiple of one micro-step's "
+                         f"{micro} tokens (--batch-size {config.data.batch_size} x seq_len {seq_len} x {dp_size} "
+                         f"data-parallel ranks): use a multiple of {micro}, or change --batch-size")
+    if config.grad_accum is not None and config.grad_accum != accum:
+        raise ValueError(f"--grad-accum {config.grad_accum} disagrees with --global-batch-tokens "
+                         f"{config.global_batch_tokens}, which needs {accum} micro-steps of {micro} tokens: "
+                         "give only one of them")
+    return dataclasses.replace(config, grad_accum=accum)
+
+
+def describe_step(config: TrainConfig, *, seq_len: int, dp_size: int) -> str:
+    """What one optimizer step holds, for the log."""
+    tokens = config.data.batch_size * seq_len * config.grad_accum * dp_size
+    return (f"one optimizer step holds {tokens:,} tokens: --batch-size {config.data.batch_size} x seq_len {seq_len} "
+            f"x --grad-accum {config.grad_accum} micro-steps x {dp_size} data-parallel rank(s)")
 
 
 def config_from_dict(values: dict[str, Any], *, source: str = "configuration") -> TrainConfig:

@@ -7,6 +7,7 @@ after another, and keeps the loader's state in its checkpoints.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from shardkit.manifest import Manifest
 from shardkit.options import parse_storage_options
 from shardkit.train.config import DataConfig, data_entries
 from shardkit.train.parallel import Runtime
+from shardkit.train.prefetch import DevicePrefetcher
 
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
@@ -32,9 +34,9 @@ class Batch:
     sample_ids: list[int]
 
     @property
-    def num_tokens(self) -> int:
-        """Real target tokens (padding excluded)."""
-        return int((self.targets != IGNORE_INDEX).sum())
+    def num_tokens(self) -> torch.Tensor:
+        """Real target tokens (padding excluded), on the device: reading it would wait for the device."""
+        return (self.targets != IGNORE_INDEX).sum()
 
 
 def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
@@ -100,15 +102,12 @@ def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest:
     return dataset.manifests[0]
 
 
-class TrainStream:
+class Epochs:
     """Endless iteration over the training loader, epoch after epoch, with resumable state."""
 
-    def __init__(self, config: DataConfig, runtime: Runtime):
-        from shardkit.loaders.dataloader import StreamingDataLoader
-
-        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle),
-                                          batch_size=config.batch_size, num_workers=config.num_workers)
-        self.allow_mixture_change = config.allow_mixture_change
+    def __init__(self, loader, *, allow_mixture_change: bool):
+        self.loader = loader
+        self.allow_mixture_change = allow_mixture_change
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -128,6 +127,31 @@ class TrainStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state, allow_mixture_change=self.allow_mixture_change)
         self._iterator = None
+
+
+class TrainStream:
+    """The training batches on the device (`Batch`), epoch after epoch, with resumable state.
+
+    On CUDA the loader pins its batches and `DevicePrefetcher` copies the next one while a step runs."""
+
+    def __init__(self, config: DataConfig, runtime: Runtime):
+        from shardkit.loaders.dataloader import StreamingDataLoader
+
+        on_gpu = runtime.device.type == "cuda"
+        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle),
+                                          batch_size=config.batch_size, num_workers=config.num_workers,
+                                          pin_memory=on_gpu)
+        self._batches = DevicePrefetcher(Epochs(self.loader, allow_mixture_change=config.allow_mixture_change),
+                                         functools.partial(to_batch, device=runtime.device), runtime.device)
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._batches.load_state_dict(state)
 
     def streams(self) -> list[dict[str, Any]]:
         """The streams in force (URL, data identity, samples), in the order global sample ids count through them:

@@ -21,6 +21,9 @@ import signal
 logger = logging.getLogger(__name__)
 
 ENV_NAME = "SHARDKIT_FAULT_INJECT"
+# The scale an injected overflow multiplies the loss by ("overflow:STEP"): any fp16 gradient overflows
+# (2**64 times the scale is far above fp16's 65504), while the fp32 loss stays finite.
+FORCED_OVERFLOW_FACTOR = 2.0 ** 64
 WHERE = ("step", "save", "overflow")
 
 

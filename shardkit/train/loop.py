@@ -1,7 +1,8 @@
 """The training loop: build everything from a `TrainConfig`, train, evaluate, checkpoint, close.
 
 Reads top to bottom like nanoGPT's train.py: `build` sets up the process group, model, optimizer,
-data, checkpoints and metrics (resuming if asked); `train` runs the optimizer steps; `close` ends
+data, checkpoints and metrics (resuming if asked); `train` runs the optimizer steps (each a
+`train_step` from `shardkit.train.step`, then one `after_step` for the bookkeeping); `close` ends
 the run. Everything that decides the result (init seed, sample order, RNG state) is explicit, so an
 interrupted run resumed from its checkpoint repeats the uninterrupted run's losses bit for bit.
 """
@@ -12,11 +13,9 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,22 +24,26 @@ import torch
 import torch.distributed as dist
 
 from shardkit.metrics import TrainerMetrics
-from shardkit.options import option_name
-from shardkit.train import faults, rng
+from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
-from shardkit.train.config import TrainConfig, format_steps, parse_steps
+from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
+from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
-from shardkit.train.metrics import (CollectiveCounter, MetricsLogger, SampleLog, peak_flops, peak_memory_gib,
-                                    step_metrics)
+from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog, peak_flops, peak_memory_gib
 from shardkit.train.parallel.diloco import NoSync, build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
-from shardkit.train.precision import (COMPUTE_DTYPES, FORCED_OVERFLOW_FACTOR, LossScaler, build_loss_scaler,
-                                      choose_precision, device_has_native_bf16)
+from shardkit.train.precision import (LossScaler, PrecisionChoice, build_loss_scaler, choose_precision,
+                                      device_has_native_bf16)
 
 logger = logging.getLogger(__name__)
+
+# On a GPU the loop reads the device's numbers (losses, gradient norms) only at sync points, and that is
+# also where the ranks agree on a stop (SIGTERM/SIGINT) and on a finished background checkpoint: at most
+# this many steps apart, whatever --log-every is (docs/PARALLELISM.md, "Stopping").
+MAX_STEPS_BETWEEN_SYNCS = 10
 
 
 @dataclass
@@ -59,12 +62,13 @@ class Run:
     checkpointer: Checkpointer
     metrics: MetricsLogger
     sample_log: SampleLog | None
-    precision: str  # 'bf16', 'fp16' or 'fp32', resolved from --precision
+    precision: PrecisionChoice  # resolved from --precision
     flops_per_token: float
     peak_flops: float | None
     sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
     step: int = 0
-    data_wait: float = 0.0  # seconds the current step waited for batches
+    tokens_per_step: int = 0  # each data-parallel batch once: tensor and pipeline peers train on the same tokens
+    pending: PendingSteps | None = None  # the steps since the last sync point, their numbers on the device
     resumed_step: int | None = None
     resumed_path: str | None = None
     saved_step: int | None = None
@@ -110,6 +114,7 @@ def build(config: TrainConfig) -> Run:
                                  native_bf16=device_has_native_bf16(runtime.device))
     # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
     config = dataclasses.replace(config, model=model_config, precision=precision.name)
+    config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
     torch.manual_seed(config.seed)
@@ -128,14 +133,17 @@ def build(config: TrainConfig) -> Run:
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=data, eval_data=eval_data,
               checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
-              precision=precision.name, flops_per_token=flops_per_token(model_config, num_parameters),
-              peak_flops=peak_flops(runtime.device, precision=precision.name),
+              precision=precision, flops_per_token=flops_per_token(model_config, num_parameters),
+              peak_flops=peak_flops(runtime.device, precision=precision),
               sync=build_sync(wrapped, optimizer, runtime.mode, config.diloco, rank=runtime.rank,
                               world_size=runtime.world_size),
-              scaler=build_loss_scaler(precision.name, device=runtime.device, mode=runtime.mode,
-                                       sharded=runtime.dims.tp > 1 or runtime.dims.pp > 1,
+              scaler=build_loss_scaler(precision, device=runtime.device,
+                                       agree_over_ranks=runtime.ranks_hold_partial_gradients,
                                        init_scale=config.loss_scale,
-                                       growth_interval=config.loss_scale_growth_interval))
+                                       growth_interval=config.loss_scale_growth_interval,
+                                       max_overflow_steps=config.max_overflow_steps),
+              tokens_per_step=config.data.batch_size * manifest.seq_len * config.grad_accum * runtime.dp_size,
+              pending=PendingSteps(runtime.device))
     run.watch = _trainer_metrics(config, runtime)
     resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.skip_steps)
@@ -148,6 +156,7 @@ def build(config: TrainConfig) -> Run:
         logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
                     num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
         logger.info("precision %s: %s", precision.name, precision.reason)
+        logger.info("%s", describe_step(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size))
     _barrier()
     run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
@@ -235,7 +244,7 @@ def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
         run.scaler.load_state_dict(saved)
     elif run.runtime.is_main and (run.scaler is not None or saved is not None):
         logger.info("the checkpoint was saved by a %s run, this run is %s: %s", meta.get("precision", "bf16/fp32"),
-                    run.precision, "the loss scale starts at --loss-scale" if run.scaler is not None
+                    run.precision.name, "the loss scale starts at --loss-scale" if run.scaler is not None
                     else "its loss scale is not used")
 
 
@@ -260,7 +269,7 @@ def save_checkpoint(run: Run) -> None:
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
             "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
-            "skip_steps": run.config.skip_steps, "precision": run.precision,
+            "skip_steps": run.config.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
@@ -273,15 +282,6 @@ def save_checkpoint(run: Run) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _autocast(run: Run):
-    # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-process runs use autocast.
-    dtype = COMPUTE_DTYPES[run.precision]
-    enabled = dtype is not None and run.runtime.mode not in ("fsdp", "hsdp")
-    return torch.autocast(run.runtime.device.type, dtype=dtype or torch.float32, enabled=enabled)
-
-
 
 
 @contextlib.contextmanager
@@ -305,134 +305,100 @@ def train(run: Run) -> int:
 
 
 def _train_steps(run: Run) -> int:
-    config, runtime = run.config, run.runtime
     run.model.train()
-    # Each data-parallel batch once: tensor and pipeline peers of a dp rank train on the same tokens.
-    tokens_per_step = config.data.batch_size * config.model.seq_len * config.grad_accum * runtime.dp_size
+    while run.step < run.config.steps:
+        step = run.step + 1
+        result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
+        exit_code = after_step(run, result)
+        if exit_code is not None:
+            return exit_code
+    return finish(run)
+
+
+def after_step(run: Run, result: StepResult) -> int | None:
+    """The bookkeeping after a step: the step count, the outer synchronisation (DiLoCo), the sample log,
+    the step's record; at sync points the records, evaluation, a stop, checkpoints. Returns an exit code
+    when the run stops here."""
+    config, step = run.config, result.step
+    run.step = step
+    run.sync.after_inner_step(step)
+    if run.sample_log is not None:
+        run.sample_log.log(step, result.sample_ids, skipped=result.loss is None)
+    _add_record(run, result)
     every = config.checkpoint.checkpoint_every
-    while run.step < config.steps:
-        faults.inject_now("step", run.step + 1, runtime.rank)
-        if run.step + 1 in run.skip_steps:
-            _skip_step(run)
-            continue
-        started = time.perf_counter()
-        sample_ids: list[int] = []
-        # Counts the bytes each collective kind moves in this step's forward, backward and update.
-        comm = CollectiveCounter() if config.parallelism.comm_stats and runtime.distributed else contextlib.nullcontext()
-        with comm:
-            loss_sum, grad_norm, lr = _optimizer_step(run, sample_ids)
-        data_wait = run.data_wait
-        run.step += 1
-        run.sync.after_inner_step(run.step)
-        # One all-reduce carries the loss, the data wait, whether any rank got SIGTERM/SIGINT, and how
-        # many ranks finished writing a background checkpoint (it completes once all have).
-        flags = [data_wait, float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
-        summary = torch.cat([(loss_sum / config.grad_accum).reshape(1),
-                             torch.tensor(flags, device=runtime.device, dtype=torch.float32)])
-        if dist.is_initialized():
-            dist.all_reduce(summary)
-            summary[:2] /= runtime.world_size
-        loss_value, wait_value, stop, written = summary.tolist()
-        if run.checkpointer.saving_in_background and written == runtime.world_size:
-            run.checkpointer.wait()
-        step_time = time.perf_counter() - started
-        if run.sample_log is not None:
-            run.sample_log.log(run.step, sample_ids)
-        record = step_metrics(step=run.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
-                              step_time=step_time, data_wait=wait_value, tokens=tokens_per_step,
-                              world_size=runtime.world_size, flops_per_token=run.flops_per_token,
-                              peak=run.peak_flops, memory_gib=peak_memory_gib(runtime.device),
-                              comm=comm.record() if isinstance(comm, CollectiveCounter) else None)
-        record |= run.sync.step_metrics(run.step, tokens_per_step)
-        if run.scaler is not None:
-            record |= run.scaler.step_metrics()
-        run.metrics.log(record)
-        run.watch.step(record, tokens=tokens_per_step)
-        if run.eval_data is not None and config.eval_every and run.step % config.eval_every == 0:
-            run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
-        if stop:
-            save_checkpoint(run)
-            if runtime.is_main:
-                print(f"stopped by a signal after step {run.step}; checkpoint saved, resume with --resume auto",
-                      flush=True)
-            return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
-        if every and run.step % every == 0 and run.step < config.steps:
-            save_checkpoint(run)
-    if config.checkpoint.save_final:  # before the final evaluation: nothing after training may lose it
+    checkpoint_due = bool(every) and step % every == 0 and step < config.steps
+    eval_due = run.eval_data is not None and bool(config.eval_every) and step % config.eval_every == 0
+    # One process needs no agreement: it stops after the step the signal came in.
+    alone_and_stopped = bool(run.stop_signal) and not run.runtime.distributed
+    overflowing = run.scaler is not None and run.scaler.overflows_in_a_row >= run.scaler.max_overflow_steps
+    if not (checkpoint_due or eval_due or alone_and_stopped or overflowing or is_sync_point(run)):
+        return None
+    stop = sync_point(run)
+    if run.scaler is not None:
+        run.scaler.check(step)
+    if eval_due:
+        run.metrics.log({"step": step, "eval_loss": evaluate(run)}, echo=True)
+    if stop:
+        save_checkpoint(run)
+        if run.runtime.is_main:
+            print(f"stopped by a signal after step {step}; checkpoint saved, resume with --resume auto", flush=True)
+        return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
+    if checkpoint_due:
+        save_checkpoint(run)
+    return None
+
+
+def finish(run: Run) -> int:
+    """After the last step: the final checkpoint, then the final evaluation (nothing after training may
+    lose the checkpoint). Returns the exit code."""
+    config = run.config
+    if config.checkpoint.save_final:
         save_checkpoint(run)
     if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
     return 0
 
 
-def _skip_step(run: Run) -> None:
-    """--skip-steps: draw this step's batches and drop them (no forward, no update). The step counter and
-    the learning-rate schedule advance as if the step were taken, so every other step gets the batch and
-    the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
-    sample_ids: list[int] = []
-    for _ in range(run.config.grad_accum):
-        sample_ids += next(run.data)["sample_id"].tolist()
-    run.step += 1
-    _advance_schedule(run)
-    run.sync.after_inner_step(run.step)
-    if run.sample_log is not None:
-        run.sample_log.log(run.step, sample_ids, skipped=True)
-    run.metrics.log({"step": run.step, "skipped": True, "samples": len(sample_ids)}, echo=False)
-    if run.runtime.is_main:
-        print(f"step {run.step:>6}/{run.config.steps} | skipped (--skip-steps): {len(sample_ids)} samples per rank "
-              "drawn and dropped", flush=True)
-    every = run.config.checkpoint.checkpoint_every
-    if every and run.step % every == 0 and run.step < run.config.steps:
-        save_checkpoint(run)
-
-
-def _advance_schedule(run: Run) -> None:
-    """Step the learning-rate schedule, also after a step without an update (--skip-steps, an fp16
-    overflow): the schedule follows the step count, so every later step keeps its rate."""
-    with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
-        warnings.simplefilter("ignore", UserWarning)
-        run.scheduler.step()
-
-
-def _loss_scale(run: Run) -> float:
-    """What this step's losses are multiplied by before the backward pass: fp16's loss scale (far
-    beyond fp16's range when the fault injection asks this step to overflow), else 1."""
-    if run.scaler is None:
-        return 1.0
-    overflow = faults.overflow_now(run.step + 1, run.runtime.rank)
-    return run.scaler.scale * (FORCED_OVERFLOW_FACTOR if overflow else 1.0)
-
-
-def _optimizer_step(run: Run, sample_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The micro-steps of one optimizer step (their sample ids appended to `sample_ids`), gradient
-    clipping and the update; returns (summed micro-step losses, grad norm, lr). Under fp16 an
-    overflowing step consumes its batches but skips the update (see `LossScaler`)."""
-    config = run.config
-    run.data_wait = 0.0
-    loss_sum = torch.zeros((), device=run.runtime.device)
-    loss_scale = _loss_scale(run)
-    for micro in range(config.grad_accum):
-        waited = time.perf_counter()
-        batch = to_batch(next(run.data), run.runtime.device)
-        run.data_wait += time.perf_counter() - waited
-        sample_ids += batch.sample_ids
-        # Sync gradients only on the last micro-step: earlier ones just accumulate locally.
-        with _autocast(run):
-            loss = run.parallel.forward_backward(batch.inputs, batch.targets, batch.segment_ids,
-                                                 scale=loss_scale / config.grad_accum,
-                                                 sync=micro == config.grad_accum - 1)
-        loss_sum += loss
+def _add_record(run: Run, result: StepResult) -> None:
+    """The step's record joins the pending ones (written at the next sync point)."""
+    if result.loss is None:
+        run.pending.add_record({"step": result.step, "skipped": True, "samples": len(result.sample_ids),
+                                "time": time.time()})
+        return
+    extra = run.sync.step_metrics(result.step, run.tokens_per_step) | {"time": time.time()}
     if run.scaler is not None:
-        run.scaler.unscale_(run.optimizer)  # clip the true gradients
-    grad_norm = run.parallel.clip_grad_norm_(config.optimizer.grad_clip or math.inf)
-    lr = run.optimizer.param_groups[0]["lr"]
-    if run.scaler is not None:
-        run.scaler.step(run.optimizer)
-    else:
-        run.optimizer.step()
-    _advance_schedule(run)
-    run.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, lr
+        extra |= run.scaler.step_metrics()
+    runtime = run.runtime
+    run.pending.add({"step": result.step, "lr": result.lr, "step_time": result.seconds,
+                     "data_wait": result.data_wait, "tokens": run.tokens_per_step,
+                     "world_size": runtime.world_size, "flops_per_token": run.flops_per_token,
+                     "peak": run.peak_flops, "memory_gib": peak_memory_gib(runtime.device), "comm": result.comm},
+                    loss=result.loss, grad_norm=result.grad_norm, extra=extra)
+
+
+def is_sync_point(run: Run) -> bool:
+    """Whether the loop reads the device's numbers after this step: the first and last steps, and every
+    min(--log-every, MAX_STEPS_BETWEEN_SYNCS) steps (also at checkpoints and evaluations, see `after_step`)."""
+    step = run.step
+    return step in (1, run.config.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
+
+
+def sync_point(run: Run) -> bool:
+    """Read the pending steps' numbers (one all-reduce and one host conversion), write their records,
+    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT."""
+    runtime = run.runtime
+    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
+    records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
+                                                      distributed=runtime.distributed)
+    if run.checkpointer.saving_in_background and written == runtime.world_size:
+        run.checkpointer.wait()
+    for record in records:
+        if record.get("skipped"):
+            run.metrics.log(record, echo=False)
+            continue
+        run.metrics.log(record)
+        run.watch.step(record, tokens=run.tokens_per_step)
+    return stopped > 0
 
 
 def evaluate(run: Run) -> float:
@@ -445,7 +411,7 @@ def evaluate(run: Run) -> float:
         for raw in batches:
             batch = to_batch(raw, run.runtime.device)
             # Summed, not averaged: batches hold different numbers of real (non-padding) targets.
-            with _autocast(run):
+            with run.runtime.autocast(run.precision.compute_dtype):
                 total[0] += run.parallel.loss(batch.inputs, batch.targets, batch.segment_ids).double()
             total[1] += batch.num_tokens
     run.parallel.reshard_after_eval()

@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardkit.options import format_size
 from shardkit.records import read_records
 from shardkit.storage import write_file_atomic
+from shardkit.train.precision import PrecisionChoice
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,14 @@ PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def peak_flops(device: torch.device, *, precision: str) -> float | None:
-    """Peak FLOP/s of one device for the run's precision ('bf16', 'fp16', 'fp32'), or None (CPU, unknown GPU)."""
+def peak_flops(device: torch.device, *, precision: PrecisionChoice) -> float | None:
+    """Peak FLOP/s of one device for the run's precision, or None (CPU, unknown GPU)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for key, half_peak, fp32_peak in PEAK_FLOPS:
         if key in name:
-            return half_peak if precision in ("bf16", "fp16") else fp32_peak
+            return half_peak if precision.sixteen_bit else fp32_peak
     logger.warning("no peak-FLOPs figure for %r: MFU will be reported as n/a", name)
     return None
 
@@ -165,6 +167,77 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, step_ti
     }
 
 
+class PendingSteps:
+    """The records of the steps since the last sync point, their numbers still where they were computed.
+
+    On a GPU, turning a tensor into a Python number makes the host wait for every kernel queued before it,
+    so the next step's kernels are launched only once the device has gone idle. The loop therefore keeps
+    each step's loss and gradient norm as device tensors (and its data wait and timing as host numbers)
+    and reads them all at once at a sync point: one all-reduce (the ranks' mean loss and data wait, and
+    the flags the ranks must agree on) and one conversion, whatever the number of steps.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._steps: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor | None, torch.Tensor | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, measured: dict[str, Any], *, loss: torch.Tensor, grad_norm: torch.Tensor,
+            extra: dict[str, Any]) -> None:
+        """A trained step: `step_metrics`' arguments but loss and grad norm, which stay tensors until
+        `resolve`; `extra` joins the record as it is."""
+        self._steps.append((measured, extra, loss.detach().reshape(()).float(), grad_norm.detach().reshape(()).float()))
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        """A record without device numbers (a skipped step), kept in step order with the others."""
+        self._steps.append(({}, record, None, None))
+
+    def resolve(self, flags: list[float], *, world_size: int, distributed: bool
+                ) -> tuple[list[dict[str, Any]], list[float]]:
+        """The pending records, complete, and `flags` summed over the ranks; empties the buffer.
+
+        Losses and data waits are averaged over the ranks (pipeline stages other than the last report a
+        zero loss and the last one pp times its loss, so the mean is the global loss); gradient norms are
+        this rank's (the same on every rank, except DiLoCo's replicas).
+
+        On a GPU the host runs ahead of the device, so a step's own time is the host's; the wait here for
+        the work queued since the last sync point is added to the last step, so that the times of the
+        steps between two sync points add up to the wall time they took."""
+        started = time.perf_counter()
+        trained = [entry for entry in self._steps if entry[2] is not None]
+        shared = torch.stack([loss for _, _, loss, _ in trained]) if trained else torch.zeros(0, device=self.device)
+        norms = torch.stack([norm for _, _, _, norm in trained]) if trained else torch.zeros(0, device=self.device)
+        waits = [measured["data_wait"] for measured, _, _, _ in trained]
+        if distributed:
+            host = torch.tensor(waits + list(flags), dtype=torch.float32).to(self.device)
+            shared = torch.cat([shared, host])
+            dist.all_reduce(shared)
+            values = torch.cat([shared, norms]).tolist()
+            count = len(trained)
+            means = [value / world_size for value in values[:2 * count]]
+            losses, waits = means[:count], means[count:]
+            flags = values[2 * count:2 * count + len(flags)]
+            grad_norms = values[2 * count + len(flags):]
+        else:
+            values = torch.cat([shared, norms]).tolist() if trained else []
+            losses, grad_norms = values[:len(trained)], values[len(trained):]
+        if trained:
+            trained[-1][0]["step_time"] += time.perf_counter() - started
+        numbers = iter(zip(losses, grad_norms, waits))
+        records = []
+        for measured, extra, loss, _ in self._steps:
+            if loss is None:
+                records.append(extra)
+                continue
+            loss_value, norm_value, wait_value = next(numbers)
+            records.append(step_metrics(**{**measured, "data_wait": wait_value}, loss=loss_value,
+                                        grad_norm=norm_value) | extra)
+        self._steps = []
+        return records, list(flags)
+
+
 def format_line(record: dict[str, Any], total_steps: int) -> str:
     mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
     comm = " ".join(f"{kind.replace('_', '-')} {format_size(record[f'comm_bytes_{kind}'])}" for kind in COMM_KINDS
@@ -232,7 +305,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], *, echo: bool | None = None) -> None:
         if not self.is_main:
             return
-        record = {**record, "time": time.time()}
+        record = {**record, "time": record.get("time", time.time())}
         self._file.write(json.dumps(record) + "\n")
         step = record["step"]
         if self._tb is not None:

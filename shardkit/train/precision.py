@@ -11,6 +11,11 @@ torch's `GradScaler` where every rank holds the same whole gradients (one proces
 all-reduce), and `ShardedGradScaler` wherever a rank holds only part of them (FSDP2/HSDP shards, tensor-
 parallel slices, pipeline stages) or its own (DiLoCo replicas): that one all-reduces the overflow flag
 over all ranks, so every rank skips the same steps and keeps the same scale.
+
+Two guards keep a diverged run from going on for nothing: the scale never drops below a floor
+(min(1, --loss-scale); halving forever reached 0.0, from which no growth recovers), and after
+`--max-overflow-steps` overflowing steps in a row the run stops with `TooManyOverflows` (exit 1): by then
+the scale has been halved so often that the inf/NaN comes from the model itself, not from fp16's range.
 """
 
 from __future__ import annotations
@@ -22,9 +27,6 @@ import torch
 import torch.distributed as dist
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-# The scale an injected overflow multiplies the loss by (faults "overflow:STEP"): any fp16 gradient
-# overflows (2**64 times the scale is far above fp16's 65504), while the fp32 loss stays finite.
-FORCED_OVERFLOW_FACTOR = 2.0 ** 64
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class PrecisionChoice:
     def compute_dtype(self) -> torch.dtype | None:
         """The autocast / FSDP parameter dtype, or None for fp32."""
         return COMPUTE_DTYPES[self.name]
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Whether the forward and backward run in 16 bits (on the 16-bit tensor-core peak)."""
+        return self.compute_dtype is not None
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether gradients need dynamic loss scaling (fp16's narrow exponent range)."""
+        return self.name == "fp16"
 
 
 def choose_precision(requested: str, *, device_type: str, native_bf16: bool) -> PrecisionChoice:
@@ -66,6 +78,10 @@ def device_has_native_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+class TooManyOverflows(FloatingPointError):
+    """fp16: too many optimizer steps in a row overflowed; the run cannot make progress."""
+
+
 class LossScaler:
     """Dynamic loss scaling around one optimizer, over torch's (Sharded)GradScaler.
 
@@ -75,10 +91,16 @@ class LossScaler:
     Args:
         scaler: a `torch.amp.GradScaler` or `ShardedGradScaler`.
         device: the device the scale lives on.
+        min_scale: the floor of the scale.
+        max_overflow_steps: overflowing steps in a row after which `check` raises.
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler, device: torch.device):
+    def __init__(self, scaler: torch.amp.GradScaler, device: torch.device, *, min_scale: float = 1.0,
+                 max_overflow_steps: int = 32):
         self.scaler = scaler
+        self.min_scale = min_scale
+        self.max_overflow_steps = max_overflow_steps
+        self.overflows_in_a_row = 0
         # GradScaler creates its scale tensor on the first scale(); unscale_ and load need it before.
         scaler.scale(torch.ones((), device=device))
         self.overflow_steps = 0  # steps skipped for overflowing gradients over the whole run (resumed too)
@@ -101,9 +123,22 @@ class LossScaler:
         self.scaler.step(optimizer)
         self.scaler.update()
         # update() multiplies the scale by backoff_factor (< 1) exactly when the step was skipped.
-        self.last_overflow = self.scale < self.last_scale
+        scale = self.scale
+        self.last_overflow = scale < self.last_scale
+        if scale < self.min_scale:
+            self.scaler.update(self.min_scale)
         self.overflow_steps += self.last_overflow
+        self.overflows_in_a_row = self.overflows_in_a_row + 1 if self.last_overflow else 0
         return not self.last_overflow
+
+    def check(self, step: int) -> None:
+        """Raise `TooManyOverflows` once `max_overflow_steps` steps in a row up to `step` overflowed."""
+        if self.overflows_in_a_row >= self.max_overflow_steps:
+            raise TooManyOverflows(
+                f"fp16: the gradients of the last {self.overflows_in_a_row} optimizer steps (up to step {step}) "
+                f"overflowed although the loss scale went down to {self.scale:g} (--max-overflow-steps "
+                f"{self.max_overflow_steps}): the model diverged (inf/NaN at any scale); resume from the last "
+                "checkpoint with a lower --lr, --skip-steps over these steps, or --precision bf16")
 
     def step_metrics(self) -> dict[str, Any]:
         """The last step's scale (the one its backward used), whether it overflowed, and the run's total."""
@@ -113,7 +148,7 @@ class LossScaler:
         """A few JSON scalars (the checkpoint marker holds them): scale, growth tracker, skipped steps."""
         state = self.scaler.state_dict()
         return {"scale": state["scale"], "growth_tracker": state["_growth_tracker"],
-                "overflow_steps": self.overflow_steps}
+                "overflow_steps": self.overflow_steps, "overflows_in_a_row": self.overflows_in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s values; the growth interval and factors stay this run's options."""
@@ -121,25 +156,25 @@ class LossScaler:
         self.scaler.load_state_dict({**current, "scale": float(state["scale"]),
                                      "_growth_tracker": int(state["growth_tracker"])})
         self.overflow_steps = int(state["overflow_steps"])
+        self.overflows_in_a_row = int(state.get("overflows_in_a_row", 0))  # absent from older checkpoints
         self.last_scale = self.scale
 
 
-def build_loss_scaler(precision: str, *, device: torch.device, mode: str, sharded: bool, init_scale: float,
-                      growth_interval: int) -> LossScaler | None:
-    """The loss scaler of a run computing in `precision` (None unless fp16).
+def build_loss_scaler(precision: PrecisionChoice, *, device: torch.device, agree_over_ranks: bool, init_scale: float,
+                      growth_interval: int, max_overflow_steps: int = 32) -> LossScaler | None:
+    """The loss scaler of a run computing in `precision` (None unless it needs loss scaling).
 
     Args:
-        mode: how the dp dims are applied ('none', 'ddp', 'fsdp', 'hsdp', 'diloco').
-        sharded: whether a rank holds only part of the gradients besides FSDP (tensor or pipeline
-            parallelism), so that ranks must agree on an overflow.
+        agree_over_ranks: whether a rank holds only part of the gradients, or its own, so that the ranks
+            must agree on an overflow (`Runtime.ranks_hold_partial_gradients`).
     """
-    if precision != "fp16":
+    if not precision.loss_scaling:
         return None
     options = {"init_scale": init_scale, "growth_interval": growth_interval}
-    if dist.is_initialized() and (sharded or mode not in ("none", "ddp")):
+    if agree_over_ranks:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD, **options)
     else:
         scaler = torch.amp.GradScaler(device.type, **options)
-    return LossScaler(scaler, device)
+    return LossScaler(scaler, device, min_scale=min(1.0, init_scale), max_overflow_steps=max_overflow_steps)

@@ -40,6 +40,24 @@ class Runtime:
         return self.dims.data_parallel
 
     @property
+    def casts_parameters(self) -> bool:
+        """Whether the data-parallel wrapper casts the parameters to the compute dtype itself (FSDP2's
+        MixedPrecisionPolicy); the other layouts compute in 16 bits under autocast."""
+        return self.mode in ("fsdp", "hsdp")
+
+    def autocast(self, dtype: torch.dtype | None):
+        """The autocast context for a forward pass in `dtype` (None: fp32), off where FSDP2 casts."""
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32,
+                              enabled=dtype is not None and not self.casts_parameters)
+
+    @property
+    def ranks_hold_partial_gradients(self) -> bool:
+        """Whether a rank holds only part of the gradients (FSDP/HSDP shards, tensor-parallel slices,
+        pipeline stages) or its own (DiLoCo replicas) rather than the same whole gradients as every
+        other rank (one process, DDP after its all-reduce): then the ranks must agree on an fp16 overflow."""
+        return self.distributed and (self.dims.tp > 1 or self.dims.pp > 1 or self.mode not in ("none", "ddp"))
+
+    @property
     def dp_rank(self) -> int:
         """This rank's data-parallel coordinate: TP and PP peers share it (and read the same batches)."""
         return self.mesh.get_local_rank("dp") if self.mesh is not None else 0
