@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,15 @@ from shardkit.metrics import TrainerMetrics
 from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
+from shardkit.train.run import Run
 from shardkit.train.step import StepResult, skip_step, train_step
-from shardkit.train.step_ranges import StepRanges
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog, peak_flops, peak_memory_gib
-from shardkit.train.parallel.diloco import NoSync, build_sync
+from shardkit.train.parallel.diloco import build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
-from shardkit.train.parallel import ParallelModel, Runtime, close_runtime, init_runtime, parallelize
-from shardkit.train.precision import (LossScaler, PrecisionChoice, build_loss_scaler, choose_precision,
-                                      device_has_native_bf16)
+from shardkit.train.parallel import Runtime, close_runtime, init_runtime, parallelize
+from shardkit.train.precision import build_loss_scaler, choose_precision, device_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -44,38 +42,6 @@ logger = logging.getLogger(__name__)
 # also where the ranks agree on a stop (SIGTERM/SIGINT) and on a finished background checkpoint: at most
 # this many steps apart, whatever --log-every is (docs/PARALLELISM.md, "Stopping").
 MAX_STEPS_BETWEEN_SYNCS = 10
-
-
-@dataclass
-class Run:
-    """Everything a training run holds while it runs."""
-
-    config: TrainConfig
-    runtime: Runtime
-    run_dir: Path
-    model: torch.nn.Module  # wrapped for the parallel layout (under pipeline parallelism: this rank's stages)
-    parallel: ParallelModel
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    data: TrainStream
-    eval_data: EvalData | None
-    checkpointer: Checkpointer
-    metrics: MetricsLogger
-    sample_log: SampleLog | None
-    precision: PrecisionChoice  # resolved from --precision
-    flops_per_token: float
-    peak_flops: float | None
-    sync: NoSync = field(default_factory=NoSync)  # after-step synchronisation (diloco) and comm metering
-    step: int = 0
-    tokens_per_step: int = 0  # each data-parallel batch once: tensor and pipeline peers train on the same tokens
-    pending: PendingSteps | None = None  # the steps since the last sync point, their numbers on the device
-    resumed_step: int | None = None
-    resumed_path: str | None = None
-    saved_step: int | None = None
-    stop_signal: list[int] = field(default_factory=list)
-    watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
-    skip_steps: StepRanges = StepRanges()  # --skip-steps and those the resumed checkpoint recorded
-    scaler: LossScaler | None = None  # fp16's dynamic loss scaling
 
 
 def default_run_dir(config: TrainConfig) -> Path:

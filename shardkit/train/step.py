@@ -12,15 +12,13 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from shardkit.train import faults
 from shardkit.train.metrics import CollectiveCounter
 
-if TYPE_CHECKING:
-    from shardkit.train.loop import Run
+from shardkit.train.run import Run
 
 
 @dataclass
