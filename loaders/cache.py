@@ -51,19 +51,30 @@ _BLOCK_READ_THREADS = 8
 WHOLE_READ_BYTES = 2 << 20
 
 
+# cache_mode -> the store that keeps what the mode says: the one table that decides by the mode.
+STORES = {"decoded": DecodedStore, "compressed": CompressedStore, "none": StreamStore}
+
+
 def make_store(cache_mode: str, context: StoreContext) -> ShardStore:
-    """The store that keeps what `cache_mode` says: the one place that decides by the mode.
+    """The store of `cache_mode` (`STORES`).
 
     Raises:
         ValueError: `cache_mode` is not one of `CACHE_MODES`.
     """
-    if cache_mode == "decoded":
-        return DecodedStore(context)
-    if cache_mode == "compressed":
-        return CompressedStore(context)
-    if cache_mode == "none":
-        return StreamStore(context)
-    raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
+    return _store_class(cache_mode)(context)
+
+
+def keeps_node_files(cache_mode: str) -> bool:
+    """Whether the store of `cache_mode` keeps files in the node's cache directory (then the node keeps its
+    copy of the manifest there too; "none" keeps nothing on disk, and every process reads the manifest)."""
+    return _store_class(cache_mode).on_disk
+
+
+def _store_class(cache_mode: str) -> type:
+    try:
+        return STORES[cache_mode]
+    except KeyError:
+        raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}") from None
 
 
 class ShardCache:

@@ -68,6 +68,7 @@ class DecodedStore:
         context: the dataset, its cache directory, limit and counters.
     """
 
+    on_disk = True  # keeps files in the node's cache directory (`keeps_node_files`)
     keeps_bytes = False  # a shard completed block by block is stored from its decoded arrays
 
     def __init__(self, context: StoreContext):

@@ -40,6 +40,7 @@ class StreamStore:
         context: the dataset and its counters.
     """
 
+    on_disk = False  # keeps files in the node's cache directory (`keeps_node_files`)
     keeps_bytes = False
 
     def __init__(self, context: StoreContext):
@@ -78,6 +79,7 @@ class CompressedStore:
         context: the dataset, its cache directory and counters.
     """
 
+    on_disk = True  # keeps files in the node's cache directory (`keeps_node_files`)
     keeps_bytes = True  # a shard completed block by block is assembled as its file, to be stored
 
     def __init__(self, context: StoreContext):

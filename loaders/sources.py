@@ -18,7 +18,7 @@ import numpy as np
 from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.loaders.batching import ShardTable
-from shardkit.loaders.cache import ShardCache
+from shardkit.loaders.cache import ShardCache, keeps_node_files
 from shardkit.loaders.config import LoaderConfig
 from shardkit.loaders.mixing import Stream
 from shardkit.loaders.reading import ShardOwners
@@ -46,8 +46,9 @@ class Sources:
         self.streams = list(streams)
         self.storages = [Storage(s.url, s.storage_options if s.storage_options is not None else storage_options)
                          for s in self.streams]
-        # cache_mode "none" keeps nothing on disk, not even the node's manifest copy: every process reads it.
-        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir, cache_mode=config.cache_mode)
+        # A cache that keeps nothing on disk keeps no manifest copy either: every process reads it.
+        node_copy = keeps_node_files(config.cache_mode)
+        self.manifests: list[Manifest] = [fetch_manifest(st, cache_dir, node_copy=node_copy)
                                           for st in self.storages]
         check_mixable(self.streams, self.manifests)
         check_options_fit(config, self.streams, self.manifests)

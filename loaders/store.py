@@ -251,9 +251,11 @@ class ShardStore(Protocol):
     """What the node cache keeps of each shard: one implementation per `cache_mode`.
 
     Attributes:
+        on_disk: keeps files in the node's cache directory (then the node's manifest copy lives there too).
         keeps_bytes: a shard completed block by block is assembled as its file too, for `put`.
     """
 
+    on_disk: bool
     keeps_bytes: bool
 
     def contains(self, index: int) -> bool:

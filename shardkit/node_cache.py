@@ -83,9 +83,9 @@ def dataset_cache_key(url: str) -> str:
 
 
 # -- the manifest, once per node -------------------------------------------------------------------
-def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode: str = "decoded") -> Manifest:
-    """The dataset's manifest, fetched and checked once per node through the node cache (with
-    `cache_mode` "none", which keeps nothing on disk, read from the store by every process).
+def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, node_copy: bool = True) -> Manifest:
+    """The dataset's manifest, fetched and checked once per node through the node cache (without
+    `node_copy`, for a reader that keeps nothing on disk: read from the store by every process).
 
     Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
     stat). The first process that finds the node's record missing or different takes the node's
@@ -100,7 +100,7 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, cache_mode
     copied too, since a file that someone may rewrite in place must not be mapped. Errors name the
     store's URL.
     """
-    if cache_mode == "none":
+    if not node_copy:
         return load_manifest(storage)
     url = storage.url_of(MANIFEST_NAME)
     try:

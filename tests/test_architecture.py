@@ -217,9 +217,10 @@ def test_hand_built_options_are_reported_with_their_place(line, what):
 
 
 # -- a feature is an operator, not a branch in a hub (issue 23: a shard store per cache mode, chosen once) --
-# (file, function) where a loaders module may decide by `cache_mode`: the store factory, and the option's own
-# check in LoaderConfig.
-MODE_DECISIONS_ALLOWED = {("loaders/cache.py", "make_store"), ("loaders/config.py", "__post_init__")}
+# (file, function) where a loaders module may decide by `cache_mode`: the store factory and its table, and the
+# option's own check in LoaderConfig.
+MODE_DECISIONS_ALLOWED = {("loaders/cache.py", "make_store"), ("loaders/cache.py", "keeps_node_files"),
+                          ("loaders/cache.py", "_store_class"), ("loaders/config.py", "__post_init__")}
 
 
 def _mentions_cache_mode(node: ast.AST) -> bool:
