@@ -75,7 +75,7 @@ def test_building_the_block_mask_allocates_nothing_of_size_t_squared():
     assert flex < 2 * seq * seq / 100, flex
 
 
-def _models(monkeypatch, **extra):
+def _model(**extra):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=97, seq_len=100, n_layer=2, n_head=4, d_model=32, document_mask=True, **extra)
     return Transformer(config).eval()
@@ -83,7 +83,7 @@ def _models(monkeypatch, **extra):
 
 @pytest.mark.parametrize("extra", [{}, {"n_kv_head": 2}, {"style": "gpt2"}])
 def test_the_model_gives_the_dense_paths_outputs_through_flex_attention(monkeypatch, extra):
-    model = _models(monkeypatch, **extra)
+    model = _model(**extra)
     ids = LAYOUTS["mixed"].int()
     tokens = torch.randint(0, 97, ids.shape, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -106,3 +106,40 @@ def test_compiled_flex_kernel_matches_dense_sdpa():
     with torch.no_grad():
         actual = kernel(q, k, v, block_mask=document_block_mask(ids, block_size=16))
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex_attention's backward, "
+                                                                 "SDPA's flash kernel)")
+
+
+@CUDA
+def test_training_through_flex_attention_matches_the_dense_mask_on_cuda(monkeypatch):
+    """The trainer's CUDA path (compiled flex_attention, forward and backward) against the dense-mask SDPA."""
+    ids = LAYOUTS["mixed"].cuda()
+    tokens = torch.randint(0, 97, (3, 101), generator=torch.Generator().manual_seed(4)).cuda()
+    results = []
+    for devices in (("cuda",), ()):
+        monkeypatch.setattr(attention, "FLEX_DEVICES", devices)
+        model = _model(n_kv_head=2).cuda().train()
+        assert isinstance(attention.document_mask(ids, dropout=0.0), torch.Tensor) == (devices == ())
+        loss = model(tokens[:, :-1], ids, targets=tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (flex_loss, flex_grads), (dense_loss, dense_grads) = results
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
+    for flex, dense in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(flex, dense, rtol=1e-3, atol=1e-4)
+
+
+@CUDA
+def test_plain_causal_attention_is_eligible_for_the_flash_kernel():
+    """With only FLASH_ATTENTION allowed, SDPA raises where the flash kernel cannot serve (a mask, fp32, ...)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    for style in ("gpt2", "llama"):
+        model = Transformer(ModelConfig(style=style, vocab_size=97, seq_len=128, n_layer=1, n_head=4,
+                                        d_model=256)).cuda()
+        tokens = torch.randint(0, 97, (2, 128), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            model(tokens, targets=tokens).backward()

@@ -65,15 +65,32 @@ def test_padded_rows_and_ignored_targets_get_nothing():
     assert grad_hidden[targets != IGNORE_INDEX].abs().sum(dim=1).min() > 0
 
 
-def test_bf16_autocast_matches_the_plain_path_to_bf16_precision():
-    hidden, weight, targets, bias = _inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = _loss_and_grads(_plain, hidden, weight, targets, bias, "mean")
-        actual = _loss_and_grads(lambda h, w, t, b: linear_cross_entropy(h, w, t, bias=b, chunk_tokens=96),
-                                 hidden, weight, targets, bias)
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("autocast, inputs, loss_scale", [
+    (torch.bfloat16, torch.float32, 1.0),  # bf16 autocast
+    (torch.float16, torch.float32, 65536.0),  # fp16 autocast and its loss scale
+    (None, torch.float16, 65536.0),  # FSDP's fp16 parameters: no autocast, the matrix and hidden state in fp16
+])
+def test_16_bit_matches_the_plain_path_to_its_precision(device, autocast, inputs, loss_scale):
+    """With fp16, a loss scale of 65536 does not fit in fp16 and a softmax times 1 / (tokens counted)
+    underflows it: the gradients must still be the plain path's, neither zero nor inf. The rows of vocabulary
+    entries that are no target get gradient only from the softmax, the smallest terms."""
+    tokens, vocab, never = 8192, 1000, 400
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, D_MODEL, generator=gen).to(device, inputs).requires_grad_()
+    weight = (torch.randn(vocab, D_MODEL, generator=gen) * 0.1).to(device, inputs).requires_grad_()
+    targets = torch.randint(0, vocab - never, (tokens,), generator=gen).to(device)
+    bias = torch.zeros(vocab, device=device)
+    with torch.autocast(device, dtype=autocast or torch.float16, enabled=autocast is not None):
+        expected = _loss_and_grads(_plain, hidden, weight, targets, bias, "mean", scale=loss_scale)
+        actual = _loss_and_grads(lambda h, w, t, b: linear_cross_entropy(h, w, t, bias=b, chunk_tokens=1000),
+                                 hidden, weight, targets, bias, scale=loss_scale)
     assert actual[1].dtype == hidden.dtype and actual[2].dtype == weight.dtype
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-3, atol=0)
-    for got, want in zip(actual[1:], expected[1:]):  # bf16 matmuls: relative to the gradient's scale
+    for got, want in (*zip(actual[1:], expected[1:]), (actual[2][-never:], expected[2][-never:])):
+        got, want = got.float(), want.float()
+        assert torch.isfinite(got).all() and got.abs().max() > 0
         assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 

@@ -9,7 +9,9 @@ and at once, since the softmax is at hand, the chunk's gradients with respect to
 the matrix (Liger-Kernel's fused linear cross-entropy, in plain torch). The backward only scales those
 gradients by the incoming one. The three matmuls per chunk are the ones the plain forward and backward
 do, so FLOPs are unchanged, and memory holds one chunk of logits (`LOGITS_PER_CHUNK` elements) plus the
-two gradients (the matrix's in fp32, d_model x vocab).
+two gradients in fp32 (tokens x d_model and vocab x d_model). The 16-bit matmuls see softmax - one-hot,
+within [-1, 1]; the mean's 1 / count and the incoming gradient (with fp16, the loss scale) multiply the
+fp32 gradients in the backward, so neither underflows nor overflows a 16-bit intermediate.
 
 Padding rows of the vocabulary get a -inf bias (`Transformer.padding_bias`), so they take no probability
 and no gradient, and targets equal to `IGNORE_INDEX` count neither in the loss nor in the mean's
@@ -53,13 +55,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def _chunked(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
              reduction: str, chunk: int, *, gradients: bool):
-    """(loss, d loss / d hidden, d loss / d weight), the gradients None unless asked for."""
+    """(loss, d loss / d hidden, d loss / d weight, scale): with `gradients`, the gradients of the summed loss
+    in fp32, to be multiplied by `scale` (1 / the counted targets for the mean, else 1) and the incoming
+    gradient; otherwise None."""
     counted = targets != IGNORE_INDEX
     count = counted.sum()
-    # The mean's 1/count is folded into the gradients (0/0 gives NaN, as F.cross_entropy's mean does).
+    # 0/0 gives NaN, as F.cross_entropy's mean over no target does.
     scale = 1.0 / count.float() if reduction == "mean" else torch.ones((), device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if gradients else None
+    # fp32 accumulators, scaled in the backward (see the module's docstring: fp16's loss scale is 65536).
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if gradients else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if gradients else None
     # Cast once, not once per chunk: the dtype lm_head's matmul would run in (autocast's, or the inputs').
     dtype = _matmul_dtype(hidden, weight)
@@ -78,16 +83,15 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         total += torch.where(keep, sums.log() + top[:, 0] - picked, 0.0).sum()
         if not gradients:
             continue
-        # d loss / d logits = softmax - one-hot, zero on ignored rows, times the reduction's scale.
+        # d loss / d logits = softmax - one-hot, zero on ignored rows.
         probs = logits.div_(sums[:, None])
         probs[torch.arange(len(t), device=t.device), safe] -= 1.0
-        probs.mul_((keep.float() * scale)[:, None])
-        grad_logits = probs.to(dtype)
+        grad_logits = probs.mul_(keep[:, None]).to(dtype)
         del probs, logits
         grad_hidden[rows] = grad_logits @ matrix
         grad_weight += grad_logits.t() @ h
     loss = total / count if reduction == "mean" else total
-    return loss, grad_hidden, (grad_weight.to(weight.dtype) if gradients else None)
+    return loss, grad_hidden, grad_weight, scale
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -103,12 +107,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, reduction, chunk):
-        loss, grad_hidden, grad_weight = _chunked(hidden, weight, bias, targets, reduction, chunk, gradients=True)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        loss, grad_hidden, grad_weight, scale = _chunked(hidden, weight, bias, targets, reduction, chunk,
+                                                         gradients=True)
+        ctx.save_for_backward(grad_hidden, grad_weight, scale)
+        ctx.dtypes = hidden.dtype, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
+        grad_hidden, grad_weight, scale = ctx.saved_tensors
+        factor = grad_loss.float() * scale
+        return (grad_hidden * factor).to(ctx.dtypes[0]), (grad_weight * factor).to(ctx.dtypes[1]), \
             None, None, None, None
