@@ -143,3 +143,30 @@ def test_plain_causal_attention_is_eligible_for_the_flash_kernel():
         tokens = torch.randint(0, 97, (2, 128), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             model(tokens, targets=tokens).backward()
+
+
+@pytest.mark.slow  # compiles two blocks with torch's CPU flex_attention kernel (forward only on CPU)
+def test_compiled_blocks_take_each_batchs_block_mask_without_recompiling(monkeypatch):
+    """The trainer's GPU shape on CPU: `--compile` blocks receive a new BlockMask (a new mask_mod closure over
+    new segment ids) every batch; dynamo must take it as an input, not recompile per batch, and give the
+    dense path's outputs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _model()
+    for block in model.blocks:
+        block.compile()
+    gen = torch.Generator().manual_seed(5)
+    graphs = []
+    for _ in range(3):
+        lengths = torch.randint(1, 60, (40,), generator=gen)
+        ids = torch.repeat_interleave(torch.arange(40), lengths)[:100].expand(2, 100).contiguous()
+        tokens = torch.randint(0, 97, (2, 100), generator=gen)
+        with torch.no_grad():
+            monkeypatch.setattr(attention, "FLEX_DEVICES", ())
+            dense = model(tokens, ids)
+            monkeypatch.setattr(attention, "FLEX_DEVICES", ("cpu",))
+            flex = model(tokens, ids)
+        torch.testing.assert_close(flex[..., :97], dense[..., :97], rtol=1e-4, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2], graphs  # the first batch compiled both paths, later ones nothing

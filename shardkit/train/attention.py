@@ -89,13 +89,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            dropout: float, enable_gqa: bool) -> torch.Tensor:
     """Attention of [B, H, T, D] queries over keys and values; causal when `mask` is None."""
     if isinstance(mask, BlockMask):
-        return _flex(q.device.type)(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+        # Inside a compiled block dynamo lowers flex_attention itself; called eagerly on a GPU it needs its own
+        # compiled wrapper (eager flex_attention builds the whole score matrix).
+        as_is = torch.compiler.is_compiling() or q.device.type != "cuda"
+        kernel = flex_attention if as_is else _compiled_flex_attention()
+        return kernel(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout,
                                           enable_gqa=enable_gqa)
 
 
 @functools.cache
-def _flex(device_type: str):
-    # flex_attention is a fused kernel only when compiled (eager, it builds the whole score matrix); inside
-    # a block that --compile already compiles, dynamo traces through this wrapper.
-    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
