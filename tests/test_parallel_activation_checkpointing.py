@@ -78,3 +78,18 @@ def test_a_checkpoint_resumes_with_activation_checkpointing_switched(tmp_path, s
     checkpointer.load(find_latest(tmp_path), model=resumed[0], optimizer=resumed[1], scheduler=resumed[2],
                       world_size=1)
     assert train(*resumed, 2, seed=9) == train(*source, 2, seed=9)
+
+
+def test_parallelize_applies_it(monkeypatch):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from shardkit.train.config import ParallelConfig
+    from shardkit.train.parallel import init_runtime, parallelize
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    runtime = init_runtime(ParallelConfig(), device="cpu")
+    for ac in (False, True):
+        parallel = parallelize(Transformer(CONFIG), runtime, ParallelConfig(), param_dtype=None, compile=False,
+                               activation_checkpointing=ac)
+        assert [isinstance(block, CheckpointWrapper) for block in parallel.model.blocks] == [ac, ac]

@@ -10,11 +10,10 @@ are the well-known reference models with their usual parameter counts and MFU fi
 
 Both styles attend through `shardkit.train.attention` (SDPA's flash kernel for causal attention on a
 GPU, flex_attention with a block mask for document masking), compute the training loss a chunk of
-tokens at a time without the whole logits (`shardkit.train.loss`), tie the
-output projection to the token embedding, pad the vocabulary to `ModelConfig.padded_vocab_size` rows
-(the padded logits are -inf), and use GPT-2's init: N(0, 0.02) weights, zero biases, and
-residual output projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not
-grow with depth.
+tokens at a time without the whole logits (`shardkit.train.loss`), tie the output projection to the
+token embedding, pad the vocabulary to `ModelConfig.padded_vocab_size` rows (the padded logits are
+-inf), and use GPT-2's init: N(0, 0.02) weights, zero biases, and residual output projections scaled
+by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth.
 """
 
 from __future__ import annotations
