@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shardkit.train.config import ModelConfig, config_from_dict
-from shardkit.train.model import Transformer, document_attention_mask, document_positions, flops_per_token
+from shardkit.train.attention import document_attention_mask, document_positions
+from shardkit.train.model import Transformer, flops_per_token
 
 VOCAB, SEQ = 97, 48
 

@@ -29,6 +29,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 MODEL_STYLES = ("gpt2", "llama")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -418,6 +419,10 @@ class TrainConfig:
         "inf/NaN comes from the model, not from fp16's range; resume from the last checkpoint with a lower --lr, "
         "--skip-steps over the bad batches, or --precision bf16")
     compile: bool = option(False, "torch.compile each transformer block")
+    compile_mode: str = option("default", "torch.compile mode with --compile: 'reduce-overhead' and 'max-autotune' "
+                               "also capture CUDA graphs (single GPU or DDP, one micro-step per step, no activation "
+                               "checkpointing or document masking; refused elsewhere with the reason), "
+                               "'max-autotune-no-cudagraphs' tunes kernels without them", choices=COMPILE_MODES)
     activation_checkpointing: bool = option(False, "recompute block activations in the backward pass")
     eval_every: int = option(0, "evaluate on --eval-data every N steps (0: only at the end)")
     seed: int = option(1234, "seed of the weight init and dropout")
@@ -444,6 +449,7 @@ class TrainConfig:
             object.__setattr__(self, "grad_accum", 1)
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_loss_scaling()
+        self._check_compile_mode()
         _check(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         object.__setattr__(self, "skip_steps", format_steps(parse_steps(self.skip_steps)))
         _check(self.parallelism.parallel == "diloco" or self.diloco == DilocoConfig(),
@@ -454,6 +460,21 @@ class TrainConfig:
                 self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
                f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
+
+    def _check_compile_mode(self) -> None:
+        """What the options alone rule out; the layout and the device are checked once resolved
+        (`shardkit.train.parallel.compile.cuda_graph_refusal`)."""
+        _check(self.compile_mode in COMPILE_MODES,
+               f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        _check(self.compile or self.compile_mode == "default", f"--compile-mode {self.compile_mode} needs --compile")
+        if self.compile_mode not in ("reduce-overhead", "max-autotune"):
+            return
+        # CUDA graph trees lose gradients accumulated over micro-steps (pytorch issues 96693, 169545).
+        _check(self.grad_accum == 1, f"--compile-mode {self.compile_mode} captures CUDA graphs, which lose gradients "
+                                     "accumulated over micro-steps: use --grad-accum 1 or --compile-mode default")
+        _check(self.data.loader.max_tokens is None,
+               f"--compile-mode {self.compile_mode} captures CUDA graphs for fixed shapes, and --max-tokens gives "
+               "batches of varying shapes: use --compile-mode default")
 
     def _check_loss_scaling(self) -> None:
         """Loss-scaling options, and the layouts fp16 does not compose with. ('auto' may pick fp16 on a GPU

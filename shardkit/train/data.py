@@ -17,11 +17,9 @@ import torch
 from shardkit.manifest import Manifest
 from shardkit.options import parse_storage_options
 from shardkit.train.config import DataConfig, data_entries
+from shardkit.train.loss import IGNORE_INDEX
 from shardkit.train.parallel import Runtime
 from shardkit.train.prefetch import DevicePrefetcher
-
-
-IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 
 @dataclass

@@ -87,7 +87,8 @@ def build(config: TrainConfig) -> Run:
     model = Transformer(model_config).to(runtime.device)
     num_parameters = model.num_parameters()
     parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype,
-                           compile=config.compile, activation_checkpointing=config.activation_checkpointing)
+                           compile=config.compile, activation_checkpointing=config.activation_checkpointing,
+                           compile_mode=config.compile_mode)
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
     scheduler = build_scheduler(optimizer, config.optimizer, config.steps)

@@ -8,11 +8,12 @@ choices of current open models (Llama 3, Mistral, OLMo) and cost nothing extra. 
 absolute positions, LayerNorm, GELU, biases) stays available so that `gpt2-124m` and `gpt2-350m`
 are the well-known reference models with their usual parameter counts and MFU figures.
 
-Both styles use `scaled_dot_product_attention` (flash / memory-efficient kernels on GPU), tie the
-output projection to the token embedding, pad the vocabulary to `ModelConfig.padded_vocab_size` rows
-(the padded logits are -inf), and use GPT-2's init: N(0, 0.02) weights, zero biases, and
-residual output projections scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not
-grow with depth.
+Both styles attend through `shardkit.train.attention` (SDPA's flash kernel for causal attention on a
+GPU, flex_attention with a block mask for document masking), compute the training loss a chunk of
+tokens at a time without the whole logits (`shardkit.train.loss`), tie the output projection to the
+token embedding, pad the vocabulary to `ModelConfig.padded_vocab_size` rows (the padded logits are
+-inf), and use GPT-2's init: N(0, 0.02) weights, zero biases, and residual output projections scaled
+by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth.
 """
 
 from __future__ import annotations
@@ -22,26 +23,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn.attention.flex_attention import BlockMask
 
+from shardkit.train.attention import attend, document_mask, document_positions
 from shardkit.train.config import ModelConfig
-
-
-def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Position of each token within its document segment (0 at every segment start); [B, T] int64."""
-    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
-    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
-    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start_index
-
-
-def document_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, 1, T, T] mask: True where query t may attend key s (s <= t, same segment)."""
-    seq = segment_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal)[:, None]
+from shardkit.train.loss import linear_cross_entropy
 
 
 class RotaryEmbedding(nn.Module):
@@ -82,7 +68,7 @@ class Attention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp query and key/value heads.
         q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -90,9 +76,8 @@ class Attention(nn.Module):
         v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head)
+        y = attend(q, k, v, mask, dropout=self.dropout if self.training else 0.0,
+                   enable_gqa=self.n_kv_head != self.n_head)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -120,7 +105,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x), rope, mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -137,7 +122,6 @@ class Transformer(nn.Module):
         if config.vocab_size is None or config.seq_len is None:
             raise ValueError("the model needs --vocab-size and --seq-len (normally taken from the dataset manifest)")
         self.config = config
-        self.activation_checkpointing = False
         # Tensor parallelism with sequence parallelism hands each block 1/tp of the sequence; positions
         # are computed for the whole sequence (see `shardkit.train.parallel.tensor`).
         self.sequence_shards = 1
@@ -181,15 +165,19 @@ class Transformer(nn.Module):
             total -= self.pos_emb.weight.numel()
         return total
 
-    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, padded vocab] for input ids [B, T] (-inf for the padding ids).
+    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, *,
+                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """Logits [B, T, padded vocab] for input ids [B, T] (-inf for the padding ids), or with `targets`
+        the cross-entropy loss, computed without the whole logits (`shardkit.train.loss`).
 
         Args:
             tokens: input ids.
             segment_ids: document segment number per token [B, T]; used only when the config's
                 `document_mask` is on, to keep attention within each document and restart positions.
+            targets: next-token ids [B, T] (`IGNORE_INDEX` where there is none), or None for the logits.
+            reduction: the loss's 'mean' over the counted targets, or 'sum'.
         """
-        return forward_layers(self, tokens, segment_ids)
+        return forward_layers(self, tokens, segment_ids, targets=targets, reduction=reduction)
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:
@@ -199,10 +187,11 @@ def blocks_of(module: nn.Module) -> list[nn.Module]:
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
-def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.Tensor | None = None, *,
+                   targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
     """The forward pass over the layers `module` holds: a whole `Transformer`, or a pipeline stage
     whose `tok_emb` is None (its input is the previous stage's hidden state) or whose `lm_head` is
-    None (it returns the hidden state)."""
+    None (it returns the hidden state). With `targets`, the loss instead of the logits."""
     config = module.config
     seq = inputs.shape[1] * (1 if module.tok_emb is not None else module.sequence_shards)
     if seq > config.seq_len:
@@ -213,7 +202,7 @@ def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.T
         if segment_ids is None:
             raise ValueError("--document-mask needs segment ids: the dataset's shards store no document "
                              "boundaries (rebuild with boundaries or turn --document-mask off)")
-        mask = document_attention_mask(segment_ids)
+        mask = document_mask(segment_ids, dropout=config.dropout)
         positions = document_positions(segment_ids)
     x = inputs
     if module.tok_emb is not None:
@@ -223,12 +212,12 @@ def forward_layers(module: nn.Module, inputs: torch.Tensor, segment_ids: torch.T
         x = module.drop(x)
     rope = module.rope(positions) if module.rope is not None else None
     for block in blocks_of(module):
-        if module.activation_checkpointing and module.training:
-            x = checkpoint(block, x, rope, mask, use_reentrant=False)
-        else:
-            x = block(x, rope, mask)
+        x = block(x, rope, mask)
     if module.lm_head is None:
         return x
+    if targets is not None:
+        return linear_cross_entropy(module.norm(x), module.lm_head.weight, targets, bias=module.padding_bias,
+                                    reduction=reduction)
     logits = module.lm_head(module.norm(x))
     return logits if module.padding_bias is None else logits + module.padding_bias
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.train.config import DilocoConfig
+from shardkit.train.parallel.activation_checkpointing import parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class Diloco(_Meter):
         self.config = config
         self.group = group
         self.model, self.optimizer, self.rank = model, optimizer, rank
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # Names as without activation checkpointing's wrappers: the state is keyed by them.
+        named = [(parameter_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
         if config.sync_fragments > len(named):
             raise ValueError(f"--sync-fragments {config.sync_fragments} is more than the model's "
                              f"{len(named)} parameter tensors; use at most {len(named)}")

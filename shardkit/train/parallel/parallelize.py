@@ -1,10 +1,15 @@
 """`parallelize`: the one place that applies the mesh's dimensions to the model, in a fixed order.
 
-torchtitan's order: pipeline split (each rank keeps its stages' layers), then tensor parallelism,
-then activation checkpointing and `torch.compile` per block, then data parallelism (FSDP2/HSDP over
-the dp dims of a TP or PP model, or DDP for plain replication). The result, `ParallelModel`, is all
-the training loop needs: one call per micro-step (`forward_backward`), an eval loss, and gradient
-clipping whose norm spans every stage and shard.
+torchtitan's order: pipeline split (each rank keeps its stages' layers), then tensor parallelism
+(`apply_tp`), then activation checkpointing (`apply_ac`) and `torch.compile` per block (`apply_compile`),
+then data parallelism (FSDP2/HSDP over the dp dims of a TP or PP model, or DDP for plain replication).
+The result, `ParallelModel`, is all the training loop needs: one call per micro-step (`forward_backward`),
+an eval loss, and gradient clipping whose norm spans every stage and shard.
+
+The loss: without tensor or pipeline parallelism the model computes it from its final hidden state a
+chunk of tokens at a time (`shardkit.train.loss`), never holding the whole micro-batch's logits. Under
+tensor parallelism the logits stay split by vocabulary and `loss_parallel` computes the loss on the
+shards; a pipeline's last stage returns logits to the schedule's loss function.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.train.config import ParallelConfig
-from shardkit.train.model import Transformer, blocks_of
+from shardkit.train.model import Transformer
+from shardkit.train.parallel.activation_checkpointing import apply_ac
+from shardkit.train.parallel.compile import apply_compile, cuda_graph_refusal
 from shardkit.train.parallel.data_parallel import apply_ddp, apply_fsdp, gradient_sync, reshard_after_eval
 from shardkit.train.parallel.mesh import check_model_fits
 from shardkit.train.parallel.pipeline import TiedEmbedding, build_schedule, make_stages, pipeline_split, tie_embedding
@@ -74,7 +81,7 @@ class ParallelModel:
                 self.tied.sum_gradients()
             return loss
         with gradient_sync(self.model, self.runtime.mode, enabled=sync), self._loss_context():
-            loss = self._cross_entropy(self.model(inputs, segment_ids), targets, "mean")
+            loss = self._model_loss(inputs, targets, segment_ids, "mean")
             (loss * scale).backward()
         return _local(loss.detach())
 
@@ -88,7 +95,13 @@ class ParallelModel:
                 return torch.zeros((), device=inputs.device)
             return _local(torch.stack(losses).sum()) * self.dims.pp
         with self._loss_context():
-            return _local(self._cross_entropy(self.model(inputs, segment_ids), targets, "sum"))
+            return _local(self._model_loss(inputs, targets, segment_ids, "sum"))
+
+    def _model_loss(self, inputs: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None,
+                    reduction: str) -> torch.Tensor:
+        if self.dims.tp > 1:  # vocabulary-split logits, inside `_loss_context`'s loss_parallel
+            return self._cross_entropy(self.model(inputs, segment_ids), targets, reduction)
+        return self.model(inputs, segment_ids, targets=targets, reduction=reduction)
 
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, scale: float) -> torch.Tensor:
         # The loss function multiplies each micro-batch's mean loss by scale / micro-batches (the
@@ -143,13 +156,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *, param_dtype: torch.dtype | None,
-                compile: bool, activation_checkpointing: bool) -> ParallelModel:
+                compile: bool, activation_checkpointing: bool, compile_mode: str = "default") -> ParallelModel:
     """Apply the mesh's dimensions to `model` (built whole and identically on every rank, on the device).
 
-    `param_dtype` (bf16, fp16, or None for fp32) is the dtype FSDP2 computes in; other layouts autocast."""
+    `param_dtype` (bf16, fp16, or None for fp32) is the dtype FSDP2 computes in; other layouts autocast.
+
+    Raises:
+        ValueError: a `compile_mode` with CUDA graphs in a layout where they cannot run (naming why).
+    """
     dims, mesh = runtime.dims, runtime.mesh
     check_model_fits(dims, model.config)
-    model.activation_checkpointing = activation_checkpointing
+    refusal = compile and cuda_graph_refusal(compile_mode, device_type=runtime.device.type, dims=dims,
+                                             activation_checkpointing=activation_checkpointing,
+                                             document_mask=model.config.document_mask)
+    if refusal:
+        raise ValueError(refusal)
     result = ParallelModel(model=model, parts=[model], runtime=runtime)
     pipeline = None
     if dims.pp > 1:
@@ -158,9 +179,10 @@ def parallelize(model: Transformer, runtime: Runtime, config: ParallelConfig, *,
         result.last_stage = len(ranges) - 1 in mine
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
+    if activation_checkpointing:
+        apply_ac(model)
     if compile:
-        for block in blocks_of(model):
-            block.compile()
+        apply_compile(model, compile_mode)
     parts: list[nn.Module] = [model]
     if pipeline is not None:
         parts = make_stages(model, *pipeline)

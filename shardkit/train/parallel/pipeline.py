@@ -79,7 +79,6 @@ class Stage(nn.Module):
     def __init__(self, owner: Transformer, layers: range, *, first: bool, last: bool):
         super().__init__()
         self.config = owner.config
-        self.activation_checkpointing = owner.activation_checkpointing
         self.sequence_shards = owner.sequence_shards
         self.tok_emb = owner.tok_emb if first else None
         if last and not first and owner.tok_emb is not None:
