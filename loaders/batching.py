@@ -99,9 +99,10 @@ def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callab
     # `local` is in range by construction (ShardTable, and the cache checked the shard's counts).
     if (len(cuts) + 1) * _RUN_OVERHEAD_BYTES < tokens.nbytes:
         bounds = [0, *cuts.tolist(), len(ids)]
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        # A run per shard of each batch: the method, not `np.take`, and plain ints (a few per batch).
+        for index, start, end in zip(shard[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]):
             # mode="clip" lets numpy write straight into `out` (mode="raise" buffers a copy).
-            np.take(view_of(int(shard[start])), local[start:end], axis=0, out=tokens[start:end], mode="clip")
+            view_of(index).take(local[start:end], axis=0, out=tokens[start:end], mode="clip")
     else:  # many short runs of small samples: one gather per shard and a scatter cost less
         for index, rows in group_rows(shard):
             tokens[rows] = np.take(view_of(index), local[rows], axis=0, mode="clip")
