@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shardkit.formats import ShardReader
-from shardkit.loaders.documents import boundaries, dense_segment_ids, segment_starts
+from shardkit.loaders.documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
 
 
 # A `np.take` call costs about as much as copying this many bytes: below it, runs are too short.
@@ -99,28 +99,25 @@ def gather_fixed(sample_ids: np.ndarray, *, table: ShardTable, reader_of: Callab
     # `local` is in range by construction (ShardTable, and the cache checked the shard's counts).
     if (len(cuts) + 1) * _RUN_OVERHEAD_BYTES < tokens.nbytes:
         bounds = [0, *cuts.tolist(), len(ids)]
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        # A run per shard of each batch: the method, not `np.take`, and plain ints (a few per batch).
+        for index, start, end in zip(shard[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]):
             # mode="clip" lets numpy write straight into `out` (mode="raise" buffers a copy).
-            np.take(view_of(int(shard[start])), local[start:end], axis=0, out=tokens[start:end], mode="clip")
+            view_of(index).take(local[start:end], axis=0, out=tokens[start:end], mode="clip")
     else:  # many short runs of small samples: one gather per shard and a scatter cost less
         for index, rows in group_rows(shard):
             tokens[rows] = np.take(view_of(index), local[rows], axis=0, mode="clip")
-    out = [{"tokens": tokens[b:b + batch], "sample_id": ids[b:b + batch]} for b in range(0, len(ids), batch)]
-    if with_segments:
-        pieces = [_pieces(reader_of(index), local[rows], rows) for index, rows in group_rows(shard)]
-        keys, padding = segment_starts(*(np.concatenate(part) for part in zip(*pieces)), len(ids), length)
-        edges = np.searchsorted(keys, np.arange(0, len(ids) + batch, batch, dtype=np.int64) * length)
-        padded = np.flatnonzero(padding)  # segment indices over the chunk; usually none
-        padded_edges = np.searchsorted(padded, edges)
-        for k, item in enumerate(out):
-            rows = len(item["sample_id"])
-            lo, hi = edges[k], edges[k + 1]
-            item.update(boundaries(keys[lo:hi] - k * batch * length, padded[padded_edges[k]:padded_edges[k + 1]] - lo,
-                                   rows, length))
-            if dense_segments:
-                item["segment_ids"] = dense_segment_ids(torch.from_numpy(item["cu_seqlens"]),
-                                                        torch.from_numpy(item["padding_segments"]),
-                                                        rows, length).numpy()
+    starts = range(0, len(ids), batch)
+    if not with_segments:
+        return [{"tokens": tokens[b:b + batch], "sample_id": ids[b:b + batch]} for b in starts]
+    pieces = [_pieces(reader_of(index), local[rows], rows) for index, rows in group_rows(shard)]
+    keys, padding = segment_starts(*(np.concatenate(part) for part in zip(*pieces)), len(ids), length)
+    out = [{"tokens": tokens[b:b + batch], "sample_id": ids[b:b + batch], "cu_seqlens": cu, "padding_segments": pad}
+           for b, (cu, pad) in zip(starts, chunk_boundaries(keys, padding, len(ids), batch, length))]
+    if dense_segments:
+        for item in out:
+            item["segment_ids"] = dense_segment_ids(torch.from_numpy(item["cu_seqlens"]),
+                                                    torch.from_numpy(item["padding_segments"]),
+                                                    len(item["sample_id"]), length).numpy()
     return out
 
 

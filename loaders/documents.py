@@ -37,6 +37,36 @@ def boundaries(keys: np.ndarray, padding: np.ndarray, rows: int, length: int) ->
     return {"cu_seqlens": cu, "padding_segments": padding.astype(np.int32)}
 
 
+def chunk_boundaries(keys: np.ndarray, padding: np.ndarray, num_rows: int, batch: int,
+                     length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(`cu_seqlens`, `padding_segments`) of each batch of `batch` rows (the last may have fewer) of a chunk of
+    `num_rows` rows, computed for the whole chunk at once: each batch's arrays are views of two arrays, so a
+    batch costs two slices, not a pass of its own (the warm path's per-batch Python).
+
+    Args:
+        keys: sorted unique flat start offsets (row x length + start in row) of the chunk's segments,
+            including each row's offset (`segment_starts`).
+        padding: a bool per segment, True for padding.
+        num_rows, batch, length: the chunk's rows, rows per batch, tokens per row.
+    """
+    span = batch * length
+    num_batches = -(-num_rows // batch)
+    numbers = np.arange(num_batches, dtype=np.int64)
+    # edges[k]: the first segment of batch k (every row starts a segment, so each batch has at least one).
+    edges = np.searchsorted(keys, np.arange(num_batches + 1, dtype=np.int64) * span)
+    batch_of = np.repeat(numbers, np.diff(edges))
+    # One array holding every batch's cu_seqlens in turn: batch k's segments shifted by the k terminal
+    # entries before them, then its own terminal (its rows x length).
+    cu = np.empty(len(keys) + num_batches, dtype=np.int32)
+    cu[np.arange(len(keys), dtype=np.int64) + batch_of] = keys - batch_of * span
+    cu[edges[1:] + numbers] = np.minimum(batch, num_rows - numbers * batch) * length
+    padded = np.flatnonzero(padding)  # segment indices over the chunk; usually none
+    padded_edges = np.searchsorted(padded, edges).tolist()
+    padded = (padded - edges[batch_of[padded]]).astype(np.int32)
+    starts, ends = (edges[:-1] + numbers).tolist(), (edges[1:] + numbers + 1).tolist()
+    return [(cu[s:e], padded[p:q]) for s, e, p, q in zip(starts, ends, padded_edges[:-1], padded_edges[1:])]
+
+
 def segment_starts(rows: np.ndarray, starts: np.ndarray, padding: np.ndarray, num_rows: int,
                    length: int) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique flat start offsets, padding flag of each) of the segments of `num_rows` rows.

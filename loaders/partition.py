@@ -74,8 +74,9 @@ def worker_step_count(num_steps: int, *, worker: int, num_workers: int, bundle: 
 
 
 def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1,
-                       chunk: int) -> Iterator[np.ndarray]:
-    """The steps worker `worker` produces, in order, as arrays of `chunk` steps (the last may be shorter).
+                       chunk: int, skip: int = 0) -> Iterator[np.ndarray]:
+    """The steps worker `worker` produces, in order, as arrays of `chunk` steps (the last may be shorter),
+    without its first `skip` steps.
 
     Computed chunk by chunk from the step arithmetic of `worker_of_step`, so starting (or resuming
     anywhere in) an epoch of billions of steps costs O(chunk), not O(steps in the epoch).
@@ -83,7 +84,7 @@ def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
-    for first in range(0, count, chunk):
+    for first in range(max(0, skip), count, chunk):
         i = np.arange(first, min(first + chunk, count), dtype=np.int64)
         # The i-th step of this worker: bundle i // bundle of its own, at offset i % bundle.
         yield (i // bundle) * (bundle * num_workers) + worker * bundle + i % bundle

@@ -60,12 +60,10 @@ def rank_step_ids(order: Order, *, start: int, plan: IterationPlan, policy: str,
     batch, world = plan.batch_size, plan.topology.world_size
     total = steps_left(order, start=start, plan=plan, policy=policy)
     last = partial_batch(order.num_positions, start=start, global_batch=batch * world, world_size=world, policy=policy)
+    # The skipped steps are never enumerated: a worker resumed deep into an epoch starts there at once.
     for steps in worker_step_chunks(total if limit is None else min(total, limit), worker=worker,
-                                    num_workers=num_workers, bundle=plan.bundle, chunk=max(1, chunk_samples // batch)):
-        if skip:
-            steps, skip = steps[skip:], max(0, skip - len(steps))
-            if not len(steps):
-                continue
+                                    num_workers=num_workers, bundle=plan.bundle, chunk=max(1, chunk_samples // batch),
+                                    skip=skip):
         if last is not None and steps[-1] == total - 1:  # the epoch's smaller last step
             if len(steps) > 1:
                 yield _step_ids(order, start, steps[:-1], plan, batch)

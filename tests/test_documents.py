@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardkit.loaders.documents import boundaries, dense_segment_ids, segment_starts
+from shardkit.loaders.documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
 
 
 def test_cu_seqlens_and_dense_ids_match_a_token_by_token_walk():
@@ -30,3 +30,23 @@ def test_cu_seqlens_and_dense_ids_match_a_token_by_token_walk():
     dense = dense_segment_ids(torch.from_numpy(batch["cu_seqlens"]), torch.from_numpy(batch["padding_segments"]),
                               rows, length)
     np.testing.assert_array_equal(dense.numpy(), expected)
+
+
+def test_chunk_boundaries_equal_each_batch_computed_on_its_own():
+    rng = np.random.default_rng(5)
+    rows, batch, length = 23, 4, 16  # the last batch holds 3 rows
+    pieces = [(r, s, bool(rng.random() < 0.3)) for r in range(rows)
+              for s in sorted(set(rng.integers(1, length, size=int(rng.integers(0, 4))).tolist()))]
+    row, start, pad = (np.array(x) for x in zip(*pieces))
+    chunk = chunk_boundaries(*segment_starts(row, start.astype(np.int64), pad.astype(bool), rows, length),
+                             rows, batch, length)
+    assert len(chunk) == 6
+    for k, (cu, padding) in enumerate(chunk):
+        mine = [(r - k * batch, s, p) for r, s, p in pieces if k * batch <= r < (k + 1) * batch]
+        size = min(batch, rows - k * batch)
+        r, s, p = (np.array(x, dtype=t) for x, t in zip(zip(*mine), (np.int64, np.int64, bool))) if mine else \
+            (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
+        expected = boundaries(*segment_starts(r, s, p, size, length), size, length)
+        np.testing.assert_array_equal(cu, expected["cu_seqlens"])
+        np.testing.assert_array_equal(padding, expected["padding_segments"])
+        assert cu.dtype == np.int32 and padding.dtype == np.int32

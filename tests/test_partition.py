@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -147,3 +149,20 @@ def test_worker_step_arithmetic_defaults_to_single_steps_and_integer_bundles():
         list(worker_step_chunks(4, worker=1, num_workers=2, chunk=0))
     # a worker with no step gets an empty array, not a step 0
     assert worker_steps(1, worker=1, num_workers=2).tolist() == []
+
+
+def test_worker_step_chunks_skip_starts_at_the_skipped_step_at_once():
+    from shardkit.loaders.partition import worker_step_chunks
+
+    every = np.concatenate(list(worker_step_chunks(50, worker=1, num_workers=3, bundle=2, chunk=4)))
+    assert len(every) == 16
+    for skip in (0, 1, 4, 7, 15, 16, 17):
+        kept = list(worker_step_chunks(50, worker=1, num_workers=3, bundle=2, chunk=4, skip=skip))
+        assert [int(s) for c in kept for s in c] == every[skip:].tolist()
+        assert len(kept) == -(-max(0, len(every) - skip) // 4)  # no chunk spent on skipped steps
+    # a standalone worker resumed near the end of an epoch of 10^8 steps: its first chunk comes at once
+    # (enumerating the 6 million chunks before it took seconds)
+    cpu = time.process_time()
+    first = next(worker_step_chunks(10**8, worker=0, num_workers=2, bundle=4, chunk=8, skip=5 * 10**7 - 3))
+    assert first.tolist() == [10**8 - 7, 10**8 - 6, 10**8 - 5]
+    assert time.process_time() - cpu < 1.0
