@@ -30,6 +30,7 @@ from shardkit import metrics
 from shardkit.forking import restart_after_fork
 from shardkit.loaders.block_reader import BlockReader
 from shardkit.loaders.cache_dir import CacheLimitError  # noqa: F401 - re-exported: raised through open()
+from shardkit.loaders.closing import closer
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.decoded_store import DecodedStore
 from shardkit.loaders.memory_stores import CompressedStore, StreamStore
@@ -164,7 +165,9 @@ class ShardCache:
         return self.store.prefetch(index)
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait for the background completions of this process (e.g. before deleting the cache directory)."""
+        """Wait for the background completions of this process (e.g. before deleting the cache directory),
+        including those that the closes of dropped handles, still queued for the closing thread, start."""
+        closer.flush(timeout)
         for partial in list(self._partial.values()):
             partial.wait_complete(timeout)
 

@@ -65,6 +65,15 @@ class Closer:
         """Run `close(*args)` soon, in the closing thread. Takes no lock."""
         self._queue.put((close, args))
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the closes handed over so far have run (False: not within `timeout`). From ordinary code
+        only (`ShardCache.drain`): a close handed over just before must have started what it starts."""
+        if self._running_in != self.pid or threading.current_thread().name == "shardkit-closer":
+            return True  # no closing thread in this process (nothing handed over runs yet), or we are it
+        done = threading.Event()
+        self._queue.put((done.set, ()))
+        return done.wait(timeout)
+
 
 def _run_closes(pending: queue.SimpleQueue) -> None:
     while True:

@@ -14,7 +14,6 @@ start of an iteration and at `state_dict()`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 # What a dataset without batch_size needs, iterated or saved on its own (it yields whole batches; a DataLoader's
@@ -32,16 +31,28 @@ DISTRIBUTED_FIX = {
 }
 
 
-def calling_objects(max_depth: int = 120) -> Iterator[Any]:
-    """The `self` of each calling frame, innermost first (frames of functions yield nothing)."""
+# Only frames of these packages are looked into. Reading a frame's `f_locals` (Python < 3.13) stores a snapshot
+# of its locals on the frame, which keeps them alive after the function deletes them: a user's `del iterator`
+# would no longer close the iterator (and store its shards). Framework frames are read, a user's never.
+FRAMEWORK_MODULES = ("lightning.", "pytorch_lightning.", "transformers.", "accelerate.", "torch.utils.data.")
+
+
+def calling_objects(max_depth: int = 120, modules: tuple[str, ...] = FRAMEWORK_MODULES) -> list[Any]:
+    """The `self` of each calling frame whose code belongs to one of `modules`, innermost first."""
+    owners = []
     frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return
-        owner = frame.f_locals.get("self")
-        if owner is not None:
-            yield owner
-        frame = frame.f_back
+    try:
+        for _ in range(max_depth):
+            if frame is None:
+                break
+            if str(frame.f_globals.get("__name__", "")).startswith(modules):
+                owner = frame.f_locals.get("self")
+                if owner is not None:
+                    owners.append(owner)
+            frame = frame.f_back
+    finally:
+        del frame  # no reference to a caller's frame outlives the walk
+    return owners
 
 
 def _is_instance(owner: Any, module: str, name: str) -> bool:
