@@ -14,15 +14,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardkit.loaders.config import LoaderConfig
-from shardkit.loaders.frameworks import NEEDS_BATCH_SIZE
-from shardkit.loaders.order import Order
-from shardkit.loaders.partition import dropped_in_epoch, partial_batch, steps_in_epoch
-from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
-from shardkit.loaders.reading import BatchReader
-from shardkit.loaders.state import LoaderState
-from shardkit.loaders.steps import FixedSteps, Segments, StepSource, TokenBudgetSteps
-from shardkit.loaders.token_batches import token_batches
+from .config import LoaderConfig
+from .frameworks import NEEDS_BATCH_SIZE
+from .order import Order
+from .partition import dropped_in_epoch, partial_batch, steps_in_epoch
+from .rank_steps import IterationPlan, rank_step_ids
+from .reading import BatchReader
+from .state import LoaderState
+from .steps import FixedSteps, Segments, StepSource, TokenBudgetSteps
+from .token_batches import token_batches
 
 
 class BatchMode(Protocol):

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from shardkit.formats import ShardReader
-from shardkit.loaders.documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
+
+from .documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
 
 
 # A `np.take` call costs about as much as copying this many bytes: below it, runs are too short.

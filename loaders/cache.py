@@ -28,13 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shardkit import metrics
 from shardkit.forking import restart_after_fork
-from shardkit.loaders.block_reader import BlockReader
-from shardkit.loaders.cache_dir import CacheLimitError  # noqa: F401 - re-exported: raised through open()
-from shardkit.loaders.closing import closer
-from shardkit.loaders.config import CACHE_MODES
-from shardkit.loaders.decoded_store import DecodedStore
-from shardkit.loaders.memory_stores import CompressedStore, StreamStore
-from shardkit.loaders.store import CachedShard, CacheStats, ShardStore, StorageOpener, StoreContext
 from shardkit.manifest import Manifest
 from shardkit.node_cache import (  # noqa: F401 - UnsafeCacheDirError, fetch_manifest: re-exported for callers
     UnsafeCacheDirError,
@@ -44,6 +37,14 @@ from shardkit.node_cache import (  # noqa: F401 - UnsafeCacheDirError, fetch_man
     private_tree,
 )
 from shardkit.storage import Storage
+
+from .block_reader import BlockReader
+from .cache_dir import CacheLimitError  # noqa: F401 - re-exported: raised through open()
+from .closing import closer
+from .config import CACHE_MODES
+from .decoded_store import DecodedStore
+from .memory_stores import CompressedStore, StreamStore
+from .store import CachedShard, CacheStats, ShardStore, StorageOpener, StoreContext
 
 # Parallel ranged reads of the blocks one batch needs (threads wait on I/O; hashing and zstd drop the GIL).
 _BLOCK_READ_THREADS = 8

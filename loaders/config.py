@@ -161,7 +161,7 @@ class LoaderConfig:
         _positive("max_tokens", self.max_tokens, optional=True)
         _positive("token_window", self.token_window)
         _positive("chunk_samples", self.chunk_samples)
-        from shardkit.loaders.skipping import normalize_skip
+        from .skipping import normalize_skip
 
         object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
         if self.on_corrupt == "skip" and self.max_tokens is not None:  # cross-option checks: here, not in the dataset

@@ -22,14 +22,14 @@ from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
-from shardkit.loaders.closing import closed_at_exit
-from shardkit.loaders.dataset import StreamingDataset
-from shardkit.loaders.rank_steps import IterationPlan
-from shardkit.loaders.tensors import batch_to_tensors
-from shardkit.loaders.token_batches import PROGRESS_KEY
-from shardkit.loaders.quarantine import Quarantine
-from shardkit.loaders.state import LoaderState
-from shardkit.loaders.topology import Topology
+from .closing import closed_at_exit
+from .dataset import StreamingDataset
+from .rank_steps import IterationPlan
+from .tensors import batch_to_tensors
+from .token_batches import PROGRESS_KEY
+from .quarantine import Quarantine
+from .state import LoaderState
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 

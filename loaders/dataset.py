@@ -22,20 +22,20 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardkit.loaders.config import LoaderConfig, loader_config
-from shardkit.loaders.frameworks import NEEDS_BATCH_SIZE
-from shardkit.loaders.mixing import Stream
-from shardkit.loaders.order import Order
-from shardkit.loaders.parent_watch import watch_parent
-from shardkit.loaders.rank_steps import IterationPlan
-from shardkit.loaders.read_plan import ReadPlan
-from shardkit.loaders.resharding import check_not_resharded, check_not_rewrapped
-from shardkit.loaders.sources import Sources, streams_of
-from shardkit.loaders.state import LoaderState, check_worker_steps
-from shardkit.loaders.tensors import batch_to_tensors, bundled, strip_progress
-from shardkit.loaders.token_batches import PROGRESS_KEY
-from shardkit.loaders.topology import Topology, check_topology_args
-from shardkit.loaders.worker_copies import WorkerIterations
+from .config import LoaderConfig, loader_config
+from .frameworks import NEEDS_BATCH_SIZE
+from .mixing import Stream
+from .order import Order
+from .parent_watch import watch_parent
+from .rank_steps import IterationPlan
+from .read_plan import ReadPlan
+from .resharding import check_not_resharded, check_not_rewrapped
+from .sources import Sources, streams_of
+from .state import LoaderState, check_worker_steps
+from .tensors import batch_to_tensors, bundled, strip_progress
+from .token_batches import PROGRESS_KEY
+from .topology import Topology, check_topology_args
+from .worker_copies import WorkerIterations
 
 logger = logging.getLogger(__name__)
 

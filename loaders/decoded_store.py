@@ -37,16 +37,17 @@ from shardkit.formats import (
     read_shard,
     write_decoded,
 )
-from shardkit.loaders.cache_dir import (
+from shardkit.manifest import ShardInfo
+
+from .cache_dir import (
     CacheLimitError,
     exclusive_lock,
     make_room,
     remove_stale_temporaries,
     room_lock,
 )
-from shardkit.loaders.block_reader import BlockReader
-from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
-from shardkit.manifest import ShardInfo
+from .block_reader import BlockReader
+from .store import CachedShard, Release, StoreContext, claim_download
 
 logger = logging.getLogger(__name__)
 

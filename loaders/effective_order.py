@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardkit.loaders.mixing import MixtureOrder, MixturePlan
-from shardkit.loaders.order import EpochOrder, Order, OrderConfig, excluding
-from shardkit.loaders.quarantine import Entry, filter_order
+from .mixing import MixtureOrder, MixturePlan
+from .order import EpochOrder, Order, OrderConfig, excluding
+from .quarantine import Entry, filter_order
 
 
 def effective_order(shard_sizes: Sequence[np.ndarray], config: OrderConfig, epoch: int, *,

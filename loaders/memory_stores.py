@@ -14,11 +14,12 @@ import os
 from shardkit import metrics
 from shardkit.errors import CorruptShardError
 from shardkit.formats import ShardArrays, check_shard_bytes, read_shard
-from shardkit.loaders.block_reader import BlockReader
-from shardkit.loaders.cache_dir import COMPRESSED_SUFFIX
-from shardkit.loaders.store import CachedShard, Release, StoreContext, claim_download
 from shardkit.manifest import ShardInfo
 from shardkit.storage import write_file_atomic
+
+from .block_reader import BlockReader
+from .cache_dir import COMPRESSED_SUFFIX
+from .store import CachedShard, Release, StoreContext, claim_download
 
 logger = logging.getLogger(__name__)
 

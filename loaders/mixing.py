@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.partition import steps_in_epoch
-from shardkit.loaders.schedule import Schedule
+from .order import EpochOrder, OrderConfig
+from .partition import steps_in_epoch
+from .schedule import Schedule
 
 MIX_PERIOD = 4096
 

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shardkit.loaders.config import DEFAULT_SHUFFLE_WINDOW, OrderConfig
+from .config import DEFAULT_SHUFFLE_WINDOW, OrderConfig
 _MAX_CACHED_WINDOWS = 256
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from shardkit.loaders.config import check_policy
+from .config import check_policy
 
 
 def steps_in_epoch(num_positions: int, *, start: int, global_batch: int, policy: str = "drop") -> int:

@@ -37,10 +37,11 @@ import numpy as np
 
 from shardkit import metrics
 from shardkit.manifest import Manifest
-from shardkit.loaders.order import ExcludedOrder, Order, excluding
-from shardkit.loaders.rank_steps import IterationPlan
-from shardkit.loaders.state import LoaderState
-from shardkit.loaders.topology import Topology
+
+from .order import ExcludedOrder, Order, excluding
+from .rank_steps import IterationPlan
+from .state import LoaderState
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardkit.loaders.order import Order
-from shardkit.loaders.partition import partial_batch, rank_positions, steps_in_epoch, worker_step_chunks
-from shardkit.loaders.topology import Topology
+from .order import Order
+from .partition import partial_batch, rank_positions, steps_in_epoch, worker_step_chunks
+from .topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,22 +15,22 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.loaders.batch_modes import batch_mode
-from shardkit.loaders.config import LoaderConfig
-from shardkit.loaders.effective_order import effective_order
-from shardkit.loaders.fingerprint import data_fingerprint
-from shardkit.loaders.frameworks import check_framework
-from shardkit.loaders.mixing import Stream
-from shardkit.loaders.order import Order
-from shardkit.loaders.quarantine import QuarantineSources, resolve_quarantine_list
-from shardkit.loaders.rank_steps import IterationPlan, rank_step_ids
-from shardkit.loaders.reading import BatchReader
-from shardkit.loaders.remix import Mixture, MixtureStreams
-from shardkit.loaders.schedule import weight_spec
-from shardkit.loaders.skipping import resolve_skipped
-from shardkit.loaders.sources import Sources
-from shardkit.loaders.state import MIXTURE_FIELDS, LoaderState
-from shardkit.loaders.topology import Topology, resolve_topology
+from .batch_modes import batch_mode
+from .config import LoaderConfig
+from .effective_order import effective_order
+from .fingerprint import data_fingerprint
+from .frameworks import check_framework
+from .mixing import Stream
+from .order import Order
+from .quarantine import QuarantineSources, resolve_quarantine_list
+from .rank_steps import IterationPlan, rank_step_ids
+from .reading import BatchReader
+from .remix import Mixture, MixtureStreams
+from .schedule import weight_spec
+from .skipping import resolve_skipped
+from .sources import Sources
+from .state import MIXTURE_FIELDS, LoaderState
+from .topology import Topology, resolve_topology
 
 _MEMO_ORDERS = 4  # an epoch's order with quarantine scans the epoch once: keep the last few
 

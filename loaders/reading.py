@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from shardkit import metrics
-from shardkit.loaders.batching import ShardTable, gather_fixed, gather_variable
-from shardkit.loaders.closing import closed_at_exit
-from shardkit.loaders.topology import Topology
 from shardkit.manifest import Manifest
+
+from .batching import ShardTable, gather_fixed, gather_variable
+from .closing import closed_at_exit
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 

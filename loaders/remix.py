@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from shardkit.loaders.mixing import MixturePlan
-from shardkit.loaders.schedule import Schedule, weight_from_spec, weight_spec
-from shardkit.loaders.state import LoaderState
+from .mixing import MixturePlan
+from .schedule import Schedule, weight_from_spec, weight_spec
+from .state import LoaderState
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ dataset sees the wrapper in its caller's frames and refuses, saying what to use 
 
 from __future__ import annotations
 
-from shardkit.loaders.frameworks import calling_objects
+from .frameworks import calling_objects
 
 # (module, class) of the wrappers that shard again what they iterate.
 RESHARDING_WRAPPERS = {("accelerate.data_loader", "IterableDatasetShard"),

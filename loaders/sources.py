@@ -17,15 +17,16 @@ import numpy as np
 
 from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
-from shardkit.loaders.batching import ShardTable
-from shardkit.loaders.cache import ShardCache, keeps_node_files
-from shardkit.loaders.config import LoaderConfig
-from shardkit.loaders.mixing import Stream
-from shardkit.loaders.reading import ShardOwners
-from shardkit.loaders.schedule import Schedule
 from shardkit.manifest import Manifest
 from shardkit.node_cache import fetch_manifest
 from shardkit.storage import Storage
+
+from .batching import ShardTable
+from .cache import ShardCache, keeps_node_files
+from .config import LoaderConfig
+from .mixing import Stream
+from .reading import ShardOwners
+from .schedule import Schedule
 
 
 class Sources:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
-from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW, LoaderConfig
-from shardkit.loaders.skipping import normalize_skip
+from .config import DEFAULT_TOKEN_WINDOW, LoaderConfig
+from .skipping import normalize_skip
 
 STATE_VERSION = 1
 STATE_KIND = "shardkit.StreamingDataLoader"

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardkit.loaders.state import LoaderState
+from .state import LoaderState
 
 Segments = tuple[tuple[int, int], ...]  # (world_size, steps) taken of the current window, in order
 

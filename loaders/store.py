@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shardkit.formats import ShardArrays, ShardReader, check_decoded, decode_shard
-from shardkit.loaders.block_reader import BlockReader, BlockRequest
-from shardkit.loaders.closing import closer
-from shardkit.loaders.cache_dir import DECODED_SUFFIX, shard_file, try_exclusive_lock
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.node_cache import private_tree
 from shardkit.storage import Storage
+
+from .block_reader import BlockReader, BlockRequest
+from .closing import closer
+from .cache_dir import DECODED_SUFFIX, shard_file, try_exclusive_lock
 
 Release = Callable[[], None]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shardkit.loaders.token_batches import PROGRESS_KEY
+from .token_batches import PROGRESS_KEY
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.loaders.closing import closed_at_exit
-from shardkit.loaders.order import Order
-from shardkit.loaders.partition import worker_of_step
-from shardkit.loaders.rank_steps import IterationPlan
-from shardkit.loaders.reading import BatchReader
-from shardkit.loaders.steps import Segments, TokenBudgetSteps
-from shardkit.loaders.token_budget import plan_remaining
+from .closing import closed_at_exit
+from .order import Order
+from .partition import worker_of_step
+from .rank_steps import IterationPlan
+from .reading import BatchReader
+from .steps import Segments, TokenBudgetSteps
+from .token_budget import plan_remaining
 
 logger = logging.getLogger(__name__)
 

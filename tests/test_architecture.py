@@ -490,3 +490,40 @@ def test_only_the_parallel_package_asks_about_the_layout():
     sources = _trainer_sources()
     sources["shardkit/train/loop.py"] += "\nenabled = run.runtime.mode not in ('fsdp', 'hsdp')\n"
     assert [place.split(":")[0] for place in layout_questions(sources)] == ["shardkit/train/loop.py"]
+
+
+# -- loaders/ and tools/ import their own modules relatively (issue 32) --
+# They install as shardkit.loaders and shardkit.tools, names no static tool or reader of the checkout can follow
+# from the folder names; relative imports say where the module is.
+SELF_NAMED = {"loaders": "shardkit.loaders", "tools": "shardkit.tools"}
+
+
+def absolute_self_imports(sources: dict[str, str]) -> list[str]:
+    """`file:line` of every import in loaders/ (tools/) that names its own package by its installed name."""
+    found = []
+    for name, text in sources.items():
+        package = SELF_NAMED.get(name.split("/", 1)[0])
+        if package is None:
+            continue
+        for node in ast.walk(_parsed(text)):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(m == package or m.startswith(package + ".") for m in modules):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_loaders_and_tools_import_themselves_relatively():
+    assert absolute_self_imports(_package_sources()) == []
+
+
+@pytest.mark.parametrize("name, line", [
+    ("loaders/cache.py", "from shardkit.loaders.order import Order"),
+    ("loaders/cache.py", "def late():\n    import shardkit.loaders.order"),
+    ("tools/build.py", "from shardkit.tools.config import BuildConfig"),
+])
+def test_an_absolute_self_import_is_reported_with_its_place(name, line):
+    sources = _package_sources()
+    sources[name] += f"\n{line}\n"
+    found = absolute_self_imports(sources)
+    assert len(found) == 1 and found[0].startswith(f"{name}:"), found

@@ -33,11 +33,12 @@ from shardkit.text.documents import DocumentSettings, UnitResult, tokenize_unit,
 from shardkit.text.documents import cached_tokenizer as worker_tokenizer
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.text.packing import Packer, make_packer
-from shardkit.tools import state as build_state
-from shardkit.tools.config import BuildConfig, build_record, parse_compression, parse_size, resume_key
-from shardkit.tools.encode_threads import choose_encode_threads
-from shardkit.tools.executors import available_cores, make_executor
-from shardkit.tools.report import BuildStats, Progress, record_label, report_json, summary_table
+
+from . import state as build_state
+from .config import BuildConfig, build_record, parse_compression, parse_size, resume_key
+from .encode_threads import choose_encode_threads
+from .executors import available_cores, make_executor
+from .report import BuildStats, Progress, record_label, report_json, summary_table
 
 __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_compression", "parse_size",
            "print_summary", "run_build", "run_pipeline"]

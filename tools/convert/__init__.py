@@ -21,9 +21,9 @@ __all__ = ["SOURCE_FORMATS", "ConvertConfig", "run_convert"]
 def __getattr__(name: str) -> Any:
     # `shardkit --help` imports this package for SOURCE_FORMATS; the pipeline loads only when used.
     if name == "run_convert":
-        from shardkit.tools.convert.run import run_convert
+        from .run import run_convert
         return run_convert
     if name == "ConvertConfig":
-        from shardkit.tools.convert.config import ConvertConfig
+        from .config import ConvertConfig
         return ConvertConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.tools.config import ON_ERROR_MODES, fields as build_fields, flag, option, registry
+from ..config import ON_ERROR_MODES, fields as build_fields, flag, option, registry
 
 EXPORT_UNITS = ("document", "sample")
 EXPORT_FORMATS = ("megatron",)

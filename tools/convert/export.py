@@ -28,8 +28,9 @@ import numpy as np
 from shardkit.formats import ShardArrays, ShardReader, read_shard
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage, atomic_path, open_filesystem
-from shardkit.tools.convert.config import ExportConfig
-from shardkit.tools.convert.megatron import METADATA_SUFFIX, encode_index, export_dtype
+
+from .config import ExportConfig
+from .megatron import METADATA_SUFFIX, encode_index, export_dtype
 
 logger = logging.getLogger(__name__)
 

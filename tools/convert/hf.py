@@ -17,8 +17,9 @@ import numpy as np
 from shardkit.storage import open_filesystem
 from shardkit.text.documents import UnitResult
 from shardkit.text.inputs import InputFile, WorkUnit, _display, _open_raw, expand_inputs, iter_units
-from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
-from shardkit.tools.convert.source_index import IndexEntry, read_json_object
+
+from .documents import TokenSettings, source_files, token_documents
+from .source_index import IndexEntry, read_json_object
 
 
 def expand_sources(inputs: tuple[str, ...], storage_options) -> list[InputFile]:

@@ -22,8 +22,9 @@ import numpy as np
 from shardkit.storage import open_filesystem, redact_url, retry_call
 from shardkit.text.documents import UnitResult
 from shardkit.text.inputs import InputFile, WorkUnit
-from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
-from shardkit.tools.convert.source_index import IndexEntry, items_held, read_index_json
+
+from .documents import TokenSettings, source_files, token_documents
+from .source_index import IndexEntry, items_held, read_index_json
 
 TENSOR_DTYPES = {11: "uint8", 12: "int8", 13: "int16", 14: "int16", 15: "int32", 16: "int32", 17: "int64",
                  18: "int64", 20: "uint16"}

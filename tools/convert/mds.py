@@ -36,8 +36,9 @@ import numpy as np
 from shardkit.storage import open_filesystem, redact_url, retry_call
 from shardkit.text.documents import UnitResult
 from shardkit.text.inputs import InputFile, WorkUnit
-from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
-from shardkit.tools.convert.source_index import IndexEntry, items_held, read_index_json
+
+from .documents import TokenSettings, source_files, token_documents
+from .source_index import IndexEntry, items_held, read_index_json
 
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
                 65: "int64"}

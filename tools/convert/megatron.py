@@ -36,7 +36,8 @@ from shardkit.manifest import TokenizerInfo
 from shardkit.storage import open_filesystem, redact_url, retry_call
 from shardkit.text.documents import UnitResult
 from shardkit.text.inputs import InputFile, WorkUnit, _display
-from shardkit.tools.convert.documents import TokenSettings, source_files, token_documents
+
+from .documents import TokenSettings, source_files, token_documents
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 from shardkit.manifest import TokenizerInfo, token_dtype_for_vocab
 from shardkit.text.documents import cached_tokenizer
-from shardkit.tools.build import BuildResult, InputSide, _worker_start, run_pipeline
-from shardkit.tools.convert.config import ConvertConfig
-from shardkit.tools.convert.documents import TokenSettings, file_units
+
+from ..build import BuildResult, InputSide, _worker_start, run_pipeline
+from .config import ConvertConfig
+from .documents import TokenSettings, file_units
 
 __all__ = ["run_convert", "source_side", "tokenizer_identity"]
 
@@ -30,7 +31,7 @@ def source_side(config: ConvertConfig) -> InputSide:
     """The input side for `--from FORMAT`: the source's files, units and worker function."""
     options = config.storage_options
     if config.source_format == "megatron":
-        from shardkit.tools.convert import megatron
+        from . import megatron
 
         pairs = megatron.expand_sources(config.inputs, options)
         indexes = [megatron.load_index(idx, options) for _, idx in pairs]
@@ -40,7 +41,7 @@ def source_side(config: ConvertConfig) -> InputSide:
         units = lambda start: megatron.units(pairs, indexes, unit_bytes=config.unit_bytes, start=start)  # noqa: E731
         work = megatron.read_unit
     elif config.source_format in ("mds", "litdata"):  # read a whole file (shard, chunk) per unit
-        from shardkit.tools.convert import litdata, mds
+        from . import litdata, mds
 
         if config.source_format == "mds":
             sources = mds.expand_sources(config.inputs, token_field=config.token_field, storage_options=options)
@@ -52,7 +53,7 @@ def source_side(config: ConvertConfig) -> InputSide:
         recorded, metadata = [f.record() for f in files], None
         units = lambda start: file_units(sources, kind=config.source_format, start=start)  # noqa: E731
     else:
-        from shardkit.tools.convert import hf
+        from . import hf
 
         files = hf.expand_sources(config.inputs, options)
         recorded, metadata = [f.record() for f in files], None
