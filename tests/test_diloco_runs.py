@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -24,7 +25,6 @@ from train_runs import (check_ok, eval_losses, free_port, losses, sample_ids, to
 
 pytestmark = pytest.mark.slow
 
-SUMMARY_SIZE = 4  # the loop's per-step all-reduce of loss and flags: it marks the end of each step
 
 
 def _run_in_process(data: str, run_dir: Path, port: int, *, profile: bool, **sections) -> list[list[int]]:
@@ -33,7 +33,7 @@ def _run_in_process(data: str, run_dir: Path, port: int, *, profile: bool, **sec
     from torch.profiler import profile as profiler
 
     from shardkit.train.config import config_from_dict
-    from shardkit.train.loop import build, close, train
+    from shardkit.train.loop import STEP_EVENT, SYNC_POINT_EVENT, build, close, train
 
     os.environ["MASTER_PORT"] = str(port)
     values = {"steps": 10, "device": "cpu", "optimizer": {"warmup_steps": 2, **sections.pop("optimizer", {})},
@@ -49,15 +49,16 @@ def _run_in_process(data: str, run_dir: Path, port: int, *, profile: bool, **sec
             train(run)
     finally:
         close(run)
-    events = sorted((e for e in prof.events() if e.name == "gloo:all_reduce"), key=lambda e: e.time_range.start)
-    steps: list[list[int]] = [[]]
-    for event in events:
-        size = int(np.prod(event.input_shapes[0]))
-        if size == SUMMARY_SIZE:
-            steps.append([])
-        else:
-            steps[-1].append(size)
-    return steps[:-1]
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.name == STEP_EVENT)
+    syncs = [e.time_range for e in events if e.name == SYNC_POINT_EVENT]
+    steps: list[list[int]] = [[] for _ in starts]
+    for event in sorted((e for e in events if e.name == "gloo:all_reduce"), key=lambda e: e.time_range.start):
+        start = event.time_range.start
+        if any(sync.start <= start <= sync.end for sync in syncs):
+            continue  # the loop's own: the pending steps' numbers and flags, at sync points
+        steps[bisect.bisect_right(starts, start) - 1].append(int(np.prod(event.input_shapes[0])))
+    return steps
 
 
 def _worker(rank: int, data: str, root: str, ports: list[int], results):

@@ -127,9 +127,10 @@ def test_training_sigkill_in_fp16_keeps_the_loss_scale_bitwise(tmp_path, figures
     write_byte_dataset(str(tmp_path / "data"))
     (tmp_path / "work").mkdir()
     points = 6
-    # From 2**17 this run overflows at steps 3 and 4 for real and doubles its scale after steps 2 and 7; seed 1
-    # aims kills after the checkpoints of steps 1 and 6, where the scale's growth tracker is 1, not 0.
-    options = {"precision": "fp16", "loss_scale": 131072.0, "loss_scale_growth_interval": 2}
+    # From 2**20 this run doubles its scale after step 2, overflows for real at step 3 (the chunked loss keeps
+    # smaller scales clean), and doubles again after step 7; seed 1 aims kills after the checkpoints of steps 1
+    # and 6, where the scale's growth tracker is 1, not 0.
+    options = {"precision": "fp16", "loss_scale": 1048576.0, "loss_scale_growth_interval": 2}
     command = [sys.executable, str(HERE / "train_kill_harness.py"), str(tmp_path / "data"), str(tmp_path / "work"),
                str(points), "1", json.dumps(options)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE.parent,
