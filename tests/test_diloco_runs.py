@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
 import os
@@ -33,13 +32,13 @@ def _run_in_process(data: str, run_dir: Path, port: int, *, profile: bool, **sec
     from torch.profiler import profile as profiler
 
     from shardkit.train.config import config_from_dict
-    from shardkit.train.loop import STEP_EVENT, SYNC_POINT_EVENT, build, close, train
+    from shardkit.train.loop import build, close, train
 
     os.environ["MASTER_PORT"] = str(port)
     values = {"steps": 10, "device": "cpu", "optimizer": {"warmup_steps": 2, **sections.pop("optimizer", {})},
               "data": {"data": data, "batch_size": 6, "cache_dir": str(run_dir.parent / "cache")},
               "checkpoint": {"save_final": False}, **sections,
-              "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False}}
+              "logging": {"run_dir": str(run_dir), "log_every": 1, "tensorboard": False}}
     run = build(config_from_dict(values))
     try:
         if not profile:
@@ -49,16 +48,18 @@ def _run_in_process(data: str, run_dir: Path, port: int, *, profile: bool, **sec
             train(run)
     finally:
         close(run)
-    events = prof.events()
-    starts = sorted(e.time_range.start for e in events if e.name == STEP_EVENT)
-    syncs = [e.time_range for e in events if e.name == SYNC_POINT_EVENT]
-    steps: list[list[int]] = [[] for _ in starts]
-    for event in sorted((e for e in events if e.name == "gloo:all_reduce"), key=lambda e: e.time_range.start):
-        start = event.time_range.start
-        if any(sync.start <= start <= sync.end for sync in syncs):
-            continue  # the loop's own: the pending steps' numbers and flags, at sync points
-        steps[bisect.bisect_right(starts, start) - 1].append(int(np.prod(event.input_shapes[0])))
-    return steps
+    events = sorted((e for e in prof.events() if e.name == "gloo:all_reduce"), key=lambda e: e.time_range.start)
+    # With --log-every 1 every step ends at a sync point, whose all-reduce (the step's numbers and flags) is
+    # the last of the run: its size marks the end of each step.
+    summary = int(np.prod(events[-1].input_shapes[0]))
+    steps: list[list[int]] = [[]]
+    for event in events:
+        size = int(np.prod(event.input_shapes[0]))
+        if size == summary:
+            steps.append([])
+        else:
+            steps[-1].append(size)
+    return steps[:-1]
 
 
 def _worker(rank: int, data: str, root: str, ports: list[int], results):

@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 # also where the ranks agree on a stop (SIGTERM/SIGINT) and on a finished background checkpoint: at most
 # this many steps apart, whatever --log-every is (docs/PARALLELISM.md, "Stopping").
 MAX_STEPS_BETWEEN_SYNCS = 10
-# The names of a step and of a sync point's all-reduce in profiler traces (torch.profiler.record_function).
-STEP_EVENT, SYNC_POINT_EVENT = "shardkit.step", "shardkit.sync_point"
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -277,10 +275,8 @@ def _train_steps(run: Run) -> int:
     run.model.train()
     while run.step < run.config.steps:
         step = run.step + 1
-        # Named in profiler traces: what each step and each sync point issued (tests/test_diloco_runs.py).
-        with torch.profiler.record_function(STEP_EVENT):
-            result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
-            exit_code = after_step(run, result)
+        result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
+        exit_code = after_step(run, result)
         if exit_code is not None:
             return exit_code
     return finish(run)
@@ -359,9 +355,8 @@ def sync_point(run: Run) -> bool:
     complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT."""
     runtime = run.runtime
     flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
-    with torch.profiler.record_function(SYNC_POINT_EVENT):
-        records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
-                                                          distributed=runtime.distributed)
+    records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
+                                                      distributed=runtime.distributed)
     if run.checkpointer.saving_in_background and written == runtime.world_size:
         run.checkpointer.wait()
     for record in records:
