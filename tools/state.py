@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.manifest import MANIFEST_NAME, Manifest, ManifestError, ShardInfo, load_manifest
-from shardkit.storage import Storage
+from shardkit.storage import TEMPORARY_MARK, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
     hint = "pass --overwrite to replace it, or choose another --output"
     if overwrite:
         recorded = _recorded_shards(storage, links)
-        ours = lambda name: _ours(name, recorded) or _ours(name.split(".tmp-", 1)[0], recorded)  # noqa: E731
+        ours = lambda name: _ours(name, recorded) or _ours(name.split(TEMPORARY_MARK, 1)[0], recorded)  # noqa: E731
         for link in links:  # the link itself goes, never what it points at
             if ours(link) or link == STATE_DIR:
                 os.unlink(storage.path(link))
@@ -200,7 +200,7 @@ def clear_state(storage: Storage) -> None:
     storage.delete(CHECKPOINT_NAME)
     for name in storage.list_names():
         # Left by writes a kill interrupted: Storage.write_bytes writes NAME.tmp-<hex>, then renames.
-        if ".tmp-" in name and _ours(name.rsplit(".tmp-", 1)[0]):
+        if TEMPORARY_MARK in name and _ours(name.rsplit(TEMPORARY_MARK, 1)[0]):
             storage.delete(name)
     if storage.is_local:
         try:
