@@ -8,7 +8,7 @@ tar datasets are written from those shards' decoded samples, so all three hold t
 shard: "tar (old)" with the per-sample layout (`tar_layout="samples"`), "tar (new)" with the group layout.
 
 Printed: each dataset's bytes, its ratio to Arrow's and its compression ratio (token bytes over shard
-bytes; the shards also hold document segments); then the cold read rate of each tar layout: one pass of `StreamingDataLoader` (batch 8, shuffle
+bytes; the shards also hold document segments); the time to decode every shard from memory; then the cold read rate of each tar layout: one pass of `StreamingDataLoader` (batch 8, shuffle
 on, 0 workers) from a fresh cache directory, dataset construction included, after an untimed first batch
 (imports). Runs alternate old, new (and Arrow) so that load on the machine falls on all alike; medians of
 `--runs`, ratios within this run.
@@ -79,6 +79,21 @@ def sizes(url: str) -> tuple[int, int]:
     return stored, manifest.num_tokens * itemsize
 
 
+def decode_seconds(url: str) -> float:
+    """Seconds to decode every shard of the dataset from bytes in memory (what `decode_shard` costs)."""
+    from shardkit.formats import decode_shard
+    from shardkit.manifest import load_manifest
+    from shardkit.storage import Storage
+
+    manifest, storage = load_manifest(url), Storage(url)
+    shards = [(shard, storage.read_bytes(shard.name)) for shard in manifest.shards]
+    start = time.perf_counter()
+    for shard, data in shards:
+        decode_shard(data, shard_format=manifest.shard_format, token_dtype=manifest.token_dtype, shard=shard.name,
+                     raw_bytes=shard.raw_bytes)
+    return time.perf_counter() - start
+
+
 def cold_pass(url: str, scratch: Path) -> float:
     """Samples/s of one pass from a fresh cache directory, 0 workers (construction included)."""
     from shardkit import StreamingDataLoader, StreamingDataset
@@ -114,6 +129,11 @@ def main(argv=None) -> int:
     for name, url in urls.items():
         stored, _ = sizes(url)
         print(f"{name:<10} {stored:>12,} {stored / arrow_bytes:>8.2f}x {raw / stored:>12.2f}x")
+
+    decode = {name: statistics.median(decode_seconds(url) for _ in range(args.runs)) for name, url in urls.items()}
+    print(f"decode every shard from memory, median of {args.runs}: " + ", ".join(
+        f"{name} {seconds * 1e3:.0f} ms ({sizes(urls[name])[1] / 1e6 / seconds:.0f} MB/s of tokens)"
+        for name, seconds in decode.items()))
 
     from shardkit import StreamingDataLoader, StreamingDataset
 

@@ -131,6 +131,22 @@ def test_hostile_group_layout_members_are_rejected(members, match):
         decode_shard(data, shard_format="tar", token_dtype="uint16", shard="evil.tar", raw_bytes=10**6)
 
 
+def test_a_cut_or_padded_block_is_refused_naming_the_shard():
+    """A block is decoded from its own bytes, without an end-of-archive marker: bytes missing at its end, or a
+    zero block in place of a member, never pass as a shorter block."""
+    arrays = arrays_from_samples(make_samples(np.random.default_rng(5), 30, 50257), "uint16")
+    shard = encode_shard(arrays, shard_format="tar", token_dtype="uint16", block_bytes=16384)
+    index = BlockIndex.from_bytes(shard.data[shard.index_offset:shard.index_offset + shard.index_bytes], shard="s.tar",
+                                  samples=shard.samples, tokens=shard.tokens, raw_bytes=shard.raw_bytes,
+                                  index_offset=shard.index_offset)
+    block = index.blocks[1]
+    data = shard.data[block.byte_start:block.byte_end]
+    for broken, match in ((data[:-512], "claims .* bytes but the shard ends first"),
+                          (bytes(512) + data, "payload is 0 bytes")):
+        with pytest.raises(CorruptShardError, match=f"corrupt shard s.tar: .*{match}"):
+            decode_block(broken, block, number=1, shard_format="tar", token_dtype="uint16", has_docs=True, shard="s.tar")
+
+
 def test_pax_and_gnu_long_names_are_rejected():
     import io
     import tarfile

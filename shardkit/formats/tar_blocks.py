@@ -87,11 +87,14 @@ def encode_tar_groups(arrays: ShardArrays, *, level: int, block_bytes: int) -> t
 
 
 def decode_tar_any(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int,
-                   first_sample: int = 0) -> ShardArrays:
-    """Decode a tar shard (or a block of one) of either layout, told by its first member."""
-    members = iter_tar_members(data, shard)
+                   first_sample: int = 0, archive_end: bool = True) -> ShardArrays:
+    """Decode a tar shard of either layout, told by its first member; with `archive_end` false, a block of
+    one (its members, without the end-of-archive marker)."""
+    members = iter_tar_members(data, shard, archive_end=archive_end)
     first = next(members, None)
     if first is None or not first[0].endswith(f".{FIRST_FIELD}.npy.zst"):
+        if not archive_end:  # the per-sample decoder reads the archive itself, marker included
+            data = b"".join((data, b"\0" * (2 * BLOCK)))
         return decode_tar(data, token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes, first_sample=first_sample)
     return _decode_groups(itertools.chain([first], members), dtype=numpy_token_dtype(token_dtype), shard=shard,
                           raw_bytes=raw_bytes, first_sample=first_sample)
@@ -100,8 +103,8 @@ def decode_tar_any(data: bytes | memoryview, *, token_dtype: str, shard: str, ra
 def decode_tar_block(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int,
                      first_sample: int) -> ShardArrays:
     """Decode one format v2 block of either layout: its members, without the end-of-archive marker."""
-    return decode_tar_any(b"".join((data, b"\0" * (2 * BLOCK))), token_dtype=token_dtype, shard=shard,
-                          raw_bytes=raw_bytes, first_sample=first_sample)
+    return decode_tar_any(data, token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes, first_sample=first_sample,
+                          archive_end=False)
 
 
 class _Budget:
@@ -173,15 +176,20 @@ def _decode_groups(members: Iterable[tuple[str, memoryview]], *, dtype: np.dtype
         expected += len(group_offsets) - 1
     if budget.left != 0:
         raise CorruptShardError(shard, f"payload is {raw_bytes - budget.left} bytes, the manifest says {raw_bytes}")
-    flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=dtype)
-    table = (np.concatenate(docs) if docs else np.zeros((0, 3), dtype=_INT64)) if has_docs else None
+    # One group (a block, what the loader decodes) needs no joining: its arrays are used as they are.
+    flat = _concatenated(tokens, np.zeros(0, dtype=dtype))
+    table = _concatenated(docs, np.zeros((0, 3), dtype=_INT64)) if has_docs else None
     return arrays_from_parts(flat, _joined(offsets), _joined(doc_offsets) if has_docs else None, table, shard)
+
+
+def _concatenated(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else empty
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
     """Offsets of consecutive groups, each from 0, as one array over all of their samples."""
-    if not parts:
-        return np.zeros(1, dtype=OFFSETS_DTYPE)
+    if len(parts) <= 1:
+        return parts[0].astype(OFFSETS_DTYPE, copy=False) if parts else np.zeros(1, dtype=OFFSETS_DTYPE)
     bases = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
     return np.concatenate([p[:-1] + base for p, base in zip(parts, bases.tolist())]
                           + [np.array([bases[-1] + parts[-1][-1]])]).astype(OFFSETS_DTYPE)

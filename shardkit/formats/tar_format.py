@@ -165,11 +165,14 @@ def _octal(field: bytes, shard: str, what: str) -> int:
         raise CorruptShardError(shard, f"tar header {what} is not an octal number: {field!r}") from err
 
 
-def iter_tar_members(data: bytes | memoryview, shard: str) -> Iterator[tuple[str, memoryview]]:
-    """Yield (name, payload view) for each member, validating every header."""
+def iter_tar_members(data: bytes | memoryview, shard: str, *, archive_end: bool = True) -> Iterator[tuple[str, memoryview]]:
+    """Yield (name, payload view) for each member, validating every header. With `archive_end` false, `data`
+    is a run of members (a format v2 block) that ends where the data ends, without the end-of-archive marker."""
     view = memoryview(data)
     pos, end = 0, len(view)
     while True:
+        if not archive_end and pos == end:
+            return
         if pos + BLOCK > end:
             raise CorruptShardError(shard, f"truncated tar: no end-of-archive marker (stopped at byte {pos})")
         header = bytes(view[pos:pos + BLOCK])
