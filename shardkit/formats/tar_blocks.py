@@ -138,48 +138,67 @@ def _groups(members: Iterable[tuple[str, memoryview]]) -> Iterator[tuple[int, li
         yield int(key), [(field, name, payload) for _, field, name, payload in run]
 
 
+@dataclass(frozen=True)
+class _GroupArrays:
+    """One group's checked arrays; `doc_offsets` and `docs` are None without document boundaries."""
+
+    offsets: np.ndarray
+    tokens: np.ndarray
+    doc_offsets: np.ndarray | None
+    docs: np.ndarray | None
+
+
+def _decode_group(key: int, group: list[tuple[str, str, memoryview]], *, budget: _Budget, dtype: np.dtype,
+                  shard: str) -> _GroupArrays:
+    """Decompress (within the budget) and check one group's members: field order, dtypes, shapes, offsets."""
+    fields = tuple(field for field, _, _ in group)
+    if fields not in (FIELDS_WITHOUT_DOCS, FIELDS_WITH_DOCS):
+        raise CorruptShardError(shard, f"group {key:09d} has members {', '.join(fields)}; every group must have "
+                                       f"{', '.join(FIELDS_WITHOUT_DOCS)} (then {', '.join(FIELDS_WITH_DOCS[2:])} "
+                                       "in every group or in none), in that order")
+    names = [name for _, name, _ in group]
+    arrays = [budget.array(name, payload) for _, name, payload in group]
+    tokens = arrays[1]
+    if tokens.dtype != dtype or tokens.ndim != 1:
+        raise CorruptShardError(shard, f"member {names[1]}: tokens must be a 1-D {dtype} array, got "
+                                       f"{tokens.dtype} {tokens.shape}")
+    offsets = _offsets(arrays[0], len(tokens), shard=shard, member=names[0])
+    if fields == FIELDS_WITHOUT_DOCS:
+        return _GroupArrays(offsets, tokens, None, None)
+    docs = arrays[3]
+    if docs.dtype != _INT64 or docs.ndim != 2 or docs.shape[1] != 3:
+        raise CorruptShardError(shard, f"member {names[3]}: docs must be an int64 (k, 3) array")
+    doc_offsets = _offsets(arrays[2], len(docs), shard=shard, member=names[2])
+    if len(doc_offsets) != len(offsets):
+        raise CorruptShardError(shard, f"member {names[2]}: {len(doc_offsets) - 1} samples, its sample_offsets "
+                                       f"say {len(offsets) - 1}")
+    return _GroupArrays(offsets, tokens, doc_offsets, docs)
+
+
 def _decode_groups(members: Iterable[tuple[str, memoryview]], *, dtype: np.dtype, shard: str, raw_bytes: int,
                    first_sample: int) -> ShardArrays:
     budget = _Budget(raw_bytes, shard)
-    tokens, offsets, doc_offsets, docs = [], [], [], []
-    expected, has_docs = first_sample, None
-    for key, group in _groups(members):
-        fields = tuple(field for field, _, _ in group)
-        first_name = group[0][1]
+    groups: list[_GroupArrays] = []
+    expected = first_sample
+    for key, members_of_group in _groups(members):
         if key != expected:
-            raise CorruptShardError(shard, f"member {first_name}: expected the group of sample {expected:09d} "
-                                           "(groups must follow each other without gaps)")
-        if fields not in (FIELDS_WITHOUT_DOCS, FIELDS_WITH_DOCS) or (has_docs is not None
-                                                                     and has_docs != (fields == FIELDS_WITH_DOCS)):
-            raise CorruptShardError(shard, f"group {key:09d} has members {', '.join(fields)}; every group must have "
-                                           f"{', '.join(FIELDS_WITHOUT_DOCS)} (then {', '.join(FIELDS_WITH_DOCS[2:])} "
-                                           "in every group or in none), in that order")
-        has_docs = fields == FIELDS_WITH_DOCS
-        arrays = [budget.array(name, payload) for _, name, payload in group]
-        group_tokens = arrays[1]
-        if group_tokens.dtype != dtype or group_tokens.ndim != 1:
-            raise CorruptShardError(shard, f"member {group[1][1]}: tokens must be a 1-D {dtype} array, got "
-                                           f"{group_tokens.dtype} {group_tokens.shape}")
-        group_offsets = _offsets(arrays[0], len(group_tokens), shard=shard, member=group[0][1])
-        tokens.append(group_tokens)
-        offsets.append(group_offsets)
-        if has_docs:
-            table = arrays[3]
-            if table.dtype != _INT64 or table.ndim != 2 or table.shape[1] != 3:
-                raise CorruptShardError(shard, f"member {group[3][1]}: docs must be an int64 (k, 3) array")
-            group_doc_offsets = _offsets(arrays[2], len(table), shard=shard, member=group[2][1])
-            if len(group_doc_offsets) != len(group_offsets):
-                raise CorruptShardError(shard, f"member {group[2][1]}: {len(group_doc_offsets) - 1} samples, "
-                                               f"its sample_offsets say {len(group_offsets) - 1}")
-            docs.append(table)
-            doc_offsets.append(group_doc_offsets)
-        expected += len(group_offsets) - 1
+            raise CorruptShardError(shard, f"member {members_of_group[0][1]}: expected the group of sample "
+                                           f"{expected:09d} (groups must follow each other without gaps)")
+        group = _decode_group(key, members_of_group, budget=budget, dtype=dtype, shard=shard)
+        if groups and (group.docs is None) != (groups[0].docs is None):
+            raise CorruptShardError(shard, f"group {key:09d} has members {', '.join(f for f, _, _ in members_of_group)}; "
+                                           "document boundaries must be in every group or in none")
+        groups.append(group)
+        expected += len(group.offsets) - 1
     if budget.left != 0:
         raise CorruptShardError(shard, f"payload is {raw_bytes - budget.left} bytes, the manifest says {raw_bytes}")
     # One group (a block, what the loader decodes) needs no joining: its arrays are used as they are.
-    flat = _concatenated(tokens, np.zeros(0, dtype=dtype))
-    table = _concatenated(docs, np.zeros((0, 3), dtype=_INT64)) if has_docs else None
-    return arrays_from_parts(flat, _joined(offsets), _joined(doc_offsets) if has_docs else None, table, shard)
+    flat = _concatenated([g.tokens for g in groups], np.zeros(0, dtype=dtype))
+    offsets = _joined([g.offsets for g in groups])
+    if groups[0].docs is None:
+        return arrays_from_parts(flat, offsets, None, None, shard)
+    table = _concatenated([g.docs for g in groups], np.zeros((0, 3), dtype=_INT64))
+    return arrays_from_parts(flat, offsets, _joined([g.doc_offsets for g in groups]), table, shard)
 
 
 def _concatenated(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
