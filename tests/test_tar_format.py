@@ -9,8 +9,6 @@ from conftest import shared_path
 from format_samples import build_tar, make_samples, zst_npy
 
 from shardkit.errors import CorruptShardError
-from shardkit.formats.blocks import BlockIndex
-from shardkit.formats.shard_bytes import decode_block
 from shardkit.formats import (
     Sample,
     arrays_from_samples,
@@ -21,6 +19,8 @@ from shardkit.formats import (
     wds_samples,
     write_dataset,
 )
+from shardkit.formats.blocks import BlockIndex
+from shardkit.formats.shard_bytes import decode_block
 from shardkit.formats.zstd_frames import compressor
 from shardkit.manifest import TokenizerInfo
 
@@ -45,7 +45,7 @@ def test_webdataset_reads_tar_shard(tmp_path, tar_layout):
         np.testing.assert_array_equal(record["docs.npy.zst"][:, 2], want.doc_index)
 
 
-def test_both_layouts_decode_to_the_same_arrays_block_by_block_and_whole(tmp_path):
+def test_both_layouts_decode_to_the_same_arrays_block_by_block_and_whole():
     for docs in (True, False):
         arrays = arrays_from_samples(make_samples(np.random.default_rng(4), 40, 50257, docs=docs), "uint16")
         for layout in ("blocks", "samples"):
