@@ -173,15 +173,17 @@ def shardkit_loader(url: str, cache: str, batch: int, workers: int, state: dict 
 def webdataset_loader(url: str, batch: int, workers: int) -> Callable[[], Iterator]:
     import webdataset as wds
 
-    from shardkit.formats import wds_decode_hook
+    from shardkit.formats import wds_decode_hook, wds_samples
     from shardkit.manifest import load_manifest
 
     shards = [f"{url}/{s.name}" for s in load_manifest(url).shards]
 
     def make():
+        # A tar shard's webdataset record is a block of samples (docs/FORMAT.md section 4): split, then shuffle.
         pipeline = (wds.WebDataset(shards, shardshuffle=len(shards), nodesplitter=wds.single_node_only,
                                    empty_check=False)
-                    .shuffle(1000).decode(wds_decode_hook).to_tuple("tokens.npy.zst").batched(batch))
+                    .decode(wds_decode_hook).compose(wds_samples).shuffle(1000).to_tuple("tokens.npy.zst")
+                    .batched(batch))
         return iter(wds.WebLoader(pipeline, batch_size=None, num_workers=workers))
     return make
 

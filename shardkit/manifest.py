@@ -46,9 +46,10 @@ MAX_SHARD_BYTES = 2**40
 # stored byte, and frame headers only lower the ratio. So no stored byte decodes to more than 32,768
 # bytes: raw_bytes (decoded payload, both formats) <= 32,768 x compressed_bytes.
 MAX_ZSTD_RATIO = 131072 // 4
-# A tar sample is at least its tokens' .npy file, whose header alone is 64 bytes (a multiple of 64
-# by the .npy format) and counts in raw_bytes (FORMAT.md section 4): even an empty sample costs it.
-MIN_TAR_SAMPLE_RAW_BYTES = 64
+# A tar sample is at least its 8-byte entry in its group's sample_offsets .npy, which counts in raw_bytes
+# (FORMAT.md section 4: group layout; a per-sample layout sample costs a 64-byte .npy header, more). The
+# manifest does not say which layout a shard has, so the looser bound holds for both.
+MIN_TAR_SAMPLE_RAW_BYTES = 8
 # An arrow sample is at least its 4-byte list offset, which raw_bytes counts (FORMAT.md section 5).
 MIN_ARROW_SAMPLE_RAW_BYTES = 4
 # Positions, steps and totals are int64: totals stay far below its limit.
@@ -396,7 +397,7 @@ def check_counts(manifest: Manifest, *, source: str) -> None:
     ]
     if manifest.shard_format == "tar":
         rules.append((samples > raw // MIN_TAR_SAMPLE_RAW_BYTES,
-                      f"more samples than raw_bytes / {MIN_TAR_SAMPLE_RAW_BYTES} (a tar sample's .npy header)"))
+                      f"more samples than raw_bytes / {MIN_TAR_SAMPLE_RAW_BYTES} (a tar sample's offset entry)"))
     else:
         rules.append((samples > raw // MIN_ARROW_SAMPLE_RAW_BYTES,
                       f"more samples than raw_bytes / {MIN_ARROW_SAMPLE_RAW_BYTES} (an arrow sample's list offset)"))

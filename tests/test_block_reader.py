@@ -17,6 +17,7 @@ import pytest
 from loader_helpers import ids_from_tokens
 from shardkit.errors import CorruptShardError
 from shardkit.formats import decode_shard
+from shardkit.loaders import block_reader as block_reader_module
 from shardkit.loaders.block_reader import BlockReader
 from shardkit.storage import Storage
 from test_blocks import SEQ, block_index, flip_byte, write_blocks
@@ -43,8 +44,10 @@ def sample_ids(reader: BlockReader, local: np.ndarray) -> np.ndarray:
     return ids_from_tokens(np.stack([reader.reader.tokens(int(i)) for i in local]))
 
 
-def test_ensure_reads_only_the_blocks_of_the_samples_asked(dataset):
+def test_ensure_reads_only_the_blocks_of_the_samples_asked(dataset, monkeypatch):
     url, manifest = dataset
+    # The whole shard is ~100 KB: blocks that far apart would be merged into one read (COALESCE_GAP_BYTES).
+    monkeypatch.setattr(block_reader_module, "COALESCE_GAP_BYTES", 0)
     reader, reads = reader_of(url, manifest, shard=1)
     index = block_index(url, manifest.shards[1])
     wanted = np.array([0, 1, PER_SHARD - 1])

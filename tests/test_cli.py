@@ -131,7 +131,8 @@ def test_flipped_byte_inside_a_tar_member_is_caught_even_without_the_hash(tmp_pa
     shard = manifest.shards[0]
     path = tmp_path / "ds" / shard.name
     flip_one_byte(path, 512 + 60)  # inside the first member's zstd frame (the header is 512 bytes)
-    with pytest.raises(CorruptShardError, match=f"corrupt shard {shard.name}: member 000000000.tokens.npy.zst"):
+    with pytest.raises(CorruptShardError, match=f"corrupt shard {shard.name}: member 000000000.sample_offsets.npy.zst: "
+                                                "zstd decompression failed"):
         ShardReader.from_bytes(path.read_bytes(), shard=shard, manifest=manifest, verify=False)
     flip_one_byte(path, 512 + 60)
     flip_one_byte(path, 130)  # inside the first tar header

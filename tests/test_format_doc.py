@@ -19,10 +19,11 @@ def test_format_doc_snippets_read_real_shards(tmp_path):
         exec(compile(block, "docs/FORMAT.md", "exec"), namespace)
     rng = np.random.default_rng(12)
     samples = make_samples(rng, 25, 50257)
-    for shard_format in ("tar", "arrow"):
-        url = tmp_path / shard_format
+    # Tar in both layouts (groups of about 8 KB: several per shard), and arrow.
+    for shard_format, options in (("tar", {"block_bytes": 8192}), ("tar", {"tar_layout": "samples"}), ("arrow", {})):
+        url = tmp_path / f"{shard_format}-{'-'.join(map(str, options.values()))}"
         manifest = write_dataset(str(url), samples, tokenizer=tokenizer(50257), seq_len=None, packing="none",
-                                 shard_format=shard_format, max_samples=10)
+                                 shard_format=shard_format, max_samples=10, **options)
         got = []
         for shard in manifest.shards:
             data = (url / shard.name).read_bytes()

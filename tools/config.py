@@ -100,8 +100,8 @@ class BuildConfig:
                           records="output", metavar="N")
     shard_format: str = option(
         "arrow", "shard format: 'arrow' (Arrow IPC with zstd buffers: compact, ~1.5x smaller than raw tokens, "
-        "fastest to decode) or 'tar' (per-sample zstd .npy members, readable by webdataset and tar; 512-byte "
-        "headers per member make it larger)",
+        "fastest to decode) or 'tar' (zstd .npy members, one group per block of samples, within a few percent "
+        "of arrow's size; readable by webdataset and tar, see docs/FORMAT.md section 4)",
         records="output", choices=registry("shardkit.manifest", "SHARD_FORMATS"), flags=("--format",), metavar="FORMAT")
     packing: str = option(
         "concat", "'concat': join documents with EOS and cut windows (the last partial window is padded and "

@@ -14,10 +14,14 @@ from shardkit.formats.blocks import DEFAULT_BLOCK_BYTES, Block, BlockIndex, bloc
 from shardkit.formats.sample import ShardArrays
 from shardkit.formats.tar_format import BLOCK as TAR_BLOCK
 from shardkit.formats.tar_format import RECORD as TAR_RECORD
-from shardkit.formats.tar_format import decode_tar, decode_tar_block, encode_tar, sample_member_starts, sample_raw_bytes
+from shardkit.formats.tar_blocks import Group, decode_tar_any, decode_tar_block, encode_tar_groups
+from shardkit.formats.tar_format import encode_tar, sample_member_starts, sample_raw_bytes
 
 SHARD_EXTENSIONS = {"tar": ".tar", "arrow": ".arrow"}
 SHARD_FORMAT_VERSIONS = (1, 2)
+# How a tar shard's samples map to members: a member group per block (`tar_blocks`, compact) or a member
+# per sample and field (`tar_format`, the earlier layout; one webdataset record per sample without a helper).
+TAR_LAYOUTS = ("blocks", "samples")
 _ARROW_TRAILER = 10  # int32 footer length + b"ARROW1" at the very end of an Arrow IPC file
 
 
@@ -37,17 +41,23 @@ class EncodedShard:
 
 
 def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, level: int = 3,
-                 format_version: int = 2, block_bytes: int | None = None) -> EncodedShard:
+                 format_version: int = 2, block_bytes: int | None = None, tar_layout: str = "blocks") -> EncodedShard:
     """Serialise a shard. Version 2 (the default) adds a block index (`shardkit.formats.blocks`); an
     empty shard has no blocks, so it is written as version 1 either way. `block_bytes`: raw bytes per
-    block (tar member groups and Arrow record batches alike; default `DEFAULT_BLOCK_BYTES`)."""
+    block (tar member groups and Arrow record batches alike; default `DEFAULT_BLOCK_BYTES`).
+    `tar_layout`: one of `TAR_LAYOUTS` (tar shards only)."""
     if block_bytes is None:
         block_bytes = DEFAULT_BLOCK_BYTES.get(shard_format, 1 << 20)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     if format_version not in SHARD_FORMAT_VERSIONS:
         raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
-    if shard_format == "tar":
+    if tar_layout not in TAR_LAYOUTS:
+        raise ValueError(f"tar_layout must be one of {TAR_LAYOUTS}, got {tar_layout!r}")
+    groups = None
+    if shard_format == "tar" and tar_layout == "blocks":
+        data, raw, groups = encode_tar_groups(arrays, level=level, block_bytes=block_bytes)
+    elif shard_format == "tar":
         data, raw = encode_tar(arrays, level=level)
     elif shard_format == "arrow":
         data, raw = encode_arrow(arrays, token_dtype=token_dtype, level=level, batch_bytes=block_bytes)
@@ -55,24 +65,30 @@ def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, le
         raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
     index_fields: dict = {}
     if format_version == 2 and arrays.num_samples:
-        data, index_fields = _with_block_index(data, arrays, shard_format, block_bytes)
+        data, index_fields = _with_block_index(data, arrays, shard_format, block_bytes, groups)
     data = data if isinstance(data, bytes) else bytes(data)
     return EncodedShard(data, arrays.num_samples, int(arrays.tokens.size), raw,
                         hashlib.sha256(data).hexdigest(), arrays.has_doc_boundaries, **index_fields)
 
 
 def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_format: str,
-                      block_bytes: int) -> tuple[bytes, dict]:
+                      block_bytes: int, groups: list[Group] | None) -> tuple[bytes, dict]:
     """The shard bytes with the block index inserted, and the manifest's index fields.
 
     Where it goes keeps every existing reader working: after a tar's end-of-archive marker (tar
     readers stop there), in the zero padding up to tar's 10,240-byte record (one more record when it
     does not fit), and in an Arrow file between the end-of-stream marker and the footer (Arrow
     readers find the footer from the file's end and the batches through the footer's offsets, which
-    stay valid because nothing before the insertion point moves).
+    stay valid because nothing before the insertion point moves). `groups`: a group layout tar's
+    member groups, which are its blocks.
     """
     n = arrays.num_samples
-    if shard_format == "tar":
+    if groups is not None:
+        cuts = [0] + [g.sample_end for g in groups]
+        ranges = [(g.byte_start, g.byte_end) for g in groups]
+        raws = [g.raw_bytes for g in groups]
+        insert_at = groups[-1].byte_end + 2 * TAR_BLOCK
+    elif shard_format == "tar":
         starts = sample_member_starts(data, n)
         per_sample = sample_raw_bytes(arrays)
         cuts, acc = [0], 0
@@ -120,7 +136,7 @@ def _arrow_block_raw(arrays: ShardArrays, lo: int, hi: int) -> int:
 def decode_shard(data: bytes | memoryview, *, shard_format: str, token_dtype: str, shard: str, raw_bytes: int) -> ShardArrays:
     """Decode shard bytes; `raw_bytes` from the manifest bounds decompression and must match exactly."""
     if shard_format == "tar":
-        return decode_tar(data, token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes)
+        return decode_tar_any(data, token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes)
     if shard_format == "arrow":
         return decode_arrow(data, token_dtype=token_dtype, shard=shard, raw_bytes=raw_bytes)
     raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")

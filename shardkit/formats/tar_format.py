@@ -1,5 +1,9 @@
 """The `tar` shard format: a plain (uncompressed) POSIX ustar archive whose *members* are zstd frames.
 
+This module holds the members' parser and writer, and the per-sample layout that shards had before the
+group layout (`tar_blocks`, one member group per block of samples, what the writer produces by default);
+shards of this layout stay readable and `ShardWriter(tar_layout="samples")` still writes them.
+
 Sample i of a shard is two members, WebDataset-style (same key, different extensions):
 
     {i:09d}.tokens.npy.zst   the token ids, a 1-D .npy array (<u2 or <u4), zstd-compressed
@@ -10,7 +14,8 @@ Why per-member compression rather than one `.tar.zst`: the archive stays a tar t
 `webdataset` and any tar reader open directly (webdataset only needs a one-line `.zst` decode hook,
 `wds_decode_hook` below); every member can be located from the headers and fetched by a byte-range
 read without decompressing the rest; and a flipped byte corrupts one sample's frame, which its
-zstd checksum detects, not the whole shard. The cost is a slightly lower ratio than whole-file zstd.
+zstd checksum detects, not the whole shard. The cost of a member per sample was the ratio: each ~4 KB
+sample compressed alone, plus two 512-byte headers per sample, which the group layout removes.
 
 `raw_bytes` for a tar shard is the sum of the decompressed member sizes (the .npy bytes).
 
@@ -38,7 +43,9 @@ from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_START
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's conventional record size; archives are padded to a multiple of it
-_MEMBER_NAME = re.compile(r"^(\d{9})\.(tokens|docs)\.npy\.zst$")
+# Both layouts' member names: this one's, and the group layout's (`tar_blocks`), which shares the parser.
+_MEMBER_NAME = re.compile(r"^(\d{9})\.(tokens|docs|sample_offsets|doc_offsets)\.npy\.zst$")
+_FIELDS = ("tokens", "docs")
 _DOCS_DTYPE = np.dtype("<i8")
 
 
@@ -101,34 +108,51 @@ class _MemberHeaders:
         return bytes(header)
 
 
+class MemberWriter:
+    """Appends `.npy.zst` members to a tar archive being built (both layouts write through it)."""
+
+    def __init__(self, level: int) -> None:
+        self.cctx = compressor(level)
+        self.headers = _MemberHeaders()
+        self.out = bytearray()
+
+    def add(self, key: int, field: str, array: np.ndarray) -> int:
+        """Write member `{key:09d}.{field}.npy.zst` holding `array`; returns its raw (.npy) size."""
+        payload = _npy_bytes(array)
+        frame = self.cctx.compress(payload)
+        self.out += self.headers(f"{key:09d}.{field}.npy.zst", len(frame))
+        self.out += frame
+        self.out += b"\0" * (-len(frame) % BLOCK)
+        return len(payload)
+
+    def finish(self) -> bytes:
+        """The archive: the members, the end-of-archive blocks, padding to whole records."""
+        self.out += b"\0" * (2 * BLOCK)
+        self.out += b"\0" * (-len(self.out) % RECORD)
+        return bytes(self.out)
+
+
+def doc_table(arrays: ShardArrays) -> np.ndarray:
+    """The shard's document segments as one [segments, 3] int64 table; each sample's rows are a slice."""
+    return np.stack([arrays.doc_starts.astype(_DOCS_DTYPE), arrays.doc_source.astype(_DOCS_DTYPE),
+                     arrays.doc_index.astype(_DOCS_DTYPE)], axis=1).reshape(-1, 3)
+
+
 def encode_tar(arrays: ShardArrays, *, level: int) -> tuple[bytes, int]:
-    """Serialise a shard; returns (file bytes, raw_bytes)."""
-    cctx = compressor(level)
-    headers = _MemberHeaders()
-    out = bytearray()
+    """Serialise a shard in the per-sample layout; returns (file bytes, raw_bytes)."""
+    writer = MemberWriter(level)
     raw = 0
     tokens = np.ascontiguousarray(arrays.tokens)
     offsets = arrays.sample_offsets.tolist()
     docs = doc_offsets = None
     if arrays.doc_offsets is not None:
-        # One [segments, 3] int64 table for the whole shard; each sample's rows are a contiguous slice.
-        docs = np.stack([arrays.doc_starts.astype(_DOCS_DTYPE), arrays.doc_source.astype(_DOCS_DTYPE),
-                         arrays.doc_index.astype(_DOCS_DTYPE)], axis=1).reshape(-1, 3)
+        docs = doc_table(arrays)
         doc_offsets = arrays.doc_offsets.tolist()
     for i in range(arrays.num_samples):
-        members = [("tokens", tokens[offsets[i]:offsets[i + 1]])]
+        raw += writer.add(i, "tokens", tokens[offsets[i]:offsets[i + 1]])
         if docs is not None:
-            members.append(("docs", docs[doc_offsets[i]:doc_offsets[i + 1]]))
-        for field, array in members:
-            payload = _npy_bytes(array)
-            raw += len(payload)
-            frame = cctx.compress(payload)
-            out += headers(f"{i:09d}.{field}.npy.zst", len(frame))
-            out += frame
-            out += b"\0" * (-len(frame) % BLOCK)
-    out += b"\0" * (2 * BLOCK)
-    out += b"\0" * (-len(out) % RECORD)
-    return bytes(out), raw
+            raw += writer.add(i, "docs", docs[doc_offsets[i]:doc_offsets[i + 1]])
+    return writer.finish(), raw
 
 
 def _octal(field: bytes, shard: str, what: str) -> int:
@@ -141,11 +165,14 @@ def _octal(field: bytes, shard: str, what: str) -> int:
         raise CorruptShardError(shard, f"tar header {what} is not an octal number: {field!r}") from err
 
 
-def iter_tar_members(data: bytes | memoryview, shard: str) -> Iterator[tuple[str, memoryview]]:
-    """Yield (name, payload view) for each member, validating every header."""
+def iter_tar_members(data: bytes | memoryview, shard: str, *, archive_end: bool = True) -> Iterator[tuple[str, memoryview]]:
+    """Yield (name, payload view) for each member, validating every header. With `archive_end` false, `data`
+    is a run of members (a format v2 block) that ends where the data ends, without the end-of-archive marker."""
     view = memoryview(data)
     pos, end = 0, len(view)
     while True:
+        if not archive_end and pos == end:
+            return
         if pos + BLOCK > end:
             raise CorruptShardError(shard, f"truncated tar: no end-of-archive marker (stopped at byte {pos})")
         header = bytes(view[pos:pos + BLOCK])
@@ -221,8 +248,8 @@ def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_by
                first_sample: int = 0) -> ShardArrays:
     """Parse and decompress a tar shard into flat arrays; `raw_bytes` (from the manifest) bounds it.
 
-    `first_sample` is the key of the first member: a format v2 block of a shard (`decode_tar_block`)
-    starts at its own first sample.
+    `first_sample` is the key of the first member: a format v2 block of a shard
+    (`tar_blocks.decode_tar_block`) starts at its own first sample.
     """
     dtype = numpy_token_dtype(token_dtype)
     # Members are grouped by key, WebDataset-style; keys must run 0, 1, 2, ... without gaps.
@@ -233,6 +260,8 @@ def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_by
     for member, payload in iter_tar_members(data, shard):
         match = _MEMBER_NAME.match(member)
         key, field = int(match.group(1)) - first_sample, match.group(2)
+        if field not in _FIELDS:
+            raise CorruptShardError(shard, f"member {member}: a group layout member in a per-sample layout shard")
         if key != len(tokens) - 1:
             if key != len(tokens):
                 raise CorruptShardError(shard, f"member {member}: expected sample {first_sample + len(tokens):09d} "
@@ -264,16 +293,24 @@ def decode_tar(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_by
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=dtype)
     if not has_docs:
-        arrays = ShardArrays(flat, offsets)
+        return arrays_from_parts(flat, offsets, None, None, shard)
+    counts = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    doc_offsets = np.zeros(len(docs) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(counts, out=doc_offsets[1:])
+    table = np.concatenate(docs) if docs else np.zeros((0, 3), dtype=_DOCS_DTYPE)
+    return arrays_from_parts(flat, offsets, doc_offsets, table, shard)
+
+
+def arrays_from_parts(tokens: np.ndarray, offsets: np.ndarray, doc_offsets: np.ndarray | None,
+                      table: np.ndarray | None, shard: str) -> ShardArrays:
+    """Checked `ShardArrays` from a tar shard's decoded tokens, offsets and (k, 3) int64 document table."""
+    if table is None:
+        arrays = ShardArrays(tokens, offsets)
     else:
-        counts = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        doc_offsets = np.zeros(len(docs) + 1, dtype=OFFSETS_DTYPE)
-        np.cumsum(counts, out=doc_offsets[1:])
-        table = np.concatenate(docs) if docs else np.zeros((0, 3), dtype=_DOCS_DTYPE)
         if table.size and (table[:, 0].max() > np.iinfo(DOC_STARTS_DTYPE).max or table[:, 1].min() < -1
                            or table[:, 1].max() > np.iinfo(DOC_SOURCE_DTYPE).max):
             raise CorruptShardError(shard, "document boundary values out of range")
-        arrays = ShardArrays(flat, offsets, doc_offsets, table[:, 0].astype(DOC_STARTS_DTYPE),
+        arrays = ShardArrays(tokens, offsets, doc_offsets, table[:, 0].astype(DOC_STARTS_DTYPE),
                              table[:, 1].astype(DOC_SOURCE_DTYPE), table[:, 2].astype(DOC_INDEX_DTYPE))
     arrays.validate(shard)
     return arrays
@@ -289,13 +326,6 @@ def sample_raw_bytes(arrays: ShardArrays) -> np.ndarray:
         counts = np.diff(arrays.doc_offsets)
         raw += np.array([len(_npy_header("<i8", (int(k), 3))) for k in counts.tolist()], dtype=np.int64) + counts * 24
     return raw
-
-
-def decode_tar_block(data: bytes | memoryview, *, token_dtype: str, shard: str, raw_bytes: int,
-                     first_sample: int) -> ShardArrays:
-    """Decode one format v2 block: the members of consecutive samples, without the end-of-archive marker."""
-    return decode_tar(b"".join((data, b"\0" * (2 * BLOCK))), token_dtype=token_dtype, shard=shard,
-                      raw_bytes=raw_bytes, first_sample=first_sample)
 
 
 def sample_member_starts(data: bytes, num_samples: int) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, encode_shard
+from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, TAR_LAYOUTS, encode_shard
 from shardkit.formats.sample import (OFFSETS_DTYPE, Sample, ShardArrays, check_arrays, check_sample, concat_arrays,
                                      numpy_token_dtype)
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
@@ -48,6 +48,9 @@ class ShardWriter:
             caller's thread and in shard order.
         on_shard_cut: called with a shard's index when its samples are fixed, before it is encoded (with
             `encode_threads`, `on_shard_done` comes later, after the caller may have written more).
+        tar_layout: "blocks" (default) stores each block of samples as one member group, compressed together
+            (about Arrow's size; webdataset yields a record per block, `shardkit.formats.wds_samples` splits
+            it); "samples" writes the earlier layout, a member per sample and field (several times larger).
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
@@ -56,11 +59,13 @@ class ShardWriter:
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
                  storage_options: dict[str, Any] | None = None, format_version: int = 2,
                  block_bytes: int | None = None, encode_threads: int = 0,
-                 on_shard_cut: Callable[[int], None] | None = None):
+                 on_shard_cut: Callable[[int], None] | None = None, tar_layout: str = "blocks"):
         if format_version not in SHARD_FORMAT_VERSIONS:
             raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
         if shard_format not in SHARD_EXTENSIONS:
             raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
+        if tar_layout not in TAR_LAYOUTS:
+            raise ValueError(f"tar_layout must be one of {TAR_LAYOUTS}, got {tar_layout!r}")
         numpy_token_dtype(token_dtype)
         if max_samples is not None and max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
@@ -76,6 +81,7 @@ class ShardWriter:
         self.compression_level = compression_level
         self.format_version = format_version
         self.block_bytes = block_bytes
+        self.tar_layout = tar_layout
         self.name_template = name_template
         self.next_index = start_index
         self.on_shard_done = on_shard_done
@@ -202,7 +208,8 @@ class ShardWriter:
     def _store(self, arrays: ShardArrays, index: int) -> ShardInfo:
         """Encode and upload one shard (in any thread: it touches nothing of the writer's state)."""
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
-                               level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes)
+                               level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes,
+                               tar_layout=self.tar_layout)
         name = self.name_template.format(index=index) + SHARD_EXTENSIONS[self.shard_format]
         self.storage.write_bytes(name, encoded.data)
         return ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
