@@ -83,6 +83,14 @@ class StreamingDataLoader(DataLoader):
             `torch.utils.data.DataLoader`.
     """
 
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any):
+        # A raw-text dataset has its own loader (`shardkit.loaders.raw_loader`): its state is the lanes' cursors.
+        if cls is StreamingDataLoader and getattr(getattr(dataset, "plan", None), "raw_text", False):
+            from .raw_loader import RawTextDataLoader
+
+            return RawTextDataLoader(dataset, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, num_workers: int = 0, *,
                  pin_memory: bool = False,
                  timeout: float = 0, multiprocessing_context: Any = None, persistent_workers: bool = False,
