@@ -191,3 +191,19 @@ def test_standalone_iteration_needs_batch_size(corpus):
     assert isinstance(batch["tokens"], torch.Tensor) and batch["tokens"].shape == (2, 1025)
     with pytest.raises(ValueError, match="batch_size"):
         iter(dataset(corpus))
+
+
+@pytest.mark.slow
+def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, corpus):
+    from conftest import free_port
+    from raw_procs import raw_rank_run
+
+    port = free_port()
+    runs = process_pool.run(raw_rank_run, [dict(inputs=str(corpus), settings=SETTINGS, batch_size=5, rank=r,
+                                                world_size=2, port=port, steps=6) for r in range(2)])
+    assert runs[0]["state"] == runs[1]["state"], "the state must be global (identical on every rank)"
+    assert len(runs[0]["state"]["raw_text"]["cursors"]) == 5  # every lane's cursor, from whichever rank read it
+    head = runs[0]["rows"] + runs[1]["rows"]
+    tail, _ = simulated_run(corpus, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
+    reference, _ = simulated_run(corpus, world_size=1, batch_size=10, steps=18)
+    assert sorted(head + tail) == sorted(r for r in reference if r[0] < 60 + 120)
