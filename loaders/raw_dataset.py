@@ -36,6 +36,19 @@ class RawIteration:
     cursors: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
+@dataclass
+class StepPart:
+    """The rows of one step that one DataLoader worker read: their row numbers in the rank's batch, global
+    positions, samples and lane epochs; the cursors of its lanes after them; the documents it rejected."""
+
+    rows: np.ndarray
+    positions: np.ndarray
+    samples: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    cursors: np.ndarray | None = None
+    rejected: Counter = field(default_factory=Counter)
+
+
 class RawTextPlan:
     """What the data loader asks of a raw-text dataset (the raw counterpart of `ReadPlan`)."""
 
@@ -128,10 +141,12 @@ class RawTextDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan = self.plan
-        if get_worker_info() is not None:
-            raise ValueError("raw text is read in the main process: use num_workers=0 (DataLoader workers are not "
-                             "supported for raw-text datasets yet)")
         iteration = plan.next_iteration
+        info = get_worker_info()
+        if info is not None:  # a DataLoader worker: its lanes' rows of every step (the loader assembles them)
+            if iteration is None:
+                raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
+            return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
         if iteration is None:  # iterated on its own: from the start, tensors out
             if self.batch_size is None:
                 raise ValueError("iterating a raw-text StreamingDataset on its own needs batch_size=; or use "
@@ -144,6 +159,11 @@ class RawTextDataset(IterableDataset):
     def batches(self, iteration: RawIteration) -> Iterator[dict[str, np.ndarray]]:
         """This rank's numpy batches, step after step from `iteration.start` (endless: lanes go on epoch after
         epoch), each with the cursors of the lanes it read under `CURSORS_KEY`."""
+        return (self.assemble([part]) for part in self.parts(iteration, worker=0, num_workers=1))
+
+    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
+        """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
+        per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
         plan, corpus, topology = self.plan, self.corpus, iteration.topology
         reader, streams = UnitReader(corpus), {}
         step = 0
@@ -152,19 +172,35 @@ class RawTextDataset(IterableDataset):
                                             batch_size=iteration.batch_size, rank=topology.rank,
                                             num_lanes=plan.num_lanes)
             lanes, indices = position_lanes(positions, plan.num_lanes)
-            samples, epochs = [], []
-            for lane, index in zip(lanes.tolist(), indices.tolist()):
+            rows = np.flatnonzero(lanes % num_workers == worker)
+            part = StepPart(rows=rows, positions=positions[rows])
+            for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
                 stream = streams.get(lane)
                 if stream is None:
                     stream = streams[lane] = LaneStream(corpus, lane, reader, seed=plan.seed, shuffle=plan.shuffle,
                                                         cursor=iteration.cursors.get(lane, (0, 0, 0, 0)),
-                                                        rejected=self.rejected)
+                                                        rejected=part.rejected)
+                stream.rejected = part.rejected
                 sample, epoch = stream.take(index)
-                samples.append(sample)
-                epochs.append(epoch)
-            batch = raw_batch(samples, positions, epochs, pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
-                              variable=self.sample_length is None, dense_segments=plan.segment_ids)
-            batch[CURSORS_KEY] = np.array([[lane, *streams[lane].cursor.as_tuple()] for lane in sorted(set(lanes.tolist()))],
-                                          dtype=np.int64).reshape(-1, 5)
+                part.samples.append(sample)
+                part.epochs.append(epoch)
+            part.cursors = np.array([[lane, *streams[lane].cursor.as_tuple()]
+                                     for lane in sorted(set(lanes[rows].tolist()))], dtype=np.int64).reshape(-1, 5)
             step += 1
-            yield batch
+            yield part
+
+    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
+        """One step's batch from its parts (the rows in the rank's order), with the lanes' cursors under
+        `CURSORS_KEY`; the parts' rejections are counted in `rejected`."""
+        rows = np.concatenate([p.rows for p in parts])
+        order = np.argsort(rows, kind="stable")
+        samples = [s for p in parts for s in p.samples]
+        epochs = [e for p in parts for e in p.epochs]
+        corpus = self.corpus
+        batch = raw_batch([samples[i] for i in order], np.concatenate([p.positions for p in parts])[order],
+                          [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
+                          variable=self.sample_length is None, dense_segments=self.plan.segment_ids)
+        batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
+        for part in parts:
+            self.rejected.update(part.rejected)
+        return batch

@@ -35,7 +35,9 @@ class RawTextDataLoader(DataLoader):
     Args:
         dataset: a raw-text `StreamingDataset` (`RawTextDataset`).
         batch_size: samples per rank per step.
-        num_workers: must be 0 (raw text is tokenized in the main process for now).
+        num_workers: worker processes; each tokenizes its share of the rank's lanes (lane % num_workers) and
+            the main process assembles every step from their parts, so the batches do not depend on it.
+        persistent_workers: not supported (each iteration starts its workers where the loader stands).
     """
 
     def __init__(self, dataset: RawTextDataset, batch_size: int | None = None, num_workers: int = 0, *,
@@ -43,10 +45,10 @@ class RawTextDataLoader(DataLoader):
                  persistent_workers: bool = False, prefetch_factor: int | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if num_workers:
-            raise ValueError(f"num_workers={num_workers}: raw-text datasets are tokenized in the main process; use "
-                             "num_workers=0 (or build the dataset with `shardkit build` to read it with workers)")
-        DataLoader.__init__(self, dataset, batch_size=None, num_workers=0, collate_fn=_whole, timeout=timeout,
+        if persistent_workers:
+            raise ValueError("persistent_workers=True is not supported for raw-text datasets: each iteration starts "
+                             "its workers where the loader stands")
+        DataLoader.__init__(self, dataset, batch_size=None, num_workers=num_workers, collate_fn=_whole, timeout=timeout,
                             multiprocessing_context=multiprocessing_context, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor)
         self.plan = plan = dataset.plan
@@ -76,7 +78,7 @@ class RawTextDataLoader(DataLoader):
         self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
                                      cursors=dict(self._cursors)))
         pin = self.pin_batches and torch.cuda.is_available()
-        for arrays in iter(self.dataset):
+        for arrays in self._numpy_batches():
             cursors = arrays.pop(CURSORS_KEY)
             batch = batch_to_tensors(arrays, self.plan.token_dtype)
             if pin:
@@ -85,6 +87,18 @@ class RawTextDataLoader(DataLoader):
             self._consumed += global_batch
             self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
             yield batch
+
+    def _numpy_batches(self) -> Iterator[dict[str, Any]]:
+        if self.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
+            yield from iter(self.dataset)
+            return
+        # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
+        parts = DataLoader.__iter__(self)
+        try:
+            while True:
+                yield self.dataset.assemble([next(parts) for _ in range(self.num_workers)])
+        finally:
+            parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
 
     # -- state ---------------------------------------------------------------------------------
     def local_state_dict(self) -> dict[str, Any]:

@@ -144,6 +144,7 @@ class UnitReader:
     def __init__(self, corpus: RawCorpus):
         self.corpus = corpus
         self._live: dict[int, tuple[Iterator[WorkUnit], int]] = {}  # source -> (units, next file unit)
+        self.logged = 0  # rejected documents logged by this reader's streams
 
     def read(self, number: int) -> WorkUnit:
         corpus = self.corpus
@@ -244,5 +245,6 @@ class LaneStream:
         if cursor.epoch == 0 and cursor.within == 0:
             for _, reason in rejected:
                 self.rejected[reason_category(reason)] += 1
-                if sum(self.rejected.values()) <= _LOGGED_REJECTIONS:
+                if self.reader.logged < _LOGGED_REJECTIONS:
+                    self.reader.logged += 1
                     logger.warning("%s: rejected a document: %s", self.corpus.files[unit.source].url, reason)

@@ -174,9 +174,19 @@ def test_a_state_of_other_settings_or_a_built_dataset_is_refused(corpus):
         StreamingDataLoader(dataset(corpus), batch_size=2).load_state_dict(built)
 
 
-def test_workers_are_refused_with_a_clear_error(corpus):
-    with pytest.raises(ValueError, match="num_workers=2"):
-        StreamingDataLoader(dataset(corpus), batch_size=2, num_workers=2)
+def test_two_workers_give_the_samples_of_none_and_resume_across(corpus):
+    reference = take(StreamingDataLoader(dataset(corpus), batch_size=6), 20)
+    loader = StreamingDataLoader(dataset(corpus), batch_size=6, num_workers=2, multiprocessing_context="fork")
+    head = take(loader, 9)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(head, reference) for k in a)
+    state = loader.state_dict()
+    for workers in (0, 2):  # a workers' state is global: resumed with or without workers
+        resumed = StreamingDataLoader(dataset(corpus), batch_size=6, num_workers=workers,
+                                      multiprocessing_context="fork" if workers else None)
+        resumed.load_state_dict(state)
+        assert rows(head) + rows(take(resumed, 11)) == rows(reference)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        StreamingDataLoader(dataset(corpus), batch_size=2, num_workers=2, persistent_workers=True)
 
 
 def test_an_unreadable_input_is_named(tmp_path):
