@@ -99,7 +99,7 @@ class RawCorpus:
     def __init__(self, inputs: list[str], settings: RawTextSettings, storage_options: dict[str, Any] | None = None):
         self.settings, self.storage_options = settings, storage_options
         self.files: list[InputFile] = expand_inputs(inputs, storage_options)
-        info = cached_tokenizer(settings.tokenizer).info
+        self.tokenizer_info = info = cached_tokenizer(settings.tokenizer).info
         eos, bos = _special(settings.eos_id, info.eos_id, "eos_id"), _special(settings.bos_id, info.bos_id, "bos_id")
         self.pad_id = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
         self.token_dtype = token_dtype_for_vocab(info.vocab_size)
