@@ -217,3 +217,20 @@ def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, corpus):
     tail, _ = simulated_run(corpus, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
     reference, _ = simulated_run(corpus, world_size=1, batch_size=10, steps=18)
     assert sorted(head + tail) == sorted(r for r in reference if r[0] < 60 + 120)
+
+
+def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_unit():
+    from conftest import shared_path
+
+    corpus = str(shared_path("corpora/prose.jsonl.zst"))
+    tokenizer = str(shared_path("tokenizers/gpt2_hf_tokenizer.json"))
+    settings = dict(tokenizer=tokenizer, seq_len=256, unit_bytes=1 << 18, lanes=4, pack="bestfit")
+    reference = rows(take(StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8), 6))
+    loader = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
+    head = take(loader, 3)
+    state = loader.state_dict()
+    assert all(within > 0 for _, _, _, _, within in state["raw_text"]["cursors"])  # inside the lanes' first units
+    resumed = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
+    resumed.load_state_dict(state)
+    assert rows(head) + rows(take(resumed, 3)) == reference
+    assert max(max(t) for _, _, t in reference) > 256  # GPT-2 ids, not bytes
