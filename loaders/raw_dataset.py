@@ -21,7 +21,7 @@ from .raw_batches import CURSORS_KEY, raw_batch
 from .raw_lanes import position_lanes, rank_step_positions
 from .raw_source import LaneStream, RawCorpus, RawTextSettings, UnitReader
 from .tensors import batch_to_tensors
-from .topology import Topology, check_topology_args, resolve_topology
+from .topology import Topology, check_topology_args, data_parallel_group, resolve_topology
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,7 @@ class RawTextPlan:
 
     def agreement_group(self) -> Any:
         """The data-parallel process group (None: the default group)."""
-        mesh, dim = self._group_args["device_mesh"], self._group_args["mesh_dim"]
-        if mesh is not None:
-            return mesh.get_group(dim) if dim is not None else mesh.get_group()
-        return self._group_args["process_group"]
+        return data_parallel_group(**self._group_args)
 
     def order_values(self) -> dict[str, Any]:
         """The state's order fields: what the samples depend on."""

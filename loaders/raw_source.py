@@ -25,6 +25,7 @@ from shardkit.manifest import token_dtype_for_vocab
 from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category, tokenize_unit
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.text.packing import PACKING_MODES, make_packer
+from shardkit.text.tokenizers import special_id
 
 from .raw_lanes import deal_lanes, lane_epoch_order, lane_units
 
@@ -73,16 +74,6 @@ class RawTextSettings:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _special(value: int | str | None, default: int | None, name: str) -> int | None:
-    if value == "auto":
-        return default
-    if value is None or value == "none":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer id, 'auto' or None, got {value!r}")
-    return value
-
-
 def _unit_size(unit: WorkUnit) -> int:
     payload = unit.payload
     return int(getattr(payload, "nbytes", None) or len(payload) or 1)
@@ -100,7 +91,8 @@ class RawCorpus:
         self.settings, self.storage_options = settings, storage_options
         self.files: list[InputFile] = expand_inputs(inputs, storage_options)
         self.tokenizer_info = info = cached_tokenizer(settings.tokenizer).info
-        eos, bos = _special(settings.eos_id, info.eos_id, "eos_id"), _special(settings.bos_id, info.bos_id, "bos_id")
+        eos = special_id(settings.eos_id, info.eos_id, "eos_id", info.vocab_size)
+        bos = special_id(settings.bos_id, info.bos_id, "bos_id", info.vocab_size)
         self.pad_id = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
         self.token_dtype = token_dtype_for_vocab(info.vocab_size)
         self.documents = DocumentSettings(tokenizer=settings.tokenizer, token_dtype=self.token_dtype,

@@ -234,3 +234,10 @@ def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_unit():
     resumed.load_state_dict(state)
     assert rows(head) + rows(take(resumed, 3)) == reference
     assert max(max(t) for _, _, t in reference) > 256  # GPT-2 ids, not bytes
+
+
+def test_special_ids_as_the_build_takes_them(corpus):
+    with pytest.raises(ValueError, match=r"eos_id 999 is outside the tokenizer's vocabulary \[0, 258\)"):
+        dataset(corpus, eos_id=999)
+    assert dataset(corpus).corpus.documents.eos_id == 256  # "auto": the tokenizer's
+    assert dataset(corpus, eos_id=None).corpus.documents.eos_id is None
