@@ -68,7 +68,7 @@ class StreamingDataset(IterableDataset):
 
     def __new__(cls, source: Any = None, *args: Any, **kwargs: Any):
         # Raw text (`tokenizer=` given) is read by its own dataset (`shardkit.loaders.raw_dataset`).
-        if cls is StreamingDataset and "tokenizer" in kwargs:
+        if cls is StreamingDataset and kwargs.get("tokenizer") is not None:
             from .raw_dataset import RawTextDataset
 
             return RawTextDataset(source, *args, **kwargs)

@@ -122,10 +122,11 @@ def test_resume_at_another_batch_size_continues_the_same_global_order(corpus):
     assert sorted(rows(head) + rows(take(resumed, 12))) == sorted(reference)
 
 
-def simulated_run(corpus, *, world_size, batch_size, steps, state=None):
+def simulated_run(corpus, *, world_size, batch_size, steps, state=None, workers=0):
     """Run `world_size` ranks in this process (explicit rank/world_size); their rows per step concatenated in
     rank order, and the merged state after `steps` steps."""
-    loaders = [StreamingDataLoader(dataset(corpus, rank=r, world_size=world_size), batch_size=batch_size)
+    loaders = [StreamingDataLoader(dataset(corpus, rank=r, world_size=world_size), batch_size=batch_size,
+                                   num_workers=workers, multiprocessing_context="fork" if workers else None)
                for r in range(world_size)]
     if state is not None:
         for loader in loaders:
@@ -140,6 +141,7 @@ def test_one_two_three_ranks_give_the_same_samples(corpus):
     one, _ = simulated_run(corpus, world_size=1, batch_size=12, steps=5)
     assert simulated_run(corpus, world_size=2, batch_size=6, steps=5)[0] == one
     assert simulated_run(corpus, world_size=3, batch_size=4, steps=5)[0] == one
+    assert simulated_run(corpus, world_size=3, batch_size=4, steps=5, workers=2)[0] == one
 
 
 @pytest.mark.parametrize("before,after", [((2, 6), (3, 4)), ((4, 3), (2, 6)), ((2, 5), (3, 2))])
