@@ -152,7 +152,8 @@ class UnitReader:
                 break
         if unit is None or unit.source != source or unit.file_unit != file_unit or unit.file_error:
             url = corpus.files[source].url
-            why = unit.file_error if unit is not None and unit.file_error else "it changed since the loader listed it"
+            why = (unit.file_error if unit is not None and unit.source == source and unit.file_error
+                   else "it changed or vanished since the loader listed its units")
             raise OSError(f"{url}: cannot read its work unit {file_unit}: {why}")
         self._live[source] = (units, next_unit)
         while len(self._live) > _LIVE_FILES:

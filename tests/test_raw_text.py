@@ -243,3 +243,11 @@ def test_special_ids_as_the_build_takes_them(corpus):
         dataset(corpus, eos_id=999)
     assert dataset(corpus).corpus.documents.eos_id == 256  # "auto": the tokenizer's
     assert dataset(corpus, eos_id=None).corpus.documents.eos_id is None
+
+
+def test_an_input_that_vanishes_after_listing_is_named(tmp_path):
+    corpus = write_corpus(tmp_path / "in", docs=40)
+    loader = StreamingDataLoader(dataset(corpus, lanes=2), batch_size=2)
+    (corpus / "b.jsonl.gz").unlink()
+    with pytest.raises(OSError, match="b.jsonl.gz: cannot read its work unit .*vanished"):
+        take(loader, 40)
