@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from .batch_counts import counted_batches
+from .closing import closed_at_exit
 from .raw_batches import CURSORS_KEY
 from .raw_dataset import RawIteration, RawTextDataset
 from .raw_lanes import merge_cursors
@@ -72,21 +74,19 @@ class RawTextDataLoader(DataLoader):
         """Always 0: raw text counts epochs per lane (each batch's `lane_epoch`)."""
         return 0
 
+    @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
         global_batch = self.samples_per_rank * topology.world_size
         self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
                                      cursors=dict(self._cursors)))
-        pin = self.pin_batches and torch.cuda.is_available()
-        for arrays in self._numpy_batches():
+        def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
             cursors = arrays.pop(CURSORS_KEY)
-            batch = batch_to_tensors(arrays, self.plan.token_dtype)
-            if pin:
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            # Count before handing out: a state saved after receiving this batch includes it.
             self._consumed += global_batch
             self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
-            yield batch
+            return batch_to_tensors(arrays, self.plan.token_dtype)
+
+        yield from counted_batches(self._numpy_batches(), prepare, pin=self.pin_batches and torch.cuda.is_available())
 
     def _numpy_batches(self) -> Iterator[dict[str, Any]]:
         if self.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)

@@ -251,3 +251,14 @@ def test_an_input_that_vanishes_after_listing_is_named(tmp_path):
     (corpus / "b.jsonl.gz").unlink()
     with pytest.raises(OSError, match="b.jsonl.gz: cannot read its work unit .*vanished"):
         take(loader, 40)
+
+
+def test_batches_handed_out_are_counted_in_the_loader_metrics(corpus):
+    from shardkit import metrics
+
+    before = metrics.value("shardkit_loader_batches_total")
+    batches = iter(StreamingDataLoader(dataset(corpus), batch_size=2))
+    for _ in range(5):
+        next(batches)
+    batches.close()  # the end of an iteration publishes what is left
+    assert metrics.value("shardkit_loader_batches_total") - before == 5
