@@ -78,8 +78,9 @@ def test_batches_carry_tokens_ids_and_document_boundaries(corpus):
     assert "_raw_lane_cursors" not in batch
 
 
-def test_every_token_of_every_accepted_document_once_per_lane_epoch(corpus):
-    ds = dataset(corpus)
+@pytest.mark.parametrize("pack", ["concat", "bestfit"])
+def test_every_token_of_every_accepted_document_once_per_lane_epoch(corpus, pack):
+    ds = dataset(corpus, pack=pack)
     samples = first_epoch(ds)
     docs = accepted_documents(ds)
     got = np.concatenate([np.asarray(s, dtype=np.int64) for s in samples])
@@ -93,10 +94,12 @@ def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
     from shardkit.tools.build import run_build
 
     out = tmp_path / "built"
-    run_build(config([corpus], out, packing="none", seq_len=1024))
+    report = run_build(config([corpus], out, packing="none", seq_len=1024)).report
     _, built = read_samples(str(out))
-    raw = first_epoch(dataset(corpus, pack="none"))
+    ds = dataset(corpus, pack="none")
+    raw = first_epoch(ds)
     assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
+    assert ds.rejected == report["documents"]["rejected_by_reason"] and ds.rejected  # counted as the build counts
 
 
 @pytest.mark.parametrize("pack", ["concat", "bestfit", "none"])
