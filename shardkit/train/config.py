@@ -209,7 +209,7 @@ class DataConfig:
     tokenizer: str | None = option(None, "train straight from raw text: --data names text inputs (JSONL / .gz / "
                                    ".zst, Parquet, .txt; files, directories, globs or URLs), tokenized with this "
                                    "tokenizer spec (as `shardkit build --tokenizer`) and packed on the fly; needs "
-                                   "--seq-len")
+                                   "--seq-len; --eval-data then names raw text too")
     pack: str = option("concat", "with --tokenizer: 'concat' or 'bestfit' (documents into seq_len + 1 windows)",
                        choices=("concat", "bestfit"))
     text_field: str = option("text", "with --tokenizer: the JSON key / Parquet column holding the text")
@@ -239,8 +239,6 @@ class DataConfig:
         if self.tokenizer is not None:
             _check(all(weight == 1.0 for _, weight in data_entries(self.data or "x")),
                    "--data with --tokenizer takes text inputs without weights (raw-text mixtures are not supported)")
-            _check(self.eval_data is None, "--eval-data with --tokenizer is not supported: evaluate a built dataset "
-                   "in a separate run")
 
 
 @dataclass(frozen=True, kw_only=True)

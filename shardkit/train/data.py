@@ -189,11 +189,12 @@ class TrainStream:
 class EvalData:
     """The held-out set: the same first `eval_batches` batches per rank at every evaluation."""
 
-    def __init__(self, url: str, config: DataConfig, runtime: Runtime):
+    def __init__(self, url: str, config: DataConfig, runtime: Runtime, *, seq_len: int | None = None):
         self.url, self.config = url, config
         # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
         # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
-        self.dataset = _dataset(url, config, runtime, shuffle=False, skip_samples=(), quarantine_list=None)
+        extra = {} if config.tokenizer is not None else dict(skip_samples=(), quarantine_list=None)
+        self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, **extra)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
@@ -201,7 +202,9 @@ class EvalData:
         loader = StreamingDataLoader(self.dataset, batch_size=self.config.batch_size, num_workers=0)
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
-        count = min(self.config.eval_batches, len(loader))
+        # Raw text is endless (its lanes go on epoch after epoch): it always holds eval_batches.
+        count = self.config.eval_batches if self.config.tokenizer is not None else min(self.config.eval_batches,
+                                                                                         len(loader))
         if count == 0:
             raise ValueError(f"--eval-data {self.url} holds less than one global batch: lower --batch-size")
         for index, batch in enumerate(loader):
