@@ -13,7 +13,6 @@ complete epoch, the rest of the same epoch after a `break`.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
+from .batch_counts import counted_batches
 from .closing import closed_at_exit
 from .dataset import StreamingDataset
 from .rank_steps import IterationPlan
@@ -35,29 +35,6 @@ logger = logging.getLogger(__name__)
 
 
 _BUNDLE_BYTES = 2**20
-_PUBLISH_BATCHES = 64  # batch metrics are published every this many batches, or every second, or at the end
-_PUBLISH_SECONDS = 1.0
-
-
-class BatchCounts:
-    """Batches handed out and the time waited for them, counted locally and published in groups
-    (`shardkit_loader_batches_total` and `_wait_seconds_total` lag by at most 64 batches or a second)."""
-
-    def __init__(self) -> None:
-        self.batches, self.waited, self.published = 0, 0.0, time.perf_counter()
-
-    def add(self, waited: float, now: float) -> None:
-        self.batches += 1
-        self.waited += waited
-        if self.batches >= _PUBLISH_BATCHES or now - self.published >= _PUBLISH_SECONDS:
-            self.publish(now)
-
-    def publish(self, now: float) -> None:
-        if self.batches:
-            metrics.loader_batches(self.batches, self.waited)
-        self.batches, self.waited, self.published = 0, 0.0, now
-
-
 def unbundle(items: Iterator[Any]) -> Iterator[dict]:
     for item in items:
         if isinstance(item, list):
@@ -82,6 +59,14 @@ class StreamingDataLoader(DataLoader):
         pin_memory, timeout, multiprocessing_context, persistent_workers, prefetch_factor: as for
             `torch.utils.data.DataLoader`.
     """
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any):
+        # A raw-text dataset has its own loader (`shardkit.loaders.raw_loader`): its state is the lanes' cursors.
+        if cls is StreamingDataLoader and getattr(getattr(dataset, "plan", None), "raw_text", False):
+            from .raw_loader import RawTextDataLoader
+
+            return RawTextDataLoader(dataset, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, num_workers: int = 0, *,
                  pin_memory: bool = False,
@@ -184,26 +169,16 @@ class StreamingDataLoader(DataLoader):
         # Without workers, read the dataset directly: the DataLoader machinery adds per-batch
         # overhead (profiler hooks, conversion) comparable to the cost of the batch itself.
         source = iter(self.dataset) if self.num_workers == 0 else unbundle(super().__iter__())
-        pin = self.pin_batches and torch.cuda.is_available()
-        asked = time.perf_counter()
-        counts = BatchCounts()
-        try:
-            for arrays in source:
-                progress = arrays.pop(PROGRESS_KEY, None)
-                workers = arrays.pop(metrics.WORKER_KEY, None)
-                if workers is not None:
-                    metrics.merge_worker_counters(workers)
-                batch = batch_to_tensors(arrays, self.plan.config.token_dtype)
-                if pin:
-                    batch = {k: v.pin_memory() for k, v in batch.items()}
-                # Count before handing out: a state saved after receiving this batch includes it.
-                self._steps.advance(len(arrays["sample_id"]), progress, topology.world_size)
-                now = time.perf_counter()
-                counts.add(now - asked, now)
-                yield batch
-                asked = time.perf_counter()
-        finally:
-            counts.publish(time.perf_counter())
+
+        def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+            progress = arrays.pop(PROGRESS_KEY, None)
+            workers = arrays.pop(metrics.WORKER_KEY, None)
+            if workers is not None:
+                metrics.merge_worker_counters(workers)
+            self._steps.advance(len(arrays["sample_id"]), progress, topology.world_size)
+            return batch_to_tensors(arrays, self.plan.config.token_dtype)
+
+        yield from counted_batches(source, prepare, pin=self.pin_batches and torch.cuda.is_available())
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""

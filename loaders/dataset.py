@@ -46,6 +46,9 @@ __all__ = ["PROGRESS_KEY", "IterationPlan", "StreamingDataset", "batch_to_tensor
 class StreamingDataset(IterableDataset):
     """Streams a shardkit dataset (or a mixture) to every rank, batch by batch.
 
+    With `tokenizer=SPEC, seq_len=N` it reads raw text instead (JSONL / .gz / .zst, Parquet, .txt; files, globs
+    or URLs), tokenized and packed on the fly: `shardkit.loaders.raw_dataset.RawTextDataset`.
+
     Args:
         source: dataset URL (any fsspec URL holding `shardkit.json`), a `Stream`, or a list of `Stream`.
         config: order, batching and cache options (`LoaderConfig`; default: its defaults).
@@ -62,6 +65,14 @@ class StreamingDataset(IterableDataset):
         TypeError: `source` is not a URL or streams, or an override is not a `LoaderConfig` field.
         ValueError: a bad option value (naming it), or manifests that cannot be mixed.
     """
+
+    def __new__(cls, source: Any = None, *args: Any, **kwargs: Any):
+        # Raw text (`tokenizer=` given) is read by its own dataset (`shardkit.loaders.raw_dataset`).
+        if cls is StreamingDataset and kwargs.get("tokenizer") is not None:
+            from .raw_dataset import RawTextDataset
+
+            return RawTextDataset(source, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, source: str | Stream | Sequence[Stream], config: LoaderConfig | None = None, *,
                  cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None,

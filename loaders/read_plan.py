@@ -30,7 +30,7 @@ from .schedule import weight_spec
 from .skipping import resolve_skipped
 from .sources import Sources
 from .state import MIXTURE_FIELDS, LoaderState
-from .topology import Topology, resolve_topology
+from .topology import Topology, data_parallel_group, resolve_topology
 
 _MEMO_ORDERS = 4  # an epoch's order with quarantine scans the epoch once: keep the last few
 
@@ -92,10 +92,7 @@ class ReadPlan:
 
     def agreement_group(self) -> Any:
         """The data-parallel process group (None: the default group)."""
-        mesh, dim = self._group_args["device_mesh"], self._group_args["mesh_dim"]
-        if mesh is not None:
-            return mesh.get_group(dim) if dim is not None else mesh.get_group()
-        return self._group_args["process_group"]
+        return data_parallel_group(**self._group_args)
 
     # -- the order -----------------------------------------------------------------------------
     def order(self, epoch: int, num_partitions: int, quarantine: tuple[tuple[int, int, int], ...] = ()) -> Order:

@@ -67,6 +67,9 @@ class LoaderState:
             count in the order without them).
         quarantine: (shard index, epoch, position) of each quarantined shard: its samples are left out
             of the order from that position of that epoch's unfiltered order on (`loaders.quarantine`).
+        raw_text: raw-text streams only (`shardkit.loaders.raw_loader`): {"cursors": [[lane, samples, lane
+            epoch, unit, samples of the unit], ...]}, one per lane read so far (`num_partitions` holds the
+            lanes, `dataset` the corpus and tokenization's fingerprint).
     """
 
     epoch: int
@@ -88,6 +91,7 @@ class LoaderState:
     mixture: dict[str, Any] | None = None
     skip_samples: tuple = ()
     quarantine: tuple[tuple[int, int, int], ...] = ()
+    raw_text: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
@@ -109,6 +113,8 @@ class LoaderState:
         state["window_segments"] = [list(s) for s in self.window_segments]
         if self.mixture is None:  # a single dataset's state stays as it was
             del state["mixture"]
+        if self.raw_text is None:  # likewise a built dataset's
+            del state["raw_text"]
         state["skip_samples"] = [list(e) if isinstance(e, tuple) else e for e in self.skip_samples]
         state["quarantine"] = [list(q) for q in self.quarantine]
         return state

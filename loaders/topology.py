@@ -111,3 +111,11 @@ def resolve_topology(*, rank: int | None = None, world_size: int | None = None, 
     if local_rank is None:
         local_rank = rank % local_world_size
     return Topology(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size)
+
+
+def data_parallel_group(*, process_group: Any = None, device_mesh: Any = None, mesh_dim: Any = None) -> Any:
+    """The data-parallel process group a dataset was given (a mesh's dimension, or the group; None: the default
+    group): what ranks gather and agree over."""
+    if device_mesh is not None:
+        return device_mesh.get_group(mesh_dim) if mesh_dim is not None else device_mesh.get_group()
+    return process_group

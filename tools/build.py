@@ -33,6 +33,7 @@ from shardkit.text.documents import DocumentSettings, UnitResult, tokenize_unit,
 from shardkit.text.documents import cached_tokenizer as worker_tokenizer
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.text.packing import Packer, make_packer
+from shardkit.text.tokenizers import special_id
 
 from . import state as build_state
 from .config import BuildConfig, build_record, parse_compression, parse_size, resume_key
@@ -44,20 +45,6 @@ __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_
            "print_summary", "run_build", "run_pipeline"]
 
 logger = logging.getLogger(__name__)
-
-
-def _special(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
-    if value == "auto":
-        return tokenizer_value
-    if value is None or value == "none":
-        return None
-    try:
-        token_id = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{option} must be an integer id, 'auto' or 'none', got {value!r}") from None
-    if not 0 <= token_id < vocab_size:
-        raise ValueError(f"{option} {token_id} is outside the tokenizer's vocabulary [0, {vocab_size})")
-    return token_id
 
 
 class BuildInputError(ValueError):
@@ -193,8 +180,8 @@ def _worker_start(tokenizer: str | None = None) -> None:
 def text_inputs(config: BuildConfig) -> InputSide:
     """The input side of `shardkit build`: text files cut into units that workers tokenize."""
     info = worker_tokenizer(config.tokenizer).info
-    eos = _special(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
-    bos = _special(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
+    eos = special_id(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
+    bos = special_id(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
     pad = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
     used_info = replace(info, eos_id=eos, bos_id=bos, pad_id=pad)
     files = expand_inputs(config.inputs, config.storage_options, content_hashes=True)

@@ -16,15 +16,8 @@ from typing import Any
 
 from shardkit import metrics
 from shardkit.options import format_size
+from shardkit.text.documents import reason_category
 from shardkit.text.inputs import InputFile
-
-
-def reason_category(reason: str) -> str:
-    """The kind of a rejection reason, without its specifics ("malformed JSON", "invalid UTF-8", ...)."""
-    head = reason.split(":", 1)[0].split(" (", 1)[0]
-    for marker in (" at byte", " at column", " at character"):
-        head = head.split(marker, 1)[0]
-    return head.strip()
 
 
 def record_label(kind: str) -> str:

@@ -145,6 +145,15 @@ def _column_values(column) -> list:
         return [raw if raw is None else _decode(raw) for raw in column.view(binary).to_pylist()]
 
 
+def reason_category(reason: str) -> str:
+    """The kind of a rejection reason, without its specifics ("malformed JSON", "invalid UTF-8", ...): what
+    the build's report and a raw-text loader count rejections by."""
+    head = reason.split(":", 1)[0].split(" (", 1)[0]
+    for marker in (" at byte", " at column", " at character"):
+        head = head.split(marker, 1)[0]
+    return head.strip()
+
+
 class _Reject(str):
     """A rejection reason (a str subclass so it travels in the same lists as texts)."""
 

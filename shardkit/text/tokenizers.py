@@ -335,6 +335,26 @@ class SentencePieceTokenizer(Tokenizer):
         return self.processor.decode([int(i) for i in ids])
 
 
+def special_id(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
+    """A special token id as an option gives it: 'auto' (the tokenizer's own, `tokenizer_value`), None or 'none'
+    (no such token), or an integer inside the vocabulary.
+
+    Raises:
+        ValueError: naming `option`.
+    """
+    if value == "auto":
+        return tokenizer_value
+    if value is None or value == "none":
+        return None
+    try:
+        token_id = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option} must be an integer id, 'auto' or 'none', got {value!r}") from None
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"{option} {token_id} is outside the tokenizer's vocabulary [0, {vocab_size})")
+    return token_id
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """Load the tokenizer a spec names (see the module docstring for the accepted forms).
 

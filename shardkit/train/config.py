@@ -206,6 +206,15 @@ class DataConfig:
                                         "mixture (no sample of a stream's current epoch is repeated; the loader "
                                         "state records the change); without it such a resume is refused")
     eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval-every steps")
+    tokenizer: str | None = option(None, "train straight from raw text: --data names text inputs (JSONL / .gz / "
+                                   ".zst, Parquet, .txt; files, directories, globs or URLs), tokenized with this "
+                                   "tokenizer spec (as `shardkit build --tokenizer`) and packed on the fly; needs "
+                                   "--seq-len; --eval-data then names raw text too")
+    pack: str = option("concat", "with --tokenizer: 'concat' or 'bestfit' (documents into seq_len + 1 windows)",
+                       choices=("concat", "bestfit"))
+    text_field: str = option("text", "with --tokenizer: the JSON key / Parquet column holding the text")
+    lanes: int = option(64, "with --tokenizer: independent streams the inputs' work units are dealt into (kept on "
+                        "resume; at most the number of units)")
     batch_size: int = option(8, "samples per rank per micro-step")
     cache_dir: str | None = option(None, "node-local shard cache; default: the loader's default")
     num_workers: int = option(0, "loader worker processes per rank")
@@ -226,6 +235,10 @@ class DataConfig:
         _check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        _check(self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}")
+        if self.tokenizer is not None:
+            _check(all(weight == 1.0 for _, weight in data_entries(self.data or "x")),
+                   "--data with --tokenizer takes text inputs without weights (raw-text mixtures are not supported)")
 
 
 @dataclass(frozen=True, kw_only=True)

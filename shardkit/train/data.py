@@ -74,22 +74,44 @@ def _source(spec: str) -> Any:
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
 
 
-def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, **overrides: Any):
+def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,
+             **overrides: Any):
     from shardkit.loaders.dataset import StreamingDataset
 
     # Data follows the mesh: rank and world size are the data-parallel coordinate and size, so the
     # tensor- and pipeline-parallel peers of one dp rank read the same batches.
     mesh = dict(device_mesh=runtime.mesh, mesh_dim="dp") if runtime.mesh is not None else {}
     local_world_size = runtime.dp_local_world_size
-    return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **mesh,
-                            local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
-                            storage_options=storage_options(config), **overrides)
+    where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
+                 storage_options=storage_options(config))
+    if config.tokenizer is not None:  # raw text, tokenized and packed by the loader
+        if seq_len is None:
+            raise ValueError("--tokenizer (training from raw text) needs --seq-len: there is no manifest to take it from")
+        return StreamingDataset([url for url, _ in data_entries(spec)], tokenizer=config.tokenizer, seq_len=seq_len,
+                                pack=config.pack, text_field=config.text_field, lanes=config.lanes,
+                                seed=config.loader.seed, shuffle=shuffle, **where)
+    return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
+                            **overrides)
 
 
-def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest:
+@dataclass(frozen=True)
+class RawTextShape:
+    """What the trainer reads of a manifest, for raw text (`check_dataset`, `check_same_tokens`)."""
+
+    seq_len: int
+    tokenizer: Any
+    token_dtype: str
+
+
+def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest | RawTextShape:
     """The manifest of a `StreamingDataset` the trainer reads (the first stream of a mixture), after checking that
     every stream holds fixed-length samples the model can take. The dataset fetched the manifests (through the
-    node cache, once per process): the check reads them there rather than fetching them again."""
+    node cache, once per process): the check reads them there rather than fetching them again. Raw text: its
+    `RawTextShape`."""
+    corpus = getattr(dataset, "corpus", None)
+    if corpus is not None:
+        return RawTextShape(seq_len=corpus.settings.seq_len, tokenizer=corpus.tokenizer_info,
+                            token_dtype=corpus.token_dtype)
     for stream, manifest in zip(dataset.streams, dataset.manifests):
         if manifest.sample_length is None:
             raise ValueError(f"{what} {stream.url} holds variable-length samples (packing={manifest.packing!r}); "
@@ -132,11 +154,13 @@ class TrainStream:
 
     On CUDA the loader pins its batches and `DevicePrefetcher` copies the next one while a step runs."""
 
-    def __init__(self, config: DataConfig, runtime: Runtime):
+    def __init__(self, config: DataConfig, runtime: Runtime, *, seq_len: int | None = None):
         from shardkit.loaders.dataloader import StreamingDataLoader
 
         on_gpu = runtime.device.type == "cuda"
-        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle),
+        self.config_data = config.data
+        self.loader = StreamingDataLoader(_dataset(config.data, config, runtime, shuffle=config.loader.shuffle,
+                                                   seq_len=seq_len),
                                           batch_size=config.batch_size, num_workers=config.num_workers,
                                           pin_memory=on_gpu)
         self._batches = DevicePrefetcher(Epochs(self.loader, allow_mixture_change=config.allow_mixture_change),
@@ -155,6 +179,8 @@ class TrainStream:
         """The streams in force (URL, data identity, samples), in the order global sample ids count through them:
         what `shardkit trace` needs to name a logged id's shard, also after a mixture change."""
         dataset = self.loader.dataset
+        if getattr(dataset, "corpus", None) is not None:  # raw text: global positions, one stream
+            return [{"url": self.config_data, "fingerprint": dataset.fingerprint(), "num_samples": 0}]
         return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
                 for stream, fingerprint, manifest in zip(dataset.streams, dataset.stream_fingerprints(),
                                                          dataset.manifests)]
@@ -163,11 +189,12 @@ class TrainStream:
 class EvalData:
     """The held-out set: the same first `eval_batches` batches per rank at every evaluation."""
 
-    def __init__(self, url: str, config: DataConfig, runtime: Runtime):
+    def __init__(self, url: str, config: DataConfig, runtime: Runtime, *, seq_len: int | None = None):
         self.url, self.config = url, config
         # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
         # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
-        self.dataset = _dataset(url, config, runtime, shuffle=False, skip_samples=(), quarantine_list=None)
+        extra = {} if config.tokenizer is not None else dict(skip_samples=(), quarantine_list=None)
+        self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, **extra)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
@@ -175,7 +202,9 @@ class EvalData:
         loader = StreamingDataLoader(self.dataset, batch_size=self.config.batch_size, num_workers=0)
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
-        count = min(self.config.eval_batches, len(loader))
+        # Raw text is endless (its lanes go on epoch after epoch): it always holds eval_batches.
+        count = self.config.eval_batches if self.config.tokenizer is not None else min(self.config.eval_batches,
+                                                                                         len(loader))
         if count == 0:
             raise ValueError(f"--eval-data {self.url} holds less than one global batch: lower --batch-size")
         for index, batch in enumerate(loader):

@@ -56,9 +56,10 @@ def build(config: TrainConfig) -> Run:
     check_metrics_ports(config.logging.metrics_port, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     # The loaders fetch each manifest once (through the node cache); the checks read theirs.
-    data = TrainStream(config.data, runtime)
+    data = TrainStream(config.data, runtime, seq_len=config.model.seq_len)
     manifest = check_dataset(data.loader.dataset, seq_len=config.model.seq_len, what="--data")
-    eval_data = EvalData(config.data.eval_data, config.data, runtime) if config.data.eval_data else None
+    eval_data = (EvalData(config.data.eval_data, config.data, runtime, seq_len=config.model.seq_len)
+                 if config.data.eval_data else None)
     if eval_data is not None:
         held_out = check_dataset(eval_data.dataset, seq_len=manifest.seq_len, what="--eval-data")
         check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",

@@ -1,0 +1,203 @@
+"""`RawTextDataset`: train straight from raw text; what `StreamingDataset(inputs, tokenizer=..., seq_len=...)` is.
+
+The corpus is read by lanes (`raw_lanes` for the order, `raw_source` for the reading): each rank builds the
+rows of its slice of every global step from the lanes they fall in, tokenizing and packing only those lanes.
+The dataset's `RawTextPlan` is what a `StreamingDataLoader` talks to (`raw_loader.RawTextDataLoader`): where the
+next iteration starts (consumed positions and the lanes' cursors) and the state's order fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .raw_batches import CURSORS_KEY, raw_batch
+from .raw_lanes import position_lanes, rank_step_positions
+from .raw_source import LaneStream, RawCorpus, RawTextSettings, UnitReader
+from .tensors import batch_to_tensors
+from .topology import Topology, check_topology_args, data_parallel_group, resolve_topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RawIteration:
+    """Where an iteration starts: consumed global positions, the lanes' cursors, the batch and the topology."""
+
+    start: int
+    batch_size: int
+    topology: Topology
+    cursors: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class StepPart:
+    """The rows of one step that one DataLoader worker read: their row numbers in the rank's batch, global
+    positions, samples and lane epochs; the cursors of its lanes after them; the documents it rejected."""
+
+    rows: np.ndarray
+    positions: np.ndarray
+    samples: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    cursors: np.ndarray | None = None
+    rejected: Counter = field(default_factory=Counter)
+
+
+class RawTextPlan:
+    """What the data loader asks of a raw-text dataset (the raw counterpart of `ReadPlan`)."""
+
+    raw_text = True
+
+    def __init__(self, corpus: RawCorpus, *, seed: int, shuffle: bool, token_dtype: str | None, segment_ids: bool,
+                 topology_args: dict[str, int | None], group_args: dict[str, Any]):
+        self.corpus, self.seed, self.shuffle = corpus, seed, shuffle
+        self.token_dtype, self.segment_ids = token_dtype, segment_ids
+        self.next_iteration: RawIteration | None = None
+        self.claimed = False
+        self._topology_args, self._group_args = topology_args, group_args
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_group_args"] = dict.fromkeys(self._group_args)  # process groups do not pickle
+        return state
+
+    @property
+    def num_lanes(self) -> int:
+        return self.corpus.num_lanes
+
+    def topology(self) -> Topology:
+        return resolve_topology(**self._topology_args, **self._group_args)
+
+    def agreement_group(self) -> Any:
+        """The data-parallel process group (None: the default group)."""
+        return data_parallel_group(**self._group_args)
+
+    def order_values(self) -> dict[str, Any]:
+        """The state's order fields: what the samples depend on."""
+        return {"dataset": self.corpus.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
+                "num_partitions": self.num_lanes}
+
+    def claim(self) -> None:
+        self.claimed = True
+
+    def begin(self, iteration: RawIteration) -> None:
+        self.next_iteration = iteration
+
+
+class RawTextDataset(IterableDataset):
+    """Streams raw text, tokenized and packed on the fly, to every rank (built through `StreamingDataset`).
+
+    Args:
+        inputs: files, directories, globs or fsspec URLs of JSONL (.gz/.zst), Parquet or .txt inputs.
+        tokenizer, seq_len, pack, text_field, txt_mode, unit_bytes, lanes, eos_id, bos_id, max_doc_chars,
+            bestfit_buffer, bestfit_open: see `RawTextSettings`.
+        seed, shuffle: the lanes' unit orders (shuffled per lane epoch by default).
+        token_dtype: dtype of the batches' tokens (default: the smallest that holds the vocabulary).
+        segment_ids: add dense per-token `segment_ids` to each batch.
+        rank, world_size, local_rank, local_world_size, process_group, device_mesh, mesh_dim: the topology.
+        storage_options: fsspec options of remote inputs.
+        batch_size: samples per rank per step when iterated without `StreamingDataLoader`.
+    """
+
+    def __init__(self, inputs: str | Sequence[str], *, tokenizer: str, seq_len: int, pack: str = "concat",
+                 text_field: str = "text", txt_mode: str = "file", unit_bytes: int = 1 << 20, lanes: int = 64,
+                 eos_id: int | str | None = "auto", bos_id: int | str | None = None,
+                 max_doc_chars: int = 10_000_000, bestfit_buffer: int = 2048, bestfit_open: int = 512,
+                 seed: int = 0, shuffle: bool = True, token_dtype: str | None = None, segment_ids: bool = False,
+                 rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+                 local_world_size: int | None = None, process_group: Any = None, device_mesh: Any = None,
+                 mesh_dim: Any = None, storage_options: dict[str, Any] | None = None, batch_size: int | None = None):
+        super().__init__()
+        settings = RawTextSettings(tokenizer=tokenizer, seq_len=seq_len, pack=pack, text_field=text_field,
+                                   txt_mode=txt_mode, unit_bytes=unit_bytes, lanes=lanes, eos_id=eos_id,
+                                   bos_id=bos_id, max_doc_chars=max_doc_chars, bestfit_buffer=bestfit_buffer,
+                                   bestfit_open=bestfit_open)
+        topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size)
+        check_topology_args(**topology_args)
+        self.corpus = RawCorpus([inputs] if isinstance(inputs, str) else list(inputs), settings, storage_options)
+        self.plan = RawTextPlan(self.corpus, seed=seed, shuffle=shuffle, token_dtype=token_dtype,
+                                segment_ids=segment_ids, topology_args=topology_args,
+                                group_args=dict(process_group=process_group, device_mesh=device_mesh,
+                                                mesh_dim=mesh_dim))
+        self.batch_size = batch_size
+        self.sample_length = None if pack == "none" else seq_len + 1
+        self.rejected: Counter = Counter()  # rejected documents by reason, of the units this process started
+
+    def resolve_topology(self) -> Topology:
+        return self.plan.topology()
+
+    def fingerprint(self) -> str:
+        """Identity of the inputs and of how they become samples."""
+        return self.corpus.fingerprint
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        plan = self.plan
+        iteration = plan.next_iteration
+        info = get_worker_info()
+        if info is not None:  # a DataLoader worker: its lanes' rows of every step (the loader assembles them)
+            if iteration is None:
+                raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
+            return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
+        if iteration is None:  # iterated on its own: from the start, tensors out
+            if self.batch_size is None:
+                raise ValueError("iterating a raw-text StreamingDataset on its own needs batch_size=; or use "
+                                 "StreamingDataLoader")
+            iteration = RawIteration(start=0, batch_size=self.batch_size, topology=plan.topology())
+            return (batch_to_tensors({k: v for k, v in b.items() if k != CURSORS_KEY}, plan.token_dtype)
+                    for b in self.batches(iteration))
+        return self.batches(iteration)
+
+    def batches(self, iteration: RawIteration) -> Iterator[dict[str, np.ndarray]]:
+        """This rank's numpy batches, step after step from `iteration.start` (endless: lanes go on epoch after
+        epoch), each with the cursors of the lanes it read under `CURSORS_KEY`."""
+        return (self.assemble([part]) for part in self.parts(iteration, worker=0, num_workers=1))
+
+    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
+        """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
+        per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
+        plan, corpus, topology = self.plan, self.corpus, iteration.topology
+        reader, streams = UnitReader(corpus), {}
+        step = 0
+        while True:
+            positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
+                                            batch_size=iteration.batch_size, rank=topology.rank,
+                                            num_lanes=plan.num_lanes)
+            lanes, indices = position_lanes(positions, plan.num_lanes)
+            rows = np.flatnonzero(lanes % num_workers == worker)
+            part = StepPart(rows=rows, positions=positions[rows])
+            for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
+                stream = streams.get(lane)
+                if stream is None:
+                    stream = streams[lane] = LaneStream(corpus, lane, reader, seed=plan.seed, shuffle=plan.shuffle,
+                                                        cursor=iteration.cursors.get(lane, (0, 0, 0, 0)),
+                                                        rejected=part.rejected)
+                stream.rejected = part.rejected
+                sample, epoch = stream.take(index)
+                part.samples.append(sample)
+                part.epochs.append(epoch)
+            part.cursors = np.array([[lane, *streams[lane].cursor.as_tuple()]
+                                     for lane in sorted(set(lanes[rows].tolist()))], dtype=np.int64).reshape(-1, 5)
+            step += 1
+            yield part
+
+    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
+        """One step's batch from its parts (the rows in the rank's order), with the lanes' cursors under
+        `CURSORS_KEY`; the parts' rejections are counted in `rejected`."""
+        rows = np.concatenate([p.rows for p in parts])
+        order = np.argsort(rows, kind="stable")
+        samples = [s for p in parts for s in p.samples]
+        epochs = [e for p in parts for e in p.epochs]
+        corpus = self.corpus
+        batch = raw_batch([samples[i] for i in order], np.concatenate([p.positions for p in parts])[order],
+                          [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
+                          variable=self.sample_length is None, dense_segments=self.plan.segment_ids)
+        batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
+        for part in parts:
+            self.rejected.update(part.rejected)
+        return batch

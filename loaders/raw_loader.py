@@ -1,0 +1,168 @@
+"""`RawTextDataLoader`: what `StreamingDataLoader(raw_text_dataset, batch_size)` is, with exact, elastic resume.
+
+The state is global like a built dataset's (`shardkit.loaders.state`): `samples_consumed` (global positions
+handed to the training loop) and, under `raw_text`, one cursor per lane read so far. A rank knows only the
+cursors of the lanes it read, so `state_dict()` gathers them from every rank (`all_gather_object` over the
+dataset's process group) and keeps the furthest cursor of each lane: every rank returns the same dict, and a
+job resumed with another world size, batch size or number of workers starts each lane at its cursor.
+Raw text has no epoch end that all ranks could agree on (each lane runs its own lane epochs), so an
+iteration is endless: the training loop decides when to stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .batch_counts import counted_batches
+from .closing import closed_at_exit
+from .raw_batches import CURSORS_KEY
+from .raw_dataset import RawIteration, RawTextDataset
+from .raw_lanes import merge_cursors
+from .state import LoaderState
+from .tensors import batch_to_tensors
+from .topology import Topology
+
+
+def _whole(batch: Any) -> Any:
+    return batch  # batches are whole already
+
+
+class RawTextDataLoader(DataLoader):
+    """What `StreamingDataLoader(raw_text_dataset, ...)` builds: its iteration and `state_dict()`/`load_state_dict()`.
+
+    Args:
+        dataset: a raw-text `StreamingDataset` (`RawTextDataset`).
+        batch_size: samples per rank per step.
+        num_workers: worker processes; each tokenizes its share of the rank's lanes (lane % num_workers) and
+            the main process assembles every step from their parts, so the batches do not depend on it.
+        persistent_workers: not supported (each iteration starts its workers where the loader stands).
+    """
+
+    def __init__(self, dataset: RawTextDataset, batch_size: int | None = None, num_workers: int = 0, *,
+                 pin_memory: bool = False, timeout: float = 0, multiprocessing_context: Any = None,
+                 persistent_workers: bool = False, prefetch_factor: int | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if persistent_workers:
+            raise ValueError("persistent_workers=True is not supported for raw-text datasets: each iteration starts "
+                             "its workers where the loader stands")
+        DataLoader.__init__(self, dataset, batch_size=None, num_workers=num_workers, collate_fn=_whole, timeout=timeout,
+                            multiprocessing_context=multiprocessing_context, persistent_workers=persistent_workers,
+                            prefetch_factor=prefetch_factor)
+        self.plan = plan = dataset.plan
+        plan.claim()
+        self.samples_per_rank = batch_size
+        self.pin_batches = pin_memory
+        self._topology: Topology | None = None
+        self._consumed = 0
+        self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
+
+    def _resolve(self) -> Topology:
+        self._topology = self.plan.topology()
+        return self._topology
+
+    def __len__(self) -> int:
+        raise TypeError("a raw-text loader has no length: its lanes go on epoch after epoch (stop after a number "
+                        "of steps)")
+
+    @property
+    def epoch(self) -> int:
+        """Always 0: raw text counts epochs per lane (each batch's `lane_epoch`)."""
+        return 0
+
+    @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        topology = self._resolve()
+        global_batch = self.samples_per_rank * topology.world_size
+        self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                                     cursors=dict(self._cursors)))
+        def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+            cursors = arrays.pop(CURSORS_KEY)
+            self._consumed += global_batch
+            self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
+            return batch_to_tensors(arrays, self.plan.token_dtype)
+
+        yield from counted_batches(self._numpy_batches(), prepare, pin=self.pin_batches and torch.cuda.is_available())
+
+    def _numpy_batches(self) -> Iterator[dict[str, Any]]:
+        if self.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
+            yield from iter(self.dataset)
+            return
+        # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
+        parts = DataLoader.__iter__(self)
+        try:
+            while True:
+                yield self.dataset.assemble([next(parts) for _ in range(self.num_workers)])
+        finally:
+            parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
+
+    # -- state ---------------------------------------------------------------------------------
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's state: the cursors of the lanes this rank read (merge every rank's with
+        `merge_raw_states`; `state_dict()` does it through the process group)."""
+        topology = self._topology or self._resolve()
+        return LoaderState(epoch=0, samples_consumed=self._consumed, num_samples=0, block_size=None,
+                           shuffle_window=0, partial_batches="drop", epoch_size=None,
+                           global_batch_size=self.samples_per_rank * topology.world_size,
+                           world_size=topology.world_size, **self.plan.order_values(),
+                           raw_text={"cursors": [[lane, *c] for lane, c in sorted(self._cursors.items())]}).to_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global resume state, identical on every rank. With several ranks every rank must call it (it
+        gathers the lanes' cursors from all ranks).
+
+        Raises:
+            ValueError: several ranks but no initialised process group to gather over.
+        """
+        state = self.local_state_dict()
+        if state["world_size"] == 1:
+            return state
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"state_dict() of a raw-text loader on {state['world_size']} ranks gathers every "
+                             "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
+                             "local_state_dict() with shardkit.loaders.raw_loader.merge_raw_states)")
+        group = self.plan.agreement_group()
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, state, group=group)
+        return merge_raw_states(states)
+
+    def load_state_dict(self, state: dict[str, Any], **_: Any) -> None:
+        """Resume from `state_dict()` (saved with any world size, batch size or workers).
+
+        Raises:
+            ValueError: the state is malformed, not a raw-text state, or belongs to other inputs or settings.
+        """
+        saved = LoaderState.from_dict(state)
+        if saved.raw_text is None:
+            raise ValueError("cannot resume: the saved loader state is a built dataset's, not raw text's")
+        now = self.plan.order_values()
+        differences = [f"{name}: saved {getattr(saved, name)!r}, now {value!r}" for name, value in now.items()
+                       if getattr(saved, name) != value]
+        if differences:
+            raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
+                             + "; ".join(differences) + ")")
+        try:
+            cursors = {int(row[0]): tuple(int(v) for v in row[1:5]) for row in saved.raw_text["cursors"]}
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise ValueError("loader state: raw_text.cursors must be a list of [lane, samples, epoch, unit, "
+                             "within]") from None
+        self._consumed, self._cursors = saved.samples_consumed, cursors
+
+
+def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One global state from every rank's `local_state_dict()` (the furthest cursor of each lane).
+
+    Raises:
+        ValueError: the states do not stand at the same position.
+    """
+    if len({s["samples_consumed"] for s in states}) != 1:
+        raise ValueError("raw-text states of different positions cannot be merged: "
+                         f"{sorted({s['samples_consumed'] for s in states})}")
+    cursors = merge_cursors(*({int(r[0]): tuple(r[1:]) for r in s["raw_text"]["cursors"]} for s in states))
+    return {**states[0], "raw_text": {"cursors": [[lane, *c] for lane, c in sorted(cursors.items())]}}
