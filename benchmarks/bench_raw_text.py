@@ -39,6 +39,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -449,6 +450,12 @@ def run_with_resumes(make_loader, stops: list[int], rest=list) -> list[dict]:
     return batches + list(rest(loader))
 
 
+def same_batches(reference: list[dict], resumed: list[dict], key: str) -> bool:
+    """Whether a resumed pass delivered the uninterrupted pass's batches, in its order."""
+    return len(reference) == len(resumed) and all(bool((a[key] == b[key]).all()) if a[key].shape == b[key].shape
+                                                  else False for a, b in zip(reference, resumed))
+
+
 def stops_at(fractions: list[float], batches: int) -> list[int]:
     """Increasing batch counts at `fractions` of a pass of `batches` batches (at least one batch apart)."""
     stops: list[int] = []
@@ -471,12 +478,14 @@ def hf_resume(paths: list[Path], tokenizer: str, seq_len: int, workers: int, bat
     row = {"loader": f"HF datasets{f', shuffle buffer {shuffle_buffer}' if shuffle_buffer else ''}",
            "workers": workers, "stops": stops, "batches": len(reference_batches)}
     try:
-        resumed = document_token_counts(b["doc_ids"].numpy() for b in run_with_resumes(make, stops))
+        batches = run_with_resumes(make, stops)
     except Exception as err:  # noqa: BLE001 - the peer failing to resume is a result, not the benchmark's end
         reason = (str(err).strip().splitlines() or [""])[0]
         last = [line.strip() for line in str(err).strip().splitlines() if line.strip()][-1:] or [""]
         return {**row, "documents": len(reference), "error": f"{type(err).__name__}: {reason} ({last[0]})"}
-    return {**row, **resume_damage(reference, resumed)}
+    resumed = document_token_counts(b["doc_ids"].numpy() for b in batches)
+    return {**row, "same_batches": same_batches(reference_batches, batches, "input_ids"),
+            **resume_damage(reference, resumed)}
 
 
 def raw_rows(batches: Iterable[dict]) -> list[tuple[int, np.ndarray]]:
@@ -517,9 +526,10 @@ def raw_resume(paths: list[Path], records: list[dict], tokenizer: str, seq_len: 
     reference_batches = list(to_lane_end(make()))
     reference, unmatched = lane_document_counts(raw_rows(reference_batches), make.lanes, eos, documents)
     stops = stops_at(fractions, len(reference_batches))
-    resumed, resumed_unmatched = lane_document_counts(raw_rows(run_with_resumes(make, stops, to_lane_end)),
-                                                      make.lanes, eos, documents)
+    batches = run_with_resumes(make, stops, to_lane_end)
+    resumed, resumed_unmatched = lane_document_counts(raw_rows(batches), make.lanes, eos, documents)
     return {"loader": "shardkit raw-text", "workers": workers, "stops": stops, "batches": len(reference_batches),
+            "same_batches": same_batches(reference_batches, batches, "tokens"),
             "unmatched_pieces": unmatched + resumed_unmatched, **resume_damage(reference, resumed)}
 
 
@@ -529,6 +539,14 @@ def median_row(runs: list[dict]) -> dict:
     """The run with the median tokens/s (its other figures come with it), plus every run's rate."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     return {**ordered[len(ordered) // 2], "runs": [round(r["tokens_per_s"]) for r in runs]}
+
+
+def per_worker(row: dict, runs: list[dict], build: list[dict], workers: int) -> dict:
+    """`row` with its rate per worker (0 workers: the process) over the build's: of the medians, and the median
+    of each run's ratio to the build's pass of the same run (the machine's load changes between runs)."""
+    ratios = [r["tokens_per_s"] / max(workers, 1) / b["tokens_per_s"] for r, b in zip(runs, build)]
+    return {**row, "per_worker_vs_build": row["tokens_per_s"] / max(workers, 1) / median_row(build)["tokens_per_s"],
+            "per_worker_vs_build_same_run": statistics.median(ratios), "per_run_ratios": ratios}
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -561,8 +579,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             hf[workers].append(hf_pass(paths, tokenizer, args.seq_len, workers, args.batch))
         print(f"run {run + 1}/{args.runs}: build {build[-1]['tokens_per_s'] / 1e6:.2f}M tok/s", file=sys.stderr)
     results["build"] = median_row(build)
-    results["raw"] = {str(w): median_row(r) for w, r in raw.items() if r}
-    results["hf"] = {str(w): median_row(r) for w, r in hf.items() if r}
+    results["raw"] = {str(w): per_worker(median_row(r), r, build, w) for w, r in raw.items() if r}
+    results["hf"] = {str(w): per_worker(median_row(r), r, build, w) for w, r in hf.items() if r}
     bestfit = text_layer_pass(paths, tokenizer, args.seq_len, "bestfit", args.unit_bytes)
     results["padding"] = {"build_bestfit": bestfit["padding_fraction"],
                           "build_concat": results["build"]["padding_fraction"]}
@@ -601,7 +619,8 @@ def table(results: dict) -> str:
             f"units of {results['unit_bytes']:,} bytes, {results['lanes']} lanes; "
             f"medians of {results['runs']} runs (all runs in brackets)",
             "",
-            "| pipeline | workers | tokens/s (runs) | per worker vs build | peak RSS (growth) |",
+            "| pipeline | workers | tokens/s (runs) | per worker vs build: of the medians / median of the runs' "
+            "(runs) | peak RSS (growth) |",
             "|---|---|---|---|---|",
             f"| build's text layer, one process (iter_units -> tokenize_unit -> concat packer) | 1 | "
             f"{build / 1e6:.2f}M ({', '.join(f'{r / 1e6:.2f}' for r in results['build']['runs'])}) | 100% | - |"]
@@ -611,10 +630,11 @@ def table(results: dict) -> str:
             rows.append(f"| {label} | - | skipped: {results['raw_loader']} | | |")
             continue
         for workers, entry in results[key].items():
-            per_worker = entry["tokens_per_s"] / max(int(workers), 1) / build
+            ratios = ", ".join(f"{r:.0%}" for r in entry["per_run_ratios"])
+            per_worker = f"{entry['per_worker_vs_build']:.0%} / {entry['per_worker_vs_build_same_run']:.0%} ({ratios})"
             extra = f", construction {entry['construction_s']:.2f} s" if "construction_s" in entry else ""
             rows.append(f"| {label}{extra} | {workers} | {entry['tokens_per_s'] / 1e6:.2f}M "
-                        f"({', '.join(f'{r / 1e6:.2f}' for r in entry['runs'])}) | {per_worker:.0%} | "
+                        f"({', '.join(f'{r / 1e6:.2f}' for r in entry['runs'])}) | {per_worker} | "
                         f"{_memory(entry)} |")
     padding = results["padding"]
     rows += ["", "| padding (share of sample tokens) | build's bestfit | online bestfit (loader, lane epoch 0) | "
@@ -632,15 +652,15 @@ def table(results: dict) -> str:
     rows += ["", f"resume on {resume['documents']} documents: stop after k batches, state_dict, new loader, "
                  "load_state_dict (at every k, one pass), to the end; documents against one uninterrupted pass",
              "| loader | workers | stops after (of batches) | documents in the uninterrupted pass | repeated "
-             "| missing |",
-             "|---|---|---|---|---|---|"]
+             "| missing | the same batches in the same order |",
+             "|---|---|---|---|---|---|---|"]
     for entry in resume["rows"]:
-        counts = (f"{entry['repeated']} | {entry['missing']}" if "error" not in entry
-                  else f"resume fails: {entry['error']} | -")
+        counts = (f"{entry['repeated']} | {entry['missing']} | {'yes' if entry['same_batches'] else 'no'}"
+                  if "error" not in entry else f"resume fails: {entry['error']} | - | -")
         rows.append(f"| {entry['loader']} | {entry['workers']} | {', '.join(map(str, entry['stops']))} "
                     f"(of {entry['batches']}) | {entry['documents']} | {counts} |")
     if results["raw_loader"] != "measured":
-        rows.append("| shardkit raw-text | - | skipped | | | |")
+        rows.append("| shardkit raw-text | - | skipped | | | | |")
     return "\n".join(rows)
 
 
