@@ -28,6 +28,10 @@ run, every rate the median of --runs runs:
    a forked worker shares with its parent); with 0 workers, this process's VmHWM over the pass after
    resetting it (/proc/self/clear_refs), and its growth over the RSS before the pass.
 
+Rates are wall-clock tokens/s (each loader's per worker against the build's, of the medians and as the median
+of each run's ratio to that run's build pass) and tokens per CPU-second (this process plus the workers, which
+on a shared machine compares the pipelines' work where wall rates mostly measure the other jobs).
+
 Prints tables, writes JSON (--out).
     SHARDKIT_SHARED=/work/shared python benchmarks/bench_raw_text.py --mb 4 --runs 3
 """
@@ -39,6 +43,7 @@ import io
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -169,6 +174,24 @@ class PeakMemory:
         return out
 
 
+class CpuTime:
+    """CPU seconds (user + system) of this process and of the child processes that ended during the block (a
+    DataLoader's workers, once the iteration that started them has shut them down): on a shared machine, tokens
+    per CPU-second compare pipelines where tokens per second mostly measure the other jobs."""
+
+    def __enter__(self) -> CpuTime:
+        self._began = self._now()
+        return self
+
+    @staticmethod
+    def _now() -> float:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = self._now() - self._began
+
+
 # -- 1 and 3: the build's text layer in one process ------------------------------------------------------------
 
 def special_ids(tokenizer: str) -> tuple[int, int]:
@@ -264,17 +287,20 @@ def raw_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batc
     byte-balanced), what was tokenized and not delivered is then at most the rest of each lane's last unit."""
     loader, lanes, construction = raw_loader(paths, tokenizer, seq_len, "concat", workers, batch_size, **options)
     delivered = 0
-    with PeakMemory() as memory:
+    with PeakMemory() as memory, CpuTime() as cpu:
         began = last = time.perf_counter()
-        for batch in loader:
+        batches = iter(loader)
+        for batch in batches:
             if bool((batch["lane_epoch"] > 0).any()):
                 break
             tokens, pad = padding_per_row(batch)
             delivered += int(tokens.sum() - pad.sum())
             last = time.perf_counter()
         seconds = last - began
+        batches.close()  # stops and reaps the workers, so that their CPU time is counted
     return {"construction_s": construction, "seconds": seconds, "tokens": delivered,
-            "tokens_per_s": delivered / seconds, "lanes": lanes, "memory": memory.summary()}
+            "tokens_per_s": delivered / seconds, "tokens_per_cpu_s": delivered / cpu.seconds, "lanes": lanes,
+            "memory": memory.summary()}
 
 
 def online_padding(paths: list[Path], tokenizer: str, seq_len: int, batch_size: int, **options) -> float:
@@ -361,13 +387,14 @@ def hf_loader(dataset, batch_size: int, workers: int):
 
 def hf_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batch_size: int) -> dict:
     """One timed pass of the peer: document tokens delivered per second (dataset set-up included)."""
-    with PeakMemory() as memory:
+    with PeakMemory() as memory, CpuTime() as cpu:
         began = time.perf_counter()
         delivered = 0
         for batch in hf_loader(hf_dataset(paths, tokenizer, seq_len), batch_size, workers):
             delivered += int(batch["length"].sum())
-        seconds = time.perf_counter() - began
-    return {"seconds": seconds, "tokens": delivered, "tokens_per_s": delivered / seconds, "memory": memory.summary()}
+        seconds = time.perf_counter() - began  # the workers are shut down once the pass ends
+    return {"seconds": seconds, "tokens": delivered, "tokens_per_s": delivered / seconds,
+            "tokens_per_cpu_s": delivered / cpu.seconds, "memory": memory.summary()}
 
 
 # -- resume: documents repeated and missing (pure functions) --------------------------------------------------
@@ -545,8 +572,12 @@ def per_worker(row: dict, runs: list[dict], build: list[dict], workers: int) -> 
     """`row` with its rate per worker (0 workers: the process) over the build's: of the medians, and the median
     of each run's ratio to the build's pass of the same run (the machine's load changes between runs)."""
     ratios = [r["tokens_per_s"] / max(workers, 1) / b["tokens_per_s"] for r, b in zip(runs, build)]
+    cpu = (statistics.median(r["tokens_per_cpu_s"] for r in runs)
+           / statistics.median(b["tokens_per_cpu_s"] for b in build))
     return {**row, "per_worker_vs_build": row["tokens_per_s"] / max(workers, 1) / median_row(build)["tokens_per_s"],
-            "per_worker_vs_build_same_run": statistics.median(ratios), "per_run_ratios": ratios}
+            "per_worker_vs_build_same_run": statistics.median(ratios), "per_run_ratios": ratios,
+            "tokens_per_cpu_s_median": statistics.median(r["tokens_per_cpu_s"] for r in runs),
+            "per_cpu_second_vs_build": cpu}
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -579,6 +610,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             hf[workers].append(hf_pass(paths, tokenizer, args.seq_len, workers, args.batch))
         print(f"run {run + 1}/{args.runs}: build {build[-1]['tokens_per_s'] / 1e6:.2f}M tok/s", file=sys.stderr)
     results["build"] = median_row(build)
+    results["build_tokens_per_cpu_s"] = statistics.median(b["tokens_per_cpu_s"] for b in build)
     results["raw"] = {str(w): per_worker(median_row(r), r, build, w) for w, r in raw.items() if r}
     results["hf"] = {str(w): per_worker(median_row(r), r, build, w) for w, r in hf.items() if r}
     bestfit = text_layer_pass(paths, tokenizer, args.seq_len, "bestfit", args.unit_bytes)
@@ -620,14 +652,15 @@ def table(results: dict) -> str:
             f"medians of {results['runs']} runs (all runs in brackets)",
             "",
             "| pipeline | workers | tokens/s (runs) | per worker vs build: of the medians / median of the runs' "
-            "(runs) | peak RSS (growth) |",
-            "|---|---|---|---|---|",
+            "(runs) | tokens per CPU-second (vs build) | peak RSS (growth) |",
+            "|---|---|---|---|---|---|",
             f"| build's text layer, one process (iter_units -> tokenize_unit -> concat packer) | 1 | "
-            f"{build / 1e6:.2f}M ({', '.join(f'{r / 1e6:.2f}' for r in results['build']['runs'])}) | 100% | - |"]
+            f"{build / 1e6:.2f}M ({', '.join(f'{r / 1e6:.2f}' for r in results['build']['runs'])}) | 100% | "
+            f"{results['build_tokens_per_cpu_s'] / 1e6:.2f}M | - |"]
     for label, key in (("shardkit raw-text loader (concat)", "raw"),
                        ("HF datasets streaming + StatefulDataLoader", "hf")):
         if not results[key]:
-            rows.append(f"| {label} | - | skipped: {results['raw_loader']} | | |")
+            rows.append(f"| {label} | - | skipped: {results['raw_loader']} | | | |")
             continue
         for workers, entry in results[key].items():
             ratios = ", ".join(f"{r:.0%}" for r in entry["per_run_ratios"])
@@ -635,6 +668,7 @@ def table(results: dict) -> str:
             extra = f", construction {entry['construction_s']:.2f} s" if "construction_s" in entry else ""
             rows.append(f"| {label}{extra} | {workers} | {entry['tokens_per_s'] / 1e6:.2f}M "
                         f"({', '.join(f'{r / 1e6:.2f}' for r in entry['runs'])}) | {per_worker} | "
+                        f"{entry['tokens_per_cpu_s_median'] / 1e6:.2f}M ({entry['per_cpu_second_vs_build']:.0%}) | "
                         f"{_memory(entry)} |")
     padding = results["padding"]
     rows += ["", "| padding (share of sample tokens) | build's bestfit | online bestfit (loader, lane epoch 0) | "
@@ -675,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--unit-bytes", type=int, default=1 << 18,
+    parser.add_argument("--unit-bytes", type=int, default=1 << 16,
                         help="work unit size, for the loader and the build's reader alike")
     parser.add_argument("--lanes", type=int, default=4,
                         help="the loader's lanes (a few units each keeps the work a pass leaves undelivered small)")
