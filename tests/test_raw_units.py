@@ -36,6 +36,18 @@ def test_every_line_in_exactly_one_range(tmp_path, unit_bytes, trailing_newline)
     assert texts == docs and not rejected
 
 
+def test_ranges_over_fsspec_read_the_same_lines(tmp_path):
+    import fsspec
+
+    docs = [f"document {i} " + "y" * (i * 7 % 90) for i in range(60)]
+    body = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    with fsspec.open("memory://raw-units/c.jsonl", "wb") as fh:
+        fh.write(body)
+    (tmp_path / "c.jsonl").write_bytes(body)
+    assert lines_by_range("memory://raw-units/c.jsonl", 257) == lines_by_range(tmp_path / "c.jsonl", 257)
+    assert lines_by_range("memory://raw-units/c.jsonl", 257)[0] == docs
+
+
 def test_an_empty_file_is_one_empty_range(tmp_path):
     (tmp_path / "e.jsonl").write_bytes(b"")
     assert lines_by_range(tmp_path / "e.jsonl", 100) == ([], [])
