@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .raw_batches import CURSORS_KEY, raw_batch
 from .raw_lanes import position_lanes, rank_step_positions
-from .raw_source import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .raw_source import CURSOR_FIELDS, DEFAULT_UNIT_BYTES, LaneStream, RawCorpus, RawTextSettings, RejectionLog
 from .tensors import batch_to_tensors
 from .topology import Topology, check_topology_args, data_parallel_group, resolve_topology
 
@@ -106,7 +106,8 @@ class RawTextDataset(IterableDataset):
     """
 
     def __init__(self, inputs: str | Sequence[str], *, tokenizer: str, seq_len: int, pack: str = "concat",
-                 text_field: str = "text", txt_mode: str = "file", unit_bytes: int = 1 << 20, lanes: int = 64,
+                 text_field: str = "text", txt_mode: str = "file", unit_bytes: int = DEFAULT_UNIT_BYTES,
+                 lanes: int = 64,
                  eos_id: int | str | None = "auto", bos_id: int | str | None = None,
                  max_doc_chars: int = 10_000_000, bestfit_buffer: int = 2048, bestfit_open: int = 512,
                  seed: int = 0, shuffle: bool = True, token_dtype: str | None = None, segment_ids: bool = False,
@@ -182,7 +183,8 @@ class RawTextDataset(IterableDataset):
                 part.samples.append(sample)
                 part.epochs.append(epoch)
             part.cursors = np.array([[lane, *streams[lane].cursor.as_tuple()]
-                                     for lane in sorted(set(lanes[rows].tolist()))], dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
+                                     for lane in sorted(set(lanes[rows].tolist()))],
+                                    dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
             step += 1
             yield part
 

@@ -35,6 +35,11 @@ from .raw_units import list_units, read_segments
 logger = logging.getLogger(__name__)
 
 _LOGGED_REJECTIONS = 20  # the first rejected documents are logged with their file and reason
+# Each unit is packed alone (its tail padded). Measured with bestfit, GPT-2 tokenizer, seq_len 1024 on the shared
+# prose corpus: 1.27% padding at 1 MiB units, 0.97% at 2 MiB, 0.77% at 4 MiB, against the build's 0.57% (one
+# packer over the corpus); 2 MiB keeps within the 0.5 points while a resume re-tokenizes at most 2 MiB of
+# text per lane a rank reads.
+DEFAULT_UNIT_BYTES = 2 << 20
 CURSOR_FIELDS = 5  # samples, lane epoch, unit, segment, within (`LaneCursor`)
 
 
@@ -60,7 +65,7 @@ class RawTextSettings:
     pack: str = "concat"
     text_field: str = "text"
     txt_mode: str = "file"
-    unit_bytes: int = 1 << 20
+    unit_bytes: int = DEFAULT_UNIT_BYTES
     lanes: int = 64
     eos_id: int | str | None = "auto"
     bos_id: int | str | None = None
