@@ -102,8 +102,8 @@ class RawCorpus:
         self.documents = DocumentSettings(tokenizer=settings.tokenizer, token_dtype=self.token_dtype,
                                           text_field=settings.text_field, eos_id=eos, bos_id=bos,
                                           max_doc_chars=settings.max_doc_chars)
-        self.units = list_units(self.files, unit_bytes=settings.unit_bytes, txt_mode=settings.txt_mode,
-                                text_field=settings.text_field, storage_options=storage_options)
+        self.units = list_units(self.files, unit_bytes=settings.unit_bytes, text_field=settings.text_field,
+                                storage_options=storage_options)
         sizes = self.units.size
         self.num_lanes = min(settings.lanes, len(sizes))
         self.lanes = lane_units(deal_lanes(sizes, self.num_lanes), self.num_lanes)

@@ -39,7 +39,8 @@ class UnitTable:
     first_rows: tuple[tuple[int, ...], ...]  # per file: the first row of each row group (Parquet only)
 
 
-def unit_kind(file: InputFile, txt_mode: str) -> str:
+def unit_kind(file: InputFile) -> str:
+    """How a file is cut into units: RANGE, ROW_GROUP or STREAMED."""
     if file.kind == "parquet":
         return ROW_GROUP
     if file.kind == "jsonl" and file.compression is None:
@@ -47,7 +48,7 @@ def unit_kind(file: InputFile, txt_mode: str) -> str:
     return STREAMED  # compressed JSONL, and .txt (a paragraph stream, or one whole-file unit)
 
 
-def list_units(files: list[InputFile], *, unit_bytes: int, txt_mode: str, text_field: str,
+def list_units(files: list[InputFile], *, unit_bytes: int, text_field: str,
                storage_options: dict[str, Any] | None) -> UnitTable:
     """Every file's units in corpus order, from the files' sizes (and Parquet footers).
 
@@ -57,7 +58,7 @@ def list_units(files: list[InputFile], *, unit_bytes: int, txt_mode: str, text_f
     """
     sources, parts, sizes, kinds, first_rows = [], [], [], [], []
     for source, file in enumerate(files):
-        kind = unit_kind(file, txt_mode)
+        kind = unit_kind(file)
         kinds.append(kind)
         rows: tuple[int, ...] = ()
         if kind == RANGE:

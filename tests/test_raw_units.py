@@ -12,7 +12,7 @@ from shardkit.text.inputs import expand_inputs, max_line_bytes
 
 def lines_by_range(path, unit_bytes, max_doc_chars=10_000_000):
     files = expand_inputs([str(path)])
-    table = list_units(files, unit_bytes=unit_bytes, txt_mode="file", text_field="text", storage_options=None)
+    table = list_units(files, unit_bytes=unit_bytes, text_field="text", storage_options=None)
     assert table.kinds == (RANGE,) and len(table.size) == max(1, -(-files[0].size // unit_bytes))
     texts, rejected = [], []
     for number in range(len(table.size)):
@@ -60,3 +60,23 @@ def test_a_line_too_long_to_read_is_rejected_as_the_build_rejects_it(tmp_path):
                     + json.dumps({"text": "c"}) + "\n")
     texts, rejected = lines_by_range(path, 64, max_doc_chars=10)
     assert texts == ["a", "c"] and len(rejected) == 1 and rejected[0].startswith("line is longer than")
+
+
+def test_a_txt_read_by_paragraphs_is_streamed_in_the_builds_segments(tmp_path):
+    from shardkit.loaders.raw_units import STREAMED
+    from shardkit.text.inputs import iter_units
+
+    paragraphs = [f"paragraph {i}\n" + "z" * (1 + i * 13 % 200) for i in range(80)]
+    (tmp_path / "p.txt").write_text("\n\n\n".join(paragraphs) + "\n")
+    files = expand_inputs([str(tmp_path / "p.txt")])
+    table = list_units(files, unit_bytes=512, text_field="text", storage_options=None)
+    assert table.kinds == (STREAMED,) and len(table.size) == 1
+    settings = dict(unit_bytes=512, txt_mode="paragraph", text_field="text", max_doc_chars=10_000)
+    segments = list(read_segments(table, files, 0, skip=0, storage_options=None, **settings))
+    assert len(segments) > 3
+    assert [s.payload for s in segments] == [u.payload for u in iter_units(files, **settings)]
+    texts = [t for s in segments for t in parse_unit(s, text_field="text", max_doc_chars=10_000)[1]]
+    assert texts == paragraphs
+    # a resume into segment 2 reads on from there without the segments before it
+    assert list(read_segments(table, files, 0, skip=2, storage_options=None, **settings))[0].payload \
+        == segments[2].payload
