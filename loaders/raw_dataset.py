@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .raw_batches import CURSORS_KEY, raw_batch
 from .raw_lanes import position_lanes, rank_step_positions
-from .raw_source import LaneStream, RawCorpus, RawTextSettings, UnitReader
+from .raw_source import CURSOR_FIELDS, DEFAULT_UNIT_BYTES, LaneStream, RawCorpus, RawTextSettings, RejectionLog
 from .tensors import batch_to_tensors
 from .topology import Topology, check_topology_args, data_parallel_group, resolve_topology
 
@@ -106,7 +106,8 @@ class RawTextDataset(IterableDataset):
     """
 
     def __init__(self, inputs: str | Sequence[str], *, tokenizer: str, seq_len: int, pack: str = "concat",
-                 text_field: str = "text", txt_mode: str = "file", unit_bytes: int = 1 << 20, lanes: int = 64,
+                 text_field: str = "text", txt_mode: str = "file", unit_bytes: int = DEFAULT_UNIT_BYTES,
+                 lanes: int = 64,
                  eos_id: int | str | None = "auto", bos_id: int | str | None = None,
                  max_doc_chars: int = 10_000_000, bestfit_buffer: int = 2048, bestfit_open: int = 512,
                  seed: int = 0, shuffle: bool = True, token_dtype: str | None = None, segment_ids: bool = False,
@@ -162,7 +163,7 @@ class RawTextDataset(IterableDataset):
         """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
         per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
         plan, corpus, topology = self.plan, self.corpus, iteration.topology
-        reader, streams = UnitReader(corpus), {}
+        log, streams = RejectionLog(), {}
         step = 0
         while True:
             positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
@@ -174,15 +175,16 @@ class RawTextDataset(IterableDataset):
             for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
                 stream = streams.get(lane)
                 if stream is None:
-                    stream = streams[lane] = LaneStream(corpus, lane, reader, seed=plan.seed, shuffle=plan.shuffle,
-                                                        cursor=iteration.cursors.get(lane, (0, 0, 0, 0)),
+                    stream = streams[lane] = LaneStream(corpus, lane, log, seed=plan.seed, shuffle=plan.shuffle,
+                                                        cursor=iteration.cursors.get(lane, (0,) * CURSOR_FIELDS),
                                                         rejected=part.rejected)
                 stream.rejected = part.rejected
                 sample, epoch = stream.take(index)
                 part.samples.append(sample)
                 part.epochs.append(epoch)
             part.cursors = np.array([[lane, *streams[lane].cursor.as_tuple()]
-                                     for lane in sorted(set(lanes[rows].tolist()))], dtype=np.int64).reshape(-1, 5)
+                                     for lane in sorted(set(lanes[rows].tolist()))],
+                                    dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
             step += 1
             yield part
 

@@ -1,7 +1,7 @@
 """The order of raw-text training: lanes, their epochs, and which global positions each rank reads. Pure
 functions, no I/O.
 
-The corpus's work units (`shardkit.text.inputs.iter_units`, a deterministic sequence) are dealt into a fixed
+The corpus's work units (`raw_units.list_units`, a deterministic sequence) are dealt into a fixed
 number of *lanes*, balanced by bytes (`deal_lanes`). Each lane is an independent stream: its units in a
 per-epoch shuffled order (`lane_epoch_order`, seeded by seed, epoch and lane), each unit tokenized and packed
 on its own. A lane that runs out of units for epoch e goes on with epoch e + 1 (a lane-epoch), so no rank ever

@@ -22,6 +22,7 @@ from .closing import closed_at_exit
 from .raw_batches import CURSORS_KEY
 from .raw_dataset import RawIteration, RawTextDataset
 from .raw_lanes import merge_cursors
+from .raw_source import CURSOR_FIELDS
 from .state import LoaderState
 from .tensors import batch_to_tensors
 from .topology import Topology
@@ -147,12 +148,24 @@ class RawTextDataLoader(DataLoader):
         if differences:
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")")
-        try:
-            cursors = {int(row[0]): tuple(int(v) for v in row[1:5]) for row in saved.raw_text["cursors"]}
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise ValueError("loader state: raw_text.cursors must be a list of [lane, samples, epoch, unit, "
-                             "within]") from None
+        cursors = _saved_cursors(saved.raw_text)
         self._consumed, self._cursors = saved.samples_consumed, cursors
+
+
+def _saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    """lane -> cursor from a state's `raw_text`.
+
+    Raises:
+        ValueError: the cursors are not rows of [lane, samples, epoch, unit, segment, within].
+    """
+    try:
+        rows = [[int(v) for v in row] for row in raw_text["cursors"]]
+    except (KeyError, TypeError, ValueError):
+        rows = None
+    if rows is None or any(len(row) != 1 + CURSOR_FIELDS for row in rows):
+        raise ValueError("loader state: raw_text.cursors must be a list of [lane, samples, epoch, unit, segment, "
+                         "within] (a state saved by an older loader cannot be resumed)")
+    return {row[0]: tuple(row[1:]) for row in rows}
 
 
 def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class LoaderState:
         quarantine: (shard index, epoch, position) of each quarantined shard: its samples are left out
             of the order from that position of that epoch's unfiltered order on (`loaders.quarantine`).
         raw_text: raw-text streams only (`shardkit.loaders.raw_loader`): {"cursors": [[lane, samples, lane
-            epoch, unit, samples of the unit], ...]}, one per lane read so far (`num_partitions` holds the
+            epoch, unit, segment of the unit, samples of the segment], ...]}, one per lane read so far (`num_partitions` holds the
             lanes, `dataset` the corpus and tokenization's fingerprint).
     """
 

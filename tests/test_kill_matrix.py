@@ -89,6 +89,31 @@ def test_training_sigkill_matrix(tmp_path, figures):
                 corrupt=result["loss_mismatches"])
 
 
+def test_training_sigkill_from_raw_text(tmp_path, figures):
+    """Training straight from raw text (tokenized and packed in the loader) killed at seeded random moments and
+    resumed: losses bitwise equal to an uninterrupted run, every sample id once (a small matrix)."""
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=120)
+    (tmp_path / "work").mkdir()
+    points = 6
+    options = {"data": {"tokenizer": "byte", "lanes": 4}, "model": {"seq_len": 64}}
+    command = [sys.executable, str(HERE / "train_kill_harness.py"), f"{corpus}/*.jsonl*", str(tmp_path / "work"),
+               str(points), "3", json.dumps(options)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["runs"] == points and result["kills"] >= points // 2, result
+    assert result["failed_resumes"] == 0 and result["loss_mismatches"] == 0, result
+    assert result["id_mismatches"] == 0 and result["resume_mismatches"] == 0, result
+    assert result["resumed_from_checkpoint"] >= 1, result
+    assert result["duplicated"] == 0 and result["lost"] == 0 and result["samples_checked"] == points * 96, result
+    figures.add("sigkill_training_raw_text", runs=result["runs"], kills=result["kills"],
+                resumed_from_checkpoint=result["resumed_from_checkpoint"], samples_checked=result["samples_checked"],
+                lost=result["lost"], duplicated=result["duplicated"], corrupt=result["loss_mismatches"])
+
+
 def test_training_sigkill_with_a_weight_schedule(tmp_path, figures):
     """A two-stream mixture whose weights switch at step 4 (issue 15: "a schedule across a kill +
     resume"): SIGKILLed at seeded random moments and resumed, every run reproduces the uninterrupted

@@ -11,7 +11,7 @@ from shardkit.loaders import StreamingDataLoader, StreamingDataset
 from shardkit.loaders.documents import dense_segment_ids
 from shardkit.loaders.raw_loader import merge_raw_states
 from shardkit.text.documents import tokenize_unit
-from test_build import config, read_samples, write_corpus
+from test_build import config, documents_from_samples, read_samples, write_corpus
 
 SETTINGS = dict(tokenizer="byte", seq_len=1024, unit_bytes=4096, lanes=5)  # about 30 samples per lane epoch
 
@@ -61,14 +61,21 @@ def first_epoch(ds, *, batch_size=4):
     raise AssertionError("unreachable: the loader is endless")
 
 
+def loader_documents(ds):
+    """(file, document number) -> tokens (with EOS) of every accepted document of the loader's units."""
+    corpus, docs = ds.corpus, {}
+    for number in range(len(corpus.units.size)):
+        for unit in corpus.segments(number):
+            result = tokenize_unit(unit, corpus.documents)
+            ends = np.cumsum(result.doc_lengths)
+            for end, length, index in zip(ends, result.doc_lengths, result.doc_index):
+                docs[(unit.source, int(index))] = result.tokens[end - length:end].tolist()
+    return docs
+
+
 def accepted_documents(ds):
     """Every accepted document's tokens (with EOS), as the build's tokenizer step gives them."""
-    corpus, docs = ds.corpus, []
-    for unit in corpus.units_from(0, 0, 0):
-        result = tokenize_unit(unit, corpus.documents)
-        ends = np.cumsum(result.doc_lengths)
-        docs += [result.tokens[e - n:e].tolist() for e, n in zip(ends, result.doc_lengths)]
-    return docs
+    return list(loader_documents(ds).values())
 
 
 def test_batches_carry_tokens_ids_and_document_boundaries(corpus):
@@ -100,6 +107,33 @@ def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
     raw = first_epoch(ds)
     assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
     assert ds.rejected == report["documents"]["rejected_by_reason"] and ds.rejected  # counted as the build counts
+
+
+def test_documents_are_the_builds_across_ranges_segments_and_row_groups(corpus, tmp_path):
+    from shardkit.loaders.raw_units import RANGE, ROW_GROUP, STREAMED
+    from shardkit.tools.build import run_build
+
+    run_build(config([corpus], tmp_path / "built", packing="none", seq_len=1024))
+    built = documents_from_samples(read_samples(str(tmp_path / "built"))[1])
+    ds = dataset(corpus, pack="none")
+    units = ds.corpus.units
+    names = [f.url.rsplit("/", 1)[-1] for f in ds.corpus.files]
+    kinds = dict(zip(names, units.kinds))
+    assert kinds == {"a.jsonl": RANGE, "b.jsonl.gz": STREAMED, "c.jsonl.zst": STREAMED, "d.parquet": ROW_GROUP,
+                     "e.txt": STREAMED}
+    parts = np.bincount(units.source, minlength=len(names))
+    streamed = names.index("c.jsonl.zst")
+    assert parts[names.index("a.jsonl")] > 3 and parts[names.index("d.parquet")] == 4 and parts[streamed] == 1
+    assert sum(1 for _ in ds.corpus.segments(int(np.flatnonzero(units.source == streamed)[0]))) > 3
+    raw = loader_documents(ds)
+    for source, kind in enumerate(units.kinds):
+        mine = {k: v for k, v in raw.items() if k[0] == source}
+        theirs = {k: v for k, v in built.items() if k[0] == source}
+        assert mine and len(mine) == len(theirs), names[source]
+        if kind == RANGE:  # numbered from byte offsets, not line numbers: the same documents, the same tokens
+            assert sorted(mine.values()) == sorted(theirs.values()), names[source]
+        else:
+            assert mine == theirs, names[source]
 
 
 @pytest.mark.parametrize("pack", ["concat", "bestfit", "none"])
@@ -197,8 +231,19 @@ def test_two_workers_give_the_samples_of_none_and_resume_across(corpus):
 def test_an_unreadable_input_is_named(tmp_path):
     bad = tmp_path / "broken.jsonl.zst"
     bad.write_bytes(b"\x28\xb5\x2f\xfd garbage that is not a zstd frame")
+    ds = StreamingDataset(str(bad), **SETTINGS)  # listing reads no file: the error comes with its first read
     with pytest.raises(OSError, match="broken.jsonl.zst"):
-        StreamingDataset(str(bad), **SETTINGS)
+        next(iter(StreamingDataLoader(ds, batch_size=1)))
+
+
+@pytest.mark.parametrize("bad", [b'{"text": ""}\nnot json\n', b""])
+def test_a_lane_without_accepted_documents_is_named_not_spun_on(tmp_path, bad):
+    (tmp_path / "good.jsonl").write_text("\n".join(f'{{"text": "document {i} {"x" * 50}"}}' for i in range(40)))
+    (tmp_path / "bad.jsonl").write_bytes(bad)  # every document rejected, or no document at all
+    ds = StreamingDataset(str(tmp_path), tokenizer="byte", seq_len=64, lanes=2)
+    assert [len(units) for units in ds.corpus.lanes] == [1, 1]
+    with pytest.raises(ValueError, match=r"lane 1 of 2 holds no accepted document \(its inputs: .*bad.jsonl\)"):
+        take(StreamingDataLoader(ds, batch_size=4), 2)
 
 
 def test_standalone_iteration_needs_batch_size(corpus):
@@ -224,20 +269,22 @@ def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, corpus):
     assert sorted(head + tail) == sorted(r for r in reference if r[0] < 60 + 120)
 
 
-def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_unit():
+def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_segment_of_a_compressed_file():
     from conftest import shared_path
 
     corpus = str(shared_path("corpora/prose.jsonl.zst"))
     tokenizer = str(shared_path("tokenizers/gpt2_hf_tokenizer.json"))
-    settings = dict(tokenizer=tokenizer, seq_len=256, unit_bytes=1 << 18, lanes=4, pack="bestfit")
-    reference = rows(take(StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8), 6))
+    settings = dict(tokenizer=tokenizer, seq_len=256, unit_bytes=1 << 14, lanes=4, pack="bestfit")
+    reference = rows(take(StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8), 10))
     loader = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
-    head = take(loader, 3)
+    head = take(loader, 6)
     state = loader.state_dict()
-    assert all(within > 0 for _, _, _, _, within in state["raw_text"]["cursors"])  # inside the lanes' first units
+    # One .zst file is one streamed unit (one lane); the stop falls inside a later segment of it.
+    [[_, _, _, unit, segment, within]] = state["raw_text"]["cursors"]
+    assert unit == 0 and segment > 0 and within > 0
     resumed = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
     resumed.load_state_dict(state)
-    assert rows(head) + rows(take(resumed, 3)) == reference
+    assert rows(head) + rows(take(resumed, 4)) == reference
     assert max(max(t) for _, _, t in reference) > 256  # GPT-2 ids, not bytes
 
 
@@ -252,7 +299,7 @@ def test_an_input_that_vanishes_after_listing_is_named(tmp_path):
     corpus = write_corpus(tmp_path / "in", docs=40)
     loader = StreamingDataLoader(dataset(corpus, lanes=2), batch_size=2)
     (corpus / "b.jsonl.gz").unlink()
-    with pytest.raises(OSError, match="b.jsonl.gz: cannot read its work unit .*vanished"):
+    with pytest.raises(OSError, match="b.jsonl.gz: cannot read it.*No such file.*vanish"):
         take(loader, 40)
 
 

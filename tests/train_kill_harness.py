@@ -5,13 +5,14 @@ then forks one training run per point and SIGKILLs it at a seeded random moment.
     python tests/train_kill_harness.py DATASET WORKDIR POINTS SEED [OPTIONS_JSON]   -> JSON figures on stdout
 
 Each point: a run checkpointing every step is killed once it has checkpointed a seeded random number
-of steps, plus a random part of a step (so during start-up, a step, or a checkpoint save), then resumed with `--resume auto` to the
-end. Its per-step losses (and, under --precision fp16, loss scales and overflow-skipped steps) must equal
-an uninterrupted run's bitwise, over the whole run every sample id
-must be consumed exactly once, in the same steps as the reference, and the resumed run must report
-(`resumed_from` in metrics.jsonl) the newest checkpoint the kill left: a run that started over would
-reproduce the reference too. OPTIONS_JSON holds more trainer options ({"precision": "fp16", ...}); the
-forked runs inherit the environment (SHARDKIT_FAULT_INJECT="overflow:STEP" forces an overflow).
+of steps, plus a random part of a step (so during start-up, a step, or a checkpoint save), then resumed with
+`--resume auto` to the end. Its per-step losses (and, under --precision fp16, loss scales and overflow-skipped
+steps) must equal an uninterrupted run's bitwise, over the whole run every sample id must be consumed exactly
+once, in the same steps as the reference, and the resumed run must report (`resumed_from` in metrics.jsonl) the
+newest checkpoint the kill left: a run that started over would reproduce the reference too. OPTIONS_JSON holds
+more trainer options ({"precision": "fp16", ...}; its "data" entries are added to the data options, e.g.
+{"data": {"tokenizer": "byte"}} for raw text); the forked runs inherit the environment
+(SHARDKIT_FAULT_INJECT="overflow:STEP" forces an overflow).
 
     python tests/train_kill_harness.py kill-torchrun RUN_DIR TARGET DELAY   -> JSON on stdout
 
@@ -48,8 +49,9 @@ def _train(data: str, run_dir: str, cache_dir: str, options: dict) -> None:
     from shardkit.train.loop import build, close, train
 
     torch.set_num_threads(1)
+    options = dict(options)
     values = {"steps": STEPS, "device": "cpu", "optimizer": {"warmup_steps": 2},
-              "data": {"data": data, "batch_size": 12, "cache_dir": cache_dir},
+              "data": {"data": data, "batch_size": 12, "cache_dir": cache_dir, **options.pop("data", {})},
               "checkpoint": {"checkpoint_every": 1, "keep": 2, "resume": "auto"},
               "logging": {"run_dir": run_dir, "log_every": 1000, "tensorboard": False, "log_sample_ids": True},
               **options}

@@ -164,6 +164,21 @@ def _open_raw(url: str, storage_options: dict[str, Any] | None) -> _RetryingInpu
     return _RetryingInput(fs, path, redact_url(url))
 
 
+def open_input(url: str, storage_options: dict[str, Any] | None = None) -> io.RawIOBase:
+    """An input file opened for seekable binary reads through the core's retry policy (local or fsspec)."""
+    return _open_raw(url, storage_options)
+
+
+def max_line_bytes(max_doc_chars: int) -> int:
+    """The longest JSON line read whole: up to 6 bytes per character (\\uXXXX escapes) plus other fields."""
+    return 6 * max_doc_chars + (1 << 16)
+
+
+def long_line_reason(limit: int) -> str:
+    """Why a line longer than `limit` bytes is rejected (the build's and the raw-text loader's words)."""
+    return f"line is longer than {limit} bytes (raise --max-doc-chars to accept it)"
+
+
 class _RetryingInput(io.RawIOBase):
     """An input file read through the core's `retry_call`, like every other storage call: a transient
     failure reopens the file at the offset already reached and reads again, so a long streaming read
@@ -367,7 +382,7 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
             if len(carry) > max_line_bytes and kind == "jsonl":
                 newline = carry.find(b"\n")
                 discarding = newline < 0
-                reason = f"line is longer than {max_line_bytes} bytes (raise --max-doc-chars to accept it)"
+                reason = long_line_reason(max_line_bytes)
                 reached = raw.tell()
                 made = unit(first_record=record, payload=b"", rejected=((record, reason),),
                             input_offset=reached, records_in_payload=0)
@@ -499,8 +514,7 @@ def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode
         raise ValueError(f"--txt-mode must be one of {TXT_MODES}, got {txt_mode!r}")
     first_index, first_file, skip = start
     cursor = _Cursor(first_index)
-    # A JSON line can spend up to 6 bytes per character (\uXXXX escapes) plus its other fields.
-    max_line_bytes = 6 * max_doc_chars + (1 << 16)
+    line_limit = max_line_bytes(max_doc_chars)
     rows_per_unit = max(64, unit_bytes // 2048)
     for source in range(first_file, len(files)):
         file = files[source]
@@ -508,7 +522,7 @@ def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode
         if file.kind == "jsonl" or (file.kind == "txt" and txt_mode == "paragraph"):
             kind = "jsonl" if file.kind == "jsonl" else "txt-paragraph"
             yield from _line_units(file, source, cursor, kind=kind, unit_bytes=unit_bytes,
-                                   max_line_bytes=max_line_bytes, storage_options=storage_options,
+                                   max_line_bytes=line_limit, storage_options=storage_options,
                                    skip_units=skip_units)
         elif file.kind == "txt":
             yield from _whole_file_unit(file, source, cursor, max_bytes=4 * max_doc_chars,
