@@ -16,6 +16,12 @@ SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
 S3_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one test process per core, at most 4: many tests start several
+    processes of their own (ranks, DataLoader workers, servers), so more would only contend."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def shared_path(relative: str) -> Path:
     """A file under ../shared, or skip the test with a message saying what is missing."""
     path = SHARED / relative

@@ -4,6 +4,7 @@ docs/RELIABILITY.md reports. Loaded from tests/conftest.py through `pytest_plugi
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -67,12 +68,15 @@ class FigureRecorder:
         if not self.figures:
             return
         FIGURES_PATH.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            existing = json.loads(FIGURES_PATH.read_text())
-        except (OSError, ValueError):
-            existing = {}
-        existing.update(self.figures)
-        FIGURES_PATH.write_text(json.dumps(existing, indent=1, sort_keys=True) + "\n")
+        # Each pytest-xdist worker saves its own scenarios into the one file: merge under a lock.
+        with open(FIGURES_PATH.with_name(FIGURES_PATH.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                existing = json.loads(FIGURES_PATH.read_text())
+            except (OSError, ValueError):
+                existing = {}
+            existing.update(self.figures)
+            FIGURES_PATH.write_text(json.dumps(existing, indent=1, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="session")
