@@ -88,6 +88,29 @@ def _first_stream_shares(data: str, ids_by_step: dict) -> list[float] | None:
     return shares
 
 
+def _reference_step_seconds(pid: int, run_dir: Path) -> float:
+    """Wait for the reference run, watching its checkpoints appear: the seconds of one step (with its
+    save), from the first checkpoint to the last. Not the whole run over STEPS: start-up weighs in that
+    figure, and a random part of it after the last checkpoints outlived the run (a kill that missed)."""
+    seen: dict[int, float] = {}
+    give_up = time.monotonic() + DEADLINE
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        seen.setdefault(_latest_step(run_dir), time.monotonic())
+        if done:
+            break
+        if time.monotonic() > give_up:
+            os.kill(pid, signal.SIGKILL)
+            raise SystemExit("the uninterrupted reference run did not end")
+        time.sleep(0.002)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("the uninterrupted reference run failed")
+    steps = sorted(step for step in seen if step > 0)
+    if len(steps) < 2:
+        raise SystemExit(f"the reference run left checkpoints {steps}: expected one per step")
+    return (seen[steps[-1]] - seen[steps[0]]) / (steps[-1] - steps[0])
+
+
 def _latest_step(run_dir: Path) -> int:
     """Newest complete checkpoint's step (checkpoints appear by rename once complete), 0 if none."""
     try:
@@ -105,8 +128,7 @@ def train_matrix(data: str, workdir: str, points: int, seed: int, options: dict 
     cache_dir = os.path.join(workdir, "cache")
     reference = Path(workdir) / "reference"
     began = time.monotonic()
-    if _wait(_fork(_train, data, str(reference), cache_dir, options or {}), DEADLINE) != 0:
-        raise SystemExit("the uninterrupted reference run failed")
+    step_seconds = _reference_step_seconds(_fork(_train, data, str(reference), cache_dir, options or {}), reference)
     duration = time.monotonic() - began
     want_losses, want_ids, want_scales = losses(reference), sample_ids(reference), loss_scales(reference)
     figures = {"runs": points, "kills": 0, "killed_before_first_checkpoint": 0, "loss_mismatches": 0,
@@ -124,7 +146,7 @@ def train_matrix(data: str, workdir: str, points: int, seed: int, options: dict 
         give_up = time.monotonic() + DEADLINE
         while _latest_step(run_dir) < target and time.monotonic() < give_up:
             time.sleep(0.002)
-        time.sleep(rng.uniform(0, duration / STEPS))
+        time.sleep(rng.uniform(0, step_seconds))
         os.kill(pid, signal.SIGKILL)
         status = _wait(pid, DEADLINE)
         figures["kills"] += status == -signal.SIGKILL
