@@ -27,6 +27,11 @@ run, every rate the median of --runs runs:
 5. Peak memory: each DataLoader worker's RSS high-water mark (VmHWM, polled from /proc; it counts the pages
    a forked worker shares with its parent); with 0 workers, this process's VmHWM over the pass after
    resetting it (/proc/self/clear_refs), and its growth over the RSS before the pass.
+6. The trainer's data wait on CPU, raw text against the same text built (`shardkit build`, concat), at the same
+   2-layer model (--trainer-seq-len, batch 4, --trainer-steps steps, one rank, no loader workers; in-process
+   `build`/`train`/`close`): the wait and its share of the step from `metrics.jsonl`, median over steps 2.. (the
+   first step's wait apart), median of --runs runs. `--trainer-only` measures it alone; `--trainer-steps 0`
+   skips it.
 
 Rates are wall-clock tokens/s (each loader's per worker against the build's, of the medians and as the median
 of each run's ratio to that run's build pass) and tokens per CPU-second (this process plus the workers, which
@@ -562,6 +567,60 @@ def raw_resume(paths: list[Path], records: list[dict], tokenizer: str, seq_len: 
 
 # -- the run ---------------------------------------------------------------------------------------------------
 
+def trainer_run(data: dict, seq_len: int, batch: int, steps: int, run_dir: Path) -> list[dict]:
+    """The step records of one in-process trainer run on CPU (one rank, no loader workers) at a tiny model."""
+    from shardkit.train.config import config_from_dict
+    from shardkit.train.loop import build, close, train
+
+    values = {"steps": steps, "device": "cpu", "optimizer": {"warmup_steps": 1},
+              "model": {"seq_len": seq_len, "n_layer": 2, "n_head": 2, "d_model": 64},
+              "data": {**data, "batch_size": batch}, "logging": {"run_dir": str(run_dir), "tensorboard": False}}
+    state = build(config_from_dict(values))
+    try:
+        train(state)
+    finally:
+        close(state)
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "data_wait_fraction" in r]
+
+
+def trainer_data_wait(paths: list[Path], tokenizer: str, seq_len: int, batch: int, steps: int, runs: int,
+                      work: Path) -> dict:
+    """The trainer's data wait, raw text against the same text built (`shardkit build`, same tokenizer, concat),
+    at the same model: per run the median over steps 2.. of the wait in ms (step 1 apart: the first batch) and
+    of its share of the step; medians of `runs` runs, interleaved."""
+    import subprocess
+
+    built = work / "trainer_built"
+    subprocess.run([sys.executable, "-m", "shardkit", "build", *map(str, paths), "--output", str(built),
+                    "--tokenizer", tokenizer, "--seq-len", str(seq_len), "--workers", "1", "--no-progress"],
+                   check=True, capture_output=True)
+    sources = {"built": {"data": str(built)},
+               "raw": {"data": " ".join(map(str, paths)), "tokenizer": tokenizer, "lanes": len(paths)}}
+    found: dict[str, list[dict]] = {name: [] for name in sources}
+    for run in range(runs):
+        for name, data in sources.items():
+            records = trainer_run(data, seq_len, batch, steps, work / f"trainer_{name}_{run}")
+            waits = [r["data_wait_fraction"] * r["step_time_s"] * 1000 for r in records]
+            found[name].append({"first_ms": waits[0], "wait_ms": statistics.median(waits[1:]),
+                                "fraction": statistics.median(r["data_wait_fraction"] for r in records[1:]),
+                                "step_ms": statistics.median(r["step_time_s"] * 1000 for r in records[1:])})
+    return {"seq_len": seq_len, "batch": batch, "steps": steps, "runs": runs,
+            **{name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} | {"per_run": rows}
+               for name, rows in found.items()}}
+
+
+def trainer_table(wait: dict) -> str:
+    rows = [f"trainer on CPU, one rank, no loader workers, 2-layer d_model 64 model; seq_len {wait['seq_len']}, "
+            f"batch {wait['batch']}, {wait['steps']} steps; medians over steps 2.. then over {wait['runs']} runs",
+            "| data | data wait per step | share of the step | step | first step's wait |", "|---|---|---|---|---|"]
+    for name, label in (("built", "built shards (shardkit build, concat)"), ("raw", "raw text (tokenized in the loop)")):
+        entry = wait[name]
+        rows.append(f"| {label} | {entry['wait_ms']:.2f} ms | {entry['fraction']:.1%} | {entry['step_ms']:.0f} ms | "
+                    f"{entry['first_ms']:.0f} ms |")
+    return "\n".join(rows)
+
+
 def median_row(runs: list[dict]) -> dict:
     """The run with the median tokens/s (its other figures come with it), plus every run's rate."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
@@ -721,6 +780,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-unit-bytes", type=int, default=1 << 14,
                         help="the raw-text loader's unit_bytes on the resume corpus (several units per lane)")
     parser.add_argument("--out", type=Path, default=REPO / "bench_out" / "raw_text.json")
+    parser.add_argument("--trainer-steps", type=int, default=12,
+                        help="steps of each trainer run measuring the data wait, raw vs built (0: skip it)")
+    parser.add_argument("--trainer-seq-len", type=int, default=256)
+    parser.add_argument("--trainer-only", action="store_true", help="measure the trainer's data wait alone")
     args = parser.parse_args(argv)
     for path, what in ((args.corpus, "corpus"), (args.tokenizer, "tokenizer")):
         if not path.exists():
@@ -733,10 +796,16 @@ def main(argv: list[str] | None = None) -> int:
     # torchdata's StatefulDataLoader warns about a deprecated torch call at every construction.
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     with tempfile.TemporaryDirectory(prefix="bench_raw_text_") as work:
-        results = measure(args, Path(work))
+        results = {} if args.trainer_only else measure(args, Path(work))
+        if args.trainer_steps >= 2:
+            records = corpus_records(args.corpus, max_bytes=int(args.mb * 2**20))
+            paths = write_corpus(records, Path(work) / "trainer", args.files)
+            results["trainer_data_wait"] = trainer_data_wait(paths, str(args.tokenizer), args.trainer_seq_len, 4,
+                                                             args.trainer_steps, args.runs, Path(work))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(table(results))
+    print("\n\n".join(([] if args.trainer_only else [table(results)])
+                      + ([trainer_table(results["trainer_data_wait"])] if "trainer_data_wait" in results else [])))
     return 0
 
 

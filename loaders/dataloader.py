@@ -13,6 +13,7 @@ complete epoch, the rest of the same epoch after a `break`.
 from __future__ import annotations
 
 import logging
+from abc import ABCMeta
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from shardkit import metrics
 
 from .batch_counts import counted_batches
 from .closing import closed_at_exit
-from .dataset import StreamingDataset
+from .dataset import StreamingDataset, raw_text_counterpart
 from .rank_steps import IterationPlan
 from .tensors import batch_to_tensors
 from .token_batches import PROGRESS_KEY
@@ -49,7 +50,7 @@ def keep_batch(batch: Any) -> Any:
     return metrics.attach_worker_counters(batch)
 
 
-class StreamingDataLoader(DataLoader):
+class StreamingDataLoader(DataLoader, metaclass=ABCMeta):
     """DataLoader with `state_dict()` / `load_state_dict()` for a `StreamingDataset`.
 
     Args:
@@ -59,6 +60,12 @@ class StreamingDataLoader(DataLoader):
         pin_memory, timeout, multiprocessing_context, persistent_workers, prefetch_factor: as for
             `torch.utils.data.DataLoader`.
     """
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> bool:
+        # What `StreamingDataLoader(raw_text_dataset)` returns (`RawTextDataLoader`) is one too (ABCMeta for this
+        # check only: `type.__call__` still runs `__init__` for real subclasses alone).
+        return raw_text_counterpart(cls, StreamingDataLoader, candidate, DataLoader)
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any):
         # A raw-text dataset has its own loader (`shardkit.loaders.raw_loader`): its state is the lanes' cursors.
@@ -72,8 +79,10 @@ class StreamingDataLoader(DataLoader):
                  pin_memory: bool = False,
                  timeout: float = 0, multiprocessing_context: Any = None, persistent_workers: bool = False,
                  prefetch_factor: int | None = None):
-        if not isinstance(dataset, StreamingDataset):
-            raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+        if not isinstance(dataset, StreamingDataset) or getattr(dataset, "raw_text", False):
+            raise TypeError(f"{type(self).__name__} needs a StreamingDataset of built shards, got "
+                            f"{type(dataset).__name__}" + ("; a raw-text dataset is read by StreamingDataLoader itself"
+                                                          if getattr(dataset, "raw_text", False) else ""))
         # The one object the loader asks of the dataset (its order, mixture, batch mode, reader).
         self.plan = plan = dataset.plan
         self.samples_per_rank = plan.batching.samples_per_rank(batch_size)

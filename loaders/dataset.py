@@ -43,6 +43,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["PROGRESS_KEY", "IterationPlan", "StreamingDataset", "batch_to_tensors", "bundled", "strip_progress"]
 
 
+def raw_text_counterpart(cls: type, kind: type, candidate: type, base: type) -> bool:
+    """`__subclasshook__` of `kind` (asked as `cls`): True for a class marked `raw_text` built on `base`, the raw-text
+    class that stands for `kind` (`RawTextDataset`, `RawTextDataLoader`); else Python's own check."""
+    # The MRO, not issubclass(candidate, base): that asks the ABC hooks of base's subclasses, this one among them.
+    if cls is kind and candidate.__dict__.get("raw_text") is True and base in candidate.__mro__:
+        return True
+    return NotImplemented
+
+
 class StreamingDataset(IterableDataset):
     """Streams a shardkit dataset (or a mixture) to every rank, batch by batch.
 
@@ -65,6 +74,12 @@ class StreamingDataset(IterableDataset):
         TypeError: `source` is not a URL or streams, or an override is not a `LoaderConfig` field.
         ValueError: a bad option value (naming it), or manifests that cannot be mixed.
     """
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> bool:
+        # What `StreamingDataset(..., tokenizer=...)` returns (`RawTextDataset`) is one too, so that
+        # `isinstance(dataset, StreamingDataset)` in integrations takes it. Not a subclass: it shares no code.
+        return raw_text_counterpart(cls, StreamingDataset, candidate, IterableDataset)
 
     def __new__(cls, source: Any = None, *args: Any, **kwargs: Any):
         # Raw text (`tokenizer=` given) is read by its own dataset (`shardkit.loaders.raw_dataset`).

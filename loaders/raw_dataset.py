@@ -105,6 +105,8 @@ class RawTextDataset(IterableDataset):
         batch_size: samples per rank per step when iterated without `StreamingDataLoader`.
     """
 
+    raw_text = True  # `isinstance(dataset, StreamingDataset)` holds (`StreamingDataset.__subclasshook__`)
+
     def __init__(self, inputs: str | Sequence[str], *, tokenizer: str, seq_len: int, pack: str = "concat",
                  text_field: str = "text", txt_mode: str = "file", unit_bytes: int = DEFAULT_UNIT_BYTES,
                  lanes: int = 64,
@@ -132,6 +134,20 @@ class RawTextDataset(IterableDataset):
 
     def resolve_topology(self) -> Topology:
         return self.plan.topology()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: the resume state (the lanes' cursors) is the loader's. torchdata's `StatefulDataLoader` calls
+        this; without it, it would resume by reading every consumed batch again.
+
+        Raises:
+            ValueError: always, naming `StreamingDataLoader`.
+        """
+        raise ValueError("a raw-text StreamingDataset keeps no resume state of its own: iterate "
+                         "StreamingDataLoader(dataset, batch_size=N) and save its state_dict() (the lanes' cursors; "
+                         "it resumes exactly, on any number of ranks and workers), not torchdata's StatefulDataLoader")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state_dict()  # the same refusal
 
     def fingerprint(self) -> str:
         """Identity of the inputs and of how they become samples."""

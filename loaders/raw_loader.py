@@ -43,6 +43,8 @@ class RawTextDataLoader(DataLoader):
         persistent_workers: not supported (each iteration starts its workers where the loader stands).
     """
 
+    raw_text = True  # `isinstance(loader, StreamingDataLoader)` holds (`StreamingDataLoader.__subclasshook__`)
+
     def __init__(self, dataset: RawTextDataset, batch_size: int | None = None, num_workers: int = 0, *,
                  pin_memory: bool = False, timeout: float = 0, multiprocessing_context: Any = None,
                  persistent_workers: bool = False, prefetch_factor: int | None = None):

@@ -15,6 +15,7 @@ The only changes made to a command are these (`shrink`), so a misspelled or remo
 | `--nproc_per_node 8`, `--tp 4` | 2 processes, `--tp 2` |
 | build: `--seq-len 2048`, `--workers 16`; `--output URL` (placeholder) | `--seq-len 32`, `--workers 1`; `--output built` |
 | trainer: `--steps S` (or none), `--resume .../step_00001000`, `--skip-steps 1200-1260`; trace `--step 1200` | `--steps 4` and `--checkpoint-every 2`, `step_00000002`, `3-3`; `--step 3` |
+| trainer from raw text (`--tokenizer`): `--seq-len 2048` | `--seq-len 32` |
 | trainer: the model's size (any preset) | `--n-layer 2 --n-head 2 --n-kv-head 2 --d-model 32 --d-ff 64` where the command gives none of them |
 | tune: `--steps`, `--eval-every`, `--trials`, `--population`, `--perturb-every`; `warmup_steps=int:0:200` | 4, 2, 2, 2, 2; `warmup_steps=int:0:1` |
 | `shardkit demo` | `--steps 2 --corpus-mb 0.1` |
@@ -139,6 +140,8 @@ def shrink(command: str, cwd: Path | None = None) -> list[str]:
         _set(argv, "--checkpoint-every", "2", add=True)
         if not any(word in argv for word in TINY_MODEL):
             argv += [word for option, value in TINY_MODEL.items() for word in (option, value)]
+        if "--tokenizer" in argv:  # raw text: the loader tokenizes, at the build's small size
+            _set(argv, "--seq-len", "32")
         argv = [re.sub(r"step_\d{8}$", "step_00000002", word) for word in argv]
         _set(argv, "--skip-steps", "3-3")
     if " tune " in f"{words} ":

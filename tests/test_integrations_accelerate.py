@@ -110,3 +110,36 @@ def test_accelerates_set_epoch_after_a_load_keeps_the_loaded_position(dataset_ur
         prepared = accelerator.prepare(DataLoader(resumed, batch_size=None))
         prepared.set_epoch(epoch)
         assert ids(prepared) == expected
+
+
+def test_a_raw_text_loader_is_checkpointed_by_save_state_and_resumed_by_load_state(tmp_path):
+    """checkpoint_loader takes a raw-text loader (a `StreamingDataLoader` for its check): `save_state` writes the
+    lanes' cursors, `load_state` puts a fresh loader where the first one stood (one process)."""
+    import itertools
+
+    from accelerate import Accelerator
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.integrations.accelerate import checkpoint_loader
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+
+    def loader():
+        return StreamingDataLoader(StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16, lanes=3,
+                                                    rank=0, world_size=1), batch_size=2)
+
+    def ids(batches):
+        return [b["sample_id"].tolist() for b in batches]
+
+    whole = ids(itertools.islice(loader(), 5))
+    first = Accelerator(cpu=True)
+    cut = loader()
+    checkpoint_loader(first, cut)
+    assert ids(itertools.islice(cut, 2)) == whole[:2]
+    first.save_state(str(tmp_path / "state"))
+    second = Accelerator(cpu=True)
+    resumed = loader()
+    checkpoint_loader(second, resumed)
+    second.load_state(str(tmp_path / "state"))
+    assert ids(itertools.islice(resumed, 3)) == whole[2:]

@@ -149,3 +149,35 @@ def test_the_trainer_not_distributed_under_torchrun_is_refused(dataset_url, tmp_
     assert "transformers' Trainer trains this process on its own, but the dataset splits the data over 2 ranks" in \
         refused.stderr, refused.stderr[-3000:]
     assert "ACCELERATE_USE_CPU=true" in refused.stderr
+
+
+def test_a_raw_text_dataset_trains_and_resumes_in_process(tmp_path):
+    """ShardkitTrainer over raw text (tokenized and packed by the loader): the loader state goes into the
+    Trainer's checkpoint, and a resumed Trainer continues with the samples of an uninterrupted run (one process)."""
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardkit import StreamingDataset
+    from shardkit.integrations.huggingface import ShardkitTrainer
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+
+    def train(output, steps, **resume):
+        ids = []
+        dataset = StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16, lanes=3, rank=0,
+                                   world_size=1)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=8, n_layer=1, n_head=2))
+        args = TrainingArguments(output_dir=str(output), use_cpu=True, report_to=[], max_steps=steps, save_steps=2,
+                                 per_device_train_batch_size=2, logging_steps=100, seed=0)
+        ShardkitTrainer(model=model, args=args, train_dataset=dataset,
+                        on_sample_ids=lambda batch: ids.append(batch.tolist())).train(**resume)
+        return ids
+
+    whole = train(tmp_path / "whole", 4)
+    head = train(tmp_path / "cut", 2)
+    saved = json.loads((tmp_path / "cut" / "checkpoint-2" / "shardkit_loader.json").read_text())
+    assert saved["samples_consumed"] == 4 and saved["raw_text"]["cursors"]
+    tail = train(tmp_path / "cut", 4, resume_from_checkpoint=True)
+    assert head + tail == whole and len(whole) == 4

@@ -86,3 +86,16 @@ def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, 
     whole_one = run_script("lightning_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)[0]
     check_elastic(head, one, whole_one)
 
+
+
+def test_a_raw_text_loader_trains_under_lightning(tmp_path):
+    """A raw-text StreamingDataLoader (no length: its lanes go on) from train_dataloader: Lightning trains to
+    max_steps and the loader stands after the batches it handed out (one process)."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    loader = StreamingDataLoader(StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16, lanes=3,
+                                                  rank=0, world_size=1), batch_size=2)
+    assert fit_two_steps(loader, tmp_path).global_step == 2
+    assert loader.state_dict()["samples_consumed"] >= 4  # Lightning may fetch one batch ahead

@@ -104,3 +104,37 @@ def test_a_state_resumed_with_another_number_of_workers_is_refused_on_load(datas
     same = StatefulDataLoader(dataset(dataset_url, tmp_path), batch_size=None, num_workers=saved)
     same.load_state_dict(state)
     assert len(list(same)) == 12  # the rest of the 15-step epoch
+
+
+def test_a_raw_text_dataset_resumes_through_its_loader_in_a_plain_loop_and_is_refused_by_torchdata(tmp_path):
+    """A raw-text dataset is a `StreamingDataset` for the integrations' checks; its resume state (the lanes'
+    cursors) is its loader's: a plain loop resumes exactly from it, torchdata's StatefulDataLoader is refused by
+    name (it would resume by reading every consumed batch again)."""
+    import itertools
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.integrations.torchdata import StatefulDataLoader
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+
+    def raw(**options):
+        return StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16, lanes=3, rank=0, world_size=1,
+                                **options)
+
+    def ids(batches):
+        return [b["sample_id"].tolist() for b in batches]
+
+    loader = StreamingDataLoader(raw(), batch_size=2)
+    assert isinstance(loader.dataset, StreamingDataset) and isinstance(loader, StreamingDataLoader)
+    whole = ids(itertools.islice(StreamingDataLoader(raw(), batch_size=2), 6))
+    assert ids(itertools.islice(loader, 3)) == whole[:3]
+    resumed = StreamingDataLoader(raw(), batch_size=2)
+    resumed.load_state_dict(loader.state_dict())
+    assert ids(itertools.islice(resumed, 3)) == whole[3:]
+
+    stateful = StatefulDataLoader(raw(batch_size=2), batch_size=None)
+    assert ids(itertools.islice(stateful, 2)) == whole[:2]
+    with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: iterate "
+                                         "StreamingDataLoader"):
+        stateful.state_dict()

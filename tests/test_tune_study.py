@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from test_build import write_corpus
 from train_runs import write_byte_dataset
 from tune_helpers import (ENV, final_eval, kill_tuner_during_second_trial, load_study, make_datasets, metrics,
                           run_tune, trainer_args, tune_command)
@@ -66,6 +67,24 @@ def test_pruning_stops_a_trial_with_an_absurd_learning_rate(datasets, tmp_path):
     assert pruned.user_attrs["pruned_at_step"] < 60
     # Terminated, not run to the end: its metrics stop long before step 60.
     assert max(r["step"] for r in metrics(pruned.user_attrs["run_dir"])) < 60
+
+
+def test_a_study_trains_from_raw_text_and_searches_the_packing(tmp_path):
+    # The trainer's raw-text options reach every trial: without --tokenizer a trial would read the glob as a
+    # built dataset and fail. The packing, fixed by a build otherwise, is searched like any option.
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    output = tmp_path / "tune"
+    run_tune("--data", f"{corpus}/*.jsonl*", "--eval-data", f"{corpus}/d.parquet", "--tokenizer", "byte",
+             "--seq-len", "32", "--lanes", "2", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+             "--batch-size", "2", "--warmup-steps", "1", "--device", "cpu", "--tensorboard", "false",
+             "--log-every", "1000", "--space", "pack=choice:concat,bestfit", "--trials", "2", "--sampler", "grid",
+             "--pruner", "none", "--output", str(output))
+    trials = load_study(output).trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 2
+    assert sorted(t.params["pack"] for t in trials) == ["bestfit", "concat"]
+    for trial in trials:
+        assert trial.user_attrs["trainer_config"]["data"]["tokenizer"] == "byte"
+        assert trial.value == final_eval(trial.user_attrs["run_dir"], 2)
 
 
 def _study_rows(output):
@@ -128,6 +147,8 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
     (["--sampler", "pbt", "--perturb-every", "2", "--population", "2", "--space", "n_layer=int:1:3"],
      "--sampler pbt copies checkpoints between members, so it cannot search model options (--n-layer)"),
     (["--space", "compile=choice:true,maybe"], "choice 'maybe' is not a valid bool"),
+    (["--tokenizer", "byte", "--space", "lr=loguniform:1e-4:1e-2"],
+     "--tokenizer (training from raw text) needs --seq-len"),
     (["--space", "lr=loguniform:1e-4:1e-2", "--checkpoint-root", "shared/pbt"],
      "--checkpoint-root is where PBT members' checkpoints go: give it with --sampler pbt"),
     (["--sampler", "pbt", "--perturb-every", "2", "--population", "2", "--space", "lr=loguniform:1e-4:1e-2",

@@ -37,8 +37,8 @@ def checkpoint_loader(accelerator: Any, loader: StreamingDataLoader) -> None:
     def save(models: list, weights: list, output_dir: str) -> None:
         # The state is global (identical on every rank): one process per shared directory writes it.
         config = accelerator.project_configuration
-        if accelerator.is_main_process or (config.save_on_each_node and accelerator.is_local_main_process):
-            save_loader_state(loader, output_dir)
+        save_loader_state(loader, output_dir, write=accelerator.is_main_process or (
+            config.save_on_each_node and accelerator.is_local_main_process))
 
     def load(models: list, input_dir: str) -> None:
         load_loader_state(loader, input_dir, saved_by="a run with checkpoint_loader")

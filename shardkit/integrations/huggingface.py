@@ -56,6 +56,8 @@ class TrainerBatches:
         """(epoch, batches of it handed out), an epoch's end counted as the next epoch's start."""
         state = self.loader.state_dict()
         steps = state["samples_consumed"] // state["global_batch_size"]
+        if getattr(self.loader, "raw_text", False):
+            return 0, steps  # raw text has no epoch end: its lanes go on (the Trainer then counts one endless epoch)
         if steps >= len(self.loader):
             return state["epoch"] + 1, 0
         return state["epoch"], steps
@@ -85,8 +87,10 @@ class ShardkitTrainer(Trainer):
             raise TypeError(f"ShardkitTrainer needs train_dataset=StreamingDataset(...), got "
                             f"{type(train_dataset).__name__}: pass the dataset, the trainer builds its loader")
         if train_dataset.sample_length is None:
-            raise ValueError(f"{train_dataset.streams[0].url}: samples of variable length; ShardkitTrainer needs "
-                             "fixed-length samples (a dataset built with seq_len)")
+            where = "raw text with pack='none'" if getattr(train_dataset, "raw_text", False) else \
+                train_dataset.streams[0].url
+            raise ValueError(f"{where}: samples of variable length; ShardkitTrainer needs fixed-length samples (a "
+                             "dataset built with seq_len, or raw text with pack='concat' or 'bestfit')")
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
         self.on_sample_ids = on_sample_ids
         self._batches: TrainerBatches | None = None
@@ -147,10 +151,11 @@ class ShardkitTrainer(Trainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        if not self.args.should_save or self._batches is None:
-            return  # the state is global: identical on every rank, written once
+        if self._batches is None:
+            return
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        save_loader_state(self._batches.loader, folder)
+        # Taken on every rank (a raw-text loader gathers the lanes' cursors); global, so written once.
+        save_loader_state(self._batches.loader, folder, write=self.args.should_save)
 
 
 @contextlib.contextmanager

@@ -12,9 +12,12 @@ from shardkit.storage import write_file_atomic
 LOADER_STATE_FILE = "shardkit_loader.json"
 
 
-def save_loader_state(loader: Any, folder: str) -> None:
-    """Write `loader.state_dict()` (global: identical on every rank, so one process writes it) into `folder`."""
-    write_file_atomic(os.path.join(folder, LOADER_STATE_FILE), json.dumps(loader.state_dict()).encode())
+def save_loader_state(loader: Any, folder: str, *, write: bool) -> None:
+    """Write `loader.state_dict()` into `folder` where `write` (the state is global: identical on every rank, so
+    one process writes it). Every rank calls it: a raw-text loader's state gathers every rank's lane cursors."""
+    state = loader.state_dict()
+    if write:
+        write_file_atomic(os.path.join(folder, LOADER_STATE_FILE), json.dumps(state).encode())
 
 
 def load_loader_state(loader: Any, folder: str, *, saved_by: str) -> None:

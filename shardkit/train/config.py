@@ -473,6 +473,9 @@ class TrainConfig:
                 self.optimizer, warmup_steps=min(100, self.steps // 10)))
         _check(self.optimizer.warmup_steps < self.steps or self.steps == 1,
                f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({self.steps})")
+        # Checked here, not when the loader opens, so that `shardkit tune` refuses it before any trial starts.
+        _check(self.data.tokenizer is None or self.model.seq_len is not None,
+               "--tokenizer (training from raw text) needs --seq-len: there is no manifest to take it from")
 
     def _check_compile_mode(self) -> None:
         """What the options alone rule out; the layout and the device are checked once resolved

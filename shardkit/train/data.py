@@ -85,8 +85,6 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
     if config.tokenizer is not None:  # raw text, tokenized and packed by the loader
-        if seq_len is None:
-            raise ValueError("--tokenizer (training from raw text) needs --seq-len: there is no manifest to take it from")
         return StreamingDataset([url for url, _ in data_entries(spec)], tokenizer=config.tokenizer, seq_len=seq_len,
                                 pack=config.pack, text_field=config.text_field, lanes=config.lanes,
                                 seed=config.loader.seed, shuffle=shuffle, **where)
