@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread per test process and per process it starts (inherited), as torchrun gives its ranks: the
+# suite runs a test per core (pytest-xdist), and a second thread per process only contends, spinning.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 pytest_plugins = ["conftest_faults"]  # the fault-injecting S3 proxy and the reliability figures
 
 REPO = Path(__file__).resolve().parents[1]

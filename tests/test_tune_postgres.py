@@ -4,6 +4,7 @@ own output directory, as on two machines); and a tuner SIGKILLed mid-trial and r
 
 from __future__ import annotations
 
+import functools
 import subprocess
 
 import pytest
@@ -19,10 +20,20 @@ def datasets(tmp_path_factory):
     return make_datasets(tmp_path_factory.mktemp("tune-pg-data"))
 
 
+@functools.cache
+def _storage(url: str):
+    """One Optuna storage per database: `kill_tuner_during_second_trial` polls every 0.1 s, and a storage made
+    per call (`load_study(storage=url)`) kept its pooled connection open, so a slow trial (a loaded machine)
+    exhausted the server's 100 connections ("too many clients already")."""
+    import optuna
+
+    return optuna.storages.RDBStorage(url)
+
+
 def _trials(url: str, study: str = "shardkit"):
     import optuna
 
-    return optuna.load_study(study_name=study, storage=url).trials
+    return optuna.load_study(study_name=study, storage=_storage(url)).trials
 
 
 def test_two_tuners_share_one_study_and_stop_at_n_trials(postgres, datasets, tmp_path):
