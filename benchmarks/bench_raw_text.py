@@ -200,11 +200,12 @@ class CpuTime:
 # -- 1 and 3: the build's text layer in one process ------------------------------------------------------------
 
 def special_ids(tokenizer: str) -> tuple[int, int]:
-    """(EOS, pad) as the build and the raw-text loader choose them: the tokenizer's EOS, its pad or EOS."""
+    """(EOS, pad) as the build and the raw-text loader choose them (`with_special_ids`, default options)."""
     from shardkit.text.documents import cached_tokenizer
+    from shardkit.text.tokenizers import with_special_ids
 
-    info = cached_tokenizer(tokenizer).info
-    return info.eos_id, info.pad_id if info.pad_id is not None else info.eos_id
+    info = with_special_ids(cached_tokenizer(tokenizer).info)
+    return info.eos_id, info.pad_id
 
 
 def text_layer_pass(paths: list[Path], tokenizer: str, seq_len: int, pack: str, unit_bytes: int) -> dict:

@@ -27,7 +27,7 @@ from shardkit.manifest import token_dtype_for_vocab
 from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category, tokenize_unit
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs
 from shardkit.text.packing import PACKING_MODES, make_packer
-from shardkit.text.tokenizers import special_id
+from shardkit.text.tokenizers import with_special_ids
 
 from .raw_lanes import deal_lanes, lane_epoch_order, lane_units
 from .raw_units import list_units, read_segments
@@ -95,9 +95,8 @@ class RawCorpus:
         self.settings, self.storage_options = settings, storage_options
         self.files: list[InputFile] = expand_inputs(inputs, storage_options)
         self.tokenizer_info = info = cached_tokenizer(settings.tokenizer).info
-        eos = special_id(settings.eos_id, info.eos_id, "eos_id", info.vocab_size)
-        bos = special_id(settings.bos_id, info.bos_id, "bos_id", info.vocab_size)
-        self.pad_id = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
+        used = with_special_ids(info, eos_id=settings.eos_id, bos_id=settings.bos_id, options=("eos_id", "bos_id"))
+        eos, bos, self.pad_id = used.eos_id, used.bos_id, used.pad_id
         self.token_dtype = token_dtype_for_vocab(info.vocab_size)
         self.documents = DocumentSettings(tokenizer=settings.tokenizer, token_dtype=self.token_dtype,
                                           text_field=settings.text_field, eos_id=eos, bos_id=bos,

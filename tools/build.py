@@ -19,7 +19,7 @@ from collections import deque
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +33,7 @@ from shardkit.text.documents import DocumentSettings, UnitResult, tokenize_unit,
 from shardkit.text.documents import cached_tokenizer as worker_tokenizer
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs, iter_units
 from shardkit.text.packing import Packer, make_packer
-from shardkit.text.tokenizers import special_id
+from shardkit.text.tokenizers import with_special_ids
 
 from . import state as build_state
 from .config import BuildConfig, build_record, parse_compression, parse_size, resume_key
@@ -180,10 +180,8 @@ def _worker_start(tokenizer: str | None = None) -> None:
 def text_inputs(config: BuildConfig) -> InputSide:
     """The input side of `shardkit build`: text files cut into units that workers tokenize."""
     info = worker_tokenizer(config.tokenizer).info
-    eos = special_id(config.eos_id, info.eos_id, "--eos-id", info.vocab_size)
-    bos = special_id(config.bos_id, info.bos_id, "--bos-id", info.vocab_size)
-    pad = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
-    used_info = replace(info, eos_id=eos, bos_id=bos, pad_id=pad)
+    used_info = with_special_ids(info, eos_id=config.eos_id, bos_id=config.bos_id)
+    eos, bos = used_info.eos_id, used_info.bos_id
     files = expand_inputs(config.inputs, config.storage_options, content_hashes=True)
     settings = DocumentSettings(tokenizer=config.tokenizer, token_dtype=token_dtype_for_vocab(info.vocab_size),
                                 text_field=config.text_field, eos_id=eos, bos_id=bos,

@@ -25,6 +25,7 @@ documents whole.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -335,7 +336,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self.processor.decode([int(i) for i in ids])
 
 
-def special_id(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
+def _special_id(value: int | str | None, tokenizer_value: int | None, option: str, vocab_size: int) -> int | None:
     """A special token id as an option gives it: 'auto' (the tokenizer's own, `tokenizer_value`), None or 'none'
     (no such token), or an integer inside the vocabulary.
 
@@ -353,6 +354,21 @@ def special_id(value: int | str | None, tokenizer_value: int | None, option: str
     if not 0 <= token_id < vocab_size:
         raise ValueError(f"{option} {token_id} is outside the tokenizer's vocabulary [0, {vocab_size})")
     return token_id
+
+
+def with_special_ids(info: TokenizerInfo, *, eos_id: int | str | None = "auto", bos_id: int | str | None = None,
+                     options: tuple[str, str] = ("--eos-id", "--bos-id")) -> TokenizerInfo:
+    """`info` with the EOS and BOS ids the options give (`_special_id`, named by `options` in errors) and the id
+    samples are padded with: the tokenizer's own pad, else EOS, else 0. What `shardkit build` records and the
+    raw-text loader packs with, so both give a document the same tokens.
+
+    Raises:
+        ValueError: an id outside the vocabulary or not an id, naming its option.
+    """
+    eos = _special_id(eos_id, info.eos_id, options[0], info.vocab_size)
+    bos = _special_id(bos_id, info.bos_id, options[1], info.vocab_size)
+    pad = info.pad_id if info.pad_id is not None else (eos if eos is not None else 0)
+    return dataclasses.replace(info, eos_id=eos, bos_id=bos, pad_id=pad)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
