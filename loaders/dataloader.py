@@ -69,7 +69,7 @@ class StreamingDataLoader(DataLoader, metaclass=ABCMeta):
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any):
         # A raw-text dataset has its own loader (`shardkit.loaders.raw_loader`): its state is the lanes' cursors.
-        if cls is StreamingDataLoader and getattr(getattr(dataset, "plan", None), "raw_text", False):
+        if cls is StreamingDataLoader and getattr(dataset, "raw_text", False):
             from .raw_loader import RawTextDataLoader
 
             return RawTextDataLoader(dataset, *args, **kwargs)
@@ -79,10 +79,11 @@ class StreamingDataLoader(DataLoader, metaclass=ABCMeta):
                  pin_memory: bool = False,
                  timeout: float = 0, multiprocessing_context: Any = None, persistent_workers: bool = False,
                  prefetch_factor: int | None = None):
-        if not isinstance(dataset, StreamingDataset) or getattr(dataset, "raw_text", False):
+        raw_text = getattr(dataset, "raw_text", False)
+        if not isinstance(dataset, StreamingDataset) or raw_text:
             raise TypeError(f"{type(self).__name__} needs a StreamingDataset of built shards, got "
                             f"{type(dataset).__name__}" + ("; a raw-text dataset is read by StreamingDataLoader itself"
-                                                          if getattr(dataset, "raw_text", False) else ""))
+                                                          if raw_text else ""))
         # The one object the loader asks of the dataset (its order, mixture, batch mode, reader).
         self.plan = plan = dataset.plan
         self.samples_per_rank = plan.batching.samples_per_rank(batch_size)

@@ -52,8 +52,6 @@ class StepPart:
 class RawTextPlan:
     """What the data loader asks of a raw-text dataset (the raw counterpart of `ReadPlan`)."""
 
-    raw_text = True
-
     def __init__(self, corpus: RawCorpus, *, seed: int, shuffle: bool, token_dtype: str | None, segment_ids: bool,
                  topology_args: dict[str, int | None], group_args: dict[str, Any]):
         self.corpus, self.seed, self.shuffle = corpus, seed, shuffle

@@ -104,15 +104,18 @@ class RawTextDataLoader(DataLoader):
             parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
 
     # -- state ---------------------------------------------------------------------------------
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's state: the cursors of the lanes this rank read (merge every rank's with
-        `merge_raw_states`; `state_dict()` does it through the process group)."""
+    def _state(self) -> LoaderState:
         topology = self._topology or self._resolve()
         return LoaderState(epoch=0, samples_consumed=self._consumed, num_samples=0, block_size=None,
                            shuffle_window=0, partial_batches="drop", epoch_size=None,
                            global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, **self.plan.order_values(),
-                           raw_text={"cursors": [[lane, *c] for lane, c in sorted(self._cursors.items())]}).to_dict()
+                           raw_text={"cursors": _cursor_rows(self._cursors)})
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's state: the cursors of the lanes this rank read (merge every rank's with
+        `merge_raw_states`; `state_dict()` does it through the process group)."""
+        return self._state().to_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """The global resume state, identical on every rank. With several ranks every rank must call it (it
@@ -144,9 +147,7 @@ class RawTextDataLoader(DataLoader):
         saved = LoaderState.from_dict(state)
         if saved.raw_text is None:
             raise ValueError("cannot resume: the saved loader state is a built dataset's, not raw text's")
-        now = self.plan.order_values()
-        differences = [f"{name}: saved {getattr(saved, name)!r}, now {value!r}" for name, value in now.items()
-                       if getattr(saved, name) != value]
+        differences = saved.differences(self._state())
         if differences:
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")")
@@ -170,6 +171,11 @@ def _saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     return {row[0]: tuple(row[1:]) for row in rows}
 
 
+def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
+    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `_saved_cursors`)."""
+    return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
+
+
 def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One global state from every rank's `local_state_dict()` (the furthest cursor of each lane).
 
@@ -179,5 +185,5 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     if len({s["samples_consumed"] for s in states}) != 1:
         raise ValueError("raw-text states of different positions cannot be merged: "
                          f"{sorted({s['samples_consumed'] for s in states})}")
-    cursors = merge_cursors(*({int(r[0]): tuple(r[1:]) for r in s["raw_text"]["cursors"]} for s in states))
-    return {**states[0], "raw_text": {"cursors": [[lane, *c] for lane, c in sorted(cursors.items())]}}
+    cursors = merge_cursors(*(_saved_cursors(s["raw_text"]) for s in states))
+    return {**states[0], "raw_text": {"cursors": _cursor_rows(cursors)}}

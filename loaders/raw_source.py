@@ -17,7 +17,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,6 @@ _LOGGED_REJECTIONS = 20  # the first rejected documents are logged with their fi
 # packer over the corpus); 2 MiB keeps within the 0.5 points while a resume re-tokenizes at most 2 MiB of
 # text per lane a rank reads.
 DEFAULT_UNIT_BYTES = 2 << 20
-CURSOR_FIELDS = 5  # samples, lane epoch, unit, segment, within (`LaneCursor`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +167,10 @@ class LaneCursor:
     within: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        return (self.samples, self.epoch, self.unit, self.segment, self.within)
+        return astuple(self)
+
+
+CURSOR_FIELDS = len(fields(LaneCursor))  # a cursor's entries in a loader state's row, after its lane
 
 
 class LaneStream:

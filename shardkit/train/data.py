@@ -106,8 +106,8 @@ def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest |
     every stream holds fixed-length samples the model can take. The dataset fetched the manifests (through the
     node cache, once per process): the check reads them there rather than fetching them again. Raw text: its
     `RawTextShape`."""
-    corpus = getattr(dataset, "corpus", None)
-    if corpus is not None:
+    if getattr(dataset, "raw_text", False):
+        corpus = dataset.corpus
         return RawTextShape(seq_len=corpus.settings.seq_len, tokenizer=corpus.tokenizer_info,
                             token_dtype=corpus.token_dtype)
     for stream, manifest in zip(dataset.streams, dataset.manifests):
@@ -177,7 +177,7 @@ class TrainStream:
         """The streams in force (URL, data identity, samples), in the order global sample ids count through them:
         what `shardkit trace` needs to name a logged id's shard, also after a mixture change."""
         dataset = self.loader.dataset
-        if getattr(dataset, "corpus", None) is not None:  # raw text: global positions, one stream
+        if getattr(dataset, "raw_text", False):  # raw text: global positions, one stream
             return [{"url": self.config_data, "fingerprint": dataset.fingerprint(), "num_samples": 0}]
         return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
                 for stream, fingerprint, manifest in zip(dataset.streams, dataset.stream_fingerprints(),
