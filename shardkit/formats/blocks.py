@@ -49,6 +49,17 @@ _HEADER = struct.Struct("<8sQ")
 DEFAULT_BLOCK_BYTES = {"tar": 256 << 10, "arrow": 1 << 20}
 
 
+def block_cuts(raw_sizes: np.ndarray, block_bytes: int) -> list[int]:
+    """Where a tar shard's blocks start, plus the sample count, from each sample's raw bytes: a block ends at the
+    first sample that brings it to `block_bytes` (both tar layouts cut so)."""
+    reached = np.cumsum(raw_sizes)
+    cuts, n = [0], len(raw_sizes)
+    while cuts[-1] < n:
+        before = int(reached[cuts[-1] - 1]) if cuts[-1] else 0
+        cuts.append(min(n, int(np.searchsorted(reached, before + block_bytes)) + 1))
+    return cuts
+
+
 @dataclass(frozen=True)
 class Block:
     """One independently verifiable run of samples (see the module docstring for the fields)."""

@@ -10,7 +10,7 @@ import numpy as np
 from shardkit.errors import CorruptShardError
 from shardkit.formats.arrow_format import (decode_arrow, decode_arrow_block, encode_arrow, record_batch_ranges,
                                            samples_per_batch)
-from shardkit.formats.blocks import DEFAULT_BLOCK_BYTES, Block, BlockIndex, block_of
+from shardkit.formats.blocks import DEFAULT_BLOCK_BYTES, Block, BlockIndex, block_cuts, block_of
 from shardkit.formats.sample import ShardArrays
 from shardkit.formats.tar_format import BLOCK as TAR_BLOCK
 from shardkit.formats.tar_format import RECORD as TAR_RECORD
@@ -91,12 +91,7 @@ def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_forma
     elif shard_format == "tar":
         starts = sample_member_starts(data, n)
         per_sample = sample_raw_bytes(arrays)
-        cuts, acc = [0], 0
-        for i, raw in enumerate(per_sample.tolist()):
-            acc += raw
-            if acc >= block_bytes or i + 1 == n:
-                cuts.append(i + 1)
-                acc = 0
+        cuts = block_cuts(per_sample, block_bytes)
         ranges = [(starts[a], starts[b]) for a, b in zip(cuts[:-1], cuts[1:])]
         raws = [int(per_sample[a:b].sum()) for a, b in zip(cuts[:-1], cuts[1:])]
         insert_at = starts[-1] + 2 * TAR_BLOCK  # right after the end-of-archive blocks, in the record padding

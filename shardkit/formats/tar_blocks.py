@@ -30,6 +30,7 @@ import numpy as np
 import zstandard
 
 from shardkit.errors import CorruptShardError
+from shardkit.formats.blocks import block_cuts
 from shardkit.formats.sample import OFFSETS_DTYPE, ShardArrays, numpy_token_dtype
 from shardkit.formats.tar_format import (BLOCK, _MEMBER_NAME, MemberWriter, _read_npy, arrays_from_parts, decode_tar,
                                          doc_table, iter_tar_members)
@@ -54,16 +55,11 @@ class Group:
 
 def group_cuts(arrays: ShardArrays, block_bytes: int) -> list[int]:
     """Sample indices where groups start, plus the sample count: a group ends at the first sample that
-    brings it to `block_bytes` of raw payload (the same rule as the per-sample layout's blocks)."""
+    brings it to `block_bytes` of raw payload (`block_cuts`, as the per-sample layout's blocks)."""
     sizes = np.diff(arrays.sample_offsets) * arrays.tokens.dtype.itemsize + 8
     if arrays.doc_offsets is not None:
         sizes += np.diff(arrays.doc_offsets) * 24 + 8
-    reached = np.cumsum(sizes)
-    cuts, n = [0], arrays.num_samples
-    while cuts[-1] < n:
-        before = int(reached[cuts[-1] - 1]) if cuts[-1] else 0
-        cuts.append(min(n, int(np.searchsorted(reached, before + block_bytes)) + 1))
-    return cuts
+    return block_cuts(sizes, block_bytes)
 
 
 def encode_tar_groups(arrays: ShardArrays, *, level: int, block_bytes: int) -> tuple[bytes, int, list[Group]]:
