@@ -159,14 +159,11 @@ def _matches(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str] | None
     return None, False
 
 
-def _open_raw(url: str, storage_options: dict[str, Any] | None) -> _RetryingInput:
+def open_input(url: str, storage_options: dict[str, Any] | None = None) -> _RetryingInput:
+    """An input file opened for seekable binary reads through the core's retry policy (local or fsspec): the
+    build's reader, `shardkit convert`'s and the raw-text loader's."""
     fs, path = open_filesystem(url, storage_options)
     return _RetryingInput(fs, path, redact_url(url))
-
-
-def open_input(url: str, storage_options: dict[str, Any] | None = None) -> io.RawIOBase:
-    """An input file opened for seekable binary reads through the core's retry policy (local or fsspec)."""
-    return _open_raw(url, storage_options)
 
 
 def max_line_bytes(max_doc_chars: int) -> int:
@@ -355,7 +352,7 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
     discarding = False  # inside an oversized line, dropping bytes until its end
     reached = 0  # input bytes consumed as of the last unit: the report checks they add up to the file's size
     try:
-        raw = _open_raw(file.url, storage_options)
+        raw = open_input(file.url, storage_options)
         stream = _decompressing(raw, file.compression)
         while True:
             block = stream.read(unit_bytes)
@@ -438,7 +435,7 @@ def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes
                        rejected=((0, reason),), input_offset=file.size)
         return
     try:
-        with _open_raw(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options) as raw:
             data = raw.read()
     except OSError as err:
         yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
@@ -457,7 +454,7 @@ def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field:
     reached = 0
     pending: WorkUnit | None = None  # held back one batch: the last one says the whole file was read
     try:
-        with _open_raw(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options) as raw:
             parquet = pq.ParquetFile(raw)
             if text_field not in parquet.schema_arrow.names:
                 raise ValueError(f"no column {text_field!r} (columns: {', '.join(parquet.schema_arrow.names)}); "

@@ -16,7 +16,7 @@ import numpy as np
 
 from shardkit.storage import open_filesystem
 from shardkit.text.documents import UnitResult
-from shardkit.text.inputs import InputFile, WorkUnit, _display, _open_raw, expand_inputs, iter_units
+from shardkit.text.inputs import InputFile, WorkUnit, _display, expand_inputs, open_input, iter_units
 
 from .documents import TokenSettings, source_files, token_documents
 from .source_index import IndexEntry, read_json_object
@@ -81,7 +81,7 @@ def _stream_units(files: list[InputFile], *, token_field: str, storage_options,
         skip_units = skip if source == first_source else 0
         file_unit = record = reached = 0
         try:
-            with _open_raw(file.url, storage_options) as fh:  # the build's input reader: retried like it
+            with open_input(file.url, storage_options) as fh:  # the build's input reader: retried like it
                 reader = pa.ipc.open_stream(fh)
                 if token_field not in reader.schema.names:
                     raise ValueError(f"no column {token_field!r} (columns: {', '.join(reader.schema.names)}); "
