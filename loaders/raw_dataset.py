@@ -190,9 +190,8 @@ class RawTextDataset(IterableDataset):
                 stream = streams.get(lane)
                 if stream is None:
                     stream = streams[lane] = LaneStream(corpus, lane, log, seed=plan.seed, shuffle=plan.shuffle,
-                                                        cursor=iteration.cursors.get(lane, (0,) * CURSOR_FIELDS),
-                                                        rejected=part.rejected)
-                stream.rejected = part.rejected
+                                                        cursor=iteration.cursors.get(lane, (0,) * CURSOR_FIELDS))
+                stream.rejected = part.rejected  # each step's part counts the rejections of the segments it began
                 sample, epoch = stream.take(index)
                 part.samples.append(sample)
                 part.epochs.append(epoch)

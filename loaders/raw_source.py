@@ -177,10 +177,10 @@ class LaneStream:
     """One lane's samples in order, from a cursor on; `take(k)` returns sample k of the lane."""
 
     def __init__(self, corpus: RawCorpus, lane: int, log: RejectionLog, *, seed: int, shuffle: bool,
-                 cursor: tuple[int, ...] = (0,) * CURSOR_FIELDS, rejected: Counter | None = None):
+                 cursor: tuple[int, ...] = (0,) * CURSOR_FIELDS):
         self.corpus, self.lane, self.log, self.seed, self.shuffle = corpus, lane, log, seed, shuffle
         self.cursor = LaneCursor(*cursor)
-        self.rejected = rejected if rejected is not None else Counter()
+        self.rejected: Counter = Counter()  # where rejected documents are counted (the reader points it at its own)
         self._units = corpus.lanes[lane]
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order of the lane's units)
         self._segments: Iterator[WorkUnit] | None = None  # the current unit's segments, from the next one on
