@@ -81,6 +81,14 @@ class RawTextPlan:
         return {"dataset": self.corpus.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
                 "num_partitions": self.num_lanes}
 
+    def raw_state(self) -> dict[str, Any]:
+        """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
+        return {}
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
+        """Lane `lane`'s stream of samples from `cursor` on."""
+        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor)
+
     def claim(self) -> None:
         self.claimed = True
 
@@ -176,7 +184,7 @@ class RawTextDataset(IterableDataset):
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
         """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
         per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
-        plan, corpus, topology = self.plan, self.corpus, iteration.topology
+        plan, topology = self.plan, iteration.topology
         log, streams = RejectionLog(), {}
         step = 0
         while True:
@@ -189,8 +197,7 @@ class RawTextDataset(IterableDataset):
             for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
                 stream = streams.get(lane)
                 if stream is None:
-                    stream = streams[lane] = LaneStream(corpus, lane, log, seed=plan.seed, shuffle=plan.shuffle,
-                                                        cursor=iteration.cursors.get(lane, (0,) * CURSOR_FIELDS))
+                    stream = streams[lane] = plan.lane_stream(lane, log, iteration.cursors.get(lane, (0,) * CURSOR_FIELDS))
                 stream.rejected = part.rejected  # each step's part counts the rejections of the segments it began
                 sample, epoch = stream.take(index)
                 part.samples.append(sample)
