@@ -69,8 +69,10 @@ def test_batches_mix_the_streams_by_their_quotas_with_distinguishable_ids(data, 
     tokens = np.concatenate([b["tokens"].numpy() for b in batches])
     for row in np.flatnonzero(stream == 1):  # a built row is that sample of the built dataset
         assert np.array_equal(tokens[row], built[ids[row]].tokens)
-    epochs = np.concatenate([b["lane_epoch"].numpy() for b in batches])
-    assert set(epochs[stream == 1].tolist()) >= {0, 1}  # the built stream went on into its next epoch
+    epochs = np.concatenate([b["lane_epoch"].numpy() for b in batches])[stream == 1]
+    assert epochs.max() >= 2  # the built stream went on epoch after epoch, each one all its samples once
+    for epoch in range(epochs.max()):
+        assert sorted(ids[stream == 1][epochs == epoch].tolist()) == list(range(len(built))), epoch
 
 
 def test_a_raw_streams_items_are_its_own_raw_datasets_samples(data, tokenizer):
@@ -181,3 +183,20 @@ def test_the_trainer_trains_on_raw_and_built_entries(data, tokenizer, tmp_path):
     built = len(read_samples(data["built"])[1])
     every = [i for step in ids.values() for i in step]
     assert len(ids) == 4 and min(every) < built <= max(every)  # samples of both kinds of stream
+
+
+@pytest.mark.slow
+def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, data, tokenizer):
+    from conftest import free_port
+    from raw_procs import raw_rank_run
+
+    port = free_port()
+    settings = dict(tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    runs = process_pool.run(raw_rank_run, [dict(inputs=streams(data), settings=settings, batch_size=5, rank=r,
+                                                world_size=2, port=port, steps=6) for r in range(2)])
+    assert runs[0]["state"] == runs[1]["state"], "the state must be global (identical on every rank)"
+    assert len(runs[0]["state"]["raw_text"]["cursors"]) == 6  # both raw streams' lanes, whichever rank read them
+    head = runs[0]["rows"] + runs[1]["rows"]
+    tail, _ = simulated_run(data, tokenizer, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
+    reference, _ = simulated_run(data, tokenizer, world_size=1, batch_size=10, steps=18)
+    assert sorted(head + tail) == sorted(reference)
