@@ -65,6 +65,7 @@ class MixedOrder:
     def __init__(self, weights: Sequence[float], lanes: Sequence[int], shard_sizes: Sequence[np.ndarray | None], *,
                  seed: int, shuffle: bool):
         self.plan = MixturePlan(weights=tuple(weights), seed_keys=range(len(weights)), epoch_size=ENDLESS)
+        self.plan.pieces  # the quotas now: a weight too small to be sampled is refused at construction
         self.lanes = np.asarray(lanes, dtype=np.int64)
         raw = self.lanes > 0
         self.num_raw = int(raw.sum())

@@ -75,6 +75,13 @@ def test_batches_mix_the_streams_by_their_quotas_with_distinguishable_ids(data, 
         assert sorted(ids[stream == 1][epochs == epoch].tolist()) == list(range(len(built))), epoch
 
 
+def test_raw_corpora_mix_without_a_built_stream(data, tokenizer):
+    ds = StreamingDataset([Stream(data["a"], 3, raw_text=True), Stream(data["b"], 1, raw_text=True)],
+                          tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    stream = np.concatenate([b["stream"].numpy() for b in take(StreamingDataLoader(ds, batch_size=8), 4)])
+    assert np.array_equal(np.bincount(stream, minlength=2), run_counts(mixture_quotas([3, 1]), 32))
+
+
 def test_a_raw_streams_items_are_its_own_raw_datasets_samples(data, tokenizer):
     """Raw stream A's k-th item is sample k of A read as a raw dataset of its own (lane k % lanes)."""
     ds = mixture(data, tokenizer)
