@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,9 +26,9 @@ from shardkit.manifest import Manifest
 from .config import LoaderConfig
 from .fingerprint import data_fingerprint
 from .mixing import Stream
-from .raw_dataset import RawIteration, RawTextDataset, RawTextPlan, StepPart
+from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
 from .raw_mix_order import MixedOrder
-from .raw_source import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .raw_source import LaneStream, RawCorpus, RejectionLog
 from .schedule import Schedule
 from .sources import Sources
 
@@ -57,9 +58,9 @@ class RawMixturePlan(RawTextPlan):
                          segment_ids=base.segment_ids, topology_args=base._topology_args,
                          group_args=base._group_args)
         self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
-        # global lane -> (its stream's corpus, lane in it, the stream's lane seed)
-        self.lane_owners = [(corpus, lane, self.seed + s) for s, corpus in zip(np.flatnonzero(order.lanes > 0).tolist(),
-                                                                                corpora)
+        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index)
+        raw_streams = np.flatnonzero(order.lanes > 0).tolist()
+        self.lane_owners = [(corpus, lane, self.seed + s) for s, corpus in zip(raw_streams, corpora)
                             for lane in range(corpus.num_lanes)]
 
     @property
@@ -88,6 +89,9 @@ class BuiltSamples:
         self.held: dict[int, Any] = {}
 
     def read(self, shards: np.ndarray, sample_ids: np.ndarray) -> list[Sample]:
+        """The samples `sample_ids` (global ids over the built streams) of the global shards `shards`."""
+        if not len(sample_ids):
+            return []
         owners, table = self.sources.owners, self.sources.table
         needed = set(shards.tolist())
         for index in [i for i in self.held if i not in needed]:
@@ -137,26 +141,15 @@ class RawMixtureDataset(RawTextDataset):
                              "streams; give fixed weights")
         # The first raw stream sets the dataset up as a raw dataset would: settings, tokenizer, topology.
         super().__init__(raw[0].url, storage_options=_options(raw[0], storage_options), **options)
-        settings = self.corpus.settings
-        corpora = [self.corpus, *(RawCorpus([s.url], settings, _options(s, storage_options)) for s in raw[1:])]
-        built = [s for s in streams if not s.raw_text]
-        self.sources = Sources(built, LoaderConfig(), cache_dir=cache_dir, storage_options=storage_options) \
-            if built else None
-        for stream, manifest in zip(built, self.sources.manifests if built else []):
-            check_built_stream(stream, manifest, self.corpus)
-        raw_lanes, built_sizes = iter(c.num_lanes for c in corpora), iter(self.sources.shard_sizes if built else [])
-        lanes = [next(raw_lanes) if s.raw_text else 0 for s in streams]
-        order = MixedOrder([s.weight for s in streams], lanes,
-                           [None if s.raw_text else next(built_sizes) for s in streams],
-                           seed=self.plan.seed, shuffle=self.plan.shuffle)
-        raw_prints = iter(c.fingerprint for c in corpora)
-        built_prints = iter(data_fingerprint([m], []) for m in (self.sources.manifests if built else []))
-        identities = [next(raw_prints) if s.raw_text else next(built_prints) for s in streams]
-        fingerprint = hashlib.sha256(json.dumps([[i, float(s.weight), s.raw_text] for i, s in zip(identities, streams)]
-                                                ).encode()).hexdigest()
-        self.streams, self.corpora = streams, corpora
-        self.plan = RawMixturePlan(self.plan, order=order, corpora=corpora, fingerprint=fingerprint,
-                                   streams=[[s.url, float(s.weight), s.raw_text, n] for s, n in zip(streams, lanes)])
+        opened = open_streams(streams, self.corpus, storage_options=storage_options, cache_dir=cache_dir)
+        order = MixedOrder([s.weight for s in streams], opened.lanes, opened.shard_sizes, seed=self.plan.seed,
+                           shuffle=self.plan.shuffle)
+        fingerprint = hashlib.sha256(json.dumps([[identity, float(s.weight), s.raw_text]
+                                                 for identity, s in zip(opened.identities, streams)]).encode())
+        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
+        self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
+                                   streams=[[s.url, float(s.weight), s.raw_text, n]
+                                            for s, n in zip(streams, opened.lanes)])
 
     def fingerprint(self) -> str:
         """Identity of the streams, their weights and how raw text becomes samples."""
@@ -166,7 +159,7 @@ class RawMixtureDataset(RawTextDataset):
         """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
         one part per step, empty or not (see `RawTextDataset.parts`)."""
         plan, topology = self.plan, iteration.topology
-        log, lanes, built = RejectionLog(), {}, BuiltSamples(self.sources)
+        lanes, built = LaneReaders(plan, iteration.cursors), BuiltSamples(self.sources)
         step = 0
         try:
             while True:
@@ -174,24 +167,13 @@ class RawMixtureDataset(RawTextDataset):
                                             batch_size=iteration.batch_size, rank=topology.rank)
                 mine = np.flatnonzero(rows.worker_of(num_workers) == worker)
                 part = StepPart(rows=mine, positions=rows.sample_id[mine])
-                samples: dict[int, tuple[Sample, int]] = {}
-                for row in mine[rows.lane[mine] >= 0].tolist():
-                    lane = int(rows.lane[row])
-                    stream = lanes.get(lane)
-                    if stream is None:
-                        cursor = iteration.cursors.get(lane, (0,) * CURSOR_FIELDS)
-                        stream = lanes[lane] = plan.lane_stream(lane, log, cursor)
-                    stream.rejected = part.rejected
-                    samples[row] = stream.take(int(rows.index[row]))
-                built_rows = mine[rows.lane[mine] < 0]
-                for row, sample in zip(built_rows.tolist(), built.read(rows.shard[built_rows],
-                                                                       rows.sample_id[built_rows])):
-                    samples[row] = (sample, int(rows.index[row]))
-                part.samples = [samples[row][0] for row in mine.tolist()]
-                part.epochs = [samples[row][1] for row in mine.tolist()]
-                touched = sorted(set(rows.lane[mine][rows.lane[mine] >= 0].tolist()))
-                part.cursors = np.array([[lane, *lanes[lane].cursor.as_tuple()] for lane in touched],
-                                        dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
+                raw, from_built = mine[rows.lane[mine] >= 0], mine[rows.lane[mine] < 0]
+                read = {row: lanes.take(int(rows.lane[row]), int(rows.index[row]), part) for row in raw.tolist()}
+                samples = built.read(rows.shard[from_built], rows.sample_id[from_built])
+                read.update((row, (sample, int(rows.index[row]))) for row, sample in zip(from_built.tolist(), samples))
+                part.samples = [read[row][0] for row in mine.tolist()]
+                part.epochs = [read[row][1] for row in mine.tolist()]
+                part.cursors = lanes.cursor_rows(rows.lane[raw])
                 step += 1
                 yield part
         finally:
@@ -202,6 +184,47 @@ class RawMixtureDataset(RawTextDataset):
         batch = super().assemble(parts)
         batch["stream"] = self.plan.order.stream_of_ids(batch["sample_id"])
         return batch
+
+
+@dataclass
+class OpenedStreams:
+    """A mixture's streams, opened: the raw streams' corpora, the built streams' sources, and per stream its
+    lanes (0 for built), samples per shard (None for raw text) and identity (its fingerprint)."""
+
+    corpora: list[RawCorpus] = field(default_factory=list)
+    sources: Sources | None = None
+    lanes: list[int] = field(default_factory=list)
+    shard_sizes: list[np.ndarray | None] = field(default_factory=list)
+    identities: list[str] = field(default_factory=list)
+
+
+def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: dict[str, Any] | None,
+                 cache_dir: str | None) -> OpenedStreams:
+    """List every raw stream's units with `first`'s settings (`first` is the first raw stream's corpus) and fetch
+    the built streams' manifests, checking each against the mixture.
+
+    Raises:
+        ValueError / OSError: as `RawCorpus`, `Sources` and `check_built_stream` raise them.
+    """
+    built = [s for s in streams if not s.raw_text]
+    opened = OpenedStreams(sources=Sources(built, LoaderConfig(), cache_dir=cache_dir,
+                                           storage_options=storage_options) if built else None)
+    manifests = iter(zip(opened.sources.manifests, opened.sources.shard_sizes) if built else ())
+    for stream in streams:
+        if stream.raw_text:
+            corpus = RawCorpus([stream.url], first.settings, _options(stream, storage_options)) \
+                if opened.corpora else first
+            opened.corpora.append(corpus)
+            opened.lanes.append(corpus.num_lanes)
+            opened.shard_sizes.append(None)
+            opened.identities.append(corpus.fingerprint)
+        else:
+            manifest, sizes = next(manifests)
+            check_built_stream(stream, manifest, first)
+            opened.lanes.append(0)
+            opened.shard_sizes.append(sizes)
+            opened.identities.append(data_fingerprint([manifest], []))
+    return opened
 
 
 def _options(stream: Stream, default: dict[str, Any] | None) -> dict[str, Any] | None:
