@@ -85,6 +85,9 @@ class RawTextPlan:
         """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
         return {}
 
+    def restore(self, raw_text: dict[str, Any]) -> None:
+        """Take the state's `raw_text` fields besides the cursors (the loader keeps those)."""
+
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
         """Lane `lane`'s stream of samples from `cursor` on."""
         return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor)

@@ -156,6 +156,7 @@ class RawTextDataLoader(DataLoader):
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")")
         cursors = _saved_cursors(saved.raw_text)
+        self.plan.restore(saved.raw_text)
         self._consumed, self._cursors = saved.samples_consumed, cursors
 
 

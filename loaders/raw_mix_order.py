@@ -2,7 +2,8 @@
 reads, and the items' sample ids. Pure functions of the streams' shape, weights and seed; no I/O.
 
 Position i of the mixture is item k of stream s (`MixturePlan.items_at`: the built mixtures' integer quotas and
-smooth interleave, counted from the run's start; endless, since raw text has no epoch end). A raw stream's item k
+smooth interleave, counted from the run's start; endless, since raw text has no epoch end; a weight `Schedule`
+changes the quotas at its steps, of the first run's global batch each). A raw stream's item k
 is sample k // lanes of its lane k % lanes, as in a raw dataset of its own; a built stream's item k is item
 k mod n of its epoch k // n, in that epoch's order (`EpochOrder`, seeded per stream as `MixtureOrder` seeds it).
 
@@ -28,6 +29,7 @@ from .batching import ShardTable
 from .config import OrderConfig
 from .mixing import MixturePlan
 from .order import EpochOrder
+from .schedule import Schedule
 
 ENDLESS = 1 << 62  # the plan's epoch size: positions are counted from the start, never wrapped
 _SEED_STRIDE = 1_000_003  # a stream's seed offset per index, as `MixtureOrder` offsets it
@@ -56,16 +58,17 @@ class MixedOrder:
     """The order of a mixture of raw-text and built streams.
 
     Args:
-        weights: per stream, its fixed weight.
+        weights: per stream, its weight or `Schedule` (schedules need `pin`).
         lanes: per stream, its lanes (raw text) or 0 (built).
         shard_sizes: per stream, samples per shard (built; None for raw text).
         seed, shuffle: the built streams' epoch orders (each stream's seed offset by its index).
     """
 
-    def __init__(self, weights: Sequence[float], lanes: Sequence[int], shard_sizes: Sequence[np.ndarray | None], *,
-                 seed: int, shuffle: bool):
-        self.plan = MixturePlan(weights=tuple(weights), seed_keys=range(len(weights)), epoch_size=ENDLESS)
-        self.plan.pieces  # the quotas now: a weight too small to be sampled is refused at construction
+    def __init__(self, weights: Sequence[float | Schedule], lanes: Sequence[int],
+                 shard_sizes: Sequence[np.ndarray | None], *, seed: int, shuffle: bool):
+        self.weights = tuple(weights)
+        self.global_batch: int | None = None
+        self.plan = self._plan(None)
         self.lanes = np.asarray(lanes, dtype=np.int64)
         raw = self.lanes > 0
         self.num_raw = int(raw.sum())
@@ -82,6 +85,20 @@ class MixedOrder:
         self.table = ShardTable(np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64))
         self.seed, self.shuffle = seed, shuffle
         self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
+
+    def _plan(self, global_batch: int | None) -> MixturePlan:
+        plan = MixturePlan(weights=self.weights, seed_keys=range(len(self.weights)), epoch_size=ENDLESS,
+                           global_batch=global_batch)
+        if global_batch is not None or not plan.has_schedule:
+            plan.pieces  # the quotas now: a weight too small to be sampled is refused before any batch
+        return plan
+
+    def pin(self, global_batch: int, *, saved: bool = False) -> None:
+        """Fix the positions per step that weight `Schedule`s count steps in: the first run's global batch (set
+        once), or the one a loaded state `saved`."""
+        if saved or self.global_batch is None:
+            self.global_batch = int(global_batch)
+            self.plan = self._plan(self.global_batch)
 
     def step_rows(self, step: int, *, start: int, world_size: int, batch_size: int, rank: int) -> StepRows:
         """The rows `rank` reads at `step` (counted from `start` consumed positions)."""

@@ -29,7 +29,7 @@ from .mixing import Stream
 from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
 from .raw_mix_order import MixedOrder
 from .raw_source import LaneStream, RawCorpus, RejectionLog
-from .schedule import Schedule
+from .schedule import weight_spec
 from .sources import Sources
 
 
@@ -72,8 +72,17 @@ class RawMixturePlan(RawTextPlan):
                 "num_partitions": self.num_lanes}
 
     def raw_state(self) -> dict[str, Any]:
-        """The state's record of the streams: [url, weight, raw text, lanes] each."""
-        return {"streams": self.streams}
+        """The state's record of the streams ([url, weight, raw text, lanes] each) and the global batch that weight
+        schedules count steps in (None until the first iteration)."""
+        return {"streams": self.streams, "global_batch": self.order.global_batch}
+
+    def restore(self, raw_text: dict[str, Any]) -> None:
+        if raw_text.get("global_batch") is not None:
+            self.order.pin(raw_text["global_batch"], saved=True)
+
+    def begin(self, iteration: RawIteration) -> None:
+        self.order.pin(iteration.batch_size * iteration.topology.world_size)
+        super().begin(iteration)
 
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
         corpus, local, seed = self.lane_owners[lane]
@@ -117,13 +126,14 @@ class RawMixtureDataset(RawTextDataset):
 
     Args:
         streams: the mixture's `Stream`s; raw text ones marked `raw_text=True` (at least one), the others built
-            datasets made with the mixture's tokenizer and sequence length. Weights are fixed numbers.
+            datasets made with the mixture's tokenizer and sequence length. A weight may be a `Schedule` (its steps
+            are global batches of the first run).
         cache_dir: node-local cache of the built streams' shards.
         **options: as `RawTextDataset` (tokenizer, seq_len, pack, lanes (per raw stream), seed, topology...).
 
     Raises:
-        ValueError: no raw-text stream, a weight `Schedule`, or a built stream whose tokenizer, sample length
-            or token dtype differs from the mixture's (naming it).
+        ValueError: no raw-text stream, a weight too small to be sampled, or a built stream whose tokenizer, sample
+            length or token dtype differs from the mixture's (naming it).
     """
 
     raw_text = True  # `isinstance(dataset, StreamingDataset)` holds (`StreamingDataset.__subclasshook__`)
@@ -135,20 +145,16 @@ class RawMixtureDataset(RawTextDataset):
         if not raw:
             raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
                              "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
-        scheduled = next((s for s in streams if isinstance(s.weight, Schedule)), None)
-        if scheduled is not None:
-            raise ValueError(f"stream {scheduled.url}: weight Schedules are not supported in a mixture with raw-text "
-                             "streams; give fixed weights")
         # The first raw stream sets the dataset up as a raw dataset would: settings, tokenizer, topology.
         super().__init__(raw[0].url, storage_options=_options(raw[0], storage_options), **options)
         opened = open_streams(streams, self.corpus, storage_options=storage_options, cache_dir=cache_dir)
         order = MixedOrder([s.weight for s in streams], opened.lanes, opened.shard_sizes, seed=self.plan.seed,
                            shuffle=self.plan.shuffle)
-        fingerprint = hashlib.sha256(json.dumps([[identity, float(s.weight), s.raw_text]
+        fingerprint = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
                                                  for identity, s in zip(opened.identities, streams)]).encode())
         self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
         self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
-                                   streams=[[s.url, float(s.weight), s.raw_text, n]
+                                   streams=[[s.url, weight_spec(s.weight), s.raw_text, n]
                                             for s, n in zip(streams, opened.lanes)])
 
     def fingerprint(self) -> str:
@@ -159,6 +165,7 @@ class RawMixtureDataset(RawTextDataset):
         """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
         one part per step, empty or not (see `RawTextDataset.parts`)."""
         plan, topology = self.plan, iteration.topology
+        plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
         lanes, built = LaneReaders(plan, iteration.cursors), BuiltSamples(self.sources)
         step = 0
         try:

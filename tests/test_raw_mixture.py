@@ -129,6 +129,22 @@ def test_elastic_resume_repeats_and_misses_nothing(data, tokenizer, before, afte
     assert sorted(head + tail) == sorted(reference)
 
 
+def test_a_weight_schedule_counts_the_first_runs_steps_also_after_an_elastic_resume(data, tokenizer):
+    def scheduled(**rank):  # the built stream joins at step 3 (of 8 positions each: the first run's global batch)
+        joining = Stream(data["built"], Schedule([(0, 0), (3, 1)]))
+        return StreamingDataset([Stream(data["a"], 1, raw_text=True), joining], tokenizer=tokenizer, seq_len=SEQ_LEN,
+                                unit_bytes=4096, lanes=3, **rank)
+
+    reference, _ = ranks_run(scheduled, world_size=1, batch_size=8, steps=8)
+    built = scheduled().plan.order.built_samples
+    with_built = [any(i < built for i, _, _ in reference[step * 8:(step + 1) * 8]) for step in range(8)]
+    assert with_built == [False] * 3 + [True] * 5
+    head, state = ranks_run(scheduled, world_size=1, batch_size=8, steps=2)
+    assert state["raw_text"]["global_batch"] == 8
+    tail, _ = ranks_run(scheduled, world_size=2, batch_size=2, steps=12, state=state)  # 4 positions a step now
+    assert sorted(head + tail) == sorted(reference)
+
+
 def test_states_of_another_kind_or_mixture_are_refused(data, tokenizer):
     loader = StreamingDataLoader(mixture(data, tokenizer), batch_size=4)
     take(loader, 2)
@@ -166,8 +182,8 @@ def test_what_cannot_be_mixed_is_refused_by_name(data, tokenizer):
     with pytest.raises(ValueError, match=rf"stream {short}: holds samples of seq_len=32 .* the mixture's are "
                                          "seq_len=64"):
         StreamingDataset([raw, Stream(str(short))], **settings)
-    with pytest.raises(ValueError, match="weight Schedules are not supported in a mixture with raw-text"):
-        StreamingDataset([raw, Stream(data["built"], Schedule([(0, 1.0), (10, 2.0)]))], **settings)
+    with pytest.raises(ValueError, match="stream 1: weight 1e-09 is below 1/4096"):
+        StreamingDataset([raw, Stream(data["built"], 1e-9)], **settings)
     with pytest.raises(ValueError, match="mark its raw-text streams"):
         StreamingDataset([Stream(data["built"])], **settings)
     with pytest.raises(ValueError, match=rf"stream {data['a']} is raw text \(raw_text=True\): .* tokenizer="):

@@ -238,9 +238,6 @@ class DataConfig:
         _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         _check(self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}")
-        if self.tokenizer is not None:
-            _check(not any(isinstance(weight, Schedule) for _, weight in data_entries(self.data or "x")),
-                   "--data with --tokenizer: weight schedules are not supported with raw text; give fixed weights")
 
 
 @dataclass(frozen=True, kw_only=True)
