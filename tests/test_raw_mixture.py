@@ -139,8 +139,8 @@ def test_a_weight_schedule_counts_the_first_runs_steps_also_after_an_elastic_res
     built = scheduled().plan.order.built_samples
     with_built = [any(i < built for i, _, _ in reference[step * 8:(step + 1) * 8]) for step in range(8)]
     assert with_built == [False] * 3 + [True] * 5
-    head, state = ranks_run(scheduled, world_size=1, batch_size=8, steps=2)
-    assert state["raw_text"]["global_batch"] == 8
+    head, state = ranks_run(scheduled, world_size=1, batch_size=8, steps=2, workers=2)
+    assert state["raw_text"]["global_batch"] == 8  # pinned in the main process too (the workers read)
     tail, _ = ranks_run(scheduled, world_size=2, batch_size=2, steps=12, state=state)  # 4 positions a step now
     assert sorted(head + tail) == sorted(reference)
 
