@@ -153,8 +153,10 @@ class RawTextDataLoader(DataLoader):
             raise ValueError(f"cannot resume: the saved loader state is {saved_kind}'s, this loader reads {kind}")
         differences = saved.differences(current)
         if differences:
+            changed = "; a mixture with raw-text streams keeps its streams and weights (no allow_mixture_change)" \
+                if kind != _kind({}) else ""
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
-                             + "; ".join(differences) + ")")
+                             + "; ".join(differences) + ")" + changed)
         cursors = _saved_cursors(saved.raw_text)
         self.plan.restore(saved.raw_text)
         self._consumed, self._cursors = saved.samples_consumed, cursors
