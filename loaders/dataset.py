@@ -82,11 +82,12 @@ class StreamingDataset(IterableDataset):
         return raw_text_counterpart(cls, StreamingDataset, candidate, IterableDataset)
 
     def __new__(cls, source: Any = None, *args: Any, **kwargs: Any):
-        # Raw text (`tokenizer=` given) is read by its own dataset (`shardkit.loaders.raw_dataset`).
+        # Raw text (`tokenizer=` given) is read by its own dataset (`shardkit.loaders.raw_dataset`), or a
+        # mixture of raw-text and built streams (`shardkit.loaders.raw_mixture`).
         if cls is StreamingDataset and kwargs.get("tokenizer") is not None:
-            from .raw_dataset import RawTextDataset
+            from .raw_mixture import raw_text_dataset
 
-            return RawTextDataset(source, *args, **kwargs)
+            return raw_text_dataset(source, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, source: str | Stream | Sequence[Stream], config: LoaderConfig | None = None, *,

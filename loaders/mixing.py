@@ -42,14 +42,18 @@ class Stream:
     """One dataset of a mixture.
 
     Attributes:
-        url: dataset prefix (any fsspec URL) holding `shardkit.json`.
+        url: dataset prefix (any fsspec URL) holding `shardkit.json`; with `raw_text`, raw text inputs instead
+            (a file, directory, glob or fsspec URL, as `StreamingDataset(inputs, tokenizer=...)` reads them).
         weight: relative share of the mixture's samples (> 0), or a `Schedule` of weights by step.
         storage_options: fsspec options for this stream (default: the dataset's).
+        raw_text: the stream is raw text, tokenized and packed on the fly with the mixture's `tokenizer=`,
+            `seq_len=` and `pack=` (`shardkit.loaders.raw_mixture`).
     """
 
     url: str
     weight: float | Schedule = 1.0
     storage_options: dict[str, Any] | None = field(default=None, repr=False, kw_only=True)
+    raw_text: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:

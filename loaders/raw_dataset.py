@@ -81,11 +81,44 @@ class RawTextPlan:
         return {"dataset": self.corpus.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
                 "num_partitions": self.num_lanes}
 
+    def raw_state(self) -> dict[str, Any]:
+        """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
+        return {}
+
+    def restore(self, raw_text: dict[str, Any]) -> None:
+        """Take the state's `raw_text` fields besides the cursors (the loader keeps those)."""
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
+        """Lane `lane`'s stream of samples from `cursor` on."""
+        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor)
+
     def claim(self) -> None:
         self.claimed = True
 
     def begin(self, iteration: RawIteration) -> None:
         self.next_iteration = iteration
+
+
+class LaneReaders:
+    """The lanes one process reads in an iteration, each started at the iteration's cursor when first read."""
+
+    def __init__(self, plan: RawTextPlan, cursors: dict[int, tuple[int, ...]]):
+        self.plan, self.cursors = plan, cursors
+        self.log, self.streams = RejectionLog(), {}
+
+    def take(self, lane: int, index: int, part: StepPart) -> tuple[Any, int]:
+        """(sample `index` of `lane`, its lane epoch); rejections counted in `part`'s."""
+        stream = self.streams.get(lane)
+        if stream is None:
+            stream = self.streams[lane] = self.plan.lane_stream(lane, self.log,
+                                                                self.cursors.get(lane, (0,) * CURSOR_FIELDS))
+        stream.rejected = part.rejected  # each step's part counts the rejections of the segments it began
+        return stream.take(index)
+
+    def cursor_rows(self, lanes: np.ndarray) -> np.ndarray:
+        """[lane, *cursor] of each of `lanes` (read already), by lane."""
+        return np.array([[lane, *self.streams[lane].cursor.as_tuple()] for lane in sorted(set(lanes.tolist()))],
+                        dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
 
 
 class RawTextDataset(IterableDataset):
@@ -176,8 +209,8 @@ class RawTextDataset(IterableDataset):
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
         """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
         per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
-        plan, corpus, topology = self.plan, self.corpus, iteration.topology
-        log, streams = RejectionLog(), {}
+        plan, topology = self.plan, iteration.topology
+        readers = LaneReaders(plan, iteration.cursors)
         step = 0
         while True:
             positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
@@ -187,17 +220,10 @@ class RawTextDataset(IterableDataset):
             rows = np.flatnonzero(lanes % num_workers == worker)
             part = StepPart(rows=rows, positions=positions[rows])
             for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
-                stream = streams.get(lane)
-                if stream is None:
-                    stream = streams[lane] = LaneStream(corpus, lane, log, seed=plan.seed, shuffle=plan.shuffle,
-                                                        cursor=iteration.cursors.get(lane, (0,) * CURSOR_FIELDS))
-                stream.rejected = part.rejected  # each step's part counts the rejections of the segments it began
-                sample, epoch = stream.take(index)
+                sample, epoch = readers.take(lane, index, part)
                 part.samples.append(sample)
                 part.epochs.append(epoch)
-            part.cursors = np.array([[lane, *streams[lane].cursor.as_tuple()]
-                                     for lane in sorted(set(lanes[rows].tolist()))],
-                                    dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
+            part.cursors = readers.cursor_rows(lanes[rows])
             step += 1
             yield part
 

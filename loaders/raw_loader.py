@@ -110,7 +110,7 @@ class RawTextDataLoader(DataLoader):
                            shuffle_window=0, partial_batches="drop", epoch_size=None,
                            global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, **self.plan.order_values(),
-                           raw_text={"cursors": _cursor_rows(self._cursors)})
+                           raw_text={"cursors": _cursor_rows(self._cursors), **self.plan.raw_state()})
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's state: the cursors of the lanes this rank read (merge every rank's with
@@ -147,11 +147,18 @@ class RawTextDataLoader(DataLoader):
         saved = LoaderState.from_dict(state)
         if saved.raw_text is None:
             raise ValueError("cannot resume: the saved loader state is a built dataset's, not raw text's")
-        differences = saved.differences(self._state())
+        current = self._state()
+        saved_kind, kind = (_kind(state.raw_text) for state in (saved, current))
+        if saved_kind != kind:
+            raise ValueError(f"cannot resume: the saved loader state is {saved_kind}'s, this loader reads {kind}")
+        differences = saved.differences(current)
         if differences:
+            changed = "; a mixture with raw-text streams keeps its streams and weights (no allow_mixture_change)" \
+                if kind != _kind({}) else ""
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
-                             + "; ".join(differences) + ")")
+                             + "; ".join(differences) + ")" + changed)
         cursors = _saved_cursors(saved.raw_text)
+        self.plan.restore(saved.raw_text)
         self._consumed, self._cursors = saved.samples_consumed, cursors
 
 
@@ -171,6 +178,11 @@ def _saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     return {row[0]: tuple(row[1:]) for row in rows}
 
 
+def _kind(raw_text: dict[str, Any]) -> str:
+    """What a state's `raw_text` belongs to (a mixture records its streams)."""
+    return "a mixture with raw-text streams" if "streams" in raw_text else "a single raw-text dataset"
+
+
 def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
     """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `_saved_cursors`)."""
     return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
@@ -186,4 +198,4 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("raw-text states of different positions cannot be merged: "
                          f"{sorted({s['samples_consumed'] for s in states})}")
     cursors = merge_cursors(*(_saved_cursors(s["raw_text"]) for s in states))
-    return {**states[0], "raw_text": {"cursors": _cursor_rows(cursors)}}
+    return {**states[0], "raw_text": {**states[0]["raw_text"], "cursors": _cursor_rows(cursors)}}

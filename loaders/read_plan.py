@@ -162,9 +162,12 @@ class ReadPlan:
         True when the mixture changed.
 
         Raises:
-            ValueError: the order differs (every difference named), or only the mixture does and
+            ValueError: a raw-text state, the order differs (every difference named), or only the mixture does and
                 `allow_mixture_change` is off, or the change cannot be made exactly.
         """
+        if saved.raw_text is not None:
+            raise ValueError("cannot resume: the saved loader state is raw text's (a raw-text dataset, or a mixture "
+                             "with raw-text streams), this loader reads built datasets only")
         explicit = self.config.num_partitions
         values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
                   "num_partitions": explicit if explicit is not None else saved.num_partitions}

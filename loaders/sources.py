@@ -92,6 +92,7 @@ def streams_of(source: Any) -> list[Stream]:
 
     Raises:
         TypeError: anything else.
+        ValueError: a raw-text stream (those need a tokenizer: `shardkit.loaders.raw_mixture`).
     """
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
@@ -103,6 +104,10 @@ def streams_of(source: Any) -> list[Stream]:
     if not streams or not all(isinstance(s, Stream) for s in streams):
         raise TypeError(f"source must be a dataset URL (str), a Stream, or a non-empty list of Stream, "
                         f"got {type(source).__name__} {source!r}"[:300])
+    raw = next((s for s in streams if s.raw_text), None)
+    if raw is not None:
+        raise ValueError(f"stream {raw.url} is raw text (raw_text=True): a mixture with raw text needs the "
+                         "mixture's tokenizer= and seq_len= (StreamingDataset(streams, tokenizer=SPEC, seq_len=N))")
     return streams
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def raw_rank_run(*, inputs: str, settings: dict, batch_size: int, rank: int, world_size: int, port: int,
+def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: int, world_size: int, port: int,
                  steps: int) -> dict:
     """Read `steps` batches of a raw-text loader as one rank of a real gloo group; its rows and its state."""
     from datetime import timedelta

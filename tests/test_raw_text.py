@@ -162,7 +162,13 @@ def test_resume_at_another_batch_size_continues_the_same_global_order(corpus):
 def simulated_run(corpus, *, world_size, batch_size, steps, state=None, workers=0):
     """Run `world_size` ranks in this process (explicit rank/world_size); their rows per step concatenated in
     rank order, and the merged state after `steps` steps."""
-    loaders = [StreamingDataLoader(dataset(corpus, rank=r, world_size=world_size), batch_size=batch_size,
+    return ranks_run(lambda **rank: dataset(corpus, **rank), world_size=world_size, batch_size=batch_size,
+                     steps=steps, state=state, workers=workers)
+
+
+def ranks_run(make_dataset, *, world_size, batch_size, steps, state=None, workers=0):
+    """`simulated_run` over the datasets `make_dataset(rank=r, world_size=world_size)`."""
+    loaders = [StreamingDataLoader(make_dataset(rank=r, world_size=world_size), batch_size=batch_size,
                                    num_workers=workers, multiprocessing_context="fork" if workers else None)
                for r in range(world_size)]
     if state is not None:

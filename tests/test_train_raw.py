@@ -12,11 +12,12 @@ from test_build import write_corpus
 from train_runs import losses, sample_ids
 
 
-def run(corpus, run_dir, steps, **checkpoint):
+def run(corpus, run_dir, steps, *, data=None, **checkpoint):
+    """Train `steps` steps on `corpus` with the byte tokenizer (or on the data options `data`) in this process."""
+    data = data or {"data": f"{corpus}/*.jsonl*", "tokenizer": "byte", "lanes": 3, "batch_size": 4,
+                    "eval_data": f"{corpus}/d.parquet", "eval_batches": 2}
     values = {"steps": steps, "device": "cpu", "optimizer": {"warmup_steps": 1}, "eval_every": 2,
-              "model": {"seq_len": 64},
-              "data": {"data": f"{corpus}/*.jsonl*", "tokenizer": "byte", "lanes": 3, "batch_size": 4,
-                       "eval_data": f"{corpus}/d.parquet", "eval_batches": 2},
+              "model": {"seq_len": 64}, "data": data,
               "checkpoint": checkpoint,
               "logging": {"run_dir": str(run_dir), "tensorboard": False, "log_sample_ids": True}}
     state = build(config_from_dict(values))

@@ -209,7 +209,9 @@ class DataConfig:
     tokenizer: str | None = option(None, "train straight from raw text: --data names text inputs (JSONL / .gz / "
                                    ".zst, Parquet, .txt; files, directories, globs or URLs), tokenized with this "
                                    "tokenizer spec (as `shardkit build --tokenizer`) and packed on the fly; needs "
-                                   "--seq-len; --eval-data then names raw text too")
+                                   "--seq-len; --eval-data then names raw text too. Weighted entries mix: an entry "
+                                   "holding shardkit.json is a built dataset (of this tokenizer and --seq-len), any "
+                                   "other raw text, e.g. --data built/:0.7 'code/*.jsonl.zst':0.3")
     pack: str = option("concat", "with --tokenizer: 'concat' or 'bestfit' (documents into seq_len + 1 windows)",
                        choices=("concat", "bestfit"))
     text_field: str = option("text", "with --tokenizer: the JSON key / Parquet column holding the text")
@@ -236,9 +238,6 @@ class DataConfig:
         _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         _check(self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}")
-        if self.tokenizer is not None:
-            _check(all(weight == 1.0 for _, weight in data_entries(self.data or "x")),
-                   "--data with --tokenizer takes text inputs without weights (raw-text mixtures are not supported)")
 
 
 @dataclass(frozen=True, kw_only=True)

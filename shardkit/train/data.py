@@ -74,6 +74,27 @@ def _source(spec: str) -> Any:
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
 
 
+def _raw_source(spec: str, options: dict[str, Any] | None) -> list[Any]:
+    """A `--data` value with `--tokenizer` as the loader's source: the text inputs of one corpus, or a mixture
+    (a list of `Stream`) when an entry has a weight or is a built dataset (holds shardkit.json)."""
+    from shardkit.loaders.mixing import Stream
+
+    entries = data_entries(spec)
+    built = [_holds_manifest(url, options) for url, _ in entries]
+    if not any(built) and all(weight == 1.0 for _, weight in entries):
+        return [url for url, _ in entries]
+    return [Stream(url, weight, raw_text=not is_built) for (url, weight), is_built in zip(entries, built)]
+
+
+def _holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
+    from glob import has_magic
+
+    from shardkit.manifest import MANIFEST_NAME
+    from shardkit.storage import Storage
+
+    return not has_magic(url) and Storage(url, options).exists(MANIFEST_NAME)
+
+
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,
              **overrides: Any):
     from shardkit.loaders.dataset import StreamingDataset
@@ -85,9 +106,11 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
     if config.tokenizer is not None:  # raw text, tokenized and packed by the loader
-        return StreamingDataset([url for url, _ in data_entries(spec)], tokenizer=config.tokenizer, seq_len=seq_len,
-                                pack=config.pack, text_field=config.text_field, lanes=config.lanes,
-                                seed=config.loader.seed, shuffle=shuffle, **where)
+        source = _raw_source(spec, where["storage_options"])
+        mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
+        return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
+                                text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
+                                shuffle=shuffle, **mixture, **where)
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
                             **overrides)
 

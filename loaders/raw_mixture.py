@@ -1,0 +1,262 @@
+"""`RawMixtureDataset`: raw-text and built streams in one weighted mixture, what
+`StreamingDataset([Stream(url, w), Stream(glob, w, raw_text=True), ...], tokenizer=SPEC, seq_len=N)` is.
+
+The order is `raw_mix_order.MixedOrder` (pure); this module opens the streams and reads their rows: a raw stream's
+lanes through `LaneStream`s, as a raw dataset reads its own, a built stream's samples through its node cache.
+Its plan is a `RawTextPlan` whose lanes are every raw stream's lanes in stream order (a global lane number), so
+the raw-text loader (`raw_loader.RawTextDataLoader`) saves and resumes it unchanged: `samples_consumed` and one
+cursor per global lane, O(lanes + streams), elastic like a raw dataset's state. The state's `raw_text` also
+records the streams (`streams`), so that a mixture's state and a single raw dataset's are told apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardkit.formats import Sample
+from shardkit.formats.sample import numpy_token_dtype
+from shardkit.manifest import Manifest
+
+from .config import LoaderConfig
+from .fingerprint import data_fingerprint
+from .mixing import Stream
+from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
+from .raw_mix_order import MixedOrder
+from .raw_source import LaneStream, RawCorpus, RejectionLog
+from .schedule import weight_spec
+from .sources import Sources
+
+
+def raw_text_dataset(source: Any, *args: Any, **kwargs: Any) -> RawTextDataset:
+    """What `StreamingDataset(source, tokenizer=...)` builds: a mixture for a list of `Stream`, else one corpus.
+
+    Raises:
+        TypeError: a list that mixes `Stream`s with plain inputs.
+    """
+    items = [source] if isinstance(source, (str, Stream)) else list(source) if isinstance(source, (list, tuple)) \
+        else None
+    if items is not None and any(isinstance(item, Stream) for item in items):
+        if not all(isinstance(item, Stream) for item in items):
+            raise TypeError("a raw-text source is either inputs (paths, globs, URLs) or a list of Stream, not both: "
+                            "give each input as Stream(url, weight, raw_text=True)")
+        return RawMixtureDataset(items, *args, **kwargs)
+    return RawTextDataset(source, *args, **kwargs)
+
+
+class RawMixturePlan(RawTextPlan):
+    """The raw-text plan of a mixture: its lanes are the raw streams' lanes in stream order."""
+
+    def __init__(self, base: RawTextPlan, *, order: MixedOrder, corpora: list[RawCorpus], fingerprint: str,
+                 streams: list[list[Any]]):
+        super().__init__(base.corpus, seed=base.seed, shuffle=base.shuffle, token_dtype=base.token_dtype,
+                         segment_ids=base.segment_ids, topology_args=base._topology_args,
+                         group_args=base._group_args)
+        self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
+        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index)
+        raw_streams = np.flatnonzero(order.lanes > 0).tolist()
+        self.lane_owners = [(corpus, lane, self.seed + s) for s, corpus in zip(raw_streams, corpora)
+                            for lane in range(corpus.num_lanes)]
+
+    @property
+    def num_lanes(self) -> int:
+        return self.order.total_lanes
+
+    def order_values(self) -> dict[str, Any]:
+        return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
+                "num_partitions": self.num_lanes}
+
+    def raw_state(self) -> dict[str, Any]:
+        """The state's record of the streams ([url, weight, raw text, lanes] each) and the global batch that weight
+        schedules count steps in (None until the first iteration)."""
+        return {"streams": self.streams, "global_batch": self.order.global_batch}
+
+    def restore(self, raw_text: dict[str, Any]) -> None:
+        if raw_text.get("global_batch") is not None:
+            self.order.pin(raw_text["global_batch"], saved=True)
+
+    def begin(self, iteration: RawIteration) -> None:
+        self.order.pin(iteration.batch_size * iteration.topology.world_size)
+        super().begin(iteration)
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
+        corpus, local, seed = self.lane_owners[lane]
+        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor)
+
+
+class BuiltSamples:
+    """Built streams' samples by global sample id, read through their node caches; the shards a step reads are
+    held until a step no longer reads them."""
+
+    def __init__(self, sources: Sources | None):
+        self.sources = sources
+        self.held: dict[int, Any] = {}
+
+    def read(self, shards: np.ndarray, sample_ids: np.ndarray) -> list[Sample]:
+        """The samples `sample_ids` (global ids over the built streams) of the global shards `shards`."""
+        if not len(sample_ids):
+            return []
+        owners, table = self.sources.owners, self.sources.table
+        needed = set(shards.tolist())
+        for index in [i for i in self.held if i not in needed]:
+            self.held.pop(index).close()
+        samples = []
+        for shard, local in zip(shards.tolist(), table.locate(sample_ids)[1].tolist()):
+            if shard not in self.held:
+                stream, in_stream = owners[shard]
+                self.held[shard] = self.sources.caches[stream].open(in_stream)
+            sample = self.held[shard].reader.sample(local)
+            if sample.doc_starts is None:  # a shard without document boundaries: the sample is one segment
+                sample = Sample(sample.tokens, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+            samples.append(sample)
+        return samples
+
+    def close(self) -> None:
+        while self.held:
+            self.held.popitem()[1].close()
+
+
+class RawMixtureDataset(RawTextDataset):
+    """Raw-text and built streams in one weighted mixture (built through `StreamingDataset`).
+
+    Args:
+        streams: the mixture's `Stream`s; raw text ones marked `raw_text=True` (at least one), the others built
+            datasets made with the mixture's tokenizer and sequence length. A weight may be a `Schedule` (its steps
+            are global batches of the first run).
+        cache_dir: node-local cache of the built streams' shards.
+        **options: as `RawTextDataset` (tokenizer, seq_len, pack, lanes (per raw stream), seed, topology...).
+
+    Raises:
+        ValueError: no raw-text stream, a weight too small to be sampled, or a built stream whose tokenizer, sample
+            length or token dtype differs from the mixture's (naming it).
+    """
+
+    raw_text = True  # `isinstance(dataset, StreamingDataset)` holds (`StreamingDataset.__subclasshook__`)
+
+    def __init__(self, streams: Sequence[Stream], *, cache_dir: str | None = None,
+                 storage_options: dict[str, Any] | None = None, **options: Any):
+        streams = list(streams)
+        raw = [s for s in streams if s.raw_text]
+        if not raw:
+            raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
+                             "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
+        # The first raw stream sets the dataset up as a raw dataset would: settings, tokenizer, topology.
+        super().__init__(raw[0].url, storage_options=_options(raw[0], storage_options), **options)
+        opened = open_streams(streams, self.corpus, storage_options=storage_options, cache_dir=cache_dir)
+        order = MixedOrder([s.weight for s in streams], opened.lanes, opened.shard_sizes, seed=self.plan.seed,
+                           shuffle=self.plan.shuffle)
+        fingerprint = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
+                                                 for identity, s in zip(opened.identities, streams)]).encode())
+        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
+        self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
+                                   streams=[[s.url, weight_spec(s.weight), s.raw_text, n]
+                                            for s, n in zip(streams, opened.lanes)])
+
+    def fingerprint(self) -> str:
+        """Identity of the streams, their weights and how raw text becomes samples."""
+        return self.plan.fingerprint
+
+    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
+        """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
+        one part per step, empty or not (see `RawTextDataset.parts`)."""
+        plan, topology = self.plan, iteration.topology
+        plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
+        lanes, built = LaneReaders(plan, iteration.cursors), BuiltSamples(self.sources)
+        step = 0
+        try:
+            while True:
+                rows = plan.order.step_rows(step, start=iteration.start, world_size=topology.world_size,
+                                            batch_size=iteration.batch_size, rank=topology.rank)
+                mine = np.flatnonzero(rows.worker_of(num_workers) == worker)
+                part = StepPart(rows=mine, positions=rows.sample_id[mine])
+                raw, from_built = mine[rows.lane[mine] >= 0], mine[rows.lane[mine] < 0]
+                read = {row: lanes.take(int(rows.lane[row]), int(rows.index[row]), part) for row in raw.tolist()}
+                samples = built.read(rows.shard[from_built], rows.sample_id[from_built])
+                read.update((row, (sample, int(rows.index[row]))) for row, sample in zip(from_built.tolist(), samples))
+                part.samples = [read[row][0] for row in mine.tolist()]
+                part.epochs = [read[row][1] for row in mine.tolist()]
+                part.cursors = lanes.cursor_rows(rows.lane[raw])
+                step += 1
+                yield part
+        finally:
+            built.close()
+
+    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
+        """One step's batch (see `RawTextDataset.assemble`), with each row's `stream` (its index in the mixture)."""
+        batch = super().assemble(parts)
+        batch["stream"] = self.plan.order.stream_of_ids(batch["sample_id"])
+        return batch
+
+
+@dataclass
+class OpenedStreams:
+    """A mixture's streams, opened: the raw streams' corpora, the built streams' sources, and per stream its
+    lanes (0 for built), samples per shard (None for raw text) and identity (its fingerprint)."""
+
+    corpora: list[RawCorpus] = field(default_factory=list)
+    sources: Sources | None = None
+    lanes: list[int] = field(default_factory=list)
+    shard_sizes: list[np.ndarray | None] = field(default_factory=list)
+    identities: list[str] = field(default_factory=list)
+
+
+def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: dict[str, Any] | None,
+                 cache_dir: str | None) -> OpenedStreams:
+    """List every raw stream's units with `first`'s settings (`first` is the first raw stream's corpus) and fetch
+    the built streams' manifests, checking each against the mixture.
+
+    Raises:
+        ValueError / OSError: as `RawCorpus`, `Sources` and `check_built_stream` raise them.
+    """
+    built = [s for s in streams if not s.raw_text]
+    opened = OpenedStreams(sources=Sources(built, LoaderConfig(), cache_dir=cache_dir,
+                                           storage_options=storage_options) if built else None)
+    manifests = iter(zip(opened.sources.manifests, opened.sources.shard_sizes) if built else ())
+    for stream in streams:
+        if stream.raw_text:
+            corpus = RawCorpus([stream.url], first.settings, _options(stream, storage_options)) \
+                if opened.corpora else first
+            opened.corpora.append(corpus)
+            opened.lanes.append(corpus.num_lanes)
+            opened.shard_sizes.append(None)
+            opened.identities.append(corpus.fingerprint)
+        else:
+            manifest, sizes = next(manifests)
+            check_built_stream(stream, manifest, first)
+            opened.lanes.append(0)
+            opened.shard_sizes.append(sizes)
+            opened.identities.append(data_fingerprint([manifest], []))
+    return opened
+
+
+def _options(stream: Stream, default: dict[str, Any] | None) -> dict[str, Any] | None:
+    return stream.storage_options if stream.storage_options is not None else default
+
+
+def check_built_stream(stream: Stream, manifest: Manifest, corpus: RawCorpus) -> None:
+    """Raise when a built stream's samples are not what the mixture's raw text makes (tokenizer, sample length,
+    token dtype).
+
+    Raises:
+        ValueError: naming the stream, both values and what to do.
+    """
+    settings, info, tok = corpus.settings, corpus.tokenizer_info, manifest.tokenizer
+    same_vocab = tok.vocab_sha256 == info.vocab_sha256 if tok.vocab_sha256 and info.vocab_sha256 else \
+        (tok.kind, tok.name) == (info.kind, info.name)
+    if not same_vocab or tok.vocab_size != info.vocab_size:
+        raise ValueError(f"stream {stream.url}: built with tokenizer {tok.name} ({tok.vocab_size} ids), but the "
+                         f"mixture's tokenizer= is {info.name} ({info.vocab_size} ids); rebuild it with that tokenizer "
+                         "or leave it out")
+    length = None if settings.pack == "none" else settings.seq_len + 1
+    if manifest.sample_length != length or (manifest.seq_len not in (None, settings.seq_len)):
+        raise ValueError(f"stream {stream.url}: holds samples of seq_len={manifest.seq_len} "
+                         f"(packing={manifest.packing!r}), but the mixture's are seq_len={settings.seq_len} "
+                         f"(pack={settings.pack!r}); rebuild it with --seq-len {settings.seq_len} or leave it out")
+    if numpy_token_dtype(manifest.token_dtype) != np.dtype(corpus.token_dtype):
+        raise ValueError(f"stream {stream.url}: token_dtype={manifest.token_dtype}, but the mixture's tokenizer "
+                         f"gives {corpus.token_dtype}; rebuild it with the mixture's tokenizer or leave it out")

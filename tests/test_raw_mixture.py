@@ -1,0 +1,225 @@
+"""Raw-text and built streams in one weighted mixture (`shardkit.loaders.raw_mixture`): the order does not depend on
+ranks or workers, resume is exact and elastic, and what cannot be mixed or resumed is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardkit.loaders import Schedule, Stream, StreamingDataLoader, StreamingDataset
+from shardkit.loaders.mixing import mixture_quotas, run_counts
+from test_build import WORDS, config, read_samples, write_corpus
+from test_raw_text import ranks_run, rows, take
+
+SEQ_LEN = 64
+WEIGHTS = (0.5, 0.3, 0.2)  # raw corpus A, the built dataset, raw corpus B
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from conftest import shared_path
+
+    return str(shared_path("tokenizers/gpt2_hf_tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tokenizer):
+    """Two raw corpora and a small built dataset (its epoch ends within a few steps), all with GPT-2 ids."""
+    from shardkit.tools.build import run_build
+
+    root = tmp_path_factory.mktemp("rawmix")
+    a = write_corpus(root / "a", docs=120)
+    b = write_corpus(root / "b", docs=45, seed=1, bad=False)
+    small = root / "c"
+    small.mkdir()
+    (small / "c.jsonl").write_text("".join(json.dumps({"text": f"built document {i}: " + " ".join(WORDS[i:] * 3)})
+                                           + "\n" for i in range(4)))
+    built = root / "built"
+    run_build(config([small], built, tokenizer=tokenizer, seq_len=SEQ_LEN))
+    return {"a": str(a), "b": str(b), "built": str(built), "root": root}
+
+
+def streams(data, weights=WEIGHTS):
+    return [Stream(data["a"], weights[0], raw_text=True), Stream(data["built"], weights[1]),
+            Stream(data["b"], weights[2], raw_text=True)]
+
+
+def mixture(data, tokenizer, weights=WEIGHTS, **overrides):
+    return StreamingDataset(streams(data, weights), **{**dict(tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096,
+                                                              lanes=3), **overrides})
+
+
+def test_batches_mix_the_streams_by_their_quotas_with_distinguishable_ids(data, tokenizer):
+    ds = mixture(data, tokenizer)
+    batches = take(StreamingDataLoader(ds, batch_size=8), 12)
+    stream = np.concatenate([b["stream"].numpy() for b in batches])
+    ids = np.concatenate([b["sample_id"].numpy() for b in batches])
+    assert all(b["tokens"].shape == (8, SEQ_LEN + 1) and b["cu_seqlens"][-1] == 8 * (SEQ_LEN + 1) for b in batches)
+    # Each global step holds the positions the quotas give it (rows are sorted by lane and shard inside a step).
+    assert np.array_equal(np.bincount(stream, minlength=3), run_counts(mixture_quotas(WEIGHTS), len(ids)))
+    raw_ids = ids[stream != 1]
+    assert len(set(raw_ids.tolist())) == len(raw_ids)  # a built id repeats only in the stream's next epoch
+    _, built = read_samples(data["built"])
+    assert ds.plan.order.built_samples == len(built)
+    assert (ids[stream == 1] < len(built)).all() and (ids[stream != 1] >= len(built)).all()
+    # raw stream r's item k is len(built) + 2k + r: streams A (r = 0) and B (r = 1) tell apart by parity
+    assert ((ids[stream == 0] - len(built)) % 2 == 0).all() and ((ids[stream == 2] - len(built)) % 2 == 1).all()
+    tokens = np.concatenate([b["tokens"].numpy() for b in batches])
+    for row in np.flatnonzero(stream == 1):  # a built row is that sample of the built dataset
+        assert np.array_equal(tokens[row], built[ids[row]].tokens)
+    epochs = np.concatenate([b["lane_epoch"].numpy() for b in batches])[stream == 1]
+    assert epochs.max() >= 2  # the built stream went on epoch after epoch, each one all its samples once
+    for epoch in range(epochs.max()):
+        assert sorted(ids[stream == 1][epochs == epoch].tolist()) == list(range(len(built))), epoch
+
+
+def test_raw_corpora_mix_without_a_built_stream(data, tokenizer):
+    ds = StreamingDataset([Stream(data["a"], 3, raw_text=True), Stream(data["b"], 1, raw_text=True)],
+                          tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    stream = np.concatenate([b["stream"].numpy() for b in take(StreamingDataLoader(ds, batch_size=8), 4)])
+    assert np.array_equal(np.bincount(stream, minlength=2), run_counts(mixture_quotas([3, 1]), 32))
+
+
+def test_a_raw_streams_items_are_its_own_raw_datasets_samples(data, tokenizer):
+    """Raw stream A's k-th item is sample k of A read as a raw dataset of its own (lane k % lanes)."""
+    ds = mixture(data, tokenizer)
+    batches = take(StreamingDataLoader(ds, batch_size=8), 10)
+    built = ds.plan.order.built_samples
+    mixed = {(int(i) - built) // 2: tuple(t.tolist()) for b in batches
+             for i, s, t in zip(b["sample_id"], b["stream"], b["tokens"]) if s == 0}
+    alone = StreamingDataset(data["a"], tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    own = {i: t for i, _, t in rows(take(StreamingDataLoader(alone, batch_size=len(mixed)), 1))}
+    assert sorted(mixed) == list(range(len(mixed))) and mixed == own
+
+
+def simulated_run(data, tokenizer, **run):
+    """`world_size` ranks in this process; their rows per step in rank order, and the merged state."""
+    return ranks_run(lambda **rank: mixture(data, tokenizer, **rank), **run)
+
+
+def test_one_two_three_ranks_with_or_without_workers_give_the_same_samples(data, tokenizer):
+    one, _ = simulated_run(data, tokenizer, world_size=1, batch_size=12, steps=4)
+    assert simulated_run(data, tokenizer, world_size=2, batch_size=6, steps=4)[0] == one
+    assert simulated_run(data, tokenizer, world_size=3, batch_size=4, steps=4)[0] == one
+    assert simulated_run(data, tokenizer, world_size=3, batch_size=4, steps=4, workers=2)[0] == one
+
+
+def test_resume_anywhere_continues_exactly(data, tokenizer):
+    reference = rows(take(StreamingDataLoader(mixture(data, tokenizer), batch_size=8), 30))
+    for stop in (1, 7, 19):
+        loader = StreamingDataLoader(mixture(data, tokenizer), batch_size=8)
+        head = take(loader, stop)
+        resumed = StreamingDataLoader(mixture(data, tokenizer), batch_size=8)
+        resumed.load_state_dict(loader.state_dict())
+        assert rows(head) + rows(take(resumed, 30 - stop)) == reference, stop
+    assert {epoch for _, epoch, _ in reference} >= {0, 1}  # lanes and the built stream cross into epoch 1
+
+
+@pytest.mark.parametrize("before,after", [((2, 6, 0), (3, 4, 0)), ((4, 3, 2), (2, 6, 0)), ((1, 12, 0), (3, 4, 2))])
+def test_elastic_resume_repeats_and_misses_nothing(data, tokenizer, before, after):
+    reference, _ = simulated_run(data, tokenizer, world_size=1, batch_size=12, steps=12)
+    (w1, b1, k1), (w2, b2, k2) = before, after
+    head, state = simulated_run(data, tokenizer, world_size=w1, batch_size=b1, steps=4, workers=k1)
+    assert len(state["raw_text"]["cursors"]) == 6  # one per lane of the two raw streams: O(lanes)
+    tail, _ = simulated_run(data, tokenizer, world_size=w2, batch_size=b2, steps=(144 - len(head)) // (w2 * b2),
+                            state=state, workers=k2)
+    # Rows of a step may be grouped otherwise on another world size: compare the global order sample by sample.
+    assert sorted(head + tail) == sorted(reference)
+
+
+def test_a_weight_schedule_counts_the_first_runs_steps_also_after_an_elastic_resume(data, tokenizer):
+    def scheduled(**rank):  # the built stream joins at step 3 (of 8 positions each: the first run's global batch)
+        joining = Stream(data["built"], Schedule([(0, 0), (3, 1)]))
+        return StreamingDataset([Stream(data["a"], 1, raw_text=True), joining], tokenizer=tokenizer, seq_len=SEQ_LEN,
+                                unit_bytes=4096, lanes=3, **rank)
+
+    reference, _ = ranks_run(scheduled, world_size=1, batch_size=8, steps=8)
+    built = scheduled().plan.order.built_samples
+    with_built = [any(i < built for i, _, _ in reference[step * 8:(step + 1) * 8]) for step in range(8)]
+    assert with_built == [False] * 3 + [True] * 5
+    head, state = ranks_run(scheduled, world_size=1, batch_size=8, steps=2, workers=2)
+    assert state["raw_text"]["global_batch"] == 8  # pinned in the main process too (the workers read)
+    tail, _ = ranks_run(scheduled, world_size=2, batch_size=2, steps=12, state=state)  # 4 positions a step now
+    assert sorted(head + tail) == sorted(reference)
+
+
+def test_states_of_another_kind_or_mixture_are_refused(data, tokenizer):
+    loader = StreamingDataLoader(mixture(data, tokenizer), batch_size=4)
+    take(loader, 2)
+    state = loader.state_dict()
+    plain = StreamingDataLoader(StreamingDataset(data["a"], tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096,
+                                                 lanes=3), batch_size=4)
+    with pytest.raises(ValueError, match="state is a mixture with raw-text streams's, this loader reads a single "
+                                         "raw-text dataset"):
+        plain.load_state_dict(state)
+    take(plain, 1)
+    with pytest.raises(ValueError, match="state is a single raw-text dataset's, this loader reads a mixture"):
+        StreamingDataLoader(mixture(data, tokenizer), batch_size=4).load_state_dict(plain.state_dict())
+    built = StreamingDataLoader(StreamingDataset(data["built"]), batch_size=4)
+    take(built, 1)
+    with pytest.raises(ValueError, match="built dataset's, not raw text's"):
+        StreamingDataLoader(mixture(data, tokenizer), batch_size=4).load_state_dict(built.state_dict())
+    with pytest.raises(ValueError, match="state is raw text's .*, this loader reads built datasets only"):
+        StreamingDataLoader(StreamingDataset(data["built"]), batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="dataset: saved .* keeps its streams and weights"):  # another order
+        StreamingDataLoader(mixture(data, tokenizer, weights=(0.4, 0.4, 0.2)), batch_size=4).load_state_dict(state)
+
+
+def test_what_cannot_be_mixed_is_refused_by_name(data, tokenizer):
+    from shardkit.tools.build import run_build
+
+    corpus = data["root"] / "c"
+    byte_built, short = data["root"] / "byte", data["root"] / "short"
+    run_build(config([corpus], byte_built, seq_len=SEQ_LEN))  # the byte tokenizer
+    run_build(config([corpus], short, tokenizer=tokenizer, seq_len=32))
+    raw = Stream(data["a"], 1, raw_text=True)
+    settings = dict(tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    with pytest.raises(ValueError, match=rf"stream {byte_built}: built with tokenizer byte \(258 ids\), but the "
+                                         r"mixture's tokenizer= is .*gpt2_hf_tokenizer.json \(50257 ids\)"):
+        StreamingDataset([raw, Stream(str(byte_built))], **settings)
+    with pytest.raises(ValueError, match=rf"stream {short}: holds samples of seq_len=32 .* the mixture's are "
+                                         "seq_len=64"):
+        StreamingDataset([raw, Stream(str(short))], **settings)
+    with pytest.raises(ValueError, match="stream 1: weight 1e-09 is below 1/4096"):
+        StreamingDataset([raw, Stream(data["built"], 1e-9)], **settings)
+    with pytest.raises(ValueError, match="mark its raw-text streams"):
+        StreamingDataset([Stream(data["built"])], **settings)
+    with pytest.raises(ValueError, match=rf"stream {data['a']} is raw text \(raw_text=True\): .* tokenizer="):
+        StreamingDataset([raw, Stream(data["built"])])
+    with pytest.raises(TypeError, match="not both"):
+        StreamingDataset([data["b"], raw], **settings)
+
+
+def test_the_trainer_trains_on_raw_and_built_entries(data, tokenizer, tmp_path):
+    from test_train_raw import run
+    from train_runs import sample_ids
+
+    options = {"data": f"{data['built']}:0.5 {data['a']}/*.jsonl*:0.5", "tokenizer": tokenizer, "lanes": 2,
+               "batch_size": 4}
+    run(None, tmp_path / "whole", 4, data=options)
+    run(None, tmp_path / "split", 2, data=options)
+    run(None, tmp_path / "split", 4, data=options)  # resumes from the step-2 checkpoint
+    ids = sample_ids(tmp_path / "whole")
+    assert sample_ids(tmp_path / "split") == ids
+    built = len(read_samples(data["built"])[1])
+    every = [i for step in ids.values() for i in step]
+    assert len(ids) == 4 and min(every) < built <= max(every)  # samples of both kinds of stream
+
+
+@pytest.mark.slow
+def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, data, tokenizer):
+    from conftest import free_port
+    from raw_procs import raw_rank_run
+
+    port = free_port()
+    settings = dict(tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+    runs = process_pool.run(raw_rank_run, [dict(inputs=streams(data), settings=settings, batch_size=5, rank=r,
+                                                world_size=2, port=port, steps=6) for r in range(2)])
+    assert runs[0]["state"] == runs[1]["state"], "the state must be global (identical on every rank)"
+    assert len(runs[0]["state"]["raw_text"]["cursors"]) == 6  # both raw streams' lanes, whichever rank read them
+    head = runs[0]["rows"] + runs[1]["rows"]
+    tail, _ = simulated_run(data, tokenizer, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
+    reference, _ = simulated_run(data, tokenizer, world_size=1, batch_size=10, steps=18)
+    assert sorted(head + tail) == sorted(reference)
