@@ -9,7 +9,6 @@ record batch of the token column; a row is a document and its `doc_index` is its
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import numpy as np
