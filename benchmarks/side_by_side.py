@@ -131,13 +131,18 @@ def measure(label: str, make: Callable, samples: int, batch: int, runs: int, *, 
            "first_batch_s": statistics.median(p["first_batch_s"] for p in passes),
            "runs": [round(p["samples_per_s"]) for p in passes], "exact": all(p["exact"] for p in passes)}
     if resume:
-        resumes = [resumed_first_batch(make, samples, batch, to_the_end=i == 0) for i in range(runs)]
-        row["resume_first_batch_s"] = statistics.median(r["first_batch_s"] for r in resumes)
-        row["resume_runs"] = [round(r["first_batch_s"], 4) for r in resumes]
-        row["resumed_exactly"] = resumes[0]["exact"]
+        try:
+            resumes = [resumed_first_batch(make, samples, batch, to_the_end=i == 0) for i in range(runs)]
+        except Exception as err:  # noqa: BLE001 - a peer whose resume fails gets that in its cell, the run goes on
+            row["resume_error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+        else:
+            row["resume_first_batch_s"] = statistics.median(r["first_batch_s"] for r in resumes)
+            row["resume_runs"] = [round(r["first_batch_s"], 4) for r in resumes]
+            row["resumed_exactly"] = resumes[0]["exact"]
+    resumed = (f"  resumed {row['resume_first_batch_s']:.3f} s, exact {row['resumed_exactly']}"
+               if "resume_first_batch_s" in row else f"  resume failed: {row['resume_error']}" if resume else "")
     print(f"  {label:<62} {row['samples_per_s']:>9,.0f} samples/s  first batch {row['first_batch_s']:.3f} s"
-          + (f"  resumed {row['resume_first_batch_s']:.3f} s" if resume else "")
-          + f"  exact {row['exact']}" + (f"/{row['resumed_exactly']}" if resume else ""), flush=True)
+          f"  exact {row['exact']}{resumed}", flush=True)
     return row
 
 
@@ -203,7 +208,8 @@ def table(result: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for heading, cell, value, higher in COLUMNS:
         got = {r: cells[r].get(cell, {}).get(value) for r in readers}
-        row = [_format(got[r], value) for r in readers]
+        row = ["fails" if value.startswith("resume") and "resume_error" in cells[r].get(cell, {}) else
+               _format(got[r], value) for r in readers]
         best = [got[p] for p in peer_labels if got[p] is not None]
         best = (max(best) if higher else min(best)) if best else None
         for s in SHARDKIT:
@@ -215,8 +221,7 @@ def table(result: dict) -> str:
         lines.append(f"| {heading} | " + " | ".join(row) + " |")
     exact = ["yes" if all(c["exact"] for c in cells[r].values()) else "**no**" for r in readers]
     lines.append("| each sample once, every pass | " + " | ".join(exact) + " | | |")
-    resumed = [_yes(cells[r].get("local, workers=0", {}).get("resumed_exactly"))
-               + " / " + _yes(cells[r].get("local, workers=2", {}).get("resumed_exactly")) for r in readers]
+    resumed = [" / ".join(_resumed(cells[r].get(f"local, workers={w}", {})) for w in WORKERS) for r in readers]
     lines.append("| resumed pass exact (0 / 2 workers) | " + " | ".join(resumed) + " | | |")
     return "\n".join(lines)
 
@@ -227,5 +232,8 @@ def _format(value, kind: str) -> str:
     return f"{value:,.0f}" if kind == "samples_per_s" else f"{value:.3f}"
 
 
-def _yes(value) -> str:
+def _resumed(cell: dict) -> str:
+    if "resume_error" in cell:
+        return "fails"
+    value = cell.get("resumed_exactly")
     return "n/a" if value is None else "yes" if value else "**no**"

@@ -54,6 +54,16 @@ def test_a_resume_is_exact_only_when_the_state_is_honoured(data):
 
     assert not bench.resumed_first_batch(forgetting, SAMPLES, BATCH, to_the_end=True)["exact"]
 
+    def failing(cache: str):  # as Hugging Face's stream under 2 workers did: the run goes on, the cell says so
+        loader = make(cache)
+        loader.load_state_dict = lambda state: [][0]
+        return loader
+
+    row = bench.measure("failing", failing, SAMPLES, BATCH, 1, resume=True)
+    assert row["exact"] and row["resume_error"].startswith("IndexError")
+    table = bench.table({"cells": {"shardkit Arrow": {"local, workers=0": row}, "shardkit tar": {}}})
+    assert "| first batch after resume (s), local, 0 workers | fails |" in table
+
 
 @pytest.mark.parametrize("peer", ["webdataset", "datasets", "litdata"])
 def test_each_installed_peer_delivers_every_sample_once_and_resumes(data, peer):
