@@ -22,6 +22,12 @@ epoch on a fresh node (empty cache). Medians of --runs runs. The peers that are 
 compression and zstd; MosaicML Streaming, MDS zstd: benchmarks/peers.py) make the same cold pass over the
 same samples, locally and from the same moto server, and the table shows shardkit's rows against them
 and against the issue's goal, twice LitData's samples/s.
+
+    python benchmarks/bench_loader.py --side-by-side [--tokens 10e6] [--shard-mb 4] [--runs 3]
+
+Side-by-side mode (issue 36, benchmarks/side_by_side.py): shardkit Arrow and tar and every installed peer
+(LitData, MosaicML Streaming, WebDataset, Hugging Face datasets) in every column: samples/s of one pass with 0
+and 2 workers, local and from moto S3, first batch fresh and after a resume, each pass checked for exactness.
 """
 
 from __future__ import annotations
@@ -556,6 +562,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="cold start only: fresh cache, one pass, format "
                         "v1 vs v2 and each cache_mode, local and moto S3, resume on a fresh node, and the "
                         "installed peers (benchmarks/peers.py); with --real: cold rows beside the warm ones")
+    parser.add_argument("--side-by-side", action="store_true", help="issue 36's table: shardkit Arrow and tar and "
+                        "every installed peer, one pass with 0 and 2 workers, local and moto S3, first batch fresh "
+                        "and after a resume (benchmarks/side_by_side.py)")
     parser.add_argument("--real", action="store_true", help="real-token rows only (benchmarks/real_tokens.py): GPT-2 "
                         "tokens of ../shared with document boundaries, seq 1024, warm, beside the memmap limit")
     parser.add_argument("--baseline", default=None, help="--real: a commit to measure in the same run (A/B)")
@@ -567,6 +576,17 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="--real: LitData's cold pass on the same samples")
     parser.add_argument("--real-format", default="tar", choices=["tar", "arrow"], help="--real: shard format")
     args = parser.parse_args()
+    if args.side_by_side:
+        import side_by_side
+
+        result = side_by_side.side_by_side(args)
+        print(side_by_side.table(result))
+        print(f"load average at the end: {os.getloadavg()}")
+        out = Path(args.out if args.out != "bench_out/loader.json" else "bench_out/loader_side_by_side.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return
     if args.real:
         import real_tokens
 

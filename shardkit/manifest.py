@@ -31,8 +31,11 @@ MANIFEST_NAME = "shardkit.json"
 RESERVED_NAMES = (MANIFEST_NAME, INDEX_NAME)
 # Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
 MAX_NESTING = 64
-FORMAT_VERSION = 2  # what the writer produces when shards carry block indexes (docs/FORMAT.md)
-FORMAT_VERSIONS = (1, 2)  # what this reader accepts
+# Manifest versions (docs/FORMAT.md): 1 the original; 2 adds block indexes; 3 lets tar shards use the group
+# layout (`shardkit.formats.tar_blocks`), which readers of 1 and 2 do not parse. A version says what a reader
+# must understand, so a reader that meets a later one refuses the dataset by its number, before any shard.
+FORMAT_VERSION = 3  # what the writer produces for tar shards with block indexes in the group layout
+FORMAT_VERSIONS = (1, 2, 3)  # what this reader accepts
 SHARD_FORMATS = ("tar", "arrow")
 TOKEN_DTYPES = ("uint16", "uint32")
 PACKING_MODES = ("concat", "bestfit", "none", "custom")
@@ -121,8 +124,9 @@ class Manifest:
         build: the build configuration (free-form JSON object).
         max_sample_tokens: longest sample allowed (seq_len + 1 for packed data).
         shardkit_version: version of the writer.
-        format_version: version of this manifest format: 2 when any shard has a block index, else 1
-            (derived when not given).
+        format_version: version of this manifest format (derived when not given): 1 without block indexes,
+            2 with them, 3 when tar shards may be in the group layout (what `ShardWriter` writes by default;
+            a writer of per-sample layout tar shards passes 2, which older readers also read).
     """
 
     shard_format: str
@@ -142,11 +146,9 @@ class Manifest:
         if self.format_version is None:
             indexed = (self.shards.has_block_index.any() if isinstance(self.shards, ShardColumns)
                        else any(isinstance(s, ShardInfo) and s.has_block_index for s in self.shards))
-            object.__setattr__(self, "format_version", 2 if indexed else 1)
-        if self.format_version not in FORMAT_VERSIONS:
-            raise ManifestError(f"manifest format_version {self.format_version} is not supported "
-                                f"(this shardkit reads versions {', '.join(map(str, FORMAT_VERSIONS))}); "
-                                "upgrade shardkit")
+            version = (3 if self.shard_format == "tar" else 2) if indexed else 1
+            object.__setattr__(self, "format_version", version)
+        check_format_version(self.format_version, source="manifest")
         if self.shard_format not in SHARD_FORMATS:
             raise ManifestError(f"shard_format must be one of {SHARD_FORMATS}, got {self.shard_format!r}")
         if self.token_dtype not in TOKEN_DTYPES:
@@ -354,9 +356,24 @@ class Manifest:
         return cls.from_dict(data, source=source)
 
 
+def check_format_version(version: Any, *, source: str) -> None:
+    """Refuse a manifest version this reader does not know, naming `source`: a later one as written by a newer
+    shardkit (never as corrupt: its shards may be laid out in ways this reader cannot parse)."""
+    if version in FORMAT_VERSIONS:
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and version > max(FORMAT_VERSIONS):
+        raise ManifestError(f"{source}: written by a newer shardkit (format {version}; this shardkit reads formats "
+                            f"{', '.join(map(str, FORMAT_VERSIONS))}); upgrade shardkit")
+    raise ManifestError(f"{source}: format_version {version!r} is not supported (this shardkit reads "
+                        f"{', '.join(map(str, FORMAT_VERSIONS))}); the manifest is corrupt or was edited")
+
+
 def _check_kind(data: dict[str, Any], source: str) -> None:
     if data.get("format") != "shardkit":
         raise ManifestError(f"{source}: not a shardkit manifest (field 'format' is {data.get('format')!r})")
+    # Before anything else is parsed: a later version's shards may carry fields this reader calls malformed.
+    if "format_version" in data:
+        check_format_version(data["format_version"], source=source)
     if data.get("hash", HASH_ALGORITHM) != HASH_ALGORITHM:
         raise ManifestError(f"{source}: unsupported hash {data.get('hash')!r}")
 

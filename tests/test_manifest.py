@@ -103,7 +103,10 @@ def test_format_version_packing_and_writer_version_are_derived_only_when_not_giv
     assert manifest().format_version == 1 and manifest().to_json().count("index_") == 0  # no index fields in v1
     assert shard("s.tar").to_dict().keys().isdisjoint({"index_offset", "index_bytes", "index_sha256"})
     indexed = shard("i.tar", index_offset=10, index_bytes=5, index_sha256="0" * 64)
-    assert manifest(shards=(shard("s.tar"), indexed)).format_version == 2
+    # tar shards with block indexes are written in the group layout, which readers of version 2 do not parse
+    assert manifest(shards=(shard("s.tar"), indexed)).format_version == 3
+    assert manifest(shard_format="arrow", shards=(shard("s.arrow"), indexed)).format_version == 2
+    assert manifest(shards=(shard("s.tar"), indexed), format_version=2).format_version == 2  # per-sample layout
     assert manifest(shardkit_version="0.0.1").shardkit_version == "0.0.1"  # a read manifest keeps its writer's
     # "none" packing has a seq_len (documents are split there) but no fixed sample length
     assert manifest(packing="none").sample_length is None
@@ -166,7 +169,8 @@ def test_totals_above_2_to_the_62_are_refused():
     ({"seq_len": "2048"}, "seq_len must be a positive integer"),
     ({"seq_len": True}, "seq_len must be a positive integer"),
     ({"max_sample_tokens": -3}, "max_sample_tokens must be a positive integer, got -3"),
-    ({"format_version": 99}, "format_version 99 is not supported"),
+    ({"format_version": 99}, "written by a newer shardkit \\(format 99"),
+    ({"format_version": 0}, "format_version 0 is not supported.*corrupt or was edited"),
     ({"token_dtype": "uint16", "tokenizer": TokenizerInfo(kind="hf", name="big", vocab_size=200_000)}, "needs uint32"),
 ])
 def test_invalid_fields_are_rejected_naming_the_field(changes, match):
@@ -244,6 +248,52 @@ def test_unsupported_hash_and_codec_are_rejected():
     data["shards"][0]["color"] = "blue"  # an unknown field is an error, not silently dropped
     with pytest.raises(ManifestError, match="color"):
         Manifest.from_dict(data)
+
+
+def future_manifest(version: int) -> dict:
+    """A manifest as a later shardkit might write it: a higher version, and shard entries with a field this
+    one does not know (which alone it would call malformed)."""
+    data = manifest_dict(format_version=version)
+    for entry in data["shards"]:
+        entry["layout"] = "something-new"
+    return data
+
+
+def test_a_later_format_version_is_refused_as_newer_naming_the_manifest_never_as_corrupt(tmp_path):
+    from shardkit.manifest import FORMAT_VERSIONS
+    from shardkit.shard_columns import encode_index
+
+    newer = max(FORMAT_VERSIONS) + 1
+    url = tmp_path / "ds"
+    url.mkdir()
+    text = json.dumps(future_manifest(newer)).encode()
+    (url / MANIFEST_NAME).write_bytes(text)
+    expected = (rf"^{url / MANIFEST_NAME}: written by a newer shardkit \(format {newer}; this shardkit reads "
+                rf"formats 1, 2, 3\); upgrade shardkit$")
+    with pytest.raises(ManifestError, match=expected):
+        load_manifest(str(url))
+    # the binary index of a large dataset says the same (its header carries the version)
+    header = {k: v for k, v in json.loads(text).items() if k != "shards"}
+    (url / "shardkit.index").write_bytes(encode_index(header, manifest().columns, json_bytes=text))
+    with pytest.raises(ManifestError, match=expected):
+        load_manifest(str(url))
+    # what users run: exit 2, one line, the same words; never "corrupt"
+    for command in ("inspect", "verify"):
+        result = subprocess.run([sys.executable, "-m", "shardkit", command, str(url)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert f"written by a newer shardkit (format {newer}" in result.stderr and "upgrade shardkit" in result.stderr
+        assert "corrupt" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_old_manifests_keep_their_version_when_read(tmp_path):
+    """Versions 1 and 2 (written before version 3 existed) read as they are and are rewritten as they were."""
+    for version in (1, 2):
+        data = manifest_dict(format_version=version)
+        if version == 2:
+            data["shards"][0].update(index_offset=10, index_bytes=5, index_sha256="0" * 64)
+        loaded = Manifest.from_dict(data)
+        assert loaded.format_version == version and json.loads(loaded.to_json())["format_version"] == version
 
 
 def test_load_manifest_rejects_escaping_names_written_by_hand(tmp_path):

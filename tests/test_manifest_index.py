@@ -51,8 +51,8 @@ def test_index_loads_the_same_manifest_as_columns(indexed):
     assert loaded == manifest and list(loaded.shards) == list(manifest.shards)
     assert loaded.totals() == manifest.totals() and loaded.to_json() == manifest.to_json()
     assert np.array_equal(loaded.columns.samples, [s.samples for s in manifest.shards])
-    # Format version 2: every shard's block index location and hash survive the binary index.
-    assert loaded.format_version == 2 and all(s.has_block_index for s in loaded.shards)
+    # Format version 3 (tar, group layout): every shard's block index location and hash survive the binary index.
+    assert loaded.format_version == manifest.format_version == 3 and all(s.has_block_index for s in loaded.shards)
 
 
 def test_stale_or_damaged_index_falls_back_to_the_json(indexed, caplog):

@@ -599,3 +599,22 @@ def test_short_user_names_and_passwords_never_garble_other_text():
     open_filesystem("memory://u:pass@bucket/p")
     open_filesystem("memory://ed@bucket/q")
     assert redact_url("u passed; u:pass@bucket ed@bucket") == "u passed; ***@bucket ***@bucket"
+
+
+@pytest.mark.s3
+def test_s3_filesystems_share_the_parsed_service_models_and_keep_their_own_session(s3_bucket, tmp_path, monkeypatch):
+    """Every S3 filesystem of a process (and every forked worker's) takes S3's API models from one botocore
+    loader, parsed once (0.2-0.3 s a filesystem on a loaded machine), and keeps a session of its own."""
+    url, options = s3_bucket
+    config = tmp_path / "aws-config"
+    config.write_text("[profile other]\naws_access_key_id = other\naws_secret_access_key = other\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    first, second = Storage(url, options), Storage(url, {**options, "profile": "other"})
+    first.write_bytes("x.bin", b"abc")
+    assert second.read_bytes("x.bin") == b"abc"  # the second filesystem works through the shared models
+    sessions = [storage.fs.session for storage in (first, second)]
+    assert sessions[0] is not sessions[1] and sessions[1].get_config_variable("profile") == "other"
+    assert sessions[0].get_component("data_loader") is sessions[1].get_component("data_loader")
+    # what was parsed for the first filesystem is what the second one's client was built from
+    loader = sessions[0].get_component("data_loader")
+    assert loader.load_service_model("s3", "service-2") is loader.load_service_model("s3", "service-2")

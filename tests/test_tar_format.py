@@ -45,6 +45,41 @@ def test_webdataset_reads_tar_shard(tmp_path, tar_layout):
         np.testing.assert_array_equal(record["docs.npy.zst"][:, 2], want.doc_index)
 
 
+@pytest.mark.parametrize(("writer_options", "layout", "version"), [
+    ({}, "blocks", 3),  # the default: group layout, which readers of manifest version 2 do not parse
+    ({"tar_layout": "samples"}, "samples", 2),  # still read by shardkit from before the group layout
+    ({"format_version": 1}, "samples", 1),  # version 1 is what the oldest readers read: per-sample layout
+])
+def test_the_manifest_declares_the_tar_layout_by_its_version(tmp_path, writer_options, layout, version):
+    import tarfile
+
+    from shardkit.manifest import load_manifest
+
+    url = tmp_path / "ds"
+    samples = make_samples(np.random.default_rng(3), 30, 50257)
+    written = write_dataset(str(url), samples, tokenizer=TokenizerInfo(kind="byte", name="t", vocab_size=50257),
+                            seq_len=None, packing="none", block_bytes=4096, **writer_options)
+    loaded = load_manifest(str(url))
+    assert written.format_version == loaded.format_version == version
+    with tarfile.open(url / loaded.shards[0].name) as tar:
+        first = tar.getmembers()[0].name
+    assert first.endswith(".sample_offsets.npy.zst" if layout == "blocks" else ".tokens.npy.zst")
+    arrays = decode_shard((url / loaded.shards[0].name).read_bytes(), shard_format="tar", token_dtype="uint16",
+                          shard=loaded.shards[0].name, raw_bytes=loaded.shards[0].raw_bytes)
+    np.testing.assert_array_equal(arrays.tokens, np.concatenate([s.tokens for s in samples]))
+
+
+def test_the_group_layout_without_block_indexes_is_refused():
+    """Version 1 manifests are what the oldest readers read; group layout shards under one would look corrupt."""
+    from shardkit.formats import ShardWriter
+
+    with pytest.raises(ValueError, match="tar_layout 'blocks' needs format_version 2"):
+        ShardWriter("memory://refused", format_version=1, tar_layout="blocks")
+    with pytest.raises(ValueError, match="tar_layout must be one of"):
+        encode_shard(arrays_from_samples(make_samples(np.random.default_rng(1), 2, 50257), "uint16"),
+                     shard_format="tar", token_dtype="uint16", tar_layout="rows")
+
+
 def test_both_layouts_decode_to_the_same_arrays_block_by_block_and_whole():
     for docs in (True, False):
         arrays = arrays_from_samples(make_samples(np.random.default_rng(4), 40, 50257, docs=docs), "uint16")

@@ -22,6 +22,29 @@ SHARD_FORMAT_VERSIONS = (1, 2)
 # How a tar shard's samples map to members: a member group per block (`tar_blocks`, compact) or a member
 # per sample and field (`tar_format`, the earlier layout; one webdataset record per sample without a helper).
 TAR_LAYOUTS = ("blocks", "samples")
+
+
+def shard_layout(format_version: int, tar_layout: str | None) -> str:
+    """Check a writer's shard format version and tar layout; returns the layout to write. The group layout
+    ("blocks", the default) goes with block indexes; version 1, what the oldest readers read, keeps the
+    per-sample layout, which those readers parse (a group layout shard under a version 1 manifest would
+    look corrupt to them)."""
+    if format_version not in SHARD_FORMAT_VERSIONS:
+        raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
+    if tar_layout is None:
+        return "blocks" if format_version >= 2 else "samples"
+    if tar_layout not in TAR_LAYOUTS:
+        raise ValueError(f"tar_layout must be one of {TAR_LAYOUTS}, got {tar_layout!r}")
+    if tar_layout == "blocks" and format_version == 1:
+        raise ValueError("tar_layout 'blocks' needs format_version 2 (block indexes); format_version 1 writes "
+                         "tar_layout 'samples'")
+    return tar_layout
+
+
+def manifest_version(shard_format: str, format_version: int, tar_layout: str) -> int:
+    """The manifest version (`shardkit.manifest.FORMAT_VERSIONS`) that shards written so need: 3 for group layout
+    tar shards (readers of 2 do not parse them), else the shards' own version."""
+    return 3 if shard_format == "tar" and tar_layout == "blocks" else format_version
 _ARROW_TRAILER = 10  # int32 footer length + b"ARROW1" at the very end of an Arrow IPC file
 
 
@@ -41,19 +64,16 @@ class EncodedShard:
 
 
 def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, level: int = 3,
-                 format_version: int = 2, block_bytes: int | None = None, tar_layout: str = "blocks") -> EncodedShard:
+                 format_version: int = 2, block_bytes: int | None = None, tar_layout: str | None = None) -> EncodedShard:
     """Serialise a shard. Version 2 (the default) adds a block index (`shardkit.formats.blocks`); an
     empty shard has no blocks, so it is written as version 1 either way. `block_bytes`: raw bytes per
     block (tar member groups and Arrow record batches alike; default `DEFAULT_BLOCK_BYTES`).
-    `tar_layout`: one of `TAR_LAYOUTS` (tar shards only)."""
+    `tar_layout`: one of `TAR_LAYOUTS` (tar shards only; default `shard_layout`'s)."""
     if block_bytes is None:
         block_bytes = DEFAULT_BLOCK_BYTES.get(shard_format, 1 << 20)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive integer, got {block_bytes!r}")
-    if format_version not in SHARD_FORMAT_VERSIONS:
-        raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
-    if tar_layout not in TAR_LAYOUTS:
-        raise ValueError(f"tar_layout must be one of {TAR_LAYOUTS}, got {tar_layout!r}")
+    tar_layout = shard_layout(format_version, tar_layout)
     groups = None
     if shard_format == "tar" and tar_layout == "blocks":
         data, raw, groups = encode_tar_groups(arrays, level=level, block_bytes=block_bytes)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, SHARD_FORMAT_VERSIONS, TAR_LAYOUTS, encode_shard
+from shardkit.formats.shard_bytes import SHARD_EXTENSIONS, encode_shard, manifest_version, shard_layout
 from shardkit.formats.sample import (OFFSETS_DTYPE, Sample, ShardArrays, check_arrays, check_sample, concat_arrays,
                                      numpy_token_dtype)
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, write_manifest
@@ -50,7 +50,9 @@ class ShardWriter:
             `encode_threads`, `on_shard_done` comes later, after the caller may have written more).
         tar_layout: "blocks" (default) stores each block of samples as one member group, compressed together
             (about Arrow's size; webdataset yields a record per block, `shardkit.formats.wds_samples` splits
-            it); "samples" writes the earlier layout, a member per sample and field (several times larger).
+            it); "samples" writes the earlier layout, a member per sample and field (several times larger),
+            the default with format_version 1. Group layout shards need a version 3 manifest
+            (`manifest_version`), which shardkit before the group layout refuses as newer.
     """
 
     def __init__(self, url: str | Storage, *, shard_format: str = "tar", token_dtype: str = "uint16",
@@ -59,13 +61,10 @@ class ShardWriter:
                  on_shard_done: Callable[[ShardInfo], None] | None = None,
                  storage_options: dict[str, Any] | None = None, format_version: int = 2,
                  block_bytes: int | None = None, encode_threads: int = 0,
-                 on_shard_cut: Callable[[int], None] | None = None, tar_layout: str = "blocks"):
-        if format_version not in SHARD_FORMAT_VERSIONS:
-            raise ValueError(f"format_version must be one of {SHARD_FORMAT_VERSIONS}, got {format_version!r}")
+                 on_shard_cut: Callable[[int], None] | None = None, tar_layout: str | None = None):
+        tar_layout = shard_layout(format_version, tar_layout)
         if shard_format not in SHARD_EXTENSIONS:
             raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
-        if tar_layout not in TAR_LAYOUTS:
-            raise ValueError(f"tar_layout must be one of {TAR_LAYOUTS}, got {tar_layout!r}")
         numpy_token_dtype(token_dtype)
         if max_samples is not None and max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
@@ -95,6 +94,11 @@ class ShardWriter:
         self._pending_bytes = 0
         self._itemsize = numpy_token_dtype(token_dtype).itemsize
         self._closed = False
+
+    @property
+    def manifest_version(self) -> int:
+        """The `format_version` of a manifest that lists this writer's shards (3 for group layout tar)."""
+        return manifest_version(self.shard_format, self.format_version, self.tar_layout)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -257,6 +261,7 @@ def write_dataset(url: str | Storage, samples: Iterable[Sample | np.ndarray], *,
     level = writer_options.get("compression_level", 3)
     manifest = Manifest(shard_format=shard_format, token_dtype=dtype, seq_len=seq_len, packing=packing,
                         tokenizer=tokenizer, shards=tuple(writer.shards), sources=tuple(sources),
-                        compression={"codec": "zstd", "level": level}, build=dict(build or {}))
+                        compression={"codec": "zstd", "level": level}, build=dict(build or {}),
+                        format_version=writer.manifest_version if writer.shards else None)
     write_manifest(writer.storage, manifest)
     return manifest
