@@ -145,17 +145,10 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
     if steps is not None:
         _check_endless_elastic(make_loader, before=before, after=after, steps=steps)
         return
-    first = [make_loader(rank, before) for rank in range(before)]
     steps = len(stream_until(make_loader(0, before), 1))
-    consumed_batches = [take(loader, steps // 2) for loader in first]
-    state = save(first)
-    resumed = []
-    for rank in range(after):
-        loader = make_loader(rank, after)
-        loader.load_state_dict(state)
-        resumed.append(stream_until(loader, 1))
+    consumed_batches, state, resumed, dataset = _elastic_run(make_loader, before=before, after=after, head=steps // 2,
+                                                             rest=lambda loader: stream_until(loader, 1))
     assert len({len(r) for r in resumed}) == 1, "ranks get unequal batch counts after the elastic resume"
-    dataset = first[0].dataset
     if token_budget:
         seen = [b for rank in consumed_batches + resumed for b in rank]
         counts = Counter(int(i) for b in seen for i in b)
@@ -190,17 +183,25 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
                                           err_msg=f"{what} the elastic resume, global step {step}")
 
 
-def _check_endless_elastic(make_loader: Callable, *, before: int, after: int, steps: int) -> None:
-    """Every global step, before and after the elastic resume, holds exactly the next global positions (the
-    union of its ranks' sample ids), each with the sample an uninterrupted run on one rank gives it."""
+def _elastic_run(make_loader: Callable, *, before: int, after: int, head: int, rest: Callable) -> tuple:
+    """(each of `before` ranks' first `head` batches, the state they save, what `rest` reads of each of `after`
+    ranks resumed from it, the first rank's dataset)."""
     first = [make_loader(rank, before) for rank in range(before)]
-    consumed = [take(loader, steps // 2) for loader in first]
+    consumed = [take(loader, head) for loader in first]
     state = save(first)
     resumed = []
     for rank in range(after):
         loader = make_loader(rank, after)
         loader.load_state_dict(state)
-        resumed.append(take(loader, steps))
+        resumed.append(rest(loader))
+    return consumed, state, resumed, first[0].dataset
+
+
+def _check_endless_elastic(make_loader: Callable, *, before: int, after: int, steps: int) -> None:
+    """Every global step, before and after the elastic resume, holds exactly the next global positions (the
+    union of its ranks' sample ids), each with the sample an uninterrupted run on one rank gives it."""
+    consumed, state, resumed, _ = _elastic_run(make_loader, before=before, after=after, head=steps // 2,
+                                               rest=lambda loader: take(loader, steps))
     batch = len(consumed[0][0])
     total = (steps // 2) * before * batch + steps * after * batch
     whole = np.concatenate(take(make_loader(0, 1), -(-total // batch)))

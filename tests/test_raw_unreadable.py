@@ -137,6 +137,20 @@ def test_the_cuts_travel_in_the_state_so_a_resume_skips_the_same_units(tmp_path)
     assert cuts and all(epoch == 0 and segment == 0 for _, epoch, segment, _ in cuts)
 
 
+def test_a_cut_inside_a_segment_keeps_the_samples_before_it(tmp_path):
+    """A unit that failed for a reader resuming into it (it vanished after its first samples were handed out) is
+    cut there: a state that says so delivers those samples of the unit and goes on with the next unit."""
+    corpus = write_corpus(tmp_path / "in", docs=150)
+    settings = dict(lanes=1, shuffle=False)  # one lane, its units in corpus order: unit 0 first
+    ds = dataset(corpus, **settings)
+    in_unit_0 = len(ds.corpus.pack_unit(next(ds.corpus.segments(0)))[0])
+    reference = [t for _, _, t in rows(take(StreamingDataLoader(ds, batch_size=4), 20))]
+    state = StreamingDataLoader(dataset(corpus, **settings), batch_size=4).state_dict()
+    state["raw_text"]["unreadable"] = [[0, 0, 0, 3]]  # unit 0 ends after its first 3 samples
+    got = [t for _, _, t in resumed_rows(corpus, state, 10, **settings)]
+    assert in_unit_0 > 3 and got == reference[:3] + reference[in_unit_0:in_unit_0 + 37]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_contract_with_skipped_units(damaged, workers):
     def make_loader(rank, world_size):
