@@ -20,7 +20,7 @@ from test_build import config, read_samples, write_corpus
 from test_raw_text import first_epoch, rows, take
 
 SETTINGS = dict(tokenizer="byte", seq_len=256, unit_bytes=4096, lanes=4)
-STEPS_PAST_THE_DAMAGE = 160  # batches of 4: `damaged`'s two units are cut before half of them (at 1 and 65)
+STEPS_PAST_THE_DAMAGE = 160  # batches of 4: `damaged`'s two units are cut before half of them
 
 
 def damage_zst(path, keep=0.2):
@@ -28,8 +28,8 @@ def damage_zst(path, keep=0.2):
     in small blocks first, so that a prefix of it decompresses)."""
     text = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
     writer = zstandard.ZstdCompressor().compressobj()
-    blocks = [writer.compress(text[k:k + 2048]) + writer.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
-              for k in range(0, len(text), 2048)]
+    blocks = [writer.compress(text[k:k + 512]) + writer.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+              for k in range(0, len(text), 512)]
     data = b"".join(blocks) + writer.flush()
     path.write_bytes(data[:int(len(data) * keep)])
 
@@ -185,7 +185,7 @@ def test_settle_takes_the_earliest_cut_and_says_who_reads_the_step_again():
     counts = np.array([10, 0])
     mine = [found(3, 2, 0, 14)]
     theirs = [found(3, 1, 5, 12)]  # another rank failed earlier in the same unit
-    cuts, again = settle(mine, theirs + mine, lane_counts=counts)
+    cuts, again = settle(mine, mine + theirs, lane_counts=counts)  # this rank comes first, its cut later
     assert [c.cut for c in cuts] == [UnitCut(3, 0, 1, 5)] and again
     cuts, again = settle(theirs, theirs + mine, lane_counts=counts)
     assert [c.cut for c in cuts] == [UnitCut(3, 0, 1, 5)] and not again

@@ -87,7 +87,9 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     if config.tokenizer is not None:  # raw text, tokenized and packed by the loader
         return StreamingDataset([url for url, _ in data_entries(spec)], tokenizer=config.tokenizer, seq_len=seq_len,
                                 pack=config.pack, text_field=config.text_field, lanes=config.lanes,
-                                seed=config.loader.seed, shuffle=shuffle, **where)
+                                seed=config.loader.seed, shuffle=shuffle, on_corrupt=config.loader.on_corrupt,
+                                skip_samples=config.loader.skip_samples,
+                                quarantine_list=config.loader.quarantine_list, **where)
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
                             **overrides)
 
