@@ -117,8 +117,8 @@ class RawTextDataLoader(DataLoader):
 
     def _agreed_batches(self, topology: Topology) -> Iterator[dict[str, Any]]:
         """The numpy batches from where the loader stands. Under "skip", each step's unreadable units are agreed
-        over the ranks before it is handed out; a rank that did not read the step with exactly the agreed cuts
-        starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
+        over the ranks before it is handed out; when some rank did not read the step with exactly the agreed cuts,
+        every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
         skipping = self.plan.on_corrupt == "skip"
         while True:
             self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
@@ -129,7 +129,7 @@ class RawTextDataLoader(DataLoader):
                     found = batch.pop(UNREADABLE_KEY)
                     if skipping:
                         everyone = agree(found, world_size=topology.world_size, group=self.plan.agreement_group())
-                        cuts, again = settle(found, everyone,
+                        cuts, again = settle(everyone,
                                              lane_counts=lane_sample_counts(self._consumed, self.plan.num_lanes))
                         if cuts:
                             self._cuts = self._cuts.adding([c.cut for c in cuts])

@@ -13,8 +13,9 @@ budget fails for one reader only: if that rank alone skipped the unit, the lane'
 differently on two ranks and a sample would be repeated or lost. So each step's batch carries what its readers
 found, the loader all-gathers it over the process group before handing the batch out (one small
 `all_gather_object` per step, only with "skip" on several ranks), every rank takes the earliest cut of each
-unit and logs it alike, and a rank that did not read the step with exactly those cuts reads it again (its
-iteration restarts at the step, from its lanes' cursors). A cut can only fall where the lane has not yet been
+unit and logs it alike, and when some rank did not read the step with exactly those cuts, every rank reads it
+again (its iteration restarts at the step, from its lanes' cursors) and the step is agreed again: all ranks
+decide alike from the same gathered findings, so they gather the same number of times per step. A cut can only fall where the lane has not yet been
 consumed: a unit that fails for a rank that re-reads it after other ranks already handed out samples past the
 failure point (it vanished between the two reads) cannot be skipped without repeating or losing samples, and
 every rank raises the same `OSError`; resuming from the last checkpoint then cuts it where that state stands.
@@ -118,14 +119,14 @@ def check_policy(on_corrupt: str, skip_samples: Any, quarantine_list: Any) -> No
                          "on_corrupt='skip' to skip unreadable input units, or remove the bad files from the inputs")
 
 
-def agree(found: list[Unreadable], *, world_size: int, group: Any) -> list[Unreadable]:
-    """Every rank's findings of one step, the same list on every rank (`found` itself on one rank).
+def agree(found: list[Unreadable], *, world_size: int, group: Any) -> list[list[Unreadable]]:
+    """Every rank's findings of one step, rank by rank, the same on every rank.
 
     Raises:
         ValueError: several ranks without an initialised process group.
     """
     if world_size == 1:
-        return list(found)
+        return [list(found)]
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -133,20 +134,19 @@ def agree(found: list[Unreadable], *, world_size: int, group: Any) -> list[Unrea
                          "the ranks must agree on what to skip")
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, list(found), group=group)
-    return [item for part in everyone for item in part]
+    return everyone
 
 
-def settle(found: list[Unreadable], agreed: list[Unreadable], *, lane_counts: np.ndarray) -> tuple[list[Unreadable],
-                                                                                                     bool]:
-    """(the step's cuts, the earliest of each unit and lane epoch, in unit order; whether this rank must read the
-    step again) from this rank's findings and every rank's (`agree`).
+def settle(agreed: list[list[Unreadable]], *, lane_counts: np.ndarray) -> tuple[list[Unreadable], bool]:
+    """(the step's cuts, the earliest of each unit and lane epoch, in unit order; whether the ranks must read the
+    step again: some rank read it with other cuts) from every rank's findings (`agree`).
 
     Raises:
         OSError: a cut falls before what the job consumed of its lane (`lane_counts`: each lane's samples handed
             out before the step): the unit failed for a reader after samples past the failure were handed out.
     """
     earliest: dict[tuple[int, int], Unreadable] = {}
-    for item in agreed:  # in rank order: of equal cuts, the lowest rank's reason
+    for item in (item for part in agreed for item in part):  # in rank order: of equal cuts, the lowest rank's reason
         key = (item.cut.unit, item.cut.epoch)
         if key not in earliest or item.cut < earliest[key].cut:
             earliest[key] = item
@@ -158,7 +158,8 @@ def settle(found: list[Unreadable], agreed: list[Unreadable], *, lane_counts: np
                           "them before this unit's failure point (did the file vanish or change during the run?): "
                           "skipping it now would repeat or lose samples; resume from the last checkpoint (the "
                           "loader then skips it from there)")
-    return cuts, {c.cut for c in cuts} != {f.cut for f in found}
+    chosen = {c.cut for c in cuts}
+    return cuts, any({f.cut for f in part} != chosen for part in agreed)
 
 
 def log_skipped(cuts: list[Unreadable], url_of_unit: Any) -> None:

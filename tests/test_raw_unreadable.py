@@ -181,18 +181,18 @@ def found(unit, segment, within, lane_samples, *, epoch=0, lane=0):
     return Unreadable(UnitCut(unit, epoch, segment, within), lane, lane_samples, f"unit {unit}", "broken")
 
 
-def test_settle_takes_the_earliest_cut_and_says_who_reads_the_step_again():
+def test_settle_takes_the_earliest_cut_and_says_when_the_ranks_read_the_step_again():
     counts = np.array([10, 0])
-    mine = [found(3, 2, 0, 14)]
-    theirs = [found(3, 1, 5, 12)]  # another rank failed earlier in the same unit
-    cuts, again = settle(mine, mine + theirs, lane_counts=counts)  # this rank comes first, its cut later
-    assert [c.cut for c in cuts] == [UnitCut(3, 0, 1, 5)] and again
-    cuts, again = settle(theirs, theirs + mine, lane_counts=counts)
-    assert [c.cut for c in cuts] == [UnitCut(3, 0, 1, 5)] and not again
-    assert settle([], [], lane_counts=counts) == ([], False)
-    assert settle([], theirs, lane_counts=counts)[1]  # it read the step without the cut: again
+    first = [found(3, 2, 0, 14)]
+    second = [found(3, 1, 5, 12)]  # another rank failed earlier in the same unit
+    cuts, again = settle([first, second], lane_counts=counts)
+    assert [c.cut for c in cuts] == [UnitCut(3, 0, 1, 5)] and again  # the first rank read past the cut
+    assert settle([second, second], lane_counts=counts) == (second, False)  # both read it with that cut
+    assert settle([[], []], lane_counts=counts) == ([], False)
+    assert settle([[], second], lane_counts=counts)[1]  # a rank read the step without the cut: all again
+    assert settle([second], lane_counts=counts) == (second, False)  # one rank: its own cuts stand
     with pytest.raises(OSError, match="unit 3: cannot be read .* after 13 of its samples were handed out"):
-        settle([], theirs, lane_counts=np.array([13, 0]))
+        settle([[], second], lane_counts=np.array([13, 0]))
 
 
 def test_cuts_end_a_unit_from_their_lane_epoch_on_and_round_trip_in_state_rows():
