@@ -237,3 +237,28 @@ def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process
              steps=40, files=files, remove=["lost.jsonl"])])[0]
     both = [row for step in range(40) for rank in (0, 1) for row in runs[rank]["rows"][3 * step:3 * step + 3]]
     assert both == reference["rows"]
+
+
+@pytest.mark.slow  # about 40 s of retry waits on a loaded machine
+def test_transient_store_faults_are_retried_not_skipped(faulty_bucket, tmp_path):
+    """Every request to the store fails once (a 503 or a reset connection): the store's retries read every unit,
+    so "skip" skips nothing and the batches are those of a clean store."""
+    import fsspec
+
+    url, options, proxy = faulty_bucket
+    corpus = write_corpus(tmp_path / "in", docs=60)
+    fsspec.filesystem("s3", **options).put(f"{corpus}/", f"{url}/", recursive=True)
+
+    def read():
+        loader = StreamingDataLoader(dataset(url, storage_options=options), batch_size=4)
+        return rows(take(loader, 40)), loader.skipped_units
+
+    def retries():
+        return sum(sample.value for family in metrics.registry().collect() for sample in family.samples
+                   if sample.name == "shardkit_storage_retries_total")
+
+    clean = read()
+    proxy.configure(rate=1.0, seed=0, kinds=("error503", "reset"), first_only=True)
+    before = retries()
+    assert read() == clean and clean[1] == 0
+    assert proxy.counts["error503"] + proxy.counts["reset"] > 5 and retries() > before
