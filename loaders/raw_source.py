@@ -161,9 +161,10 @@ class UnreadableInput(OSError):
     """A unit's file cannot be read: why (`reason`) and the failed read (`segment`, whose `rejected` holds an
     incomplete last record), or None."""
 
-    def __init__(self, message: str, reason: str, segment: WorkUnit | None):
+    def __init__(self, message: str, reason: str = "", segment: WorkUnit | None = None):
+        # Defaults: a DataLoader worker's exception is raised again in the main process from its message alone.
         super().__init__(message)
-        self.reason, self.segment = reason, segment
+        self.reason, self.segment = reason or message, segment
 
 
 class RejectionLog:

@@ -59,12 +59,14 @@ def dataset(corpus, **overrides):
     return StreamingDataset(str(corpus), **{**SETTINGS, "on_corrupt": "skip", **overrides})
 
 
-def test_raise_stops_with_one_line_naming_the_file(damaged):
-    loader = StreamingDataLoader(dataset(damaged, on_corrupt="raise", lanes=1, shuffle=False), batch_size=4)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_raise_stops_naming_the_file(damaged, workers):
+    loader = StreamingDataLoader(dataset(damaged, on_corrupt="raise", lanes=1, shuffle=False), batch_size=4,
+                                 num_workers=workers, multiprocessing_context="fork" if workers else None)
     with pytest.raises(OSError, match=r"c.jsonl.zst: cannot read it: read failed after \d+ complete records: "
                                       r"TruncatedInputError") as err:
         take(loader, 400)
-    assert "\n" not in str(err.value)
+    assert workers or "\n" not in str(err.value)  # one line (a worker's comes with its traceback)
 
 
 def test_skip_logs_and_counts_each_unreadable_unit_once_and_goes_on(damaged, caplog):
@@ -213,6 +215,14 @@ def test_options_raw_text_cannot_honour_are_refused_by_name(tmp_path, option, va
     corpus = write_corpus(tmp_path / "in", docs=40)
     with pytest.raises(ValueError, match=message):
         dataset(corpus, **{option: value})
+
+
+def test_skipping_on_several_ranks_needs_the_loader_that_agrees(tmp_path):
+    corpus = write_corpus(tmp_path / "in", docs=40)
+    with pytest.raises(ValueError, match="on_corrupt='skip' on several ranks needs StreamingDataLoader"):
+        iter(dataset(corpus, rank=0, world_size=2, batch_size=2))
+    with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):
+        take(StreamingDataLoader(dataset(corpus, rank=0, world_size=2), batch_size=2), 1)
 
 
 @pytest.mark.slow
