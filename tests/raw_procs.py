@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def raw_rank_run(*, inputs: str, settings: dict, batch_size: int, rank: int, world_size: int, port: int,
-                 steps: int, files: dict[str, str] | None = None, remove: list[str] = ()) -> dict:
+                 steps: int, files: dict[str, str] | None = None, remove: list[str] = (), workers: int = 0) -> dict:
     """Read `steps` batches of a raw-text loader as one rank of a real gloo group; its rows, its state and the
     units it skipped. `files` are first written under `inputs` (a memory:// URL: this process's own), and
     `remove` deleted once the dataset has listed them (a file that vanishes for this rank only)."""
@@ -24,7 +24,8 @@ def raw_rank_run(*, inputs: str, settings: dict, batch_size: int, rank: int, wor
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
-        loader = StreamingDataLoader(dataset, batch_size=batch_size)
+        loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                     multiprocessing_context="fork" if workers else None)
         rows, it = [], iter(loader)
         for _ in range(steps):
             batch = next(it)

@@ -226,7 +226,8 @@ def test_skipping_on_several_ranks_needs_the_loader_that_agrees(tmp_path):
 
 
 @pytest.mark.slow
-def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process_pool, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process_pool, workers):
     """Rank 1 alone loses a file (its own in-memory filesystem): both ranks skip the unit it could not read at
     the same point, hand out the rows a single rank gives when the file is gone, and save one state."""
     from conftest import free_port
@@ -239,7 +240,7 @@ def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process
     port = free_port()
     runs = process_pool.run(raw_rank_run, [
         dict(inputs="memory://agree", settings=settings, batch_size=3, rank=r, world_size=2, port=port, steps=40,
-             files=files, remove=["lost.jsonl"] if r == 1 else []) for r in range(2)])
+             files=files, remove=["lost.jsonl"] if r == 1 else [], workers=workers) for r in range(2)])
     assert runs[0]["state"] == runs[1]["state"] and runs[0]["state"]["raw_text"]["unreadable"]
     assert runs[0]["skipped"] == runs[1]["skipped"] >= 1
     reference = process_pool.run(raw_rank_run, [
