@@ -14,6 +14,7 @@ under `raw_text.unreadable`.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,6 +125,7 @@ class RawTextDataLoader(DataLoader):
             self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
                                          cursors=dict(self._cursors), cuts=self._cuts))
             batches = self._numpy_batches()
+            counted = Counter(self.dataset.rejected)  # before the step: a step read again counts its rejections once
             try:
                 for batch in batches:
                     found = batch.pop(UNREADABLE_KEY)
@@ -135,8 +137,11 @@ class RawTextDataLoader(DataLoader):
                             self._cuts = self._cuts.adding([c.cut for c in cuts])
                             log_skipped(cuts, self.plan.corpus.unit_url)
                         if again:
+                            self.dataset.rejected = counted
                             break
                     yield batch
+                    if skipping:
+                        counted = Counter(self.dataset.rejected)
                 else:
                     return
             finally:

@@ -31,6 +31,7 @@ def raw_rank_run(*, inputs: str, settings: dict, batch_size: int, rank: int, wor
             batch = next(it)
             rows += [(int(i), int(e), tuple(t.tolist())) for i, e, t in
                      zip(batch["sample_id"], batch["lane_epoch"], batch["tokens"])]
-        return {"rows": rows, "state": loader.state_dict(), "skipped": loader.skipped_units}
+        return {"rows": rows, "state": loader.state_dict(), "skipped": loader.skipped_units,
+                "rejected": dict(dataset.rejected)}
     finally:
         dist.destroy_process_group()
