@@ -29,6 +29,7 @@ from .mixing import Stream
 from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
 from .raw_mix_order import MixedOrder
 from .raw_source import LaneStream, RawCorpus, RejectionLog
+from .raw_unreadable import UnitCuts
 from .schedule import weight_spec
 from .sources import Sources
 
@@ -84,7 +85,10 @@ class RawMixturePlan(RawTextPlan):
         self.order.pin(iteration.batch_size * iteration.topology.world_size)
         super().begin(iteration)
 
-    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
+    # A rank's slice of a step holds batch_size rows whatever the lanes: few lanes leave no rank idle.
+    few_lanes_idle_readers = False
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
         corpus, local, seed = self.lane_owners[lane]
         return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor)
 
@@ -166,7 +170,7 @@ class RawMixtureDataset(RawTextDataset):
         one part per step, empty or not (see `RawTextDataset.parts`)."""
         plan, topology = self.plan, iteration.topology
         plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration.cursors), BuiltSamples(self.sources)
+        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
         step = 0
         try:
             while True:
