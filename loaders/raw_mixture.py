@@ -57,11 +57,16 @@ class RawMixturePlan(RawTextPlan):
                  streams: list[list[Any]]):
         super().__init__(base.corpus, seed=base.seed, shuffle=base.shuffle, token_dtype=base.token_dtype,
                          segment_ids=base.segment_ids, topology_args=base._topology_args,
-                         group_args=base._group_args)
+                         group_args=base._group_args, on_corrupt=base.on_corrupt)
         self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
-        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index)
+        # Units are numbered over the raw streams in stream order (as the state's cuts name them).
+        units = [len(corpus.units.size) for corpus in corpora]
+        self.unit_offsets = np.cumsum(units) - units
+        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index,
+        # the stream's first unit number)
         raw_streams = np.flatnonzero(order.lanes > 0).tolist()
-        self.lane_owners = [(corpus, lane, self.seed + s) for s, corpus in zip(raw_streams, corpora)
+        self.lane_owners = [(corpus, lane, self.seed + s, int(offset))
+                            for s, corpus, offset in zip(raw_streams, corpora, self.unit_offsets)
                             for lane in range(corpus.num_lanes)]
 
     @property
@@ -89,8 +94,16 @@ class RawMixturePlan(RawTextPlan):
     few_lanes_idle_readers = False
 
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        corpus, local, seed = self.lane_owners[lane]
-        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor)
+        corpus, local, seed, unit_offset = self.lane_owners[lane]
+        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
+                          skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
+
+    def lane_counts(self, samples_consumed: int) -> np.ndarray:
+        return self.order.lane_counts(samples_consumed)
+
+    def unit_url(self, unit: int) -> str:
+        stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
+        return self.corpora[stream].unit_url(unit - int(self.unit_offsets[stream]))
 
 
 class BuiltSamples:

@@ -201,12 +201,15 @@ class LaneStream:
     """One lane's samples in order, from a cursor on; `take(k)` returns sample k of the lane.
 
     Units are read as `cuts` say (`raw_unreadable.UnitCuts`); with `skip_unreadable` a unit that cannot be read
-    is cut where reading failed (the cut recorded in `unreadable`) and the lane goes on with its next unit."""
+    is cut where reading failed (the cut recorded in `unreadable`) and the lane goes on with its next unit. Cuts
+    and reports number the units from `unit_offset` and the lane as `global_lane` (default: `lane`): a mixture
+    numbers the lanes and units of all its raw streams in one sequence."""
 
     def __init__(self, corpus: RawCorpus, lane: int, log: RejectionLog, *, seed: int, shuffle: bool,
                  cursor: tuple[int, ...] = (0,) * CURSOR_FIELDS, cuts: UnitCuts | None = None,
-                 skip_unreadable: bool = False):
+                 skip_unreadable: bool = False, global_lane: int | None = None, unit_offset: int = 0):
         self.corpus, self.lane, self.log, self.seed, self.shuffle = corpus, lane, log, seed, shuffle
+        self.global_lane, self.unit_offset = lane if global_lane is None else global_lane, unit_offset
         self.cursor = LaneCursor(*cursor)
         self.cuts, self.skip_unreadable = cuts or UnitCuts(), skip_unreadable
         # Where rejected documents are counted and unreadable units reported (the reader points them at its own).
@@ -276,7 +279,7 @@ class LaneStream:
             self._order = (cursor.epoch, lane_epoch_order(len(self._units), seed=self.seed, epoch=cursor.epoch,
                                                           lane=self.lane, shuffle=self.shuffle))
         self._number = int(self._units[self._order[1][cursor.unit]])
-        self._end = self.cuts.end(self._number, cursor.epoch)
+        self._end = self.cuts.end(self.unit_offset + self._number, cursor.epoch)
         self._segments = self.corpus.segments(self._number, skip=cursor.segment)
 
     def _read(self) -> WorkUnit | None:
@@ -288,10 +291,10 @@ class LaneStream:
             if not self.skip_unreadable:
                 raise
             cursor = self.cursor
-            cut = UnitCut(self._number, cursor.epoch, cursor.segment, cursor.within)
+            cut = UnitCut(self.unit_offset + self._number, cursor.epoch, cursor.segment, cursor.within)
             self.cuts = self.cuts.adding([cut])
-            self.unreadable.append(Unreadable(cut, self.lane, cursor.samples, self.corpus.unit_place(self._number),
-                                              err.reason))
+            self.unreadable.append(Unreadable(cut, self.global_lane, cursor.samples,
+                                              self.corpus.unit_place(self._number), err.reason))
             if err.segment is not None:  # the build counts a truncated file's incomplete last record
                 self._count(err.segment, err.segment.rejected)
             return None
