@@ -20,6 +20,7 @@ from shardkit.formats import Sample
 from .documents import boundaries, dense_segment_ids, segment_starts
 
 CURSORS_KEY = "_raw_lane_cursors"  # [lanes touched, 6]: lane, then its cursor after this batch (the loader's)
+UNREADABLE_KEY = "_raw_unreadable"  # the units this batch's readers found unreadable (`raw_unreadable.Unreadable`)
 
 
 def raw_batch(samples: Sequence[Sample], positions: np.ndarray, epochs: Sequence[int], *, pad_id: int,

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .raw_batches import CURSORS_KEY, raw_batch
-from .raw_lanes import position_lanes, rank_step_positions
+from .raw_batches import CURSORS_KEY, UNREADABLE_KEY, raw_batch
+from .raw_lanes import lane_sample_counts, position_lanes, rank_step_positions
 from .raw_source import CURSOR_FIELDS, DEFAULT_UNIT_BYTES, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .raw_unreadable import UnitCuts, Unreadable, check_policy
 from .tensors import batch_to_tensors
 from .topology import Topology, check_topology_args, data_parallel_group, resolve_topology
 
@@ -28,18 +29,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RawIteration:
-    """Where an iteration starts: consumed global positions, the lanes' cursors, the batch and the topology."""
+    """Where an iteration starts: consumed global positions, the lanes' cursors, the batch, the topology and the
+    unreadable units' cuts in force."""
 
     start: int
     batch_size: int
     topology: Topology
     cursors: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    cuts: UnitCuts = field(default_factory=UnitCuts)
 
 
 @dataclass
 class StepPart:
     """The rows of one step that one DataLoader worker read: their row numbers in the rank's batch, global
-    positions, samples and lane epochs; the cursors of its lanes after them; the documents it rejected."""
+    positions, samples and lane epochs; the cursors of its lanes after them; the documents it rejected and the
+    units it found unreadable."""
 
     rows: np.ndarray
     positions: np.ndarray
@@ -47,14 +51,15 @@ class StepPart:
     epochs: list = field(default_factory=list)
     cursors: np.ndarray | None = None
     rejected: Counter = field(default_factory=Counter)
+    unreadable: list[Unreadable] = field(default_factory=list)
 
 
 class RawTextPlan:
     """What the data loader asks of a raw-text dataset (the raw counterpart of `ReadPlan`)."""
 
     def __init__(self, corpus: RawCorpus, *, seed: int, shuffle: bool, token_dtype: str | None, segment_ids: bool,
-                 topology_args: dict[str, int | None], group_args: dict[str, Any]):
-        self.corpus, self.seed, self.shuffle = corpus, seed, shuffle
+                 topology_args: dict[str, int | None], group_args: dict[str, Any], on_corrupt: str = "raise"):
+        self.corpus, self.seed, self.shuffle, self.on_corrupt = corpus, seed, shuffle, on_corrupt
         self.token_dtype, self.segment_ids = token_dtype, segment_ids
         self.next_iteration: RawIteration | None = None
         self.claimed = False
@@ -88,9 +93,21 @@ class RawTextPlan:
     def restore(self, raw_text: dict[str, Any]) -> None:
         """Take the state's `raw_text` fields besides the cursors (the loader keeps those)."""
 
-    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
-        """Lane `lane`'s stream of samples from `cursor` on."""
-        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor)
+    # With fewer lanes than readers some ranks or workers read nothing (`raw_loader.warn_few_lanes` says why).
+    few_lanes_idle_readers = True
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
+        """Lane `lane`'s stream of samples from `cursor` on, its units read as `cuts` say."""
+        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
+                          skip_unreadable=self.on_corrupt == "skip")
+
+    def lane_counts(self, samples_consumed: int) -> np.ndarray:
+        """Samples of each lane among the first `samples_consumed` positions."""
+        return lane_sample_counts(samples_consumed, self.num_lanes)
+
+    def unit_url(self, unit: int) -> str:
+        """The file of unit `unit` (as cuts number units)."""
+        return self.corpus.unit_url(unit)
 
     def claim(self) -> None:
         self.claimed = True
@@ -100,19 +117,21 @@ class RawTextPlan:
 
 
 class LaneReaders:
-    """The lanes one process reads in an iteration, each started at the iteration's cursor when first read."""
+    """The lanes one process reads in an iteration, each started at the iteration's cursor when first read, with
+    the iteration's cuts."""
 
-    def __init__(self, plan: RawTextPlan, cursors: dict[int, tuple[int, ...]]):
-        self.plan, self.cursors = plan, cursors
+    def __init__(self, plan: RawTextPlan, iteration: RawIteration):
+        self.plan, self.iteration = plan, iteration
         self.log, self.streams = RejectionLog(), {}
 
     def take(self, lane: int, index: int, part: StepPart) -> tuple[Any, int]:
-        """(sample `index` of `lane`, its lane epoch); rejections counted in `part`'s."""
+        """(sample `index` of `lane`, its lane epoch); rejections and unreadable units reported in `part`'s."""
         stream = self.streams.get(lane)
         if stream is None:
-            stream = self.streams[lane] = self.plan.lane_stream(lane, self.log,
-                                                                self.cursors.get(lane, (0,) * CURSOR_FIELDS))
-        stream.rejected = part.rejected  # each step's part counts the rejections of the segments it began
+            cursor = self.iteration.cursors.get(lane, (0,) * CURSOR_FIELDS)
+            stream = self.streams[lane] = self.plan.lane_stream(lane, self.log, cursor, self.iteration.cuts)
+        # each step's part counts the rejections of the segments it began, and the units it cut
+        stream.rejected, stream.unreadable = part.rejected, part.unreadable
         return stream.take(index)
 
     def cursor_rows(self, lanes: np.ndarray) -> np.ndarray:
@@ -129,6 +148,8 @@ class RawTextDataset(IterableDataset):
         tokenizer, seq_len, pack, text_field, txt_mode, unit_bytes, lanes, eos_id, bos_id, max_doc_chars,
             bestfit_buffer, bestfit_open: see `RawTextSettings`.
         seed, shuffle: the lanes' unit orders (shuffled per lane epoch by default).
+        on_corrupt: a unit that cannot be read: "raise" (stop, naming its file), or "skip" it on every rank alike
+            (`shardkit.loaders.raw_unreadable`). `skip_samples` and `quarantine_list` are refused (see there why).
         token_dtype: dtype of the batches' tokens (default: the smallest that holds the vocabulary).
         segment_ids: add dense per-token `segment_ids` to each batch.
         rank, world_size, local_rank, local_world_size, process_group, device_mesh, mesh_dim: the topology.
@@ -146,8 +167,10 @@ class RawTextDataset(IterableDataset):
                  seed: int = 0, shuffle: bool = True, token_dtype: str | None = None, segment_ids: bool = False,
                  rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
                  local_world_size: int | None = None, process_group: Any = None, device_mesh: Any = None,
-                 mesh_dim: Any = None, storage_options: dict[str, Any] | None = None, batch_size: int | None = None):
+                 mesh_dim: Any = None, storage_options: dict[str, Any] | None = None, batch_size: int | None = None,
+                 on_corrupt: str = "raise", skip_samples: Any = None, quarantine_list: str | None = None):
         super().__init__()
+        check_policy(on_corrupt, skip_samples, quarantine_list)
         settings = RawTextSettings(tokenizer=tokenizer, seq_len=seq_len, pack=pack, text_field=text_field,
                                    txt_mode=txt_mode, unit_bytes=unit_bytes, lanes=lanes, eos_id=eos_id,
                                    bos_id=bos_id, max_doc_chars=max_doc_chars, bestfit_buffer=bestfit_buffer,
@@ -158,7 +181,7 @@ class RawTextDataset(IterableDataset):
         self.plan = RawTextPlan(self.corpus, seed=seed, shuffle=shuffle, token_dtype=token_dtype,
                                 segment_ids=segment_ids, topology_args=topology_args,
                                 group_args=dict(process_group=process_group, device_mesh=device_mesh,
-                                                mesh_dim=mesh_dim))
+                                                mesh_dim=mesh_dim), on_corrupt=on_corrupt)
         self.batch_size = batch_size
         self.sample_length = None if pack == "none" else seq_len + 1
         self.rejected: Counter = Counter()  # rejected documents by reason, of the units this process started
@@ -197,7 +220,11 @@ class RawTextDataset(IterableDataset):
                 raise ValueError("iterating a raw-text StreamingDataset on its own needs batch_size=; or use "
                                  "StreamingDataLoader")
             iteration = RawIteration(start=0, batch_size=self.batch_size, topology=plan.topology())
-            return (batch_to_tensors({k: v for k, v in b.items() if k != CURSORS_KEY}, plan.token_dtype)
+            if plan.on_corrupt == "skip" and iteration.topology.world_size > 1:
+                raise ValueError("on_corrupt='skip' on several ranks needs StreamingDataLoader (the ranks agree on "
+                                 "what to skip through it)")
+            return (batch_to_tensors({k: v for k, v in b.items() if k not in (CURSORS_KEY, UNREADABLE_KEY)},
+                                     plan.token_dtype)
                     for b in self.batches(iteration))
         return self.batches(iteration)
 
@@ -210,7 +237,7 @@ class RawTextDataset(IterableDataset):
         """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
         per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
         plan, topology = self.plan, iteration.topology
-        readers = LaneReaders(plan, iteration.cursors)
+        readers = LaneReaders(plan, iteration)
         step = 0
         while True:
             positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
@@ -239,6 +266,7 @@ class RawTextDataset(IterableDataset):
                           [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
                           variable=self.sample_length is None, dense_segments=self.plan.segment_ids)
         batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
+        batch[UNREADABLE_KEY] = [u for p in parts for u in p.unreadable]
         for part in parts:
             self.rejected.update(part.rejected)
         return batch

@@ -6,11 +6,15 @@ cursors of the lanes it read, so `state_dict()` gathers them from every rank (`a
 dataset's process group) and keeps the furthest cursor of each lane: every rank returns the same dict, and a
 job resumed with another world size, batch size or number of workers starts each lane at its cursor.
 Raw text has no epoch end that all ranks could agree on (each lane runs its own lane epochs), so an
-iteration is endless: the training loop decides when to stop.
+iteration is endless: the training loop decides when to stop. Under `on_corrupt="skip"` the ranks agree on each
+step's unreadable units before it is handed out (`shardkit.loaders.raw_unreadable`); the state holds their cuts
+under `raw_text.unreadable`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,13 +23,27 @@ from torch.utils.data import DataLoader
 
 from .batch_counts import counted_batches
 from .closing import closed_at_exit
-from .raw_batches import CURSORS_KEY
+from .raw_batches import CURSORS_KEY, UNREADABLE_KEY
 from .raw_dataset import RawIteration, RawTextDataset
 from .raw_lanes import merge_cursors
 from .raw_source import CURSOR_FIELDS
+from .raw_units import few_lanes_advice
+from .raw_unreadable import UnitCuts, agree, log_skipped, settle
 from .state import LoaderState
 from .tensors import batch_to_tensors
 from .topology import Topology
+
+logger = logging.getLogger(__name__)
+_WARNED_FEW_LANES: set[tuple[str, int]] = set()  # (corpus, readers) warned about in this process
+
+
+def warn_few_lanes(corpus: Any, *, readers: int) -> None:
+    """Warn once per corpus and number of readers when some readers would get no lane."""
+    advice = few_lanes_advice(corpus.units, corpus.files, corpus.num_lanes, readers=readers,
+                              lanes_asked=corpus.settings.lanes)
+    if advice is not None and (corpus.fingerprint, readers) not in _WARNED_FEW_LANES:
+        _WARNED_FEW_LANES.add((corpus.fingerprint, readers))
+        logger.warning("%s", advice)
 
 
 def _whole(batch: Any) -> Any:
@@ -63,6 +81,7 @@ class RawTextDataLoader(DataLoader):
         self._topology: Topology | None = None
         self._consumed = 0
         self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
+        self._cuts = UnitCuts()  # the unreadable units skipped (agreed by every rank)
 
     def _resolve(self) -> Topology:
         self._topology = self.plan.topology()
@@ -77,19 +96,57 @@ class RawTextDataLoader(DataLoader):
         """Always 0: raw text counts epochs per lane (each batch's `lane_epoch`)."""
         return 0
 
+    @property
+    def skipped_units(self) -> int:
+        """Unreadable units skipped so far (`on_corrupt="skip"`; the same on every rank)."""
+        return len(self._cuts)
+
     @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
         global_batch = self.samples_per_rank * topology.world_size
-        self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
-                                     cursors=dict(self._cursors)))
+        if self.plan.few_lanes_idle_readers:
+            warn_few_lanes(self.plan.corpus, readers=topology.world_size * max(1, self.num_workers))
+
         def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
             cursors = arrays.pop(CURSORS_KEY)
             self._consumed += global_batch
             self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
             return batch_to_tensors(arrays, self.plan.token_dtype)
 
-        yield from counted_batches(self._numpy_batches(), prepare, pin=self.pin_batches and torch.cuda.is_available())
+        yield from counted_batches(self._agreed_batches(topology), prepare,
+                                   pin=self.pin_batches and torch.cuda.is_available())
+
+    def _agreed_batches(self, topology: Topology) -> Iterator[dict[str, Any]]:
+        """The numpy batches from where the loader stands. Under "skip", each step's unreadable units are agreed
+        over the ranks before it is handed out; when some rank did not read the step with exactly the agreed cuts,
+        every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
+        skipping = self.plan.on_corrupt == "skip"
+        while True:
+            self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                                         cursors=dict(self._cursors), cuts=self._cuts))
+            batches = self._numpy_batches()
+            counted = Counter(self.dataset.rejected)  # before the step: a step read again counts its rejections once
+            try:
+                for batch in batches:
+                    found = batch.pop(UNREADABLE_KEY)
+                    if skipping:
+                        everyone = agree(found, world_size=topology.world_size, group=self.plan.agreement_group())
+                        cuts, again = settle(everyone,
+                                             lane_counts=self.plan.lane_counts(self._consumed))
+                        if cuts:
+                            self._cuts = self._cuts.adding([c.cut for c in cuts])
+                            log_skipped(cuts, self.plan.unit_url)
+                        if again:
+                            self.dataset.rejected = counted
+                            break
+                    yield batch
+                    if skipping:
+                        counted = Counter(self.dataset.rejected)
+                else:
+                    return
+            finally:
+                batches.close()
 
     def _numpy_batches(self) -> Iterator[dict[str, Any]]:
         if self.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
@@ -110,7 +167,8 @@ class RawTextDataLoader(DataLoader):
                            shuffle_window=0, partial_batches="drop", epoch_size=None,
                            global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, **self.plan.order_values(),
-                           raw_text={"cursors": _cursor_rows(self._cursors), **self.plan.raw_state()})
+                           raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
+                                     **self.plan.raw_state()})
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's state: the cursors of the lanes this rank read (merge every rank's with
@@ -158,8 +216,9 @@ class RawTextDataLoader(DataLoader):
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")" + changed)
         cursors = _saved_cursors(saved.raw_text)
+        cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
         self.plan.restore(saved.raw_text)
-        self._consumed, self._cursors = saved.samples_consumed, cursors
+        self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 
 
 def _saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
@@ -198,4 +257,5 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("raw-text states of different positions cannot be merged: "
                          f"{sorted({s['samples_consumed'] for s in states})}")
     cursors = merge_cursors(*(_saved_cursors(s["raw_text"]) for s in states))
+    # The cuts of unreadable units are agreed, the same in every rank's state.
     return {**states[0], "raw_text": {**states[0]["raw_text"], "cursors": _cursor_rows(cursors)}}

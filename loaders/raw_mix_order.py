@@ -29,6 +29,7 @@ from .batching import ShardTable
 from .config import OrderConfig
 from .mixing import MixturePlan
 from .order import EpochOrder
+from .raw_lanes import lane_sample_counts
 from .schedule import Schedule
 
 ENDLESS = 1 << 62  # the plan's epoch size: positions are counted from the start, never wrapped
@@ -140,6 +141,12 @@ class MixedOrder:
             if len(self._orders) > 2 * len(self.sizes) + 2:
                 self._orders.popitem(last=False)
         return order
+
+    def lane_counts(self, samples_consumed: int) -> np.ndarray:
+        """Samples of each global lane among the first `samples_consumed` positions."""
+        counts = self.plan.counts_at(0, samples_consumed)
+        return np.concatenate([lane_sample_counts(int(counts[s]), int(self.lanes[s]))
+                               for s in np.flatnonzero(self.lanes > 0)])
 
     def stream_of_ids(self, sample_ids: np.ndarray) -> np.ndarray:
         """The stream of each mixture sample id (what a batch's `stream` says)."""

@@ -29,6 +29,7 @@ from .mixing import Stream
 from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
 from .raw_mix_order import MixedOrder
 from .raw_source import LaneStream, RawCorpus, RejectionLog
+from .raw_unreadable import UnitCuts
 from .schedule import weight_spec
 from .sources import Sources
 
@@ -56,11 +57,16 @@ class RawMixturePlan(RawTextPlan):
                  streams: list[list[Any]]):
         super().__init__(base.corpus, seed=base.seed, shuffle=base.shuffle, token_dtype=base.token_dtype,
                          segment_ids=base.segment_ids, topology_args=base._topology_args,
-                         group_args=base._group_args)
+                         group_args=base._group_args, on_corrupt=base.on_corrupt)
         self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
-        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index)
+        # Units are numbered over the raw streams in stream order (as the state's cuts name them).
+        units = [len(corpus.units.size) for corpus in corpora]
+        self.unit_offsets = np.cumsum(units) - units
+        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index,
+        # the stream's first unit number)
         raw_streams = np.flatnonzero(order.lanes > 0).tolist()
-        self.lane_owners = [(corpus, lane, self.seed + s) for s, corpus in zip(raw_streams, corpora)
+        self.lane_owners = [(corpus, lane, self.seed + s, int(offset))
+                            for s, corpus, offset in zip(raw_streams, corpora, self.unit_offsets)
                             for lane in range(corpus.num_lanes)]
 
     @property
@@ -84,9 +90,20 @@ class RawMixturePlan(RawTextPlan):
         self.order.pin(iteration.batch_size * iteration.topology.world_size)
         super().begin(iteration)
 
-    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...]) -> LaneStream:
-        corpus, local, seed = self.lane_owners[lane]
-        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor)
+    # A rank's slice of a step holds batch_size rows whatever the lanes: few lanes leave no rank idle.
+    few_lanes_idle_readers = False
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
+        corpus, local, seed, unit_offset = self.lane_owners[lane]
+        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
+                          skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
+
+    def lane_counts(self, samples_consumed: int) -> np.ndarray:
+        return self.order.lane_counts(samples_consumed)
+
+    def unit_url(self, unit: int) -> str:
+        stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
+        return self.corpora[stream].unit_url(unit - int(self.unit_offsets[stream]))
 
 
 class BuiltSamples:
@@ -166,7 +183,7 @@ class RawMixtureDataset(RawTextDataset):
         one part per step, empty or not (see `RawTextDataset.parts`)."""
         plan, topology = self.plan, iteration.topology
         plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration.cursors), BuiltSamples(self.sources)
+        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
         step = 0
         try:
             while True:

@@ -30,7 +30,8 @@ from shardkit.text.packing import PACKING_MODES, make_packer
 from shardkit.text.tokenizers import with_special_ids
 
 from .raw_lanes import deal_lanes, lane_epoch_order, lane_units
-from .raw_units import list_units, read_segments
+from .raw_units import RANGE, list_units, read_segments, record_place, unit_place
+from .raw_unreadable import UnitCut, UnitCuts, Unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class RawCorpus:
         """Unit `number`'s segments from segment `skip` on.
 
         Raises:
-            OSError: the unit's file cannot be read (naming it).
+            UnreadableInput: the unit's file cannot be read (naming it).
         """
         s, url = self.settings, self.files[int(self.units.source[number])].url
         read = 0
@@ -121,12 +122,25 @@ class RawCorpus:
                                      txt_mode=s.txt_mode, text_field=s.text_field, max_doc_chars=s.max_doc_chars,
                                      storage_options=self.storage_options):
             if segment.file_error:
-                raise OSError(f"{url}: cannot read it: {segment.file_error} (did it change or vanish since the "
-                              "loader listed its units?)")
+                raise UnreadableInput(f"{url}: cannot read it: {segment.file_error} (did it change or vanish since "
+                                      "the loader listed its units?)", segment.file_error, segment)
             read += 1
             yield segment
         if skip and not read:  # a resume into a segment the file no longer has
-            raise OSError(f"{url}: has no segment {skip} to resume from: it changed since the loader listed it")
+            raise UnreadableInput(f"{url}: has no segment {skip} to resume from: it changed since the loader "
+                                  "listed it", f"has no segment {skip}: it changed since the loader listed it", None)
+
+    def unit_place(self, number: int) -> str:
+        """A unit's file and part, for messages: 'FILE bytes A-B', 'FILE row group G' or the file."""
+        return unit_place(self.units, self.files, number, unit_bytes=self.settings.unit_bytes)
+
+    def unit_url(self, number: int) -> str:
+        return self.files[int(self.units.source[number])].url
+
+    def record_place(self, segment: WorkUnit, record: int) -> str:
+        """Where a rejected record is, as the build's report names it ('line N', 'row N', ...), but 'byte offset
+        N' in a byte-range unit (its line number would cost reading the file up to it)."""
+        return record_place(segment, record, byte_range=self.units.kinds[segment.source] == RANGE)
 
     def lane_inputs(self, lane: int) -> list[str]:
         """The files a lane's units come from."""
@@ -143,16 +157,26 @@ class RawCorpus:
         return [*fed, *packer.finish()], result.rejected
 
 
+class UnreadableInput(OSError):
+    """A unit's file cannot be read: why (`reason`) and the failed read (`segment`, whose `rejected` holds an
+    incomplete last record), or None."""
+
+    def __init__(self, message: str, reason: str = "", segment: WorkUnit | None = None):
+        # Defaults: a DataLoader worker's exception is raised again in the main process from its message alone.
+        super().__init__(message)
+        self.reason, self.segment = reason or message, segment
+
+
 class RejectionLog:
     """How many rejected documents one process has logged (the first `_LOGGED_REJECTIONS` are)."""
 
     def __init__(self) -> None:
         self.logged = 0
 
-    def log(self, url: str, reason: str) -> None:
+    def log(self, url: str, where: str, reason: str) -> None:
         if self.logged < _LOGGED_REJECTIONS:
             self.logged += 1
-            logger.warning("%s: rejected a document: %s", url, reason)
+            logger.warning("%s %s: rejected a document: %s", url, where, reason)
 
 
 @dataclass
@@ -174,15 +198,27 @@ CURSOR_FIELDS = len(fields(LaneCursor))  # a cursor's entries in a loader state'
 
 
 class LaneStream:
-    """One lane's samples in order, from a cursor on; `take(k)` returns sample k of the lane."""
+    """One lane's samples in order, from a cursor on; `take(k)` returns sample k of the lane.
+
+    Units are read as `cuts` say (`raw_unreadable.UnitCuts`); with `skip_unreadable` a unit that cannot be read
+    is cut where reading failed (the cut recorded in `unreadable`) and the lane goes on with its next unit. Cuts
+    and reports number the units from `unit_offset` and the lane as `global_lane` (default: `lane`): a mixture
+    numbers the lanes and units of all its raw streams in one sequence."""
 
     def __init__(self, corpus: RawCorpus, lane: int, log: RejectionLog, *, seed: int, shuffle: bool,
-                 cursor: tuple[int, ...] = (0,) * CURSOR_FIELDS):
+                 cursor: tuple[int, ...] = (0,) * CURSOR_FIELDS, cuts: UnitCuts | None = None,
+                 skip_unreadable: bool = False, global_lane: int | None = None, unit_offset: int = 0):
         self.corpus, self.lane, self.log, self.seed, self.shuffle = corpus, lane, log, seed, shuffle
+        self.global_lane, self.unit_offset = lane if global_lane is None else global_lane, unit_offset
         self.cursor = LaneCursor(*cursor)
-        self.rejected: Counter = Counter()  # where rejected documents are counted (the reader points it at its own)
+        self.cuts, self.skip_unreadable = cuts or UnitCuts(), skip_unreadable
+        # Where rejected documents are counted and unreadable units reported (the reader points them at its own).
+        self.rejected: Counter = Counter()
+        self.unreadable: list[Unreadable] = []
         self._units = corpus.lanes[lane]
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order of the lane's units)
+        self._number = -1  # the current unit
+        self._end: tuple[int, int] | None = None  # its cut in this lane epoch: (segment, within), or None
         self._segments: Iterator[WorkUnit] | None = None  # the current unit's segments, from the next one on
         self._samples: list[Sample] | None = None  # the current segment's samples
         self._dry_units = 0  # units finished since the last sample delivered
@@ -214,17 +250,12 @@ class LaneStream:
         return sample, epoch
 
     def _load(self) -> None:
-        """The next segment's samples, moving on to the next unit (and lane epoch) where a unit ends."""
+        """The next segment's samples, moving on to the next unit (and lane epoch) where a unit ends or is cut."""
         cursor = self.cursor
         while True:
             if self._segments is None:
-                if self._order is None or self._order[0] != cursor.epoch:
-                    self._order = (cursor.epoch, lane_epoch_order(len(self._units), seed=self.seed,
-                                                                  epoch=cursor.epoch, lane=self.lane,
-                                                                  shuffle=self.shuffle))
-                number = int(self._units[self._order[1][cursor.unit]])
-                self._segments = self.corpus.segments(number, skip=cursor.segment)
-            segment = next(self._segments, None)
+                self._open()
+            segment = self._read() if self._end is None or (cursor.segment, cursor.within) < self._end else None
             if segment is not None:
                 break
             self._segments = None
@@ -233,14 +264,46 @@ class LaneStream:
                 cursor.epoch, cursor.unit = cursor.epoch + 1, 0
             self._dry_units += 1
             if self._dry_units > len(self._units):
+                skipped = f"; {len(self.cuts)} unreadable units skipped" if self.cuts else ""
                 raise ValueError(f"lane {self.lane} of {self.corpus.num_lanes} holds no accepted document (its "
-                                 f"inputs: {', '.join(self.corpus.lane_inputs(self.lane))}): give fewer lanes (a "
-                                 "larger share of the corpus per lane) or inputs that hold text")
-        self._samples, rejected = self.corpus.pack_unit(segment)
+                                 f"inputs: {', '.join(self.corpus.lane_inputs(self.lane))}){skipped}: give fewer "
+                                 "lanes (a larger share of the corpus per lane) or inputs that hold text")
+        samples, rejected = self.corpus.pack_unit(segment)
+        self._samples = samples[:self._end[1]] if self._end is not None and self._end[0] == cursor.segment else samples
+        self._count(segment, rejected)
+
+    def _open(self) -> None:
+        """Open the unit the cursor stands at (from its segment on), with its cut in this lane epoch."""
+        cursor = self.cursor
+        if self._order is None or self._order[0] != cursor.epoch:
+            self._order = (cursor.epoch, lane_epoch_order(len(self._units), seed=self.seed, epoch=cursor.epoch,
+                                                          lane=self.lane, shuffle=self.shuffle))
+        self._number = int(self._units[self._order[1][cursor.unit]])
+        self._end = self.cuts.end(self.unit_offset + self._number, cursor.epoch)
+        self._segments = self.corpus.segments(self._number, skip=cursor.segment)
+
+    def _read(self) -> WorkUnit | None:
+        """The unit's next segment, None at its end; with `skip_unreadable` also where it cannot be read (the
+        unit is cut there)."""
+        try:
+            return next(self._segments, None)
+        except UnreadableInput as err:
+            if not self.skip_unreadable:
+                raise
+            cursor = self.cursor
+            cut = UnitCut(self.unit_offset + self._number, cursor.epoch, cursor.segment, cursor.within)
+            self.cuts = self.cuts.adding([cut])
+            self.unreadable.append(Unreadable(cut, self.global_lane, cursor.samples,
+                                              self.corpus.unit_place(self._number), err.reason))
+            if err.segment is not None:  # the build counts a truncated file's incomplete last record
+                self._count(err.segment, err.segment.rejected)
+            return None
+
+    def _count(self, segment: WorkUnit, rejected: tuple[tuple[int, str], ...]) -> None:
         # Counted as the build counts them (once per corpus: in lane epoch 0), when the segment starts (a
         # segment resumed into was counted before).
-        if cursor.epoch == 0 and cursor.within == 0:
+        if self.cursor.epoch == 0 and self.cursor.within == 0:
             url = self.corpus.files[segment.source].url
-            for _, reason in rejected:
+            for record, reason in rejected:
                 self.rejected[reason_category(reason)] += 1
-                self.log.log(url, reason)
+                self.log.log(url, self.corpus.record_place(segment, record), reason)

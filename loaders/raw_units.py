@@ -5,7 +5,8 @@ Listing (`list_units`) costs a stat per file and, for Parquet, its footer:
   byte lies in, so range k is found by seeking to its start and reading on to the next newline (at most one
   line before it is read), and ends with the line that crosses its end (`read_range`). A range holding no line
   start is empty. Its documents are numbered from the range's first line's byte offset (unique in the file and
-  found without counting the lines before it; the build numbers lines), so their tokens are the build's;
+  found without counting the lines before it; the build numbers lines), so their tokens are the build's, and a
+  rejected one is named by the exact byte offset of its line (`record_place`);
 - a Parquet file gives one unit per row group (its rows numbered as the build numbers them);
 - a .gz / .zst file (not seekable) and a .txt file read by paragraphs are one *streamed* unit each, sized by
   the file's bytes: the lane reader cuts it while reading it once into the build's own units of ~unit_bytes of
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.text.documents import record_label
 from shardkit.text.inputs import InputFile, WorkUnit, iter_units, long_line_reason, max_line_bytes, open_input
 
 RANGE, ROW_GROUP, STREAMED = "range", "row-group", "streamed"
@@ -97,6 +99,51 @@ def _row_groups(file: InputFile, text_field: str, storage_options: dict[str, Any
         raise ValueError(f"{file.url}: no column {text_field!r} (columns: {', '.join(names)}); choose one with "
                          "text_field")
     return groups
+
+
+def few_lanes_advice(table: UnitTable, files: list[InputFile], num_lanes: int, *, readers: int,
+                     lanes_asked: int) -> str | None:
+    """Why fewer lanes than readers (ranks x workers) and what to do, or None when there are enough: a reader
+    without a lane reads nothing, so those ranks or workers idle."""
+    if num_lanes >= readers:
+        return None
+    streamed = [f for f, kind in zip(files, table.kinds) if kind == STREAMED]
+    if num_lanes < lanes_asked and streamed:
+        cause = (f"{len(streamed)} of its {len(files)} files are compressed (.gz / .zst) or .txt files, each read "
+                 "as one streamed unit")
+        fix = ("split the corpus into at least that many files, or give plain .jsonl or Parquet inputs (cut into "
+               "byte ranges / row groups of unit_bytes)")
+    elif num_lanes < lanes_asked:
+        cause = f"its {len(files)} files make only {len(table.size)} units of unit_bytes"
+        fix = "give a smaller unit_bytes or more input"
+    else:
+        cause = f"lanes={lanes_asked}"
+        fix = f"give lanes >= {readers}"
+    return (f"raw text: the corpus gives {num_lanes} lanes for {readers} readers (ranks x DataLoader workers), so "
+            f"at least {readers - num_lanes} of them read nothing: {cause}; for more lanes {fix}")
+
+
+def unit_place(table: UnitTable, files: list[InputFile], number: int, *, unit_bytes: int) -> str:
+    """A unit's file and part, for messages: 'FILE bytes A-B', 'FILE row group G' or 'FILE' (a streamed unit)."""
+    source, part = int(table.source[number]), int(table.part[number])
+    file, kind = files[source], table.kinds[source]
+    if kind == RANGE:
+        return f"{file.url} bytes {part * unit_bytes}-{min((part + 1) * unit_bytes, file.size)}"
+    if kind == ROW_GROUP:
+        return f"{file.url} row group {part}"
+    return file.url
+
+
+def record_place(unit: WorkUnit, record: int, *, byte_range: bool) -> str:
+    """Where record `record` of `unit` is, as the build's report names it ('line N', 'row N', 1-based), but
+    'byte offset N' (0-based, the start of its line) in a byte-range unit, whose records are numbered from its
+    first line's byte offset: a line number would cost reading the file up to the range."""
+    if not byte_range:
+        return f"{record_label(unit.kind)} {record + 1}"
+    index = record - unit.first_record  # the line's index in the unit's payload
+    payload = np.frombuffer(unit.payload, dtype=np.uint8)
+    starts = np.concatenate([[0], np.flatnonzero(payload == ord("\n")) + 1])
+    return f"byte offset {unit.first_record + int(starts[min(index, len(starts) - 1)])}"
 
 
 def read_segments(table: UnitTable, files: list[InputFile], number: int, *, skip: int, unit_bytes: int,

@@ -69,7 +69,8 @@ class LoaderState:
             of the order from that position of that epoch's unfiltered order on (`loaders.quarantine`).
         raw_text: raw-text streams only (`shardkit.loaders.raw_loader`): {"cursors": [[lane, samples, lane
             epoch, unit, segment of the unit, samples of the segment], ...]}, one per lane read so far (`num_partitions` holds the
-            lanes, `dataset` the corpus and tokenization's fingerprint).
+            lanes, `dataset` the corpus and tokenization's fingerprint), and "unreadable": [[unit, lane epoch,
+            segment, samples], ...], where on_corrupt="skip" cut unreadable units (`loaders.raw_unreadable`).
     """
 
     epoch: int

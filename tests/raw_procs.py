@@ -4,24 +4,35 @@ from __future__ import annotations
 
 
 def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: int, world_size: int, port: int,
-                 steps: int) -> dict:
-    """Read `steps` batches of a raw-text loader as one rank of a real gloo group; its rows and its state."""
+                 steps: int, files: dict[str, str] | None = None, remove: list[str] = (), workers: int = 0) -> dict:
+    """Read `steps` batches of a raw-text loader as one rank of a real gloo group; its rows, its state and the
+    units it skipped. `inputs` is a corpus or a list of `Stream` (a mixture). `files` are first written under
+    `inputs` (a memory:// URL: this process's own), and `remove` deleted once the dataset has listed them (a file
+    that vanishes for this rank only)."""
     from datetime import timedelta
 
+    import fsspec
     import torch.distributed as dist
 
     from shardkit import StreamingDataLoader, StreamingDataset
 
+    fs = fsspec.filesystem("memory")
+    for name, text in (files or {}).items():
+        fs.pipe(f"{inputs}/{name}", text.encode())
     dataset = StreamingDataset(inputs, **settings)  # before the group: the rank comes from it when iterating
+    for name in remove:
+        fs.rm(f"{inputs}/{name}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
-        loader = StreamingDataLoader(dataset, batch_size=batch_size)
+        loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                     multiprocessing_context="fork" if workers else None)
         rows, it = [], iter(loader)
         for _ in range(steps):
             batch = next(it)
             rows += [(int(i), int(e), tuple(t.tolist())) for i, e, t in
                      zip(batch["sample_id"], batch["lane_epoch"], batch["tokens"])]
-        return {"rows": rows, "state": loader.state_dict()}
+        return {"rows": rows, "state": loader.state_dict(), "skipped": loader.skipped_units,
+                "rejected": dict(dataset.rejected)}
     finally:
         dist.destroy_process_group()

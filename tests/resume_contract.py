@@ -11,12 +11,21 @@ order, batch by batch) up to the end of the last epoch.
 ranks, and require that the union over ranks of the rest of the epoch is the uninterrupted remainder
 of the global order: nothing repeated, nothing lost (see the function for the exact statement per mode).
 
+Endless loaders (raw text: lanes go on epoch after epoch) have no epoch end: pass `steps=N` and the save
+points are steps (the start, after one batch, mid-run and before the last batch) and the run is `N` batches per
+rank; the elastic check then requires that every global step after the resume holds exactly the next global
+positions, each with the uninterrupted run's sample (ids and tokens). A raw batch is compared by sample ids
+and a digest of each row's tokens (its ids do not encode its tokens).
+
 `make_loader(rank, world_size)` must build a new `StreamingDataset` and `StreamingDataLoader` each call
-(public API, keyword arguments), so that nothing but the state dict carries over.
+(public API, keyword arguments), so that nothing but the state dict carries over. Ranks run in this process:
+a loader whose `state_dict()` gathers over a process group (raw text) is saved by merging every rank's
+`local_state_dict()`, which is what that gather returns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import Counter
 from collections.abc import Callable
@@ -26,13 +35,30 @@ import numpy as np
 from loader_helpers import ids_from_tokens
 
 SAVE_POINTS = ("start", "mid", "epoch_end", "after_epoch")
+STEP_SAVE_POINTS = ("start", "first", "mid", "last")  # endless loaders
 
 
 def batch_ids(batch) -> np.ndarray:
+    """A batch's sample ids; a raw-text batch's as rows of (id, digest of the row's tokens)."""
     ids = batch["sample_id"].numpy().copy()
+    if "lane_epoch" in batch:  # raw text: the ids are positions, the tokens say what the sample is
+        digests = [int.from_bytes(hashlib.blake2b(row.numpy().tobytes(), digest_size=7).digest(), "little")
+                   for row in batch["tokens"]]
+        return np.stack([ids, np.array(digests, dtype=np.int64)], axis=1)
     if "lengths" not in batch:  # fixed-length samples encode their id: the tokens are that sample's
         np.testing.assert_array_equal(ids_from_tokens(batch["tokens"]), ids)
     return ids
+
+
+def save(loaders) -> dict:
+    """The global state of loaders standing at the same step, one per rank (all ranks in this process)."""
+    if len(loaders) > 1 and hasattr(loaders[0], "local_state_dict"):  # gathered over a process group
+        from shardkit.loaders.raw_loader import merge_raw_states
+
+        return merge_raw_states([loader.local_state_dict() for loader in loaders])
+    states = [loader.state_dict() for loader in loaders]
+    assert all(s == states[0] for s in states), "the state differs between ranks (it must be global)"
+    return states[0]
 
 
 def stream_until(loader, epochs: int) -> list[np.ndarray]:
@@ -54,8 +80,12 @@ def assert_same_stream(got: list[np.ndarray], want: list[np.ndarray], what: str)
         np.testing.assert_array_equal(g, w, err_msg=f"{what}: batch {step} differs")
 
 
-def check_resume(make_loader: Callable, *, world_size: int = 1, epochs: int = 2) -> dict[str, int]:
-    """Exact resume at every save point. Returns the batches per rank of epoch 0 and of the run."""
+def check_resume(make_loader: Callable, *, world_size: int = 1, epochs: int = 2,
+                 steps: int | None = None) -> dict[str, int]:
+    """Exact resume at every save point: of `epochs` epochs, or of `steps` batches per rank for an endless loader.
+    Returns the batches per rank of epoch 0 (or `steps`) and of the run."""
+    if steps is not None:
+        return _check_endless_resume(make_loader, world_size=world_size, steps=steps)
     reference = []
     for rank in range(world_size):
         loader = make_loader(rank, world_size)
@@ -67,24 +97,42 @@ def check_resume(make_loader: Callable, *, world_size: int = 1, epochs: int = 2)
     assert steps >= 2, "the contract needs at least two batches per rank per epoch"
     stops = {"start": 0, "mid": steps // 2, "epoch_end": steps, "after_epoch": steps}
     for point in SAVE_POINTS:
-        states = []
-        for rank in range(world_size):
-            loader = make_loader(rank, world_size)
+        loaders = [make_loader(rank, world_size) for rank in range(world_size)]
+        for rank, loader in enumerate(loaders):
             # after_epoch: the pass runs to its end, so the loader itself moves on to epoch 1
             got = stream_until(loader, 1) if point == "after_epoch" else take(loader, stops[point])
             assert_same_stream(got, reference[rank][1][:stops[point]], f"rank {rank} before saving at {point}")
-            states.append(loader.state_dict())
-        assert all(s == states[0] for s in states), f"{point}: the state differs between ranks (it must be global)"
+        state = save(loaders)
         for rank in range(world_size):
             resumed = make_loader(rank, world_size)
-            resumed.load_state_dict(states[0])
+            resumed.load_state_dict(state)
             assert_same_stream(stream_until(resumed, epochs), reference[rank][1][stops[point]:],
                                f"rank {rank} resumed from {point}")
     return {"steps_per_epoch": steps, "steps": len(reference[0][1])}
 
 
-def check_elastic_resume(make_loader: Callable, *, before: int, after: int, token_budget: bool = False) -> None:
-    """Save mid-epoch with `before` ranks, resume with `after` ranks, finish the epoch.
+def _check_endless_resume(make_loader: Callable, *, world_size: int, steps: int) -> dict[str, int]:
+    assert steps >= 3, "the contract needs at least three batches per rank"
+    reference = [take(make_loader(rank, world_size), steps) for rank in range(world_size)]
+    stops = {"start": 0, "first": 1, "mid": steps // 2, "last": steps - 1}
+    for point in STEP_SAVE_POINTS:
+        loaders = [make_loader(rank, world_size) for rank in range(world_size)]
+        for rank, loader in enumerate(loaders):
+            assert_same_stream(take(loader, stops[point]), reference[rank][:stops[point]],
+                               f"rank {rank} before saving at {point}")
+        state = save(loaders)
+        for rank in range(world_size):
+            resumed = make_loader(rank, world_size)
+            resumed.load_state_dict(state)
+            assert_same_stream(take(resumed, steps - stops[point]), reference[rank][stops[point]:],
+                               f"rank {rank} resumed from {point} (step {stops[point]})")
+    return {"steps_per_epoch": steps, "steps": steps}
+
+
+def check_elastic_resume(make_loader: Callable, *, before: int, after: int, token_budget: bool = False,
+                         steps: int | None = None) -> None:
+    """Save mid-epoch with `before` ranks, resume with `after` ranks, finish the epoch (an endless loader: save
+    after `steps // 2` batches, resume for `steps` batches).
 
     Fixed-length batches (drop, pad or partial policy, mixtures, quarantined shards left out): every global step of the resumed run, the
     union of its ranks' batches, holds exactly the next `after x batch_size` positions of the epoch's
@@ -94,18 +142,13 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
     read before and after together is every sample of the epoch, and the only repeats are fillers,
     batches of one sample that fill an otherwise empty batch.
     """
-    first = [make_loader(rank, before) for rank in range(before)]
+    if steps is not None:
+        _check_endless_elastic(make_loader, before=before, after=after, steps=steps)
+        return
     steps = len(stream_until(make_loader(0, before), 1))
-    consumed_batches = [take(loader, steps // 2) for loader in first]
-    state = first[0].state_dict()
-    assert all(loader.state_dict() == state for loader in first[1:])
-    resumed = []
-    for rank in range(after):
-        loader = make_loader(rank, after)
-        loader.load_state_dict(state)
-        resumed.append(stream_until(loader, 1))
+    consumed_batches, state, resumed, dataset = _elastic_run(make_loader, before=before, after=after, head=steps // 2,
+                                                             rest=lambda loader: stream_until(loader, 1))
     assert len({len(r) for r in resumed}) == 1, "ranks get unequal batch counts after the elastic resume"
-    dataset = first[0].dataset
     if token_budget:
         seen = [b for rank in consumed_batches + resumed for b in rank]
         counts = Counter(int(i) for b in seen for i in b)
@@ -138,6 +181,40 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
             positions = (begin + step * width + np.arange(width)) % num_positions
             np.testing.assert_array_equal(union, np.sort(order[positions]),
                                           err_msg=f"{what} the elastic resume, global step {step}")
+
+
+def _elastic_run(make_loader: Callable, *, before: int, after: int, head: int, rest: Callable) -> tuple:
+    """(each of `before` ranks' first `head` batches, the state they save, what `rest` reads of each of `after`
+    ranks resumed from it, the first rank's dataset)."""
+    first = [make_loader(rank, before) for rank in range(before)]
+    consumed = [take(loader, head) for loader in first]
+    state = save(first)
+    resumed = []
+    for rank in range(after):
+        loader = make_loader(rank, after)
+        loader.load_state_dict(state)
+        resumed.append(rest(loader))
+    return consumed, state, resumed, first[0].dataset
+
+
+def _check_endless_elastic(make_loader: Callable, *, before: int, after: int, steps: int) -> None:
+    """Every global step, before and after the elastic resume, holds exactly the next global positions (the
+    union of its ranks' sample ids), each with the sample an uninterrupted run on one rank gives it."""
+    consumed, state, resumed, _ = _elastic_run(make_loader, before=before, after=after, head=steps // 2,
+                                               rest=lambda loader: take(loader, steps))
+    batch = len(consumed[0][0])
+    total = (steps // 2) * before * batch + steps * after * batch
+    whole = np.concatenate(take(make_loader(0, 1), -(-total // batch)))
+    reference = dict(zip(whole[:, 0].tolist(), whole[:, 1].tolist()))
+    assert sorted(reference) == list(range(len(whole))), "the uninterrupted run's ids are not its positions"
+    for what, runs, begin in (("before", consumed, 0), ("after", resumed, state["samples_consumed"])):
+        width = len(runs) * batch
+        for step in range(len(runs[0])):
+            rows = np.concatenate([r[step] for r in runs])
+            np.testing.assert_array_equal(np.sort(rows[:, 0]), begin + step * width + np.arange(width),
+                                          err_msg=f"{what} the elastic resume, global step {step}: positions")
+            assert all(reference[i] == d for i, d in rows.tolist()), \
+                f"{what} the elastic resume, global step {step}: a sample differs from the uninterrupted run's"
 
 
 def check_stage_resume(make_stage: Callable, steps: list[Callable], complete: Callable) -> list[dict]:

@@ -4,11 +4,13 @@ ranks or workers, resume is exact and elastic, and what cannot be mixed or resum
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 
 from shardkit.loaders import Schedule, Stream, StreamingDataLoader, StreamingDataset
+from resume_contract import check_resume
 from shardkit.loaders.mixing import mixture_quotas, run_counts
 from test_build import WORDS, config, read_samples, write_corpus
 from test_raw_text import ranks_run, rows, take
@@ -223,3 +225,94 @@ def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, data, to
     tail, _ = simulated_run(data, tokenizer, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
     reference, _ = simulated_run(data, tokenizer, world_size=1, batch_size=10, steps=18)
     assert sorted(head + tail) == sorted(reference)
+
+
+@pytest.fixture(scope="module")
+def damaged(data):
+    """The mixture's data with raw stream B's .zst file truncated (its unit is cut; B is the second raw stream,
+    so the cut's unit number counts A's units first)."""
+    import shutil
+
+    from test_raw_unreadable import damage_zst
+
+    b = data["root"] / "b_damaged"
+    shutil.copytree(data["b"], b)
+    damage_zst(b / "c.jsonl.zst")
+    return {**data, "b": str(b)}
+
+
+def skipping(data, tokenizer, **overrides):
+    return mixture(data, tokenizer, on_corrupt="skip", **overrides)
+
+
+def test_on_corrupt_skip_cuts_a_raw_streams_unreadable_unit_as_its_own_dataset_would(damaged, tokenizer, caplog):
+    ds = skipping(damaged, tokenizer)
+    loader = StreamingDataLoader(ds, batch_size=8)
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+        batches = take(loader, 30)
+    skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
+    assert loader.skipped_units == 1 and len(skipped) == 1 and f"{damaged['b']}/c.jsonl.zst from its segment" in \
+        skipped[0], skipped
+    [[unit, _, _, _]] = loader.state_dict()["raw_text"]["unreadable"]
+    first_of_b = len(ds.corpora[0].units.size)
+    assert unit >= first_of_b and ds.corpora[1].unit_url(unit - first_of_b).endswith("b_damaged/c.jsonl.zst")
+    # Each raw stream's items are its own raw dataset's samples (its lanes seeded with the mixture's seed plus its
+    # index): A untouched by B's cut, B cut as it cuts itself alone.
+    built = ds.plan.order.built_samples
+    for stream, url in ((0, damaged["a"]), (2, damaged["b"])):
+        mixed = [(int(i) - built) // 2 for b in batches for i, s in zip(b["sample_id"], b["stream"]) if s == stream]
+        tokens = {(int(i) - built) // 2: tuple(t.tolist()) for b in batches
+                  for i, s, t in zip(b["sample_id"], b["stream"], b["tokens"]) if s == stream}
+        alone = StreamingDataset(url, tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3, seed=stream,
+                                 on_corrupt="skip")
+        own = {i: t for i, _, t in rows(take(StreamingDataLoader(alone, batch_size=len(mixed)), 1))}
+        assert sorted(mixed) == list(range(len(mixed))) and tokens == own, stream
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_contract_of_a_mixture_that_skips(damaged, tokenizer, workers):
+    def make_loader(rank, world_size):
+        return StreamingDataLoader(skipping(damaged, tokenizer, rank=rank, world_size=world_size), batch_size=8,
+                                   num_workers=workers, multiprocessing_context="fork" if workers else None)
+
+    check_resume(make_loader, steps=24)  # saved before and after the cut (at step 10)
+    run = make_loader(0, 1)
+    take(run, 11)
+    assert run.skipped_units == 1
+
+
+def test_cuts_saved_on_one_rank_hold_on_two_and_three(damaged, tokenizer):
+    """An elastic resume of a mixture that skipped a unit: the resumed ranks cut it where the state says (under
+    "raise", so that ranks in one process need no process group to agree: any new failure would raise)."""
+    def ranks(**rank):
+        policy = "skip" if rank.get("world_size", 1) == 1 else "raise"
+        return mixture(damaged, tokenizer, on_corrupt=policy, **rank)
+
+    reference, _ = ranks_run(ranks, world_size=1, batch_size=12, steps=14)
+    head, state = ranks_run(ranks, world_size=1, batch_size=12, steps=8)
+    assert len(state["raw_text"]["unreadable"]) == 1
+    _, start = ranks_run(ranks, world_size=1, batch_size=12, steps=0)
+    start["raw_text"]["unreadable"] = state["raw_text"]["unreadable"]  # the cut known before the lane reaches it
+    assert ranks_run(ranks, world_size=2, batch_size=6, steps=14, state=start)[0] == reference
+    for world_size, batch_size, workers in ((2, 6, 0), (3, 4, 2)):
+        tail, _ = ranks_run(ranks, world_size=world_size, batch_size=batch_size, steps=6 * 12 // (world_size *
+                            batch_size), state=state, workers=workers)
+        assert sorted(head + tail) == sorted(reference), world_size
+
+
+@pytest.mark.slow
+def test_ranks_skip_a_raw_streams_unreadable_unit_alike_over_gloo(process_pool, damaged, tokenizer):
+    """Two ranks that agree over a real gloo group cut the same unit and read what one rank reads."""
+    from conftest import free_port
+    from raw_procs import raw_rank_run
+
+    settings = dict(tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3, on_corrupt="skip")
+    port = free_port()
+    runs = process_pool.run(raw_rank_run, [dict(inputs=streams(damaged), settings=settings, batch_size=6, rank=r,
+                                                world_size=2, port=port, steps=12) for r in range(2)])
+    assert runs[0]["state"] == runs[1]["state"] and runs[0]["skipped"] == runs[1]["skipped"] == 1
+    reference, state = ranks_run(lambda **rank: skipping(damaged, tokenizer, **rank), world_size=1,
+                                 batch_size=12, steps=12)
+    both = [row for step in range(12) for rank in (0, 1) for row in runs[rank]["rows"][6 * step:6 * step + 6]]
+    assert both == reference
+    assert runs[0]["state"]["raw_text"]["unreadable"] == state["raw_text"]["unreadable"]

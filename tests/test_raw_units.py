@@ -80,3 +80,62 @@ def test_a_txt_read_by_paragraphs_is_streamed_in_the_builds_segments(tmp_path):
     # a resume into segment 2 reads on from there without the segments before it
     assert list(read_segments(table, files, 0, skip=2, storage_options=None, **settings))[0].payload \
         == segments[2].payload
+
+
+def test_rejected_records_are_named_as_the_build_names_them_or_by_exact_byte_offset(tmp_path, caplog):
+    """The build's report names line 6 of a.jsonl; the loader, which reads a.jsonl by byte ranges without counting
+    the lines before them, names the byte offset where that line starts. A streamed .gz file and Parquet rows are
+    numbered as the build numbers them."""
+    import logging
+
+    from shardkit.loaders import StreamingDataset
+    from shardkit.tools.build import run_build
+    from test_build import config, write_corpus
+    from test_raw_text import first_epoch
+
+    corpus = write_corpus(tmp_path / "in", docs=150)
+    report = run_build(config([corpus], tmp_path / "built", packing="none", seq_len=256)).report
+    ds = StreamingDataset(str(corpus), tokenizer="byte", seq_len=256, unit_bytes=4096, lanes=4)
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_source"):
+        first_epoch(ds)  # every lane through its lane epoch 0
+    logged = {r.getMessage().split(": rejected a document: ")[0] for r in caplog.records}
+    plain = (corpus / "a.jsonl").read_bytes()
+    line_starts = [0] + [i + 1 for i, byte in enumerate(plain) if byte == ord("\n")]
+    expected = set()
+    for example in report["documents"]["examples"]:
+        if example["file"].endswith("a.jsonl"):  # line N (1-based) starts at byte line_starts[N - 1]
+            expected.add(f"{example['file']} byte offset {line_starts[example['line'] - 1]}")
+        else:
+            where = " ".join(f"{k} {v}" for k, v in example.items() if k not in ("file", "reason"))
+            expected.add(f"{example['file']} {where}")
+    assert logged == expected and any("byte offset" in m for m in logged) and any("line" in m for m in logged)
+
+
+def few_lanes_warnings(caplog, corpus, *, world_size, **settings):
+    import logging
+
+    from shardkit.loaders import StreamingDataLoader, StreamingDataset
+
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_loader"):
+        for _ in range(2):  # a second loader over the same corpus and readers: warned once
+            ds = StreamingDataset(str(corpus), tokenizer="byte", seq_len=64, rank=0, world_size=world_size,
+                                  **settings)
+            next(iter(StreamingDataLoader(ds, batch_size=2)))
+    return [r.getMessage() for r in caplog.records if "lanes for" in r.getMessage()]
+
+
+def test_few_lanes_for_the_readers_warn_once_naming_the_cause_and_the_fix(tmp_path, caplog):
+    import zstandard
+
+    text = "".join(f'{{"text": "document {i} {"x" * 80}"}}\n' for i in range(200)).encode()
+    for name in ("one", "two"):
+        (tmp_path / f"{name}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    [warning] = few_lanes_warnings(caplog, tmp_path, world_size=3, unit_bytes=1024)
+    assert "2 lanes for 3 readers (ranks x DataLoader workers)" in warning
+    assert "2 of its 2 files are compressed (.gz / .zst)" in warning and "split the corpus" in warning
+    assert "plain .jsonl or Parquet" in warning
+    (tmp_path / "plain.jsonl").write_bytes(text)  # its byte ranges give lanes enough
+    caplog.clear()
+    assert few_lanes_warnings(caplog, tmp_path, world_size=3, unit_bytes=1024) == []
+    [warning] = few_lanes_warnings(caplog, tmp_path, world_size=3, unit_bytes=1024, lanes=2)
+    assert "lanes=2; for more lanes give lanes >= 3" in warning

@@ -45,3 +45,19 @@ def test_raw_text_needs_seq_len(tmp_path, capsys):
                  "--run-dir", str(tmp_path / "run"), "--tensorboard", "false"])
     err = capsys.readouterr().err
     assert code == 2 and "needs --seq-len" in err and "Traceback" not in err
+
+
+def test_bad_input_options_reach_the_raw_loader(tmp_path, capsys):
+    """--on-corrupt skip trains through a truncated file; --skip-samples is refused by name, not ignored."""
+    from test_raw_unreadable import damage_zst
+
+    corpus = write_corpus(tmp_path / "corpus", docs=60)
+    damage_zst(corpus / "c.jsonl.zst", keep=0.3)  # about 3 kB of text before the damage: read within 12 steps
+    args = ["train", "--data", f"{corpus}/c.jsonl.zst", "--tokenizer", "byte", "--seq-len", "64", "--lanes", "1",
+            "--batch-size", "8", "--steps", "12", "--device", "cpu", "--tensorboard", "false"]
+    assert main([*args, "--run-dir", str(tmp_path / "raise")]) != 0
+    assert "c.jsonl.zst: cannot read it" in capsys.readouterr().err
+    assert main([*args, "--run-dir", str(tmp_path / "skip"), "--on-corrupt", "skip"]) == 0
+    code = main([*args, "--run-dir", str(tmp_path / "ids"), "--skip-samples", "5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "skip_samples is not supported for raw text" in err and "Traceback" not in err

@@ -20,12 +20,6 @@ from shardkit.text.documents import reason_category
 from shardkit.text.inputs import InputFile
 
 
-def record_label(kind: str) -> str:
-    """What one record of a unit of this kind is called in messages (`shardkit convert`'s kinds included)."""
-    return {"parquet": "row", "txt": "document", "txt-paragraph": "paragraph", "megatron": "document",
-            "hf": "row", "mds": "sample", "litdata": "item"}.get(kind, "line")
-
-
 @dataclass
 class BuildStats:
     """Counters over the documents read so far (saved in checkpoints, so a resumed build counts all)."""

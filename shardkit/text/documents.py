@@ -154,6 +154,13 @@ def reason_category(reason: str) -> str:
     return head.strip()
 
 
+def record_label(kind: str) -> str:
+    """What one record of a unit of this kind is called in messages (`shardkit convert`'s kinds included): the
+    build's report and a raw-text loader name records with it."""
+    return {"parquet": "row", "txt": "document", "txt-paragraph": "paragraph", "megatron": "document",
+            "hf": "row", "mds": "sample", "litdata": "item"}.get(kind, "line")
+
+
 class _Reject(str):
     """A rejection reason (a str subclass so it travels in the same lists as texts)."""
 

@@ -110,7 +110,9 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
         mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
         return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
                                 text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
-                                shuffle=shuffle, **mixture, **where)
+                                shuffle=shuffle, on_corrupt=config.loader.on_corrupt,
+                                skip_samples=config.loader.skip_samples,
+                                quarantine_list=config.loader.quarantine_list, **mixture, **where)
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
                             **overrides)
 
