@@ -148,6 +148,12 @@ class ShardCache:
         """Whether the store keeps shard `index` on the node now (never, with cache_mode "none")."""
         return self.store.contains(index)
 
+    def needs_prefetch(self, index: int) -> bool:
+        """Whether a prefetch of shard `index` would fetch anything now: the store keeps shards on the node and
+        not this one yet, and this process is not completing it block by block already (a prefetch of it
+        would start a thread only to return)."""
+        return self.store.on_disk and self.path(index) not in self._partial and not self.store.contains(index)
+
     def open(self, index: int, *, on_demand: bool = False) -> CachedShard:
         """Hold shard `index` for reading, downloading it first if no process of the node has.
 

@@ -142,7 +142,10 @@ _lock = threading.Lock()
 _registry = None
 _metrics: dict[str, Any] = {}
 _servers: dict[int, Any] = {}
-_pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # a worker's increments not yet sent
+# Increments not yet in a registry: a worker's, until they travel with its next batch; any other process's,
+# until something asks for the registry (an endpoint, `value`): importing prometheus_client costs 50-130 ms,
+# which a first batch of a fresh process would otherwise pay for its first storage call.
+_pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 _cache_roots: set[str] = set()
 
 
@@ -166,6 +169,10 @@ def registry():
                     _metrics[spec.name] = Histogram(spec.name, spec.help, spec.labels, registry=reg,
                                                     buckets=STEP_SECONDS_BUCKETS)
             _metrics["shardkit_cache_bytes"].set_function(_cache_disk_bytes)
+            if not _in_loader_worker():  # a worker's increments belong to its parent
+                for (name, labels), amount in _pending.items():
+                    _add(_metrics[name].labels(**dict(labels)) if labels else _metrics[name], amount)
+                _pending.clear()
             _registry = reg
     return _registry
 
@@ -251,12 +258,16 @@ def _in_loader_worker() -> bool:
 
 def inc(name: str, amount: float = 1.0, **labels: Any) -> None:
     """Add `amount` to a counter, or to a gauge (negative amounts allowed for gauges only)."""
-    if _in_loader_worker():
+    if _registry is None or _in_loader_worker():
         key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
         with _lock:
-            _pending[key] = _pending.get(key, 0.0) + amount
-        return
-    child = _child(name, labels)
+            if _registry is None or _in_loader_worker():  # again under the lock: `registry()` may have just run
+                _pending[key] = _pending.get(key, 0.0) + amount
+                return
+    _add(_child(name, labels), amount)
+
+
+def _add(child: Any, amount: float) -> None:
     if amount < 0:
         child.dec(-amount)
     else:

@@ -139,20 +139,20 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, ide
     # it is that version or a newer one (which the next HEAD sees as a change), never an older one; the
     # index records the JSON it was built for and is checked against it, so it may come from any moment.
     # A process still reading the previous index copy keeps its mapping of that file: the rename gives
-    # this one a new inode.
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
-        index = pool.submit(_download_atomic, storage, INDEX_NAME, directory)
-        if not storage.is_local:
-            _download_atomic(storage, MANIFEST_NAME, directory)
-        try:
-            index.result()  # one GET, not a HEAD and a LIST to ask first
-        except FileNotFoundError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, INDEX_NAME))
-        finally:
-            # The future keeps the error, whose traceback keeps this frame and its callers': a reference
-            # cycle that would hold the caller's objects (a DataLoader and its workers) until a collection.
-            index = None
+    # this one a new inode. A local dataset's JSON is read in place, so there is nothing to overlap the
+    # index copy with: a thread would only add its start-up (milliseconds on a busy node) to the first batch.
+    if storage.is_local:
+        _download_index(storage, directory)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
+            index = pool.submit(_download_index, storage, directory)
+            try:
+                _download_atomic(storage, MANIFEST_NAME, directory)
+                index.result()
+            finally:
+                # The future keeps an error, whose traceback keeps this frame and its callers': a reference
+                # cycle that would hold the caller's objects (a DataLoader and its workers) until a collection.
+                index = None
     logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
                  "copied" if not storage.is_local else "read in place", directory)
     manifest, (size, digest), checked_index = load_manifest_and_digest(
@@ -170,6 +170,15 @@ def _read_record(path: str, identity: str) -> tuple[int, str, str | None] | None
     except (FileNotFoundError, ValueError, TypeError):
         return None
     return (size, digest, stamp) if recorded == identity else None
+
+
+def _download_index(storage: Storage, directory: str) -> None:
+    """The dataset's binary index into `directory`, if it has one (one GET, not a HEAD and a LIST to ask first)."""
+    try:
+        _download_atomic(storage, INDEX_NAME, directory)
+    except FileNotFoundError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, INDEX_NAME))
 
 
 def _download_atomic(storage: Storage, name: str, directory: str) -> None:

@@ -1,6 +1,9 @@
 """The first batch imports only what reading needs (issue 36): no pandas and no pyarrow.compute, which pyarrow's
-`to_numpy`/`flatten` pulled in (0.2-0.3 s of a fresh process's first batch) whenever pandas is installed; and the
-buffer reads that replaced them give the same arrays."""
+`to_numpy`/`flatten` pulled in (0.2-0.3 s of a fresh process's first batch) whenever pandas is installed; no
+prometheus_client (50-130 ms; the metrics wait in a dict until someone asks for the registry) and no numpy.ma
+(which numpy 2.4's `np.unique` imports on its first call, ~20 ms); and it starts no thread it does not use (the
+manifest's copy from a local store, a prefetch of a shard this process already reads block by block). The buffer
+reads that replaced pyarrow's conversions give the same arrays."""
 
 from __future__ import annotations
 
@@ -20,20 +23,36 @@ from shardkit.formats.arrow_format import _flat
 # Runs in a fresh interpreter: the whole-shard path (the decoded cache) and the cold path (block by block,
 # WHOLE_READ_BYTES 0 as in test_blocks), each through StreamingDataLoader; sys.modules is read after each.
 CHILD = """
-import json, sys, tempfile
+import json, sys, tempfile, threading
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
 from shardkit.loaders import cache as cache_module
 
+started = []
+start_thread = threading.Thread.start
+def counted_start(thread):
+    started.append(thread.name)
+    return start_thread(thread)
+threading.Thread.start = counted_start
+
 def first_batch(url, cold):
     cache_module.WHOLE_READ_BYTES = 0 if cold else 1 << 40
-    dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1)
-    batch = next(iter(StreamingDataLoader(dataset, batch_size=4, num_workers=0)))
-    assert batch["tokens"].shape[0] == 4
-    return {"pandas": "pandas" in sys.modules, "pyarrow.compute": "pyarrow.compute" in sys.modules}
+    started.clear()
+    # Chunks of two batches: the next chunk's shards are prefetched while the first is read.
+    dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1, chunk_samples=8)
+    batches = iter(StreamingDataLoader(dataset, batch_size=4, num_workers=0))
+    assert next(batches)["tokens"].shape[0] == 4
+    # Read before the iterator goes: closing it completes the shards in the background (threads of their own).
+    # The closing thread starts once per process, with its first shard handle (the whole-shard run).
+    threads = [name for name in started if name != "shardkit-closer"]
+    return {**{name: name in sys.modules for name in MODULES}, "threads": threads}
 
+MODULES = json.loads(sys.argv[2])
 print(json.dumps({path: first_batch(url, cold) for path, url, cold in
                   (("whole shard", sys.argv[1], False), ("cold blocks", sys.argv[1], True))}))
 """
+
+
+UNNEEDED = ["pandas", "pyarrow.compute", "prometheus_client", "numpy.ma"]
 
 
 @pytest.mark.slow
@@ -43,10 +62,14 @@ def test_first_batch_imports_neither_pandas_nor_pyarrow_compute(tmp_path, shard_
         pytest.skip("pandas is not installed: the import this test guards against cannot happen here")
     url = str(tmp_path / "ds")
     write_fixed(url, 96, seq_len=16, per_shard=48, shard_format=shard_format)
-    result = subprocess.run([sys.executable, "-c", CHILD, url], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", CHILD, url, json.dumps(UNNEEDED)], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
-    imported = json.loads(result.stdout.splitlines()[-1])
-    assert imported == {path: {"pandas": False, "pyarrow.compute": False} for path in ("whole shard", "cold blocks")}
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert {path: {name: seen[path][name] for name in UNNEEDED} for path in seen} == {
+        path: dict.fromkeys(UNNEEDED, False) for path in ("whole shard", "cold blocks")}
+    # Read whole, the shards are prefetched while the first is read; block by block nothing runs beside the read.
+    assert seen["cold blocks"]["threads"] == []
 
 
 def _reference(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
