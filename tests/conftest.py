@@ -26,6 +26,12 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Slow (multi-process) tests first, otherwise in collection order: xdist hands tests out in this order, so
+    the minute-long ones start while every worker is busy instead of ending the run alone on one worker."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def shared_path(relative: str) -> Path:
     """A file under ../shared, or skip the test with a message saying what is missing."""
     path = SHARED / relative
