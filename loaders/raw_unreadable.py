@@ -31,9 +31,9 @@ import numpy as np
 
 from shardkit import metrics
 
-from .config import CORRUPT_POLICIES
-
 logger = logging.getLogger(__name__)
+
+CORRUPT_POLICIES = ("raise", "skip")
 
 
 @dataclass(frozen=True, order=True)
