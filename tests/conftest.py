@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import uuid
 from pathlib import Path
@@ -41,10 +43,36 @@ def shared_path(relative: str) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_PORTS = random.Random()  # its own generator: a test that seeds `random` must not make two workers draw alike
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports that are free on loopback now, below the kernel's ephemeral range.
+
+    Not port 0's pick: the kernel hands ephemeral ports to every outgoing connection (gloo's, S3 clients'),
+    so one that was free when asked can be some connection's local port by the time a server binds it; and
+    P + 1 (a second local rank, a second trial) was never checked at all. Below the range only another
+    test's draw can collide, one chance in thousands.
+    """
+    low = _ephemeral_range()[0]
+    while True:
+        base = _PORTS.randrange(10_000, low - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def outside_address() -> str | None:

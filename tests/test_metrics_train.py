@@ -72,9 +72,7 @@ def prometheus_query(port: int, query: str) -> list[dict]:
 def test_two_rank_training_endpoints_match_metrics_jsonl_and_reach_prometheus(tmp_path):
     data = str(tmp_path / "data")
     write_byte_dataset(data, num_samples=480)
-    port = free_port()
-    while free_port() == port + 1:  # P and P + 1 (local rank 1) must both be free; free_port is a hint
-        port = free_port()
+    port = free_port(2)  # P and P + 1 (local rank 1)
     prometheus_dir = Path(tempfile.mkdtemp(dir=tmp_path))
     targets = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
     with_prometheus = shutil.which("prometheus") is not None

@@ -259,12 +259,14 @@ def test_a_grid_search_that_completes_its_grid_exits_0(datasets, tmp_path):
 def test_parallel_trials_get_a_metrics_port_each(datasets, tmp_path):
     from conftest import free_port
 
-    output, port = tmp_path / "ports", free_port()
+    output, port = tmp_path / "ports", free_port(2)  # trial k serves on P + k
     run_tune(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
              "--trials", "2", "--parallel-trials", "2", "--pruner", "none", "--metrics-port", str(port),
              "--space", "lr=loguniform:1e-4:1e-2")
     study = load_study(output)
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], "\n".join(
+        (Path(t.user_attrs["run_dir"]) / "trial.log").read_text()[-2000:] for t in study.trials
+        if t.state.name != "COMPLETE")  # why a trial failed, in CI's log
     import tomllib
 
     ports = sorted(tomllib.loads((Path(t.user_attrs["run_dir"]) / "trial.toml").read_text())["logging"]["metrics_port"]
