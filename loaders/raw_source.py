@@ -173,8 +173,13 @@ class RejectionLog:
     def __init__(self) -> None:
         self.logged = 0
 
+    @property
+    def logging(self) -> bool:
+        """Whether the next rejection is logged (its place is only worked out then)."""
+        return self.logged < _LOGGED_REJECTIONS
+
     def log(self, url: str, where: str, reason: str) -> None:
-        if self.logged < _LOGGED_REJECTIONS:
+        if self.logging:
             self.logged += 1
             logger.warning("%s %s: rejected a document: %s", url, where, reason)
 
@@ -306,4 +311,5 @@ class LaneStream:
             url = self.corpus.files[segment.source].url
             for record, reason in rejected:
                 self.rejected[reason_category(reason)] += 1
-                self.log.log(url, self.corpus.record_place(segment, record), reason)
+                if self.log.logging:  # a byte-range unit's place scans its payload: only for the logged ones
+                    self.log.log(url, self.corpus.record_place(segment, record), reason)

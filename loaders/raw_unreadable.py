@@ -31,9 +31,9 @@ import numpy as np
 
 from shardkit import metrics
 
-logger = logging.getLogger(__name__)
+from .config import CORRUPT_POLICIES
 
-CORRUPT_POLICIES = ("raise", "skip")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, order=True)

@@ -45,6 +45,8 @@ def manifest_version(shard_format: str, format_version: int, tar_layout: str) ->
     """The manifest version (`shardkit.manifest.FORMAT_VERSIONS`) that shards written so need: 3 for group layout
     tar shards (readers of 2 do not parse them), else the shards' own version."""
     return 3 if shard_format == "tar" and tar_layout == "blocks" else format_version
+
+
 _ARROW_TRAILER = 10  # int32 footer length + b"ARROW1" at the very end of an Arrow IPC file
 
 
