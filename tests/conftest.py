@@ -30,7 +30,12 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Slow (multi-process) tests first, otherwise in collection order: xdist hands tests out in this order, so
-    the minute-long ones start while every worker is busy instead of ending the run alone on one worker."""
+    the minute-long ones start while every worker is busy instead of ending the run alone on one worker.
+
+    This needs `--maxschedchunk 1` (pyproject's addopts): xdist's default first deals each worker a block of
+    consecutive tests, a quarter of the suite, so the slow tests, all at the front, went to one or two
+    workers, which ran them one after another while the others sat idle (a 40-minute run at 108% CPU of 200%).
+    With it every worker holds at most two tests and takes the next when one ends."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
