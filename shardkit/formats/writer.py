@@ -218,9 +218,9 @@ class ShardWriter:
                                level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes,
                                tar_layout=self.tar_layout)
         name = self.name_template.format(index=index) + SHARD_EXTENSIONS[self.shard_format]
-        self.storage.write_bytes(name, encoded.data)
+        self.storage.write_bytes(name, encoded.pieces)
         return ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
-                         compressed_bytes=len(encoded.data), raw_bytes=encoded.raw_bytes,
+                         compressed_bytes=encoded.size, raw_bytes=encoded.raw_bytes,
                          sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries,
                          index_offset=encoded.index_offset, index_bytes=encoded.index_bytes,
                          index_sha256=encoded.index_sha256)
