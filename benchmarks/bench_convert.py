@@ -17,7 +17,10 @@ On ../shared/corpora/mix.jsonl.zst (override with --corpus) with the r50k (GPT-2
     block and source hashes) and CRC-32, and a memory copy;
 (5) the compression limit (issue 36: convert's goal is >= 60% of it): zstd at --level plus SHA-256 of the
     source and of the compressed bytes, 1 MiB pieces on one thread per core available (and on one thread),
-    in the same run as the conversions; each conversion is stated as a fraction of it.
+    in the same run as the conversions; each conversion is stated as a fraction of it;
+(6) CPU time (user + system) of each conversion and of the limit's work on one thread: on a shared machine
+    the wall rates move with the load, the CPU a conversion spends per byte much less; the limit's CPU over
+    a conversion's is the share of its CPU that compressing and hashing take.
 
 Every figure is the median of --runs runs. Prints a table, writes JSON (--out).
     python benchmarks/bench_convert.py --runs 3 --repeat 2 --out bench_out/convert.json
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,19 +44,23 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))
 
 
-def shardkit(*args: str, python: str = sys.executable) -> float:
-    """Run the CLI in a subprocess (of `python`); returns its wall time."""
+def shardkit(*args: str, python: str = sys.executable) -> tuple[float, float]:
+    """Run the CLI in a subprocess (of `python`); returns its wall time and CPU time (user + system, of it and
+    its worker processes: what it costs the machine, whatever else is running)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     began = time.perf_counter()
     run = subprocess.run([python, "-m", "shardkit", *args], capture_output=True, text=True)
+    wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if run.returncode != 0:
         raise RuntimeError(f"shardkit {args[0]} failed: {run.stderr[-2000:]}")
-    return time.perf_counter() - began
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def make_source(corpus: Path, tokenizer: Path, work: Path, repeat: int) -> tuple[list[Path], dict]:
     """Build the corpus once (timed), export it to Megatron and copy that `repeat` times."""
     built = work / "built"
-    seconds = shardkit("build", str(corpus), "--output", str(built), "--tokenizer", str(tokenizer), "--seq-len", "2048",
+    seconds, _ = shardkit("build", str(corpus), "--output", str(built), "--tokenizer", str(tokenizer), "--seq-len", "2048",
                        "--pack", "none", "--workers", "2", "--no-progress")
     report = json.loads((built / "build_report.json").read_text())
     shardkit("export", str(built), "--to", "megatron", "--output", str(work / "mega" / "part0"), "--no-progress")
@@ -87,14 +95,17 @@ def convert(prefixes: list[Path], work: Path, workers: int, runs: int, level: in
             pythons: dict[str, str]) -> dict[str, dict]:
     """Each interpreter's conversion, alternating run by run (this one first)."""
     walls: dict[str, list[float]] = {name: [] for name in pythons}
+    cpus: dict[str, list[float]] = {name: [] for name in pythons}
     reports: dict[str, list[dict]] = {name: [] for name in pythons}
     for _ in range(runs):
         for name, python in pythons.items():
             out = work / f"converted-{name}-{workers}"
             shutil.rmtree(out, ignore_errors=True)
-            walls[name].append(shardkit("convert", *map(str, prefixes), "--from", "megatron", "--output", str(out),
-                                        "--seq-len", "2048", "--workers", str(workers), "--compression",
-                                        f"zstd:{level}", "--no-progress", python=python))
+            wall, cpu = shardkit("convert", *map(str, prefixes), "--from", "megatron", "--output", str(out),
+                                 "--seq-len", "2048", "--workers", str(workers), "--compression", f"zstd:{level}",
+                                 "--no-progress", python=python)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
             reports[name].append(json.loads((out / "build_report.json").read_text()))
             shutil.rmtree(out, ignore_errors=True)
     results = {}
@@ -103,6 +114,7 @@ def convert(prefixes: list[Path], work: Path, workers: int, runs: int, level: in
         report = reports[name][0]
         tokens = report["packing"]["document_tokens"]
         results[name] = {"workers": workers, "tokens": tokens, "process_seconds": wall, "runs": walls[name],
+                         "cpu_seconds": statistics.median(cpus[name]), "cpu_runs": cpus[name],
                          "tokens_per_second": tokens / wall, "bytes_per_second": report["bytes"]["in"] / wall,
                          "report_seconds": statistics.median(r["timing"]["seconds"] for r in reports[name]),
                          "source_bytes": report["bytes"]["in"],
@@ -162,13 +174,15 @@ def compression_limit(prefixes: list[Path], level: int, runs: int) -> dict[str, 
 
     rates = {}
     for threads in sorted({1, available_cores()}):
-        seconds = []
+        seconds, cpu = [], []
         with ThreadPoolExecutor(threads) as pool:
             for _ in range(runs):
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 list(pool.map(encode, pieces))
                 seconds.append(time.perf_counter() - began)
+                cpu.append(time.process_time() - began_cpu)
         rates[f"threads_{threads}"] = data.size / statistics.median(seconds)
+        rates[f"cpu_seconds_threads_{threads}"] = statistics.median(cpu)
     return {"cores": available_cores(), "bytes": data.size, **rates}
 
 
@@ -203,6 +217,9 @@ def main() -> None:
     on_all = limit[f"threads_{limit['cores']}"]
     print(f"zstd level {args.level} + SHA-256 (source and compressed): {limit['threads_1'] / 1e6:.0f} MB/s on one "
           f"thread, {on_all / 1e6:.0f} MB/s on all {limit['cores']} cores (the compression limit)")
+    # CPU per source byte is what the load changes least: the limit's work against each conversion's.
+    limit_cpu = limit["cpu_seconds_threads_1"] / limit["bytes"]
+    print(f"CPU: the limit's work {limit_cpu * 1e9:.2f} CPU-s per GB of source (one thread)")
     print(f"build (re-tokenize, w=2): {build['tokens_per_second'] / 1e6:.2f}M tokens/s "
           f"-> {first['tokens'] / build['tokens_per_second']:.1f} s for the source's tokens")
     for label in ("convert", "compare"):
@@ -212,7 +229,10 @@ def main() -> None:
                   f"copy, {c['bytes_per_second'] / on_all:.0%} of the compression limit; "
                   f"{c['source_bytes'] / c['report_seconds'] / on_all:.0%} over the report's seconds, without the "
                   f"interpreter's start-up), {c['process_seconds']:.2f} s (runs {', '.join(f'{r:.2f}' for r in c['runs'])}), "
-                  f"{c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build")
+                  f"{c['tokens_per_second'] / build['tokens_per_second']:.1f}x the build; "
+                  f"CPU {c['cpu_seconds']:.2f} s (runs {', '.join(f'{r:.2f}' for r in c['cpu_runs'])}): "
+                  f"{c['cpu_seconds'] / c['source_bytes'] * 1e9:.2f} CPU-s per GB, the limit's work is "
+                  f"{limit_cpu * c['source_bytes'] / c['cpu_seconds']:.0%} of it")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

@@ -17,7 +17,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -332,13 +332,19 @@ def atomic_path(path: str, *, fsync: bool = True) -> Iterator[str]:
             os.unlink(temporary)
 
 
-def write_file_atomic(path: str, data: bytes | memoryview, *, fsync: bool = True) -> None:
-    """Write `data` to the local file `path` (creating its directory) through `atomic_path`."""
+def write_file_atomic(path: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
+                      fsync: bool = True) -> None:
+    """Write `data` (or its pieces, one after another) to the local file `path` (creating its directory)
+    through `atomic_path`."""
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
     with atomic_path(path, fsync=fsync) as temporary, open(temporary, "xb") as fh:
-        fh.write(data)
+        fh.writelines(_pieces(data))
+
+
+def _pieces(data: bytes | memoryview | Sequence[bytes | memoryview]) -> Sequence[bytes | memoryview]:
+    return (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 class Storage:
@@ -482,8 +488,9 @@ class Storage:
         self._call(lambda: self.fs.get_file(path, local_path), name, "download")
 
     # -- writes ------------------------------------------------------------------------------
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Write `data` to `name` atomically: readers see the old object or the whole new one.
+    def write_bytes(self, name: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        """Write `data` to `name` atomically: readers see the old object or the whole new one. `data` may
+        be the object's pieces in order (a local file is written piece by piece, never joined in memory).
 
         Local files are written to a temporary name and renamed; object stores publish an object
         only when its (single or multipart) upload completes, so a plain put is already atomic.
@@ -492,7 +499,8 @@ class Storage:
         if self.is_local:
             self._call(lambda: write_file_atomic(path, data), name, "write")
         else:
-            self._call(lambda: self.fs.pipe_file(path, data), name, "write")
+            whole = data if isinstance(data, bytes) else b"".join(_pieces(data))  # what every fsspec put takes
+            self._call(lambda: self.fs.pipe_file(path, whole), name, "write")
 
     def delete(self, name: str) -> None:
         path = self.path(name)

@@ -108,6 +108,16 @@ def test_output_does_not_depend_on_workers_or_unit_size(tmp_path, source):
     assert one.manifest.to_json() == two.manifest.to_json()
 
 
+def test_megatron_units_are_read_by_threads_of_this_process(tmp_path, source):
+    """Reader threads, not worker processes: the ids reach the packer without a pickle and a pipe (the open
+    filesystem a reader caches is then this process's)."""
+    from shardkit.tools.convert import megatron as megatron_source
+
+    megatron_source._filesystem.cache_clear()
+    convert([source[0]], tmp_path / "ds", workers=2)
+    assert megatron_source._filesystem.cache_info().currsize == 1
+
+
 def test_several_sources_keep_their_own_indices(tmp_path):
     parts = [random_documents(30, seed=1), random_documents(20, seed=2)]
     for number, documents in enumerate(parts):

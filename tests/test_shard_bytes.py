@@ -152,3 +152,18 @@ def test_raw_bytes_must_match_the_manifest_exactly(shard_format):
     for wrong in (encoded.raw_bytes - 1, encoded.raw_bytes + 1):
         with pytest.raises(CorruptShardError, match="s.x"):
             decode_shard(encoded.data, shard_format=shard_format, token_dtype="uint16", shard="s.x", raw_bytes=wrong)
+
+
+def test_an_arrow_shard_larger_than_the_room_it_was_given_is_written_again_with_the_same_bytes(monkeypatch):
+    """Arrow shards are encoded into one buffer sized for them; ids that compress worse than that fit (here: a
+    room too small for anything) are encoded again into a growing buffer, with the same bytes."""
+    from shardkit.formats import arrays_from_samples, arrow_format, decode_shard, encode_shard
+
+    rng = np.random.default_rng(3)
+    arrays = arrays_from_samples([Sample(rng.integers(0, 65000, 3000)) for _ in range(40)], "uint16")
+    roomy = encode_shard(arrays, shard_format="arrow", token_dtype="uint16", block_bytes=20_000)
+    monkeypatch.setattr(arrow_format, "_FILE_SLACK", -arrays.raw_nbytes)
+    cramped = encode_shard(arrays, shard_format="arrow", token_dtype="uint16", block_bytes=20_000)
+    assert cramped.data == roomy.data and cramped.sha256 == roomy.sha256
+    back = decode_shard(cramped.data, shard_format="arrow", token_dtype="uint16", shard="s", raw_bytes=cramped.raw_bytes)
+    np.testing.assert_array_equal(back.tokens, arrays.tokens)

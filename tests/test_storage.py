@@ -57,6 +57,15 @@ def test_write_read_range_exists_size(backend):
     assert storage.read_range("x/blob.bin", len(data) - 5, len(data)) == data[-5:]
 
 
+def test_an_object_written_as_pieces_is_their_bytes_in_order(backend):
+    """A shard is handed over as the encoder's pieces (never joined in memory for a local file)."""
+    url, options = backend
+    storage = Storage(url, options)
+    pieces = (memoryview(bytes(range(256)))[10:200], b"index", b"", bytearray(b"tail"))
+    storage.write_bytes("x/pieces.bin", pieces)
+    assert storage.read_bytes("x/pieces.bin") == b"".join(pieces)
+
+
 def test_read_range_into_reads_the_same_bytes_into_one_reused_buffer(backend):
     """The same bytes as `read_range` (fewer at the end of the object); a local file lands in the caller's
     buffer, so a second read overwrites the first's view; a buffer too small is refused."""

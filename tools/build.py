@@ -142,7 +142,7 @@ def run_build(config: BuildConfig) -> BuildResult:
 
 
 def run_pipeline(config, plan: Callable[[], InputSide], *, began: float, initializer: Callable,
-                 initargs: tuple = ()) -> BuildResult:
+                 initargs: tuple = (), threads: bool = False) -> BuildResult:
     """The shared pipeline of `shardkit build` and `shardkit convert`: work units from `plan()`'s input
     side, processed by `--workers` processes or Ray tasks, packed in unit order, written to shards with
     a resume checkpoint after each, then the report and the manifest.
@@ -152,13 +152,15 @@ def run_pipeline(config, plan: Callable[[], InputSide], *, began: float, initial
             fields (`ConvertConfig`).
         plan: resolves the input side; called once the executor's workers are starting.
         initializer: runs once in each local worker process (it must ignore SIGINT, see `_worker_start`).
+        threads: the input side's work releases the GIL, so local workers are threads of this process
+            (`ThreadExecutor`): its results then cost no pickling and no pipe.
     """
     workers = config.workers or available_cores()
     # While the parent encodes a full shard it consumes no results; enough units in flight keep the
     # workers busy meanwhile (~0.4 input bytes per shard byte at zstd's and tiktoken's speeds).
     extra = min(64, math.ceil(0.4 * config.shard_size / config.unit_bytes))
     executor = make_executor(config.executor, workers, ray_address=config.ray_address,
-                             initializer=initializer, initargs=initargs, extra_window=extra)
+                             initializer=initializer, initargs=initargs, extra_window=extra, threads=threads)
     # Spawned workers start first: they load the tokenizer while the parent sets up.
     with executor:
         run = prepare(config, plan(), workers=workers, began=began)

@@ -7,6 +7,9 @@ which worker finished first.
 - `LocalExecutor`: a pool of worker processes on this machine. They are forked when the parent is
   still single-threaded (they then start at once and inherit the loaded tokenizer), and spawned
   otherwise (forking a process that holds threads, e.g. fsspec's event loop, is unsafe).
+- `ThreadExecutor`: threads of this process, for work that releases the GIL (a ranged read and numpy
+  checks, as `shardkit convert` reads most formats): a result reaches the parent without being pickled
+  and piped, and no worker process starts.
 - `RayExecutor`: Ray tasks on a cluster (`address`), or on a local instance it starts.
 """
 
@@ -50,7 +53,46 @@ def _ordered(submit: Callable[[Any], Any], wait: Callable[[Any], Any], items: It
         yield wait(pending.popleft())
 
 
-class LocalExecutor:
+class _PoolExecutor:
+    """A `concurrent.futures` pool on this machine (`_start` makes it); results in submission order."""
+
+    forks = False
+
+    def __init__(self, workers: int, *, window: int | None = None):
+        if workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.window = window or 2 * workers + 1
+        self._pool = None
+        self.units_per_node: dict[str, int] = {}  # the build report's "nodes": here, this host
+
+    def _start(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._pool = self._start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def map_ordered(self, fn: Callable, items: Iterable[Any], *args: Any) -> Iterator[Any]:
+        """`fn(item, *args)` for each item, in parallel, yielded in item order."""
+        if self._pool is None:
+            raise ValueError(f"{type(self).__name__} must be used as a context manager")
+        pool, host = self._pool, socket.gethostname()
+
+        def result(future):
+            value = future.result()
+            self.units_per_node[host] = self.units_per_node.get(host, 0) + 1
+            return value
+
+        return _ordered(lambda item: pool.submit(fn, item, *args), result, items, self.window)
+
+
+class LocalExecutor(_PoolExecutor):
     """Worker processes on this machine.
 
     Args:
@@ -60,14 +102,9 @@ class LocalExecutor:
 
     def __init__(self, workers: int, *, window: int | None = None, initializer: Callable | None = None,
                  initargs: tuple = ()):
-        if workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {workers}")
-        self.workers = workers
-        self.window = window or 2 * workers + 1
+        super().__init__(workers, window=window)
         self.initializer = initializer
         self.initargs = initargs
-        self._pool = None
-        self.units_per_node: dict[str, int] = {}  # the build report's "nodes": here, this host
         import multiprocessing
         import threading
 
@@ -79,36 +116,31 @@ class LocalExecutor:
         """Whether workers are forked (and so inherit what the parent loaded before entering)."""
         return self.start_method == "fork"
 
-    def __enter__(self) -> LocalExecutor:
+    def _start(self):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context(self.start_method)
-        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context,
-                                         initializer=self.initializer, initargs=self.initargs)
+        pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=context, initializer=self.initializer,
+                                   initargs=self.initargs)
         # Start every worker now (they load the tokenizer in the initializer) while the parent sets up.
         for _ in range(self.workers):
-            self._pool.submit(int)
-        return self
+            pool.submit(int)
+        return pool
 
-    def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
-    def map_ordered(self, fn: Callable, items: Iterable[Any], *args: Any) -> Iterator[Any]:
-        """`fn(item, *args)` for each item, in parallel, yielded in item order."""
-        if self._pool is None:
-            raise ValueError("LocalExecutor must be used as a context manager")
-        pool = self._pool
-        host = socket.gethostname()
+class ThreadExecutor(_PoolExecutor):
+    """Worker threads in this process, for work that releases the GIL (else they take turns).
 
-        def result(future):
-            value = future.result()
-            self.units_per_node[host] = self.units_per_node.get(host, 0) + 1
-            return value
+    Args:
+        workers: number of threads.
+        window: units in flight (default: 2 per worker).
+    """
 
-        return _ordered(lambda item: pool.submit(fn, item, *args), result, items, self.window)
+    def _start(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        return ThreadPoolExecutor(self.workers, thread_name_prefix="unit-worker")
 
 
 class RayExecutor:
@@ -177,13 +209,18 @@ def _on_node(fn: Callable, item: Any, *args: Any) -> tuple[str, Any]:
 
 
 def make_executor(kind: str, workers: int | None, *, ray_address: str | None = None,
-                  initializer: Callable | None = None, initargs: tuple = (), extra_window: int = 0):
-    """`LocalExecutor` or `RayExecutor` for `--executor KIND` (workers default: available cores).
+                  initializer: Callable | None = None, initargs: tuple = (), extra_window: int = 0,
+                  threads: bool = False):
+    """`LocalExecutor` or `RayExecutor` for `--executor KIND` (workers default: available cores); with
+    `threads`, "local" is a `ThreadExecutor` (for work that releases the GIL).
 
-    `initializer(*initargs)` runs once in each local worker process (Ray tasks initialise lazily).
+    `initializer(*initargs)` runs once in each local worker process (Ray tasks initialise lazily; threads
+    need none: the parent answers Ctrl-C, and it loaded what they use).
     """
     count = workers if workers is not None else available_cores()
     window = 2 * count + 1 + extra_window
+    if kind == "local" and threads:
+        return ThreadExecutor(count, window=window)
     if kind == "local":
         return LocalExecutor(count, window=window, initializer=initializer, initargs=initargs)
     if kind == "ray":

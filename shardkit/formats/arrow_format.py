@@ -27,6 +27,10 @@ from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_START
 BATCH_RAW_BYTES = 1 << 20
 # Declared buffer sizes may exceed RecordBatch.nbytes by a little (offsets buffers, alignment).
 _SLACK_PER_BUFFER = 64
+# Room an encoded shard may take beyond its raw bytes (+1/64): the schema and footer, and per record batch its
+# metadata and each compressed buffer's length prefix and padding.
+_FILE_SLACK = 1 << 16
+_BATCH_SLACK = 1 << 10
 _FILE_MAGIC_BYTES = 8  # "ARROW1" and padding, then the IPC stream the footer indexes
 _ARROW_TOKEN_TYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
 _DOC_FIELDS = (("doc_starts", pa.int32()), ("doc_source", pa.int32()), ("doc_index", pa.int64()))
@@ -70,10 +74,28 @@ def samples_per_batch(arrays: ShardArrays, batch_bytes: int = BATCH_RAW_BYTES) -
 def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
                  batch_bytes: int = BATCH_RAW_BYTES) -> tuple[memoryview, int]:
     """Serialise a shard; returns (file bytes, raw_bytes). `batch_bytes`: raw bytes per record batch. The
-    bytes are a view of pyarrow's output buffer (a shard is tens of MB: each copy costs a pass over it)."""
-    schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
+    bytes are a view of pyarrow's output buffer (a shard is tens of MB: each copy costs a pass over it).
+
+    The file is written into one buffer sized for the shard compressed at worst a little larger than raw
+    (a growing buffer copies what it holds each time it doubles: half the encoding thread's CPU besides
+    zstd); ids that compress worse than that are written again into a growing buffer, with the same bytes."""
     step = samples_per_batch(arrays, batch_bytes)
-    sink = pa.BufferOutputStream()
+    batches = -(-arrays.num_samples // step)
+    room = arrays.raw_nbytes + arrays.raw_nbytes // 64 + _FILE_SLACK + _BATCH_SLACK * batches
+    buffer = pa.allocate_buffer(room)
+    sink = pa.FixedSizeBufferWriter(buffer)
+    try:
+        raw = _write_file(sink, arrays, token_dtype=token_dtype, level=level, step=step)
+    except OSError:  # "write out of bounds": larger than `room`
+        sink = pa.BufferOutputStream()
+        raw = _write_file(sink, arrays, token_dtype=token_dtype, level=level, step=step)
+        return memoryview(sink.getvalue()), raw
+    return memoryview(buffer)[:sink.tell()], raw
+
+
+def _write_file(sink, arrays: ShardArrays, *, token_dtype: str, level: int, step: int) -> int:
+    """Write the Arrow IPC file of `arrays` (record batches of `step` samples) to `sink`; returns raw_bytes."""
+    schema = arrow_schema(token_dtype, arrays.has_doc_boundaries)
     options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
     raw = 0
     with pa.ipc.new_file(sink, schema, options=options) as writer:
@@ -91,7 +113,7 @@ def encode_arrow(arrays: ShardArrays, *, token_dtype: str, level: int,
             batch = pa.record_batch(columns, schema=schema)
             raw += batch_raw_bytes(batch)
             writer.write_batch(batch)
-    return memoryview(sink.getvalue()), raw
+    return raw
 
 
 def _flat(column: pa.ListArray, dtype: np.dtype, *, shard: str, number: int) -> tuple[np.ndarray, np.ndarray]:

@@ -52,9 +52,12 @@ _ARROW_TRAILER = 10  # int32 footer length + b"ARROW1" at the very end of an Arr
 
 @dataclass(frozen=True)
 class EncodedShard:
-    """A serialised shard and the facts the manifest records about it (the index fields: format v2 only)."""
+    """A serialised shard and the facts the manifest records about it (the index fields: format v2 only).
 
-    data: bytes
+    `pieces` are the file's bytes in order (the encoder's output around the block index it inserts), kept
+    apart: joining them would copy a whole compressed shard once more; `data` joins them on request."""
+
+    pieces: tuple[bytes | memoryview, ...]
     samples: int
     tokens: int
     raw_bytes: int
@@ -63,6 +66,14 @@ class EncodedShard:
     index_offset: int | None = None
     index_bytes: int | None = None
     index_sha256: str | None = None
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.pieces)
+
+    @property
+    def size(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
 
 
 def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, level: int = 3,
@@ -86,16 +97,20 @@ def encode_shard(arrays: ShardArrays, *, shard_format: str, token_dtype: str, le
     else:
         raise ValueError(f"shard_format must be 'tar' or 'arrow', got {shard_format!r}")
     index_fields: dict = {}
+    pieces: tuple[bytes | memoryview, ...] = (data,)
     if format_version == 2 and arrays.num_samples:
-        data, index_fields = _with_block_index(data, arrays, shard_format, block_bytes, groups)
-    data = data if isinstance(data, bytes) else bytes(data)
-    return EncodedShard(data, arrays.num_samples, int(arrays.tokens.size), raw,
-                        hashlib.sha256(data).hexdigest(), arrays.has_doc_boundaries, **index_fields)
+        pieces, index_fields = _with_block_index(data, arrays, shard_format, block_bytes, groups)
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return EncodedShard(pieces, arrays.num_samples, int(arrays.tokens.size), raw, digest.hexdigest(),
+                        arrays.has_doc_boundaries, **index_fields)
 
 
-def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_format: str,
-                      block_bytes: int, groups: list[Group] | None) -> tuple[bytes, dict]:
-    """The shard bytes with the block index inserted, and the manifest's index fields.
+def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_format: str, block_bytes: int,
+                      groups: list[Group] | None) -> tuple[tuple[bytes | memoryview, ...], dict]:
+    """The shard bytes with the block index inserted (as the pieces of the file, in order), and the
+    manifest's index fields.
 
     Where it goes keeps every existing reader working: after a tar's end-of-archive marker (tar
     readers stop there), in the zero padding up to tar's 10,240-byte record (one more record when it
@@ -132,13 +147,13 @@ def _with_block_index(data: bytes | memoryview, arrays: ShardArrays, shard_forma
                        raw_bytes=raw)
               for (s, e), a, b, raw in zip(ranges, cuts[:-1], cuts[1:], raws)]
     index = BlockIndex(tuple(blocks)).to_bytes()
-    view = memoryview(data)  # one join, not a copy per slice and per concatenation
+    view = memoryview(data)  # slices, not copies
     if shard_format == "tar":  # the index replaces padding; the file stays a whole number of tar records
-        out = b"".join((view[:insert_at], index, b"\0" * (-(insert_at + len(index)) % TAR_RECORD)))
+        pieces = (view[:insert_at], index, b"\0" * (-(insert_at + len(index)) % TAR_RECORD))
     else:
-        out = b"".join((view[:insert_at], index, view[insert_at:]))
-    return out, {"index_offset": insert_at, "index_bytes": len(index),
-                 "index_sha256": hashlib.sha256(index).hexdigest()}
+        pieces = (view[:insert_at], index, view[insert_at:])
+    return pieces, {"index_offset": insert_at, "index_bytes": len(index),
+                    "index_sha256": hashlib.sha256(index).hexdigest()}
 
 
 def _arrow_block_raw(arrays: ShardArrays, lo: int, hi: int) -> int:

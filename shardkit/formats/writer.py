@@ -45,7 +45,8 @@ class ShardWriter:
         encode_threads: shards encoded (compressed, hashed and stored) at once in background threads while
             the next shard fills; 0 encodes in the caller's thread. zstd and SHA-256 release the GIL, so
             this uses more cores; the shards' bytes do not depend on it. `on_shard_done` still runs in the
-            caller's thread and in shard order.
+            caller's thread and in shard order. The arrays written are read until their shard is encoded
+            (they are joined in the background): do not change them in place meanwhile.
         on_shard_cut: called with a shard's index when its samples are fixed, before it is encoded (with
             `encode_threads`, `on_shard_done` comes later, after the caller may have written more).
         tar_layout: "blocks" (default) stores each block of samples as one member group, compressed together
@@ -187,37 +188,39 @@ class ShardWriter:
         it is encoded in the background (`encode_threads`)."""
         if not self._pending:
             return None
-        arrays = concat_arrays(self._pending, self.token_dtype)
+        parts = self._pending
         self._pending = []
         self._pending_samples = 0
         self._pending_bytes = 0
-        return self._write_shard(arrays)
+        return self._write_shard(parts)
 
     def write_empty_shard(self) -> ShardInfo:
         """Write a shard with zero samples (valid, e.g. for an input with nothing in it)."""
         self._collect(keep=0)
-        return self._write_shard(concat_arrays([], self.token_dtype), background=False)
+        return self._write_shard([], background=False)
 
-    def _write_shard(self, arrays: ShardArrays, *, background: bool = True) -> ShardInfo | None:
+    def _write_shard(self, parts: list[ShardArrays], *, background: bool = True) -> ShardInfo | None:
         index = self.next_index
         self.next_index += 1
         if self.on_shard_cut is not None:
             self.on_shard_cut(index)
         if self._pool is None or not background:
-            return self._done(self._store(arrays, index))
-        self._in_flight.append(self._pool.submit(self._store, arrays, index))
+            return self._done(self._store(parts, index))
+        self._in_flight.append(self._pool.submit(self._store, parts, index))
         self._collect(keep=self.encode_threads)
         return None
 
-    def _store(self, arrays: ShardArrays, index: int) -> ShardInfo:
-        """Encode and upload one shard (in any thread: it touches nothing of the writer's state)."""
+    def _store(self, parts: list[ShardArrays], index: int) -> ShardInfo:
+        """Join, encode and upload one shard's runs of samples (in any thread: it touches nothing of the
+        writer's state; joining here keeps that copy of every token off the caller's thread)."""
+        arrays = concat_arrays(parts, self.token_dtype)
         encoded = encode_shard(arrays, shard_format=self.shard_format, token_dtype=self.token_dtype,
                                level=self.compression_level, format_version=self.format_version, block_bytes=self.block_bytes,
                                tar_layout=self.tar_layout)
         name = self.name_template.format(index=index) + SHARD_EXTENSIONS[self.shard_format]
-        self.storage.write_bytes(name, encoded.data)
+        self.storage.write_bytes(name, encoded.pieces)
         return ShardInfo(name=name, samples=encoded.samples, tokens=encoded.tokens,
-                         compressed_bytes=len(encoded.data), raw_bytes=encoded.raw_bytes,
+                         compressed_bytes=encoded.size, raw_bytes=encoded.raw_bytes,
                          sha256=encoded.sha256, has_doc_boundaries=encoded.has_doc_boundaries,
                          index_offset=encoded.index_offset, index_bytes=encoded.index_bytes,
                          index_sha256=encoded.index_sha256)

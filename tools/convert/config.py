@@ -73,8 +73,10 @@ class ConvertConfig:
                          "'fail' stops with the file and record and exits non-zero")
     bestfit_buffer: int = same_as_build("bestfit_buffer")
     bestfit_open: int = same_as_build("bestfit_open")
-    workers: int | None = same_as_build("workers", help="parallel reader processes (or Ray tasks in flight); "
-                                                        "default: the cores available. The output does not depend on it")
+    workers: int | None = same_as_build("workers", help="parallel readers: threads for megatron, hf and litdata "
+                                                        "sources (their reads and checks release the GIL), processes "
+                                                        "for mds (or Ray tasks in flight); default: the cores "
+                                                        "available. The output does not depend on it")
     encode_threads: int | None = same_as_build("encode_threads")
     executor: str = same_as_build("executor")
     ray_address: str | None = same_as_build("ray_address")

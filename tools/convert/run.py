@@ -14,6 +14,12 @@ from .documents import TokenSettings, file_units
 
 __all__ = ["run_convert", "source_side", "tokenizer_identity"]
 
+# Formats whose worker reads a byte range or a whole file and checks it with numpy and pyarrow, which
+# release the GIL: their local workers are threads, so no id is pickled and piped to the packer (a copy
+# of every byte in each process, and most of a worker process's CPU). An MDS shard is parsed sample by
+# sample in Python: processes.
+READ_IN_THREADS = ("megatron", "hf", "litdata")
+
 
 def run_convert(config: ConvertConfig) -> BuildResult:
     """Run (or resume) a conversion; returns the manifest and the report, like `run_build`.
@@ -24,7 +30,8 @@ def run_convert(config: ConvertConfig) -> BuildResult:
         ValueError, OSError: bad configuration, unreadable sources, storage failures.
     """
     began = time.perf_counter()
-    return run_pipeline(config, lambda: source_side(config), began=began, initializer=_worker_start)
+    return run_pipeline(config, lambda: source_side(config), began=began, initializer=_worker_start,
+                        threads=config.source_format in READ_IN_THREADS)
 
 
 def source_side(config: ConvertConfig) -> InputSide:
