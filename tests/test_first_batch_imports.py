@@ -3,7 +3,8 @@
 prometheus_client (50-130 ms; the metrics wait in a dict until someone asks for the registry) and no numpy.ma
 (which numpy 2.4's `np.unique` imports on its first call, ~20 ms); and it starts no thread it does not use (the
 manifest's copy from a local store, a prefetch of a shard this process already reads block by block). The buffer
-reads that replaced pyarrow's conversions give the same arrays."""
+reads that replaced pyarrow's conversions give the same arrays. Nor does the first batch import anything at all:
+numpy.random, which the order's permutations need, comes with the loaders."""
 
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ def first_batch(url, cold):
     started.clear()
     # Chunks of two batches: the next chunk's shards are prefetched while the first is read.
     dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1, chunk_samples=8)
-    batches = iter(StreamingDataLoader(dataset, batch_size=4, num_workers=0))
+    loader = StreamingDataLoader(dataset, batch_size=4, num_workers=0)
+    before = set(sys.modules)
+    batches = iter(loader)
     assert next(batches)["tokens"].shape[0] == 4
+    imported = sorted(set(sys.modules) - before)
     # Read before the iterator goes: closing it completes the shards in the background (threads of their own).
     # The closing thread starts once per process, with its first shard handle (the whole-shard run).
     threads = [name for name in started if name != "shardkit-closer"]
-    return {**{name: name in sys.modules for name in MODULES}, "threads": threads}
+    return {**{name: name in sys.modules for name in MODULES}, "threads": threads, "imported": imported}
 
 MODULES = json.loads(sys.argv[2])
 print(json.dumps({path: first_batch(url, cold) for path, url, cold in
@@ -70,6 +74,9 @@ def test_first_batch_imports_neither_pandas_nor_pyarrow_compute(tmp_path, shard_
         path: dict.fromkeys(UNNEEDED, False) for path in ("whole shard", "cold blocks")}
     # Read whole, the shards are prefetched while the first is read; block by block nothing runs beside the read.
     assert seen["cold blocks"]["threads"] == []
+    # Everything the first batch runs is imported with the loaders (numpy.random, for the order's permutations,
+    # took 6-20 ms of a fresh process's first batch).
+    assert {path: seen[path]["imported"] for path in seen} == {"whole shard": [], "cold blocks": []}
 
 
 def _reference(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
