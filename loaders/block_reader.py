@@ -59,11 +59,10 @@ COALESCE_GAP_BYTES = 256 << 10
 # holds it (tar's members of 256 KiB groups: a second thread only contended for the GIL, and made the first
 # batch slower on a loaded machine).
 PARALLEL_DECODE_BLOCK_BYTES = 512 << 10
-# Threads beside the caller's that decode a request's local blocks: one per other core this process may run on.
-try:
-    _DECODE_HELPERS = len(os.sched_getaffinity(0)) - 1
+try:  # the cores this process may run on
+    _CORES = len(os.sched_getaffinity(0))
 except AttributeError:  # macOS
-    _DECODE_HELPERS = (os.cpu_count() or 1) - 1
+    _CORES = os.cpu_count() or 1
 _MISSING, _CLAIMED, _DONE = 0, 1, 2
 
 
@@ -83,6 +82,15 @@ class BlockRequest:
         """
         if self.shard is not None:
             self.shard._wait(self)
+
+
+def _decode_helpers() -> int:
+    """Threads beside the caller's that decode a request's local blocks: one per other core of this process's
+    share (a DataLoader worker shares the cores with the other workers, which read their own batches)."""
+    from torch.utils.data import get_worker_info  # here: the rest of this module reads shards without torch
+
+    info = get_worker_info()
+    return max(_CORES // (info.num_workers if info is not None else 1) - 1, 0)
 
 
 class BlockReader:
@@ -222,7 +230,7 @@ class BlockReader:
         runs = deque(self._claim_needed(needed, gap_bytes=None))
         blocks = self._index.blocks
         raw_bytes = sum(blocks[first].raw_bytes for first, _ in runs)
-        helpers = min(len(runs) - 1, _DECODE_HELPERS) if raw_bytes >= PARALLEL_DECODE_BLOCK_BYTES * len(runs) else 0
+        helpers = min(len(runs) - 1, _decode_helpers()) if raw_bytes >= PARALLEL_DECODE_BLOCK_BYTES * len(runs) else 0
         return BlockRequest(self, list(needed), local_runs=runs,
                             futures=[self._executor.submit(self._load_runs, runs) for _ in range(helpers)])
 
