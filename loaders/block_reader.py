@@ -5,8 +5,8 @@ The shard's arrays are allocated whole from the manifest's counts and filled as 
 batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
 parallel; from remote storage neighbouring blocks in one read), checks each against its SHA-256 from the
 block index (itself checked against the manifest), decodes it and checks its token ids: no byte is used
-before its hash matched. A batch that spans several cold shards reads them all at once: `start_index` on each, then
-`request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
+before its hash matched. A batch that spans several cold shards reads them all at once: `start_index` on
+each, then `request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
 fetches the rest in large coalesced ranges and hands the complete arrays to `on_complete` (the cache
 writes its file there, or nothing). It starts at the second `ensure`, so the first batch's blocks have the
 link (and the CPU) to themselves, and from then on serves the blocks readers wait for first.
@@ -24,6 +24,7 @@ rank needs happened to be intact.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -250,11 +251,9 @@ class BlockReader:
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
             errors.append(err)
             left = []
-            while request.local_runs:  # the helpers may be taking runs too
-                try:
+            with contextlib.suppress(IndexError):  # the helpers may be taking the last runs too
+                while True:
                     left.append(request.local_runs.popleft())
-                except IndexError:
-                    break
             self._unclaim(left)  # nobody may wait for blocks no one reads
         for future in request.futures:
             try:
