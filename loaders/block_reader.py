@@ -3,10 +3,10 @@ what an epoch does with its last, smaller batch).
 
 The shard's arrays are allocated whole from the manifest's counts and filled as blocks arrive. Before a
 batch is gathered, `ensure(samples)` fetches the blocks holding those samples with ranged reads (in
-parallel; neighbouring blocks in one read), checks each against its SHA-256 from the block index (itself
-checked against the manifest), decodes it and checks its token ids: no byte is used before its hash
-matched. A batch that spans several cold shards reads them all at once: `start_index` on each, then
-`request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
+parallel; from remote storage neighbouring blocks in one read), checks each against its SHA-256 from the
+block index (itself checked against the manifest), decodes it and checks its token ids: no byte is used
+before its hash matched. A batch that spans several cold shards reads them all at once: `start_index` on
+each, then `request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
 fetches the rest in large coalesced ranges and hands the complete arrays to `on_complete` (the cache
 writes its file there, or nothing). It starts at the second `ensure`, so the first batch's blocks have the
 link (and the CPU) to themselves, and from then on serves the blocks readers wait for first.
@@ -24,8 +24,11 @@ rank needs happened to be intact.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -51,6 +54,16 @@ COMPLETION_RANGE_BYTES = 32 << 20
 # ms at one connection's ~50-100 MB/s, so the merge saves a request and costs no time; a wider gap would
 # make the batch wait for bytes it does not need (the requests run in parallel anyway).
 COALESCE_GAP_BYTES = 256 << 10
+# A request's local blocks (a shuffled first batch needs a block per sample) are decoded by the block pool beside
+# the caller's thread when they average at least this many raw bytes: most of such a block's decode lets go of
+# the GIL (an Arrow record batch of 1 MiB: ~1.5 ms, mostly zstd), while a smaller block's is mostly Python that
+# holds it (tar's members of 256 KiB groups: a second thread only contended for the GIL, and made the first
+# batch slower on a loaded machine).
+PARALLEL_DECODE_BLOCK_BYTES = 512 << 10
+try:  # the cores this process may run on
+    _CORES = len(os.sched_getaffinity(0))
+except AttributeError:  # macOS
+    _CORES = os.cpu_count() or 1
 _MISSING, _CLAIMED, _DONE = 0, 1, 2
 
 
@@ -60,7 +73,8 @@ class BlockRequest:
 
     shard: BlockReader | None = None
     needed: list[int] = field(default_factory=list)
-    local_runs: list[tuple[int, int]] = field(default_factory=list)  # read by `wait`, in the caller's thread
+    # Read by `wait` in the caller's thread, and by the helpers among `futures` beside it (each takes the next).
+    local_runs: deque[tuple[int, int]] = field(default_factory=deque)
     futures: list[Future] = field(default_factory=list)
 
     def wait(self) -> None:
@@ -69,6 +83,15 @@ class BlockRequest:
         """
         if self.shard is not None:
             self.shard._wait(self)
+
+
+def _decode_helpers() -> int:
+    """Threads beside the caller's that decode a request's local blocks: one per other core of this process's
+    share (a DataLoader worker shares the cores with the other workers, which read their own batches)."""
+    from torch.utils.data import get_worker_info  # here: the rest of this module reads shards without torch
+
+    info = get_worker_info()
+    return max(_CORES // (info.num_workers if info is not None else 1) - 1, 0)
 
 
 class BlockReader:
@@ -176,7 +199,8 @@ class BlockReader:
 
     def request(self, local_samples: Iterable[int] | np.ndarray) -> BlockRequest:
         """Start reading the blocks holding the given samples; the result's `wait()` returns once they are
-        verified and decoded. Remote reads start now, in parallel; local ones run in `wait()`."""
+        verified and decoded. Remote reads start now, in parallel; local ones run in `wait()` (and in the pool
+        beside it, for large blocks)."""
         self._raise_failure()
         if self.complete:
             return BlockRequest()
@@ -198,22 +222,39 @@ class BlockReader:
                 self._wanted.update(k for k in needed if self._state[k] == _MISSING)
             self.start_completion()
             return BlockRequest(self, list(needed))
-        runs = self._claim_needed(needed)
-        # Remote reads wait on the network: in parallel. Local reads are page-cache copies, and handing
-        # them to threads costs more than it saves on a busy machine.
-        if self._storage_of().is_local:
-            return BlockRequest(self, list(needed), local_runs=runs)
-        return BlockRequest(self, list(needed), futures=[self._executor.submit(self._load_run, r) for r in runs])
+        if not self._storage_of().is_local:
+            # Remote reads wait on the network: in parallel, neighbouring blocks in one request.
+            runs = self._claim_needed(needed, gap_bytes=COALESCE_GAP_BYTES)
+            return BlockRequest(self, list(needed), futures=[self._executor.submit(self._load_run, r) for r in runs])
+        # Local reads are page-cache copies: no request to save, so a block each (never one the batch does not
+        # need), decoded in `wait` by the caller's thread and, for enough bytes, by helpers beside it.
+        runs = deque(self._claim_needed(needed, gap_bytes=None))
+        blocks = self._index.blocks
+        raw_bytes = sum(blocks[first].raw_bytes for first, _ in runs)
+        helpers = min(len(runs) - 1, _decode_helpers()) if raw_bytes >= PARALLEL_DECODE_BLOCK_BYTES * len(runs) else 0
+        return BlockRequest(self, list(needed), local_runs=runs,
+                            futures=[self._executor.submit(self._load_runs, runs) for _ in range(helpers)])
+
+    def _load_runs(self, runs: deque[tuple[int, int]]) -> None:
+        """Load runs taken one at a time from `runs` (shared with other threads) until none is left."""
+        while True:
+            try:
+                run = runs.popleft()
+            except IndexError:
+                return
+            self._load_run(run)
 
     def _wait(self, request: BlockRequest) -> None:
         errors: list[BaseException] = []
-        for position, run in enumerate(request.local_runs):
-            try:
-                self._load_run(run)
-            except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
-                errors.append(err)
-                self._unclaim(request.local_runs[position + 1:])  # nobody may wait for blocks no one reads
-                break
+        try:
+            self._load_runs(request.local_runs)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
+            errors.append(err)
+            left = []
+            with contextlib.suppress(IndexError):  # the helpers may be taking the last runs too
+                while True:
+                    left.append(request.local_runs.popleft())
+            self._unclaim(left)  # nobody may wait for blocks no one reads
         for future in request.futures:
             try:
                 future.result()
@@ -225,17 +266,18 @@ class BlockReader:
             self._events[k].wait()
         self._raise_failure()
 
-    def _claim_needed(self, needed: Iterable[int]) -> list[tuple[int, int]]:
+    def _claim_needed(self, needed: Iterable[int], *, gap_bytes: int | None) -> list[tuple[int, int]]:
         """Claim the missing blocks among `needed` as runs (first, last) to read one request each: needed
-        blocks merge across missing blocks when the bytes between them are at most `COALESCE_GAP_BYTES`."""
+        blocks merge across missing blocks when the bytes between them are at most `gap_bytes` (None: a run
+        per block)."""
         blocks = self._index.blocks
         runs: list[tuple[int, int]] = []
         with self._lock:
             for k in sorted(k for k in set(needed) if self._state[k] == _MISSING):
-                if runs:
+                if runs and gap_bytes is not None:
                     first, last = runs[-1]
                     between = range(last + 1, k)
-                    if (blocks[k].byte_start - blocks[last].byte_end <= COALESCE_GAP_BYTES
+                    if (blocks[k].byte_start - blocks[last].byte_end <= gap_bytes
                             and all(self._state[j] == _MISSING for j in between)):
                         for j in between:
                             self._state[j] = _CLAIMED

@@ -51,9 +51,11 @@ def shard_entries(columns: ShardColumns, first: int, end: int) -> bytes:
     # json.dumps escapes a quote, a backslash and every byte outside printable ASCII (with
     # ensure_ascii, non-ASCII text becomes \\uXXXX): names holding one take the slow path.
     escaped = np.flatnonzero((raw < 0x20) | (raw > 0x7E) | (raw == ord('"')) | (raw == ord("\\")))
-    special = np.unique(np.searchsorted(offsets, escaped + offsets[0], side="right") - 1 + first)
+    # The shards holding them rise with `escaped`: dict.fromkeys keeps each once, in order. Not np.unique, which
+    # imports numpy.ma on its first call (numpy 2.4, ~10 ms): a resumed loader's first batch paid it.
+    special = dict.fromkeys((np.searchsorted(offsets, escaped + offsets[0], side="right") - 1 + first).tolist())
     parts, start = [], first
-    for i in special.tolist():
+    for i in special:
         if start < i:
             parts.append(_plain_entries(columns, start, i))
         parts.append(json.dumps([columns.name(i), int(columns.samples[i]), columns.sha256[i].tobytes().hex()]).encode())

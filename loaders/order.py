@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+# Imported with the order, not by its first permutation: numpy imports numpy.random on first use (6-20 ms, its
+# bit generators and `secrets`), which made it part of a fresh process's first batch.
+import numpy.random  # noqa: F401
 
 from .config import DEFAULT_SHUFFLE_WINDOW, OrderConfig
 _MAX_CACHED_WINDOWS = 256

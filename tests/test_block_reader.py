@@ -9,6 +9,7 @@ cancelled completion stores nothing. The loader's cold path over these is tests/
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -57,6 +58,48 @@ def test_ensure_reads_only_the_blocks_of_the_samples_asked(dataset, monkeypatch)
     block_bytes = (first.byte_end - first.byte_start) + (last.byte_end - last.byte_start)
     assert sum(reads) == manifest.shards[1].index_bytes + block_bytes, "read more than the index and two blocks"
     assert len(index.blocks) > 8 and not reader.complete
+
+
+def test_local_blocks_are_read_one_each_and_never_the_ones_between(dataset, monkeypatch):
+    """From local storage a request costs nothing to save: blocks close together are read and decoded one by one,
+    without the blocks between them that a merged remote read would fetch (`COALESCE_GAP_BYTES`)."""
+    url, manifest = dataset
+    reader, reads = reader_of(url, manifest)
+    blocks = block_index(url, manifest.shards[0]).blocks
+    assert blocks[4].byte_start - blocks[2].byte_end <= block_reader_module.COALESCE_GAP_BYTES
+    wanted = np.array([blocks[2].sample_start, blocks[4].sample_start])
+    reader.ensure(wanted)
+    np.testing.assert_array_equal(sample_ids(reader, wanted), wanted)
+    assert reads[1:] == [blocks[k].byte_end - blocks[k].byte_start for k in (2, 4)], "not one read per needed block"
+    assert [k for k, state in enumerate(reader._state) if state == block_reader_module._DONE] == [2, 4]
+
+
+def test_large_local_blocks_are_decoded_beside_the_caller(dataset, monkeypatch):
+    """A request's local blocks, when large (`PARALLEL_DECODE_BLOCK_BYTES`), are decoded by the pool's threads and
+    the caller's at once, each block once; a corrupt one among them is still named, after the others are in."""
+    url, manifest = dataset
+    monkeypatch.setattr(block_reader_module, "PARALLEL_DECODE_BLOCK_BYTES", 0)
+    monkeypatch.setattr(block_reader_module, "_CORES", 2)
+    loaded: list[tuple[int, str]] = []
+    load_block = BlockReader._load_block
+
+    def recording(self, number, data=None):
+        loaded.append((number, threading.current_thread().name))
+        return load_block(self, number, data)
+
+    monkeypatch.setattr(BlockReader, "_load_block", recording)
+    reader, _ = reader_of(url, manifest)
+    blocks = block_index(url, manifest.shards[0]).blocks
+    wanted = np.array([blocks[k].sample_start for k in range(0, 12, 2)])
+    reader.ensure(wanted)
+    np.testing.assert_array_equal(sample_ids(reader, wanted), wanted)
+    assert sorted(number for number, _ in loaded) == list(range(0, 12, 2)), "a block decoded twice, or one missed"
+    assert {name for _, name in loaded} - {"MainThread"}, "no block was decoded beside the caller"
+
+    flip_byte(url, manifest.shards[0].name, (blocks[13].byte_start + blocks[13].byte_end) // 2)
+    with pytest.raises(CorruptShardError, match="block 13"):
+        reader.ensure([blocks[k].sample_start for k in (12, 13, 14, 15)])
+    assert sample_ids(reader, np.array([blocks[12].sample_start])).tolist() == [blocks[12].sample_start]
 
 
 def test_requests_over_two_shards_are_waited_for_together(dataset):

@@ -220,14 +220,14 @@ def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket,
 
 
 def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monkeypatch):
-    """Blocks a batch needs that lie within `COALESCE_GAP_BYTES` of one another are read in one request,
-    the blocks between them included; each is checked against its own hash, and a corrupt one among them
-    is read again alone, then named, never used."""
+    """Blocks a batch needs from remote storage (memory:// here) that lie within `COALESCE_GAP_BYTES` of one
+    another are read in one request, the blocks between them included; each is checked against its own hash,
+    and a corrupt one among them is read again alone, then named, never used."""
     from concurrent.futures import ThreadPoolExecutor
 
     from shardkit.loaders import block_reader as block_reader_module
 
-    url = str(tmp_path / "ds")
+    url = f"memory://{tmp_path.name}/ds"
     manifest = write_blocks(url, 240)
     shard = manifest.shards[0]
     blocks = block_index(url, shard).blocks

@@ -3,7 +3,9 @@
 prometheus_client (50-130 ms; the metrics wait in a dict until someone asks for the registry) and no numpy.ma
 (which numpy 2.4's `np.unique` imports on its first call, ~20 ms); and it starts no thread it does not use (the
 manifest's copy from a local store, a prefetch of a shard this process already reads block by block). The buffer
-reads that replaced pyarrow's conversions give the same arrays."""
+reads that replaced pyarrow's conversions give the same arrays. Nor does the first batch import anything at all:
+numpy.random, which the order's permutations need, comes with the loaders. A resumed loader's first batch the same
+(its state's data fingerprint used np.unique, which imported numpy.ma)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pyarrow as pa
@@ -20,8 +23,9 @@ from loader_helpers import write_fixed
 from shardkit.errors import CorruptShardError
 from shardkit.formats.arrow_format import _flat
 
-# Runs in a fresh interpreter: the whole-shard path (the decoded cache) and the cold path (block by block,
-# WHOLE_READ_BYTES 0 as in test_blocks), each through StreamingDataLoader; sys.modules is read after each.
+# Runs in a fresh interpreter: the whole-shard path (the decoded cache), the cold path (block by block,
+# WHOLE_READ_BYTES 0 as in test_blocks) and the cold path after `load_state_dict` (argv[3], a saved state), each
+# through StreamingDataLoader; sys.modules is read after each.
 CHILD = """
 import json, sys, tempfile, threading
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
@@ -34,21 +38,26 @@ def counted_start(thread):
     return start_thread(thread)
 threading.Thread.start = counted_start
 
-def first_batch(url, cold):
+def first_batch(url, cold, state=None):
     cache_module.WHOLE_READ_BYTES = 0 if cold else 1 << 40
     started.clear()
     # Chunks of two batches: the next chunk's shards are prefetched while the first is read.
     dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1, chunk_samples=8)
-    batches = iter(StreamingDataLoader(dataset, batch_size=4, num_workers=0))
+    loader = StreamingDataLoader(dataset, batch_size=4, num_workers=0)
+    if state is not None:
+        loader.load_state_dict(state)
+    before = set(sys.modules)
+    batches = iter(loader)
     assert next(batches)["tokens"].shape[0] == 4
+    imported = sorted(set(sys.modules) - before)
     # Read before the iterator goes: closing it completes the shards in the background (threads of their own).
     # The closing thread starts once per process, with its first shard handle (the whole-shard run).
     threads = [name for name in started if name != "shardkit-closer"]
-    return {**{name: name in sys.modules for name in MODULES}, "threads": threads}
+    return {**{name: name in sys.modules for name in MODULES}, "threads": threads, "imported": imported}
 
 MODULES = json.loads(sys.argv[2])
-print(json.dumps({path: first_batch(url, cold) for path, url, cold in
-                  (("whole shard", sys.argv[1], False), ("cold blocks", sys.argv[1], True))}))
+RUNS = (("whole shard", False, None), ("cold blocks", True, None), ("resumed", True, json.loads(sys.argv[3])))
+print(json.dumps({path: first_batch(sys.argv[1], cold, state) for path, cold, state in RUNS}))
 """
 
 
@@ -62,14 +71,33 @@ def test_first_batch_imports_neither_pandas_nor_pyarrow_compute(tmp_path, shard_
         pytest.skip("pandas is not installed: the import this test guards against cannot happen here")
     url = str(tmp_path / "ds")
     write_fixed(url, 96, seq_len=16, per_shard=48, shard_format=shard_format)
-    result = subprocess.run([sys.executable, "-c", CHILD, url, json.dumps(UNNEEDED)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", CHILD, url, json.dumps(UNNEEDED), json.dumps(_state_at(url, 5))],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     assert {path: {name: seen[path][name] for name in UNNEEDED} for path in seen} == {
-        path: dict.fromkeys(UNNEEDED, False) for path in ("whole shard", "cold blocks")}
+        path: dict.fromkeys(UNNEEDED, False) for path in ("whole shard", "cold blocks", "resumed")}
     # Read whole, the shards are prefetched while the first is read; block by block nothing runs beside the read.
     assert seen["cold blocks"]["threads"] == []
+    # Everything the first batch runs is imported with the loaders (numpy.random, for the order's permutations,
+    # took 6-20 ms of a fresh process's first batch).
+    assert {path: seen[path]["imported"] for path in seen} == {"whole shard": [], "cold blocks": [], "resumed": []}
+
+
+def _state_at(url: str, batches: int) -> dict:
+    """The state of a loader over `url` (batch 4) after `batches` batches, saved in this process."""
+    from shardkit.loaders import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(url, cache_dir=tempfile.mkdtemp(), rank=0, world_size=1, chunk_samples=8)
+    loader = StreamingDataLoader(dataset, batch_size=4, num_workers=0)
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    state = loader.state_dict()
+    del iterator
+    for cache in dataset.caches:
+        cache.drain()
+    return state
 
 
 def _reference(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
