@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -88,9 +89,10 @@ class BlockRequest:
 def _decode_helpers() -> int:
     """Threads beside the caller's that decode a request's local blocks: one per other core of this process's
     share (a DataLoader worker shares the cores with the other workers, which read their own batches)."""
-    from torch.utils.data import get_worker_info  # here: the rest of this module reads shards without torch
-
-    info = get_worker_info()
+    # A DataLoader worker has torch loaded already; a process without it is no worker (and must not pay
+    # torch's import, seconds, inside its first batch).
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
     return max(_CORES // (info.num_workers if info is not None else 1) - 1, 0)
 
 
