@@ -135,8 +135,10 @@ class LoaderConfig:
     cache_mode: str = _option("decoded", "what the node-local cache keeps: 'decoded' shards (fastest rereads, "
                               "largest), 'compressed' shard files (decoded into memory at each open), or 'none' "
                               "(single pass: stream from storage, nothing on disk)", choices=CACHE_MODES)
-    on_corrupt: str = _option("raise", "a shard still corrupt after its re-read: 'raise' (stop), or 'skip' it on "
-                              "every rank alike (quarantine: agreed over the process group, counted, logged)",
+    on_corrupt: str = _option("raise", "a shard still corrupt after its re-read, or a raw-text unit unreadable "
+                              "after the store's retries: 'raise' (stop), or 'skip' it on every rank alike "
+                              "(quarantine; raw text keeps the unit's records before the damage: agreed over the "
+                              "process group, counted, logged)",
                               choices=CORRUPT_POLICIES)
     quarantine_list: str | None = _option(None, "JSON file of shards to leave out of the order from the start "
                                           "(written by `shardkit verify --quarantine-list FILE`)")
