@@ -257,7 +257,14 @@ def _in_loader_worker() -> bool:
 
 
 def inc(name: str, amount: float = 1.0, **labels: Any) -> None:
-    """Add `amount` to a counter, or to a gauge (negative amounts allowed for gauges only)."""
+    """Add `amount` to a counter, or to a gauge (negative amounts allowed for gauges only).
+
+    Raises:
+        ValueError: a negative amount for a counter (here, at the caller, not later when the pending counts
+            are published: a counter only goes up, and Prometheus reads a fall as a restart).
+    """
+    if amount < 0 and SPECS[name].kind == "counter":
+        raise ValueError(f"counter {name} cannot go down (amount {amount})")
     if _registry is None or _in_loader_worker():
         key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
         with _lock:

@@ -119,3 +119,17 @@ def test_endpoints_listen_on_loopback_unless_an_address_is_given(tmp_path):
     assert main(["build", str(corpus), "--output", str(tmp_path / "ds"), "--tokenizer", "byte", "--seq-len", "64",
                  "--no-progress", "--metrics-port", str(port), "--metrics-address", outside]) == 0
     assert accepts(outside, port)  # the server outlives the build in this process
+
+
+def test_a_counter_refuses_to_go_down_where_it_is_asked_and_a_gauge_does_not():
+    before = metrics.value("shardkit_build_tokens_total")
+    with pytest.raises(ValueError, match="counter shardkit_build_tokens_total cannot go down"):
+        metrics.inc("shardkit_build_tokens_total", -5)
+    assert metrics.value("shardkit_build_tokens_total") == before  # nothing pending to fail later either
+    metrics.inc("shardkit_build_tokens_total", 5)
+    assert metrics.value("shardkit_build_tokens_total") == before + 5
+    gauge = next(spec for spec in metrics.METRICS if spec.kind == "gauge" and not spec.labels).name
+    level = metrics.value(gauge)
+    metrics.inc(gauge, 2)
+    metrics.inc(gauge, -3)
+    assert metrics.value(gauge) == level - 1
