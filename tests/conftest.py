@@ -39,6 +39,20 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def in_fresh_process(fn, *args):
+    """`fn(*args)` in a spawned interpreter; returns its (picklable) result.
+
+    For a test whose library leaves threads behind in the process: Ray's core worker and gRPC keep threads
+    after `ray.shutdown()`, and a later test in the same pytest-xdist worker that forks (DataLoader workers)
+    would copy them mid-operation. (Once, in a full run, a forked DataLoader worker died of SIGSEGV; the
+    cause was not reproduced, and Ray is what in this suite leaves such threads in the test process.)
+    """
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def shared_path(relative: str) -> Path:
     """A file under ../shared, or skip the test with a message saying what is missing."""
     path = SHARED / relative

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fsspec
 import pytest
 
+from conftest import in_fresh_process
 from convert_sources import random_documents, write_hf, write_megatron
 from shardkit.manifest import MANIFEST_NAME, load_manifest
 from shardkit.tools.convert import ConvertConfig, run_convert
@@ -39,12 +40,17 @@ def test_s3_on_both_sides_gives_the_local_output(tmp_path, s3_bucket):
     assert remote.cat_file(f"{url}/back/corpus.bin") == (tmp_path / "corpus.bin").read_bytes()
 
 
+def _executor_of_convert(convert_config) -> str:
+    return run_convert(convert_config).report["timing"]["executor"]
+
+
 @pytest.mark.slow
 def test_ray_matches_local(tmp_path):
     pytest.importorskip("ray", reason="the ray executor needs ray (pip install 'shardkit[ray]')")
     write_megatron(tmp_path / "corpus", random_documents(400, seed=9))
     run_convert(config([tmp_path / "corpus"], tmp_path / "local", packing="bestfit"))
-    ray = run_convert(config([tmp_path / "corpus"], tmp_path / "ray", packing="bestfit", executor="ray"))
-    assert ray.report["timing"]["executor"] == "ray"
+    # Ray in a process of its own: it leaves threads behind that later tests' forks would inherit.
+    assert in_fresh_process(_executor_of_convert, config([tmp_path / "corpus"], tmp_path / "ray", packing="bestfit",
+                                                         executor="ray")) == "ray"
     assert (tmp_path / "ray" / MANIFEST_NAME).read_bytes() == (tmp_path / "local" / MANIFEST_NAME).read_bytes()
     assert len(load_manifest(str(tmp_path / "local")).shards) > 1
