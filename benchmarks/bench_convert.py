@@ -161,7 +161,7 @@ def compression_limit(prefixes: list[Path], level: int, runs: int) -> dict[str, 
 
     import pyarrow as pa
 
-    from shardkit.tools.executors import available_cores
+    from shardkit.process_info import available_cores
 
     data = pa.py_buffer(b"".join(p.with_suffix(".bin").read_bytes() for p in prefixes[:2]))
     piece = 1 << 20

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,6 +41,7 @@ from shardkit.formats.fetch import read_block, read_block_index
 from shardkit.formats.sample import DOC_INDEX_DTYPE, DOC_SOURCE_DTYPE, DOC_STARTS_DTYPE, OFFSETS_DTYPE, ShardArrays
 from shardkit.formats.shard_bytes import decode_block
 from shardkit.manifest import Manifest, ShardInfo
+from shardkit.process_info import available_cores, loader_worker_info
 from shardkit.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -61,10 +60,6 @@ COALESCE_GAP_BYTES = 256 << 10
 # holds it (tar's members of 256 KiB groups: a second thread only contended for the GIL, and made the first
 # batch slower on a loaded machine).
 PARALLEL_DECODE_BLOCK_BYTES = 512 << 10
-try:  # the cores this process may run on
-    _CORES = len(os.sched_getaffinity(0))
-except AttributeError:  # macOS
-    _CORES = os.cpu_count() or 1
 _MISSING, _CLAIMED, _DONE = 0, 1, 2
 
 
@@ -89,11 +84,8 @@ class BlockRequest:
 def _decode_helpers() -> int:
     """Threads beside the caller's that decode a request's local blocks: one per other core of this process's
     share (a DataLoader worker shares the cores with the other workers, which read their own batches)."""
-    # A DataLoader worker has torch loaded already; a process without it is no worker (and must not pay
-    # torch's import, seconds, inside its first batch).
-    data = sys.modules.get("torch.utils.data")
-    info = data.get_worker_info() if data is not None else None
-    return max(_CORES // (info.num_workers if info is not None else 1) - 1, 0)
+    info = loader_worker_info()
+    return max(available_cores() // (info.num_workers if info is not None else 1) - 1, 0)
 
 
 class BlockReader:

@@ -28,13 +28,14 @@ import functools
 import logging
 import os
 import re
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from shardkit.process_info import loader_worker_info
 
 logger = logging.getLogger(__name__)
 
@@ -252,8 +253,7 @@ def value(name: str, **labels: Any) -> float:
 
 # -- recording (one call per event) ------------------------------------------------------------
 def _in_loader_worker() -> bool:
-    data = sys.modules.get("torch.utils.data")  # never imports torch: a worker has it loaded already
-    return data is not None and data.get_worker_info() is not None
+    return loader_worker_info() is not None
 
 
 def inc(name: str, amount: float = 1.0, **labels: Any) -> None:

@@ -79,7 +79,7 @@ def test_large_local_blocks_are_decoded_beside_the_caller(dataset, monkeypatch):
     the caller's at once, each block once; a corrupt one among them is still named, after the others are in."""
     url, manifest = dataset
     monkeypatch.setattr(block_reader_module, "PARALLEL_DECODE_BLOCK_BYTES", 0)
-    monkeypatch.setattr(block_reader_module, "_CORES", 2)
+    monkeypatch.setattr(block_reader_module, "available_cores", lambda: 2)
     loaded: list[tuple[int, str]] = []
     load_block = BlockReader._load_block
 

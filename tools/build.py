@@ -28,6 +28,7 @@ import numpy as np
 from shardkit import metrics
 from shardkit.formats import ShardArrays, ShardWriter
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo, load_manifest, token_dtype_for_vocab, write_manifest
+from shardkit.process_info import available_cores
 from shardkit.storage import Storage
 from shardkit.text.documents import DocumentSettings, UnitResult, record_label, tokenize_unit, warm_up
 from shardkit.text.documents import cached_tokenizer as worker_tokenizer
@@ -38,7 +39,7 @@ from shardkit.text.tokenizers import with_special_ids
 from . import state as build_state
 from .config import BuildConfig, build_record, parse_compression, parse_size, resume_key
 from .encode_threads import choose_encode_threads
-from .executors import available_cores, make_executor
+from .executors import make_executor
 from .report import BuildStats, Progress, report_json, summary_table
 
 __all__ = ["BuildConfig", "BuildInputError", "BuildResult", "InputSide", "parse_compression", "parse_size",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .executors import available_cores
+from shardkit.process_info import available_cores
 
 __all__ = ["SHARD_COPIES", "available_memory", "choose_encode_threads"]
 

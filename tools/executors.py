@@ -16,23 +16,16 @@ which worker finished first.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from shardkit.process_info import available_cores
+
 logger = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (affinity-aware), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS / Windows
-        return max(1, os.cpu_count() or 1)
 
 
 def _ordered(submit: Callable[[Any], Any], wait: Callable[[Any], Any], items: Iterable[Any],
