@@ -12,11 +12,12 @@ it (a streamed file is decompressed up to the segment, not tokenized); no packer
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, astuple, dataclass, fields
 from typing import Any
 
@@ -173,15 +174,12 @@ class RejectionLog:
     def __init__(self) -> None:
         self.logged = 0
 
-    @property
-    def logging(self) -> bool:
-        """Whether the next rejection is logged (its place is only worked out then)."""
-        return self.logged < _LOGGED_REJECTIONS
-
-    def log(self, url: str, where: str, reason: str) -> None:
-        if self.logging:
+    def log(self, url: str, where: Callable[[], str], reason: str) -> None:
+        """Log a rejection if it is among the first; `where()` (the record's place) is asked only then: in a
+        byte-range unit it scans the unit's payload, which every rejection would otherwise pay."""
+        if self.logged < _LOGGED_REJECTIONS:
             self.logged += 1
-            logger.warning("%s %s: rejected a document: %s", url, where, reason)
+            logger.warning("%s %s: rejected a document: %s", url, where(), reason)
 
 
 @dataclass
@@ -311,5 +309,4 @@ class LaneStream:
             url = self.corpus.files[segment.source].url
             for record, reason in rejected:
                 self.rejected[reason_category(reason)] += 1
-                if self.log.logging:  # a byte-range unit's place scans its payload: only for the logged ones
-                    self.log.log(url, self.corpus.record_place(segment, record), reason)
+                self.log.log(url, functools.partial(self.corpus.record_place, segment, record), reason)
