@@ -55,7 +55,7 @@ def test_cache_download_sigkill_matrix(tmp_path, figures):
     write_fixed(str(dataset), 6 * 1000, seq_len=63, per_shard=1000)
     (tmp_path / "work").mkdir()
     result = harness("cache", dataset, tmp_path / "work", POINTS)
-    assert result["runs"] == POINTS and result["killed_mid_run"] >= POINTS // 2, result
+    assert result["killed_mid_run"] == POINTS and result["runs"] >= POINTS, result
     assert result["kills_during_download"] >= POINTS // 4, result
     assert result["deadlocks"] == 0 and result["corrupt"] == 0 and result["leftovers"] == 0, result
     figures.add("sigkill_cache_download", runs=result["runs"], kills=result["killed_mid_run"],
