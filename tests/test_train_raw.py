@@ -61,3 +61,21 @@ def test_bad_input_options_reach_the_raw_loader(tmp_path, capsys):
     code = main([*args, "--run-dir", str(tmp_path / "ids"), "--skip-samples", "5"])
     err = capsys.readouterr().err
     assert code == 2 and "skip_samples is not supported for raw text" in err and "Traceback" not in err
+
+
+def test_a_built_held_out_set_beside_raw_training_text(tmp_path, capsys):
+    """--eval-data naming a built dataset is read as built data under --tokenizer, and a held-out set built with
+    other settings is refused by name before step 1 (not with the Python API's message about mixtures)."""
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    for name, seq_len in (("held64", "64"), ("held32", "32")):
+        assert main(["build", f"{corpus}/d.parquet", "--output", str(tmp_path / name), "--tokenizer", "byte",
+                     "--seq-len", seq_len]) == 0
+    args = ["train", "--data", f"{corpus}/*.jsonl", "--tokenizer", "byte", "--seq-len", "64", "--batch-size", "2",
+            "--steps", "1", "--device", "cpu", "--tensorboard", "false", "--eval-batches", "1"]
+    assert main([*args, "--eval-data", str(tmp_path / "held64"), "--run-dir", str(tmp_path / "run")]) == 0
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evaluated if "eval_loss" in r] == [1]
+    capsys.readouterr()
+    assert main([*args, "--eval-data", str(tmp_path / "held32"), "--run-dir", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "--eval-data" in err and "seq_len 32" in err and "Traceback" not in err

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -214,9 +214,16 @@ class EvalData:
 
     def __init__(self, url: str, config: DataConfig, runtime: Runtime, *, seq_len: int | None = None):
         self.url, self.config = url, config
+        # A held-out set built once beside raw training text is read as built data (check_same_tokens still
+        # compares its tokenizer with the raw text's); with --tokenizer, any raw entry makes it raw text.
+        options = storage_options(config)
+        self.raw_text = config.tokenizer is not None and not all(
+            _holds_manifest(entry, options) for entry, _ in data_entries(url))
+        if config.tokenizer is not None and not self.raw_text:
+            config = replace(config, tokenizer=None)
         # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
         # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
-        extra = {} if config.tokenizer is not None else dict(skip_samples=(), quarantine_list=None)
+        extra = {} if self.raw_text else dict(skip_samples=(), quarantine_list=None)
         self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, **extra)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -226,8 +233,7 @@ class EvalData:
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
         # Raw text is endless (its lanes go on epoch after epoch): it always holds eval_batches.
-        count = self.config.eval_batches if self.config.tokenizer is not None else min(self.config.eval_batches,
-                                                                                         len(loader))
+        count = self.config.eval_batches if self.raw_text else min(self.config.eval_batches, len(loader))
         if count == 0:
             raise ValueError(f"--eval-data {self.url} holds less than one global batch: lower --batch-size")
         for index, batch in enumerate(loader):
