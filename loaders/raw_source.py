@@ -89,7 +89,6 @@ class RawCorpus:
     Raises:
         FileNotFoundError / ValueError: an input matches nothing, is not a text input, or is a Parquet file
             without the text column.
-        OSError: a Parquet footer cannot be read (naming the file; other files are first read by the lanes).
     """
 
     def __init__(self, inputs: list[str], settings: RawTextSettings, storage_options: dict[str, Any] | None = None):
@@ -123,13 +122,21 @@ class RawCorpus:
                                      txt_mode=s.txt_mode, text_field=s.text_field, max_doc_chars=s.max_doc_chars,
                                      storage_options=self.storage_options):
             if segment.file_error:
-                raise UnreadableInput(f"{url}: cannot read it: {segment.file_error} (did it change or vanish since "
-                                      "the loader listed its units?)", segment.file_error, segment)
+                # A footer the listing could not read was already broken then; any other failure means the
+                # file changed after it was listed.
+                hint = "" if self._footer_error(number) else (" (did it change or vanish since the loader listed "
+                                                              "its units?)")
+                raise UnreadableInput(f"{url}: cannot read it: {segment.file_error}{hint}", segment.file_error,
+                                      segment)
             read += 1
             yield segment
         if skip and not read:  # a resume into a segment the file no longer has
             raise UnreadableInput(f"{url}: has no segment {skip} to resume from: it changed since the loader "
                                   "listed it", f"has no segment {skip}: it changed since the loader listed it", None)
+
+    def _footer_error(self, number: int) -> str:
+        errors = self.units.footer_errors
+        return errors[int(self.units.source[number])] if errors else ""
 
     def unit_place(self, number: int) -> str:
         """A unit's file and part, for messages: 'FILE bytes A-B', 'FILE row group G' or the file."""

@@ -39,6 +39,9 @@ class UnitTable:
     size: np.ndarray
     kinds: tuple[str, ...]  # per file: RANGE, ROW_GROUP or STREAMED
     first_rows: tuple[tuple[int, ...], ...]  # per file: the first row of each row group (Parquet only)
+    # per file: why its Parquet footer could not be read ("" when it could): the file is one unit whose read
+    # fails, so the lane that reaches it raises or skips it under on_corrupt, as the build does
+    footer_errors: tuple[str, ...] = ()
 
 
 def unit_kind(file: InputFile) -> str:
@@ -54,32 +57,39 @@ def list_units(files: list[InputFile], *, unit_bytes: int, text_field: str,
                storage_options: dict[str, Any] | None) -> UnitTable:
     """Every file's units in corpus order, from the files' sizes (and Parquet footers).
 
+    A Parquet file whose footer cannot be read is one unit that fails when read (`UnitTable.footer_errors`).
+
     Raises:
         ValueError: a Parquet file has no `text_field` column.
-        OSError: a Parquet footer cannot be read.
     """
-    sources, parts, sizes, kinds, first_rows = [], [], [], [], []
+    sources, parts, sizes, kinds, first_rows, footer_errors = [], [], [], [], [], []
     for source, file in enumerate(files):
         kind = unit_kind(file)
         kinds.append(kind)
         rows: tuple[int, ...] = ()
+        footer_error = ""
         if kind == RANGE:
             count = max(1, -(-file.size // unit_bytes))
             unit_sizes = [min(unit_bytes, file.size - k * unit_bytes) for k in range(count)]
         elif kind == ROW_GROUP:
-            groups = _row_groups(file, text_field, storage_options)
+            try:
+                groups = _row_groups(file, text_field, storage_options)
+            except OSError as err:
+                groups, footer_error = [], str(err)
             rows = tuple(np.concatenate([[0], np.cumsum([n for n, _ in groups])[:-1]]).astype(int).tolist()) \
                 if groups else ()
             unit_sizes = [size for _, size in groups] or [file.size]
         else:
             unit_sizes = [file.size]
         first_rows.append(rows)
+        footer_errors.append(footer_error)
         for part, size in enumerate(unit_sizes):
             sources.append(source)
             parts.append(part)
             sizes.append(max(1, int(size)))
     return UnitTable(source=np.array(sources, dtype=np.int64), part=np.array(parts, dtype=np.int64),
-                     size=np.array(sizes, dtype=np.int64), kinds=tuple(kinds), first_rows=tuple(first_rows))
+                     size=np.array(sizes, dtype=np.int64), kinds=tuple(kinds), first_rows=tuple(first_rows),
+                     footer_errors=tuple(footer_errors))
 
 
 def _row_groups(file: InputFile, text_field: str, storage_options: dict[str, Any] | None) -> list[tuple[int, int]]:
@@ -94,7 +104,7 @@ def _row_groups(file: InputFile, text_field: str, storage_options: dict[str, Any
             groups = [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size)
                       for i in range(meta.num_row_groups)]
     except (OSError, ValueError, RuntimeError) as err:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
-        raise OSError(f"{file.url}: cannot read its Parquet footer: {err}") from err
+        raise OSError(f"cannot read its Parquet footer: {type(err).__name__}: {err}") from err
     if text_field not in names:
         raise ValueError(f"{file.url}: no column {text_field!r} (columns: {', '.join(names)}); choose one with "
                          "text_field")
@@ -165,7 +175,13 @@ def read_segments(table: UnitTable, files: list[InputFile], number: int, *, skip
         yield read_range(file, source, number, part, unit_bytes=unit_bytes,
                          line_limit=max_line_bytes(max_doc_chars), storage_options=storage_options)
     else:
-        yield _read_row_group(file, source, number, part, table.first_rows[source], text_field, storage_options)
+        footer_error = table.footer_errors[source] if table.footer_errors else ""
+        if footer_error:
+            yield WorkUnit(index=number, source=source, file_unit=0, kind="parquet", first_record=0,
+                           file_error=footer_error)
+        else:
+            yield _read_row_group(file, source, number, part, table.first_rows[source], text_field,
+                                  storage_options)
 
 
 def read_range(file: InputFile, source: int, number: int, part: int, *, unit_bytes: int, line_limit: int,

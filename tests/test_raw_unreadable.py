@@ -250,3 +250,27 @@ def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process
     both = [row for step in range(40) for rank in (0, 1) for row in runs[rank]["rows"][3 * step:3 * step + 3]]
     assert both == reference["rows"]
     assert runs[0]["rejected"] == runs[1]["rejected"] == reference["rejected"] == {"malformed JSON": 1}
+
+
+def test_a_parquet_file_with_an_unreadable_footer_is_one_unit_that_raises_or_is_skipped(tmp_path, caplog):
+    """A footer that cannot be read fails the file's one unit, not the listing: under skip the loader reads what
+    `shardkit build --on-error skip` reads; under raise the lane that reaches it stops naming the file."""
+    from shardkit.tools.build import run_build
+
+    corpus = write_corpus(tmp_path / "in", docs=150)
+    texts = [f"row {i} " + "words " * (20 + i % 30) for i in range(48)]
+    pq.write_table(pa.table({"text": texts}), corpus / "d.parquet", row_group_size=16)
+    data = (corpus / "d.parquet").read_bytes()
+    (corpus / "d.parquet").write_bytes(data[:-8] + b"\0" * 8)  # the footer's length and magic
+    report = run_build(config([corpus], tmp_path / "built", packing="none", seq_len=256, on_error="skip")).report
+    assert [e["file"] for e in report["file_errors"]] == [str(corpus / "d.parquet")]
+    _, built = read_samples(str(tmp_path / "built"))
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+        raw = first_epoch(dataset(corpus, pack="none"))
+    assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
+    skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
+    assert len(skipped) == 1 and "d.parquet" in skipped[0] and "Parquet footer" in skipped[0], skipped
+    loader = StreamingDataLoader(dataset(corpus, on_corrupt="raise", lanes=1, shuffle=False), batch_size=4)
+    with pytest.raises(OSError, match=r"d.parquet: cannot read it: cannot read its Parquet footer: ") as err:
+        take(loader, 400)
+    assert "change or vanish" not in str(err.value)
