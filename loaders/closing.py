@@ -51,6 +51,7 @@ class Closer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._running_in: int | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start this process's closing thread, if not running (from ordinary code, never from `__del__`)."""
@@ -58,7 +59,9 @@ class Closer:
             return
         with self._start_lock:
             if self._running_in != self.pid:
-                threading.Thread(target=_run_closes, args=(self._queue,), name="shardkit-closer", daemon=True).start()
+                self._thread = threading.Thread(target=_run_closes, args=(self._queue,), name="shardkit-closer",
+                                                daemon=True)
+                self._thread.start()
                 self._running_in = self.pid
 
     def later(self, close: Callable[..., None], *args) -> None:
@@ -68,7 +71,7 @@ class Closer:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the closes handed over so far have run (False: not within `timeout`). From ordinary code
         only (`ShardCache.drain`): a close handed over just before must have started what it starts."""
-        if self._running_in != self.pid or threading.current_thread().name == "shardkit-closer":
+        if self._running_in != self.pid or threading.current_thread() is self._thread:
             return True  # no closing thread in this process (nothing handed over runs yet), or we are it
         done = threading.Event()
         self._queue.put((done.set, ()))

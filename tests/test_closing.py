@@ -150,3 +150,25 @@ def test_a_clean_exit_prints_nothing(tmp_path, case):
                           cwd=TESTS)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
+
+
+def test_flush_waits_for_earlier_closes_and_returns_at_once_inside_the_closing_thread():
+    """`flush` from ordinary code returns after what was handed over before it ran; a close that itself flushes
+    (a handle whose close drains a cache) returns at once instead of waiting for itself."""
+    from shardkit.loaders.closing import Closer
+
+    closer = Closer()
+    closer.start()
+    ran, inner = [], []
+    gate = threading.Event()
+    closer.later(lambda: (gate.wait(5), ran.append("first")))
+    closer.later(lambda: inner.append(closer.flush(timeout=5)))
+    gate.set()
+    assert closer.flush(timeout=10) and ran == ["first"] and inner == [True]
+    # Another thread named like the closer is not the closer: its flush still waits for the closes before it.
+    closer.later(lambda: (time.sleep(0.2), ran.append("second")))
+    waited = []
+    impostor = threading.Thread(target=lambda: waited.append(closer.flush(timeout=10)), name="shardkit-closer")
+    impostor.start()
+    impostor.join()
+    assert waited == [True] and ran == ["first", "second"]
