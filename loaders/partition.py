@@ -19,6 +19,7 @@ positions from the start of the epoch, so that the ranks' last batches stay equa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -56,21 +57,48 @@ def partial_batch(num_positions: int, *, start: int, global_batch: int, world_si
     return -(-rest // world_size) if rest else None
 
 
+def ramp_rounds(bundle: int) -> int:
+    """Rounds in which workers take fewer than `bundle` steps: round r deals each worker 2**r steps (1, 2, 4, ...
+    while below `bundle`), then every round deals `bundle`. Each worker's first message holds one batch, so the
+    epoch's first batch waits for one batch's reads instead of a whole bundle's (16 batches of a cold shard were
+    most of its blocks); the doubling reaches whole bundles, which amortise the per-message cost, in a few rounds."""
+    return (bundle - 1).bit_length()
+
+
+def bundle_sizes(bundle: int) -> Iterator[int]:
+    """The steps of each message of a worker, in order: 1, 2, 4, ... (`ramp_rounds`), then `bundle` for ever."""
+    yield from (1 << r for r in range(ramp_rounds(bundle)))
+    yield from itertools.repeat(bundle)
+
+
 def worker_of_step(step: int | np.ndarray, *, num_workers: int, bundle: int = 1):
     """DataLoader worker that produces `step` (steps counted from the resume point).
 
-    Workers take bundles of `bundle` consecutive steps round robin: torch's DataLoader returns
-    worker outputs round robin in worker order, so the bundles arrive in step order.
+    Workers take consecutive steps round robin, as many per round as `bundle_sizes` says (1, 2, 4, ... then
+    `bundle`): torch's DataLoader returns worker outputs round robin in worker order, so they arrive in step order.
     """
-    return (step // bundle) % num_workers
+    rounds = ramp_rounds(bundle)
+    ramp_end = num_workers * ((1 << rounds) - 1)  # steps dealt before the whole bundles
+    steps = np.asarray(step, dtype=np.int64)
+    worker = ((steps - ramp_end) // bundle) % num_workers
+    if rounds:
+        # Round r of the ramp holds steps [n (2**r - 1), n (2**(r + 1) - 1)); each worker takes 2**r of them.
+        size = 1 << np.floor(np.log2(steps // num_workers + 1)).astype(np.int64).clip(0, rounds - 1)
+        worker = np.where(steps < ramp_end, (steps - num_workers * (size - 1)) // size, worker)
+    return int(worker) if np.ndim(step) == 0 else worker
 
 
 def worker_step_count(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> int:
-    """How many of the first `num_steps` steps worker `worker` produces (arithmetic, O(1))."""
+    """How many of the first `num_steps` steps worker `worker` produces (arithmetic, O(log bundle))."""
     _check_worker(worker, num_workers, bundle)
+    rounds = ramp_rounds(bundle)
+    count = 0
+    for r in range(rounds):
+        size = 1 << r
+        count += min(size, max(0, num_steps - num_workers * (size - 1) - worker * size))
     cycle = bundle * num_workers
-    full, rest = divmod(num_steps, cycle)
-    return full * bundle + min(bundle, max(0, rest - worker * bundle))
+    full, rest = divmod(max(0, num_steps - num_workers * ((1 << rounds) - 1)), cycle)
+    return count + full * bundle + min(bundle, max(0, rest - worker * bundle))
 
 
 def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1,
@@ -84,10 +112,18 @@ def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
+    rounds = ramp_rounds(bundle)
+    own_ramp = (1 << rounds) - 1  # steps each worker takes in the ramp
     for first in range(max(0, skip), count, chunk):
         i = np.arange(first, min(first + chunk, count), dtype=np.int64)
-        # The i-th step of this worker: bundle i // bundle of its own, at offset i % bundle.
-        yield (i // bundle) * (bundle * num_workers) + worker * bundle + i % bundle
+        # After the ramp, the i-th step of this worker: bundle j // bundle of its own, at offset j % bundle.
+        j = i - own_ramp
+        steps = num_workers * own_ramp + (j // bundle) * (bundle * num_workers) + worker * bundle + j % bundle
+        if rounds:
+            # In the ramp, its i-th step is in round r (2**r <= i + 1 < 2**(r + 1)), at offset i - (2**r - 1).
+            size = 1 << np.floor(np.log2(i + 1)).astype(np.int64)
+            steps = np.where(i < own_ramp, num_workers * (size - 1) + worker * size + i - (size - 1), steps)
+        yield steps
 
 
 def worker_steps(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> np.ndarray:
