@@ -17,7 +17,8 @@ from .token_batches import PROGRESS_KEY
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:
-    """Group a worker's batches into lists as its steps come (`partition.bundle_sizes`: 1, 2, 4, ... then `size`)."""
+    """Group a worker's batches into lists as its steps come (`partition.bundle_sizes`: its first `size` steps as
+    1, 1, 2, 4, ..., then `size` at a time)."""
     sizes = bundle_sizes(size)
     wanted = next(sizes)
     bundle: list[dict[str, np.ndarray]] = []
