@@ -152,6 +152,25 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     held.close()
 
 
+def test_a_reader_lets_go_of_the_shards_it_has_read_before_it_opens_the_next(tmp_path):
+    """A reader holds the shards of the chunk it reads (and of the next, once open), not the last chunk's while it
+    opens this one's: under cache_limit an open waits for room, and readers that kept the shards they were done
+    with pinned all of it (the 16 processes of test_kill_matrix). With room for one shard, an unshuffled pass of
+    one shard per chunk reads every shard; holding the last one meant `CacheLimitError` at the second."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    url = str(tmp_path / "ds")
+    write_fixed(url, 90, per_shard=30)
+    scratch = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch"))
+    handle = scratch.open(0)
+    need = decoded_size(handle.reader.arrays)
+    handle.close()
+    data = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), cache_limit=need, cache_wait=0.5, shuffle=False,
+                            chunk_samples=30, rank=0, world_size=1)
+    ids = [int(i) for batch in StreamingDataLoader(data, batch_size=10) for i in batch["sample_id"]]
+    assert ids == list(range(90))
+
+
 def test_a_limit_of_zero_bytes_is_refused(tmp_path):
     url = str(tmp_path / "ds")
     write_fixed(url, 30, per_shard=30)
