@@ -191,7 +191,9 @@ class StreamingDataLoader(DataLoader, metaclass=ABCMeta):
         yield from counted_batches(source, prepare, pin=self.pin_batches and torch.cuda.is_available())
 
     def _bundle_size(self) -> int:
-        """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches)."""
+        """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches); each
+        worker's first bundle goes as messages of 1, 1, 2, 4, ... (`partition.bundle_sizes`), so the first batch
+        waits for one."""
         plan = self.plan
         if plan.sample_length is None:
             return 4

@@ -19,6 +19,7 @@ positions from the start of the epoch, so that the ranks' last batches stay equa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -56,27 +57,77 @@ def partial_batch(num_positions: int, *, start: int, global_batch: int, world_si
     return -(-rest // world_size) if rest else None
 
 
+def ramp_sizes(bundle: int) -> tuple[int, ...]:
+    """The steps of each worker's messages in the first round: 1, 1, 2, 4, ... (each as many as the ones before
+    it, the last what is left), which add up to one `bundle`; every later round deals whole bundles.
+
+    Each worker's first message holds one batch, so the epoch's first batch waits for one batch's reads instead
+    of a whole bundle's (16 batches of a cold shard were most of its blocks); the doubling reaches whole bundles,
+    which amortise the per-message cost, in a few messages. The ramp only splits the first round: each worker
+    still takes the steps of its first bundle's round, and from the second round on every worker takes the very
+    steps of a dealing without the ramp. A ramp of 1, 2, 4, 8 before the bundles shifted all later bundles by
+    15 steps, which put every second chunk of a worker's steps (`worker_step_chunks`) across two of its bundles,
+    a round apart: each worker held the shards of twice the positions, and 16 readers sharing a cache smaller
+    than the dataset pinned all of it
+    (`tests/test_kill_matrix.py::test_sixteen_processes_share_a_cache_smaller_than_the_dataset`).
+    """
+    sizes, dealt = [], 0
+    while dealt < bundle:
+        sizes.append(min(max(dealt, 1), bundle - dealt))
+        dealt += sizes[-1]
+    return tuple(sizes)
+
+
+def bundle_sizes(bundle: int) -> Iterator[int]:
+    """The steps of each message of a worker, in order: `ramp_sizes`, then `bundle` for ever."""
+    yield from ramp_sizes(bundle)
+    yield from itertools.repeat(bundle)
+
+
+def _ramp_starts(bundle: int) -> np.ndarray:
+    """Each worker's steps before each of its ramp messages, and `bundle` last: [0, 1, 2, 4, ..., bundle]."""
+    return np.concatenate([[0], np.cumsum(ramp_sizes(bundle))]).astype(np.int64)
+
+
 def worker_of_step(step: int | np.ndarray, *, num_workers: int, bundle: int = 1):
     """DataLoader worker that produces `step` (steps counted from the resume point).
 
-    Workers take bundles of `bundle` consecutive steps round robin: torch's DataLoader returns
-    worker outputs round robin in worker order, so the bundles arrive in step order.
+    Workers take consecutive steps round robin, as many per message as `bundle_sizes` says (`ramp_sizes` in
+    the first round, then `bundle`): torch's DataLoader returns worker outputs round robin in worker order, so
+    they arrive in step order.
     """
-    return (step // bundle) % num_workers
+    steps = np.asarray(step, dtype=np.int64)
+    worker = (steps // bundle) % num_workers
+    starts = _ramp_starts(bundle)
+    # Message r of the ramp: steps [n starts[r], n starts[r + 1]), each worker's `size` of them in turn.
+    r = np.searchsorted(num_workers * starts, steps, side="right") - 1
+    ramp = r < len(starts) - 1
+    r = r.clip(0, len(starts) - 2)
+    size = starts[r + 1] - starts[r]
+    worker = np.where(ramp, (steps - num_workers * starts[r]) // size, worker)
+    return int(worker) if np.ndim(step) == 0 else worker
 
 
 def worker_step_count(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> int:
-    """How many of the first `num_steps` steps worker `worker` produces (arithmetic, O(1))."""
+    """How many of the first `num_steps` steps worker `worker` produces (arithmetic, O(log bundle))."""
     _check_worker(worker, num_workers, bundle)
     cycle = bundle * num_workers
-    full, rest = divmod(num_steps, cycle)
-    return full * bundle + min(bundle, max(0, rest - worker * bundle))
+    if num_steps >= cycle:  # the ramp dealt each worker its first bundle, as a dealing without it does
+        full, rest = divmod(num_steps, cycle)
+        return full * bundle + min(bundle, max(0, rest - worker * bundle))
+    starts = _ramp_starts(bundle)
+    return sum(min(int(size), max(0, num_steps - num_workers * int(start) - worker * int(size)))
+               for start, size in zip(starts[:-1], np.diff(starts)))
 
 
 def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1,
                        chunk: int, skip: int = 0) -> Iterator[np.ndarray]:
-    """The steps worker `worker` produces, in order, as arrays of `chunk` steps (the last may be shorter),
-    without its first `skip` steps.
+    """The steps worker `worker` produces, in order, as arrays of at most `chunk` steps, without its first
+    `skip` steps.
+
+    The reader holds the shards of a chunk and of the next one, so a chunk never spans two of the worker's
+    messages in the ramp (they lie a round of the other workers' steps apart), and after it chunks end at
+    multiples of `chunk` of the worker's steps: with `chunk` dividing `bundle`, never across two bundles.
 
     Computed chunk by chunk from the step arithmetic of `worker_of_step`, so starting (or resuming
     anywhere in) an epoch of billions of steps costs O(chunk), not O(steps in the epoch).
@@ -84,10 +135,23 @@ def worker_step_chunks(num_steps: int, *, worker: int, num_workers: int, bundle:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
-    for first in range(max(0, skip), count, chunk):
-        i = np.arange(first, min(first + chunk, count), dtype=np.int64)
+    starts = _ramp_starts(bundle)
+    first = max(0, skip)
+    while first < count:
+        if first < bundle > 1:  # in the ramp: up to the end of the message holding the worker's step `first`
+            end = min(first + chunk, int(starts[np.searchsorted(starts, first, side="right")]))
+        else:
+            end = first + chunk - first % chunk
+        i = np.arange(first, min(end, count), dtype=np.int64)
+        first = int(i[-1]) + 1
         # The i-th step of this worker: bundle i // bundle of its own, at offset i % bundle.
-        yield (i // bundle) * (bundle * num_workers) + worker * bundle + i % bundle
+        steps = (i // bundle) * (bundle * num_workers) + worker * bundle + i % bundle
+        if i[0] < bundle:
+            # In the ramp, message r holds its steps [starts[r], starts[r + 1]), at offset i - starts[r].
+            r = (np.searchsorted(starts, i, side="right") - 1).clip(0, len(starts) - 2)
+            ramp = num_workers * starts[r] + worker * (starts[r + 1] - starts[r]) + i - starts[r]
+            steps = np.where(i < bundle, ramp, steps)
+        yield steps
 
 
 def worker_steps(num_steps: int, *, worker: int, num_workers: int, bundle: int = 1) -> np.ndarray:
@@ -95,7 +159,7 @@ def worker_steps(num_steps: int, *, worker: int, num_workers: int, bundle: int =
     count = worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle)
     chunks = worker_step_chunks(num_steps, worker=worker, num_workers=num_workers, bundle=bundle,
                                 chunk=max(count, 1))
-    return next(chunks, np.zeros(0, dtype=np.int64))
+    return np.concatenate([np.zeros(0, dtype=np.int64), *chunks])
 
 
 def _check_worker(worker: int, num_workers: int, bundle: int) -> None:

@@ -27,7 +27,7 @@ class IterationPlan:
     topology: Topology
     num_partitions: int
     numpy_batches: bool = False  # the loader converts to tensors itself, after any process boundary
-    bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message)
+    bundle: int = 1  # with workers: consecutive batches sent as one list (one pipe message); the first as 1, 1, 2, ...
     segments: tuple[tuple[int, int], ...] = ()  # token-budget mode: (world_size, steps) done in the first window
     quarantine: tuple[tuple[int, int, int], ...] = ()  # (shard, epoch, position) left out (loaders.quarantine)
     steps: int | None = None  # read at most this many steps of the first epoch (on_corrupt="skip": one segment)

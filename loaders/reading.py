@@ -65,6 +65,12 @@ class BatchReader:
                 ids = upcoming
                 upcoming = next(chunks, None)  # one chunk ahead: its shards are prefetched now
                 needed = self.shards_in_order(ids)
+                # Let go of the last chunk's shards that neither this chunk nor the next reads before opening
+                # this chunk's: under cache_limit an open may wait for room, and the node's readers would wait
+                # on each other while each pinned shards it is done with.
+                keep = set(needed) | (set(self.shards_in_order(upcoming)) if upcoming is not None else set())
+                for index in [i for i in held if i not in keep]:
+                    held.pop(index).close()
                 if executor is not None:
                     # Shards read block by block complete themselves: prefetching them whole now would
                     # make the first batch wait for whole shards.
@@ -72,11 +78,8 @@ class BatchReader:
                 self.hold(needed, held)
                 if executor is not None and upcoming is not None:  # after the opens, for the same reason
                     self._prefetch(executor, self.shards_in_order(upcoming), topo)
-                keep = set(needed) | (set(self.shards_in_order(upcoming)) if upcoming is not None else set())
                 yield from self._batches(ids, held, ramp=first)
                 first = False
-                for index in [i for i in held if i not in keep]:
-                    held.pop(index).close()
         finally:
             for handle in held.values():
                 handle.close()

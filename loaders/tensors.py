@@ -12,17 +12,21 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .partition import bundle_sizes
 from .token_batches import PROGRESS_KEY
 
 
 def bundled(batches: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[list[dict[str, np.ndarray]]]:
-    """Group a worker's batches into lists of `size` (its steps come in bundles of that many)."""
+    """Group a worker's batches into lists as its steps come (`partition.bundle_sizes`: its first `size` steps as
+    1, 1, 2, 4, ..., then `size` at a time)."""
+    sizes = bundle_sizes(size)
+    wanted = next(sizes)
     bundle: list[dict[str, np.ndarray]] = []
     for batch in batches:
         bundle.append(batch)
-        if len(bundle) == size:
+        if len(bundle) == wanted:
             yield bundle
-            bundle = []
+            bundle, wanted = [], next(sizes)
     if bundle:
         yield bundle
 

@@ -43,6 +43,15 @@ def decoded_file_size(tmp_path, url) -> int:
     return os.path.getsize(cache.path(0))
 
 
+def shard_room(tmp_path, url) -> int:
+    """Bytes of room shard 0 needs under cache_limit (`decoded_size`: an upper bound of its decoded file)."""
+    handle = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch")).open(0)
+    try:
+        return decoded_size(handle.reader.arrays)
+    finally:
+        handle.close()
+
+
 def local_cache(tmp_path, url, **kwargs):
     storage = Storage(url)
     return ShardCache(storage, load_manifest(storage), str(tmp_path / "cache"), **kwargs)
@@ -119,11 +128,8 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     this process holds are counted while held, and released when closed."""
     url = str(tmp_path / "ds")
     write_fixed(url, 90, per_shard=30)
-    scratch = ShardCache(Storage(url), load_manifest(url), str(tmp_path / "scratch"))
-    handle = scratch.open(0)
-    need = decoded_size(handle.reader.arrays)
-    handle.close()
-    size = os.path.getsize(scratch.path(0))  # every shard holds 30 samples of the same length
+    need = shard_room(tmp_path, url)
+    size = decoded_file_size(tmp_path, url)  # every shard holds 30 samples of the same length
     assert size <= need < size + 1024 + 6 * 64
 
     only_one = local_cache(tmp_path, url, cache_limit=need, wait_timeout=0.5)
@@ -150,6 +156,21 @@ def test_the_limit_is_exact_at_its_boundary_and_counts_the_bytes_this_process_ho
     with pytest.raises(CacheLimitError, match=f"this process alone hold {size} bytes"):
         held_cache.open(2)  # shard 0's bytes no longer count as held
     held.close()
+
+
+def test_a_reader_lets_go_of_the_shards_it_has_read_before_it_opens_the_next(tmp_path):
+    """A reader holds the shards of the chunk it reads (and of the next, once open), not the last chunk's while it
+    opens this one's: under cache_limit an open waits for room, and readers that kept the shards they were done
+    with pinned all of it (the 16 processes of test_kill_matrix). With room for one shard, an unshuffled pass of
+    one shard per chunk reads every shard; holding the last one meant `CacheLimitError` at the second."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    url = str(tmp_path / "ds")
+    write_fixed(url, 90, per_shard=30)
+    data = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), cache_limit=shard_room(tmp_path, url),
+                            cache_wait=0.5, shuffle=False, chunk_samples=30, rank=0, world_size=1)
+    ids = [int(i) for batch in StreamingDataLoader(data, batch_size=10) for i in batch["sample_id"]]
+    assert ids == list(range(90))
 
 
 def test_a_limit_of_zero_bytes_is_refused(tmp_path):

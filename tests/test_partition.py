@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -140,7 +141,8 @@ def test_worker_step_arithmetic_defaults_to_single_steps_and_integer_bundles():
     from shardkit.loaders.partition import worker_of_step, worker_step_chunks, worker_step_count
 
     assert worker_of_step(3, num_workers=2, bundle=2) == 1 and isinstance(worker_of_step(3, num_workers=2, bundle=2), int)
-    assert worker_of_step(np.arange(6), num_workers=2, bundle=2).tolist() == [0, 0, 1, 1, 0, 0]
+    # the first round's bundles one step per message (the ramp), then bundles of two
+    assert worker_of_step(np.arange(8), num_workers=2, bundle=2).tolist() == [0, 1, 0, 1, 0, 0, 1, 1]
     assert worker_step_count(6, worker=0, num_workers=2) == 3  # bundle 1 by default
     assert [c.tolist() for c in worker_step_chunks(6, worker=0, num_workers=2, chunk=10)] == [[0, 2, 4]]
     # a chunk of one step is allowed, and yields one step at a time
@@ -155,14 +157,49 @@ def test_worker_step_chunks_skip_starts_at_the_skipped_step_at_once():
     from shardkit.loaders.partition import worker_step_chunks
 
     every = np.concatenate(list(worker_step_chunks(50, worker=1, num_workers=3, bundle=2, chunk=4)))
-    assert len(every) == 16
+    assert len(every) == 16  # its first bundle of 2 as the ramp's two messages of 1, then 7 bundles of 2
     for skip in (0, 1, 4, 7, 15, 16, 17):
         kept = list(worker_step_chunks(50, worker=1, num_workers=3, bundle=2, chunk=4, skip=skip))
         assert [int(s) for c in kept for s in c] == every[skip:].tolist()
-        assert len(kept) == -(-max(0, len(every) - skip) // 4)  # no chunk spent on skipped steps
+        assert all(0 < len(c) <= 4 for c in kept)  # no chunk spent on skipped steps
+        # cut at the ramp's two messages and, after it, at the worker's steps 4, 8, ... (whole bundles of 2)
+        assert len(kept) <= -(-max(0, len(every) - skip) // 4) + 2
     # a standalone worker resumed near the end of an epoch of 10^8 steps: its first chunk comes at once
     # (enumerating the 6 million chunks before it took seconds)
     cpu = time.process_time()
     first = next(worker_step_chunks(10**8, worker=0, num_workers=2, bundle=4, chunk=8, skip=5 * 10**7 - 3))
     assert first.tolist() == [10**8 - 7, 10**8 - 6, 10**8 - 5]
     assert time.process_time() - cpu < 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_steps=st.integers(0, 300), num_workers=st.integers(1, 4), bundle=st.integers(1, 20),
+       chunk=st.integers(1, 9), skip=st.integers(0, 40))
+def test_workers_take_one_step_first_then_bundles_that_arrive_in_step_order(num_steps, num_workers, bundle, chunk,
+                                                                           skip):
+    """Round robin, each worker's messages as `bundled` cuts them (1, 1, 2, 4, ... adding up to `bundle`, then
+    `bundle` steps): read in torch's order (one message per worker in turn) they give every step once, in order,
+    and each worker's steps are what `worker_of_step`, `worker_step_count` and `worker_step_chunks` say. The ramp
+    only splits the first round: every later step goes to the worker a dealing of whole bundles gives it, and no
+    chunk spans two messages of the ramp (the reader holds a chunk's shards: a chunk across two of them spans
+    the other workers' steps between them too)."""
+    from shardkit.loaders.partition import worker_of_step, worker_step_chunks, worker_step_count
+    from shardkit.loaders.tensors import bundled
+
+    owner = worker_of_step(np.arange(num_steps), num_workers=num_workers, bundle=bundle)
+    after_ramp = np.arange(num_workers * bundle, num_steps)
+    assert owner[after_ramp].tolist() == ((after_ramp // bundle) % num_workers).tolist()
+    messages = []
+    for worker in range(num_workers):
+        mine = np.flatnonzero(owner == worker)
+        assert worker_step_count(num_steps, worker=worker, num_workers=num_workers, bundle=bundle) == len(mine)
+        chunks = list(worker_step_chunks(num_steps, worker=worker, num_workers=num_workers, bundle=bundle,
+                                         chunk=chunk, skip=skip))
+        assert [int(s) for c in chunks for s in c] == mine[skip:].tolist()
+        messages.append(list(bundled(iter(mine.tolist()), bundle)))
+        ramp = [set(m) for m in messages[-1][:-1] if len(m) < bundle]  # the ramp's messages (but the last)
+        assert not any(len(ramp_message & set(c.tolist())) not in (0, len(c)) for c in chunks for ramp_message in ramp)
+    assert all(len(m[0]) == 1 for m in messages if m)  # every worker's first message: one batch
+    arrived = [step for round_ in itertools.zip_longest(*messages, fillvalue=[]) for message in round_
+               for step in message]
+    assert arrived == list(range(num_steps))
