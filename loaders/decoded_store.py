@@ -241,6 +241,7 @@ class DecodedStore:
                     f"cache_limit={limit} bytes cannot hold the working set: {who} hold {own if alone else total} "
                     f"bytes of decoded shards in {context.cache_root} and shard {shard.name} needs {need} more. "
                     "Raise cache_limit or lower shuffle_window: every reader process of the node (each rank, and "
-                    "each DataLoader worker of a rank) holds the shards of its current and next shuffle window, so "
-                    "a node needs about readers x (shuffle_window / samples_per_shard + 2) decoded shards")
+                    "each DataLoader worker of a rank) holds the shards of the samples it reads now and of those it "
+                    "reads next (chunk_samples each, drawn from up to two shuffle windows), so a node needs at most "
+                    "about readers x (shuffle_window / samples_per_shard + 2) decoded shards")
             time.sleep(0.05)  # readers hold every evictable shard: wait for one to move on
