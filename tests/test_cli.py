@@ -89,6 +89,35 @@ def test_inspect_is_fast_and_never_imports_torch(tmp_path):
     assert json.loads(result.stdout)["totals"]["samples"] == 50
 
 
+def _commands_of(parser) -> set[str]:
+    return {name for action in parser._actions if hasattr(action, "choices") and isinstance(action.choices, dict)
+            for name in action.choices}
+
+
+def test_a_command_line_registers_only_the_provider_of_its_command():
+    from shardkit.cli.main import COMMAND_PROVIDERS, build_parser
+
+    every = _commands_of(build_parser())
+    assert every == {command for commands in COMMAND_PROVIDERS.values() for command in commands}
+    for commands in COMMAND_PROVIDERS.values():
+        for command in commands:
+            assert _commands_of(build_parser(["--no-such-flag", command, "--help"])) == set(commands), command
+    assert _commands_of(build_parser(["--version"])) == _commands_of(build_parser(["no-such-command"])) == every
+
+
+def test_the_build_side_commands_start_without_the_trainer_or_the_tuner():
+    """Parsing `shardkit convert` (and `build`) imports neither the trainer's nor the tuner's configuration, nor
+    torch: a fresh interpreter, as the command starts."""
+    code = ("import sys; from shardkit.cli.main import build_parser; "
+            "build_parser(sys.argv[1:]).parse_args(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m.startswith(('shardkit.train', 'shardkit.tune', 'torch'))))")
+    for argv in (["convert", "src", "--from", "megatron", "--output", "out", "--seq-len", "8"],
+                 ["build", "in.jsonl", "--output", "out", "--tokenizer", "byte", "--seq-len", "8"]):
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "[]", (argv, result.stdout)
+
+
 def test_inspect_missing_dataset_is_a_clear_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err

@@ -15,20 +15,26 @@ from shardkit import __version__
 from shardkit.options import OptionParser, add_subcommands, command_parser
 from shardkit.redaction import redacted_output
 
-# Dataset commands (inspect, verify, cat), lineage (trace), the build side (build, tokenizer), the trainer (train, plot),
-# and the end-to-end demo.
-COMMAND_PROVIDERS = (
-    "shardkit.cli.dataset",
-    "shardkit.cli.trace",
-    "shardkit.cli.build",
-    "shardkit.cli.convert",
-    "shardkit.cli.train",
-    "shardkit.cli.tune",
-    "shardkit.cli.demo",
-)
+# Each provider module and the commands it registers: dataset commands (inspect, verify, cat), lineage (trace),
+# the build side (build, tokenizer; convert, export), the trainer (train, plot), the tuner, the end-to-end demo.
+# A command line that names a command registers its provider alone: the trainer's and the tuner's options import
+# their configurations (~40 ms), which `shardkit build` and `convert` never use; `--help`, `--version` and a
+# mistyped command register them all.
+COMMAND_PROVIDERS = {
+    "shardkit.cli.dataset": ("inspect", "verify", "cat"),
+    "shardkit.cli.trace": ("trace",),
+    "shardkit.cli.build": ("build", "tokenizer"),
+    "shardkit.cli.convert": ("convert", "export"),
+    "shardkit.cli.train": ("train", "plot"),
+    "shardkit.cli.tune": ("tune",),
+    "shardkit.cli.demo": ("demo",),
+}
 
 
-def build_parser() -> OptionParser:
+def build_parser(argv: Sequence[str] = ()) -> OptionParser:
+    """The `shardkit` parser; with the command line it will parse (`argv`), only the parser of the command it
+    names (the top-level parser's own options, `--help` and `--version`, take no value, so the command is the
+    first word that is not an option)."""
     parser = command_parser(
         prog="shardkit", version=f"shardkit {__version__}",
         description="Build tokenized shard datasets from raw corpora, inspect and verify them, "
@@ -37,7 +43,9 @@ def build_parser() -> OptionParser:
                "(--cache-limit); the snake_case spelling (--cache_limit) is accepted as an alias.",  # respell: keep
     )
     subparsers = add_subcommands(parser)
-    for module_name in COMMAND_PROVIDERS:
+    command = next((word for word in argv if not word.startswith("-")), None)
+    providers = [name for name, commands in COMMAND_PROVIDERS.items() if command in commands] or COMMAND_PROVIDERS
+    for module_name in providers:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
@@ -52,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything printed, by shardkit or by a library it calls, masks the credentials of the URLs given.
     with redacted_output(*argv):
-        parser = build_parser()
+        parser = build_parser(argv)
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
             parser.print_help()
