@@ -69,3 +69,28 @@ def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, 
     one = run_script("titan_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 20, "--resume", 10)[0]
     assert one[0][0] == 11
     assert sorted(ids_of(head[0], 8) + ids_of(head[1], 8) + ids_of(one)[:36]) == list(range(SAMPLES))
+
+
+def test_raw_text_is_tokenized_by_the_loader_and_resumes_exactly(tmp_path):
+    """With `raw_tokenizer` in the config, dataset_path names raw text: batches of seq_len inputs and labels without
+    a build, and a loader built afresh that loads the saved state goes on with the very batches that followed."""
+    from test_build import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", docs=60)
+    raw = dict(raw_tokenizer="byte", pack="bestfit")
+    whole = iter(build(f"{corpus}/*.jsonl", tmp_path, **raw))
+    batches = [next(whole) for _ in range(6)]
+    assert all(b[0]["input"].shape == b[1].shape == (4, 16) for b in batches)
+    first = build(f"{corpus}/*.jsonl", tmp_path, **raw)
+    head = iter(first)
+    for _ in range(3):
+        next(head)
+    state = first.state_dict()
+    resumed = build(f"{corpus}/*.jsonl", tmp_path, **raw)
+    resumed.load_state_dict(state)
+    tail = iter(resumed)
+    for want in batches[3:]:
+        inputs, labels = next(tail)
+        assert torch.equal(inputs["input"], want[0]["input"]) and torch.equal(labels, want[1])
+    with pytest.raises(ValueError, match='pack="none"'):
+        build(f"{corpus}/*.jsonl", tmp_path, raw_tokenizer="byte", pack="none")
