@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import in_fresh_process
 from fault_proxy import through_proxy
 from shardkit.manifest import MANIFEST_NAME
 from shardkit.storage import Storage
@@ -34,7 +35,6 @@ def _upload(directory, url: str, options: dict) -> list[str]:
 
 def test_build_across_ray_nodes_survives_a_lost_node(faulty_bucket, tmp_path):
     pytest.importorskip("ray", reason="the ray executor needs ray (pip install 'shardkit[ray]')")
-    from ray.cluster_utils import Cluster
 
     url, options, proxy = faulty_bucket
     options = through_proxy(options)
@@ -43,45 +43,60 @@ def test_build_across_ray_nodes_survives_a_lost_node(faulty_bucket, tmp_path):
     local = run_build(config(inputs, f"{url}/local", workers=2, **settings))
 
     proxy.configure(rate=0.05, seed=3, kinds=("slowdown", "error500"))  # a flaky store for the Ray build
+    # Ray runs in a spawned process: its core worker and gRPC leave threads behind after shutdown, which a later
+    # test of this pytest-xdist worker that forks (DataLoader workers) would copy mid-operation.
+    outcome = in_fresh_process(_build_losing_a_node, inputs, url, options, settings)
+    if "error" in outcome:
+        raise AssertionError(outcome["error"])
+    assert proxy.injected > 0  # the store was flaky during the Ray build too
+
+    ray_report, ray_shards = outcome["report"], outcome["shards"]
+    output = Storage(f"{url}/ray", options)  # a fresh one: s3fs would answer from the listing cached above
+    assert output.read_bytes(MANIFEST_NAME) == Storage(f"{url}/local", options).read_bytes(MANIFEST_NAME)
+    for name in ray_shards:
+        assert output.read_bytes(name) == Storage(f"{url}/local", options).read_bytes(name)
+    documents = ray_report["documents"]
+    assert documents["balanced"] and documents == local.report["documents"] and documents["in"] > DOCS
+    nodes = ray_report["timing"]["units_per_node"]
+    assert len(nodes) == 2, nodes  # both worker nodes tokenized units; the head has no CPU
+    # Every unit's result was consumed once, whichever node ran it last.
+    assert sum(nodes.values()) == sum(local.report["timing"]["units_per_node"].values())
+
+
+def _build_losing_a_node(inputs: list[str], url: str, options: dict, settings: dict) -> dict:
+    """The Ray build on a cluster of this machine (a head without CPUs and two worker nodes), one node killed
+    once the build has written a shard: its report and shard names, or the error (as text) that stopped it."""
+    from ray.cluster_utils import Cluster
+
     # Simulated nodes: raylets of this machine (Ray binds them to this machine's own address).
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    outcome: dict = {}
     try:
-        doomed, survivor = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
+        doomed, _ = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        outcome: dict = {}
 
         def build() -> None:
             try:
-                outcome["result"] = run_build(config(inputs, f"{url}/ray", workers=2, executor="ray",
-                                                     ray_address=cluster.address, **settings))
-            except BaseException as err:  # noqa: BLE001 - re-raised in the test thread below
-                outcome["error"] = err
+                result = run_build(config(inputs, f"{url}/ray", workers=2, executor="ray",
+                                          ray_address=cluster.address, **settings))
+                outcome.update(report=result.report, shards=[shard.name for shard in result.manifest.shards])
+            except BaseException as err:  # noqa: BLE001 - reported to the test process below
+                outcome["error"] = f"{type(err).__name__}: {err}"
 
         thread = threading.Thread(target=build)
         thread.start()
         output = Storage(f"{url}/ray", options)
         deadline = time.monotonic() + 240
         while not any(name.startswith("shard-") for name in output.list_names()):  # the build is under way
-            assert thread.is_alive() and time.monotonic() < deadline, outcome.get("error", "the build did not start")
+            if not thread.is_alive() or time.monotonic() > deadline:
+                return {"error": outcome.get("error", "the build did not start")}
             time.sleep(0.05)
-        assert thread.is_alive(), "the build ended before a node could be lost: make the corpus larger"
+        if not thread.is_alive():
+            return {"error": "the build ended before a node could be lost: make the corpus larger"}
         cluster.remove_node(doomed, allow_graceful=False)
         thread.join(timeout=300)
-        assert not thread.is_alive(), "the build did not finish after the node was lost"
+        if thread.is_alive():
+            return {"error": "the build did not finish after the node was lost"}
     finally:
         cluster.shutdown()
-    if "error" in outcome:
-        raise outcome["error"]
-    assert proxy.injected > 0  # the store was flaky during the Ray build too
-
-    ray_result = outcome["result"]
-    output = Storage(f"{url}/ray", options)  # a fresh one: s3fs would answer from the listing cached above
-    assert output.read_bytes(MANIFEST_NAME) == Storage(f"{url}/local", options).read_bytes(MANIFEST_NAME)
-    for shard in ray_result.manifest.shards:
-        assert output.read_bytes(shard.name) == Storage(f"{url}/local", options).read_bytes(shard.name)
-    documents = ray_result.report["documents"]
-    assert documents["balanced"] and documents == local.report["documents"] and documents["in"] > DOCS
-    nodes = ray_result.report["timing"]["units_per_node"]
-    assert len(nodes) == 2, nodes  # both worker nodes tokenized units; the head has no CPU
-    # Every unit's result was consumed once, whichever node ran it last.
-    assert sum(nodes.values()) == sum(local.report["timing"]["units_per_node"].values())
+    return outcome
