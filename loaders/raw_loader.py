@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from shardkit import metrics
+
 from .batch_counts import counted_batches
 from .closing import closed_at_exit
 from .raw_batches import CURSORS_KEY, UNREADABLE_KEY
@@ -82,6 +84,7 @@ class RawTextDataLoader(DataLoader):
         self._consumed = 0
         self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
         self._cuts = UnitCuts()  # the unreadable units skipped (agreed by every rank)
+        self._published: Counter = Counter()  # the rejections already added to the metric
 
     def _resolve(self) -> Topology:
         self._topology = self.plan.topology()
@@ -95,6 +98,15 @@ class RawTextDataLoader(DataLoader):
     def epoch(self) -> int:
         """Always 0: raw text counts epochs per lane (each batch's `lane_epoch`)."""
         return 0
+
+    def _publish_rejections(self) -> None:
+        """Add the rejections counted since the last call to `shardkit_loader_documents_rejected_total`."""
+        now = self.dataset.rejected
+        for reason, count in now.items():
+            if count > self._published[reason]:
+                metrics.inc("shardkit_loader_documents_rejected_total", count - self._published[reason],
+                            reason=reason)
+        self._published = Counter(now)
 
     @property
     def skipped_units(self) -> int:
@@ -140,6 +152,7 @@ class RawTextDataLoader(DataLoader):
                         if again:
                             self.dataset.rejected = counted
                             break
+                    self._publish_rejections()  # the step is handed out: its rejections are counted for good
                     yield batch
                     if skipping:
                         counted = Counter(self.dataset.rejected)

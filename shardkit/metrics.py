@@ -100,6 +100,9 @@ METRICS: tuple[MetricSpec, ...] = (
          "Samples left out of an epoch because their shard was quarantined.", ("stream",)),
         ("shardkit_loader_skipped_units_total", "counter",
          "Raw-text work units skipped as unreadable (on_corrupt='skip'), by input file.", ("stream",)),
+        ("shardkit_loader_documents_rejected_total", "counter",
+         "Raw-text documents the loader rejected, by reason (the build report's categories), counted by the rank "
+         "that tokenized them.", ("reason",)),
         ("shardkit_cache_hits_total", "counter", "Shard opens served from the node-local cache.", ("stream",)),
         ("shardkit_cache_misses_total", "counter", "Shard opens that had to fetch the shard first.", ("stream",)),
         ("shardkit_cache_evictions_total", "counter", "Decoded shards evicted to stay under cache_limit.", ()),

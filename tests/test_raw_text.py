@@ -87,6 +87,10 @@ def test_batches_carry_tokens_ids_and_document_boundaries(corpus):
 
 @pytest.mark.parametrize("pack", ["concat", "bestfit"])
 def test_every_token_of_every_accepted_document_once_per_lane_epoch(corpus, pack):
+    from shardkit import metrics
+
+    reasons = ("malformed JSON", "no 'text' field", "empty document", "invalid UTF-8")
+    before = {r: metrics.value("shardkit_loader_documents_rejected_total", reason=r) for r in reasons}
     ds = dataset(corpus, pack=pack)
     samples = first_epoch(ds)
     docs = accepted_documents(ds)
@@ -95,6 +99,8 @@ def test_every_token_of_every_accepted_document_once_per_lane_epoch(corpus, pack
     assert len(got) == len(want) and np.array_equal(np.bincount(got, minlength=300), np.bincount(want, minlength=300))
     # counted by reason as the build counts them, once per corpus though the loader read on into lane epoch 1
     assert ds.rejected == {"malformed JSON": 1, "no 'text' field": 1, "empty document": 1, "invalid UTF-8": 1}
+    published = {r: metrics.value("shardkit_loader_documents_rejected_total", reason=r) - before[r] for r in reasons}
+    assert published == dict(ds.rejected)  # and published as a metric, once each
 
 
 def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
