@@ -108,8 +108,11 @@ def test_sync_every_step_with_sgd_reproduces_ddp(in_process_runs):
     root, _ = in_process_runs
     ddp, diloco = losses(root / "ddp"), losses(root / "h1")
     assert sorted(ddp) == sorted(diloco) == list(range(1, 11))
+    # Equal up to rounding: DDP steps by lr x mean(g), DiLoCo by mean(lr x g), which round apart in the last bit,
+    # and the differences grow with the steps (CI saw 1.2e-6 relative at step 9). A wrong outer step (another
+    # outer lr, momentum, or a rank's update left out) moves the losses by 1e-2 or more.
     for step in ddp:
-        assert diloco[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
+        assert diloco[step] == pytest.approx(ddp[step], rel=1e-5, abs=0), step
     assert ddp[10] < ddp[1] - 0.5  # SGD at this learning rate does learn: the comparison is not of constants
 
 
