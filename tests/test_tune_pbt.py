@@ -86,9 +86,11 @@ def test_a_killed_pbt_tuner_rerun_trains_each_members_round_once(tmp_path):
     killed trial is failed, not enqueued) and never reruns a finished one."""
     datasets = make_datasets(tmp_path / "data")
     output = tmp_path / "tune"
-    args = [*trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2), "--space", "lr=loguniform:1e-3:3e-2",
-            "--sampler", "pbt", "--population", "2", "--perturb-every", "2", "--parallel-trials", "1",
-            "--output", str(output)]
+    # Rounds of 6 steps: the kill must land while the second trial trains, which a round of 2 steps on a loaded
+    # machine could finish between two polls of the study.
+    args = [*trainer_args(datasets, tmp_path / "cache", steps=12, eval_every=6), "--space",
+            "lr=loguniform:1e-3:3e-2", "--sampler", "pbt", "--population", "2", "--perturb-every", "6",
+            "--parallel-trials", "1", "--output", str(output)]
 
     def states() -> list[str]:
         try:

@@ -62,18 +62,25 @@ def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, tim
     import signal
     import time
 
-    tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = output.parent / f"{output.name}-killed-tuner.log"  # beside the output: what failed says why
+    with open(log_path, "wb") as log:
+        tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
+                                 stdout=log, stderr=subprocess.STDOUT)
+    current: list[str] = []
     try:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and tuner.poll() is None:
             current = states()
             running = (metrics_of(len(current) - 1) if metrics_of else
                        output / "trials" / f"trial_{len(current) - 1:05d}" / "metrics.jsonl")
             if current.count("COMPLETE") == 1 and current[-1] == "RUNNING" and running.exists():
                 return  # one trial finished, the next one is training
+            if current.count("COMPLETE") > 1 or "FAIL" in current:
+                break  # past the moment to kill, or a trial failed: say so now, not at the deadline
             time.sleep(0.1)
-        raise AssertionError("the tuner did not reach its second trial in time")
+        raise AssertionError(f"the tuner did not reach its second trial while it trained (trial states {current}, "
+                             f"tuner exit status {tuner.poll()}); its log ends:\n"
+                             f"{log_path.read_text(errors='replace')[-3000:]}")
     finally:
         os.killpg(tuner.pid, signal.SIGKILL)
         tuner.wait()
