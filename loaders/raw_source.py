@@ -124,7 +124,7 @@ class RawCorpus:
             if segment.file_error:
                 # A footer the listing could not read was already broken then; any other failure means the
                 # file changed after it was listed.
-                hint = "" if self._footer_error(number) else (" (did it change or vanish since the loader listed "
+                hint = "" if self.units.footer_errors[int(self.units.source[number])] else (" (did it change or vanish since the loader listed "
                                                               "its units?)")
                 raise UnreadableInput(f"{url}: cannot read it: {segment.file_error}{hint}", segment.file_error,
                                       segment)
@@ -133,10 +133,6 @@ class RawCorpus:
         if skip and not read:  # a resume into a segment the file no longer has
             raise UnreadableInput(f"{url}: has no segment {skip} to resume from: it changed since the loader "
                                   "listed it", f"has no segment {skip}: it changed since the loader listed it", None)
-
-    def _footer_error(self, number: int) -> str:
-        errors = self.units.footer_errors
-        return errors[int(self.units.source[number])] if errors else ""
 
     def unit_place(self, number: int) -> str:
         """A unit's file and part, for messages: 'FILE bytes A-B', 'FILE row group G' or the file."""

@@ -41,7 +41,7 @@ class UnitTable:
     first_rows: tuple[tuple[int, ...], ...]  # per file: the first row of each row group (Parquet only)
     # per file: why its Parquet footer could not be read ("" when it could): the file is one unit whose read
     # fails, so the lane that reaches it raises or skips it under on_corrupt, as the build does
-    footer_errors: tuple[str, ...] = ()
+    footer_errors: tuple[str, ...]
 
 
 def unit_kind(file: InputFile) -> str:
@@ -175,7 +175,7 @@ def read_segments(table: UnitTable, files: list[InputFile], number: int, *, skip
         yield read_range(file, source, number, part, unit_bytes=unit_bytes,
                          line_limit=max_line_bytes(max_doc_chars), storage_options=storage_options)
     else:
-        footer_error = table.footer_errors[source] if table.footer_errors else ""
+        footer_error = table.footer_errors[source]
         if footer_error:
             yield WorkUnit(index=number, source=source, file_unit=0, kind="parquet", first_record=0,
                            file_error=footer_error)
