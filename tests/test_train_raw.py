@@ -79,3 +79,18 @@ def test_a_built_held_out_set_beside_raw_training_text(tmp_path, capsys):
     assert main([*args, "--eval-data", str(tmp_path / "held32"), "--run-dir", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert "--eval-data" in err and "seq_len 32" in err and "Traceback" not in err
+
+
+def test_built_training_data_under_tokenizer_is_refused_by_name(tmp_path, capsys):
+    """--tokenizer tokenizes raw text; a --data whose every entry is a built dataset is refused with the options
+    to change (not the Python API's message about marking raw-text streams); raw text beside it still mixes."""
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    assert main(["build", f"{corpus}/d.parquet", "--output", str(tmp_path / "built"), "--tokenizer", "byte",
+                 "--seq-len", "64"]) == 0
+    capsys.readouterr()
+    args = ["train", "--tokenizer", "byte", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--device", "cpu",
+            "--tensorboard", "false"]
+    assert main([*args, "--data", str(tmp_path / "built"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path / 'built'}" in err and "drop --tokenizer" in err and "Traceback" not in err
+    assert "Stream(" not in err

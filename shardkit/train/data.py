@@ -81,6 +81,12 @@ def _raw_source(spec: str, options: dict[str, Any] | None) -> list[Any]:
 
     entries = data_entries(spec)
     built = [_holds_manifest(url, options) for url, _ in entries]
+    if all(built):
+        from shardkit.manifest import MANIFEST_NAME
+
+        raise ValueError(f"--data {spec}: {'every entry is a built dataset' if len(entries) > 1 else 'a built dataset'} "
+                         f"(holds {MANIFEST_NAME}), and --tokenizer is for raw text: drop --tokenizer to train on "
+                         "built data (its manifest names the tokenizer), or add raw text to mix with it")
     if not any(built) and all(weight == 1.0 for _, weight in entries):
         return [url for url, _ in entries]
     return [Stream(url, weight, raw_text=not is_built) for (url, weight), is_built in zip(entries, built)]
