@@ -6,7 +6,9 @@ batch is gathered, `ensure(samples)` fetches the blocks holding those samples wi
 parallel; from remote storage neighbouring blocks in one read), checks each against its SHA-256 from the
 block index (itself checked against the manifest), decodes it and checks its token ids: no byte is used
 before its hash matched. A batch that spans several cold shards reads them all at once: `start_index` on
-each, then `request` on each, then `wait` on each (`ensure` is the three for one shard). A background thread
+each, then `request` on each, then `wait` on each (`ensure` is the three for one shard). An iteration's first
+batch takes its samples from their decoded blocks instead (`request_samples`), leaving the blocks to be placed
+later, without a second read or decode: placing them is what a first batch paid most for. A background thread
 fetches the rest in large coalesced ranges and hands the complete arrays to `on_complete` (the cache
 writes its file there, or nothing). It starts at the second `ensure`, so the first batch's blocks have the
 link (and the CPU) to themselves, and from then on serves the blocks readers wait for first.
@@ -136,6 +138,9 @@ class BlockReader:
         self._ensured = 0
         self._index_future: Future | None = None
         self._wanted: set[int] = set()  # blocks readers wait for: the completion reads them first
+        # Blocks a first batch read, verified and decoded without placing them (`request_samples`), with their bytes when
+        # kept: whoever loads such a block later places these instead of reading and decoding it again.
+        self._decoded: dict[int, tuple[ShardArrays, bytes | memoryview | None]] = {}
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -198,13 +203,7 @@ class BlockReader:
         self._raise_failure()
         if self.complete:
             return BlockRequest()
-        if self._index_future is not None:
-            try:
-                self._index_future.result()
-            except BaseException as err:  # noqa: BLE001 - read again below, in this thread, where it raises
-                logger.debug("background read of the block index of %s failed: %s", self.shard.name, err)
-            self._index_future = None
-        index = self._load_index()
+        index = self._ready_index()
         needed = index.blocks_of(np.asarray(local_samples, dtype=np.int64).reshape(-1))
         # The first batch reads its own blocks. Later ones leave them to the background completion, which
         # reads the blocks they wait for first, in runs of up to 32 MiB: a block per request would cost
@@ -223,11 +222,90 @@ class BlockReader:
         # Local reads are page-cache copies: no request to save, so a block each (never one the batch does not
         # need), decoded in `wait` by the caller's thread and, for enough bytes, by helpers beside it.
         runs = deque(self._claim_needed(needed, gap_bytes=None))
-        blocks = self._index.blocks
-        raw_bytes = sum(blocks[first].raw_bytes for first, _ in runs)
-        helpers = min(len(runs) - 1, _decode_helpers()) if raw_bytes >= PARALLEL_DECODE_BLOCK_BYTES * len(runs) else 0
+        helpers = self._helpers([first for first, _ in runs])
         return BlockRequest(self, list(needed), local_runs=runs,
                             futures=[self._executor.submit(self._load_runs, runs) for _ in range(helpers)])
+
+    def _ready_index(self) -> BlockIndex:
+        """The block index, once read (by `start_index`'s background read, or now in this thread)."""
+        if self._index_future is not None:
+            try:
+                self._index_future.result()
+            except BaseException as err:  # noqa: BLE001 - read again below, in this thread, where it raises
+                logger.debug("background read of the block index of %s failed: %s", self.shard.name, err)
+            self._index_future = None
+        return self._load_index()
+
+    def request_samples(self, local_samples: Iterable[int] | np.ndarray) -> Callable[[], list[ShardArrays]]:
+        """Start reading the given samples for a first batch; the function returned waits for them and gives each
+        as arrays of its own. Their blocks are read, verified, decoded and checked as `request` does, but not
+        copied into the shard's arrays: placing a 1 MiB block there first touches fresh pages of a whole-shard
+        array (2 MiB pages that numpy asks for, each zeroed whole, compacted for under memory pressure), which
+        cost as much as the decode. The blocks are kept and placed by whoever loads them next (the completion,
+        a later batch), never read or decoded again. Counts as this reader's first `ensure`: the next one hands
+        its blocks to the completion. Remote reads start now, in parallel; local ones run in the function (and
+        in the pool beside it, for large blocks).
+
+        Raises (from the function):
+            CorruptShardError: a block failed its check twice, or the background completion failed.
+        """
+        self._raise_failure()
+        local = np.asarray(local_samples, dtype=np.int64).reshape(-1)
+        if self.complete:
+            return lambda: [self.arrays.slice(i, i + 1) for i in local.tolist()]
+        index = self._ready_index()
+        self._ensured += 1
+        block_of = np.searchsorted(index.sample_ends, local, side="right").tolist()
+        with self._lock:  # placed blocks are read from the shard's arrays; the others are decoded for this batch
+            todo = deque(sorted(k for k in set(block_of) if self._state[k] != _DONE and k not in self._decoded))
+        decoded: dict[int, tuple[ShardArrays, bytes | memoryview | None]] = {}
+
+        def decode_next() -> None:
+            while True:
+                try:
+                    k = todo.popleft()
+                except IndexError:
+                    return
+                try:
+                    arrays, raw = self._read_decoded(k)
+                except BaseException as err:
+                    self._failure = self._failure or err  # the shard is refused for every later read too
+                    raise
+                decoded[k] = (arrays, raw if self._keep_bytes else None)
+
+        remote = not self._storage_of().is_local
+        helpers = len(todo) if remote else self._helpers(list(todo))
+        futures = [self._executor.submit(decode_next) for _ in range(helpers)]
+
+        def wait() -> list[ShardArrays]:
+            try:
+                decode_next()
+            finally:
+                for future in futures:
+                    future.result()
+            for k, item in decoded.items():  # kept for the load that places them (never a second copy)
+                self._decoded.setdefault(k, item)
+            out = []
+            for i, k in zip(local.tolist(), block_of):
+                held = decoded.get(k) or self._decoded.get(k)
+                if held is None:  # placed: by an earlier load, or by one that took the kept arrays meanwhile
+                    self._events[k].wait()
+                    self._raise_failure()
+                    out.append(self.arrays.slice(i, i + 1))
+                else:
+                    first = index.blocks[k].sample_start
+                    out.append(held[0].slice(i - first, i - first + 1))
+            return out
+
+        return wait
+
+    def _helpers(self, blocks: list[int]) -> int:
+        """Threads beside the caller's that decode these local blocks: none for small blocks (mostly Python under
+        the GIL), else one per other core of this process's share, at most one per block but the caller's."""
+        raw_bytes = sum(self._index.blocks[k].raw_bytes for k in blocks)
+        if len(blocks) < 2 or raw_bytes < PARALLEL_DECODE_BLOCK_BYTES * len(blocks):
+            return 0
+        return min(len(blocks) - 1, _decode_helpers())
 
     def _load_runs(self, runs: deque[tuple[int, int]]) -> None:
         """Load runs taken one at a time from `runs` (shared with other threads) until none is left."""
@@ -268,11 +346,12 @@ class BlockReader:
         runs: list[tuple[int, int]] = []
         with self._lock:
             for k in sorted(k for k in set(needed) if self._state[k] == _MISSING):
-                if runs and gap_bytes is not None:
+                # A block a first batch decoded is a run of its own: placed without reading its bytes again.
+                if runs and gap_bytes is not None and k not in self._decoded and runs[-1][1] not in self._decoded:
                     first, last = runs[-1]
                     between = range(last + 1, k)
                     if (blocks[k].byte_start - blocks[last].byte_end <= gap_bytes
-                            and all(self._state[j] == _MISSING for j in between)):
+                            and all(self._state[j] == _MISSING and j not in self._decoded for j in between)):
                         for j in between:
                             self._state[j] = _CLAIMED
                         self._state[k] = _CLAIMED
@@ -294,7 +373,7 @@ class BlockReader:
         local file is read into it; blocks are decoded from views of the bytes read, never copies (slicing
         bytes copied a whole shard), and each is copied into place before this returns."""
         first, last = run
-        if first == last and scratch is None:
+        if first == last and (scratch is None or first in self._decoded):
             self._load_block(first)
             return
         blocks = self._index.blocks
@@ -322,12 +401,9 @@ class BlockReader:
         """Read (or check `data`), verify, decode and place block `number`; on failure record it and raise."""
         block = self._index.blocks[number]
         try:
-            raw = read_block(self._storage_of(), self.shard, block, number, on_read=self._on_read, data=data)
-            url = self.url
-            arrays = decode_block(raw, block, number=number, shard_format=self.manifest.shard_format,
-                                  token_dtype=self.manifest.token_dtype, has_docs=self.shard.has_doc_boundaries,
-                                  shard=url)
-            self._place(block, arrays, number, url)
+            decoded = self._decoded.pop(number, None)
+            arrays, raw = decoded if decoded is not None else self._read_decoded(number, data)
+            self._place(block, arrays)
             if self._keep_bytes:
                 self._buffer[block.byte_start:block.byte_end] = np.frombuffer(raw, dtype=np.uint8)
             with self._lock:
@@ -338,7 +414,19 @@ class BlockReader:
         finally:
             self._events[number].set()
 
-    def _place(self, block, arrays: ShardArrays, number: int, url: str) -> None:
+    def _read_decoded(self, number: int, data: bytes | memoryview | None = None) -> tuple[ShardArrays, bytes]:
+        """Block `number` read (or `data` checked), verified, decoded and its arrays checked: (arrays, its bytes)."""
+        block = self._index.blocks[number]
+        raw = read_block(self._storage_of(), self.shard, block, number, on_read=self._on_read, data=data)
+        url = self.url
+        arrays = decode_block(raw, block, number=number, shard_format=self.manifest.shard_format,
+                              token_dtype=self.manifest.token_dtype, has_docs=self.shard.has_doc_boundaries, shard=url)
+        self._check(block, arrays, number, url)
+        return arrays, raw
+
+    def _check(self, block, arrays: ShardArrays, number: int, url: str) -> None:
+        """A decoded block's token ids are in the vocabulary and, for fixed-length data, its samples have the
+        manifest's length."""
         vocab = self.manifest.tokenizer.vocab_size
         if arrays.tokens.size and int(arrays.tokens.max()) >= vocab:
             position = int(np.argmax(arrays.tokens >= vocab))
@@ -346,12 +434,17 @@ class BlockReader:
             raise CorruptShardError(url, f"{block.describe(number)}: sample {sample} holds token id "
                                          f"{int(arrays.tokens[position])}, outside the tokenizer's vocabulary of "
                                          f"{vocab} ids")
+        offsets = block.token_start + arrays.sample_offsets
+        if self._fixed_offsets and not np.array_equal(self.arrays.sample_offsets[block.sample_start:block.sample_end + 1],
+                                                      offsets):
+            raise CorruptShardError(url, f"{block.describe(number)} holds samples of another length than the "
+                                         f"manifest's {self.manifest.sample_length} tokens")
+
+    def _place(self, block, arrays: ShardArrays) -> None:
+        """Copy a checked block into the shard's arrays."""
         target = self.arrays
         offsets = block.token_start + arrays.sample_offsets
         s0, s1 = block.sample_start, block.sample_end
-        if self._fixed_offsets and not np.array_equal(target.sample_offsets[s0:s1 + 1], offsets):
-            raise CorruptShardError(url, f"{block.describe(number)} holds samples of another length than the "
-                                         f"manifest's {self.manifest.sample_length} tokens")
         target.tokens[block.token_start:block.token_end] = arrays.tokens
         target.sample_offsets[s0:s1 + 1] = offsets
         if target.doc_offsets is not None:
@@ -410,7 +503,8 @@ class BlockReader:
                 self._read_gaps(index)
                 data = self._verified_whole()
             # No `check_decoded` pass over the whole shard: the index tiles the manifest's counts, each
-            # block's decoded counts matched its entry, and `_place` checked its token ids.
+            # block's decoded counts matched its entry, and `_check` checked its token ids.
+            self._decoded.clear()  # blocks a first batch decoded while another load placed them too
             self.complete = True
             self._buffer = np.empty(0, dtype=np.uint8)
             if self._on_complete is not None:
@@ -435,7 +529,9 @@ class BlockReader:
             self._wanted.update(wanted[1:])
             last = first
             self._state[first] = _CLAIMED
-            while (last + 1 < len(blocks) and self._state[last + 1] == _MISSING
+            # A block a first batch decoded is placed on its own, without reading its bytes again.
+            while (first not in self._decoded and last + 1 < len(blocks) and self._state[last + 1] == _MISSING
+                   and last + 1 not in self._decoded
                    and blocks[last + 1].byte_end - blocks[first].byte_start <= COMPLETION_RANGE_BYTES):
                 last += 1
                 self._state[last] = _CLAIMED

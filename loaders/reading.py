@@ -9,16 +9,18 @@ it the sample ids of each chunk (fixed-size steps) or the epoch's order (token-b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from shardkit import metrics
+from shardkit.formats import ShardReader
+from shardkit.formats.sample import concat_arrays
 from shardkit.manifest import Manifest
 
-from .batching import ShardTable, gather_fixed, gather_variable
+from .batching import ShardTable, gather_fixed, gather_variable, group_rows
 from .closing import closed_at_exit
 from .topology import Topology
 
@@ -143,6 +145,10 @@ class BatchReader:
     def _batches(self, ids: np.ndarray, held: dict[int, Any], *, ramp: bool = False) -> Iterator[dict[str, np.ndarray]]:
         incomplete = [held[i] for i in self.shards_in_order(ids) if not held[i].complete]
         b, step = 0, 1
+        if ramp and incomplete and len(ids):
+            yield from self._first_batch(ids[:1], held)
+            b, step = 1, 2
+            incomplete = [h for h in incomplete if not h.complete]
         while (incomplete or ramp and step < _COLD_STEP_BATCHES) and b < len(ids):
             # Cold shards: fetch what the next batches need just before them, so the first batch waits for
             # its own blocks only (a chunk spans most blocks of a shuffled shard); then 2, 4, ... batches at
@@ -158,23 +164,51 @@ class BatchReader:
         if b < len(ids):
             yield from self._gather(ids[b:], held)
 
+    def _first_batch(self, rows: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
+        """The first batch of an iteration over shards still arriving block by block, gathered from its samples'
+        decoded blocks rather than from the shards' arrays (`BlockReader.request_samples`: placing the blocks
+        there first cost as much as decoding them). Its samples become a small shard of their own, in row
+        order, gathered like any other; the batch carries the real sample ids."""
+        flat = rows.reshape(-1)
+        shard, local = self.table.locate(flat)
+        groups = group_rows(shard)
+        # Every shard's reads at once, as `ensure` does: the block indexes first, then the blocks.
+        for index, _ in groups:
+            held[index].start_index()
+        requests = [(positions, held[index].request_samples(local[positions])) for index, positions in groups]
+        parts: list[Any] = [None] * len(flat)
+        for positions, wait in requests:
+            for position, arrays in zip(positions.tolist(), wait()):
+                parts[position] = arrays
+        samples = ShardReader(concat_arrays(parts, self.token_dtype.name), name="first batch")
+        positions = np.arange(len(flat), dtype=np.int64).reshape(rows.shape)
+        for batch in self._gather_from(positions, lambda _: samples, ShardTable([len(flat)])):
+            batch["sample_id"] = flat[batch["sample_id"]]
+            yield batch
+
     def gather_rows(self, ids: np.ndarray, held: dict[int, Any]) -> dict[str, np.ndarray]:
         """One batch of the samples `ids` (any lengths: padded rows), from the held shards."""
-        return gather_variable(ids, table=self.table, reader_of=lambda i: held[i].reader, token_dtype=self.token_dtype,
+        return self._gather_variable(ids, lambda i: held[i].reader, self.table)
+
+    def _gather_variable(self, ids: np.ndarray, reader_of: Callable[[int], ShardReader],
+                         table: ShardTable) -> dict[str, np.ndarray]:
+        return gather_variable(ids, table=table, reader_of=reader_of, token_dtype=self.token_dtype,
                                pad_id=self.pad_id, with_segments=self.with_segments,
                                dense_segments=self.dense_segments)
 
     def _gather(self, ids: np.ndarray, held: dict[int, Any]) -> Iterator[dict[str, np.ndarray]]:
-        def reader_of(index: int):
-            return held[index].reader
+        return self._gather_from(ids, lambda index: held[index].reader, self.table)
 
+    def _gather_from(self, ids: np.ndarray, reader_of: Callable[[int], ShardReader],
+                     table: ShardTable) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of `ids` ([steps, batch]), located by `table` and read through `reader_of`."""
         if self.sample_length is not None:
-            yield from gather_fixed(ids, table=self.table, reader_of=reader_of, length=self.sample_length,
+            yield from gather_fixed(ids, table=table, reader_of=reader_of, length=self.sample_length,
                                     token_dtype=self.token_dtype, with_segments=self.with_segments,
                                     batch=ids.shape[1], dense_segments=self.dense_segments)
         else:
             for row in ids:
-                yield self.gather_rows(row, held)
+                yield self._gather_variable(row, reader_of, table)
 
 
 def prefetch_order(shards: list[int], topo: Topology) -> list[int]:

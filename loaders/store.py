@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from shardkit.formats import ShardArrays, ShardReader, check_decoded, decode_shard
 from shardkit.manifest import Manifest, ShardInfo
 from shardkit.node_cache import private_tree
@@ -205,14 +207,29 @@ class CachedShard:
 
     def request(self, local_samples) -> BlockRequest:
         """Start fetching the blocks of the given samples; `wait()` on the result makes them readable."""
-        if self.partial is None or self.partial.complete:
+        if self._whole():
             return BlockRequest()
+        return self.partial.request(local_samples)
+
+    def request_samples(self, local_samples) -> Callable[[], list[ShardArrays]]:
+        """Start reading the given samples for a first batch; the function returned gives each as arrays of its
+        own (`BlockReader.request_samples` while the shard arrives block by block, else slices of its arrays)."""
+        if self._whole():
+            arrays, local = self.reader.arrays, np.asarray(local_samples, dtype=np.int64).reshape(-1).tolist()
+            return lambda: [arrays.slice(i, i + 1) for i in local]
+        return self.partial.request_samples(local_samples)
+
+    def _whole(self) -> bool:
+        """Whether every sample is readable from `reader` now (after adopting the node's stored copy, when another
+        process of the node stored the shard meanwhile)."""
+        if self.partial is None or self.partial.complete:
+            return True
         if self._adopt is not None and (stored := self._adopt()) is not None:
             # Another process of the node stored the shard: read that copy from now on.
             self.reader, self.nbytes, self._release, self.partial = stored.reader, stored.nbytes, stored._release, None
             stored._release = None  # this handle holds the stored copy now
-            return BlockRequest()
-        return self.partial.request(local_samples)
+            return True
+        return False
 
     def close(self) -> None:
         """Let go of the shard (a shard still arriving block by block is finished or stopped, as its store says)."""

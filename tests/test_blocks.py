@@ -20,6 +20,8 @@ from shardkit.errors import CorruptShardError
 from shardkit.formats import decode_shard, write_dataset
 from shardkit.formats.blocks import BlockIndex
 from shardkit.formats.shard_bytes import decode_block
+from shardkit.formats import shard_bytes as shard_bytes_module
+from shardkit.loaders import block_reader as block_reader_module
 from shardkit.loaders import cache as cache_module
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.block_reader import BlockReader
@@ -499,3 +501,45 @@ def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks, mode)
     assert cache.stats.downloads == 1
     assert cache.stats.downloaded_bytes == (shard.compressed_bytes if mode == "compressed" else used)
     assert cache.is_cached(0)
+
+
+@pytest.mark.parametrize("mode", ["decoded", "compressed"])
+def test_a_first_batch_reads_blocks_once_and_places_none(tmp_path, cold_blocks, mode):
+    """A first batch's samples come from their decoded blocks, none placed into the shard's arrays (first
+    touches of a whole-shard array cost as much as the decode); the completion places those blocks later
+    without reading or decoding them again: every byte of the shard is read once, and the stored shard is whole."""
+    from shardkit.loaders.cache import ShardCache
+
+    url = str(tmp_path / "ds")
+    manifest = write_blocks(url, 240)
+    shard = manifest.shards[0]
+    blocks = block_index(url, shard).blocks
+    used = shard.index_bytes + sum(b.byte_end - b.byte_start for b in blocks)
+    cache = ShardCache(Storage(url), manifest, str(tmp_path / "cache"), cache_mode=mode)
+    handle = cache.open(0, on_demand=True)
+    wanted = [200, 3, 117, 118]  # three blocks, in no order
+    samples = handle.request_samples(wanted)()
+    assert [ids_from_tokens(s.tokens.reshape(1, -1))[0] for s in samples] == wanted
+    partial = handle.partial
+    assert set(partial._decoded) == set(partial._index.blocks_of(wanted))
+    assert block_reader_module._DONE not in partial._state  # nothing placed into the shard's arrays
+    decoded = [0] * len(blocks)
+    original = shard_bytes_module.decode_block
+
+    def counting(data, block, *, number, **kwargs):
+        decoded[number] += 1
+        return original(data, block, number=number, **kwargs)
+
+    block_reader_module.decode_block = counting
+    try:
+        handle.ensure([0])  # the second read starts the completion
+        assert partial.wait_complete(30)
+    finally:
+        block_reader_module.decode_block = original
+    handle.close()
+    cache.drain()
+    assert [k for k, count in enumerate(decoded) if count != 1] == partial._index.blocks_of(wanted)
+    assert cache.stats.downloaded_bytes == (shard.compressed_bytes if mode == "compressed" else used)
+    stored = cache.open(0)
+    np.testing.assert_array_equal(ids_from_tokens(stored.reader.arrays.tokens.reshape(-1, SEQ + 1)), np.arange(240))
+    stored.close()
