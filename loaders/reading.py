@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardkit import metrics
-from shardkit.formats import ShardReader
+from shardkit.formats import ShardArrays, ShardReader
 from shardkit.formats.sample import concat_arrays
 from shardkit.manifest import Manifest
 
@@ -179,7 +179,8 @@ class BatchReader:
         parts: list[Any] = [None] * len(flat)
         for positions, wait in requests:
             for position, arrays in zip(positions.tolist(), wait()):
-                parts[position] = arrays
+                # Without segments in the batch (a stream of a mixture without document boundaries) none are kept.
+                parts[position] = arrays if self.with_segments else ShardArrays(arrays.tokens, arrays.sample_offsets)
         samples = ShardReader(concat_arrays(parts, self.token_dtype.name), name="first batch")
         positions = np.arange(len(flat), dtype=np.int64).reshape(rows.shape)
         for batch in self._gather_from(positions, lambda _: samples, ShardTable([len(flat)])):

@@ -543,3 +543,26 @@ def test_a_first_batch_reads_blocks_once_and_places_none(tmp_path, cold_blocks, 
     stored = cache.open(0)
     np.testing.assert_array_equal(ids_from_tokens(stored.reader.arrays.tokens.reshape(-1, SEQ + 1)), np.arange(240))
     stored.close()
+
+
+def test_a_cold_first_batch_over_streams_with_and_without_document_boundaries(tmp_path, cold_blocks):
+    """A mixture of a stream that stores document boundaries and one that does not: the batches carry none, and
+    the first batch, gathered from its cold blocks, is the one a warm cache gives."""
+    from shardkit.loaders.dataloader import StreamingDataLoader
+    from shardkit.loaders.dataset import StreamingDataset
+    from shardkit.loaders.mixing import Stream
+
+    with_docs, without = str(tmp_path / "docs"), str(tmp_path / "plain")
+    write_fixed(with_docs, 200, seq_len=16, per_shard=100, shard_format="arrow")
+    write_fixed(without, 200, seq_len=16, per_shard=100, docs=False, shard_format="arrow", offset=200)
+
+    def batches(cache: str) -> list[dict]:
+        dataset = StreamingDataset([Stream(with_docs, 1.0), Stream(without, 1.0)], cache_dir=cache)
+        return list(StreamingDataLoader(dataset, batch_size=8))
+
+    cold = batches(str(tmp_path / "cache"))
+    warm = batches(str(tmp_path / "cache"))
+    assert "cu_seqlens" not in cold[0] and len(cold) == len(warm) == 50
+    for got, want in zip(cold, warm):
+        np.testing.assert_array_equal(got["tokens"].numpy(), want["tokens"].numpy())
+        np.testing.assert_array_equal(ids_from_tokens(got["tokens"]), got["sample_id"].numpy())
