@@ -20,8 +20,11 @@ packages and add the peers without their dependencies, then the few small ones t
 
     python3 -m venv --system-site-packages /tmp/peersvenv
     /tmp/peersvenv/bin/pip install --no-deps litdata lightning-utilities obstore mosaicml-streaming zstd \\
-        xxhash brotli python-snappy cramjam catalogue safetensors 'transformers<5' 'tokenizers<=0.23.0' \\
-        'huggingface_hub<1' -e .
+        xxhash brotli python-snappy cramjam catalogue
+    /tmp/peersvenv/bin/pip install --no-deps --no-build-isolation -e .
+
+(Hugging Face `datasets` comes from the system's packages with its own huggingface_hub: pinning
+`huggingface_hub<1` in the venv, as this line once did, made `datasets` 5 fail to import and its peer skip.)
 
 Streaming also imports torchvision (for its vision datasets only), whose wheels need CUDA torch: a
 stand-in package in the venv with `torchvision.datasets.VisionDataset` and
