@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,14 +74,21 @@ def _source(spec: str) -> Any:
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
 
 
-def _raw_source(spec: str, options: dict[str, Any] | None) -> list[Any]:
+def _raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: bool) -> list[Any] | None:
     """A `--data` value with `--tokenizer` as the loader's source: the text inputs of one corpus, or a mixture
-    (a list of `Stream`) when an entry has a weight or is a built dataset (holds shardkit.json)."""
+    (a list of `Stream`) when an entry has a weight or is a built dataset (holds shardkit.json). When every entry
+    is a built dataset: None with `built_as_built` (the data is read as built data), else refused.
+
+    Raises:
+        ValueError: every entry is a built dataset and not `built_as_built`.
+    """
     from shardkit.loaders.mixing import Stream
 
     entries = data_entries(spec)
     built = [_holds_manifest(url, options) for url, _ in entries]
     if all(built):
+        if built_as_built:
+            return None
         from shardkit.manifest import MANIFEST_NAME
 
         raise ValueError(f"--data {spec}: {'every entry is a built dataset' if len(entries) > 1 else 'a built dataset'} "
@@ -102,7 +109,10 @@ def _holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
 
 
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,
-             **overrides: Any):
+             built_as_built: bool = False, **overrides: Any):
+    """The `StreamingDataset` of `spec`: raw text under `--tokenizer` (built datasets only with `built_as_built`
+    are read as built data, else refused: `_raw_source`), else built data, with `overrides` of its loader options.
+    """
     from shardkit.loaders.dataset import StreamingDataset
 
     # Data follows the mesh: rank and world size are the data-parallel coordinate and size, so the
@@ -111,8 +121,9 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     local_world_size = runtime.dp_local_world_size
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
-    if config.tokenizer is not None:  # raw text, tokenized and packed by the loader
-        source = _raw_source(spec, where["storage_options"])
+    source = (_raw_source(spec, where["storage_options"], built_as_built=built_as_built)
+              if config.tokenizer is not None else None)
+    if source is not None:  # raw text, tokenized and packed by the loader
         mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
         return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
                                 text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
@@ -220,17 +231,13 @@ class EvalData:
 
     def __init__(self, url: str, config: DataConfig, runtime: Runtime, *, seq_len: int | None = None):
         self.url, self.config = url, config
+        # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
         # A held-out set built once beside raw training text is read as built data (check_same_tokens still
         # compares its tokenizer with the raw text's); with --tokenizer, any raw entry makes it raw text.
-        options = storage_options(config)
-        self.raw_text = config.tokenizer is not None and not all(
-            _holds_manifest(entry, options) for entry, _ in data_entries(url))
-        if config.tokenizer is not None and not self.raw_text:
-            config = replace(config, tokenizer=None)
-        # Opened once (manifests and caches); every evaluation reads it from its start with a loader of its own.
-        # skip_samples and --quarantine-list name samples and shards of the training data, not of the held-out set.
-        extra = {} if self.raw_text else dict(skip_samples=(), quarantine_list=None)
-        self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, **extra)
+        # skip_samples and --quarantine-list name samples and shards of the training data, not of a built held-out set.
+        self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, built_as_built=True,
+                                skip_samples=(), quarantine_list=None)
+        self.raw_text = getattr(self.dataset, "raw_text", False)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
