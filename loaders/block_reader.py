@@ -434,9 +434,8 @@ class BlockReader:
             raise CorruptShardError(url, f"{block.describe(number)}: sample {sample} holds token id "
                                          f"{int(arrays.tokens[position])}, outside the tokenizer's vocabulary of "
                                          f"{vocab} ids")
-        offsets = block.token_start + arrays.sample_offsets
         if self._fixed_offsets and not np.array_equal(self.arrays.sample_offsets[block.sample_start:block.sample_end + 1],
-                                                      offsets):
+                                                      block.token_start + arrays.sample_offsets):
             raise CorruptShardError(url, f"{block.describe(number)} holds samples of another length than the "
                                          f"manifest's {self.manifest.sample_length} tokens")
 

@@ -124,8 +124,8 @@ class RawCorpus:
             if segment.file_error:
                 # A footer the listing could not read was already broken then; any other failure means the
                 # file changed after it was listed.
-                hint = "" if self.units.footer_errors[int(self.units.source[number])] else (" (did it change or vanish since the loader listed "
-                                                              "its units?)")
+                broken_when_listed = self.units.footer_errors[int(self.units.source[number])]
+                hint = "" if broken_when_listed else " (did it change or vanish since the loader listed its units?)"
                 raise UnreadableInput(f"{url}: cannot read it: {segment.file_error}{hint}", segment.file_error,
                                       segment)
             read += 1
