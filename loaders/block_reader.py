@@ -251,9 +251,7 @@ class BlockReader:
         """
         self._raise_failure()
         local = np.asarray(local_samples, dtype=np.int64).reshape(-1)
-        if self.complete:
-            return lambda: [self.arrays.slice(i, i + 1) for i in local.tolist()]
-        index = self._ready_index()
+        index = self._ready_index()  # a complete shard's blocks are all placed: its samples come from its arrays
         self._ensured += 1
         block_of = np.searchsorted(index.sample_ends, local, side="right").tolist()
         with self._lock:  # placed blocks are read from the shard's arrays; the others are decoded for this batch
