@@ -67,3 +67,27 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_manifest(tmp_path, packing):
     assert report["resumed"] and report["shards_from_before_resume"] == len(before)
     assert report["documents"]["in"] == 3000 == report["documents"]["written"]
     assert sorted(os.listdir(killed)) == sorted(os.listdir(reference))  # no leftovers
+
+
+def test_a_build_killed_after_publishing_its_manifest_leaves_nothing_after_the_next_run(tmp_path):
+    """A SIGKILL between the manifest's publication and the checkpoint's removal leaves `_build/`; the next
+    run finds the finished build ("done") and removes what the killed one left."""
+    rng = random.Random(1)
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w") as fh:
+        for _ in range(300):
+            fh.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 150)))}) + "\n")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(command(corpus, reference, "concat"), check=True, capture_output=True)
+    # The kill lands exactly there: the build's own clear_state is replaced by a SIGKILL of the process.
+    kill_at_clear = ("import os, signal, sys; import shardkit.tools.state as state; "
+                     "state.clear_state = lambda storage: os.kill(os.getpid(), signal.SIGKILL); "
+                     "from shardkit.cli import main; sys.exit(main(sys.argv[1:]))")
+    killed_run = subprocess.run([sys.executable, "-c", kill_at_clear, *command(corpus, killed, "concat")[3:]],
+                                capture_output=True, text=True)
+    assert killed_run.returncode == -signal.SIGKILL, killed_run.stderr
+    assert (killed / MANIFEST_NAME).exists() and (killed / CHECKPOINT_NAME).exists()
+    rerun = subprocess.run(command(corpus, killed, "concat"), capture_output=True, text=True)
+    assert rerun.returncode == 0 and "already holds this build" in rerun.stderr, rerun.stderr
+    assert sorted(os.listdir(killed)) == sorted(os.listdir(reference))  # the checkpoint and _build/ are gone
+    assert (killed / MANIFEST_NAME).read_bytes() == (reference / MANIFEST_NAME).read_bytes()

@@ -179,6 +179,9 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
         except ManifestError:
             existing = None
         if existing is not None and existing.build.get("fingerprint") == build["fingerprint"]:
+            # A run killed between publishing its manifest and clearing its state leaves the checkpoint
+            # (and perhaps temporaries) beside a finished build: this run clears them.
+            clear_state(storage)
             return "done"
         differ = _differences(existing.build, build) if existing is not None else ["(unreadable manifest)"]
         raise FileExistsError(f"--output {storage.url} already holds a dataset built with a different configuration "
