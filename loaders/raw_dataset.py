@@ -90,8 +90,10 @@ class RawTextPlan:
         """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
         return {}
 
-    def restore(self, raw_text: dict[str, Any]) -> None:
-        """Take the state's `raw_text` fields besides the cursors (the loader keeps those)."""
+    def restore(self, raw_text: dict[str, Any], *, samples_consumed: int = 0,
+                allow_mixture_change: bool = False) -> None:
+        """Take the state's `raw_text` fields besides the cursors (the loader keeps those); a mixture's plan may
+        change its weights at `samples_consumed` (`RawMixturePlan.restore`)."""
 
     # With fewer lanes than readers some ranks or workers read nothing (`raw_loader.warn_few_lanes` says why).
     few_lanes_idle_readers = True

@@ -209,8 +209,13 @@ class RawTextDataLoader(DataLoader):
         dist.all_gather_object(states, state, group=group)
         return merge_raw_states(states)
 
-    def load_state_dict(self, state: dict[str, Any], **_: Any) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` (saved with any world size, batch size or workers).
+
+        Args:
+            state: the saved state.
+            allow_mixture_change: a mixture with raw-text streams continues from the saved position with this
+                dataset's weights when they differ from the saved ones (its streams stay; see `raw_mixture`).
 
         Raises:
             ValueError: the state is malformed, not a raw-text state, or belongs to other inputs or settings.
@@ -222,15 +227,19 @@ class RawTextDataLoader(DataLoader):
         saved_kind, kind = (_kind(state.raw_text) for state in (saved, current))
         if saved_kind != kind:
             raise ValueError(f"cannot resume: the saved loader state is {saved_kind}'s, this loader reads {kind}")
-        differences = saved.differences(current)
+        mixture = kind != _kind({})
+        # A mixture's "dataset" covers its weights: the plan checks the streams and weights one by one.
+        differences = saved.differences(current, ignore=("dataset",) if mixture and "mixture" in saved.raw_text
+                                        else ())
         if differences:
-            changed = "; a mixture with raw-text streams keeps its streams and weights (no allow_mixture_change)" \
-                if kind != _kind({}) else ""
+            changed = ("; a mixture with raw-text streams may change its weights on resume (allow_mixture_change=True; "
+                       "shardkit train: --allow-mixture-change), not its streams") if mixture else ""
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")" + changed)
         cursors = _saved_cursors(saved.raw_text)
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
-        self.plan.restore(saved.raw_text)
+        self.plan.restore(saved.raw_text, samples_consumed=saved.samples_consumed,
+                          allow_mixture_change=allow_mixture_change)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 
 

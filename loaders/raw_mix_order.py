@@ -2,8 +2,9 @@
 reads, and the items' sample ids. Pure functions of the streams' shape, weights and seed; no I/O.
 
 Position i of the mixture is item k of stream s (`MixturePlan.items_at`: the built mixtures' integer quotas and
-smooth interleave, counted from the run's start; endless, since raw text has no epoch end; a weight `Schedule`
-changes the quotas at its steps, of the first run's global batch each). A raw stream's item k
+smooth interleave, counted from the run's start, or from a mid-run weight change (the plan's anchor) with each
+stream's count there; endless, since raw text has no epoch end; a weight `Schedule` changes the quotas at its
+steps, of the first run's global batch each). A raw stream's item k
 is sample k // lanes of its lane k % lanes, as in a raw dataset of its own; a built stream's item k is item
 k mod n of its epoch k // n, in that epoch's order (`EpochOrder`, seeded per stream as `MixtureOrder` seeds it).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,7 +31,6 @@ from .config import OrderConfig
 from .mixing import MixturePlan
 from .order import EpochOrder
 from .raw_lanes import lane_sample_counts
-from .schedule import Schedule
 
 ENDLESS = 1 << 62  # the plan's epoch size: positions are counted from the start, never wrapped
 _SEED_STRIDE = 1_000_003  # a stream's seed offset per index, as `MixtureOrder` offsets it
@@ -59,17 +59,16 @@ class MixedOrder:
     """The order of a mixture of raw-text and built streams.
 
     Args:
-        weights: per stream, its weight or `Schedule` (schedules need `pin`).
+        plan: which stream item each position is (a mixture record's plan over `ENDLESS` positions, seed keys the
+            streams' indices; weight `Schedule`s need `pin`).
         lanes: per stream, its lanes (raw text) or 0 (built).
         shard_sizes: per stream, samples per shard (built; None for raw text).
         seed, shuffle: the built streams' epoch orders (each stream's seed offset by its index).
     """
 
-    def __init__(self, weights: Sequence[float | Schedule], lanes: Sequence[int],
-                 shard_sizes: Sequence[np.ndarray | None], *, seed: int, shuffle: bool):
-        self.weights = tuple(weights)
-        self.global_batch: int | None = None
-        self.plan = self._plan(None)
+    def __init__(self, plan: MixturePlan, lanes: Sequence[int], shard_sizes: Sequence[np.ndarray | None], *,
+                 seed: int, shuffle: bool):
+        self.plan = self._checked(plan)
         self.lanes = np.asarray(lanes, dtype=np.int64)
         raw = self.lanes > 0
         self.num_raw = int(raw.sum())
@@ -87,27 +86,37 @@ class MixedOrder:
         self.seed, self.shuffle = seed, shuffle
         self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
 
-    def _plan(self, global_batch: int | None) -> MixturePlan:
-        plan = MixturePlan(weights=self.weights, seed_keys=range(len(self.weights)), epoch_size=ENDLESS,
-                           global_batch=global_batch)
-        if global_batch is not None or not plan.has_schedule:
+    @staticmethod
+    def _checked(plan: MixturePlan) -> MixturePlan:
+        if plan.global_batch is not None or not plan.has_schedule:
             plan.pieces  # the quotas now: a weight too small to be sampled is refused before any batch
         return plan
+
+    @property
+    def global_batch(self) -> int | None:
+        return self.plan.global_batch
 
     def pin(self, global_batch: int, *, saved: bool = False) -> None:
         """Fix the positions per step that weight `Schedule`s count steps in: the first run's global batch (set
         once), or the one a loaded state `saved`."""
-        if saved or self.global_batch is None:
-            self.global_batch = int(global_batch)
-            self.plan = self._plan(self.global_batch)
+        if saved or self.plan.global_batch is None:
+            self.plan = self._checked(replace(self.plan, global_batch=int(global_batch)))
+
+    def follow(self, plan: MixturePlan) -> None:
+        """Continue with `plan` (a mixture record's: the saved one, or one changed at the saved position)."""
+        if len(plan.weights) != len(self.lanes):
+            raise ValueError(f"a mixture plan of {len(plan.weights)} streams for a mixture of {len(self.lanes)}")
+        self.plan = self._checked(plan)
 
     def step_rows(self, step: int, *, start: int, world_size: int, batch_size: int, rank: int) -> StepRows:
         """The rows `rank` reads at `step` (counted from `start` consumed positions)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        if start < self.plan.anchor_position:
+            raise ValueError(f"position {start} precedes the mixture change at position {self.plan.anchor_position}")
         global_batch = world_size * batch_size
         positions = start + step * global_batch + np.arange(global_batch, dtype=np.int64)
-        stream, k = self.plan.items_at(positions)
+        stream, k = self.plan.items_at(self.plan.offsets(0, positions))
         lanes = self.lanes[stream]
         raw = lanes > 0
         safe = np.maximum(lanes, 1)

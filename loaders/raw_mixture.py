@@ -6,13 +6,18 @@ lanes through `LaneStream`s, as a raw dataset reads its own, a built stream's sa
 Its plan is a `RawTextPlan` whose lanes are every raw stream's lanes in stream order (a global lane number), so
 the raw-text loader (`raw_loader.RawTextDataLoader`) saves and resumes it unchanged: `samples_consumed` and one
 cursor per global lane, O(lanes + streams), elastic like a raw dataset's state. The state's `raw_text` also
-records the streams (`streams`), so that a mixture's state and a single raw dataset's are told apart.
+records the streams (`streams`), so that a mixture's state and a single raw dataset's are told apart, and the
+mixture's record (`mixture`, `remix.MixtureRecord`, as a built mixture keeps it): a resume with
+`allow_mixture_change` may change the streams' weights, and the mixture continues from the saved position with
+each stream's count there (nothing a stream gave is repeated); its streams themselves stay (a raw stream's lanes
+and sample ids depend on the raw streams there are).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +32,14 @@ from .config import LoaderConfig
 from .fingerprint import data_fingerprint
 from .mixing import Stream
 from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
-from .raw_mix_order import MixedOrder
+from .raw_mix_order import ENDLESS, MixedOrder
 from .raw_source import LaneStream, RawCorpus, RejectionLog
 from .raw_unreadable import UnitCuts
+from .remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
 from .schedule import weight_spec
 from .sources import Sources
+
+logger = logging.getLogger(__name__)
 
 
 def raw_text_dataset(source: Any, *args: Any, **kwargs: Any) -> RawTextDataset:
@@ -54,11 +62,13 @@ class RawMixturePlan(RawTextPlan):
     """The raw-text plan of a mixture: its lanes are the raw streams' lanes in stream order."""
 
     def __init__(self, base: RawTextPlan, *, order: MixedOrder, corpora: list[RawCorpus], fingerprint: str,
-                 streams: list[list[Any]]):
+                 streams: list[list[Any]], described: MixtureStreams, record: MixtureRecord):
         super().__init__(base.corpus, seed=base.seed, shuffle=base.shuffle, token_dtype=base.token_dtype,
                          segment_ids=base.segment_ids, topology_args=base._topology_args,
                          group_args=base._group_args, on_corrupt=base.on_corrupt)
         self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
+        self.described = described
+        self.record = record  # the order's plan is its plan; replaced by the saved (or changed) one on resume
         # Units are numbered over the raw streams in stream order (as the state's cuts name them).
         units = [len(corpus.units.size) for corpus in corpora]
         self.unit_offsets = np.cumsum(units) - units
@@ -78,13 +88,58 @@ class RawMixturePlan(RawTextPlan):
                 "num_partitions": self.num_lanes}
 
     def raw_state(self) -> dict[str, Any]:
-        """The state's record of the streams ([url, weight, raw text, lanes] each) and the global batch that weight
-        schedules count steps in (None until the first iteration)."""
-        return {"streams": self.streams, "global_batch": self.order.global_batch}
+        """The state's record of the streams ([url, weight, raw text, lanes] each), the global batch that weight
+        schedules count steps in (None until the first iteration) and the mixture record (its plan's anchor and
+        the changes made)."""
+        record = self.record
+        if self.order.global_batch is not None:
+            record = record.pinned(self.order.global_batch)
+        return {"streams": self.streams, "global_batch": self.order.global_batch, "mixture": record.to_dict()}
 
-    def restore(self, raw_text: dict[str, Any]) -> None:
-        if raw_text.get("global_batch") is not None:
-            self.order.pin(raw_text["global_batch"], saved=True)
+    def restore(self, raw_text: dict[str, Any], *, samples_consumed: int = 0,
+                allow_mixture_change: bool = False) -> None:
+        """Adopt the saved global batch and mixture record; with `allow_mixture_change` and other weights than the
+        saved ones, continue at `samples_consumed` with this mixture's weights (each stream from its count there).
+
+        Raises:
+            ValueError: a damaged record, or a change of the streams themselves (named), or of the weights without
+                `allow_mixture_change`.
+        """
+        record = MixtureRecord.from_dict(raw_text["mixture"]) if raw_text.get("mixture") is not None else None
+        global_batch = raw_text.get("global_batch")
+        follow = None
+        if record is not None:  # else saved before raw mixtures kept a record (the loader checked its weights)
+            follow = record = record.pinned(global_batch) if global_batch is not None else record
+            if _weights(record) != _weights(self.record) or record.retired:
+                follow = self._changed(record, samples_consumed, allow_mixture_change=allow_mixture_change)
+        # Nothing is adopted before every check passed: a refused state leaves the loader as it was.
+        if global_batch is not None:
+            self.order.pin(global_batch, saved=True)
+        if follow is not None:
+            self.order.follow(follow.plan)
+            self.record = follow
+
+    def _changed(self, saved: MixtureRecord, position: int, *, allow_mixture_change: bool) -> MixtureRecord:
+        """The record continuing `saved` at `position` with this mixture's weights.
+
+        Raises:
+            ValueError: the streams differ, or the weights do and `allow_mixture_change` is off.
+        """
+        before = [f"{s.url} ({s.identity[:12]})" for s in saved.streams]
+        now = [f"{s.url} ({s.identity[:12]})" for s in self.record.streams]
+        if [s.identity for s in saved.streams] != [s.identity for s in self.record.streams] or saved.retired:
+            raise ValueError("cannot resume: a mixture with raw-text streams may change its streams' weights on "
+                             "resume, not its streams (a raw stream's lanes and sample ids depend on the raw streams "
+                             f"there are); saved streams {before}, now {now}: resume with the saved streams")
+        if not allow_mixture_change:
+            raise ValueError("cannot resume: the saved loader state's mixture has other weights; to continue with "
+                             "the new weights from the saved position, pass allow_mixture_change=True (shardkit "
+                             "train: --allow-mixture-change)")
+        changed = changed_record(saved, epoch=0, position=position, streams=self.described)
+        change = changed.changes[-1]
+        logger.info("mixture changed at step %d (position %d): %s -> %s", change["step"], position, change["old"],
+                    change["new"])
+        return changed
 
     def begin(self, iteration: RawIteration) -> None:
         self.order.pin(iteration.batch_size * iteration.topology.world_size)
@@ -165,14 +220,18 @@ class RawMixtureDataset(RawTextDataset):
         # The first raw stream sets the dataset up as a raw dataset would: settings, tokenizer, topology.
         super().__init__(raw[0].url, storage_options=_options(raw[0], storage_options), **options)
         opened = open_streams(streams, self.corpus, storage_options=storage_options, cache_dir=cache_dir)
-        order = MixedOrder([s.weight for s in streams], opened.lanes, opened.shard_sizes, seed=self.plan.seed,
+        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=opened.identities,
+                                   weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
+        record = fresh_record(described)
+        order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.plan.seed,
                            shuffle=self.plan.shuffle)
         fingerprint = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
                                                  for identity, s in zip(opened.identities, streams)]).encode())
         self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
         self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
                                    streams=[[s.url, weight_spec(s.weight), s.raw_text, n]
-                                            for s, n in zip(streams, opened.lanes)])
+                                            for s, n in zip(streams, opened.lanes)], described=described,
+                                   record=record)
 
     def fingerprint(self) -> str:
         """Identity of the streams, their weights and how raw text becomes samples."""
@@ -277,3 +336,8 @@ def check_built_stream(stream: Stream, manifest: Manifest, corpus: RawCorpus) ->
     if numpy_token_dtype(manifest.token_dtype) != np.dtype(corpus.token_dtype):
         raise ValueError(f"stream {stream.url}: token_dtype={manifest.token_dtype}, but the mixture's tokenizer "
                          f"gives {corpus.token_dtype}; rebuild it with the mixture's tokenizer or leave it out")
+
+
+def _weights(record: MixtureRecord) -> list[tuple[str, Any]]:
+    """(identity, weight spec) per stream: what a record's order depends on besides its anchor."""
+    return [(s.identity, weight_spec(s.weight)) for s in record.streams]

@@ -165,8 +165,55 @@ def test_states_of_another_kind_or_mixture_are_refused(data, tokenizer):
         StreamingDataLoader(mixture(data, tokenizer), batch_size=4).load_state_dict(built.state_dict())
     with pytest.raises(ValueError, match="state is raw text's .*, this loader reads built datasets only"):
         StreamingDataLoader(StreamingDataset(data["built"]), batch_size=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="dataset: saved .* keeps its streams and weights"):  # another order
+    with pytest.raises(ValueError, match="mixture has other weights; .* pass allow_mixture_change=True"):
         StreamingDataLoader(mixture(data, tokenizer, weights=(0.4, 0.4, 0.2)), batch_size=4).load_state_dict(state)
+    # Other streams are refused also with allow_mixture_change, naming them (raw streams' lanes and ids depend on them).
+    swapped = StreamingDataset([Stream(data["b"], 0.5, raw_text=True), Stream(data["built"], 0.3),
+                                Stream(data["a"], 0.2, raw_text=True)], tokenizer=tokenizer, seq_len=SEQ_LEN,
+                               unit_bytes=4096, lanes=3)
+    with pytest.raises(ValueError, match=r"may change its streams' weights on resume, not its streams.*saved streams "
+                                         rf"\['{data['a']} "):
+        StreamingDataLoader(swapped, batch_size=4).load_state_dict(state, allow_mixture_change=True)
+
+
+def test_a_weight_change_on_resume_continues_each_stream_from_its_count(data, tokenizer):
+    """Weights changed on resume (allow_mixture_change) apply from the saved position: each stream goes on from what
+    it gave (a raw stream's items k, the built stream's epoch), nothing repeated or skipped; the state after the change
+    resumes exactly, elastically too."""
+    after = (0.2, 0.3, 0.5)
+    loader = StreamingDataLoader(mixture(data, tokenizer), batch_size=8)
+    head = take(loader, 5)
+    state = loader.state_dict()
+    changed = StreamingDataLoader(mixture(data, tokenizer, weights=after), batch_size=8)
+    changed.load_state_dict(state, allow_mixture_change=True)
+    tail = take(changed, 10)
+    stream = np.concatenate([b["stream"].numpy() for b in head + tail])
+    ids = np.concatenate([b["sample_id"].numpy() for b in head + tail])
+    epochs = np.concatenate([b["lane_epoch"].numpy() for b in head + tail])
+    assert np.array_equal(np.bincount(stream[:40], minlength=3), run_counts(mixture_quotas(WEIGHTS), 40))
+    assert np.array_equal(np.bincount(stream[40:], minlength=3), run_counts(mixture_quotas(after), 80))
+    built = changed.plan.order.built_samples
+    for raw_stream, r in ((0, 0), (2, 1)):  # raw stream r's item k is built + 2k + r: items 0..n-1, each once
+        k = np.sort((ids[stream == raw_stream] - built - r) // 2)
+        assert np.array_equal(k, np.arange(len(k))), raw_stream
+    for epoch in range(epochs[stream == 1].max()):  # the built stream's epochs go on across the change
+        assert sorted(ids[(stream == 1) & (epochs == epoch)].tolist()) == list(range(built)), epoch
+    last = ids[(stream == 1) & (epochs == epochs[stream == 1].max())]
+    assert len(set(last.tolist())) == len(last)
+
+    saved = changed.state_dict()
+    record = saved["raw_text"]["mixture"]
+    assert [c["position"] for c in record["changes"]] == [40] and record["anchor"]["position"] == 40
+    assert record["anchor"]["counts"] == np.bincount(stream[:40], minlength=3).tolist()
+    going_on = rows(take(changed, 6))
+    again = StreamingDataLoader(mixture(data, tokenizer, weights=after), batch_size=8)
+    again.load_state_dict(saved)  # the changed mixture's own state: no flag needed
+    assert rows(take(again, 6)) == going_on
+    elastic, _ = ranks_run(lambda **rank: mixture(data, tokenizer, weights=after, **rank), world_size=2, batch_size=4,
+                           steps=6, state=saved, workers=2)
+    assert sorted(elastic) == sorted(going_on)
+    with pytest.raises(ValueError, match="mixture has other weights"):  # back to the first weights: a change again
+        StreamingDataLoader(mixture(data, tokenizer), batch_size=8).load_state_dict(saved)
 
 
 def test_what_cannot_be_mixed_is_refused_by_name(data, tokenizer):
@@ -208,6 +255,26 @@ def test_the_trainer_trains_on_raw_and_built_entries(data, tokenizer, tmp_path):
     built = len(read_samples(data["built"])[1])
     every = [i for step in ids.values() for i in step]
     assert len(ids) == 4 and min(every) < built <= max(every)  # samples of both kinds of stream
+
+
+def test_the_trainer_changes_a_raw_mixtures_weights_on_resume_with_allow_mixture_change(data, tokenizer, tmp_path):
+    from test_train_raw import run
+    from train_runs import sample_ids
+
+    options = {"data": f"{data['built']}:0.5 {data['a']}/*.jsonl*:0.5", "tokenizer": tokenizer, "lanes": 2,
+               "batch_size": 4}
+    run(None, tmp_path / "run", 2, data=options)
+    first = sample_ids(tmp_path / "run")
+    heavier = {**options, "data": f"{data['built']}:0.1 {data['a']}/*.jsonl*:0.9"}
+    with pytest.raises(ValueError, match="allow_mixture_change=True .*--allow-mixture-change"):
+        run(None, tmp_path / "run", 4, data=heavier)
+    run(None, tmp_path / "run", 4, data={**heavier, "allow_mixture_change": True})
+    ids = sample_ids(tmp_path / "run")
+    assert {step: ids[step] for step in first} == first
+    built = len(read_samples(data["built"])[1])
+    later = np.array([i for step in (3, 4) for i in ids[step]])
+    # From the checkpoint on, the new quotas: 0.1 of the 8 positions built, 0.9 raw text.
+    assert np.array_equal([(later < built).sum(), (later >= built).sum()], run_counts(mixture_quotas([0.1, 0.9]), 8))
 
 
 @pytest.mark.slow
