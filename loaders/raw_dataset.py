@@ -209,6 +209,11 @@ class RawTextDataset(IterableDataset):
         """Identity of the inputs and of how they become samples."""
         return self.corpus.fingerprint
 
+    def stream_identities(self) -> list[str]:
+        """Per stream, in sample-id order, the identity of its data and of how it becomes samples (not its weight):
+        what a run records so that `shardkit trace` can check it reads the same data again."""
+        return [self.corpus.fingerprint]
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan = self.plan
         iteration = plan.next_iteration

@@ -237,6 +237,11 @@ class RawMixtureDataset(RawTextDataset):
         """Identity of the streams, their weights and how raw text becomes samples."""
         return self.plan.fingerprint
 
+    def stream_identities(self) -> list[str]:
+        """Per stream, its data identity (a raw stream's corpus fingerprint, a built stream's shards), not its
+        weight: a weight change keeps them."""
+        return [s.identity for s in self.plan.record.streams]
+
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
         """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
         one part per step, empty or not (see `RawTextDataset.parts`)."""

@@ -245,6 +245,11 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
         where = f"rank {config.rank} of " if config.rank is not None else ""
         logged = f"steps {steps_seen[0]}-{steps_seen[1]}" if steps_seen[0] is not None else "no step"
         raise ValueError(f"step {config.step} is not in the sample-id logs of {where}{run_dir} (they hold {logged})")
+    from shardkit.cli.trace_raw import raw_run_dataset
+
+    raw = raw_run_dataset(run_dir, config.data, options)
+    if raw is not None:
+        return _trace_raw_step(config, raw, found, options)
     datasets = _datasets_at(run_dir, config.step, config.data, options)
     offsets, total = [], 0
     for dataset in datasets:
@@ -277,6 +282,64 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     return {"run": str(run_dir), "step": config.step, "samples": samples}
 
 
+def _trace_raw_step(config: TraceConfig, raw: tuple[Any, str], found: dict[int, tuple[list[int], bool]],
+                    options: dict[str, Any]) -> dict[str, Any]:
+    """`trace_step` for a run on raw text: each raw sample read again from its lane (`shardkit.cli.trace_raw`), a
+    mixture's built samples from their shards."""
+    from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
+    from shardkit.cli.trace_raw import RawRunSamples, raw_segments
+    from shardkit.lineage import locate_samples, sample_segments
+
+    run_dir = Path(config.target)
+    dataset, spec = raw
+    entries = _streams_log(run_dir)
+    if entries is not None:
+        recorded = [s["fingerprint"] for s in _streams_at(entries, config.step, run_dir)]
+        if recorded != dataset.stream_identities():
+            raise ValueError(f"the raw text {spec} is not what run {run_dir} read at step "
+                             f"{config.step} (the inputs, their files' sizes or the tokenization differ); pass the "
+                             "inputs it read with --data")
+    decoder = None
+    if config.text:
+        info = dataset.corpus.tokenizer_info
+        spec = config.tokenizer or dataset.corpus.settings.tokenizer
+        decoder = _load_tokenizer(spec)
+        differences = tokenizer_differences(getattr(decoder, "info", None), info)
+        if differences and not config.force:
+            raise ValueError(f"tokenizer {spec!r} is not the one the run read its text with "
+                             f"({'; '.join(differences)}): its text would be wrong. Pass it with --tokenizer, or --force")
+    reader = RawRunSamples(dataset, spec)
+    places = {sample_id: reader.place(sample_id) for ids, _ in found.values() for sample_id in ids}
+    read = reader.read(list(places.values()))
+    built: dict[str, _Dataset] = {}
+    samples = []
+    for rank in sorted(found):
+        ids, skipped = found[rank]
+        for sample_id in ids:
+            place = places[sample_id]
+            entry: dict[str, Any] = {"rank": rank, "sample_id": sample_id, "skipped": skipped}
+            if place.lane >= 0:
+                sample, epoch, corpus = read[(place.lane, place.index)]
+                segments = raw_segments(sample, corpus)
+                tokens = sample.tokens
+                entry.update(dataset=place.url, lane=place.lane, lane_sample=place.index, lane_epoch=epoch)
+            else:
+                source = built.get(place.url) or built.setdefault(place.url, _Dataset(place.url, options))
+                [(position, local)] = locate_samples(source.manifest, [place.local])
+                arrays = source.arrays(position)
+                segments = [dataclasses.asdict(s) for s in sample_segments(source.manifest, arrays, local)]
+                tokens = arrays.sample(local).tokens
+                entry.update(dataset=source.storage.display_url, shard=source.manifest.shards[position].name,
+                             shard_index=local)
+            entry["segments"] = segments
+            if decoder is not None:
+                for piece in segments or [entry]:
+                    start, end = piece.get("start", 0), piece.get("end", len(tokens))
+                    piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
+            samples.append(entry)
+    return {"run": str(run_dir), "step": config.step, "samples": samples}
+
+
 def _segment_line(segment: dict[str, Any]) -> str:
     where = segment["source_name"] or ("padding" if segment["source"] == -1 else f"source {segment['source']}")
     doc = "" if segment["source"] == -1 else f" document {segment['doc']}"
@@ -290,7 +353,11 @@ def format_step(result: dict[str, Any]) -> str:
         if sample["rank"] != rank:
             rank = sample["rank"]
             lines.append(f"## rank {rank}" + (" (batch skipped by --skip-steps)" if sample["skipped"] else ""))
-        lines.append(f"sample {sample['sample_id']}: shard {sample['shard']} #{sample['shard_index']}")
+        if "lane" in sample:  # raw text: the loader's lane and its sample
+            lines.append(f"sample {sample['sample_id']}: lane {sample['lane']} #{sample['lane_sample']} "
+                         f"(lane epoch {sample['lane_epoch']}) of {sample['dataset']}")
+        else:
+            lines.append(f"sample {sample['sample_id']}: shard {sample['shard']} #{sample['shard_index']}")
         for segment in sample["segments"]:
             lines.append(_segment_line(segment))
             if "text" in segment:

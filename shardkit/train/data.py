@@ -121,17 +121,31 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     local_world_size = runtime.dp_local_world_size
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
-    source = (_raw_source(spec, where["storage_options"], built_as_built=built_as_built)
-              if config.tokenizer is not None else None)
-    if source is not None:  # raw text, tokenized and packed by the loader
-        mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
-        return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
-                                text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
-                                shuffle=shuffle, on_corrupt=config.loader.on_corrupt,
-                                skip_samples=config.loader.skip_samples,
-                                quarantine_list=config.loader.quarantine_list, **mixture, **where)
+    raw = raw_text_dataset(spec, config, seq_len=seq_len, shuffle=shuffle, built_as_built=built_as_built, **where)
+    if raw is not None:
+        return raw
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
                             **overrides)
+
+
+def raw_text_dataset(spec: str, config: DataConfig, *, seq_len: int | None, shuffle: bool,
+                     built_as_built: bool = False, **where: Any):
+    """The raw-text `StreamingDataset` the trainer reads for `spec` under `--tokenizer` (`where`: its rank layout
+    and storage options); None without `--tokenizer`, or for built data with `built_as_built` (see `_raw_source`).
+    `shardkit trace` rebuilds a run's raw text through it, so both read the same samples."""
+    from shardkit.loaders.dataset import StreamingDataset
+
+    if config.tokenizer is None:
+        return None
+    source = _raw_source(spec, where.get("storage_options"), built_as_built=built_as_built)
+    if source is None:
+        return None
+    mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
+    return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
+                            text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
+                            shuffle=shuffle, on_corrupt=config.loader.on_corrupt,
+                            skip_samples=config.loader.skip_samples,
+                            quarantine_list=config.loader.quarantine_list, **mixture, **where)
 
 
 @dataclass(frozen=True)
@@ -219,8 +233,10 @@ class TrainStream:
         """The streams in force (URL, data identity, samples), in the order global sample ids count through them:
         what `shardkit trace` needs to name a logged id's shard, also after a mixture change."""
         dataset = self.loader.dataset
-        if getattr(dataset, "raw_text", False):  # raw text: global positions, one stream
-            return [{"url": self.config_data, "fingerprint": dataset.fingerprint(), "num_samples": 0}]
+        if getattr(dataset, "raw_text", False):  # raw text: endless streams (a mixture's ids per `raw_mix_order`)
+            urls = [s.url for s in dataset.streams] if hasattr(dataset, "streams") else [self.config_data]
+            return [{"url": url, "fingerprint": identity, "num_samples": 0}
+                    for url, identity in zip(urls, dataset.stream_identities())]
         return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
                 for stream, fingerprint, manifest in zip(dataset.streams, dataset.stream_fingerprints(),
                                                          dataset.manifests)]
