@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -481,6 +482,10 @@ def load_manifest_and_digest(storage: Storage, *, display_url: str | None = None
 def _load(storage: Storage, display_url: str | None, known_digest: tuple[int, str] | None, index_copy: str | None,
           checked_index: str | None, *, with_digest: bool) -> tuple[Manifest, tuple[int, str] | None, str | None]:
     url = display_url or storage.url_of(MANIFEST_NAME)
+    if storage.is_local and os.path.isfile(storage.root):
+        raise ManifestError(f"no dataset at {display_url or storage.display_url}: it is a file, and a dataset is the "
+                            f"directory `shardkit build` wrote ({MANIFEST_NAME} and its shards); raw text is read "
+                            "with a tokenizer (shardkit train --tokenizer SPEC, StreamingDataset(..., tokenizer=))")
     try:
         loaded = _load_indexed(storage, url, known_digest, index_copy, checked_index)
         if loaded is not None:

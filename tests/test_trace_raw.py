@@ -120,3 +120,11 @@ def test_a_raw_mixtures_steps_are_traced_across_a_weight_change(data, tokenizer,
             kinds.add("lane" in sample)
             assert ("shard" in sample) == (sample["sample_id"] < built)
     assert kinds == {True, False}  # raw and built samples both traced
+
+
+def test_a_file_given_where_a_dataset_belongs_is_named_as_such(raw_run, capsys):
+    corpus, _ = raw_run
+    for argv in (["inspect", corpus / "a.jsonl"], ["trace", corpus / "a.jsonl", "--source", "a.jsonl", "--doc", "1"]):
+        assert main([str(a) for a in argv]) == 2
+        err = capsys.readouterr().err
+        assert f"no dataset at {corpus / 'a.jsonl'}: it is a file" in err and "--tokenizer" in err, err
