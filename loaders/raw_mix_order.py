@@ -117,11 +117,8 @@ class MixedOrder:
         global_batch = world_size * batch_size
         positions = start + step * global_batch + np.arange(global_batch, dtype=np.int64)
         stream, k = self.plan.items_at(self.plan.offsets(0, positions))
-        lanes = self.lanes[stream]
-        raw = lanes > 0
-        safe = np.maximum(lanes, 1)
-        lane = np.where(raw, self.lane_offsets[stream] + k % safe, -1)
-        index = np.where(raw, k // safe, 0)
+        raw = self.lanes[stream] > 0
+        lane, index = self._raw_place(stream, k)
         sample_id = np.where(raw, self.built_samples + k * self.num_raw + np.maximum(self.raw_index[stream], 0), 0)
         built = np.flatnonzero(~raw)
         if len(built):
@@ -156,6 +153,22 @@ class MixedOrder:
         counts = self.plan.counts_at(0, samples_consumed)
         return np.concatenate([lane_sample_counts(int(counts[s]), int(self.lanes[s]))
                                for s in np.flatnonzero(self.lanes > 0)])
+
+    def _raw_place(self, stream: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(global lane, sample of the lane) of item k of each stream: raw stream s's item k is sample k // L of its
+        lane k % L (as in a raw dataset of its own); -1 and 0 for built streams."""
+        lanes = self.lanes[stream]
+        safe = np.maximum(lanes, 1)
+        return np.where(lanes > 0, self.lane_offsets[stream] + k % safe, -1), np.where(lanes > 0, k // safe, 0)
+
+    def places_of_ids(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(stream, global lane, sample of the lane) of each mixture sample id, the inverse of `step_rows`' ids
+        (what `shardkit trace` reads again); for a built stream's id: lane -1 and its id within the stream."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        stream = self.stream_of_ids(ids)
+        raw = self.lanes[stream] > 0
+        lane, index = self._raw_place(stream, np.where(raw, (ids - self.built_samples) // max(self.num_raw, 1), 0))
+        return stream, lane, np.where(raw, index, ids - self.id_offsets[stream])
 
     def stream_of_ids(self, sample_ids: np.ndarray) -> np.ndarray:
         """The stream of each mixture sample id (what a batch's `stream` says)."""

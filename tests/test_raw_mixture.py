@@ -383,3 +383,19 @@ def test_ranks_skip_a_raw_streams_unreadable_unit_alike_over_gloo(process_pool, 
     both = [row for step in range(12) for rank in (0, 1) for row in runs[rank]["rows"][6 * step:6 * step + 6]]
     assert both == reference
     assert runs[0]["state"]["raw_text"]["unreadable"] == state["raw_text"]["unreadable"]
+
+
+def test_a_sample_ids_place_inverts_the_order(data, tokenizer):
+    """`places_of_ids` (what `shardkit trace` reads again) gives back each row's stream, lane and lane sample, and a
+    built row's id within its stream."""
+    order = mixture(data, tokenizer).plan.order
+    order.pin(12)
+    rows = [order.step_rows(step, start=0, world_size=1, batch_size=12, rank=0) for step in range(20)]
+    ids, stream, lane, index = (np.concatenate([getattr(r, name) for r in rows])
+                                for name in ("sample_id", "stream", "lane", "index"))
+    found_stream, found_lane, found_index = order.places_of_ids(ids)
+    raw = lane >= 0
+    assert raw.any() and (~raw).any()
+    assert np.array_equal(found_stream, stream) and np.array_equal(found_lane, lane)
+    assert np.array_equal(found_index[raw], index[raw])
+    assert np.array_equal(found_index[~raw], ids[~raw] - order.id_offsets[stream[~raw]])

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.loaders.raw_lanes import position_lanes
 from shardkit.loaders.raw_source import CURSOR_FIELDS, RejectionLog
 
 
@@ -84,16 +85,12 @@ class RawRunSamples:
         """
         if sample_id < 0:
             raise ValueError(f"sample id {sample_id} is negative")
-        if self.order is None:  # one raw dataset: the id is the position, position p is lane p % L's sample p // L
-            return RawPlace(self.spec, lane=sample_id % self.lane_count, index=sample_id // self.lane_count)
-        order = self.order
-        stream = int(order.stream_of_ids(np.array([sample_id]))[0])
-        url = self.dataset.streams[stream].url
-        if order.lanes[stream] == 0:
-            return RawPlace(url, local=sample_id - int(order.id_offsets[stream]))
-        k = (sample_id - order.built_samples) // order.num_raw
-        lanes = int(order.lanes[stream])
-        return RawPlace(url, lane=int(order.lane_offsets[stream]) + k % lanes, index=k // lanes)
+        if self.order is None:  # one raw dataset: the id is the position
+            [lane], [index] = position_lanes(np.array([sample_id]), self.lane_count)
+            return RawPlace(self.spec, lane=int(lane), index=int(index))
+        [stream], [lane], [index] = self.order.places_of_ids(np.array([sample_id]))
+        url = self.dataset.streams[int(stream)].url
+        return RawPlace(url, lane=int(lane), index=int(index)) if lane >= 0 else RawPlace(url, local=int(index))
 
     def read(self, places: list[RawPlace]) -> dict[tuple[int, int], tuple[Any, int, Any]]:
         """(lane, index) -> (sample, lane epoch, the lane's corpus) for every raw place, each lane read once from
