@@ -236,14 +236,14 @@ class RawTextDataLoader(DataLoader):
                        "shardkit train: --allow-mixture-change), not its streams") if mixture else ""
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")" + changed)
-        cursors = _saved_cursors(saved.raw_text)
+        cursors = saved_cursors(saved.raw_text)
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
         self.plan.restore(saved.raw_text, samples_consumed=saved.samples_consumed,
                           allow_mixture_change=allow_mixture_change)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 
 
-def _saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     """lane -> cursor from a state's `raw_text`.
 
     Raises:
@@ -265,7 +265,7 @@ def _kind(raw_text: dict[str, Any]) -> str:
 
 
 def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
-    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `_saved_cursors`)."""
+    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `saved_cursors`)."""
     return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
 
 
@@ -278,6 +278,6 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     if len({s["samples_consumed"] for s in states}) != 1:
         raise ValueError("raw-text states of different positions cannot be merged: "
                          f"{sorted({s['samples_consumed'] for s in states})}")
-    cursors = merge_cursors(*(_saved_cursors(s["raw_text"]) for s in states))
+    cursors = merge_cursors(*(saved_cursors(s["raw_text"]) for s in states))
     # The cuts of unreadable units are agreed, the same in every rank's state.
     return {**states[0], "raw_text": {**states[0]["raw_text"], "cursors": _cursor_rows(cursors)}}

@@ -77,6 +77,7 @@ def test_a_raw_text_runs_steps_are_traced_to_their_files_and_documents(raw_run, 
         result = traced(capsys, run_dir, step, "--text")
         assert sorted(s["sample_id"] for s in result["samples"]) == logged[step]
         assert {s["lane"] for s in result["samples"]} == {0, 1, 2}  # each position's lane: p % 3
+        assert {s["dataset"] for s in result["samples"]} == {f"{corpus}/*.jsonl*"}  # the run's --data
         check_samples(result, rows, lambda ids: byte.decode(ids))
     text = main(["trace", str(run_dir), "--step", "2"])
     assert text == 0 and "lane 1 #" in capsys.readouterr().out
@@ -118,6 +119,7 @@ def test_a_raw_mixtures_steps_are_traced_across_a_weight_change(data, tokenizer,
         check_samples(result, rows, decoder.decode)
         for sample in result["samples"]:
             kinds.add("lane" in sample)
+            assert sample["dataset"].rstrip("/") in (data["built"], f"{data['a']}/*.jsonl*")
             assert ("shard" in sample) == (sample["sample_id"] < built)
     assert kinds == {True, False}  # raw and built samples both traced
 
@@ -128,3 +130,22 @@ def test_a_file_given_where_a_dataset_belongs_is_named_as_such(raw_run, capsys):
         assert main([str(a) for a in argv]) == 2
         err = capsys.readouterr().err
         assert f"no dataset at {corpus / 'a.jsonl'}: it is a file" in err and "--tokenizer" in err, err
+
+
+def test_a_step_is_read_again_from_the_newest_checkpoint_before_it(tmp_path, capsys):
+    """The lanes are read again from the loader state of the run's newest checkpoint before the step (cursors and
+    cuts), not from their start: the same samples, fewer lane samples packed."""
+    import shutil
+
+    corpus = write_corpus(tmp_path / "corpus", docs=60)
+    run_dir = tmp_path / "run"
+    run(corpus, run_dir, 6, checkpoint_every=2)
+    capsys.readouterr()
+    from_checkpoint = traced(capsys, run_dir, 5, "--text")
+    assert from_checkpoint["replayed"]["from_checkpoint_step"] == 4
+    shutil.move(run_dir / "checkpoints", tmp_path / "elsewhere")
+    from_start = traced(capsys, run_dir, 5, "--text")
+    assert from_start["replayed"]["from_checkpoint_step"] is None
+    assert from_checkpoint["samples"] == from_start["samples"]
+    # 4 steps x 4 samples over 3 lanes were read before the checkpoint: the replay from the start packs them too.
+    assert from_start["replayed"]["lane_samples_read"] - from_checkpoint["replayed"]["lane_samples_read"] == 16

@@ -245,9 +245,9 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
         where = f"rank {config.rank} of " if config.rank is not None else ""
         logged = f"steps {steps_seen[0]}-{steps_seen[1]}" if steps_seen[0] is not None else "no step"
         raise ValueError(f"step {config.step} is not in the sample-id logs of {where}{run_dir} (they hold {logged})")
-    from shardkit.cli.trace_raw import raw_run_dataset
+    from shardkit.cli.trace_raw import raw_run
 
-    raw = raw_run_dataset(run_dir, config.data, options)
+    raw = raw_run(run_dir, config.data, options)
     if raw is not None:
         return _trace_raw_step(config, raw, found, options)
     datasets = _datasets_at(run_dir, config.step, config.data, options)
@@ -282,16 +282,17 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     return {"run": str(run_dir), "step": config.step, "samples": samples}
 
 
-def _trace_raw_step(config: TraceConfig, raw: tuple[Any, str], found: dict[int, tuple[list[int], bool]],
+def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[int], bool]],
                     options: dict[str, Any]) -> dict[str, Any]:
-    """`trace_step` for a run on raw text: each raw sample read again from its lane (`shardkit.cli.trace_raw`), a
-    mixture's built samples from their shards."""
+    """`trace_step` for a run on raw text (a `trace_raw.RawRun`): each raw sample read again from its lane, from
+    the newest checkpoint before the step on (`shardkit.cli.trace_raw`), a mixture's built samples from their
+    shards."""
     from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
-    from shardkit.cli.trace_raw import RawRunSamples, raw_segments
+    from shardkit.cli.trace_raw import RawRunSamples, loader_state_before, raw_segments
     from shardkit.lineage import locate_samples, sample_segments
 
     run_dir = Path(config.target)
-    dataset, spec = raw
+    dataset, spec = raw.dataset, raw.spec
     entries = _streams_log(run_dir)
     if entries is not None:
         recorded = [s["fingerprint"] for s in _streams_at(entries, config.step, run_dir)]
@@ -302,15 +303,16 @@ def _trace_raw_step(config: TraceConfig, raw: tuple[Any, str], found: dict[int, 
     decoder = None
     if config.text:
         info = dataset.corpus.tokenizer_info
-        spec = config.tokenizer or dataset.corpus.settings.tokenizer
-        decoder = _load_tokenizer(spec)
+        tokenizer = config.tokenizer or dataset.corpus.settings.tokenizer
+        decoder = _load_tokenizer(tokenizer)
         differences = tokenizer_differences(getattr(decoder, "info", None), info)
         if differences and not config.force:
-            raise ValueError(f"tokenizer {spec!r} is not the one the run read its text with "
+            raise ValueError(f"tokenizer {tokenizer!r} is not the one the run read its text with "
                              f"({'; '.join(differences)}): its text would be wrong. Pass it with --tokenizer, or --force")
     reader = RawRunSamples(dataset, spec)
     places = {sample_id: reader.place(sample_id) for ids, _ in found.values() for sample_id in ids}
-    read = reader.read(list(places.values()))
+    checkpoint = loader_state_before(raw, config.step)
+    read = reader.read(list(places.values()), checkpoint[1] if checkpoint is not None else None)
     built: dict[str, _Dataset] = {}
     samples = []
     for rank in sorted(found):
@@ -337,7 +339,9 @@ def _trace_raw_step(config: TraceConfig, raw: tuple[Any, str], found: dict[int, 
                     start, end = piece.get("start", 0), piece.get("end", len(tokens))
                     piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
             samples.append(entry)
-    return {"run": str(run_dir), "step": config.step, "samples": samples}
+    replayed = {"from_checkpoint_step": checkpoint[0] if checkpoint is not None else None,
+                "lane_samples_read": reader.lanes_read}
+    return {"run": str(run_dir), "step": config.step, "samples": samples, "replayed": replayed}
 
 
 def _segment_line(segment: dict[str, Any]) -> str:
@@ -348,6 +352,11 @@ def _segment_line(segment: dict[str, Any]) -> str:
 
 def format_step(result: dict[str, Any]) -> str:
     lines = [f"# {result['run']} step {result['step']}: {len(result['samples'])} samples"]
+    if "replayed" in result:  # raw text, read again
+        replayed = result["replayed"]
+        since = replayed["from_checkpoint_step"]
+        lines.append(f"# raw text read again from {'the start' if since is None else f'the checkpoint of step {since}'}"
+                     f": {replayed['lane_samples_read']:,} lane samples packed")
     rank = None
     for sample in result["samples"]:
         if sample["rank"] != rank:

@@ -4,8 +4,10 @@ No shard holds such a run's samples: a logged id is a position of the raw datase
 raw stream or a built stream's sample), and the loader made it by reading one lane's units in that lane epoch's
 order and packing their documents. So the run's raw dataset is built again from its `config.json`, exactly as the
 trainer built it (`shardkit.train.data.raw_text_dataset`), and each lane is read again up to the samples asked for:
-the same documents, tokenized and packed again. That costs what the loader spent on the lane up to there (a late
-step of a long run re-reads that much of each lane it names); nothing per sample is stored to make it cheaper.
+the same documents, tokenized and packed again. The reading starts where the newest of the run's checkpoints
+before the step left each lane (its loader state: a cursor per lane, and the unreadable units it cut), so a step
+costs at most the text the loader read between that checkpoint and the step; without a checkpoint, each lane is
+read from its start.
 """
 
 from __future__ import annotations
@@ -21,9 +23,18 @@ from shardkit.loaders.raw_lanes import position_lanes
 from shardkit.loaders.raw_source import CURSOR_FIELDS, RejectionLog
 
 
-def raw_run_dataset(run_dir: Path, data: str | None, options: dict[str, Any] | None) -> tuple[Any, str] | None:
-    """(the raw-text dataset run `run_dir` trained on, its --data) (`data`: other inputs for it, e.g. after a move),
-    or None for a run on built data.
+@dataclass(frozen=True)
+class RawRun:
+    """A raw-text run's dataset as the trainer built it, its `--data`, and where its checkpoints are."""
+
+    dataset: Any
+    spec: str
+    checkpoints: Path
+
+
+def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None) -> RawRun | None:
+    """The raw-text run at `run_dir` (`data`: other inputs for it, e.g. after a move), or None for a run on built
+    data.
 
     Raises:
         ValueError: the run's configuration cannot be read.
@@ -45,7 +56,33 @@ def raw_run_dataset(run_dir: Path, data: str | None, options: dict[str, Any] | N
     spec = data or config.data.data
     dataset = raw_text_dataset(spec, config.data, seq_len=config.model.seq_len, shuffle=config.data.loader.shuffle,
                                storage_options=options or storage_options(config.data), rank=0, world_size=1)
-    return (dataset, spec) if dataset is not None else None
+    if dataset is None:
+        return None
+    return RawRun(dataset, spec, Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints"))
+
+
+def loader_state_before(run: RawRun, step: int) -> tuple[int, dict[str, Any]] | None:
+    """(its step, the loader state) of the newest complete checkpoint of `run` saved before `step` whose lanes are
+    this dataset's lanes; None when there is none (a damaged one is passed over)."""
+    from shardkit.train.checkpoint import complete_checkpoints, read_rank_state
+
+    dataset = run.dataset
+    for saved_step, path in complete_checkpoints(run.checkpoints):
+        if saved_step >= step:
+            continue
+        try:
+            state = read_rank_state(path)["loader"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        raw_text = state.get("raw_text") if isinstance(state, dict) else None
+        if not isinstance(raw_text, dict) or state.get("num_partitions") != dataset.plan.num_lanes:
+            continue
+        mixture = raw_text.get("mixture")
+        same = ([s.get("identity") for s in mixture.get("streams", ())] == dataset.stream_identities()
+                if isinstance(mixture, dict) else state.get("dataset") == dataset.fingerprint())
+        if same:
+            return saved_step, state
+    return None
 
 
 @dataclass(frozen=True)
@@ -70,12 +107,10 @@ class RawRunSamples:
     """The samples of a raw-text run by sample id, read again lane by lane (see the module docstring)."""
 
     def __init__(self, dataset: Any, spec: str):
-        from shardkit.loaders.raw_unreadable import UnitCuts
-
         self.dataset, self.plan, self.spec = dataset, dataset.plan, spec
         self.order = getattr(self.plan, "order", None)  # a mixture's `MixedOrder`
-        self._cuts = UnitCuts()
         self.lane_count = self.plan.num_lanes
+        self.lanes_read = 0  # lane samples packed by `read`
 
     def place(self, sample_id: int) -> RawPlace:
         """Where `sample_id` comes from.
@@ -92,19 +127,31 @@ class RawRunSamples:
         url = self.dataset.streams[int(stream)].url
         return RawPlace(url, lane=int(lane), index=int(index)) if lane >= 0 else RawPlace(url, local=int(index))
 
-    def read(self, places: list[RawPlace]) -> dict[tuple[int, int], tuple[Any, int, Any]]:
-        """(lane, index) -> (sample, lane epoch, the lane's corpus) for every raw place, each lane read once from
-        its start."""
+    def read(self, places: list[RawPlace], state: dict[str, Any] | None = None) -> dict[tuple[int, int], Any]:
+        """(lane, index) -> (sample, lane epoch, the lane's corpus) for every raw place, each lane read once: from
+        its cursor in the loader `state` (a checkpoint's) where that stands before the samples, else its start.
+        `lanes_read` counts the samples packed on the way."""
+        from shardkit.loaders.raw_loader import saved_cursors
+        from shardkit.loaders.raw_unreadable import UnitCuts
+
+        cursors, cuts = {}, UnitCuts()
+        if state is not None:
+            cursors = saved_cursors(state["raw_text"])
+            cuts = UnitCuts.from_rows(state["raw_text"].get("unreadable", ()))
         wanted: dict[int, list[int]] = {}
         for place in places:
             if place.lane >= 0:
                 wanted.setdefault(place.lane, []).append(place.index)
         out = {}
         for lane, indexes in sorted(wanted.items()):
-            stream = self.plan.lane_stream(lane, _Unlogged(), (0,) * CURSOR_FIELDS, self._cuts)
+            cursor = cursors.get(lane, (0,) * CURSOR_FIELDS)
+            if cursor[0] > min(indexes):
+                cursor = (0,) * CURSOR_FIELDS
+            stream = self.plan.lane_stream(lane, _Unlogged(), cursor, cuts)
             for index in sorted(set(indexes)):
                 sample, epoch = stream.take(index)
                 out[(lane, index)] = (sample, epoch, stream.corpus)
+            self.lanes_read += stream.cursor.samples - cursor[0]
         return out
 
 

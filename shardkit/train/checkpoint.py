@@ -94,6 +94,35 @@ def find_latest(directory: str | Path) -> Path | None:
     return next(iter(_complete(Path(directory))), None)
 
 
+def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint in `directory`, newest first."""
+    return [(int(p.name[len("step_"):]), p) for p in _complete(Path(directory))]
+
+
+def read_rank_state(path: str | Path, rank: int = 0) -> dict[str, Any]:
+    """One rank's saved state (its RNG and loader position) alone: no process group, model or optimizer. What
+    `shardkit trace` reads of a raw-text run's checkpoints (the loader's lane cursors).
+
+    Raises:
+        ValueError: the checkpoint is damaged or holds no state of that rank.
+    """
+    path = Path(path)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is damaged: {problem}")
+    key = f"rank_{rank}"
+    state = {key: ""}
+    try:
+        with warnings.catch_warnings():  # DCP says it assumes one process without a process group: it is one
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner())
+        return json.loads(state[key])
+    except (CheckpointException, EOFError, OSError, RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(f"checkpoint {path}: the state of rank {rank} cannot be read ({_first_failure(err)})") \
+            from err
+
+
 def read_marker(path: str | Path) -> dict[str, Any]:
     try:
         return _parse_marker(Path(path))
