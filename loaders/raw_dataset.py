@@ -90,10 +90,13 @@ class RawTextPlan:
         """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
         return {}
 
-    def restore(self, raw_text: dict[str, Any], *, samples_consumed: int = 0,
-                allow_mixture_change: bool = False) -> None:
-        """Take the state's `raw_text` fields besides the cursors (the loader keeps those); a mixture's plan may
-        change its weights at `samples_consumed` (`RawMixturePlan.restore`)."""
+    def restore(self, raw_text: dict[str, Any], cursors: dict[int, tuple[int, ...]], cuts: UnitCuts, *,
+                samples_consumed: int = 0, allow_mixture_change: bool = False
+                ) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
+        """Take the state's `raw_text` fields besides the cursors and cuts, and return those as this dataset
+        numbers its lanes and units (a mixture's plan may change its streams and weights at `samples_consumed`:
+        `RawMixturePlan.restore`)."""
+        return cursors, cuts
 
     # With fewer lanes than readers some ranks or workers read nothing (`raw_loader.warn_few_lanes` says why).
     few_lanes_idle_readers = True

@@ -215,7 +215,7 @@ class RawTextDataLoader(DataLoader):
         Args:
             state: the saved state.
             allow_mixture_change: a mixture with raw-text streams continues from the saved position with this
-                dataset's weights when they differ from the saved ones (its streams stay; see `raw_mixture`).
+                dataset's streams and weights when they differ from the saved ones (see `raw_mixture`).
 
         Raises:
             ValueError: the state is malformed, not a raw-text state, or belongs to other inputs or settings.
@@ -227,19 +227,17 @@ class RawTextDataLoader(DataLoader):
         saved_kind, kind = (_kind(state.raw_text) for state in (saved, current))
         if saved_kind != kind:
             raise ValueError(f"cannot resume: the saved loader state is {saved_kind}'s, this loader reads {kind}")
-        mixture = kind != _kind({})
-        # A mixture's "dataset" covers its weights: the plan checks the streams and weights one by one.
-        differences = saved.differences(current, ignore=("dataset",) if mixture and "mixture" in saved.raw_text
-                                        else ())
+        # A mixture's "dataset" and lanes follow its streams and weights, which its plan checks one by one (a
+        # mixture saved before it kept a record cannot change: those fields decide).
+        changeable = kind != _kind({}) and "mixture" in saved.raw_text
+        differences = saved.differences(current, ignore=("dataset", "num_partitions") if changeable else ())
         if differences:
-            changed = ("; a mixture with raw-text streams may change its weights on resume (allow_mixture_change=True; "
-                       "shardkit train: --allow-mixture-change), not its streams") if mixture else ""
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
-                             + "; ".join(differences) + ")" + changed)
+                             + "; ".join(differences) + ")")
         cursors = saved_cursors(saved.raw_text)
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
-        self.plan.restore(saved.raw_text, samples_consumed=saved.samples_consumed,
-                          allow_mixture_change=allow_mixture_change)
+        cursors, cuts = self.plan.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
+                                          allow_mixture_change=allow_mixture_change)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 
 

@@ -33,7 +33,7 @@ from .order import EpochOrder
 from .raw_lanes import lane_sample_counts
 
 ENDLESS = 1 << 62  # the plan's epoch size: positions are counted from the start, never wrapped
-_SEED_STRIDE = 1_000_003  # a stream's seed offset per index, as `MixtureOrder` offsets it
+_SEED_STRIDE = 1_000_003  # a stream's seed offset per seed key (its first index), as `MixtureOrder` offsets it
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class MixedOrder:
             streams' indices; weight `Schedule`s need `pin`).
         lanes: per stream, its lanes (raw text) or 0 (built).
         shard_sizes: per stream, samples per shard (built; None for raw text).
-        seed, shuffle: the built streams' epoch orders (each stream's seed offset by its index).
+        seed, shuffle: the built streams' epoch orders (each stream's seed offset by its seed key).
     """
 
     def __init__(self, plan: MixturePlan, lanes: Sequence[int], shard_sizes: Sequence[np.ndarray | None], *,
@@ -107,6 +107,7 @@ class MixedOrder:
         if len(plan.weights) != len(self.lanes):
             raise ValueError(f"a mixture plan of {len(plan.weights)} streams for a mixture of {len(self.lanes)}")
         self.plan = self._checked(plan)
+        self._orders.clear()  # the built streams' orders follow the plan's seed keys
 
     def step_rows(self, step: int, *, start: int, world_size: int, batch_size: int, rank: int) -> StepRows:
         """The rows `rank` reads at `step` (counted from `start` consumed positions)."""
@@ -142,7 +143,7 @@ class MixedOrder:
     def _order(self, stream: int, epoch: int) -> EpochOrder:
         order = self._orders.get((stream, epoch))
         if order is None:
-            config = OrderConfig(shuffle=self.shuffle, seed=self.seed + _SEED_STRIDE * stream)
+            config = OrderConfig(shuffle=self.shuffle, seed=self.seed + _SEED_STRIDE * self.plan.seed_keys[stream])
             order = self._orders[(stream, epoch)] = EpochOrder(self.sizes[stream], config, epoch)
             if len(self._orders) > 2 * len(self.sizes) + 2:
                 self._orders.popitem(last=False)

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -72,10 +72,9 @@ class RawMixturePlan(RawTextPlan):
         # Units are numbered over the raw streams in stream order (as the state's cuts name them).
         units = [len(corpus.units.size) for corpus in corpora]
         self.unit_offsets = np.cumsum(units) - units
-        # global lane -> (its stream's corpus, lane in it, the lanes' seed: the mixture's plus the stream's index,
-        # the stream's first unit number)
+        # global lane -> (its stream, its stream's corpus, lane in it, the stream's first unit number)
         raw_streams = np.flatnonzero(order.lanes > 0).tolist()
-        self.lane_owners = [(corpus, lane, self.seed + s, int(offset))
+        self.lane_owners = [(s, corpus, lane, int(offset))
                             for s, corpus, offset in zip(raw_streams, corpora, self.unit_offsets)
                             for lane in range(corpus.num_lanes)]
 
@@ -88,58 +87,108 @@ class RawMixturePlan(RawTextPlan):
                 "num_partitions": self.num_lanes}
 
     def raw_state(self) -> dict[str, Any]:
-        """The state's record of the streams ([url, weight, raw text, lanes] each), the global batch that weight
-        schedules count steps in (None until the first iteration) and the mixture record (its plan's anchor and
-        the changes made)."""
+        """The state's record of the streams ([url, weight, raw text, lanes, units] each), the global batch that
+        weight schedules count steps in (None until the first iteration) and the mixture record (its plan's
+        anchor, the changes made and the streams removed)."""
         record = self.record
         if self.order.global_batch is not None:
             record = record.pinned(self.order.global_batch)
         return {"streams": self.streams, "global_batch": self.order.global_batch, "mixture": record.to_dict()}
 
-    def restore(self, raw_text: dict[str, Any], *, samples_consumed: int = 0,
-                allow_mixture_change: bool = False) -> None:
-        """Adopt the saved global batch and mixture record; with `allow_mixture_change` and other weights than the
-        saved ones, continue at `samples_consumed` with this mixture's weights (each stream from its count there).
+    def restore(self, raw_text: dict[str, Any], cursors: dict[int, tuple[int, ...]], cuts: UnitCuts, *,
+                samples_consumed: int = 0, allow_mixture_change: bool = False
+                ) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
+        """Adopt the saved global batch and mixture record; with `allow_mixture_change` and other streams or weights
+        than the saved ones, continue at `samples_consumed` with this mixture's (`remix.changed_record`: each stream
+        from its count there, a new stream from its start). Returns the saved lane cursors and unit cuts numbered
+        for this mixture's lanes and units (a removed raw stream's are dropped: its count stays in the record, and
+        a stream added back is read again from its lanes' start up to it).
 
         Raises:
-            ValueError: a damaged record, or a change of the streams themselves (named), or of the weights without
-                `allow_mixture_change`.
+            ValueError: a damaged record, or other streams or weights without `allow_mixture_change`.
         """
         record = MixtureRecord.from_dict(raw_text["mixture"]) if raw_text.get("mixture") is not None else None
         global_batch = raw_text.get("global_batch")
         follow = None
         if record is not None:  # else saved before raw mixtures kept a record (the loader checked its weights)
             follow = record = record.pinned(global_batch) if global_batch is not None else record
-            if _weights(record) != _weights(self.record) or record.retired:
+            if _weights(record) != _weights(fresh_record(self.described)):
                 follow = self._changed(record, samples_consumed, allow_mixture_change=allow_mixture_change)
+                cursors, cuts = self._renumbered(raw_text, record, cursors, cuts)
         # Nothing is adopted before every check passed: a refused state leaves the loader as it was.
         if global_batch is not None:
             self.order.pin(global_batch, saved=True)
         if follow is not None:
             self.order.follow(follow.plan)
             self.record = follow
+        return cursors, cuts
 
     def _changed(self, saved: MixtureRecord, position: int, *, allow_mixture_change: bool) -> MixtureRecord:
-        """The record continuing `saved` at `position` with this mixture's weights.
+        """The record continuing `saved` at `position` with this mixture's streams and weights.
 
         Raises:
-            ValueError: the streams differ, or the weights do and `allow_mixture_change` is off.
+            ValueError: `allow_mixture_change` is off.
         """
-        before = [f"{s.url} ({s.identity[:12]})" for s in saved.streams]
-        now = [f"{s.url} ({s.identity[:12]})" for s in self.record.streams]
-        if [s.identity for s in saved.streams] != [s.identity for s in self.record.streams] or saved.retired:
-            raise ValueError("cannot resume: a mixture with raw-text streams may change its streams' weights on "
-                             "resume, not its streams (a raw stream's lanes and sample ids depend on the raw streams "
-                             f"there are); saved streams {before}, now {now}: resume with the saved streams")
         if not allow_mixture_change:
-            raise ValueError("cannot resume: the saved loader state's mixture has other weights; to continue with "
-                             "the new weights from the saved position, pass allow_mixture_change=True (shardkit "
-                             "train: --allow-mixture-change)")
+            before = [[s.url, weight_spec(s.weight)] for s in saved.streams]
+            now = [[s.url, weight_spec(s.weight)] for s in fresh_record(self.described).streams]
+            raise ValueError(f"cannot resume: the saved loader state's mixture has other streams or weights (saved "
+                             f"{before}, now {now}); to continue with this mixture from the saved position, pass "
+                             "allow_mixture_change=True (shardkit train: --allow-mixture-change)")
         changed = changed_record(saved, epoch=0, position=position, streams=self.described)
         change = changed.changes[-1]
         logger.info("mixture changed at step %d (position %d): %s -> %s", change["step"], position, change["old"],
                     change["new"])
         return changed
+
+    def _renumbered(self, raw_text: dict[str, Any], saved: MixtureRecord, cursors: dict[int, tuple[int, ...]],
+                    cuts: UnitCuts) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
+        """The saved cursors and cuts, numbered by the saved streams' lanes and units, renumbered for this
+        mixture's streams (matched by data identity).
+
+        Raises:
+            ValueError: the saved streams' record is damaged, or the state records cuts but not the saved raw
+                streams' units (a state from before streams could change).
+        """
+        entries = raw_text.get("streams")
+        if not isinstance(entries, list) or len(entries) != len(saved.streams):
+            raise ValueError("cannot resume: the loader state's raw_text.streams does not match its mixture record "
+                             "(a damaged or edited state)")
+        lane_at, unit_at = {}, {}  # identity -> (first lane, lanes) / first unit, in the saved numbering
+        lane = unit = 0
+        for stream, entry in zip(saved.streams, entries):
+            if not entry[2]:  # built
+                continue
+            lanes = int(entry[3])
+            lane_at[stream.identity] = (lane, lanes)
+            unit_at[stream.identity] = unit
+            lane += lanes
+            unit = unit + int(entry[4]) if unit is not None and len(entry) > 4 else None
+        if len(cuts) and None in unit_at.values():
+            raise ValueError("cannot change the streams of this mixture: its loader state records unreadable units "
+                             "but not how many units each raw stream had (a state saved by an older shardkit); resume "
+                             "once with the saved streams, then change them")
+        new_cursors, new_cuts = {}, []
+        raw = np.flatnonzero(self.order.lanes > 0).tolist()
+        current = [stream.identity for stream in fresh_record(self.described).streams]
+        for s, offset in zip(raw, self.unit_offsets):
+            identity = current[s]
+            if identity not in lane_at:
+                continue  # a new stream: its lanes start at their beginning
+            first, lanes = lane_at[identity]
+            new_first = int(self.order.lane_offsets[s])
+            if lanes != int(self.order.lanes[s]):
+                raise ValueError(f"cannot resume: stream {self.streams[s][0]} had {lanes} lanes, now "
+                                 f"{int(self.order.lanes[s])} (the same data: a damaged or edited state)")
+            for j in range(lanes):
+                if first + j in cursors:
+                    new_cursors[new_first + j] = cursors[first + j]
+            units = len(self.corpora[raw.index(s)].units.size)
+            start = unit_at[identity]
+            for cut in cuts.cuts:
+                if start is not None and start <= cut.unit < start + units:
+                    new_cuts.append(replace(cut, unit=cut.unit - start + int(offset)))
+        return new_cursors, UnitCuts(tuple(new_cuts))
 
     def begin(self, iteration: RawIteration) -> None:
         self.order.pin(iteration.batch_size * iteration.topology.world_size)
@@ -149,7 +198,9 @@ class RawMixturePlan(RawTextPlan):
     few_lanes_idle_readers = False
 
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        corpus, local, seed, unit_offset = self.lane_owners[lane]
+        stream, corpus, local, unit_offset = self.lane_owners[lane]
+        # The lanes' seed: the mixture's plus the stream's seed key (its index in the first mixture that had it).
+        seed = self.seed + self.record.streams[stream].seed_key
         return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
                           skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
 
@@ -229,8 +280,9 @@ class RawMixtureDataset(RawTextDataset):
                                                  for identity, s in zip(opened.identities, streams)]).encode())
         self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
         self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
-                                   streams=[[s.url, weight_spec(s.weight), s.raw_text, n]
-                                            for s, n in zip(streams, opened.lanes)], described=described,
+                                   streams=[[s.url, weight_spec(s.weight), s.raw_text, n, units]
+                                            for s, n, units in zip(streams, opened.lanes, opened.units)],
+                                   described=described,
                                    record=record)
 
     def fingerprint(self) -> str:
@@ -277,13 +329,14 @@ class RawMixtureDataset(RawTextDataset):
 @dataclass
 class OpenedStreams:
     """A mixture's streams, opened: the raw streams' corpora, the built streams' sources, and per stream its
-    lanes (0 for built), samples per shard (None for raw text) and identity (its fingerprint)."""
+    lanes (0 for built), samples per shard (None for raw text), identity (its fingerprint) and work units."""
 
     corpora: list[RawCorpus] = field(default_factory=list)
     sources: Sources | None = None
     lanes: list[int] = field(default_factory=list)
     shard_sizes: list[np.ndarray | None] = field(default_factory=list)
     identities: list[str] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)  # a raw stream's work units (0: built)
 
 
 def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: dict[str, Any] | None,
@@ -304,12 +357,14 @@ def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: di
                 if opened.corpora else first
             opened.corpora.append(corpus)
             opened.lanes.append(corpus.num_lanes)
+            opened.units.append(len(corpus.units.size))
             opened.shard_sizes.append(None)
             opened.identities.append(corpus.fingerprint)
         else:
             manifest, sizes = next(manifests)
             check_built_stream(stream, manifest, first)
             opened.lanes.append(0)
+            opened.units.append(0)
             opened.shard_sizes.append(sizes)
             opened.identities.append(data_fingerprint([manifest], []))
     return opened

@@ -165,15 +165,14 @@ def test_states_of_another_kind_or_mixture_are_refused(data, tokenizer):
         StreamingDataLoader(mixture(data, tokenizer), batch_size=4).load_state_dict(built.state_dict())
     with pytest.raises(ValueError, match="state is raw text's .*, this loader reads built datasets only"):
         StreamingDataLoader(StreamingDataset(data["built"]), batch_size=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="mixture has other weights; .* pass allow_mixture_change=True"):
+    with pytest.raises(ValueError, match=r"mixture has other streams or weights \(saved \[\['.*/a', 0.5\], .* now "
+                                         r"\[\['.*/a', 0.4\], .* pass allow_mixture_change=True"):
         StreamingDataLoader(mixture(data, tokenizer, weights=(0.4, 0.4, 0.2)), batch_size=4).load_state_dict(state)
-    # Other streams are refused also with allow_mixture_change, naming them (raw streams' lanes and ids depend on them).
     swapped = StreamingDataset([Stream(data["b"], 0.5, raw_text=True), Stream(data["built"], 0.3),
                                 Stream(data["a"], 0.2, raw_text=True)], tokenizer=tokenizer, seq_len=SEQ_LEN,
                                unit_bytes=4096, lanes=3)
-    with pytest.raises(ValueError, match=r"may change its streams' weights on resume, not its streams.*saved streams "
-                                         rf"\['{data['a']} "):
-        StreamingDataLoader(swapped, batch_size=4).load_state_dict(state, allow_mixture_change=True)
+    with pytest.raises(ValueError, match="other streams or weights"):
+        StreamingDataLoader(swapped, batch_size=4).load_state_dict(state)
 
 
 def test_a_weight_change_on_resume_continues_each_stream_from_its_count(data, tokenizer):
@@ -212,7 +211,7 @@ def test_a_weight_change_on_resume_continues_each_stream_from_its_count(data, to
     elastic, _ = ranks_run(lambda **rank: mixture(data, tokenizer, weights=after, **rank), world_size=2, batch_size=4,
                            steps=6, state=saved, workers=2)
     assert sorted(elastic) == sorted(going_on)
-    with pytest.raises(ValueError, match="mixture has other weights"):  # back to the first weights: a change again
+    with pytest.raises(ValueError, match="mixture has other streams or weights"):  # the first weights: a change again
         StreamingDataLoader(mixture(data, tokenizer), batch_size=8).load_state_dict(saved)
 
 
@@ -239,6 +238,58 @@ def test_what_cannot_be_mixed_is_refused_by_name(data, tokenizer):
         StreamingDataset([raw, Stream(data["built"])])
     with pytest.raises(TypeError, match="not both"):
         StreamingDataset([data["b"], raw], **settings)
+
+
+def test_streams_removed_reordered_and_added_back_on_resume_continue_from_their_counts(data, tokenizer):
+    """A, built, B for 5 steps; then B, A (the built stream removed, the raw ones reordered) for 5; then B, A, built
+    (added back) for 5. Each raw stream's items are 0..n-1, each once, and item k is still sample k of that stream
+    read alone (its lanes keep their seed and cursors, renumbered); the built stream's epochs go on from its count;
+    the state after a change resumes exactly."""
+    def phase(sources, weights):
+        return StreamingDataset([Stream(data[name], w, raw_text=name != "built") for name, w in zip(sources, weights)],
+                                tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
+
+    phases = [(("a", "built", "b"), WEIGHTS), (("b", "a"), (0.5, 0.5)), (("b", "a", "built"), (0.4, 0.4, 0.2))]
+    items: dict[str, list[tuple[int, tuple]]] = {"a": [], "b": [], "built": []}
+    state = None
+    for number, (sources, weights) in enumerate(phases):
+        loader = StreamingDataLoader(phase(sources, weights), batch_size=8)
+        if state is not None:
+            with pytest.raises(ValueError, match="other streams or weights"):
+                StreamingDataLoader(phase(sources, weights), batch_size=8).load_state_dict(state)
+            loader.load_state_dict(state, allow_mixture_change=True)
+        batches = take(loader, 5)
+        if number == 1:  # the changed mixture's own state resumes exactly, without the flag
+            saved = loader.state_dict()
+            batches += take(loader, 3)
+            again = StreamingDataLoader(phase(sources, weights), batch_size=8)
+            again.load_state_dict(saved)
+            assert rows(take(again, 3)) == rows(batches[5:])
+        order = loader.dataset.plan.order
+        for batch in batches:
+            for sample_id, stream, epoch, tokens in zip(batch["sample_id"].tolist(), batch["stream"].tolist(),
+                                                        batch["lane_epoch"].tolist(), batch["tokens"]):
+                name = sources[stream]
+                if name == "built":
+                    items[name].append((epoch, sample_id - int(order.id_offsets[stream])))
+                else:
+                    items[name].append(((sample_id - order.built_samples) // order.num_raw, tuple(tokens.tolist())))
+        state = loader.state_dict()
+    assert [c["position"] for c in state["raw_text"]["mixture"]["changes"]] == [40, 104]
+    for name, seed in (("a", 0), ("b", 2)):  # raw stream s's lanes are seeded with the mixture's seed + s
+        k = sorted(item for item, _ in items[name])
+        assert k == list(range(len(k))), name  # items 0..n-1 over the three mixtures, each once
+        alone = StreamingDataset(data[name], tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3,
+                                 seed=seed)
+        own = {i: t for i, _, t in rows(take(StreamingDataLoader(alone, batch_size=len(k)), 1))}
+        assert all(own[item] == tokens for item, tokens in items[name]), name
+    built = len(read_samples(data["built"])[1])
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, local in items["built"]:
+        by_epoch.setdefault(epoch, []).append(local)
+    assert max(by_epoch) >= 1
+    for epoch, ids in by_epoch.items():
+        assert len(set(ids)) == len(ids) and (epoch == max(by_epoch) or sorted(ids) == list(range(built))), epoch
 
 
 def test_the_trainer_trains_on_raw_and_built_entries(data, tokenizer, tmp_path):
@@ -310,6 +361,40 @@ def damaged(data):
 
 def skipping(data, tokenizer, **overrides):
     return mixture(data, tokenizer, on_corrupt="skip", **overrides)
+
+
+def test_a_cut_unit_keeps_its_cut_when_the_streams_change(damaged, tokenizer, caplog):
+    """B's cut unit, numbered after A's units in A, built, B, is renumbered when B comes first: the changed mixture
+    does not find it again, and both raw streams go on as they read alone."""
+    loader = StreamingDataLoader(skipping(damaged, tokenizer), batch_size=8)
+    head = take(loader, 30)
+    assert loader.skipped_units == 1
+    changed = StreamingDataset([Stream(damaged["b"], 0.5, raw_text=True), Stream(damaged["a"], 0.5, raw_text=True)],
+                               tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3, on_corrupt="skip")
+    resumed = StreamingDataLoader(changed, batch_size=8)
+    resumed.load_state_dict(loader.state_dict(), allow_mixture_change=True)
+    caplog.clear()  # the first mixture's cut
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+        tail = take(resumed, 20)
+    assert not [r for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
+    [[unit, _, _, _]] = resumed.state_dict()["raw_text"]["unreadable"]
+    assert unit < len(changed.corpora[0].units.size) and changed.corpora[0].unit_url(unit).endswith(
+        "b_damaged/c.jsonl.zst")
+    items: dict[str, dict[int, tuple]] = {"a": {}, "b": {}}
+    for batches, order, names in ((head, loader.dataset.plan.order, ("a", "built", "b")),
+                                  (tail, changed.plan.order, ("b", "a"))):
+        for batch in batches:
+            for sample_id, stream, tokens in zip(batch["sample_id"].tolist(), batch["stream"].tolist(),
+                                                 batch["tokens"]):
+                if names[stream] != "built":
+                    k = (sample_id - order.built_samples) // order.num_raw
+                    items[names[stream]][k] = tuple(tokens.tolist())
+    for name, seed in (("a", 0), ("b", 2)):
+        alone = StreamingDataset(damaged[name], tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3,
+                                 seed=seed, on_corrupt="skip")
+        k = sorted(items[name])
+        own = {i: t for i, _, t in rows(take(StreamingDataLoader(alone, batch_size=len(k)), 1))}
+        assert k == list(range(len(k))) and items[name] == own, name
 
 
 def test_on_corrupt_skip_cuts_a_raw_streams_unreadable_unit_as_its_own_dataset_would(damaged, tokenizer, caplog):

@@ -149,3 +149,43 @@ def test_a_step_is_read_again_from_the_newest_checkpoint_before_it(tmp_path, cap
     assert from_checkpoint["samples"] == from_start["samples"]
     # 4 steps x 4 samples over 3 lanes were read before the checkpoint: the replay from the start packs them too.
     assert from_start["replayed"]["lane_samples_read"] - from_checkpoint["replayed"]["lane_samples_read"] == 16
+
+
+def test_a_raw_mixtures_steps_are_traced_across_a_change_of_streams(data, tokenizer, tmp_path, capsys):  # noqa: F811
+    """Built + A for 2 steps, then A + B (built removed, B added) for 2: each step is traced with the streams then
+    in force (samples/streams.jsonl), the changed mixture's lanes seeded and numbered from the checkpoint it was
+    changed at; without that checkpoint, the steps after the change are refused by name."""
+    import shutil
+
+    decoder = load_tokenizer(tokenizer)
+    first = {"data": f"{data['built']}:0.5 {data['a']}/*.jsonl*:0.5", "tokenizer": tokenizer, "lanes": 2,
+             "batch_size": 4}
+    second = {**first, "data": f"{data['a']}/*.jsonl*:0.6 {data['b']}/*.jsonl*:0.4", "allow_mixture_change": True}
+    run(None, tmp_path / "run", 2, data=first, checkpoint_every=1, keep=10)
+    run(None, tmp_path / "run", 4, data=second, checkpoint_every=1, keep=10)
+    capsys.readouterr()
+
+    def mixture(sources):
+        return StreamingDataset([Stream(url, weight, raw_text=raw) for url, weight, raw in sources],
+                                tokenizer=tokenizer, seq_len=SEQ_LEN, lanes=2)
+
+    before = StreamingDataLoader(mixture([(data["built"], 0.5, False), (f"{data['a']}/*.jsonl*", 0.5, True)]),
+                                 batch_size=4)
+    rows = {1: loader_rows(before, 2)}
+    after = StreamingDataLoader(mixture([(f"{data['a']}/*.jsonl*", 0.6, True), (f"{data['b']}/*.jsonl*", 0.4, True)]),
+                                batch_size=4)
+    after.load_state_dict(before.state_dict(), allow_mixture_change=True)
+    rows[3] = loader_rows(after, 2)
+    logged = sample_ids(tmp_path / "run")
+    for step in (1, 2, 3, 4):
+        result = traced(capsys, tmp_path / "run", step, "--text")
+        assert sorted(s["sample_id"] for s in result["samples"]) == logged[step]
+        check_samples(result, rows[1 if step <= 2 else 3], decoder.decode)
+        names = {s["dataset"].rstrip("/").rsplit("/", 2)[-2 if "*" in s["dataset"] else -1] for s in result["samples"]}
+        assert names <= ({"built", "a"} if step <= 2 else {"a", "b"}), names
+        assert result["replayed"]["from_checkpoint_step"] == (step - 1 or None)
+    shutil.move(tmp_path / "run" / "checkpoints", tmp_path / "elsewhere")
+    assert main(["trace", str(tmp_path / "run"), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "changed to at step 2" in err and "needs a checkpoint saved from step 2 on and before step 3" in err, err
+    assert traced(capsys, tmp_path / "run", 2)["replayed"]["from_checkpoint_step"] is None  # the first mixture's

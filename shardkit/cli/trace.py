@@ -161,7 +161,13 @@ def _streams_log(run_dir: Path) -> list[tuple[int, list[dict[str, Any]]]] | None
 
 def _streams_at(entries: list[tuple[int, list[dict[str, Any]]]], step: int, run_dir: Path) -> list[dict[str, Any]]:
     """The streams in force at `step` (the last start before it: a resume may have changed the mixture)."""
-    in_force = [streams for start, streams in entries if start < step]
+    return _start_at(entries, step, run_dir)[1]
+
+
+def _start_at(entries: list[tuple[int, list[dict[str, Any]]]], step: int,
+              run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+    """(its step, its streams) of the start in force at `step`."""
+    in_force = [(start, streams) for start, streams in entries if start < step]
     if not in_force:
         raise ValueError(f"{run_dir / 'samples'} records no datasets for step {step}")
     return in_force[-1]
@@ -247,9 +253,11 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"step {config.step} is not in the sample-id logs of {where}{run_dir} (they hold {logged})")
     from shardkit.cli.trace_raw import raw_run
 
-    raw = raw_run(run_dir, config.data, options)
+    entries = _streams_log(run_dir)
+    start = _start_at(entries, config.step, run_dir) if entries is not None else None
+    raw = raw_run(run_dir, config.data, options, start[1] if start is not None else None)
     if raw is not None:
-        return _trace_raw_step(config, raw, found, options)
+        return _trace_raw_step(config, raw, found, entries, options)
     datasets = _datasets_at(run_dir, config.step, config.data, options)
     offsets, total = [], 0
     for dataset in datasets:
@@ -283,7 +291,7 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[int], bool]],
-                    options: dict[str, Any]) -> dict[str, Any]:
+                    entries: list[tuple[int, list[dict[str, Any]]]] | None, options: dict[str, Any]) -> dict[str, Any]:
     """`trace_step` for a run on raw text (a `trace_raw.RawRun`): each raw sample read again from its lane, from
     the newest checkpoint before the step on (`shardkit.cli.trace_raw`), a mixture's built samples from their
     shards."""
@@ -293,9 +301,10 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
 
     run_dir = Path(config.target)
     dataset, spec = raw.dataset, raw.spec
-    entries = _streams_log(run_dir)
+    since = 0
     if entries is not None:
-        recorded = [s["fingerprint"] for s in _streams_at(entries, config.step, run_dir)]
+        since, streams = _start_at(entries, config.step, run_dir)
+        recorded = [s["fingerprint"] for s in streams]
         if recorded != dataset.stream_identities():
             raise ValueError(f"the raw text {spec} is not what run {run_dir} read at step "
                              f"{config.step} (the inputs, their files' sizes or the tokenization differ); pass the "
@@ -309,9 +318,15 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
         if differences and not config.force:
             raise ValueError(f"tokenizer {tokenizer!r} is not the one the run read its text with "
                              f"({'; '.join(differences)}): its text would be wrong. Pass it with --tokenizer, or --force")
+    checkpoint = loader_state_before(raw, config.step, since)
+    if checkpoint is None and entries is not None and since > 0 and \
+            [s["fingerprint"] for s in entries[0][1]] != dataset.stream_identities():
+        # Without the loader state the run changed its streams from, their seed keys and counts are unknown.
+        raise ValueError(f"step {config.step} read the mixture run {run_dir} changed to at step {since}: reading it "
+                         f"again needs a checkpoint saved from step {since} on and before step {config.step}, and "
+                         f"{raw.checkpoints} holds none (--keep pruned it?)")
     reader = RawRunSamples(dataset, spec)
     places = {sample_id: reader.place(sample_id) for ids, _ in found.values() for sample_id in ids}
-    checkpoint = loader_state_before(raw, config.step)
     read = reader.read(list(places.values()), checkpoint[1] if checkpoint is not None else None)
     built: dict[str, _Dataset] = {}
     samples = []

@@ -32,15 +32,18 @@ class RawRun:
     checkpoints: Path
 
 
-def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None) -> RawRun | None:
+def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None,
+            recorded: list[dict[str, Any]] | None = None) -> RawRun | None:
     """The raw-text run at `run_dir` (`data`: other inputs for it, e.g. after a move), or None for a run on built
-    data.
+    data. A mixture's streams are those `recorded` at the step's start (`samples/streams.jsonl`: a resume may have
+    changed them), each of weight 1: weights do not decide which data a sample id is.
 
     Raises:
         ValueError: the run's configuration cannot be read.
     """
+    from shardkit.loaders.mixing import Stream
     from shardkit.train.config import config_from_dict
-    from shardkit.train.data import raw_text_dataset, storage_options
+    from shardkit.train.data import holds_manifest, raw_source, raw_text_dataset, storage_options
 
     path = run_dir / "config.json"
     try:
@@ -54,34 +57,36 @@ def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None) -> 
         return None
     config = config_from_dict(values)
     spec = data or config.data.data
-    dataset = raw_text_dataset(spec, config.data, seq_len=config.model.seq_len, shuffle=config.data.loader.shuffle,
-                               storage_options=options or storage_options(config.data), rank=0, world_size=1)
-    if dataset is None:
-        return None
+    where = dict(storage_options=options or storage_options(config.data), rank=0, world_size=1)
+    source = raw_source(spec, where["storage_options"], built_as_built=False)
+    # A run from before each stream was recorded has one record for a whole mixture: its configuration decides.
+    if data is None and recorded and not isinstance(source[0], str) and (len(recorded) > 1 or len(source) == 1):
+        source = [Stream(s["url"], 1.0, raw_text=not holds_manifest(s["url"], where["storage_options"]))
+                  for s in recorded]
+        spec = " ".join(s["url"] for s in recorded)
+    dataset = raw_text_dataset(source, config.data, seq_len=config.model.seq_len, shuffle=config.data.loader.shuffle,
+                               **where)
     return RawRun(dataset, spec, Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints"))
 
 
-def loader_state_before(run: RawRun, step: int) -> tuple[int, dict[str, Any]] | None:
-    """(its step, the loader state) of the newest complete checkpoint of `run` saved before `step` whose lanes are
-    this dataset's lanes; None when there is none (a damaged one is passed over)."""
+def loader_state_before(run: RawRun, step: int, since: int = 0) -> tuple[int, dict[str, Any]] | None:
+    """(its step, the loader state) of the newest complete checkpoint of `run` saved from step `since` (the start
+    whose streams were in force at `step`) on and before `step`, loaded into a loader over the run's dataset as the
+    trainer loaded it (a mixture changed at `since` changes there: seed keys, lanes and units renumbered): its lane
+    cursors and cuts, numbered for this dataset. None when there is none (a damaged one is passed over)."""
+    from shardkit.loaders.dataloader import StreamingDataLoader
     from shardkit.train.checkpoint import complete_checkpoints, read_rank_state
 
-    dataset = run.dataset
     for saved_step, path in complete_checkpoints(run.checkpoints):
-        if saved_step >= step:
+        if not since <= saved_step < step:
             continue
         try:
             state = read_rank_state(path)["loader"]
+            loader = StreamingDataLoader(run.dataset, batch_size=1)
+            loader.load_state_dict(state, allow_mixture_change=True)
         except (ValueError, KeyError, TypeError):
             continue
-        raw_text = state.get("raw_text") if isinstance(state, dict) else None
-        if not isinstance(raw_text, dict) or state.get("num_partitions") != dataset.plan.num_lanes:
-            continue
-        mixture = raw_text.get("mixture")
-        same = ([s.get("identity") for s in mixture.get("streams", ())] == dataset.stream_identities()
-                if isinstance(mixture, dict) else state.get("dataset") == dataset.fingerprint())
-        if same:
-            return saved_step, state
+        return saved_step, loader.local_state_dict()
     return None
 
 

@@ -74,7 +74,7 @@ def _source(spec: str) -> Any:
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
 
 
-def _raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: bool) -> list[Any] | None:
+def raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: bool) -> list[Any] | None:
     """A `--data` value with `--tokenizer` as the loader's source: the text inputs of one corpus, or a mixture
     (a list of `Stream`) when an entry has a weight or is a built dataset (holds shardkit.json). When every entry
     is a built dataset: None with `built_as_built` (the data is read as built data), else refused.
@@ -85,7 +85,7 @@ def _raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: bo
     from shardkit.loaders.mixing import Stream
 
     entries = data_entries(spec)
-    built = [_holds_manifest(url, options) for url, _ in entries]
+    built = [holds_manifest(url, options) for url, _ in entries]
     if all(built):
         if built_as_built:
             return None
@@ -99,7 +99,7 @@ def _raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: bo
     return [Stream(url, weight, raw_text=not is_built) for (url, weight), is_built in zip(entries, built)]
 
 
-def _holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
+def holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
     from glob import has_magic
 
     from shardkit.manifest import MANIFEST_NAME
@@ -111,7 +111,7 @@ def _holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,
              built_as_built: bool = False, **overrides: Any):
     """The `StreamingDataset` of `spec`: raw text under `--tokenizer` (built datasets only with `built_as_built`
-    are read as built data, else refused: `_raw_source`), else built data, with `overrides` of its loader options.
+    are read as built data, else refused: `raw_source`), else built data, with `overrides` of its loader options.
     """
     from shardkit.loaders.dataset import StreamingDataset
 
@@ -121,25 +121,20 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     local_world_size = runtime.dp_local_world_size
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
-    raw = raw_text_dataset(spec, config, seq_len=seq_len, shuffle=shuffle, built_as_built=built_as_built, **where)
-    if raw is not None:
-        return raw
+    source = raw_source(spec, where["storage_options"], built_as_built=built_as_built) \
+        if config.tokenizer is not None else None
+    if source is not None:  # raw text, tokenized and packed by the loader
+        return raw_text_dataset(source, config, seq_len=seq_len, shuffle=shuffle, **where)
     return StreamingDataset(_source(spec), config.loader, cache_dir=config.cache_dir, shuffle=shuffle, **where,
                             **overrides)
 
 
-def raw_text_dataset(spec: str, config: DataConfig, *, seq_len: int | None, shuffle: bool,
-                     built_as_built: bool = False, **where: Any):
-    """The raw-text `StreamingDataset` the trainer reads for `spec` under `--tokenizer` (`where`: its rank layout
-    and storage options); None without `--tokenizer`, or for built data with `built_as_built` (see `_raw_source`).
-    `shardkit trace` rebuilds a run's raw text through it, so both read the same samples."""
+def raw_text_dataset(source: list[Any], config: DataConfig, *, seq_len: int | None, shuffle: bool, **where: Any):
+    """The raw-text `StreamingDataset` the trainer reads from `source` (`raw_source`'s: the inputs of one corpus, or
+    a mixture's `Stream`s) under `--tokenizer`; `where`: its rank layout and storage options. `shardkit trace`
+    rebuilds a run's raw text through it, so both read the same samples."""
     from shardkit.loaders.dataset import StreamingDataset
 
-    if config.tokenizer is None:
-        return None
-    source = _raw_source(spec, where.get("storage_options"), built_as_built=built_as_built)
-    if source is None:
-        return None
     mixture = {} if isinstance(source[0], str) else dict(cache_dir=config.cache_dir)
     return StreamingDataset(source, tokenizer=config.tokenizer, seq_len=seq_len, pack=config.pack,
                             text_field=config.text_field, lanes=config.lanes, seed=config.loader.seed,
