@@ -151,19 +151,22 @@ class RawMixturePlan(RawTextPlan):
                 streams' units (a state from before streams could change).
         """
         entries = raw_text.get("streams")
-        if not isinstance(entries, list) or len(entries) != len(saved.streams):
-            raise ValueError("cannot resume: the loader state's raw_text.streams does not match its mixture record "
-                             "(a damaged or edited state)")
         lane_at, unit_at = {}, {}  # identity -> (first lane, lanes) / first unit, in the saved numbering
-        lane = unit = 0
-        for stream, entry in zip(saved.streams, entries):
-            if not entry[2]:  # built
-                continue
-            lanes = int(entry[3])
-            lane_at[stream.identity] = (lane, lanes)
-            unit_at[stream.identity] = unit
-            lane += lanes
-            unit = unit + int(entry[4]) if unit is not None and len(entry) > 4 else None
+        lane, unit = 0, 0
+        try:
+            if len(entries) != len(saved.streams):
+                raise ValueError
+            for stream, entry in zip(saved.streams, entries):
+                if not entry[2]:  # built
+                    continue
+                lanes = int(entry[3])
+                lane_at[stream.identity] = (lane, lanes)
+                unit_at[stream.identity] = unit
+                lane += lanes
+                unit = unit + int(entry[4]) if unit is not None and len(entry) > 4 else None
+        except (TypeError, ValueError, IndexError):
+            raise ValueError("cannot resume: the loader state's raw_text.streams does not match its mixture record "
+                             "(a damaged or edited state)") from None
         if len(cuts) and None in unit_at.values():
             raise ValueError("cannot change the streams of this mixture: its loader state records unreadable units "
                              "but not how many units each raw stream had (a state saved by an older shardkit); resume "

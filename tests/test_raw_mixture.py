@@ -173,6 +173,9 @@ def test_states_of_another_kind_or_mixture_are_refused(data, tokenizer):
                                unit_bytes=4096, lanes=3)
     with pytest.raises(ValueError, match="other streams or weights"):
         StreamingDataLoader(swapped, batch_size=4).load_state_dict(state)
+    damaged = {**state, "raw_text": {**state["raw_text"], "streams": [["x"]] * 3}}
+    with pytest.raises(ValueError, match="raw_text.streams does not match its mixture record"):
+        StreamingDataLoader(swapped, batch_size=4).load_state_dict(damaged, allow_mixture_change=True)
 
 
 def test_a_weight_change_on_resume_continues_each_stream_from_its_count(data, tokenizer):
