@@ -77,10 +77,16 @@ def write_ids(path: str, seen: list) -> None:
     with open(f"{path}.{os.environ.get('RANK', 0)}", "w") as f:
         json.dump(seen, f)
     # End the process group before the interpreter does: left to exit, gloo's threads were torn down mid-flight
-    # after finished 2-rank runs ("terminate called without an active exception", exit -6).
+    # after finished 2-rank runs ("terminate called without an active exception", exit -6). destroy_process_group
+    # is not enough when the framework still holds the group (DDP's reducer in a transformers run did, once in CI):
+    # its gloo worker threads then die in the interpreter's finalization (pytorch/pytorch#179291 describes it). The
+    # ids are written and the ranks agreed: the process leaves without that finalization.
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_script(script: str, dataset_url: str, folder: Path, name: str, *options, ranks: int = 1, check: bool = True,
