@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import shared_path
-from train_runs import (check_ok, eval_losses, free_port, losses, sample_ids, torchrun,
+from conftest import free_port, shared_path
+from train_runs import (check_ok, eval_losses, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from shardkit.train.config import ModelConfig, ParallelConfig
 from shardkit.train.model import Transformer
 from shardkit.train.parallel import gradient_sync, init_runtime, parallelize
-from train_runs import free_port
+from conftest import free_port
 
 MODEL = ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
 

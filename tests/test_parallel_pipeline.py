@@ -14,7 +14,7 @@ from shardkit.train.config import ModelConfig, OptimizerConfig, ParallelConfig
 from shardkit.train.model import Transformer
 from shardkit.train.optim import build_optimizer
 from shardkit.train.parallel import init_runtime, parallelize
-from train_runs import free_port
+from conftest import free_port
 
 # GPT-2's vocabulary (50257, padded to 50304) on a tiny model: the shared matrix dominates the gradient.
 MODEL = ModelConfig(vocab_size=50257, seq_len=16, n_layer=2, n_head=2, d_model=16)

@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from shardkit import metrics
 from shardkit.train import faults
 from shardkit.train.checkpoint import find_latest, read_marker
 from shardkit.train.config import TrainConfig, config_from_dict
 from shardkit.train.loop import build, close, train
 from shardkit.train.precision import LossScaler, TooManyOverflows, build_loss_scaler, choose_precision
-from train_runs import (check_ok, checkpoints, free_port, loss_scales, losses, sample_ids, torchrun,
+from train_runs import (check_ok, checkpoints, loss_scales, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
 FP16 = {"precision": "fp16"}

@@ -16,7 +16,7 @@ import pytest
 from test_build import write_corpus
 from train_runs import write_byte_dataset
 from tune_helpers import (ENV, final_eval, kill_tuner_during_second_trial, load_study, make_datasets, metrics,
-                          run_tune, trainer_args, tune_command)
+                          run_tune, study_rows, trainer_args, tune_command)
 
 pytestmark = pytest.mark.slow
 
@@ -87,28 +87,14 @@ def test_a_study_trains_from_raw_text_and_searches_the_packing(tmp_path):
         assert trial.value == final_eval(trial.user_attrs["run_dir"], 2)
 
 
-def _study_rows(output):
-    """(number, state, params, datetime_complete) of every trial, read straight from the database."""
-    import sqlite3
-
-    with sqlite3.connect(output / "study.db", timeout=30) as db:
-        try:
-            return db.execute("SELECT number, state, datetime_complete FROM trials ORDER BY number").fetchall()
-        except sqlite3.OperationalError as error:
-            # The tuner creates the database file before Optuna has created its tables.
-            if "no such table" in str(error):
-                return []
-            raise
-
-
 def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(datasets, tmp_path):
     output = tmp_path / "tune"
     args = [*trainer_args(datasets, tmp_path / "cache", steps=30, eval_every=10),
             "--space", "lr=loguniform:1e-3:1e-2", "--trials", "3", "--sampler", "random",
             "--pruner", "none", "--output", str(output)]
-    kill_tuner_during_second_trial(args, output, lambda: [row[1] for row in _study_rows(output)]
+    kill_tuner_during_second_trial(args, output, lambda: [row[1] for row in study_rows(output)]
                                    if (output / "study.db").exists() else [], timeout=120)
-    before = _study_rows(output)
+    before = study_rows(output)
     finished_before = {row[0]: row for row in before if row[1] == "COMPLETE"}
     finished_files = {n: (output / "trials" / f"trial_{n:05d}" / "metrics.jsonl").read_bytes()
                       for n in finished_before}
@@ -125,7 +111,7 @@ def test_sigkill_of_the_tuner_tree_mid_trial_then_rerun_ends_at_n_trials(dataset
     run_dirs = [t.user_attrs["run_dir"] for t in trials]
     assert len(run_dirs) == len(set(run_dirs))  # no trial ran twice in one directory
     for number, row in finished_before.items():  # finished trials were not rerun
-        assert tuple(_study_rows(output)[number]) == row
+        assert tuple(study_rows(output)[number]) == row
         assert (output / "trials" / f"trial_{number:05d}" / "metrics.jsonl").read_bytes() == finished_files[number]
     failed = trials[interrupted]
     assert failed.state.name == "FAIL" and failed.user_attrs["interrupted"]

@@ -53,6 +53,22 @@ def load_study(output: Path, name: str = "shardkit"):
     return optuna.load_study(study_name=name, storage=f"sqlite:///{output / 'study.db'}")
 
 
+def study_rows(output):
+    """(number, state, datetime_complete) of every trial, read straight from the SQLite database: a poll that takes
+    milliseconds, where loading the study through Optuna takes a second or more on a loaded machine (long enough to
+    miss a trial's whole run)."""
+    import sqlite3
+
+    with sqlite3.connect(output / "study.db", timeout=30) as db:
+        try:
+            return db.execute("SELECT number, state, datetime_complete FROM trials ORDER BY number").fetchall()
+        except sqlite3.OperationalError as error:
+            # The tuner creates the database file before Optuna has created its tables.
+            if "no such table" in str(error):
+                return []
+            raise
+
+
 def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, timeout: float = 180,
                                    metrics_of=None) -> None:
     """Start `shardkit tune ARGS` in a session of its own, wait until one trial finished and the next one
