@@ -224,22 +224,42 @@ def _datasets_at(run_dir: Path, step: int, data: str | None, options: dict[str, 
     return datasets
 
 
-def _decoder(config: TraceConfig, manifest):
+def _decoder(config: TraceConfig, expected, default: str, *, whose: str = "the dataset was built with",
+             owner: str = "the dataset's tokenizer"):
+    """The tokenizer that decodes `--text`: `--tokenizer`, else `default`; refused unless it is `expected` (a
+    `TokenizerInfo`) or `--force`."""
     from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
 
-    spec = config.tokenizer or manifest.tokenizer.name
+    spec = config.tokenizer or default
     tokenizer = _load_tokenizer(spec)
-    differences = tokenizer_differences(getattr(tokenizer, "info", None), manifest.tokenizer)
+    differences = tokenizer_differences(getattr(tokenizer, "info", None), expected)
     if differences and not config.force:
-        raise ValueError(f"tokenizer {spec!r} is not the one the dataset was built with ({'; '.join(differences)}): "
-                         "its text would be wrong. Pass the dataset's tokenizer with --tokenizer, or --force")
+        raise ValueError(f"tokenizer {spec!r} is not the one {whose} ({'; '.join(differences)}): "
+                         f"its text would be wrong. Pass {owner} with --tokenizer, or --force")
     return tokenizer
+
+
+def _built_sample(dataset: _Dataset, sample_id: int) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
+    """(entry fields, segments, tokens) of sample `sample_id` of a built dataset, from its shard."""
+    from shardkit.lineage import locate_samples, sample_segments
+
+    [(position, local)] = locate_samples(dataset.manifest, [sample_id])
+    arrays = dataset.arrays(position)
+    segments = [dataclasses.asdict(s) for s in sample_segments(dataset.manifest, arrays, local)]
+    fields = {"dataset": dataset.storage.display_url, "shard": dataset.manifest.shards[position].name,
+              "shard_index": local}
+    return fields, segments, arrays.sample(local).tokens
+
+
+def _add_text(entry: dict[str, Any], segments: list[dict[str, Any]], tokens: Any, decoder: Any) -> None:
+    """`--text`: each segment's decoded text, or the whole sample's where it records no segments."""
+    for piece in segments or [entry]:
+        start, end = piece.get("start", 0), piece.get("end", len(tokens))
+        piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
 
 
 def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     """The samples of `config.step` (all ranks or `config.rank`) with their shards and segments."""
-    from shardkit.lineage import locate_samples, sample_segments
-
     run_dir = Path(config.target)
     found: dict[int, tuple[list[int], bool]] = {}
     steps_seen = [None, None]
@@ -257,13 +277,14 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     start = _start_at(entries, config.step, run_dir) if entries is not None else None
     raw = raw_run(run_dir, config.data, options, start[1] if start is not None else None)
     if raw is not None:
-        return _trace_raw_step(config, raw, found, entries, options)
+        return _trace_raw_step(config, raw, found, entries, start, options)
     datasets = _datasets_at(run_dir, config.step, config.data, options)
     offsets, total = [], 0
     for dataset in datasets:
         offsets.append(total)
         total += dataset.manifest.num_samples
-    decoders = [_decoder(config, d.manifest) for d in datasets] if config.text else None
+    decoders = [_decoder(config, d.manifest.tokenizer, d.manifest.tokenizer.name) for d in datasets] \
+        if config.text else None
     samples = []
     for rank in sorted(found):
         ids, skipped = found[rank]
@@ -272,54 +293,36 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"sample id {sample_id} (step {config.step}, rank {rank}) is outside the run's data "
                                  f"({total:,} samples): is --data the dataset this run trained on?")
             stream = max(s for s, offset in enumerate(offsets) if offset <= sample_id)
-            dataset = datasets[stream]
-            [(position, local)] = locate_samples(dataset.manifest, [sample_id - offsets[stream]])
-            arrays = dataset.arrays(position)
-            segments = [dataclasses.asdict(s) for s in sample_segments(dataset.manifest, arrays, local)]
-            entry = {"rank": rank, "sample_id": sample_id, "dataset": dataset.storage.display_url,
-                     "shard": dataset.manifest.shards[position].name, "shard_index": local, "skipped": skipped,
-                     "segments": segments}
+            fields, segments, tokens = _built_sample(datasets[stream], sample_id - offsets[stream])
+            entry = {"rank": rank, "sample_id": sample_id, **fields, "skipped": skipped, "segments": segments}
             if decoders is not None:
-                tokens = arrays.sample(local).tokens
-                pieces = segments or [{"start": 0, "end": len(tokens)}]
-                for piece in pieces:
-                    piece["text"] = decoders[stream].decode([int(t) for t in tokens[piece["start"]:piece["end"]]])
-                if not segments:
-                    entry["text"] = pieces[0]["text"]
+                _add_text(entry, segments, tokens, decoders[stream])
             samples.append(entry)
     return {"run": str(run_dir), "step": config.step, "samples": samples}
 
 
 def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[int], bool]],
-                    entries: list[tuple[int, list[dict[str, Any]]]] | None, options: dict[str, Any]) -> dict[str, Any]:
+                    entries: list[tuple[int, list[dict[str, Any]]]] | None,
+                    start: tuple[int, list[dict[str, Any]]] | None, options: dict[str, Any]) -> dict[str, Any]:
     """`trace_step` for a run on raw text (a `trace_raw.RawRun`): each raw sample read again from its lane, from
     the newest checkpoint before the step on (`shardkit.cli.trace_raw`), a mixture's built samples from their
     shards."""
-    from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
     from shardkit.cli.trace_raw import RawRunSamples, loader_state_before, raw_segments
-    from shardkit.lineage import locate_samples, sample_segments
 
     run_dir = Path(config.target)
     dataset, spec = raw.dataset, raw.spec
     since = 0
-    if entries is not None:
-        since, streams = _start_at(entries, config.step, run_dir)
+    if start is not None:  # the start in force at the step (samples/streams.jsonl)
+        since, streams = start
         recorded = [s["fingerprint"] for s in streams]
         if recorded != dataset.stream_identities():
             raise ValueError(f"the raw text {spec} is not what run {run_dir} read at step "
                              f"{config.step} (the inputs, their files' sizes or the tokenization differ); pass the "
                              "inputs it read with --data")
-    decoder = None
-    if config.text:
-        info = dataset.corpus.tokenizer_info
-        tokenizer = config.tokenizer or dataset.corpus.settings.tokenizer
-        decoder = _load_tokenizer(tokenizer)
-        differences = tokenizer_differences(getattr(decoder, "info", None), info)
-        if differences and not config.force:
-            raise ValueError(f"tokenizer {tokenizer!r} is not the one the run read its text with "
-                             f"({'; '.join(differences)}): its text would be wrong. Pass it with --tokenizer, or --force")
+    decoder = _decoder(config, dataset.corpus.tokenizer_info, dataset.corpus.settings.tokenizer,
+                       whose="the run read its text with", owner="it") if config.text else None
     checkpoint = loader_state_before(raw, config.step, since)
-    if checkpoint is None and entries is not None and since > 0 and \
+    if checkpoint is None and since > 0 and \
             [s["fingerprint"] for s in entries[0][1]] != dataset.stream_identities():
         # Without the loader state the run changed its streams from, their seed keys and counts are unknown.
         raise ValueError(f"step {config.step} read the mixture run {run_dir} changed to at step {since}: reading it "
@@ -337,22 +340,16 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
             entry: dict[str, Any] = {"rank": rank, "sample_id": sample_id, "skipped": skipped}
             if place.lane >= 0:
                 sample, epoch, corpus = read[(place.lane, place.index)]
-                segments = raw_segments(sample, corpus)
-                tokens = sample.tokens
+                segments, tokens = raw_segments(sample, corpus), sample.tokens
                 entry.update(dataset=place.url, lane=place.lane, lane_sample=place.index, lane_epoch=epoch)
             else:
-                source = built.get(place.url) or built.setdefault(place.url, _Dataset(place.url, options))
-                [(position, local)] = locate_samples(source.manifest, [place.local])
-                arrays = source.arrays(position)
-                segments = [dataclasses.asdict(s) for s in sample_segments(source.manifest, arrays, local)]
-                tokens = arrays.sample(local).tokens
-                entry.update(dataset=source.storage.display_url, shard=source.manifest.shards[position].name,
-                             shard_index=local)
+                if place.url not in built:
+                    built[place.url] = _Dataset(place.url, options)
+                fields, segments, tokens = _built_sample(built[place.url], place.local)
+                entry.update(fields)
             entry["segments"] = segments
             if decoder is not None:
-                for piece in segments or [entry]:
-                    start, end = piece.get("start", 0), piece.get("end", len(tokens))
-                    piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
+                _add_text(entry, segments, tokens, decoder)
             samples.append(entry)
     replayed = {"from_checkpoint_step": checkpoint[0] if checkpoint is not None else None,
                 "lane_samples_read": reader.lanes_read}
