@@ -186,6 +186,10 @@ def _parse_json_line(line: str, text_field: str) -> object:
             return _Reject(f"malformed JSON: {err.msg} at column {err.colno}")
         except RecursionError:
             return _Reject("malformed JSON: nested too deeply")
+        except (ValueError, OverflowError) as err:
+            # Valid JSON that Python cannot hold: an integer past sys.get_int_max_str_digits() (4,300 digits by
+            # default). One such record must not end the build or the loader: it is rejected like any other.
+            return _Reject(f"undecodable JSON: {str(err).split(';', 1)[0]}")
     if not isinstance(obj, dict):
         return _Reject(f"not a JSON object (got {type(obj).__name__})")
     if text_field not in obj:

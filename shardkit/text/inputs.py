@@ -3,7 +3,9 @@
 Recognised by name: ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` (one JSON object per line, the text in
 ``--text-field``), ``.parquet`` (the ``--text-field`` column) and ``.txt``. A ``.txt`` document is the
 whole file (``--txt-mode file``, the default) or each paragraph, i.e. each run of lines separated by
-one or more blank lines (``--txt-mode paragraph``).
+one or more blank lines, with ``\\n`` or ``\\r\\n`` line ends (``--txt-mode paragraph``). A record is held whole only up
+to a bound (a JSONL line: `max_line_bytes`; a .txt file or paragraph: `max_text_bytes`); a longer one is rejected
+while it is read.
 
 In the build this module runs in the parent process only: it reads and decompresses the files and hands raw
 line ranges (or Parquet column slices) to workers, which parse and tokenize them
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import io
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -171,9 +174,16 @@ def max_line_bytes(max_doc_chars: int) -> int:
     return 6 * max_doc_chars + (1 << 16)
 
 
-def long_line_reason(limit: int) -> str:
-    """Why a line longer than `limit` bytes is rejected (the build's and the raw-text loader's words)."""
-    return f"line is longer than {limit} bytes (raise --max-doc-chars to accept it)"
+def max_text_bytes(max_doc_chars: int) -> int:
+    """The most bytes of plain text read whole for one document (a .txt file or paragraph): up to 4 bytes per
+    character in UTF-8, so anything longer is over `max_doc_chars` whatever it holds."""
+    return 4 * max_doc_chars
+
+
+def long_line_reason(limit: int, record: str = "line") -> str:
+    """Why a line (or paragraph) longer than `limit` bytes is rejected (the build's and the raw-text loader's
+    words)."""
+    return f"{record} is longer than {limit} bytes (raise --max-doc-chars to accept it)"
 
 
 class _RetryingInput(io.RawIOBase):
@@ -325,13 +335,82 @@ class _Cursor:
     next_index: int
 
 
-def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, unit_bytes: int,
-                max_line_bytes: int, storage_options: dict[str, Any] | None,
-                skip_units: int) -> Iterator[WorkUnit]:
-    """Units of whole lines (jsonl) or whole paragraphs (txt paragraph mode)."""
+class _LineEnds:
+    """Where a JSONL record ends: at each line end."""
+
+    record = "line"
+
+    @staticmethod
+    def last_end(data: bytes, carried: int) -> int:
+        """The offset just past the last record end in `data`, 0 when there is none; its first `carried` bytes
+        (the carry, which begins at a record start) hold none."""
+        return data.rfind(b"\n", carried) + 1
+
+    @staticmethod
+    def first_end(data: bytes, line_start: bool) -> int:
+        """The offset just past the first record end in `data`, 0 when there is none."""
+        return data.find(b"\n") + 1
+
+    @staticmethod
+    def line_start_after(data: bytes, line_start: bool) -> bool:
+        return False  # a line ends at its newline, whatever came before it
+
+    @staticmethod
+    def count(body: bytes) -> int:
+        return body.count(b"\n")
+
+
+# A line end, then a line that is empty or holds only whitespace (what bytes.strip() removes), up to its own end.
+_BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n)")
+_LEADING_BLANK_LINE = re.compile(rb"[ \t\r\x0b\x0c]*\n")
+
+
+class _ParagraphEnds:
+    """Where a .txt paragraph ends: at a blank line, as `_paragraphs` splits them, so `\\n\\n`, `\\r\\n\\r\\n`,
+    their mixtures and whitespace-only lines alike. `data` begins at a line start where `line_start` says so (a
+    carry always does)."""
+
+    record = "paragraph"
+
+    @staticmethod
+    def last_end(data: bytes, carried: int) -> int:
+        # The carry holds no blank line, so one ending in the new bytes begins at its last line end at the earliest.
+        start = data.rfind(b"\n", 0, carried)
+        end = 0
+        if start < 0 and (leading := _LEADING_BLANK_LINE.match(data)):
+            end = leading.end()
+        for match in _BLANK_LINE.finditer(data, max(start, 0)):
+            end = match.end() + 1
+        return end
+
+    @staticmethod
+    def first_end(data: bytes, line_start: bool) -> int:
+        if line_start and (leading := _LEADING_BLANK_LINE.match(data)):
+            return leading.end()
+        match = _BLANK_LINE.search(data)
+        return match.end() + 1 if match else 0
+
+    @staticmethod
+    def line_start_after(data: bytes, line_start: bool) -> bool:
+        """Whether bytes after `data` stand at a line start as far as blank lines can tell: its last line so far
+        is empty or whitespace only (that whitespace cannot make the line non-blank), so it need not be kept."""
+        last = data.rfind(b"\n")
+        return (last >= 0 or line_start) and not data[last + 1:].strip()
+
+    @staticmethod
+    def count(body: bytes) -> int:
+        return len(_paragraphs(body))
+
+
+def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, unit_bytes: int, limit: int,
+                storage_options: dict[str, Any] | None, skip_units: int) -> Iterator[WorkUnit]:
+    """Units of whole lines (jsonl) or whole paragraphs (txt paragraph mode).
+
+    A record longer than `limit` bytes is rejected while it is read, never held whole: its bytes are dropped up to
+    its end, so memory stays within `limit` plus a unit whatever the input holds."""
+    ends = _LineEnds if kind == "jsonl" else _ParagraphEnds
     file_unit = 0
     record = 0  # lines for jsonl, paragraphs for txt-paragraph
-    separator = b"\n" if kind == "jsonl" else b"\n\n"
 
     def unit(**kwargs) -> WorkUnit | None:
         nonlocal file_unit
@@ -342,14 +421,10 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
         cursor.next_index += 1
         return made
 
-    def count(body: bytes) -> int:
-        if kind == "jsonl":
-            return body.count(b"\n")
-        return len(_paragraphs(body))
-
     raw = None
     carry = b""
-    discarding = False  # inside an oversized line, dropping bytes until its end
+    discarding = False  # inside an oversized record, dropping bytes until its end
+    line_start = True  # while discarding: the bytes dropped so far end at a line start (or in whitespace after one)
     reached = 0  # input bytes consumed as of the last unit: the report checks they add up to the file's size
     try:
         raw = open_input(file.url, storage_options)
@@ -359,46 +434,45 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
             if not block:
                 break
             if discarding:
-                cut = block.find(b"\n")
-                if cut < 0:
+                end = ends.first_end(block, line_start)
+                if not end:
+                    line_start = ends.line_start_after(block, line_start)
                     continue
                 discarding = False
-                block = block[cut + 1:]
+                block = block[end:]
             data = carry + block if carry else block
-            cut = data.rfind(separator)
-            if cut < 0:
-                carry = data
-            else:
-                body, carry = data[:cut + len(separator)], data[cut + len(separator):]
-                n = count(body)
+            cut = ends.last_end(data, len(carry))
+            if cut:
+                body, carry = data[:cut], data[cut:]
+                n = ends.count(body)
                 reached = raw.tell()
                 made = unit(first_record=record, payload=body, input_offset=reached, records_in_payload=n)
                 record += n
                 if made is not None:
                     yield made
-            if len(carry) > max_line_bytes and kind == "jsonl":
-                newline = carry.find(b"\n")
-                discarding = newline < 0
-                reason = long_line_reason(max_line_bytes)
+            else:
+                carry = data
+            if len(carry) > limit:
+                discarding, line_start = True, ends.line_start_after(carry, True)
+                carry = b""
                 reached = raw.tell()
-                made = unit(first_record=record, payload=b"", rejected=((record, reason),),
-                            input_offset=reached, records_in_payload=0)
+                reason = long_line_reason(limit, ends.record)
+                made = unit(first_record=record, payload=b"", rejected=((record, reason),), input_offset=reached,
+                            records_in_payload=0)
                 record += 1
-                carry = b"" if discarding else carry[newline + 1:]
                 if made is not None:
                     yield made
         end = raw.tell()
-        if (carry and not discarding) or end > reached:
-            n = count(carry if carry.endswith(b"\n") else carry + b"\n") if carry and not discarding else 0
-            made = unit(first_record=record, payload=carry if not discarding else b"", input_offset=end,
-                        records_in_payload=n)
+        if carry or end > reached:
+            n = ends.count(carry if carry.endswith(b"\n") else carry + b"\n") if carry else 0
+            made = unit(first_record=record, payload=carry, input_offset=end, records_in_payload=n)
             record += n
             if made is not None:
                 yield made
     except (OSError, EOFError, ValueError, RuntimeError) as err:
         # zstandard raises ZstdError (a RuntimeError/ValueError subclass by version), gzip EOFError.
         partial = ((record, f"incomplete record at the end of a truncated or corrupt file ({_describe(err)})"),) \
-            if carry and not discarding else ()
+            if carry else ()
         made = unit(first_record=record, payload=b"", rejected=partial, records_in_payload=0,
                     file_error=f"read failed after {record} complete records: {_describe(err)}",
                     input_offset=reached)
@@ -410,17 +484,23 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
 
 
 def _paragraphs(body: bytes) -> list[bytes]:
-    """Split text into paragraphs: runs of lines separated by lines that are empty or whitespace."""
+    """Split text into paragraphs: runs of lines separated by lines that are empty or whitespace (so `\\r\\n`
+    line ends split alike; a paragraph's last line end, `\\r` included, is not part of it)."""
     paragraphs, current = [], []
     for line in body.split(b"\n"):
         if line.strip():
             current.append(line)
         elif current:
-            paragraphs.append(b"\n".join(current))
+            paragraphs.append(_joined(current))
             current = []
     if current:
-        paragraphs.append(b"\n".join(current))
+        paragraphs.append(_joined(current))
     return paragraphs
+
+
+def _joined(lines: list[bytes]) -> bytes:
+    paragraph = b"\n".join(lines)
+    return paragraph[:-1] if paragraph.endswith(b"\r") else paragraph
 
 
 def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes: int,
@@ -518,11 +598,11 @@ def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode
         skip_units = skip if source == first_file else 0
         if file.kind == "jsonl" or (file.kind == "txt" and txt_mode == "paragraph"):
             kind = "jsonl" if file.kind == "jsonl" else "txt-paragraph"
-            yield from _line_units(file, source, cursor, kind=kind, unit_bytes=unit_bytes,
-                                   max_line_bytes=line_limit, storage_options=storage_options,
-                                   skip_units=skip_units)
+            limit = line_limit if kind == "jsonl" else max_text_bytes(max_doc_chars)
+            yield from _line_units(file, source, cursor, kind=kind, unit_bytes=unit_bytes, limit=limit,
+                                   storage_options=storage_options, skip_units=skip_units)
         elif file.kind == "txt":
-            yield from _whole_file_unit(file, source, cursor, max_bytes=4 * max_doc_chars,
+            yield from _whole_file_unit(file, source, cursor, max_bytes=max_text_bytes(max_doc_chars),
                                         storage_options=storage_options, skip_units=skip_units)
         else:
             yield from _parquet_units(file, source, cursor, text_field=text_field, rows_per_unit=rows_per_unit,
