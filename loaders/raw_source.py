@@ -27,7 +27,8 @@ from shardkit.formats import Sample
 from shardkit.manifest import token_dtype_for_vocab
 from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category, tokenize_unit
 from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs
-from shardkit.text.packing import PACKING_MODES, make_packer
+from shardkit.text.packing import make_packer
+from shardkit.text.recipe import TextRecipe, check_count
 from shardkit.text.tokenizers import with_special_ids
 
 from .raw_lanes import deal_lanes, lane_epoch_order, lane_units
@@ -45,42 +46,22 @@ DEFAULT_UNIT_BYTES = 2 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
-class RawTextSettings:
-    """What raw-text samples depend on (every field is part of the data's fingerprint).
+class RawTextSettings(TextRecipe):
+    """What raw-text samples depend on (every field is part of the data's fingerprint): how documents become
+    samples (`shardkit.text.recipe.TextRecipe`, the fields `shardkit build` takes too) and how the corpus is cut.
 
     Attributes:
-        tokenizer: tokenizer spec (`shardkit.text.tokenizers.load_tokenizer`), as `shardkit build --tokenizer`.
-        seq_len: tokens a model reads per sample (packed windows hold seq_len + 1).
-        pack: "concat", "bestfit" or "none" (`shardkit.text.packing`).
-        text_field: JSON key / Parquet column of the text.
-        txt_mode: "file" or "paragraph" (what one document of a .txt file is).
         unit_bytes: approximate bytes per work unit (the unit of tokenization, packing and resume rework).
         lanes: independent streams the units are dealt into (at most the number of units).
-        eos_id, bos_id: "auto" (the tokenizer's), an integer, or None.
-        max_doc_chars: longer documents are rejected.
-        bestfit_buffer, bestfit_open: bestfit's buffer and open windows (per unit).
     """
 
-    tokenizer: str
-    seq_len: int
-    pack: str = "concat"
-    text_field: str = "text"
-    txt_mode: str = "file"
     unit_bytes: int = DEFAULT_UNIT_BYTES
     lanes: int = 64
-    eos_id: int | str | None = "auto"
-    bos_id: int | str | None = None
-    max_doc_chars: int = 10_000_000
-    bestfit_buffer: int = 2048
-    bestfit_open: int = 512
 
     def __post_init__(self) -> None:
-        if self.pack not in PACKING_MODES:
-            raise ValueError(f"pack must be one of {PACKING_MODES}, got {self.pack!r}")
-        for name in ("seq_len", "unit_bytes", "lanes", "max_doc_chars", "bestfit_buffer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        super().__post_init__()
+        for name in ("unit_bytes", "lanes"):
+            check_count(name, getattr(self, name))
 
 
 class RawCorpus:

@@ -10,6 +10,13 @@ fields, as `shardkit.train.options` does for the trainer) and says how it relate
   value cannot be resumed (the work-unit size decides where a resumed build restarts);
 - unmarked: how the build runs (workers, executor, progress bar, ...), never recorded.
 
+The fields that decide how text becomes samples (tokenizer, seq_len, packing, text field, txt mode, special
+ids, document limit, bestfit's parameters) are `shardkit.text.recipe.TextRecipe`'s, taken over with their help,
+defaults, parsing and checks (`recipe_option`, `check_recipe`), so the build and the raw-text loader spell and
+check them alike; `config.recipe` is the build's recipe. The one field the build names otherwise is `packing`
+(the name its record and its manifests carry, so fingerprints stay): `--pack`, `pack=` and `config.pack` are
+accepted too.
+
 Allowed values come from the registries of the code that implements them (`PACKING_MODES`,
 `SHARD_FORMATS`, `TXT_MODES`, `EXECUTORS`), loaded only when needed so `shardkit --help` and
 `shardkit inspect` stay light.
@@ -18,12 +25,13 @@ Allowed values come from the registries of the code that implements them (`PACKI
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shardkit.options import flag, parse_size, storage_options_option
+from shardkit.options import flag, option_name, parse_size, storage_options_option
 from shardkit.options import option as cli_option
+from shardkit.text.recipe import TextRecipe, check_recipe, recipe_fields, recipe_option, registry
 
 ON_ERROR_MODES = ("skip", "fail")
 
@@ -42,29 +50,6 @@ def parse_compression(text: str) -> int:
     return value
 
 
-def _special_spec(text: str) -> int | str | None:
-    """"auto", "none" or an integer id (checked against the vocabulary once the tokenizer is loaded)."""
-    lowered = text.strip().lower()
-    if lowered == "none":
-        return None
-    if lowered == "auto":
-        return "auto"
-    try:
-        return int(lowered)
-    except ValueError:
-        raise ValueError(f"expected an integer id, 'auto' or 'none', got {text!r}") from None
-
-
-def registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
-    """The allowed values of an option: the names in `module.name` (a tuple or a dict), imported on use."""
-
-    def names() -> tuple[str, ...]:
-        return tuple(getattr(importlib.import_module(module), name))
-
-    names.__qualname__ = f"{module}.{name}"
-    return names
-
-
 def option(default: Any = dataclasses.MISSING, help: str = "", *, records: str | None = None,
            when: Callable[[Any], bool] | None = None, **cli: Any) -> Any:
     """A `BuildConfig` field: its command-line option (`shardkit.options.option`'s arguments) and what the
@@ -81,6 +66,31 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, records: str |
     return cli_option(default, help, records=records, when=when, **cli)
 
 
+def _with_bestfit(config: Any) -> bool:
+    return config.packing == "bestfit"
+
+
+def _also_spelled(**aliases: str) -> Callable[[type], type]:
+    """Class decorator: accept each alias as a keyword for the field it names (`pack=` for `packing`). Given with
+    the field's own name too, the alias wins: `dataclasses.replace(config, pack=...)` passes both."""
+
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, **values: Any) -> None:
+            for alias, name in aliases.items():
+                if alias in values:
+                    values[name] = values.pop(alias)
+            init(self, **values)
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
+
+
+@_also_spelled(pack="packing")
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
     """Everything `shardkit build` is told (one field per command-line option)."""
@@ -91,24 +101,15 @@ class BuildConfig:
         records="output", positional=True, metavar="INPUT")
     output: str = option(help="dataset prefix to write: a local directory or any fsspec URL, e.g. "
                               "s3://bucket/datasets/web", metavar="URL")
-    tokenizer: str = option(
-        help="'byte' (UTF-8 bytes), a tokenizer.json or HF tokenizer directory, a .tiktoken file, tiktoken:NAME "
-             "(e.g. tiktoken:cl100k_base; honours TIKTOKEN_CACHE_DIR) or a sentencepiece .model file",
-        records="output", metavar="SPEC")
-    seq_len: int = option(help="training context length; packed samples hold N+1 tokens (input and shifted "
-                               "target). With --pack none, the longest sample is N+1 tokens. Example: --seq-len 2048",
-                          records="output", metavar="N")
+    tokenizer: str = recipe_option("tokenizer", records="output")
+    seq_len: int = recipe_option("seq_len", records="output")
     shard_format: str = option(
         "arrow", "shard format: 'arrow' (Arrow IPC with zstd buffers: compact, ~1.5x smaller than raw tokens, "
         "fastest to decode) or 'tar' (zstd .npy members, one group per block of samples, within a few percent "
         "of arrow's size; readable by webdataset and tar, see docs/FORMAT.md section 4)",
         records="output", choices=registry("shardkit.manifest", "SHARD_FORMATS"), flags=("--format",), metavar="FORMAT")
-    packing: str = option(
-        "concat", "'concat': join documents with EOS and cut windows (the last partial window is padded and "
-        "reported); 'bestfit': best-fit-decreasing packing of whole documents, splitting only documents longer "
-        "than a window (padding fraction and split count are reported); 'none': one document per sample, split "
-        "at N+1 tokens", records="output", choices=registry("shardkit.text.packing", "PACKING_MODES"),
-        flags=("--pack",), metavar="MODE")
+    # The recipe's `pack`, named as the build record and manifests name it (its fingerprint keeps that name).
+    packing: str = recipe_option("pack", records="output", flags=("--pack", "--packing"))
     shard_size: int = option(
         64 * 10**6, "uncompressed payload per shard: 64MB (decimal KB/MB/GB), 256MiB (binary KiB/MiB/GiB) or bytes",
         records="output", parse=lambda text: parse_size(text, option="--shard-size"), metavar="SIZE",
@@ -116,28 +117,17 @@ class BuildConfig:
     compression_level: int = option(
         3, "shard compression: zstd with an optional level 1-22, e.g. zstd:9", records="output",
         parse=parse_compression, flags=("--compression",), metavar="zstd[:LEVEL]", cli_default="zstd (level 3)")
-    text_field: str = option("text", "JSON key (JSONL) or column (Parquet) that holds the text",
-                             records="output", metavar="NAME")
-    txt_mode: str = option("file", "what one document of a .txt file is: 'file' (the whole file) or 'paragraph' "
-                                   "(text separated by one or more blank lines)",
-                           records="output", choices=registry("shardkit.text.inputs", "TXT_MODES"), metavar="MODE")
+    text_field: str = recipe_option("text_field", records="output")
+    txt_mode: str = recipe_option("txt_mode", records="output")
     on_error: str = option(
         "skip", "bad input (malformed JSON, missing or non-string text, invalid UTF-8, empty or enormous documents, "
         "unreadable or truncated files): 'skip' counts it and lists examples in the report and summary; 'fail' "
         "stops with the file and line and exits non-zero", choices=registry(__name__, "ON_ERROR_MODES"), metavar="MODE")
-    eos_id: int | str | None = option(
-        "auto", "token id placed after every document: 'auto' (the tokenizer's EOS, e.g. <|endoftext|>), an "
-        "integer, or 'none'", records="output", parse=_special_spec, metavar="ID|auto|none")
-    bos_id: int | str | None = option(
-        None, "token id placed before every document: 'none', 'auto' (the tokenizer's BOS) or an integer",
-        records="output", parse=_special_spec, metavar="ID|auto|none", cli_default="none")
-    max_doc_chars: int = option(10_000_000, "documents with more characters are rejected as enormous",
-                                records="output", metavar="N")
-    bestfit_buffer: int = option(2048, "with --pack bestfit: documents sorted and placed together (bounds memory)",
-                                 records="output", when=lambda config: config.packing == "bestfit", metavar="DOCS")
-    bestfit_open: int = option(512, "with --pack bestfit: partly filled windows kept open between buffers (the "
-                                    "fullest are closed, padded, when there are more)",
-                               records="output", when=lambda config: config.packing == "bestfit", metavar="WINDOWS")
+    eos_id: int | str | None = recipe_option("eos_id", records="output")
+    bos_id: int | str | None = recipe_option("bos_id", records="output")
+    max_doc_chars: int = recipe_option("max_doc_chars", records="output")
+    bestfit_buffer: int = recipe_option("bestfit_buffer", records="output", when=_with_bestfit)
+    bestfit_open: int = recipe_option("bestfit_open", records="output", when=_with_bestfit)
     workers: int | None = option(None, "parallel tokenizer processes (or Ray tasks in flight); default: the cores "
                                        "available to this process. The output does not depend on it", metavar="N")
     encode_threads: int | None = option(
@@ -166,8 +156,7 @@ class BuildConfig:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         if not self.inputs:
             raise ValueError("give at least one INPUT")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
+        check_recipe(self._recipe_values(), name=option_name)
         for f in dataclasses.fields(self):
             allowed = f.metadata["choices"]() if f.metadata.get("choices") else None
             if allowed is not None and getattr(self, f.name) not in allowed:
@@ -178,10 +167,22 @@ class BuildConfig:
             raise ValueError(f"--encode-threads must be >= 0, got {self.encode_threads}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"--compression level must be in 1-22, got {self.compression_level}")
-        for name in ("shard_size", "max_doc_chars", "bestfit_buffer", "unit_bytes", "bestfit_open"):
-            least = 0 if name == "bestfit_open" else 1  # bestfit may close every window after each buffer
-            if getattr(self, name) < least:
-                raise ValueError(f"{flag(fields()[name])} must be >= {least}, got {getattr(self, name)}")
+        for name in ("shard_size", "unit_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag(fields()[name])} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def pack(self) -> str:
+        """`packing` as the recipe spells it."""
+        return self.packing
+
+    @property
+    def recipe(self) -> TextRecipe:
+        """How this build turns text into samples (the settings a raw-text loader shares with it)."""
+        return TextRecipe(**self._recipe_values())
+
+    def _recipe_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in recipe_fields()}
 
 
 def fields() -> dict[str, dataclasses.Field]:

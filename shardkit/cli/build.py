@@ -8,6 +8,7 @@ from typing import Any
 
 from shardkit.options import (Namespace, add_command, add_command_group, given_values, option,
                               parse_storage_options)
+from shardkit.text.recipe import recipe_option
 
 BUILD_EPILOG = """\
 examples:
@@ -44,9 +45,8 @@ class TokenizerTrainOptions:
     vocab_size: int = option(help="vocabulary size including the 256 byte symbols and specials, e.g. 32000",
                              metavar="N")
     output: str = option(help="tokenizer.json to write", metavar="FILE")
-    text_field: str = option("text", "JSON key / Parquet column", metavar="NAME")
-    txt_mode: str = option("file", "a .txt document is the whole file or each paragraph",
-                           choices=("file", "paragraph"), metavar="{file,paragraph}")
+    text_field: str = recipe_option("text_field")
+    txt_mode: str = recipe_option("txt_mode")
     min_frequency: int = option(2, "pairs seen fewer times are not merged", metavar="N")
     max_documents: int | None = option(None, "train on the first N accepted documents only", metavar="N",
                                        cli_default="all")
