@@ -527,3 +527,14 @@ def test_an_absolute_self_import_is_reported_with_its_place(name, line):
     sources[name] += f"\n{line}\n"
     found = absolute_self_imports(sources)
     assert len(found) == 1 and found[0].startswith(f"{name}:"), found
+
+
+def test_no_function_of_the_build_side_is_over_60_lines():
+    """Issue 42 item 6: the build reads as named steps; a function past 60 lines (its `def` to its last line) is
+    split into steps over one small object, as `tools/build.py`'s `prepare` / `emit` / `finish` are."""
+    limit = 60
+    long = [f"{path.relative_to(REPO)}:{node.lineno}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
+            for path in sorted((REPO / "tools").rglob("*.py"))
+            for node in ast.walk(_parsed(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
+    assert long == [], f"split these into named steps: {long}"

@@ -31,6 +31,7 @@ CHECKPOINT_NAME = f"{STATE_DIR}/checkpoint.npz"
 REPORT_NAME = "build_report.json"
 CHECKPOINT_VERSION = 1
 _SHARD_PREFIX = "shard-"
+_HINT = "pass --overwrite to replace it, or choose another --output"  # ends every refusal of the output
 
 
 def fingerprint(build: dict[str, Any]) -> str:
@@ -151,41 +152,55 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
     """
     links = _links(storage)
     names = storage.list_names()
-    hint = "pass --overwrite to replace it, or choose another --output"
     if overwrite:
-        recorded = _recorded_shards(storage, links)
-        ours = lambda name: _ours(name, recorded) or _ours(name.split(TEMPORARY_MARK, 1)[0], recorded)  # noqa: E731
-        for link in links:  # the link itself goes, never what it points at
-            if ours(link) or link == STATE_DIR:
-                os.unlink(storage.path(link))
-        names = [n for n in names if not any(n == link or n.startswith(f"{link}/") for link in links)]
-        foreign = [n for n in names if not ours(n)]
-        for name in names:
-            if ours(name):
-                storage.delete(name)
-        if foreign:
-            logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",
-                           len(foreign), storage.url, foreign[0])
+        _clear_for_overwrite(storage, links, names)
         return "fresh"
     ours = sorted(link for link in links if _ours(link) or link == STATE_DIR)
     if ours:
         raise FileExistsError(f"--output {storage.url}: {ours[0]} is a symbolic link; shardkit never reads "
-                              f"or writes through links out of its output ({hint})")
+                              f"or writes through links out of its output ({_HINT})")
     if not names:
         return "fresh"
     if MANIFEST_NAME in names:
-        try:
-            existing: Manifest | None = load_manifest(storage)
-        except ManifestError:
-            existing = None
-        if existing is not None and existing.build.get("fingerprint") == build["fingerprint"]:
-            # A run killed between publishing its manifest and clearing its state leaves the checkpoint
-            # (and perhaps temporaries) beside a finished build: this run clears them.
-            clear_state(storage)
-            return "done"
-        differ = _differences(existing.build, build) if existing is not None else ["(unreadable manifest)"]
-        raise FileExistsError(f"--output {storage.url} already holds a dataset built with a different configuration "
-                              f"(differs in: {', '.join(differ) or 'tokenizer or inputs'}); {hint}")
+        return _against_manifest(storage, build)
+    return _against_checkpoint(storage, build, extra_key, names)
+
+
+def _clear_for_overwrite(storage: Storage, links: set[str], names: list[str]) -> None:
+    """Remove what the previous run recorded (and its temporaries and state), keeping files shardkit did not write."""
+    recorded = _recorded_shards(storage, links)
+    ours = lambda name: _ours(name, recorded) or _ours(name.split(TEMPORARY_MARK, 1)[0], recorded)  # noqa: E731
+    for link in links:  # the link itself goes, never what it points at
+        if ours(link) or link == STATE_DIR:
+            os.unlink(storage.path(link))
+    names = [n for n in names if not any(n == link or n.startswith(f"{link}/") for link in links)]
+    foreign = [n for n in names if not ours(n)]
+    for name in names:
+        if ours(name):
+            storage.delete(name)
+    if foreign:
+        logger.warning("--overwrite kept %d files shardkit did not write in %s (e.g. %s)",
+                       len(foreign), storage.url, foreign[0])
+
+
+def _against_manifest(storage: Storage, build: dict[str, Any]) -> str:
+    """"done" when the published manifest is this build's; otherwise refused, saying what differs."""
+    try:
+        existing: Manifest | None = load_manifest(storage)
+    except ManifestError:
+        existing = None
+    if existing is not None and existing.build.get("fingerprint") == build["fingerprint"]:
+        # A run killed between publishing its manifest and clearing its state leaves the checkpoint
+        # (and perhaps temporaries) beside a finished build: this run clears them.
+        clear_state(storage)
+        return "done"
+    differ = _differences(existing.build, build) if existing is not None else ["(unreadable manifest)"]
+    raise FileExistsError(f"--output {storage.url} already holds a dataset built with a different configuration "
+                          f"(differs in: {', '.join(differ) or 'tokenizer or inputs'}); {_HINT}")
+
+
+def _against_checkpoint(storage: Storage, build: dict[str, Any], extra_key: str, names: list[str]) -> str:
+    """"resume" when the checkpoint is this build's; otherwise refused, saying what differs or what is there."""
     checkpoint = load_checkpoint(storage)
     if checkpoint is not None:
         meta = checkpoint[0]
@@ -193,9 +208,9 @@ def prepare_output(storage: Storage, build: dict[str, Any], *, overwrite: bool, 
             return "resume"
         differ = _differences(meta.get("build", {}), build) or ["unit size"]
         raise FileExistsError(f"--output {storage.url} holds an unfinished build with a different configuration "
-                              f"(differs in: {', '.join(differ)}); {hint}")
+                              f"(differs in: {', '.join(differ)}); {_HINT}")
     raise FileExistsError(f"--output {storage.url} is not empty ({len(names)} files, e.g. {names[0]}) and holds no "
-                          f"shardkit build to resume; {hint}")
+                          f"shardkit build to resume; {_HINT}")
 
 
 def clear_state(storage: Storage) -> None:
