@@ -373,6 +373,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} is damaged: {problem}; resume from another one "
                              "(--resume auto skips damaged ones) or start over with --resume none")
         meta = read_marker(path)
+        started = time.perf_counter()
         same_topology = meta.get("world_size") == world_size
         model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         shared = self._shared(model_state)
@@ -392,7 +393,7 @@ class Checkpointer:
         scheduler.load_state_dict(json.loads(state["scheduler"]))
         step = json.loads(state["train"])["step"]
         rank_state = json.loads(state[rank_key])
-        logger.info("resumed from %s at step %d", path, step)
+        logger.info("resumed from %s at step %d (loaded in %.2fs)", path, step, time.perf_counter() - started)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta,
                                 extra={key: state[key] for key in extra or {}})
 

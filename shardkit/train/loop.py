@@ -54,6 +54,10 @@ def build(config: TrainConfig) -> Run:
     if not config.data.data:
         raise ValueError("--data is required: the URL of a shardkit dataset (a prefix holding shardkit.json)")
     check_metrics_ports(config.logging.metrics_port, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # The start-up milestones are logged (with the time) so that a restart's cost can be split by phase
+    # (benchmarks/bench_goodput.py reads them): imports end here, the process group, data, model and
+    # checkpoint follow.
+    logger.info("setting up the run: process group, data, model, checkpoint")
     runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
     # The loaders fetch each manifest once (through the node cache); the checks read theirs.
     data = TrainStream(config.data, runtime, seq_len=config.model.seq_len)
@@ -64,6 +68,7 @@ def build(config: TrainConfig) -> Run:
         held_out = check_dataset(eval_data.dataset, seq_len=manifest.seq_len, what="--eval-data")
         check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
+    logger.info("training data ready: %d samples", manifest.num_samples)
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {config.model.vocab_size} is smaller than the dataset's tokenizer "
@@ -93,6 +98,7 @@ def build(config: TrainConfig) -> Run:
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
     scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
+    logger.info("model built and wrapped (%s)", runtime.dims.describe())
     # Dropout draws differ per rank; seeded so that a run is reproducible.
     torch.manual_seed(config.seed + 1 + runtime.rank)
 
@@ -194,6 +200,7 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     # The loader state is global (a position in a topology-independent order), so rank 0's state
     # also serves a resumed run with another world size; the loader refuses what it cannot continue.
     run.data.load_state_dict(loaded.rank_state["loader"])
+    logger.info("loader state restored at step %d", run.step)
     if loaded.same_topology:
         rng.set_state(loaded.rank_state["rng"])
     elif run.runtime.is_main:

@@ -1,0 +1,286 @@
+"""Goodput under node losses: the share of wall time spent on steps that count, and what each failure costs.
+
+A scripted job with the elastic recipe of docs/PARALLELISM.md: two simulated nodes on this machine
+(tests/elastic_nodes.py: one `torchrun --nnodes 1:2 --rdzv-backend c10d` agent each, own node cache, CPU and
+gloo) train the tiny model on a small built dataset with `--resume auto`. Node b's whole process tree is
+SIGKILLed halfway between two checkpoints (the expected point of a random failure), node a re-forms alone,
+node b starts again and the job scales back up; `--losses N` cycles. Every second of wall time is then put
+in one place, from timestamps the agents and rank 0 log (the agents run with LOGLEVEL=INFO, which makes
+torchrun log its steps with the time; the trainer logs its start-up milestones):
+
+    detection        kill -> the surviving agent sees its worker group FAILED (a return: the node is
+                     started -> the agent sees it waiting; training goes on meanwhile, so it is not lost)
+    stop             -> the agent's new rendezvous round begins (a return: from the end of the last step,
+                     so the checkpoint the stopped workers save on SIGTERM and their exit)
+    rendezvous       -> the agents' round is complete
+    start            -> the new workers log their first line (process start and `import torch`)
+    process group    -> rank 0 joined the process group (every rank has started)
+    loader           -> the training data is ready (manifest, node cache), plus checkpoint loaded -> loader
+                     state restored, plus the first step's wait for its batch
+    model            -> the model is built and wrapped (DDP/FSDP) with its optimizer
+    checkpoint       -> the checkpoint is loaded (resharded to the new world size)
+    other            loader restored -> the first step starts (run directory, sample logs, barrier)
+    redone           the last complete checkpoint -> the kill: steps trained again
+
+Goodput is the compute time of the steps that count (each step of the final metrics.jsonl, its step time
+less its data wait) over the wall time from node a's start to the job's exit. Exactness is checked on
+every run: per the trainer's sample-id logs, every step 1..--steps once and no sample id twice in the
+epoch; the ids consumed are the first ones of the epoch's order (the one of an uninterrupted reader with
+the job's 2 partitions), so none is missing.
+
+    python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...]
+        [--json bench_out/bench_goodput.json] [-- TRAINER OPTIONS, e.g. --async-save]
+
+The two nodes share this machine's 2 cores: worker start-up (`import torch`) is slower than on real nodes,
+and a SIGKILLed process's sockets close at once, so detection here is the fast case (docs/GOODPUT.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from bench_elastic import _events as trainer_lines  # noqa: E402
+from conftest import free_port  # noqa: E402
+from elastic_nodes import Node, last_step, metric_records, store_listening, wait_for, world_changes  # noqa: E402
+from train_runs import sample_ids, write_byte_dataset  # noqa: E402
+
+SAMPLES, SEQ_LEN, PER_SHARD, BATCH = 4000, 32, 100, 4  # one epoch holds every step of a run
+PHASES = ("detection", "stop", "rendezvous", "start", "process_group", "loader", "model", "checkpoint", "other",
+          "redone")
+# torchrun's agent logs its steps (worker group failed, rendezvous round, workers started) at INFO in glog's
+# format, month and day without the year, when LOGLEVEL=INFO.
+AGENT_LINE = re.compile(r"^I(\d\d\d\d \d\d:\d\d:\d\d\.\d{6}) +\d+ \S+\] (.*)$", re.M)
+
+
+def agent_lines(log: str, year: int) -> list[tuple[float, str]]:
+    """(time, message) of the INFO lines of the torchrun agent in a node's log."""
+    return [(datetime.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S.%f").timestamp(), text)
+            for stamp, text in AGENT_LINE.findall(log)]
+
+
+def first_after(lines: list[tuple[float, str]], after: float, pattern: str) -> tuple[float, re.Match]:
+    """The first line at or after `after` that matches `pattern`, with its match."""
+    for at, text in lines:
+        match = re.search(pattern, text)
+        if at >= after and match:
+            return at, match
+    raise ValueError(f"no log line matching {pattern!r} after {after:.3f}")
+
+
+class TunedNode(Node):
+    """A simulated node whose agents take more rendezvous options (`--rdzv-conf`), e.g. a shorter keep-alive."""
+
+    def __init__(self, *args, rdzv_conf: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rdzv_conf = rdzv_conf
+
+    def command(self) -> list[str]:
+        command = super().command()
+        if self.rdzv_conf:
+            at = command.index("--rdzv-conf") + 1
+            command[at] = f"{command[at]},{self.rdzv_conf}"
+        return command
+
+
+def last_step_at(run_dir: Path, *, world_size: int) -> int:
+    """The last step logged so far that `world_size` ranks trained (a record's rate over its rate per device)."""
+    return max((r["step"] for r in metric_records(run_dir)
+                if "loss" in r and round(r["tokens_per_s"] / r["tokens_per_s_per_device"]) == world_size), default=0)
+
+
+def event_phases(kind: str, at: float, agent: list, trainer: list, steps: dict[int, dict]) -> dict[str, float]:
+    """Split the training time a loss or a return cost into PHASES (seconds), from the logs' timestamps.
+
+    `agent`: the surviving node's agent lines; `trainer`: rank 0's lines of both nodes, by time; `steps`:
+    the final step records by step."""
+    seen, _ = first_after(agent, at, "Worker group FAILED" if kind == "loss" else r"Detected \d+ new nodes")
+    round_at, _ = first_after(agent, seen, "Rendezvous'ing worker group")
+    formed, _ = first_after(agent, round_at, "Rendezvous complete for workers")
+    setting_up, _ = first_after(trainer, formed, "setting up the run")
+    joined, _ = first_after(trainer, setting_up, r"rank \d+/\d+ (joined the \w+ process group|runs alone)")
+    data_ready, _ = first_after(trainer, joined, "training data ready")
+    wrapped, _ = first_after(trainer, data_ready, "model built and wrapped")
+    loaded, resumed = first_after(trainer, wrapped, r"resumed from .* at step (\d+)")
+    restored, _ = first_after(trainer, loaded, "loader state restored")
+    resumed_step = int(resumed.group(1))
+    first = steps[resumed_step + 1]
+    step_started = first["time"] - first["step_time_s"]
+    first_batch = first["data_wait_fraction"] * first["step_time_s"]
+    if kind == "loss":
+        saved = max(t for t, text in trainer
+                    if t < at and re.search(rf"checkpoint step {resumed_step} (saved|completed)", text))
+        stop_from, redone = seen, at - saved
+    else:  # the stopped workers trained on to a sync point: what counts as lost starts after their last step
+        stop_from, redone = steps[resumed_step]["time"], 0.0
+    return {"detection": seen - at, "stop": round_at - stop_from, "rendezvous": formed - round_at,
+            "start": setting_up - formed, "process_group": joined - setting_up,
+            "loader": (data_ready - joined) + (restored - loaded) + first_batch, "model": wrapped - data_ready,
+            "checkpoint": loaded - wrapped, "other": step_started - restored, "redone": redone}
+
+
+def lost(kind: str, phases: dict[str, float]) -> float:
+    """Seconds of training an event cost: a return's detection runs while the job trains on."""
+    return sum(value for phase, value in phases.items() if not (kind == "return" and phase == "detection"))
+
+
+def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoint_every: int,
+                 extra: list[str], rdzv_conf: str = "", timeout: float = 180) -> dict:
+    """Train on two nodes; `losses` times: SIGKILL node b halfway between two checkpoints, let node a train
+    alone for a few steps, start node b again. Returns the nodes, run directory, events and wall times."""
+    run_dir = workdir / "run"
+    train_args = ["--data", data, "--steps", str(steps), "--batch-size", str(BATCH), "--warmup-steps", "2",
+                  "--checkpoint-every", str(checkpoint_every), "--keep", "3", "--log-sample-ids", "--log-every", "5",
+                  "--device", "cpu", "--run-dir", str(run_dir), "--resume", "auto", *extra]
+    port = free_port()
+    nodes = [TunedNode(name, workdir=workdir, rdzv_port=port, train_args=train_args, storage_options=None,
+                       max_restarts=losses + 1, env={"LOGLEVEL": "INFO"}, rdzv_conf=rdzv_conf)
+             for name in ("a", "b")]
+    node_a, node_b = nodes
+    logs = lambda: node_a.log() + node_b.log()  # noqa: E731
+    events = []
+    try:
+        started = time.time()
+        node_a.start()  # first: its agent hosts the c10d store (losing it would end the job)
+        wait_for(lambda: store_listening(port), timeout=60, what="node a's agent to host the store", nodes=nodes)
+        node_b.start()
+        changes = lambda change: world_changes(logs()).count(change)  # noqa: E731
+        for _ in range(losses):
+            # Halfway between the next two checkpoints: what a failure at a random moment loses on average.
+            target = (last_step(run_dir) // checkpoint_every + 1) * checkpoint_every + checkpoint_every // 2
+            wait_for(lambda: last_step_at(run_dir, world_size=2) >= target, timeout=timeout,
+                     what=f"two-node training to step {target}", nodes=nodes)
+            seen = changes((2, 1)), changes((1, 2))
+            events.append(("loss", node_b.kill()))
+            wait_for(lambda: changes((2, 1)) > seen[0], timeout=timeout,
+                     what="node a to re-form alone (2 -> 1)", nodes=nodes)
+            alone_from = last_step(run_dir)
+            wait_for(lambda: last_step(run_dir) >= alone_from + 10, timeout=timeout, what="training on one node",
+                     nodes=nodes)
+            if last_step(run_dir) >= steps - 40:
+                raise RuntimeError(f"the run is too short for {losses} losses and returns: raise --steps")
+            node_b.start()
+            events.append(("return", time.time()))
+            wait_for(lambda: changes((1, 2)) > seen[1], timeout=timeout,
+                     what="the returning node to join (1 -> 2)", nodes=nodes)
+        codes = {node.name: node.wait(timeout=2 * timeout) for node in nodes}
+        ended = time.time()
+        if any(codes.values()):
+            raise RuntimeError(f"exit codes {codes}:\n{logs()[-6000:]}")
+    finally:
+        for node in nodes:
+            node.stop()
+    return {"nodes": nodes, "run_dir": run_dir, "events": events, "started": started, "ended": ended}
+
+
+def check_exact(run_dir: Path, data: str, workdir: Path, steps: int) -> dict[str, int]:
+    """Every step once, no sample id twice in the epoch, and none skipped of the epoch's order."""
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    by_step = sample_ids(run_dir)
+    ids = [i for step in sorted(by_step) for i in by_step[step]]
+    # The order keeps the partitions the job started with (one per rank of the first step).
+    partitions = len(by_step[1]) // BATCH
+    reference = iter(StreamingDataLoader(StreamingDataset(data, cache_dir=workdir / "cache-ref",
+                                                          num_partitions=partitions), batch_size=BATCH))
+    expected: set[int] = set()
+    while len(expected) < len(ids):
+        expected.update(next(reference)["sample_id"].tolist())
+    problems = {"steps_missing_or_extra": len(set(range(1, steps + 1)) ^ set(by_step)),
+                "ids_twice": len(ids) - len(set(ids)), "ids_skipped": len(expected - set(ids))}
+    if any(problems.values()):
+        raise AssertionError(f"the run was not exact: {problems}")
+    return {"steps": len(by_step), "ids": len(ids), **problems}
+
+
+def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, extra: list[str],
+             rdzv_conf: str = "") -> dict:
+    data = str(workdir / "data")
+    write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
+    job = scripted_job(workdir, data=data, steps=steps, losses=losses, checkpoint_every=checkpoint_every,
+                       extra=extra, rdzv_conf=rdzv_conf)
+    node_a, node_b = job["nodes"]
+    records = [r for r in metric_records(job["run_dir"]) if "loss" in r]
+    steps_by_number = {r["step"]: r for r in records}
+    trainer = sorted(trainer_lines(node_a.log()) + trainer_lines(node_b.log()))
+    agent = agent_lines(node_a.log(), datetime.fromtimestamp(job["started"]).year)
+    events = [{"kind": kind, "at": at, **event_phases(kind, at, agent, trainer, steps_by_number)}
+              for kind, at in job["events"]]
+    for event in events:
+        event["lost"] = lost(event["kind"], {p: event[p] for p in PHASES})
+    wall = job["ended"] - job["started"]
+    compute = sum(r["step_time_s"] * (1 - r["data_wait_fraction"]) for r in records)
+    first = steps_by_number[1]
+    saves = [float(m.group(1)) for _, text in trainer for m in [re.search(r"saved to .* in ([\d.]+)s", text)] if m]
+    return {"wall_s": wall, "compute_s": compute, "goodput": compute / wall,
+            "startup_s": first["time"] - first["step_time_s"] - job["started"],
+            "finish_s": job["ended"] - steps_by_number[steps]["time"],
+            "lost_s": sum(e["lost"] for e in events), "saves": len(saves), "save_s": sum(saves),
+            "median_step_s": statistics.median(r["step_time_s"] for r in records),
+            "events": events, "exact": check_exact(job["run_dir"], data, workdir, steps),
+            "load_average": os.getloadavg()[1]}  # this machine is shared: the 5-minute load, for context
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per event kind, the median of each phase over every event of every run; the run totals' medians."""
+    table = {}
+    for kind in ("loss", "return"):
+        found = [e for r in runs for e in r["events"] if e["kind"] == kind]
+        table[kind] = {phase: statistics.median(e[phase] for e in found) for phase in (*PHASES, "lost")}
+    totals = ("wall_s", "compute_s", "goodput", "startup_s", "finish_s", "lost_s", "save_s", "median_step_s")
+    return {"events": table, "totals": {name: statistics.median(r[name] for r in runs) for name in totals}}
+
+
+def print_table(table: dict, runs: int) -> None:
+    print(f"\nseconds per event, median over the events of {runs} run(s)")
+    print(f"{'event':8}" + "".join(f"{p:>14}" for p in (*PHASES, "lost")))
+    for kind, row in table["events"].items():
+        print(f"{kind:8}" + "".join(f"{row[p]:14.2f}" for p in (*PHASES, "lost")))
+    t = table["totals"]
+    print(f"\ngoodput {100 * t['goodput']:.1f}%: {t['compute_s']:.1f} s of step compute in {t['wall_s']:.1f} s wall "
+          f"(start-up {t['startup_s']:.1f} s, lost to events {t['lost_s']:.1f} s, checkpoint saves {t['save_s']:.1f} s, "
+          f"final save and exit {t['finish_s']:.1f} s; median step {1000 * t['median_step_s']:.1f} ms)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--losses", type=int, default=1, help="node losses (each followed by the node's return)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--rdzv-conf", default="", help="more rendezvous options for both agents, e.g. "
+                        "keep_alive_interval=1,keep_alive_max_attempt=2 (after last_call_timeout=1,join_timeout=120)")
+    parser.add_argument("--json", default="bench_out/bench_goodput.json")
+    parser.add_argument("--keep", metavar="DIR", help="keep each run's directory (logs, records) under DIR")
+    parser.add_argument("train_args", nargs="*", help="more trainer options, after --, e.g. -- --async-save")
+    args = parser.parse_args(argv)
+    runs = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="bench-goodput-", dir=args.keep) as tmp:
+            if args.keep:  # the run's logs, checkpoints and records stay for a look
+                tmp = Path(args.keep) / f"run-{run + 1}"
+                tmp.mkdir()
+            runs.append(run_once(Path(tmp), steps=args.steps, losses=args.losses,
+                                 checkpoint_every=args.checkpoint_every, extra=args.train_args,
+                                 rdzv_conf=args.rdzv_conf))
+        print(f"run {run + 1}/{args.runs}: {runs[-1]['wall_s']:.0f} s wall, goodput {100 * runs[-1]['goodput']:.1f}%, "
+              f"exact ({runs[-1]['exact']['ids']} ids)", flush=True)
+    table = medians(runs)
+    print_table(table, args.runs)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "median": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
