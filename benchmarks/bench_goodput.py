@@ -30,6 +30,12 @@ the job's 2 partitions), so none is missing.
 
     python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...]
         [--json bench_out/bench_goodput.json] [-- TRAINER OPTIONS, e.g. --async-save]
+    python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300
+
+`--save-cost` measures the checkpoint term alone: one process trains without checkpoints, with a synchronous
+save every 10 steps and with a background one (`--async-save`), interleaved; per mode the loop's time over
+steps 11..N, the seconds each save holds the loop (as the trainer logs them) and the median step time (a
+background writer competes with the steps for the cores and the GIL).
 
 The two nodes share this machine's 2 cores: worker start-up (`import torch`) is slower than on real nodes,
 and a SIGKILLed process's sockets close at once, so detection here is the fast case (docs/GOODPUT.md).
@@ -42,6 +48,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -252,6 +259,54 @@ def print_table(table: dict, runs: int) -> None:
           f"final save and exit {t['finish_s']:.1f} s; median step {1000 * t['median_step_s']:.1f} ms)")
 
 
+# The checkpoint's cost in the loop, one process (no torchrun): the same run without checkpoints, with a
+# synchronous save every 10 steps, and with a background save every 10 steps (--save-cost).
+SAVE_MODES = {"none": ["--checkpoint-every", "0"], "sync": ["--checkpoint-every", "10"],
+              "async": ["--checkpoint-every", "10", "--async-save"]}
+IN_LOOP = re.compile(r"(?:saved to .* in|after) ([\d.]+)s")  # a save's (or its start's, its completion's) time
+
+
+def save_cost_once(workdir: Path, data: str, mode: str, *, steps: int) -> dict[str, float]:
+    """Train `steps` steps in one process with checkpoints per `mode`; the loop's time over steps 11..steps."""
+    run_dir = workdir / f"save-{mode}"
+    stderr = subprocess.run(
+        [sys.executable, "-m", "shardkit.train", "--data", data, "--steps", str(steps), "--batch-size", str(BATCH),
+         "--warmup-steps", "2", "--log-every", "10", "--device", "cpu", "--run-dir", str(run_dir), "--resume", "none",
+         "--cache-dir", str(workdir / "cache"), *SAVE_MODES[mode]],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, check=True).stderr
+    records = {r["step"]: r for r in metric_records(run_dir) if "loss" in r}
+    start, end = records[10]["time"], records[steps]["time"]
+    lines = [(at, text) for at, text in trainer_lines(stderr) if start <= at <= end]
+    return {"loop_s": end - start, "saves": sum("saved to" in text or "save started" in text for _, text in lines),
+            "in_loop_s": sum(float(m.group(1)) for _, text in lines for m in [IN_LOOP.search(text)] if m),
+            "median_step_s": statistics.median(records[step]["step_time_s"] for step in range(11, steps + 1))}
+
+
+def save_cost(runs: int, *, steps: int) -> dict:
+    """Each mode `runs` times, interleaved (the machine's load drifts); per mode the medians, and the loop's
+    overhead against the run without checkpoints of the same round."""
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="bench-save-cost-") as tmp:
+        data = str(Path(tmp) / "data")
+        write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
+        for _ in range(runs):
+            rounds.append({mode: save_cost_once(Path(tmp), data, mode, steps=steps) for mode in SAVE_MODES})
+    table = {}
+    for mode in SAVE_MODES:
+        rows = [r[mode] for r in rounds]
+        table[mode] = {"loop_s": statistics.median(r["loop_s"] for r in rows),
+                       "in_loop_s_per_save": statistics.median(r["in_loop_s"] / max(1, r["saves"]) for r in rows),
+                       "median_step_s": statistics.median(r["median_step_s"] for r in rows),
+                       "overhead": statistics.median(r[mode]["loop_s"] / r["none"]["loop_s"] - 1 for r in rounds)}
+    print(f"\ncheckpoint cost in the loop, one process, {steps} steps, a save every 10 (none: no save): "
+          f"median of {runs} interleaved rounds")
+    print(f"{'mode':8}{'loop s':>10}{'ms per save':>14}{'median step ms':>16}{'loop overhead':>15}")
+    for mode, row in table.items():
+        print(f"{mode:8}{row['loop_s']:10.2f}{1000 * row['in_loop_s_per_save']:14.1f}"
+              f"{1000 * row['median_step_s']:16.1f}{100 * row['overhead']:14.1f}%")
+    return {"rounds": rounds, "median": table}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -260,10 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--rdzv-conf", default="", help="more rendezvous options for both agents, e.g. "
                         "keep_alive_interval=1,keep_alive_max_attempt=2 (after last_call_timeout=1,join_timeout=120)")
+    parser.add_argument("--save-cost", action="store_true",
+                        help="instead of the elastic job: the loop's time without checkpoints, with synchronous and "
+                             "with background saves every 10 steps (one process)")
     parser.add_argument("--json", default="bench_out/bench_goodput.json")
     parser.add_argument("--keep", metavar="DIR", help="keep each run's directory (logs, records) under DIR")
     parser.add_argument("train_args", nargs="*", help="more trainer options, after --, e.g. -- --async-save")
     args = parser.parse_args(argv)
+    if args.save_cost:
+        result = save_cost(args.runs, steps=args.steps)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "save_cost": result}, indent=2))
+        return 0
     runs = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="bench-goodput-", dir=args.keep) as tmp:
