@@ -51,6 +51,9 @@ SKIPPED = {  # a pattern in the command -> why it is not run here
     "-m pip install": "installs packages (tests/test_wheel.py installs shardkit from its wheel)",
     " pip install ": "installs packages (tests/test_wheel.py installs shardkit from its wheel)",
     "-m pytest": "the test suite itself",
+    "-m venv ": "makes the virtual environment the install commands run in (tests/test_wheel.py installs shardkit "
+                "into one)",
+    "/bin/activate": "activates a virtual environment in the shell (each command here runs in a process of its own)",
     " ... ": "a two-node launch: '...' stands for the rendezvous options of each node",
     "--rdzv-endpoint": "an elastic launch on several nodes (tests/test_elastic.py runs one on two simulated nodes)",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "sets the environment of the elastic agents launched next (on several nodes)",
@@ -222,6 +225,15 @@ def test_extraction_finds_the_documented_commands():
     assert [c for c in readme if c.startswith("torchrun")] and "shardkit demo" in readme
     assert commands["FORMAT.md"] == []  # its unmarked blocks are byte layouts, not commands
     assert any(c.startswith("shardkit tune") and "pbt" in c for c in commands["TUNING.md"])
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run's header says it runs the README's test command: it names that command, and runs each of its steps."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    (tests,) = [line for line in readme if line.startswith("python3 ") and "-m pytest" in line]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert f"#   {tests}" in ci[:4], (tests, ci[:4])
+    assert set(tests.split(" && ")) <= {line.strip() for line in ci}, (tests, ci)
 
 
 def test_shrink_changes_sizes_only():

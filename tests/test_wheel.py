@@ -1,9 +1,10 @@
 """What users install is what we test: build the wheel, install it into a fresh virtual environment and
 run every command from a temporary directory, with the source tree off `sys.path`.
 
-The environment sees the system's site-packages (torch, optuna, ... are not reinstalled), but shardkit
-itself comes only from the wheel: the test checks `shardkit.__file__` and that no path of the checkout
-is importable. A module the wheel lacks (the hand-listed packages once left out
+The environment sees the packages of the interpreter running the tests (torch, optuna, ... are not
+reinstalled), whether that interpreter is the system's or a virtual environment's, but shardkit itself
+comes only from the wheel: the test checks `shardkit.__file__` and that no path of the checkout is
+importable. A module the wheel lacks (the hand-listed packages once left out
 `shardkit.train.parallel`) fails here with the ModuleNotFoundError a user would see.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -31,6 +33,26 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float = 30
     return result.stdout + result.stderr
 
 
+def _see_site_packages_of_this_interpreter(python: Path) -> None:
+    """Let the environment of `python` import what this interpreter imports, after its own packages.
+
+    Not `system_site_packages=True`: a virtual environment is always made from the base interpreter, so
+    when the tests run in a virtual environment, that flag would show the base's packages and not this
+    environment's (torch, pyarrow, ... installed in it would be missing). A .pth line that starts with
+    `import` runs when the environment starts; `site.addsitedir` appends each directory behind the
+    environment's own site-packages (the wheel's shardkit comes first) and runs its .pth files, as the
+    interpreter does for its own, so packages installed there in any way import the same.
+    """
+    directories = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    directories = [d for d in [*directories, *site.getsitepackages()] if os.path.isdir(d)]
+    target = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    # map, not a comprehension: site exec()s the line inside a function, and a comprehension's own scope
+    # would not see the `site` it imports
+    Path(target, "zz_tests_interpreter_site.pth").write_text(
+        f"import site; list(map(site.addsitedir, {directories!r}))\n")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(venv bin directory, environment, working directory) with shardkit installed from its wheel only."""
@@ -46,11 +68,12 @@ def installed(tmp_path_factory):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
           str(source)], cwd=root, env=env)
     (wheel,) = wheels.glob("shardkit-*.whl")
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(root / "venv")
+    venv.EnvBuilder(with_pip=False).create(root / "venv")
     bin_dir = root / "venv" / "bin"
     # pip of this interpreter installs into the new environment (with_pip would download nothing but is slow)
     _run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q", "--no-deps",
           "--no-index", str(wheel)], cwd=root, env=env)
+    _see_site_packages_of_this_interpreter(bin_dir / "python")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     work = root / "work"
     work.mkdir()
@@ -64,7 +87,11 @@ def test_the_installed_package_comes_from_the_wheel_alone(installed):
                cwd=work, env=env)
     location, path = json.loads(out.splitlines()[-1])
     assert Path(location).is_relative_to(bin_dir.parent), location
-    assert not [p for p in path if p and Path(p).resolve().is_relative_to(REPO)], path
+    # The README's virtual environment, .venv, lies inside the checkout: its packages are this interpreter's,
+    # not the checkout's sources.
+    interpreter = Path(sys.prefix).resolve()
+    assert not [p for p in path if p and Path(p).resolve().is_relative_to(REPO)
+                and not Path(p).resolve().is_relative_to(interpreter)], path
 
 
 def test_every_command_runs_from_the_installed_wheel(installed):
