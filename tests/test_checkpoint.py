@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import json
+import pathlib
 import pickle
 import random
 import re
@@ -244,15 +246,15 @@ class RunsCode:
         return exec, (f"open({self.flag!r}, 'w').write('ran')",)
 
 
-def tamper_metadata(checkpoint, change) -> None:
-    """Rewrite a checkpoint's DCP index through `change(metadata)`, and its marker's size to match (as an
-    attacker who controls the files would)."""
+def tamper_metadata(checkpoint, change, pickler=pickle.Pickler) -> None:
+    """Rewrite a checkpoint's DCP index through `change(metadata)` (with `pickler`), and its marker's size to match
+    (as an attacker who controls the files would)."""
     path = checkpoint / ".metadata"
     with open(path, "rb") as handle:
         metadata = pickle.load(handle)  # our own, just written: trusted here
     change(metadata)
     with open(path, "wb") as handle:
-        pickle.dump(metadata, handle)
+        pickler(handle).dump(metadata)
     marker = json.loads((checkpoint / MARKER_NAME).read_text())
     marker["files"][".metadata"] = path.stat().st_size
     (checkpoint / MARKER_NAME).write_text(json.dumps(marker))
@@ -274,6 +276,37 @@ def test_a_crafted_metadata_is_refused_and_runs_no_code(tmp_path):
     with pytest.raises(ValueError, match=r"\.metadata refers to builtins\.exec, which is not a checkpoint metadata type"):
         checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
     assert not flag.exists()
+
+
+def enums_as(owner_and_name):
+    """A pickler that writes each enum member as Python 3.11.0-3.11.4 does, `getattr(owner, name)` (here with the
+    owner and name `owner_and_name(member)` gives)."""
+    class OldEnumPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, owner_and_name(obj)
+            return NotImplemented
+    return OldEnumPickler
+
+
+def test_a_metadata_written_by_python_3_11_early_releases_loads(tmp_path):
+    """Debian 12's Python 3.11.2 pickles the index's enum members (`_MEM_FORMAT_ENCODING`) through
+    `builtins.getattr`: such a checkpoint resumes exactly, while a getattr of anything but an admitted enum's member
+    is refused."""
+    model, optimizer, scheduler = make_state(0)
+    checkpointer = Checkpointer(tmp_path / "ck", rank=0)
+    save(checkpointer, 1, model, optimizer, scheduler)
+    checkpoint = find_latest(tmp_path / "ck")
+    tamper_metadata(checkpoint, lambda metadata: None, enums_as(lambda member: (type(member), member.name)))
+    with open(checkpoint / ".metadata", "rb") as handle:
+        assert b"getattr" in handle.read()
+    fresh = make_state(1)
+    checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh[0].state_dict()[name], tensor), name
+    tamper_metadata(checkpoint, lambda metadata: None, enums_as(lambda member: (pathlib.PosixPath, "cwd")))
+    with pytest.raises(ValueError, match=r"\.metadata looks up PosixPath\.cwd through getattr, which is not an enum"):
+        checkpointer.load(checkpoint, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], world_size=1)
 
 
 def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):

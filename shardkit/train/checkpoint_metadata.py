@@ -11,6 +11,7 @@ storage entry that points outside the checkpoint directory.
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 from pathlib import Path, PurePath
@@ -43,11 +44,24 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Python 3.11.0-3.11.4 pickles an enum member as getattr(its class, its name) (_MEM_FORMAT_ENCODING in
+            # every DCP index): only a member of an admitted enum is looked up, nothing else.
+            return self._enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # dtypes pickle as `torch.float32` etc.
         raise ValueError(f"{self.source} refers to {module}.{name}, which is not a checkpoint metadata type: "
                          "refusing to load it (a checkpoint must never run code); was it crafted or written "
                          "by something other than torch.distributed.checkpoint?")
+
+    def _enum_member(self, owner: Any, name: Any) -> Any:
+        """`getattr(owner, name)` as an old Python pickles an enum member; any other lookup is refused."""
+        if isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str) \
+                and name in owner.__members__:
+            return owner.__members__[name]
+        raise ValueError(f"{self.source} looks up {getattr(owner, '__name__', type(owner).__name__)}.{name} "
+                         "through getattr, which is not an enum member of a checkpoint metadata type: refusing to "
+                         "load it (a checkpoint must never run code)")
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
