@@ -282,7 +282,7 @@ def raw_loader(paths: list[Path], tokenizer: str, seq_len: int, pack: str, worke
     construction = time.perf_counter() - began
     loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                  multiprocessing_context="fork" if workers else None)
-    return loader, dataset.corpus.num_lanes, construction
+    return loader, dataset.source.corpus.num_lanes, construction
 
 
 def raw_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batch_size: int, **options) -> dict:
@@ -549,7 +549,7 @@ def raw_resume(paths: list[Path], records: list[dict], tokenizer: str, seq_len: 
 
     def make():
         dataset = raw_dataset(paths, tokenizer, seq_len, "concat", unit_bytes=unit_bytes, lanes=lanes)
-        make.lanes = dataset.corpus.num_lanes
+        make.lanes = dataset.source.corpus.num_lanes
         return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                    multiprocessing_context="fork" if workers else None)
 

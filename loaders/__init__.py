@@ -25,9 +25,12 @@ Modules, one job each:
 - `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
 - `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
   prefetches them; numpy batches -> tensors (and bundles for worker pipes).
-- `read_plan`: `ReadPlan`, what the data loader asks of a dataset (order, mixture, batch mode, reader, the next
-  iteration), in one object.
-- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (the face of its plan).
+- `source`: the Source contract (`Source`, `Feed`, `Standalone`): what the dataset and the loader ask of any input.
+- `built_source`, `built_feed`, `built_standalone`: built shards behind it (order, mixture, batch mode, reader,
+  the next iteration; the loader's epochs; iteration without a loader).
+- `raw_dataset`, `raw_loader`, `raw_mixture`, `raw_iteration`: raw text behind it (lanes, the loader's cursors,
+  raw and built streams mixed).
+- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (the face of its source).
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
 - `state`, `dataloader`: the resume state (composed of the stages' `state()`) and `StreamingDataLoader`.
 

@@ -1,7 +1,7 @@
-"""`ReadPlan`: everything a `StreamingDataLoader` asks of its dataset, in one object.
+"""`BuiltSource`: built shards (one dataset or a weighted mixture) behind the Source contract (`loaders.source`).
 
-A `StreamingDataset` builds its plan once, from its sources and config; the data loader holds the plan and
-never the dataset's attributes. The plan composes the read side's stages: the epoch's order (partitions,
+A `StreamingDataset` builds its source once, from its streams and config; the data loader holds the source and
+never the dataset's attributes. The source composes the read side's stages: the epoch's order (partitions,
 `skip_samples`, quarantine exclusions: `effective_order`), the mixture (`remix.Mixture`), the batch mode chosen
 once from the config (`batch_modes`), the reader (`reading.BatchReader`), and where the next iteration starts
 (`next_iteration`, which travels to DataLoader workers with the dataset). As a stage of the resume state it
@@ -11,11 +11,15 @@ gives and checks the order's fields (`state()` / `restore(saved)`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from torch.utils.data import get_worker_info
 
 from .batch_modes import batch_mode
+from .built_feed import BuiltFeed
+from .built_standalone import BuiltStandalone, this_worker
 from .config import LoaderConfig
 from .effective_order import effective_order
 from .fingerprint import data_fingerprint
@@ -28,14 +32,16 @@ from .reading import BatchReader
 from .remix import Mixture, MixtureStreams
 from .schedule import weight_spec
 from .skipping import resolve_skipped
+from .source import Feed, Source, Standalone
 from .sources import Sources
 from .state import MIXTURE_FIELDS, LoaderState
+from .tensors import batch_to_tensors, bundled, strip_progress
 from .topology import Topology, data_parallel_group, resolve_topology
 
 _MEMO_ORDERS = 4  # an epoch's order with quarantine scans the epoch once: keep the last few
 
 
-class ReadPlan:
+class BuiltSource(Source):
     """A dataset's order, identity, mixture, batch mode and reader, and where its next iteration starts.
 
     Args:
@@ -45,6 +51,8 @@ class ReadPlan:
         topology_args: explicit rank, world_size, local_rank, local_world_size (None: resolved).
         group_args: process_group, device_mesh, mesh_dim (dropped when pickled to workers).
     """
+
+    endless = False  # epochs of the global order
 
     def __init__(self, config: LoaderConfig, streams: list[Stream], sources: Sources, *,
                  topology_args: dict[str, int | None], group_args: dict[str, Any]):
@@ -128,6 +136,23 @@ class ReadPlan:
         return self.config.epoch_size or self.num_samples
 
     # -- identity ------------------------------------------------------------------------------
+    def identity(self) -> str:
+        return self.fingerprint()
+
+    def stream_identities(self) -> list[str]:
+        return self.stream_fingerprints()
+
+    def stream_records(self) -> list[dict[str, Any]]:
+        return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
+                for stream, fingerprint, manifest in zip(self.streams, self.stream_fingerprints(),
+                                                         self.sources.manifests)]
+
+    def shapes(self) -> list[tuple[str, Any]]:
+        return [(stream.url, manifest) for stream, manifest in zip(self.streams, self.sources.manifests)]
+
+    def describe(self) -> str:
+        return ", ".join(stream.url for stream in self.streams)
+
     def fingerprint(self) -> str:
         """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
         if "all" not in self._fingerprints:
@@ -183,6 +208,30 @@ class ReadPlan:
         return bool(differences)
 
     # -- iterations --------------------------------------------------------------------------
+    def feed(self, loader: Any, batch_size: int | None) -> Feed:
+        return BuiltFeed(self, batch_size)
+
+    def standalone(self, batch_size: int | None) -> Standalone:
+        return BuiltStandalone(self, batch_size)
+
+    def batches(self, standalone: Standalone) -> Iterator[Any]:
+        taken = self.take_iteration()
+        if taken is None:
+            return standalone.batches()
+        iteration, offset = taken
+        worker, num_workers = this_worker()
+        epoch, first = iteration.epoch + offset, offset == 0
+        batches = self.batching.batches(self.reader, self.order(epoch, iteration.num_partitions, iteration.quarantine),
+                                        epoch=epoch, start=iteration.start if first else 0, iteration=iteration,
+                                        worker=worker, num_workers=num_workers,
+                                        segments=iteration.segments if first else (),
+                                        limit=iteration.steps if first else None)
+        if get_worker_info() is not None and iteration.bundle > 1:
+            return bundled(batches, iteration.bundle)
+        if iteration.numpy_batches:
+            return batches
+        return (batch_to_tensors(strip_progress(b), self.config.token_dtype) for b in batches)
+
     def claim(self) -> None:
         """Mark the dataset as driven by a `StreamingDataLoader` (its standalone iteration is refused then)."""
         self.claimed = True

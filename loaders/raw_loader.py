@@ -1,4 +1,4 @@
-"""`RawTextDataLoader`: what `StreamingDataLoader(raw_text_dataset, batch_size)` is, with exact, elastic resume.
+"""`RawTextFeed`: the loader's side of raw text (`StreamingDataLoader` over a raw-text source), exact and elastic.
 
 The state is global like a built dataset's (`shardkit.loaders.state`): `samples_consumed` (global positions
 handed to the training loop) and, under `raw_text`, one cursor per lane read so far. A rank knows only the
@@ -19,18 +19,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from shardkit import metrics
 
 from .batch_counts import counted_batches
 from .closing import closed_at_exit
 from .raw_batches import CURSORS_KEY, UNREADABLE_KEY
-from .raw_dataset import RawIteration, RawTextDataset
+from .raw_iteration import RawIteration
 from .raw_lanes import merge_cursors
 from .raw_source import CURSOR_FIELDS
 from .raw_units import few_lanes_advice
 from .raw_unreadable import UnitCuts, agree, log_skipped, settle
+from .source import Feed
 from .state import LoaderState
 from .tensors import batch_to_tensors
 from .topology import Topology
@@ -48,38 +48,23 @@ def warn_few_lanes(corpus: Any, *, readers: int) -> None:
         logger.warning("%s", advice)
 
 
-def _whole(batch: Any) -> Any:
-    return batch  # batches are whole already
-
-
-class RawTextDataLoader(DataLoader):
-    """What `StreamingDataLoader(raw_text_dataset, ...)` builds: its iteration and `state_dict()`/`load_state_dict()`.
+class RawTextFeed(Feed):
+    """The loader's side of a raw-text source (`RawTextSource.feed`): endless steps and the lanes' cursors.
 
     Args:
-        dataset: a raw-text `StreamingDataset` (`RawTextDataset`).
+        source: the `RawTextSource` (or a mixture's).
+        loader: the `StreamingDataLoader` that drives it (its options are checked; the feed keeps no reference).
         batch_size: samples per rank per step.
-        num_workers: worker processes; each tokenizes its share of the rank's lanes (lane % num_workers) and
-            the main process assembles every step from their parts, so the batches do not depend on it.
-        persistent_workers: not supported (each iteration starts its workers where the loader stands).
     """
 
-    raw_text = True  # `isinstance(loader, StreamingDataLoader)` holds (`StreamingDataLoader.__subclasshook__`)
-
-    def __init__(self, dataset: RawTextDataset, batch_size: int | None = None, num_workers: int = 0, *,
-                 pin_memory: bool = False, timeout: float = 0, multiprocessing_context: Any = None,
-                 persistent_workers: bool = False, prefetch_factor: int | None = None):
+    def __init__(self, source: Any, loader: Any, batch_size: int | None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if persistent_workers:
-            raise ValueError("persistent_workers=True is not supported for raw-text datasets: each iteration starts "
-                             "its workers where the loader stands")
-        DataLoader.__init__(self, dataset, batch_size=None, num_workers=num_workers, collate_fn=_whole, timeout=timeout,
-                            multiprocessing_context=multiprocessing_context, persistent_workers=persistent_workers,
-                            prefetch_factor=prefetch_factor)
-        self.plan = plan = dataset.plan
-        plan.claim()
+        if loader.persistent_workers:
+            raise ValueError("persistent_workers=True is not supported for raw text: each iteration starts its "
+                             "workers where the loader stands")
+        self.source = source
         self.samples_per_rank = batch_size
-        self.pin_batches = pin_memory
         self._topology: Topology | None = None
         self._consumed = 0
         self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
@@ -87,12 +72,12 @@ class RawTextDataLoader(DataLoader):
         self._published: Counter = Counter()  # the rejections already added to the metric
 
     def _resolve(self) -> Topology:
-        self._topology = self.plan.topology()
+        self._topology = self.source.topology()
         return self._topology
 
-    def __len__(self) -> int:
-        raise TypeError("a raw-text loader has no length: its lanes go on epoch after epoch (stop after a number "
-                        "of steps)")
+    def length(self) -> int:
+        raise TypeError("a raw-text StreamingDataLoader has no length: its lanes go on epoch after epoch (stop "
+                        "after a number of steps: shardkit train --steps)")
 
     @property
     def epoch(self) -> int:
@@ -101,75 +86,74 @@ class RawTextDataLoader(DataLoader):
 
     def _publish_rejections(self) -> None:
         """Add the rejections counted since the last call to `shardkit_loader_documents_rejected_total`."""
-        now = self.dataset.rejected
+        now = self.source.rejected
         for reason, count in now.items():
             if count > self._published[reason]:
                 metrics.inc("shardkit_loader_documents_rejected_total", count - self._published[reason],
                             reason=reason)
         self._published = Counter(now)
 
-    @property
-    def skipped_units(self) -> int:
-        """Unreadable units skipped so far (`on_corrupt="skip"`; the same on every rank)."""
-        return len(self._cuts)
+    def counters(self) -> dict[str, int]:
+        """`skipped_units`: unreadable units skipped so far (`on_corrupt="skip"`; the same on every rank)."""
+        return {"skipped_units": len(self._cuts)}
 
     @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self, loader: Any) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
         global_batch = self.samples_per_rank * topology.world_size
-        if self.plan.few_lanes_idle_readers:
-            warn_few_lanes(self.plan.corpus, readers=topology.world_size * max(1, self.num_workers))
+        if self.source.few_lanes_idle_readers:
+            warn_few_lanes(self.source.corpus, readers=topology.world_size * max(1, loader.num_workers))
 
         def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
             cursors = arrays.pop(CURSORS_KEY)
             self._consumed += global_batch
             self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
-            return batch_to_tensors(arrays, self.plan.token_dtype)
+            return batch_to_tensors(arrays, self.source.token_dtype)
 
-        yield from counted_batches(self._agreed_batches(topology), prepare,
-                                   pin=self.pin_batches and torch.cuda.is_available())
+        yield from counted_batches(self._agreed_batches(loader, topology), prepare,
+                                   pin=loader.pin_batches and torch.cuda.is_available())
 
-    def _agreed_batches(self, topology: Topology) -> Iterator[dict[str, Any]]:
+    def _agreed_batches(self, loader: Any, topology: Topology) -> Iterator[dict[str, Any]]:
         """The numpy batches from where the loader stands. Under "skip", each step's unreadable units are agreed
         over the ranks before it is handed out; when some rank did not read the step with exactly the agreed cuts,
         every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
-        skipping = self.plan.on_corrupt == "skip"
+        skipping = self.source.on_corrupt == "skip"
         while True:
-            self.plan.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+            self.source.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
                                          cursors=dict(self._cursors), cuts=self._cuts))
-            batches = self._numpy_batches()
-            counted = Counter(self.dataset.rejected)  # before the step: a step read again counts its rejections once
+            batches = self._numpy_batches(loader)
+            counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
             try:
                 for batch in batches:
                     found = batch.pop(UNREADABLE_KEY)
                     if skipping:
-                        everyone = agree(found, world_size=topology.world_size, group=self.plan.agreement_group())
+                        everyone = agree(found, world_size=topology.world_size, group=self.source.agreement_group())
                         cuts, again = settle(everyone,
-                                             lane_counts=self.plan.lane_counts(self._consumed))
+                                             lane_counts=self.source.lane_counts(self._consumed))
                         if cuts:
                             self._cuts = self._cuts.adding([c.cut for c in cuts])
-                            log_skipped(cuts, self.plan.unit_url)
+                            log_skipped(cuts, self.source.unit_url)
                         if again:
-                            self.dataset.rejected = counted
+                            self.source.rejected = counted
                             break
                     self._publish_rejections()  # the step is handed out: its rejections are counted for good
                     yield batch
                     if skipping:
-                        counted = Counter(self.dataset.rejected)
+                        counted = Counter(self.source.rejected)
                 else:
                     return
             finally:
                 batches.close()
 
-    def _numpy_batches(self) -> Iterator[dict[str, Any]]:
-        if self.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
-            yield from iter(self.dataset)
+    def _numpy_batches(self, loader: Any) -> Iterator[dict[str, Any]]:
+        if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
+            yield from iter(loader.dataset)
             return
         # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
-        parts = DataLoader.__iter__(self)
+        parts = loader.worker_batches()
         try:
             while True:
-                yield self.dataset.assemble([next(parts) for _ in range(self.num_workers)])
+                yield self.source.assemble([next(parts) for _ in range(loader.num_workers)])
         finally:
             parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
 
@@ -179,9 +163,9 @@ class RawTextDataLoader(DataLoader):
         return LoaderState(epoch=0, samples_consumed=self._consumed, num_samples=0, block_size=None,
                            shuffle_window=0, partial_batches="drop", epoch_size=None,
                            global_batch_size=self.samples_per_rank * topology.world_size,
-                           world_size=topology.world_size, **self.plan.order_values(),
+                           world_size=topology.world_size, **self.source.order_values(),
                            raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
-                                     **self.plan.raw_state()})
+                                     **self.source.raw_state()})
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's state: the cursors of the lanes this rank read (merge every rank's with
@@ -204,7 +188,7 @@ class RawTextDataLoader(DataLoader):
             raise ValueError(f"state_dict() of a raw-text loader on {state['world_size']} ranks gathers every "
                              "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
                              "local_state_dict() with shardkit.loaders.raw_loader.merge_raw_states)")
-        group = self.plan.agreement_group()
+        group = self.source.agreement_group()
         states: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(states, state, group=group)
         return merge_raw_states(states)
@@ -236,7 +220,7 @@ class RawTextDataLoader(DataLoader):
                              + "; ".join(differences) + ")")
         cursors = saved_cursors(saved.raw_text)
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
-        cursors, cuts = self.plan.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
+        cursors, cuts = self.source.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
                                           allow_mixture_change=allow_mixture_change)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 

@@ -1,10 +1,10 @@
-"""`RawMixtureDataset`: raw-text and built streams in one weighted mixture, what
-`StreamingDataset([Stream(url, w), Stream(glob, w, raw_text=True), ...], tokenizer=SPEC, seq_len=N)` is.
+"""`RawMixtureSource`: raw-text and built streams in one weighted mixture, the source of
+`StreamingDataset([Stream(url, w), Stream(glob, w, raw_text=True), ...], tokenizer=SPEC, seq_len=N)`.
 
 The order is `raw_mix_order.MixedOrder` (pure); this module opens the streams and reads their rows: a raw stream's
 lanes through `LaneStream`s, as a raw dataset reads its own, a built stream's samples through its node cache.
-Its plan is a `RawTextPlan` whose lanes are every raw stream's lanes in stream order (a global lane number), so
-the raw-text loader (`raw_loader.RawTextDataLoader`) saves and resumes it unchanged: `samples_consumed` and one
+It is a `RawTextSource` whose lanes are every raw stream's lanes in stream order (a global lane number), so
+the raw-text feed (`raw_loader.RawTextFeed`) saves and resumes it unchanged: `samples_consumed` and one
 cursor per global lane, O(lanes + streams), elastic like a raw dataset's state. The state's `raw_text` also
 records the streams (`streams`), so that a mixture's state and a single raw dataset's are told apart, and the
 mixture's record (`mixture`, `remix.MixtureRecord`, as a built mixture keeps it): a resume with
@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -31,10 +31,11 @@ from shardkit.manifest import Manifest
 from .config import LoaderConfig
 from .fingerprint import data_fingerprint
 from .mixing import Stream
-from .raw_dataset import LaneReaders, RawIteration, RawTextDataset, RawTextPlan, StepPart
+from .raw_dataset import LaneReaders, RawTextSource
+from .raw_iteration import RawIteration, StepPart
 from .raw_mix_order import ENDLESS, MixedOrder
-from .raw_source import LaneStream, RawCorpus, RejectionLog
-from .raw_unreadable import UnitCuts
+from .raw_source import LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .raw_unreadable import UnitCuts, check_policy
 from .remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
 from .schedule import weight_spec
 from .sources import Sources
@@ -42,49 +43,127 @@ from .sources import Sources
 logger = logging.getLogger(__name__)
 
 
-def raw_text_dataset(source: Any, *args: Any, **kwargs: Any) -> RawTextDataset:
-    """What `StreamingDataset(source, tokenizer=...)` builds: a mixture for a list of `Stream`, else one corpus.
+# The `LoaderConfig` fields raw text reads (the others keep their defaults, see `check_raw_options`).
+RAW_OPTIONS = frozenset({"seed", "shuffle", "token_dtype", "segment_ids", "on_corrupt", "skip_samples",
+                         "quarantine_list"})
+# ... and those a mixture's built streams read.
+CACHE_OPTIONS = frozenset({"cache_limit", "cache_wait", "prefetch", "cache_mode", "chunk_samples"})
+# Why an option means nothing to raw text, and what to use instead.
+_WHY_NOT_RAW = {
+    **dict.fromkeys(("num_partitions", "block_size", "shuffle_window", "partial_batches", "epoch_size"),
+                    "raw text's order is its lanes (each shuffles its units per lane epoch, endlessly): set lanes= "
+                    "and seed= instead"),
+    **dict.fromkeys(("max_tokens", "token_window"), "token-budget batches need built data; raw text's batches hold "
+                    "batch_size samples (pack='none' keeps documents whole)"),
+    **dict.fromkeys(CACHE_OPTIONS, "raw text is read from its inputs, not through the node cache (it applies to "
+                    "built datasets and to built streams mixed with raw text)"),
+}
+
+
+def check_raw_options(config: LoaderConfig, *, mixture: bool) -> None:
+    """Refuse a loader option that raw text cannot honour (one that keeps its default is not asked about).
+
+    Raises:
+        ValueError: naming the option, why it has no meaning here, and what to use instead.
+    """
+    check_policy(config.on_corrupt, config.skip_samples, config.quarantine_list)
+    allowed = RAW_OPTIONS | (CACHE_OPTIONS if mixture else frozenset())
+    default = LoaderConfig()
+    for option in (f.name for f in fields(LoaderConfig)):
+        if option not in allowed and getattr(config, option) != getattr(default, option):
+            raise ValueError(f"{option}={getattr(config, option)!r} has no meaning for raw text: "
+                             f"{_WHY_NOT_RAW.get(option, 'drop it')}")
+
+
+def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig, **options: Any) -> RawTextSource:
+    """The source of `StreamingDataset(source, tokenizer=...)`: a mixture for a list of `Stream`, else one corpus.
 
     Raises:
         TypeError: a list that mixes `Stream`s with plain inputs.
+        ValueError: a loader option raw text cannot honour (`check_raw_options`).
     """
     items = [source] if isinstance(source, (str, Stream)) else list(source) if isinstance(source, (list, tuple)) \
         else None
-    if items is not None and any(isinstance(item, Stream) for item in items):
+    mixture = items is not None and any(isinstance(item, Stream) for item in items)
+    check_raw_options(config, mixture=mixture)
+    if mixture:
         if not all(isinstance(item, Stream) for item in items):
             raise TypeError("a raw-text source is either inputs (paths, globs, URLs) or a list of Stream, not both: "
                             "give each input as Stream(url, weight, raw_text=True)")
-        return RawMixtureDataset(items, *args, **kwargs)
-    return RawTextDataset(source, *args, **kwargs)
+        return RawMixtureSource(items, settings, config, **options)
+    if options.pop("cache_dir", None) is not None:
+        raise ValueError("cache_dir: raw text is read from its inputs, not through the node cache; drop cache_dir "
+                         "(it applies to built datasets and to built streams mixed with raw text)")
+    return RawTextSource(source, settings, config, **options)
 
 
-class RawMixturePlan(RawTextPlan):
-    """The raw-text plan of a mixture: its lanes are the raw streams' lanes in stream order."""
+class RawMixtureSource(RawTextSource):
+    """Raw-text and built streams in one weighted mixture: its lanes are the raw streams' lanes in stream order.
 
-    def __init__(self, base: RawTextPlan, *, order: MixedOrder, corpora: list[RawCorpus], fingerprint: str,
-                 streams: list[list[Any]], described: MixtureStreams, record: MixtureRecord):
-        super().__init__(base.corpus, seed=base.seed, shuffle=base.shuffle, token_dtype=base.token_dtype,
-                         segment_ids=base.segment_ids, topology_args=base._topology_args,
-                         group_args=base._group_args, on_corrupt=base.on_corrupt)
-        self.order, self.corpora, self.fingerprint, self.streams = order, corpora, fingerprint, streams
+    Args:
+        streams: the mixture's `Stream`s; raw text ones marked `raw_text=True` (at least one), the others built
+            datasets made with the mixture's tokenizer and sequence length. A weight may be a `Schedule` (its steps
+            are global batches of the first run).
+        settings, config: as `RawTextSource` (lanes: per raw stream); the config's cache options apply to the built
+            streams.
+        cache_dir: node-local cache of the built streams' shards.
+        **options: as `RawTextSource` (topology, storage options).
+
+    Raises:
+        ValueError: no raw-text stream, a weight too small to be sampled, or a built stream whose tokenizer, sample
+            length or token dtype differs from the mixture's (naming it).
+    """
+
+    def __init__(self, streams: Sequence[Stream], settings: RawTextSettings, config: LoaderConfig, *,
+                 cache_dir: str | None = None, storage_options: dict[str, Any] | None = None, **options: Any):
+        streams = list(streams)
+        raw = [s for s in streams if s.raw_text]
+        if not raw:
+            raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
+                             "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
+        # The first raw stream sets the source up as a raw source would: settings, tokenizer, topology.
+        super().__init__(raw[0].url, settings, config, storage_options=_options(raw[0], storage_options), **options)
+        opened = open_streams(streams, self.corpus, config, storage_options=storage_options, cache_dir=cache_dir)
+        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=opened.identities,
+                                   weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
+        self.record = record = fresh_record(described)  # replaced by the saved (or changed) one on resume
+        self.order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.seed, shuffle=self.shuffle)
+        self._identity = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
+                                                    for identity, s in zip(opened.identities, streams)]).encode()
+                                        ).hexdigest()
+        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
+        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, n, units]
+                               for s, n, units in zip(streams, opened.lanes, opened.units)]
         self.described = described
-        self.record = record  # the order's plan is its plan; replaced by the saved (or changed) one on resume
         # Units are numbered over the raw streams in stream order (as the state's cuts name them).
-        units = [len(corpus.units.size) for corpus in corpora]
+        units = [len(corpus.units.size) for corpus in opened.corpora]
         self.unit_offsets = np.cumsum(units) - units
         # global lane -> (its stream, its stream's corpus, lane in it, the stream's first unit number)
-        raw_streams = np.flatnonzero(order.lanes > 0).tolist()
+        raw_streams = np.flatnonzero(self.order.lanes > 0).tolist()
         self.lane_owners = [(s, corpus, lane, int(offset))
-                            for s, corpus, offset in zip(raw_streams, corpora, self.unit_offsets)
+                            for s, corpus, offset in zip(raw_streams, opened.corpora, self.unit_offsets)
                             for lane in range(corpus.num_lanes)]
+
+    def identity(self) -> str:
+        """Identity of the streams, their weights and how raw text becomes samples."""
+        return self._identity
+
+    def stream_identities(self) -> list[str]:
+        """Per stream, its data identity (a raw stream's corpus fingerprint, a built stream's shards), not its
+        weight: a weight change keeps them."""
+        return [s.identity for s in self.record.streams]
+
+    def stream_records(self) -> list[dict[str, Any]]:
+        # ids count through the streams as `raw_mix_order` numbers them; endless: no sample count
+        return [{"url": s.url, "fingerprint": identity, "num_samples": 0}
+                for s, identity in zip(self.streams, self.stream_identities())]
+
+    def describe(self) -> str:
+        return f"a mixture of {', '.join(s.url for s in self.streams)} (raw text pack={self.corpus.settings.pack!r})"
 
     @property
     def num_lanes(self) -> int:
         return self.order.total_lanes
-
-    def order_values(self) -> dict[str, Any]:
-        return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
-                "num_partitions": self.num_lanes}
 
     def raw_state(self) -> dict[str, Any]:
         """The state's record of the streams ([url, weight, raw text, lanes, units] each), the global batch that
@@ -93,7 +172,7 @@ class RawMixturePlan(RawTextPlan):
         record = self.record
         if self.order.global_batch is not None:
             record = record.pinned(self.order.global_batch)
-        return {"streams": self.streams, "global_batch": self.order.global_batch, "mixture": record.to_dict()}
+        return {"streams": self.stream_entries, "global_batch": self.order.global_batch, "mixture": record.to_dict()}
 
     def restore(self, raw_text: dict[str, Any], cursors: dict[int, tuple[int, ...]], cuts: UnitCuts, *,
                 samples_consumed: int = 0, allow_mixture_change: bool = False
@@ -181,7 +260,7 @@ class RawMixturePlan(RawTextPlan):
             first, lanes = lane_at[identity]
             new_first = int(self.order.lane_offsets[s])
             if lanes != int(self.order.lanes[s]):
-                raise ValueError(f"cannot resume: stream {self.streams[s][0]} had {lanes} lanes, now "
+                raise ValueError(f"cannot resume: stream {self.stream_entries[s][0]} had {lanes} lanes, now "
                                  f"{int(self.order.lanes[s])} (the same data: a damaged or edited state)")
             for j in range(lanes):
                 if first + j in cursors:
@@ -213,6 +292,38 @@ class RawMixturePlan(RawTextPlan):
     def unit_url(self, unit: int) -> str:
         stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
         return self.corpora[stream].unit_url(unit - int(self.unit_offsets[stream]))
+
+
+    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
+        """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
+        one part per step, empty or not (see `RawTextSource.parts`)."""
+        plan, topology = self, iteration.topology
+        plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
+        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
+        step = 0
+        try:
+            while True:
+                rows = plan.order.step_rows(step, start=iteration.start, world_size=topology.world_size,
+                                            batch_size=iteration.batch_size, rank=topology.rank)
+                mine = np.flatnonzero(rows.worker_of(num_workers) == worker)
+                part = StepPart(rows=mine, positions=rows.sample_id[mine])
+                raw, from_built = mine[rows.lane[mine] >= 0], mine[rows.lane[mine] < 0]
+                read = {row: lanes.take(int(rows.lane[row]), int(rows.index[row]), part) for row in raw.tolist()}
+                samples = built.read(rows.shard[from_built], rows.sample_id[from_built])
+                read.update((row, (sample, int(rows.index[row]))) for row, sample in zip(from_built.tolist(), samples))
+                part.samples = [read[row][0] for row in mine.tolist()]
+                part.epochs = [read[row][1] for row in mine.tolist()]
+                part.cursors = lanes.cursor_rows(rows.lane[raw])
+                step += 1
+                yield part
+        finally:
+            built.close()
+
+    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
+        """One step's batch (see `RawTextSource.assemble`), with each row's `stream` (its index in the mixture)."""
+        batch = super().assemble(parts)
+        batch["stream"] = self.order.stream_of_ids(batch["sample_id"])
+        return batch
 
 
 class BuiltSamples:
@@ -247,88 +358,6 @@ class BuiltSamples:
             self.held.popitem()[1].close()
 
 
-class RawMixtureDataset(RawTextDataset):
-    """Raw-text and built streams in one weighted mixture (built through `StreamingDataset`).
-
-    Args:
-        streams: the mixture's `Stream`s; raw text ones marked `raw_text=True` (at least one), the others built
-            datasets made with the mixture's tokenizer and sequence length. A weight may be a `Schedule` (its steps
-            are global batches of the first run).
-        cache_dir: node-local cache of the built streams' shards.
-        **options: as `RawTextDataset` (tokenizer, seq_len, pack, lanes (per raw stream), seed, topology...).
-
-    Raises:
-        ValueError: no raw-text stream, a weight too small to be sampled, or a built stream whose tokenizer, sample
-            length or token dtype differs from the mixture's (naming it).
-    """
-
-    raw_text = True  # `isinstance(dataset, StreamingDataset)` holds (`StreamingDataset.__subclasshook__`)
-
-    def __init__(self, streams: Sequence[Stream], *, cache_dir: str | None = None,
-                 storage_options: dict[str, Any] | None = None, **options: Any):
-        streams = list(streams)
-        raw = [s for s in streams if s.raw_text]
-        if not raw:
-            raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
-                             "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
-        # The first raw stream sets the dataset up as a raw dataset would: settings, tokenizer, topology.
-        super().__init__(raw[0].url, storage_options=_options(raw[0], storage_options), **options)
-        opened = open_streams(streams, self.corpus, storage_options=storage_options, cache_dir=cache_dir)
-        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=opened.identities,
-                                   weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
-        record = fresh_record(described)
-        order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.plan.seed,
-                           shuffle=self.plan.shuffle)
-        fingerprint = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
-                                                 for identity, s in zip(opened.identities, streams)]).encode())
-        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
-        self.plan = RawMixturePlan(self.plan, order=order, corpora=opened.corpora, fingerprint=fingerprint.hexdigest(),
-                                   streams=[[s.url, weight_spec(s.weight), s.raw_text, n, units]
-                                            for s, n, units in zip(streams, opened.lanes, opened.units)],
-                                   described=described,
-                                   record=record)
-
-    def fingerprint(self) -> str:
-        """Identity of the streams, their weights and how raw text becomes samples."""
-        return self.plan.fingerprint
-
-    def stream_identities(self) -> list[str]:
-        """Per stream, its data identity (a raw stream's corpus fingerprint, a built stream's shards), not its
-        weight: a weight change keeps them."""
-        return [s.identity for s in self.plan.record.streams]
-
-    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
-        """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
-        one part per step, empty or not (see `RawTextDataset.parts`)."""
-        plan, topology = self.plan, iteration.topology
-        plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
-        step = 0
-        try:
-            while True:
-                rows = plan.order.step_rows(step, start=iteration.start, world_size=topology.world_size,
-                                            batch_size=iteration.batch_size, rank=topology.rank)
-                mine = np.flatnonzero(rows.worker_of(num_workers) == worker)
-                part = StepPart(rows=mine, positions=rows.sample_id[mine])
-                raw, from_built = mine[rows.lane[mine] >= 0], mine[rows.lane[mine] < 0]
-                read = {row: lanes.take(int(rows.lane[row]), int(rows.index[row]), part) for row in raw.tolist()}
-                samples = built.read(rows.shard[from_built], rows.sample_id[from_built])
-                read.update((row, (sample, int(rows.index[row]))) for row, sample in zip(from_built.tolist(), samples))
-                part.samples = [read[row][0] for row in mine.tolist()]
-                part.epochs = [read[row][1] for row in mine.tolist()]
-                part.cursors = lanes.cursor_rows(rows.lane[raw])
-                step += 1
-                yield part
-        finally:
-            built.close()
-
-    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
-        """One step's batch (see `RawTextDataset.assemble`), with each row's `stream` (its index in the mixture)."""
-        batch = super().assemble(parts)
-        batch["stream"] = self.plan.order.stream_of_ids(batch["sample_id"])
-        return batch
-
-
 @dataclass
 class OpenedStreams:
     """A mixture's streams, opened: the raw streams' corpora, the built streams' sources, and per stream its
@@ -342,8 +371,8 @@ class OpenedStreams:
     units: list[int] = field(default_factory=list)  # a raw stream's work units (0: built)
 
 
-def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: dict[str, Any] | None,
-                 cache_dir: str | None) -> OpenedStreams:
+def open_streams(streams: list[Stream], first: RawCorpus, config: LoaderConfig, *,
+                 storage_options: dict[str, Any] | None, cache_dir: str | None) -> OpenedStreams:
     """List every raw stream's units with `first`'s settings (`first` is the first raw stream's corpus) and fetch
     the built streams' manifests, checking each against the mixture.
 
@@ -351,7 +380,7 @@ def open_streams(streams: list[Stream], first: RawCorpus, *, storage_options: di
         ValueError / OSError: as `RawCorpus`, `Sources` and `check_built_stream` raise them.
     """
     built = [s for s in streams if not s.raw_text]
-    opened = OpenedStreams(sources=Sources(built, LoaderConfig(), cache_dir=cache_dir,
+    opened = OpenedStreams(sources=Sources(built, config, cache_dir=cache_dir,
                                            storage_options=storage_options) if built else None)
     manifests = iter(zip(opened.sources.manifests, opened.sources.shard_sizes) if built else ())
     for stream in streams:

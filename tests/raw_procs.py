@@ -32,7 +32,7 @@ def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: i
             batch = next(it)
             rows += [(int(i), int(e), tuple(t.tolist())) for i, e, t in
                      zip(batch["sample_id"], batch["lane_epoch"], batch["tokens"])]
-        return {"rows": rows, "state": loader.state_dict(), "skipped": loader.skipped_units,
-                "rejected": dict(dataset.rejected)}
+        return {"rows": rows, "state": loader.state_dict(), "skipped": loader.counters()["skipped_units"],
+                "rejected": dict(dataset.source.rejected)}
     finally:
         dist.destroy_process_group()

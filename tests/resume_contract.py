@@ -52,7 +52,7 @@ def batch_ids(batch) -> np.ndarray:
 
 def save(loaders) -> dict:
     """The global state of loaders standing at the same step, one per rank (all ranks in this process)."""
-    if len(loaders) > 1 and hasattr(loaders[0], "local_state_dict"):  # gathered over a process group
+    if len(loaders) > 1 and loaders[0].source.endless:  # raw text: its state_dict() gathers over a process group
         from shardkit.loaders.raw_loader import merge_raw_states
 
         return merge_raw_states([loader.local_state_dict() for loader in loaders])
@@ -158,7 +158,7 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
         for i in repeated:
             assert counts[i] - 1 <= singles[i], f"sample {i} was repeated outside a filler batch"
         return
-    epoch_order = dataset.order(0, state["num_partitions"], tuple(map(tuple, state.get("quarantine", ()))))
+    epoch_order = dataset.source.order(0, state["num_partitions"], tuple(map(tuple, state.get("quarantine", ()))))
     num_positions = epoch_order.num_positions
     order = epoch_order.sample_ids(np.arange(num_positions))
     policy = dataset.config.partial_batches

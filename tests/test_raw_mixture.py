@@ -64,7 +64,7 @@ def test_batches_mix_the_streams_by_their_quotas_with_distinguishable_ids(data, 
     raw_ids = ids[stream != 1]
     assert len(set(raw_ids.tolist())) == len(raw_ids)  # a built id repeats only in the stream's next epoch
     _, built = read_samples(data["built"])
-    assert ds.plan.order.built_samples == len(built)
+    assert ds.source.order.built_samples == len(built)
     assert (ids[stream == 1] < len(built)).all() and (ids[stream != 1] >= len(built)).all()
     # raw stream r's item k is len(built) + 2k + r: streams A (r = 0) and B (r = 1) tell apart by parity
     assert ((ids[stream == 0] - len(built)) % 2 == 0).all() and ((ids[stream == 2] - len(built)) % 2 == 1).all()
@@ -88,7 +88,7 @@ def test_a_raw_streams_items_are_its_own_raw_datasets_samples(data, tokenizer):
     """Raw stream A's k-th item is sample k of A read as a raw dataset of its own (lane k % lanes)."""
     ds = mixture(data, tokenizer)
     batches = take(StreamingDataLoader(ds, batch_size=8), 10)
-    built = ds.plan.order.built_samples
+    built = ds.source.order.built_samples
     mixed = {(int(i) - built) // 2: tuple(t.tolist()) for b in batches
              for i, s, t in zip(b["sample_id"], b["stream"], b["tokens"]) if s == 0}
     alone = StreamingDataset(data["a"], tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3)
@@ -138,7 +138,7 @@ def test_a_weight_schedule_counts_the_first_runs_steps_also_after_an_elastic_res
                                 unit_bytes=4096, lanes=3, **rank)
 
     reference, _ = ranks_run(scheduled, world_size=1, batch_size=8, steps=8)
-    built = scheduled().plan.order.built_samples
+    built = scheduled().source.order.built_samples
     with_built = [any(i < built for i, _, _ in reference[step * 8:(step + 1) * 8]) for step in range(8)]
     assert with_built == [False] * 3 + [True] * 5
     head, state = ranks_run(scheduled, world_size=1, batch_size=8, steps=2, workers=2)
@@ -194,7 +194,7 @@ def test_a_weight_change_on_resume_continues_each_stream_from_its_count(data, to
     epochs = np.concatenate([b["lane_epoch"].numpy() for b in head + tail])
     assert np.array_equal(np.bincount(stream[:40], minlength=3), run_counts(mixture_quotas(WEIGHTS), 40))
     assert np.array_equal(np.bincount(stream[40:], minlength=3), run_counts(mixture_quotas(after), 80))
-    built = changed.plan.order.built_samples
+    built = changed.source.order.built_samples
     for raw_stream, r in ((0, 0), (2, 1)):  # raw stream r's item k is built + 2k + r: items 0..n-1, each once
         k = np.sort((ids[stream == raw_stream] - built - r) // 2)
         assert np.array_equal(k, np.arange(len(k))), raw_stream
@@ -268,7 +268,7 @@ def test_streams_removed_reordered_and_added_back_on_resume_continue_from_their_
             again = StreamingDataLoader(phase(sources, weights), batch_size=8)
             again.load_state_dict(saved)
             assert rows(take(again, 3)) == rows(batches[5:])
-        order = loader.dataset.plan.order
+        order = loader.dataset.source.order
         for batch in batches:
             for sample_id, stream, epoch, tokens in zip(batch["sample_id"].tolist(), batch["stream"].tolist(),
                                                         batch["lane_epoch"].tolist(), batch["tokens"]):
@@ -371,7 +371,7 @@ def test_a_cut_unit_keeps_its_cut_when_the_streams_change(damaged, tokenizer, ca
     does not find it again, and both raw streams go on as they read alone."""
     loader = StreamingDataLoader(skipping(damaged, tokenizer), batch_size=8)
     head = take(loader, 30)
-    assert loader.skipped_units == 1
+    assert loader.counters()["skipped_units"] == 1
     changed = StreamingDataset([Stream(damaged["b"], 0.5, raw_text=True), Stream(damaged["a"], 0.5, raw_text=True)],
                                tokenizer=tokenizer, seq_len=SEQ_LEN, unit_bytes=4096, lanes=3, on_corrupt="skip")
     resumed = StreamingDataLoader(changed, batch_size=8)
@@ -381,11 +381,11 @@ def test_a_cut_unit_keeps_its_cut_when_the_streams_change(damaged, tokenizer, ca
         tail = take(resumed, 20)
     assert not [r for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
     [[unit, _, _, _]] = resumed.state_dict()["raw_text"]["unreadable"]
-    assert unit < len(changed.corpora[0].units.size) and changed.corpora[0].unit_url(unit).endswith(
+    assert unit < len(changed.source.corpora[0].units.size) and changed.source.corpora[0].unit_url(unit).endswith(
         "b_damaged/c.jsonl.zst")
     items: dict[str, dict[int, tuple]] = {"a": {}, "b": {}}
-    for batches, order, names in ((head, loader.dataset.plan.order, ("a", "built", "b")),
-                                  (tail, changed.plan.order, ("b", "a"))):
+    for batches, order, names in ((head, loader.dataset.source.order, ("a", "built", "b")),
+                                  (tail, changed.source.order, ("b", "a"))):
         for batch in batches:
             for sample_id, stream, tokens in zip(batch["sample_id"].tolist(), batch["stream"].tolist(),
                                                  batch["tokens"]):
@@ -406,14 +406,14 @@ def test_on_corrupt_skip_cuts_a_raw_streams_unreadable_unit_as_its_own_dataset_w
     with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
         batches = take(loader, 30)
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
-    assert loader.skipped_units == 1 and len(skipped) == 1 and f"{damaged['b']}/c.jsonl.zst from its segment" in \
+    assert loader.counters()["skipped_units"] == 1 and len(skipped) == 1 and f"{damaged['b']}/c.jsonl.zst from its segment" in \
         skipped[0], skipped
     [[unit, _, _, _]] = loader.state_dict()["raw_text"]["unreadable"]
-    first_of_b = len(ds.corpora[0].units.size)
-    assert unit >= first_of_b and ds.corpora[1].unit_url(unit - first_of_b).endswith("b_damaged/c.jsonl.zst")
+    first_of_b = len(ds.source.corpora[0].units.size)
+    assert unit >= first_of_b and ds.source.corpora[1].unit_url(unit - first_of_b).endswith("b_damaged/c.jsonl.zst")
     # Each raw stream's items are its own raw dataset's samples (its lanes seeded with the mixture's seed plus its
     # index): A untouched by B's cut, B cut as it cuts itself alone.
-    built = ds.plan.order.built_samples
+    built = ds.source.order.built_samples
     for stream, url in ((0, damaged["a"]), (2, damaged["b"])):
         mixed = [(int(i) - built) // 2 for b in batches for i, s in zip(b["sample_id"], b["stream"]) if s == stream]
         tokens = {(int(i) - built) // 2: tuple(t.tolist()) for b in batches
@@ -433,7 +433,7 @@ def test_resume_contract_of_a_mixture_that_skips(damaged, tokenizer, workers):
     check_resume(make_loader, steps=24)  # saved before and after the cut (at step 10)
     run = make_loader(0, 1)
     take(run, 11)
-    assert run.skipped_units == 1
+    assert run.counters()["skipped_units"] == 1
 
 
 def test_cuts_saved_on_one_rank_hold_on_two_and_three(damaged, tokenizer):
@@ -476,7 +476,7 @@ def test_ranks_skip_a_raw_streams_unreadable_unit_alike_over_gloo(process_pool, 
 def test_a_sample_ids_place_inverts_the_order(data, tokenizer):
     """`places_of_ids` (what `shardkit trace` reads again) gives back each row's stream, lane and lane sample, and a
     built row's id within its stream."""
-    order = mixture(data, tokenizer).plan.order
+    order = mixture(data, tokenizer).source.order
     order.pin(12)
     rows = [order.step_rows(step, start=0, world_size=1, batch_size=12, rank=0) for step in range(20)]
     ids, stream, lane, index = (np.concatenate([getattr(r, name) for r in rows])

@@ -47,7 +47,7 @@ def real_tokens(batch):
 def first_epoch(ds, *, batch_size=4):
     """Real tokens of every sample of lane epoch 0: read until every lane has moved on to epoch 1."""
     loader = StreamingDataLoader(ds, batch_size=batch_size)
-    lanes = ds.corpus.num_lanes
+    lanes = ds.source.corpus.num_lanes
     moved, samples = set(), []
     for batch in loader:
         for sample_id, epoch, tokens in zip(batch["sample_id"].tolist(), batch["lane_epoch"].tolist(),
@@ -63,7 +63,7 @@ def first_epoch(ds, *, batch_size=4):
 
 def loader_documents(ds):
     """(file, document number) -> tokens (with EOS) of every accepted document of the loader's units."""
-    corpus, docs = ds.corpus, {}
+    corpus, docs = ds.source.corpus, {}
     for number in range(len(corpus.units.size)):
         for unit in corpus.segments(number):
             result = tokenize_unit(unit, corpus.documents)
@@ -98,9 +98,9 @@ def test_every_token_of_every_accepted_document_once_per_lane_epoch(corpus, pack
     want = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
     assert len(got) == len(want) and np.array_equal(np.bincount(got, minlength=300), np.bincount(want, minlength=300))
     # counted by reason as the build counts them, once per corpus though the loader read on into lane epoch 1
-    assert ds.rejected == {"malformed JSON": 1, "no 'text' field": 1, "empty document": 1, "invalid UTF-8": 1}
+    assert ds.source.rejected == {"malformed JSON": 1, "no 'text' field": 1, "empty document": 1, "invalid UTF-8": 1}
     published = {r: metrics.value("shardkit_loader_documents_rejected_total", reason=r) - before[r] for r in reasons}
-    assert published == dict(ds.rejected)  # and published as a metric, once each
+    assert published == dict(ds.source.rejected)  # and published as a metric, once each
 
 
 def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
@@ -112,7 +112,7 @@ def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
     ds = dataset(corpus, pack="none")
     raw = first_epoch(ds)
     assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
-    assert ds.rejected == report["documents"]["rejected_by_reason"] and ds.rejected  # counted as the build counts
+    assert ds.source.rejected == report["documents"]["rejected_by_reason"] and ds.source.rejected  # counted as the build counts
 
 
 def test_documents_are_the_builds_across_ranges_segments_and_row_groups(corpus, tmp_path):
@@ -122,15 +122,15 @@ def test_documents_are_the_builds_across_ranges_segments_and_row_groups(corpus, 
     run_build(config([corpus], tmp_path / "built", packing="none", seq_len=1024))
     built = documents_from_samples(read_samples(str(tmp_path / "built"))[1])
     ds = dataset(corpus, pack="none")
-    units = ds.corpus.units
-    names = [f.url.rsplit("/", 1)[-1] for f in ds.corpus.files]
+    units = ds.source.corpus.units
+    names = [f.url.rsplit("/", 1)[-1] for f in ds.source.corpus.files]
     kinds = dict(zip(names, units.kinds))
     assert kinds == {"a.jsonl": RANGE, "b.jsonl.gz": STREAMED, "c.jsonl.zst": STREAMED, "d.parquet": ROW_GROUP,
                      "e.txt": STREAMED}
     parts = np.bincount(units.source, minlength=len(names))
     streamed = names.index("c.jsonl.zst")
     assert parts[names.index("a.jsonl")] > 3 and parts[names.index("d.parquet")] == 4 and parts[streamed] == 1
-    assert sum(1 for _ in ds.corpus.segments(int(np.flatnonzero(units.source == streamed)[0]))) > 3
+    assert sum(1 for _ in ds.source.corpus.segments(int(np.flatnonzero(units.source == streamed)[0]))) > 3
     raw = loader_documents(ds)
     for source, kind in enumerate(units.kinds):
         mine = {k: v for k, v in raw.items() if k[0] == source}
@@ -253,7 +253,7 @@ def test_a_lane_without_accepted_documents_is_named_not_spun_on(tmp_path, bad):
     (tmp_path / "good.jsonl").write_text("\n".join(f'{{"text": "document {i} {"x" * 50}"}}' for i in range(40)))
     (tmp_path / "bad.jsonl").write_bytes(bad)  # every document rejected, or no document at all
     ds = StreamingDataset(str(tmp_path), tokenizer="byte", seq_len=64, lanes=2)
-    assert [len(units) for units in ds.corpus.lanes] == [1, 1]
+    assert [len(units) for units in ds.source.corpus.lanes] == [1, 1]
     with pytest.raises(ValueError, match=r"lane 1 of 2 holds no accepted document \(its inputs: .*bad.jsonl\)"):
         take(StreamingDataLoader(ds, batch_size=4), 2)
 
@@ -303,8 +303,8 @@ def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_segment_of_a_compr
 def test_special_ids_as_the_build_takes_them(corpus):
     with pytest.raises(ValueError, match=r"eos_id 999 is outside the tokenizer's vocabulary \[0, 258\)"):
         dataset(corpus, eos_id=999)
-    assert dataset(corpus).corpus.documents.eos_id == 256  # "auto": the tokenizer's
-    assert dataset(corpus, eos_id=None).corpus.documents.eos_id is None
+    assert dataset(corpus).source.corpus.documents.eos_id == 256  # "auto": the tokenizer's
+    assert dataset(corpus, eos_id=None).source.corpus.documents.eos_id is None
 
 
 def test_an_input_that_vanishes_after_listing_is_named(tmp_path):

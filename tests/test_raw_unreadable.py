@@ -77,7 +77,7 @@ def test_skip_logs_and_counts_each_unreadable_unit_once_and_goes_on(damaged, cap
         batches = take(loader, 150)  # every lane well into its second lane epoch
     assert {int(e) for b in batches for e in b["lane_epoch"]} >= {0, 1, 2}
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
-    assert len(skipped) == 2 and loader.skipped_units == 2, skipped  # once each, though every lane epoch meets them
+    assert len(skipped) == 2 and loader.counters()["skipped_units"] == 2, skipped  # once each, though every lane epoch meets them
     zst = next(m for m in skipped if "c.jsonl.zst" in m)
     parquet = next(m for m in skipped if "d.parquet" in m)
     assert "from its segment" in zst and "TruncatedInputError" in zst  # its readable segments were read first
@@ -101,8 +101,8 @@ def test_skipping_gives_the_builds_documents_of_a_truncated_file(tmp_path):
     ds = dataset(corpus, pack="none")
     raw = first_epoch(ds)
     assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
-    assert ds.rejected == report["documents"]["rejected_by_reason"]
-    assert ds.rejected["incomplete record at the end of a truncated or corrupt file"] == 2
+    assert ds.source.rejected == report["documents"]["rejected_by_reason"]
+    assert ds.source.rejected["incomplete record at the end of a truncated or corrupt file"] == 2
 
 
 def test_a_file_that_vanishes_is_skipped_unit_by_unit_and_the_run_goes_on(tmp_path, caplog):
@@ -114,7 +114,7 @@ def test_a_file_that_vanishes_is_skipped_unit_by_unit_and_the_run_goes_on(tmp_pa
         tail = take(reference, 100)
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
     assert skipped and all("a.jsonl bytes " in m and "FileNotFoundError" in m for m in skipped)
-    assert reference.skipped_units == len(skipped)
+    assert reference.counters()["skipped_units"] == len(skipped)
     assert len(rows(head + tail)) == 4 * 103
 
 
@@ -145,7 +145,7 @@ def test_a_cut_inside_a_segment_keeps_the_samples_before_it(tmp_path):
     corpus = write_corpus(tmp_path / "in", docs=150)
     settings = dict(lanes=1, shuffle=False)  # one lane, its units in corpus order: unit 0 first
     ds = dataset(corpus, **settings)
-    in_unit_0 = len(ds.corpus.pack_unit(next(ds.corpus.segments(0)))[0])
+    in_unit_0 = len(ds.source.corpus.pack_unit(next(ds.source.corpus.segments(0)))[0])
     reference = [t for _, _, t in rows(take(StreamingDataLoader(ds, batch_size=4), 20))]
     state = StreamingDataLoader(dataset(corpus, **settings), batch_size=4).state_dict()
     state["raw_text"]["unreadable"] = [[0, 0, 0, 3]]  # unit 0 ends after its first 3 samples
@@ -162,7 +162,7 @@ def test_resume_contract_with_skipped_units(damaged, workers):
     check_resume(make_loader, steps=STEPS_PAST_THE_DAMAGE // 2)
     run = make_loader(0, 1)
     take(run, STEPS_PAST_THE_DAMAGE // 2 - 1)
-    assert run.skipped_units == 2  # saved before, between and after the cuts
+    assert run.counters()["skipped_units"] == 2  # saved before, between and after the cuts
 
 
 def test_cuts_saved_on_one_rank_hold_on_three(damaged):
@@ -175,7 +175,7 @@ def test_cuts_saved_on_one_rank_hold_on_three(damaged):
 
     saver = make_loader(0, 1)
     take(saver, STEPS_PAST_THE_DAMAGE // 2)
-    assert saver.skipped_units == 2  # both units are cut before the save point
+    assert saver.counters()["skipped_units"] == 2  # both units are cut before the save point
     check_elastic_resume(make_loader, before=1, after=3, steps=STEPS_PAST_THE_DAMAGE)
 
 

@@ -94,12 +94,12 @@ def test_read_plan_restores_its_order_fields_and_refuses_another_order(two_strea
     streams, cache = two_streams
 
     def plan():
-        return StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=4).plan
+        return StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=4).source
 
     states = check_stage_resume(plan, [lambda p: p.topology(), lambda p: p.mixture.pin(8)], complete)
     assert states[0]["num_partitions"] is None and states[1]["num_partitions"] == 1
     assert states[2]["mixture"]["global_batch"] == 8
-    other = StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=5).plan
+    other = StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=5).source
     with pytest.raises(ValueError, match="another order .*seed: saved 4, now 5"):
         other.restore(complete(states[-1]))
 
@@ -109,8 +109,8 @@ def test_the_loader_state_is_the_composition_of_its_stages(two_streams):
     loader = StreamingDataLoader(StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1), batch_size=4)
     next(iter(loader))
     state = loader.state_dict()
-    plan = loader.plan
-    parts = {**plan.state(), **loader._steps.state(), **loader._quarantine.state()}
+    plan = loader.source
+    parts = {**plan.state(), **loader.feed._steps.state(), **loader.feed._quarantine.state()}
     assert LoaderState.from_dict(state) == complete(
         {**parts, "epoch": 0, "global_batch_size": 4, "world_size": 1})
     assert state["samples_consumed"] == 4 and state["mixture"]["global_batch"] == 4
@@ -173,9 +173,9 @@ def _dataset_reaches(tree: ast.AST) -> set[str]:
     return reaches
 
 
-def test_the_loader_reaches_the_dataset_only_through_its_plan():
+def test_the_loader_reaches_the_dataset_only_through_its_source():
     reaches = _dataset_reaches(ast.parse((LOADERS / "dataloader.py").read_text()))
-    assert reaches <= {"plan"}, f"StreamingDataLoader reaches into the dataset's {sorted(reaches - {'plan'})}"
+    assert reaches <= {"source"}, f"StreamingDataLoader reaches into the dataset's {sorted(reaches - {'source'})}"
 
 
 def test_the_reach_check_sees_a_reach():

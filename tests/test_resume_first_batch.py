@@ -71,7 +71,7 @@ def test_resumed_first_batch_reads_no_more_blocks_than_a_fresh_epochs(source, tm
         _, resumed, batch = first_batch(source, str(tmp_path / f"resumed-{fraction}"), state)
         # the batch is the one an uninterrupted epoch reads at that position
         order = StreamingDataset(source, cache_dir=str(tmp_path / "state"), rank=0, world_size=1,
-                                 **OPTIONS).order(0, 1)
+                                 **OPTIONS).source.order(0, 1)
         expected = order.sample_ids(np.arange(state["samples_consumed"], state["samples_consumed"] + BATCH))
         assert sorted(ids_from_tokens(batch["tokens"]).tolist()) == sorted(expected.tolist())
         assert resumed.downloads == 0, f"resumed at {fraction}: whole shards read before the first batch"

@@ -76,7 +76,7 @@ def test_skipped_ids_are_absent_the_rest_once_per_epoch_balanced_and_in_the_orig
         got = Counter(int(i) for batches in per_rank for b in batches[epoch * steps:(epoch + 1) * steps] for i in b)
         assert not SKIP & set(got) and max(got.values()) == 1 and len(got) == steps * world * 4
     # The order of the rest is the unfiltered order with the skipped ids taken out.
-    order = loader(dataset_url, 0, world).dataset.order(0, 1)
+    order = loader(dataset_url, 0, world).dataset.source.order(0, 1)
     full = order.sample_ids(np.arange(order.num_positions))
     kept_order = full[~np.isin(full, list(SKIP))]
     for step in range(steps):
@@ -109,18 +109,18 @@ def test_documents_are_resolved_through_provenance(tmp_path):
                   tokenizer=TokenizerInfo(kind="byte", name="test", vocab_size=VOCAB), sources=("/data/docs.jsonl",))
     dataset = StreamingDataset(url, skip_samples=[("docs.jsonl", 101), ("/data/docs.jsonl", 8), 7],
                                cache_dir=str(tmp_path / "cache"))
-    assert dataset.skipped_ids().tolist() == [4, 7, 50]
+    assert dataset.source.skipped_ids().tolist() == [4, 7, 50]
     got = [int(i) for b in StreamingDataLoader(dataset, batch_size=3) for i in b["sample_id"]]
     assert len(got) == len(set(got)) == 96 and not {4, 7, 50} & set(got)  # 97 kept, the drop policy leaves 1
     for entry, message in (((("docs.jsonl", 10**6)), "no sample holds document docs.jsonl#1000000"),
                            ((("other.jsonl", 1)), "source 'other.jsonl' is not an input")):
         with pytest.raises(ValueError, match=message):
-            StreamingDataset(url, skip_samples=[entry], cache_dir=str(tmp_path / "cache")).skipped_ids()
+            StreamingDataset(url, skip_samples=[entry], cache_dir=str(tmp_path / "cache")).source.skipped_ids()
 
 
 def test_bad_skip_samples_are_clear_errors(dataset_url):
     with pytest.raises(ValueError, match="sample id 300 is out of range"):
-        loader(dataset_url, 0, 1, skip_samples=[300]).dataset.skipped_ids()
+        loader(dataset_url, 0, 1, skip_samples=[300]).dataset.source.skipped_ids()
     with pytest.raises(ValueError, match="not a mixture"):
         from shardkit.loaders.mixing import Stream
         StreamingDataset([Stream(dataset_url), Stream(dataset_url)], skip_samples=[1])
@@ -138,7 +138,7 @@ def test_a_huge_range_stays_two_numbers_and_is_refused_against_the_epoch(dataset
     dataset = loader(dataset_url, 0, 1, skip_samples="0-2000000000").dataset
     assert dataset.config.skip_samples == ((0, 2000000000),)
     with pytest.raises(ValueError, match="sample id 2000000000 is out of range: the dataset holds 300 samples"):
-        dataset.skipped_ids()
+        dataset.source.skipped_ids()
     inside = loader(dataset_url, 0, 1, skip_samples="10-289")  # a range the dataset holds: 280 samples leave
     batches = list(inside)
     assert len(batches) == (NUM_SAMPLES - 280) // 4

@@ -9,6 +9,7 @@ instead of hanging the suite.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -221,8 +222,11 @@ import os, signal, sys, threading
 from process_tree import descendants
 from shardkit import StreamingDataLoader, StreamingDataset
 
-dataset = StreamingDataset(URL, cache_dir=CACHE, shuffle=False, rank=0, world_size=1)
-loader = StreamingDataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork")
+# Raw text: parts of 32 rows of 2,049 tokens (over 64 KiB a message, more than a pipe holds, as the built batches).
+dataset = (StreamingDataset(URL, shuffle=False, rank=0, world_size=1, tokenizer="byte", seq_len=2048,
+                            unit_bytes=1 << 16, lanes=4) if RAW
+           else StreamingDataset(URL, cache_dir=CACHE, shuffle=False, rank=0, world_size=1))
+loader = StreamingDataLoader(dataset, batch_size=32 if RAW else 8, num_workers=2, multiprocessing_context="fork")
 
 def train():
     iterator = iter(loader)
@@ -241,16 +245,25 @@ else:
 """
 
 
-@pytest.mark.parametrize("death, in_thread", [("sigkill", False), ("os_exit", True)])
-def test_workers_exit_when_their_training_process_dies_hard(tmp_path, figures, death, in_thread):
+@pytest.mark.parametrize("source, death, in_thread", [("built", "sigkill", False), ("built", "os_exit", True),
+                                                    ("raw", "sigkill", False)])
+def test_workers_exit_when_their_training_process_dies_hard(tmp_path, figures, source, death, in_thread):
     """A training process dies hard (SIGKILL, `os._exit`) while its loader's two workers hold batches it never
-    took: the workers must end too. They used to stay forever (parent pid 1): torch's loop noticed the dead
-    parent and returned, but the process then waited to flush its last batches into a pipe nobody reads
-    (ours carry the tokens, ~66 KiB a message here, more than a pipe holds)."""
+    took: the workers must end too, whatever the source (raw text's workers tokenize ahead endlessly). They used
+    to stay forever (parent pid 1): torch's loop noticed the dead parent and returned, but the process then
+    waited to flush its last batches into a pipe nobody reads (ours carry the tokens, ~66 KiB a message here,
+    more than a pipe holds)."""
     url = str(tmp_path / "ds")
-    write_fixed(url, 2000, per_shard=200, seq_len=256)
-    script = (f"URL, CACHE, DEATH, IN_THREAD = {url!r}, {str(tmp_path / 'cache')!r}, {death!r}, {in_thread}\n"
-              + ORPHANING_RUN)
+    if source == "raw":
+        url = str(tmp_path / "corpus.jsonl")
+        words = "the of and a to in is was he for it with as his on be at by had are".split()
+        with open(url, "w") as f:
+            for i in range(400):
+                f.write(json.dumps({"text": " ".join(words[(i * j) % len(words)] for j in range(300))}) + "\n")
+    else:
+        write_fixed(url, 2000, per_shard=200, seq_len=256)
+    script = (f"URL, CACHE, DEATH, IN_THREAD, RAW = {url!r}, {str(tmp_path / 'cache')!r}, {death!r}, {in_thread}, "
+              f"{source == 'raw'}\n" + ORPHANING_RUN)
     # Output to a file, not a pipe: the orphaned workers hold what they inherited, and a pipe would not end.
     with open(tmp_path / "out", "w+") as out:
         subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
@@ -269,7 +282,7 @@ def test_workers_exit_when_their_training_process_dies_hard(tmp_path, figures, d
     seconds = time.monotonic() - died
     signal_all(alive, signal.SIGKILL)  # a failed run leaves nothing behind
     assert not alive, f"workers {alive} outlived their dead parent by {ORPHAN_SECONDS} s"
-    figures.add(f"orphaned_workers_{death}", runs=1, workers=len(workers), seconds_to_exit=round(seconds, 2))
+    figures.add(f"orphaned_workers_{source}_{death}", runs=1, workers=len(workers), seconds_to_exit=round(seconds, 2))
 
 
 ORPHAN_SECONDS = 10  # torch's own workers (tensors in shared memory) take up to ~12 s; ours must be quicker

@@ -319,7 +319,7 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
             raise ValueError(f"the raw text {spec} is not what run {run_dir} read at step "
                              f"{config.step} (the inputs, their files' sizes or the tokenization differ); pass the "
                              "inputs it read with --data")
-    decoder = _decoder(config, dataset.corpus.tokenizer_info, dataset.corpus.settings.tokenizer,
+    decoder = _decoder(config, dataset.source.corpus.tokenizer_info, dataset.source.corpus.settings.tokenizer,
                        whose="the run read its text with", owner="it") if config.text else None
     checkpoint = loader_state_before(raw, config.step, since)
     if checkpoint is None and since > 0 and \

@@ -112,7 +112,7 @@ class RawRunSamples:
     """The samples of a raw-text run by sample id, read again lane by lane (see the module docstring)."""
 
     def __init__(self, dataset: Any, spec: str):
-        self.dataset, self.plan, self.spec = dataset, dataset.plan, spec
+        self.dataset, self.plan, self.spec = dataset, dataset.source, spec
         self.order = getattr(self.plan, "order", None)  # a mixture's `MixedOrder`
         self.lane_count = self.plan.num_lanes
         self.lanes_read = 0  # lane samples packed by `read`
@@ -129,7 +129,7 @@ class RawRunSamples:
             [lane], [index] = position_lanes(np.array([sample_id]), self.lane_count)
             return RawPlace(self.spec, lane=int(lane), index=int(index))
         [stream], [lane], [index] = self.order.places_of_ids(np.array([sample_id]))
-        url = self.dataset.streams[int(stream)].url
+        url = self.plan.streams[int(stream)].url
         return RawPlace(url, lane=int(lane), index=int(index)) if lane >= 0 else RawPlace(url, local=int(index))
 
     def read(self, places: list[RawPlace], state: dict[str, Any] | None = None) -> dict[tuple[int, int], Any]:

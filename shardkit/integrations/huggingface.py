@@ -56,8 +56,8 @@ class TrainerBatches:
         """(epoch, batches of it handed out), an epoch's end counted as the next epoch's start."""
         state = self.loader.state_dict()
         steps = state["samples_consumed"] // state["global_batch_size"]
-        if getattr(self.loader, "raw_text", False):
-            return 0, steps  # raw text has no epoch end: its lanes go on (the Trainer then counts one endless epoch)
+        if self.loader.source.endless:
+            return 0, steps  # no epoch end (raw text's lanes go on): the Trainer counts one endless epoch
         if steps >= len(self.loader):
             return state["epoch"] + 1, 0
         return state["epoch"], steps
@@ -87,10 +87,9 @@ class ShardkitTrainer(Trainer):
             raise TypeError(f"ShardkitTrainer needs train_dataset=StreamingDataset(...), got "
                             f"{type(train_dataset).__name__}: pass the dataset, the trainer builds its loader")
         if train_dataset.sample_length is None:
-            where = "raw text with pack='none'" if getattr(train_dataset, "raw_text", False) else \
-                train_dataset.streams[0].url
-            raise ValueError(f"{where}: samples of variable length; ShardkitTrainer needs fixed-length samples (a "
-                             "dataset built with seq_len, or raw text with pack='concat' or 'bestfit')")
+            raise ValueError(f"{train_dataset.source.describe()}: samples of variable length; ShardkitTrainer needs "
+                             "fixed-length samples (a dataset built with seq_len, or raw text with pack='concat' or "
+                             "'bestfit')")
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
         self.on_sample_ids = on_sample_ids
         self._batches: TrainerBatches | None = None

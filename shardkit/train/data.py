@@ -143,32 +143,19 @@ def raw_text_dataset(source: list[Any], config: DataConfig, *, seq_len: int | No
                             quarantine_list=config.loader.quarantine_list, **mixture, **where)
 
 
-@dataclass(frozen=True)
-class RawTextShape:
-    """What the trainer reads of a manifest, for raw text (`check_dataset`, `check_same_tokens`)."""
-
-    seq_len: int
-    tokenizer: Any
-    token_dtype: str
-
-
-def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Manifest | RawTextShape:
-    """The manifest of a `StreamingDataset` the trainer reads (the first stream of a mixture), after checking that
-    every stream holds fixed-length samples the model can take. The dataset fetched the manifests (through the
-    node cache, once per process): the check reads them there rather than fetching them again. Raw text: its
-    `RawTextShape`."""
-    if getattr(dataset, "raw_text", False):
-        corpus = dataset.corpus
-        return RawTextShape(seq_len=corpus.settings.seq_len, tokenizer=corpus.tokenizer_info,
-                            token_dtype=corpus.token_dtype)
-    for stream, manifest in zip(dataset.streams, dataset.manifests):
-        if manifest.sample_length is None:
-            raise ValueError(f"{what} {stream.url} holds variable-length samples (packing={manifest.packing!r}); "
+def check_dataset(dataset: Any, *, seq_len: int | None, what: str) -> Any:
+    """What the trainer reads of a `StreamingDataset`'s samples (seq_len, tokenizer, token_dtype; a built dataset's
+    first manifest), after checking that every stream holds fixed-length samples the model can take. The source
+    answers from what it opened (a built stream's manifest was fetched once, through the node cache)."""
+    shapes = dataset.source.shapes()
+    for where, shape in shapes:
+        if shape.sample_length is None:
+            raise ValueError(f"{what} {where} holds variable-length samples (packing={shape.packing!r}); "
                              "the trainer needs packed data: rebuild it with a --seq-len")
-        if seq_len is not None and manifest.seq_len != seq_len:
-            raise ValueError(f"{what} {stream.url} has seq_len {manifest.seq_len} but --seq-len is {seq_len}")
-        seq_len = manifest.seq_len  # the streams of a mixture must agree with the first
-    return dataset.manifests[0]
+        if seq_len is not None and shape.seq_len != seq_len:
+            raise ValueError(f"{what} {where} has seq_len {shape.seq_len} but --seq-len is {seq_len}")
+        seq_len = shape.seq_len  # the streams of a mixture must agree with the first
+    return shapes[0][1]
 
 
 class Epochs:
@@ -227,14 +214,7 @@ class TrainStream:
     def streams(self) -> list[dict[str, Any]]:
         """The streams in force (URL, data identity, samples), in the order global sample ids count through them:
         what `shardkit trace` needs to name a logged id's shard, also after a mixture change."""
-        dataset = self.loader.dataset
-        if getattr(dataset, "raw_text", False):  # raw text: endless streams (a mixture's ids per `raw_mix_order`)
-            urls = [s.url for s in dataset.streams] if hasattr(dataset, "streams") else [self.config_data]
-            return [{"url": url, "fingerprint": identity, "num_samples": 0}
-                    for url, identity in zip(urls, dataset.stream_identities())]
-        return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
-                for stream, fingerprint, manifest in zip(dataset.streams, dataset.stream_fingerprints(),
-                                                         dataset.manifests)]
+        return self.loader.source.stream_records()
 
 
 class EvalData:
@@ -248,7 +228,6 @@ class EvalData:
         # skip_samples and --quarantine-list name samples and shards of the training data, not of a built held-out set.
         self.dataset = _dataset(url, config, runtime, shuffle=False, seq_len=seq_len, built_as_built=True,
                                 skip_samples=(), quarantine_list=None)
-        self.raw_text = getattr(self.dataset, "raw_text", False)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardkit.loaders.dataloader import StreamingDataLoader
@@ -257,7 +236,8 @@ class EvalData:
         # Every rank must run the same number of forwards (FSDP's all-gathers are collective); the
         # loader gives every rank the same number of batches per epoch.
         # Raw text is endless (its lanes go on epoch after epoch): it always holds eval_batches.
-        count = self.config.eval_batches if self.raw_text else min(self.config.eval_batches, len(loader))
+        count = self.config.eval_batches if self.dataset.source.endless else min(self.config.eval_batches,
+                                                                                   len(loader))
         if count == 0:
             raise ValueError(f"--eval-data {self.url} holds less than one global batch: lower --batch-size")
         for index, batch in enumerate(loader):

@@ -68,7 +68,7 @@ def build(config: TrainConfig) -> Run:
         held_out = check_dataset(eval_data.dataset, seq_len=manifest.seq_len, what="--eval-data")
         check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
-    logger.info("training data ready: %d samples", manifest.num_samples)
+    logger.info("training data ready: %s", data.loader.source.describe())
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {config.model.vocab_size} is smaller than the dataset's tokenizer "

@@ -1,0 +1,150 @@
+"""The Source contract: what `StreamingDataset` and `StreamingDataLoader` ask of any kind of input.
+
+A source is built shards (`built_source.BuiltSource`: epochs of a shuffled global order), raw text
+(`raw_dataset.RawTextSource`: lanes tokenized on the fly, endless) or a mixture of raw and built streams
+(`raw_mixture.RawMixtureSource`). The dataset and the loader are one class each and hold a source; nothing
+outside a source asks which kind it is: what differs between kinds is a property or a method here.
+
+Three roles, each small (torchdata.nodes' `BaseNode` and Grain's `MapDataset` are the size aimed at):
+
+- `Source`: the data's identity, shape and topology, and the batches `iter(dataset)` yields (a DataLoader
+  worker's share of them, or whole batches when iterated in the loading process);
+- `Feed` (`Source.feed`): the loader's side of one source: its iteration, length and global resume state;
+- `Standalone` (`Source.standalone`): the dataset iterated without `StreamingDataLoader` (torch's DataLoader,
+  torchdata's `StatefulDataLoader`): its iteration, epoch and state, or a refusal that names the loader.
+
+```
+StreamingDataset ──holds──> Source ──feed()──────> Feed        <──delegates── StreamingDataLoader
+                                   └─standalone()─> Standalone <──delegates── StreamingDataset (no loader)
+```
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+
+class Source(ABC):
+    """One kind of input behind the one dataset and loader.
+
+    Attributes:
+        endless: True when the source has no epoch end (raw text: each lane goes on epoch after epoch), so
+            `len()` is refused and a training loop stops after a number of steps.
+        sample_length: tokens per sample (seq_len + 1), None for variable-length samples.
+    """
+
+    endless: ClassVar[bool]
+    sample_length: int | None
+
+    @abstractmethod
+    def identity(self) -> str:
+        """What a loader state is bound to: the data and how it becomes samples (not where it is)."""
+
+    @abstractmethod
+    def stream_identities(self) -> list[str]:
+        """Per stream, in sample-id order, the identity of its data (not its weight): what a run records so that
+        `shardkit trace` can check it reads the same data again."""
+
+    @abstractmethod
+    def stream_records(self) -> list[dict[str, Any]]:
+        """Per stream: {"url", "fingerprint", "num_samples"} (0 for endless streams), as a run records them."""
+
+    @abstractmethod
+    def shapes(self) -> list[tuple[str, Any]]:
+        """(what, shape) per stream: `shape` has `seq_len`, `sample_length`, `packing`, `tokenizer` and
+        `token_dtype` (a built stream's `Manifest`), for the trainer's checks."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the source reads, in a few words for messages."""
+
+    @abstractmethod
+    def topology(self) -> Any:
+        """Rank, world and node layout, resolved now (`shardkit.loaders.topology.Topology`)."""
+
+    @abstractmethod
+    def claim(self) -> None:
+        """A `StreamingDataLoader` drives this source from now on."""
+
+    @abstractmethod
+    def batches(self, standalone: Standalone) -> Iterator[Any]:
+        """What `iter(dataset)` yields: in a DataLoader worker its share of each step for the loader, in the
+        loading process the loader's numpy batches, and without a loader `standalone`'s tensors."""
+
+    @abstractmethod
+    def feed(self, loader: Any, batch_size: int | None) -> Feed:
+        """The loader's side of this source (`loader`: the `StreamingDataLoader` that will drive it, whose options
+        the feed may check; it keeps no reference: a loader dropped mid-iteration is freed at once)."""
+
+    @abstractmethod
+    def standalone(self, batch_size: int | None) -> Standalone:
+        """The dataset's iteration without a loader."""
+
+    def counters(self) -> dict[str, int]:
+        """What this process counted so far (rejected documents by reason, ...), for logs and metrics."""
+        return {}
+
+
+class Feed(ABC):
+    """The loader's side of one source: the batches handed to the training loop and the global state.
+
+    Attributes:
+        samples_per_rank: samples per rank per step (None: the batches' sizes follow a token budget).
+    """
+
+    samples_per_rank: int | None
+
+    @property
+    @abstractmethod
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (0 for endless sources)."""
+
+    @abstractmethod
+    def length(self) -> int:
+        """Batches per epoch for this rank. Raises TypeError where there is no such number."""
+
+    @abstractmethod
+    def batches(self, loader: Any) -> Iterator[dict[str, Any]]:
+        """The tensors handed to the training loop, from where `loader` (the `StreamingDataLoader`) stands."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The global resume state, identical on every rank."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the state (a global state already needs nothing else)."""
+        return self.state_dict()
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Resume from a `state_dict()`, possibly saved with another world size, batch size or workers."""
+
+    def counters(self) -> dict[str, int]:
+        """What the loader counted so far (the same on every rank), by name."""
+        return {}
+
+
+class Standalone(ABC):
+    """A dataset iterated without `StreamingDataLoader`."""
+
+    @abstractmethod
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """Tensors of this rank's batches, from where the standalone iteration stands."""
+
+    @abstractmethod
+    def length(self) -> int:
+        """Batches per epoch. Raises TypeError where there is no such number."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Where the standalone iteration stands (or a ValueError naming `StreamingDataLoader`)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Start the next standalone iteration where `state` stands."""
+
+    @abstractmethod
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch of the next standalone iteration."""
