@@ -197,13 +197,13 @@ def first_chunk_ids(dataset):
     topology = dataset.resolve_topology()
     plan = IterationPlan(epoch=0, start=0, batch_size=8, topology=topology, num_partitions=1)
     if hasattr(dataset, "plan"):  # the read plan: the same steps the fixed batch mode reads
-        from shardkit.loaders.rank_steps import rank_step_ids
+        from shardkit.loaders.order.rank_steps import rank_step_ids
         return next(rank_step_ids(dataset.source.order(0, 1), start=0, plan=plan, policy=dataset.config.partial_batches,
                                   chunk_samples=dataset.config.chunk_samples)).reshape(-1)
     if hasattr(dataset, "chunk_ids"):
         return next(iter(dataset.chunk_ids(0, 0, plan, 0, 1))).reshape(-1)
     # Before the lazy plan: the same steps as the old `_generate`.
-    from shardkit.loaders.partition import rank_positions, steps_in_epoch, worker_steps
+    from shardkit.loaders.order.partition import rank_positions, steps_in_epoch, worker_steps
     order = dataset.source.order(0, 1)
     total = steps_in_epoch(order.num_positions, start=0, global_batch=8, policy=dataset.config.partial_batches)
     steps = worker_steps(total, worker=0, num_workers=1)

@@ -237,7 +237,7 @@ def text_layer_pass(paths: list[Path], tokenizer: str, seq_len: int, pack: str, 
 def raw_loader_missing() -> str | None:
     """Why the raw-text loader cannot be measured here, or None when it can."""
     try:
-        import shardkit.loaders.raw_dataset  # noqa: F401 - branch `raw`'s module
+        import shardkit.loaders.sources.raw.source  # noqa: F401 - branch `raw`'s module
     except ImportError as err:
         return (f"the raw-text loader is not in this checkout ({err}); it is branch `raw`'s "
                 "StreamingDataset(files, tokenizer=..., seq_len=...): merge it and run again")

@@ -4,7 +4,7 @@
                                   [--jobs 1] [--show-survivors] [--sample N --seed S] [--only order:12 ...]
 
 A small self-written AST mutator, not mutmut: mutmut 3 copies the tree into `mutants/` and maps a
-file to a module by its path, but `loaders/order.py` is installed as `shardkit.loaders.order`
+file to a module by its path, but `loaders/order/epochs.py` is installed as `shardkit.loaders.order.epochs`
 (package-dir mapping), so its trampolines never load; and it re-runs each test in a fresh process,
 where importing torch alone costs seconds on this machine. Here a parent process imports the heavy
 dependencies once, then forks one child per mutant; the child puts a finder first on `sys.meta_path`
@@ -42,23 +42,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 # file -> (module name, test files that exercise it). Only the relevant tests, so a run is minutes.
 TARGETS: dict[str, tuple[str, str, list[str]]] = {
-    "order": ("loaders/order.py", "shardkit.loaders.order",
+    "order": ("loaders/order/epochs.py", "shardkit.loaders.order.epochs",
               ["tests/test_order.py", "tests/test_partition.py", "tests/test_mixing.py"]),
-    "partition": ("loaders/partition.py", "shardkit.loaders.partition",
+    "partition": ("loaders/order/partition.py", "shardkit.loaders.order.partition",
                   ["tests/test_partition.py", "tests/test_mixing.py", "tests/test_dataloader.py",
                    "tests/test_dataloader_resume.py"]),
-    "state": ("loaders/state.py", "shardkit.loaders.state",
+    "state": ("loaders/state/loader_state.py", "shardkit.loaders.state.loader_state",
               ["tests/test_dataloader.py", "tests/test_dataloader_resume.py"]),
-    "cache": ("loaders/cache.py", "shardkit.loaders.cache",
+    "cache": ("loaders/cache/shard_cache.py", "shardkit.loaders.cache.shard_cache",
               ["tests/test_cache.py", "tests/test_cache_security.py", "tests/test_blocks.py", "tests/test_decoded.py"]),
-    "cache_dir": ("loaders/cache_dir.py", "shardkit.loaders.cache_dir",
+    "cache_dir": ("loaders/cache/directory.py", "shardkit.loaders.cache.directory",
                   ["tests/test_cache.py", "tests/test_cache_security.py", "tests/test_blocks.py"]),
-    "decoded_store": ("loaders/decoded_store.py", "shardkit.loaders.decoded_store",
+    "decoded_store": ("loaders/cache/decoded_store.py", "shardkit.loaders.cache.decoded_store",
                       ["tests/test_cache.py", "tests/test_cache_security.py", "tests/test_blocks.py",
                        "tests/test_decoded.py"]),
-    "memory_stores": ("loaders/memory_stores.py", "shardkit.loaders.memory_stores",
+    "memory_stores": ("loaders/cache/memory_stores.py", "shardkit.loaders.cache.memory_stores",
                       ["tests/test_cache.py", "tests/test_blocks.py"]),
-    "block_reader": ("loaders/block_reader.py", "shardkit.loaders.block_reader", ["tests/test_blocks.py"]),
+    "block_reader": ("loaders/cache/block_reader.py", "shardkit.loaders.cache.block_reader", ["tests/test_blocks.py"]),
     "manifest": ("shardkit/manifest.py", "shardkit.manifest",
                  ["tests/test_manifest.py", "tests/test_manifest_index.py"]),
     "packing": ("shardkit/text/packing.py", "shardkit.text.packing", ["tests/test_packing.py"]),

@@ -1,38 +1,24 @@
 """The read side of shardkit (`shardkit.loaders`): stream shards to every training rank.
 
-Modules, one job each:
+The wings, one job each (docs/LOADING.md, "How the read side is put together"):
 
-- `order`: the global sample order of an epoch (pure numpy; two-level shuffle, canonical partitions).
-- `partition`: which positions each rank and DataLoader worker reads at each step (pure).
-- `mixing`: `Stream` and the mixture order (pure integer arithmetic), pieces of constant weights.
-- `schedule`: `Schedule`, a stream weight by loader step.
-- `remix`: the mixture record of the loader state and mid-run mixture changes.
-- `token_budget`: equal-count, token-balanced batches for variable-length data (pure).
-- `topology`: rank, world size and node layout, resolved lazily.
-- `effective_order`: an epoch's order after skip_samples and quarantine (`ExcludedOrder`s), one pure function.
-- `rank_steps`: the iteration plan and this rank's (worker's) sample ids step by step (pure).
-- `steps`, `token_batches`: the step sources (fixed-size, token budget) and the token-budget batch generator.
-- `batch_modes`: fixed-size or token-budget batching, chosen once from the config (`BATCH_MODES`).
-- `cache`: the node-local shard cache (opens, holds and prefetches shards; `make_store` resolves `cache_mode`).
-- `store`: the contract of a shard store (`ShardStore`) and the handle a reader holds (`CachedShard`).
-- `decoded_store`, `memory_stores`: the stores of `cache_mode` "decoded" (decode once, mmap, LRU eviction),
-  "compressed" and "none" (decoded into memory at each open).
-- `block_reader`: `BlockReader`, a format v2 shard read block by block (verified) before it is local.
-- `cache_dir`: the node cache directory (shard file names, flock locks, temporaries, eviction).
-- `closing`: what a reader left open is closed outside the garbage collector and before the interpreter's
-  teardown (a shard handle's `__del__` takes no lock; unfinished reading generators are closed at exit).
-- `parent_watch`: a DataLoader worker ends as soon as its parent process is gone.
-- `sources`: the streams' storage, manifests and caches, opened once, and the option checks against the data.
-- `batching`, `reading`, `tensors`: sample ids -> batch arrays from held shards; the reader that holds and
-  prefetches them; numpy batches -> tensors (and bundles for worker pipes).
 - `source`: the Source contract (`Source`, `Feed`, `Standalone`): what the dataset and the loader ask of any input.
-- `built_source`, `built_feed`, `built_standalone`: built shards behind it (order, mixture, batch mode, reader,
-  the next iteration; the loader's epochs; iteration without a loader).
-- `raw_dataset`, `raw_loader`, `raw_mixture`, `raw_iteration`: raw text behind it (lanes, the loader's cursors,
-  raw and built streams mixed).
-- `dataset`: `StreamingDataset`, the torch IterableDataset that yields whole batches (the face of its source).
+- `dataset`, `dataloader`: `StreamingDataset` and `StreamingDataLoader`, one each for every source.
 - `config`: `LoaderConfig`, the order, batching and cache options (its order fields make the resume state).
-- `state`, `dataloader`: the resume state (composed of the stages' `state()`) and `StreamingDataLoader`.
+- `sources/`: the sources. `built/`: built shards (`source`: order, mixture, batch mode, reader and the next
+  iteration; `feed`: the loader's epochs; `standalone`: iteration without a loader; `streams`: each stream's
+  storage, manifest and cache, opened once; `reading`, `batching`: sample ids -> batch arrays). `raw/`: raw text
+  (`source`, `feed`: the lanes' cursors; `corpus`: units dealt into lanes and one lane's samples; `units`,
+  `unreadable`, `batches`, `iteration`). `mixture`: raw and built streams in one weighted mixture; `documents`:
+  a batch's document boundaries.
+- `order/`: which sample goes where, pure (`epochs`: an epoch's order; `partition`, `effective`, `rank_steps`,
+  `steps`, `batch_modes`, `token_budget`, `token_batches`; `mixing`, `schedule`, `remix`: mixtures and their
+  changes; `skipping`, `quarantine`; `lanes`, `mixed_lanes`: raw text's lanes and a raw mixture's order).
+- `cache/`: the node-local shard cache (`shard_cache`; `store`, `decoded_store`, `memory_stores`: one store per
+  `cache_mode`; `directory`; `block_reader`: a format v2 shard read block by block before it is local).
+- `state/`: `loader_state` (the resume state, composed of the stages' `state()`), `fingerprint` (data identity).
+- `delivery/`: `topology`, `tensors`, `batch_counts`, `closing`, `parent_watch`, `worker_copies`, `frameworks`,
+  `resharding`: how batches reach the training loop and what guards it.
 
 The public names (`__all__`): `StreamingDataset`, `StreamingDataLoader`, `LoaderConfig`, `Stream`,
 `Schedule` and `start_metrics_server`, also importable from `shardkit`. This package imports torch only
@@ -50,8 +36,8 @@ _LAZY_NAMES = {
     "StreamingDataset": "shardkit.loaders.dataset",
     "StreamingDataLoader": "shardkit.loaders.dataloader",
     "LoaderConfig": "shardkit.loaders.config",
-    "Stream": "shardkit.loaders.mixing",
-    "Schedule": "shardkit.loaders.schedule",
+    "Stream": "shardkit.loaders.order.mixing",
+    "Schedule": "shardkit.loaders.order.schedule",
 }
 
 __all__ = [*_LAZY_NAMES, "start_metrics_server"]

@@ -4,7 +4,7 @@ Runtime objects (cache directory, rank layout, process group, device mesh, stora
 arguments of `StreamingDataset`, not configuration. Each field carries its help text in
 `metadata["help"]` (the trainer generates `--shuffle-window`, `--cache-limit`, ... from it), and the
 fields marked `metadata["order"]` are the ones the global sample order depends on: the loader's
-resume state records exactly those (`shardkit.loaders.state`), so a resumed job whose order would
+resume state records exactly those (`shardkit.loaders.state.loader_state`), so a resumed job whose order would
 differ is refused.
 
 `batch_size` is deliberately not here: the order is independent of it (a job may resume with
@@ -163,7 +163,7 @@ class LoaderConfig:
         _positive("max_tokens", self.max_tokens, optional=True)
         _positive("token_window", self.token_window)
         _positive("chunk_samples", self.chunk_samples)
-        from .skipping import normalize_skip
+        from .order.skipping import normalize_skip
 
         object.__setattr__(self, "skip_samples", normalize_skip(self.skip_samples))
         if self.on_corrupt == "skip" and self.max_tokens is not None:  # cross-option checks: here, not in the dataset

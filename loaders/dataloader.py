@@ -99,13 +99,13 @@ class StreamingDataLoader(DataLoader):
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The global resume state, identical on every rank (see `shardkit.loaders.state`). Raw text gathers the
+        """The global resume state, identical on every rank (see `shardkit.loaders.state.loader_state`). Raw text gathers the
         lanes' cursors from every rank: with several ranks, every rank must call it."""
         return self.feed.state_dict()
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state, without a collective (raw text: the cursors of the lanes this rank read;
-        merge the ranks' with `shardkit.loaders.raw_loader.merge_raw_states`). Built data: `state_dict()`."""
+        merge the ranks' with `shardkit.loaders.sources.raw.feed.merge_raw_states`). Built data: `state_dict()`."""
         return self.feed.local_state_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
@@ -115,7 +115,7 @@ class StreamingDataLoader(DataLoader):
             state: the saved state.
             allow_mixture_change: continue from the saved position with this dataset's streams and
                 weights when they differ from the saved mixture (recorded in the state; see
-                `shardkit.loaders.remix`). Off: such a state is refused.
+                `shardkit.loaders.order.remix`). Off: such a state is refused.
 
         Raises:
             ValueError: the state is malformed or belongs to other data, settings or order (naming the field).

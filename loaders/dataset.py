@@ -1,8 +1,8 @@
 """`StreamingDataset`: a torch IterableDataset that yields whole batches of this rank's share, from any source.
 
 This module is the face. What the dataset reads is its `Source` (`shardkit.loaders.source`): built shards
-(`built_source.BuiltSource`), raw text tokenized on the fly (`raw_dataset.RawTextSource`) or a mixture of both
-(`raw_mixture.RawMixtureSource`); the data loader talks to the source only. Every decision about which sample
+(`sources.built.source.BuiltSource`), raw text tokenized on the fly (`sources.raw.source.RawTextSource`) or a mixture of both
+(`sources.mixture.RawMixtureSource`); the data loader talks to the source only. Every decision about which sample
 goes where is a pure function elsewhere. The iterator produces *whole batches* so that, with DataLoader
 workers, one batch crosses the process boundary as a handful of arrays instead of `batch_size` pickled samples.
 
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from .built_source import BuiltSource
+from .sources.built.source import BuiltSource
 from .config import LoaderConfig, loader_config
-from .mixing import Stream
-from .raw_mixture import raw_text_source
-from .raw_source import RawTextSettings
-from .sources import Sources, streams_of
-from .token_batches import PROGRESS_KEY
-from .topology import Topology, check_topology_args
+from .order.mixing import Stream
+from .sources.mixture import raw_text_source
+from .sources.raw.corpus import RawTextSettings
+from .sources.built.streams import Sources, streams_of
+from .sources.built.token_batches import PROGRESS_KEY
+from .delivery.topology import Topology, check_topology_args
 
 # Re-exported: their callers import them from here (the loader, the trainer, integrations, benchmarks).
-from .rank_steps import IterationPlan  # noqa: E402  (re-export)
-from .tensors import batch_to_tensors, bundled, strip_progress  # noqa: E402  (re-export)
+from .order.rank_steps import IterationPlan  # noqa: E402  (re-export)
+from .delivery.tensors import batch_to_tensors, bundled, strip_progress  # noqa: E402  (re-export)
 
 __all__ = ["PROGRESS_KEY", "IterationPlan", "StreamingDataset", "batch_to_tensors", "bundled", "strip_progress"]
 
@@ -58,7 +58,7 @@ class StreamingDataset(IterableDataset):
         **options: `LoaderConfig` fields (`shuffle=False`, `cache_limit=...`) applied over `config`; with
             `tokenizer=`, also how text becomes samples (`seq_len`, `pack`, `text_field`, `txt_mode`,
             `unit_bytes`, `lanes`, `eos_id`, `bos_id`, `max_doc_chars`, `bestfit_buffer`, `bestfit_open`:
-            `shardkit.loaders.raw_source.RawTextSettings`).
+            `shardkit.loaders.sources.raw.corpus.RawTextSettings`).
 
     Raises:
         TypeError: `source` is not a URL or streams, or an option is not a `LoaderConfig` field.
@@ -105,7 +105,7 @@ class StreamingDataset(IterableDataset):
 
     # -- what users ask of the data ------------------------------------------------------------
     def resolve_topology(self) -> Topology:
-        """Rank, world and node layout, resolved now (see `shardkit.loaders.topology`)."""
+        """Rank, world and node layout, resolved now (see `shardkit.loaders.delivery.topology`)."""
         return self.source.topology()
 
     def fingerprint(self) -> str:
@@ -124,7 +124,7 @@ class StreamingDataset(IterableDataset):
     # -- standalone state (torch DataLoader, torchdata StatefulDataLoader) ---------------------
     def state_dict(self) -> dict[str, Any]:
         """Where a standalone iteration stands (torch `DataLoader`, torchdata `StatefulDataLoader`): a loader
-        state (`shardkit.loaders.state`) with this process's batches of the current epoch. Inside a DataLoader
+        state (`shardkit.loaders.state.loader_state`) with this process's batches of the current epoch. Inside a DataLoader
         worker it is that worker's state (StatefulDataLoader saves one per worker).
 
         Raises:

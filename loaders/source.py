@@ -1,8 +1,8 @@
 """The Source contract: what `StreamingDataset` and `StreamingDataLoader` ask of any kind of input.
 
-A source is built shards (`built_source.BuiltSource`: epochs of a shuffled global order), raw text
-(`raw_dataset.RawTextSource`: lanes tokenized on the fly, endless) or a mixture of raw and built streams
-(`raw_mixture.RawMixtureSource`). The dataset and the loader are one class each and hold a source; nothing
+A source is built shards (`sources.built.source.BuiltSource`: epochs of a shuffled global order), raw text
+(`sources.raw.source.RawTextSource`: lanes tokenized on the fly, endless) or a mixture of raw and built streams
+(`sources.mixture.RawMixtureSource`). The dataset and the loader are one class each and hold a source; nothing
 outside a source asks which kind it is: what differs between kinds is a property or a method here.
 
 Three roles, each small (torchdata.nodes' `BaseNode` and Grain's `MapDataset` are the size aimed at):
@@ -62,7 +62,7 @@ class Source(ABC):
 
     @abstractmethod
     def topology(self) -> Any:
-        """Rank, world and node layout, resolved now (`shardkit.loaders.topology.Topology`)."""
+        """Rank, world and node layout, resolved now (`shardkit.loaders.delivery.topology.Topology`)."""
 
     @abstractmethod
     def claim(self) -> None:

@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _LAZY_NAMES = {
     "StreamingDataset": "shardkit.loaders.dataset",
     "StreamingDataLoader": "shardkit.loaders.dataloader",
-    "Stream": "shardkit.loaders.mixing",
-    "Schedule": "shardkit.loaders.schedule",
+    "Stream": "shardkit.loaders.order.mixing",
+    "Schedule": "shardkit.loaders.order.schedule",
     "LoaderConfig": "shardkit.loaders.config",
     "Manifest": "shardkit.manifest",
     "ShardInfo": "shardkit.shard_info",

@@ -2,7 +2,7 @@
 
 Core, not loader: the trainer checks a dataset's manifest before it builds a loader, and both go through
 the node's copy, so the directory rules (private, per-user) and the once-per-node fetch live here, below
-the loaders (`shardkit.loaders.cache` keeps the shards in the same directories).
+the loaders (`shardkit.loaders.cache.shard_cache` keeps the shards in the same directories).
 """
 
 from __future__ import annotations

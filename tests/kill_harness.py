@@ -199,7 +199,7 @@ def kill_matrix(build, workdir: str, points: int, seed: int) -> dict:
 def _read_all(dataset: str, cache_dir: str, order: list[int], result_path: str) -> None:
     import numpy as np
 
-    from shardkit.loaders.cache import ShardCache
+    from shardkit.loaders.cache.shard_cache import ShardCache
     from shardkit.manifest import load_manifest
     from shardkit.storage import Storage
 
@@ -223,7 +223,7 @@ def _read_all(dataset: str, cache_dir: str, order: list[int], result_path: str) 
 
 def cache_matrix(dataset: str, workdir: str, points: int, seed: int) -> dict:
     import numpy  # noqa: F401 - imported once here, before the forks
-    import shardkit.loaders.cache  # noqa: F401
+    import shardkit.loaders.cache.shard_cache  # noqa: F401
     from loader_helpers import lock_is_held
     from shardkit.manifest import load_manifest
 
@@ -324,7 +324,7 @@ def concurrency(dataset: str, workdir: str, limit_fraction: float, seed: int) ->
     manifest = load_manifest(dataset)
     cache_dir = os.path.join(workdir, "cache")
     # Decoded size of the whole dataset, measured by decoding it once into a scratch directory.
-    from shardkit.loaders.cache import ShardCache
+    from shardkit.loaders.cache.shard_cache import ShardCache
     from shardkit.storage import Storage
 
     probe = ShardCache(Storage(dataset), manifest, os.path.join(workdir, "probe"))

@@ -79,7 +79,7 @@ def open_shards(*, url: str, cache_dir: str, order: list[int], cache_limit: int 
     """Open shards in `order` through the cache, holding `hold` at a time; check every sample."""
     import numpy as np
 
-    from shardkit.loaders.cache import ShardCache
+    from shardkit.loaders.cache.shard_cache import ShardCache
     from shardkit.manifest import load_manifest
     from shardkit.storage import Storage
     from loader_helpers import ids_from_tokens

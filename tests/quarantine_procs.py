@@ -20,7 +20,7 @@ def quarantine_run(**kwargs) -> dict:
     from loader_procs import loader_run
 
     handler = _Collect()
-    log = logging.getLogger("shardkit.loaders.quarantine")
+    log = logging.getLogger("shardkit.loaders.order.quarantine")
     log.addHandler(handler)
     before = metrics.value("shardkit_loader_quarantined_samples_total")
     try:

@@ -53,7 +53,7 @@ def batch_ids(batch) -> np.ndarray:
 def save(loaders) -> dict:
     """The global state of loaders standing at the same step, one per rank (all ranks in this process)."""
     if len(loaders) > 1 and loaders[0].source.endless:  # raw text: its state_dict() gathers over a process group
-        from shardkit.loaders.raw_loader import merge_raw_states
+        from shardkit.loaders.sources.raw.feed import merge_raw_states
 
         return merge_raw_states([loader.local_state_dict() for loader in loaders])
     states = [loader.state_dict() for loader in loaders]
@@ -218,7 +218,7 @@ def _check_endless_elastic(make_loader: Callable, *, before: int, after: int, st
 
 
 def check_stage_resume(make_stage: Callable, steps: list[Callable], complete: Callable) -> list[dict]:
-    """One read-side stage's `state()` / `restore(saved)` (`shardkit.loaders.state.Stage`) at every point of a run.
+    """One read-side stage's `state()` / `restore(saved)` (`shardkit.loaders.state.loader_state.Stage`) at every point of a run.
 
     `make_stage()` builds a fresh stage; each of `steps` advances one (a batch handed out, a shard quarantined, a
     global batch pinned...); `complete(fields)` makes a whole `LoaderState` around a stage's fields. The run's states

@@ -148,15 +148,15 @@ def test_both_sides_may_import_the_text_layer(monkeypatch, importer, line):
 
 
 @pytest.mark.parametrize("importer, line, expected", [
-    ("loaders/cache.py", "from shardkit.tools.build import run_build", "loaders imports build"),
+    ("loaders/cache/shard_cache.py", "from shardkit.tools.build import run_build", "loaders imports build"),
     ("shardkit/text/packing.py", "from shardkit.tools.build import run_build", "text imports build"),
-    ("shardkit/text/documents.py", "from shardkit.loaders.reading import read_sample", "text imports loaders"),
+    ("shardkit/text/documents.py", "from shardkit.loaders.sources.built.reading import read_sample", "text imports loaders"),
     ("shardkit/manifest.py", "from shardkit.text.tokenizers import load_tokenizer", "core imports text"),
-    ("tools/build.py", "import shardkit.loaders.order", "build imports loaders"),
+    ("tools/build.py", "import shardkit.loaders.order.epochs", "build imports loaders"),
     ("shardkit/manifest.py", "from shardkit.train import loop", "core imports trainer"),
     ("shardkit/formats/reader.py", "from ..cli.dataset import describe", "core imports the CLI"),
     ("shardkit/train/data.py", "from shardkit import StreamingDataset", "imports through the lazy face"),
-    ("loaders/state.py", "from shardkit import train", "loaders imports trainer"),
+    ("loaders/state/loader_state.py", "from shardkit import train", "loaders imports trainer"),
     ("shardkit/integrations/batches.py", "from shardkit.train import loop", "integrations imports trainer"),
     ("loaders/dataset.py", "import shardkit.integrations.batches", "loaders imports integrations"),
 ])
@@ -219,8 +219,8 @@ def test_hand_built_options_are_reported_with_their_place(line, what):
 # -- a feature is an operator, not a branch in a hub (issue 23: a shard store per cache mode, chosen once) --
 # (file, function) where a loaders module may decide by `cache_mode`: the store factory and its table, and the
 # option's own check in LoaderConfig.
-MODE_DECISIONS_ALLOWED = {("loaders/cache.py", "make_store"), ("loaders/cache.py", "keeps_node_files"),
-                          ("loaders/cache.py", "_store_class"), ("loaders/config.py", "__post_init__")}
+MODE_DECISIONS_ALLOWED = {("loaders/cache/shard_cache.py", "make_store"), ("loaders/cache/shard_cache.py", "keeps_node_files"),
+                          ("loaders/cache/shard_cache.py", "_store_class"), ("loaders/config.py", "__post_init__")}
 
 
 def _mentions_cache_mode(node: ast.AST) -> bool:
@@ -275,9 +275,9 @@ def test_only_the_store_factory_decides_by_cache_mode():
                                   "match cache_mode:\n    case 'none': pass", "x = STORES.get(cache_mode)"])
 def test_a_decision_by_cache_mode_is_reported_with_its_place(line):
     sources = _loaders_sources()
-    sources["loaders/reading.py"] += f"\n{line}\n"
+    sources["loaders/sources/built/reading.py"] += f"\n{line}\n"
     found = cache_mode_decisions(sources)
-    assert len(found) == 1 and found[0].startswith("loaders/reading.py:") and found[0].endswith("in <module>"), found
+    assert len(found) == 1 and found[0].startswith("loaders/sources/built/reading.py:") and found[0].endswith("in <module>"), found
 
 
 # -- one atomic write for single files (issue 32) --
@@ -341,9 +341,9 @@ def test_single_files_are_written_atomically_by_the_one_helper():
 ])
 def test_an_inline_rename_is_reported_with_its_place(line):
     sources = _package_sources()
-    sources["loaders/cache_dir.py"] += f"\n{line}\n"
+    sources["loaders/cache/directory.py"] += f"\n{line}\n"
     found = renames(sources)
-    assert len(found) == 1 and found[0].startswith("loaders/cache_dir.py:"), found
+    assert len(found) == 1 and found[0].startswith("loaders/cache/directory.py:"), found
 
 
 # -- no import cycle, even through imports inside functions (issue 32) --
@@ -441,10 +441,10 @@ def test_no_import_cycle_between_modules():
 @pytest.mark.parametrize("module, line, members", [
     ("shardkit.shard_columns", "def late():\n    from shardkit.manifest import Manifest",
      {"shardkit.manifest", "shardkit.shard_columns"}),
-    ("shardkit.loaders.config", "def late():\n    from shardkit.loaders.partition import steps_in_epoch",
-     {"shardkit.loaders.config", "shardkit.loaders.partition"}),
-    ("shardkit.loaders.config", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import order",
-     {"shardkit.loaders.config", "shardkit.loaders.order"}),
+    ("shardkit.loaders.config", "def late():\n    from shardkit.loaders.order.partition import steps_in_epoch",
+     {"shardkit.loaders.config", "shardkit.loaders.order.partition"}),
+    ("shardkit.loaders.config", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .order import epochs",
+     {"shardkit.loaders.config", "shardkit.loaders.order.epochs"}),
     ("shardkit.manifest", "def late():\n    from shardkit import ShardWriter",  # a lazy name of the face
      {"shardkit.manifest", "shardkit.formats.writer"}),
 ])
@@ -518,8 +518,8 @@ def test_loaders_and_tools_import_themselves_relatively():
 
 
 @pytest.mark.parametrize("name, line", [
-    ("loaders/cache.py", "from shardkit.loaders.order import Order"),
-    ("loaders/cache.py", "def late():\n    import shardkit.loaders.order"),
+    ("loaders/cache/shard_cache.py", "from shardkit.loaders.order.epochs import Order"),
+    ("loaders/cache/shard_cache.py", "def late():\n    import shardkit.loaders.order.epochs"),
     ("tools/build.py", "from shardkit.tools.config import BuildConfig"),
 ])
 def test_an_absolute_self_import_is_reported_with_its_place(name, line):
@@ -538,3 +538,50 @@ def test_no_function_of_the_build_side_is_over_60_lines():
             for node in ast.walk(_parsed(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
     assert long == [], f"split these into named steps: {long}"
+
+
+# -- the wings of loaders/ (docs/LOADING.md, "How the read side is put together") ----------------------------
+WINGS = ("sources", "order", "cache", "state", "delivery")
+# A source's modules that only its own wing may import (the rest of a source is its source, feed and mixture).
+SOURCE_INTERNALS = ("shardkit.loaders.sources.raw.units", "shardkit.loaders.sources.raw.batches",
+                    "shardkit.loaders.sources.raw.iteration", "shardkit.loaders.sources.built.batching",
+                    "shardkit.loaders.sources.built.standalone", "shardkit.loaders.sources.built.feed")
+
+
+def wing_violations() -> list[str]:
+    problems = []
+    for path, module in source_files().items():
+        where = f"{path.relative_to(REPO)}"
+        wing = module.split(".")[2] if module.startswith("shardkit.loaders.") and module.count(".") >= 3 else None
+        for line, imported in imported_modules(path, module):
+            if wing in WINGS and imported in ("shardkit.loaders.dataset", "shardkit.loaders.dataloader"):
+                problems.append(f"{where}:{line}: the {wing}/ wing imports the face ({imported})")
+            if wing == "order" and imported.startswith(("shardkit.loaders.sources", "shardkit.loaders.cache")):
+                problems.append(f"{where}:{line}: order/ reads no data, it imports {imported}")
+            if imported in SOURCE_INTERNALS and not module.startswith("shardkit.loaders.sources"):
+                problems.append(f"{where}:{line}: a source's internals ({imported}) imported from outside sources/")
+    return problems
+
+
+def test_the_wings_of_the_read_side_keep_their_rules():
+    assert (REPO / "loaders" / "sources").is_dir() and not list((REPO / "loaders").glob("raw_*.py"))
+    assert wing_violations() == []
+
+
+def test_the_read_side_has_no_module_over_600_lines():
+    # STYLE.md: split a file that passes ~600 lines (block_reader.py, 562, is the largest).
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / "loaders").rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def test_a_wing_violation_is_reported(monkeypatch):
+    real = imported_modules
+
+    def with_reach(path, module):
+        found = real(path, module)
+        if module == "shardkit.loaders.order.epochs":
+            found = [*found, (1, "shardkit.loaders.cache.store")]
+        return found
+
+    monkeypatch.setitem(globals(), "imported_modules", with_reach)
+    assert any("order/ reads no data" in p for p in wing_violations())

@@ -1,4 +1,4 @@
-"""`BlockReader` (loaders/block_reader.py) on its own, in-process: a format v2 shard read block by block.
+"""`BlockReader` (loaders/cache/block_reader.py) on its own, in-process: a format v2 shard read block by block.
 
 The contract the cache relies on: `ensure(samples)` returns with exactly those samples' tokens in place, having read
 only their blocks (and the index); `start_index` / `request` / `wait` over several shards gives each its blocks;
@@ -18,8 +18,8 @@ import pytest
 from loader_helpers import ids_from_tokens
 from shardkit.errors import CorruptShardError
 from shardkit.formats import decode_shard
-from shardkit.loaders import block_reader as block_reader_module
-from shardkit.loaders.block_reader import BlockReader
+import shardkit.loaders.cache.block_reader as block_reader_module
+from shardkit.loaders.cache.block_reader import BlockReader
 from shardkit.storage import Storage
 from test_blocks import SEQ, block_index, flip_byte, write_blocks
 

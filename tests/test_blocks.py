@@ -21,10 +21,10 @@ from shardkit.formats import decode_shard, write_dataset
 from shardkit.formats.blocks import BlockIndex
 from shardkit.formats.shard_bytes import decode_block
 from shardkit.formats import shard_bytes as shard_bytes_module
-from shardkit.loaders import block_reader as block_reader_module
-from shardkit.loaders import cache as cache_module
+import shardkit.loaders.cache.block_reader as block_reader_module
+import shardkit.loaders.cache.shard_cache as cache_module
 from shardkit.loaders.config import CACHE_MODES
-from shardkit.loaders.block_reader import BlockReader
+from shardkit.loaders.cache.block_reader import BlockReader
 from shardkit.manifest import MANIFEST_NAME, TokenizerInfo, load_manifest
 from shardkit.storage import Storage
 
@@ -136,7 +136,7 @@ def test_cold_first_batch_comes_from_ranged_reads(s3_bucket, s3_endpoint, tmp_pa
     shard = manifest.shards[0]
     # This shard is ~400 KB: the reader's coalescing of blocks less than 256 KiB apart would merge the
     # batch's reads into most of it. Counted here is what the batch needs, so no merging.
-    from shardkit.loaders import block_reader as block_reader_module
+    import shardkit.loaders.cache.block_reader as block_reader_module
 
     monkeypatch.setattr(block_reader_module, "COALESCE_GAP_BYTES", 0)
     # Hold the background completion until the first batch is out, so the count is the first batch's alone.
@@ -227,7 +227,7 @@ def test_neighbouring_blocks_come_in_one_read_each_checked_alone(tmp_path, monke
     and a corrupt one among them is read again alone, then named, never used."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardkit.loaders import block_reader as block_reader_module
+    import shardkit.loaders.cache.block_reader as block_reader_module
 
     url = f"memory://{tmp_path.name}/ds"
     manifest = write_blocks(url, 240)
@@ -337,7 +337,7 @@ def test_bytes_outside_the_blocks_are_checked_only_where_they_are_kept(tmp_path,
 def test_a_completion_in_many_runs_reuses_its_buffer_without_mixing_blocks(tmp_path, cold_blocks, monkeypatch):
     """The background completion reads each run of blocks into one reused buffer: with runs of ~3 blocks
     (so every run overwrites the previous one's bytes), every sample still arrives intact."""
-    import shardkit.loaders.block_reader as block_reader_module
+    import shardkit.loaders.cache.block_reader as block_reader_module
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240, shard_format="arrow")
@@ -480,7 +480,7 @@ def test_cache_stats_of_a_shard_read_block_by_block(tmp_path, cold_blocks, mode)
     """Every ranged read is counted once with its bytes; the background completion counts one download.
     Each byte read is read once: the index and the blocks, plus the gaps between them (format headers and
     padding) only where the file itself is stored."""
-    from shardkit.loaders.cache import ShardCache
+    from shardkit.loaders.cache.shard_cache import ShardCache
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240)
@@ -508,7 +508,7 @@ def test_a_first_batch_reads_blocks_once_and_places_none(tmp_path, cold_blocks, 
     """A first batch's samples come from their decoded blocks, none placed into the shard's arrays (first
     touches of a whole-shard array cost as much as the decode); the completion places those blocks later
     without reading or decoding them again: every byte of the shard is read once, and the stored shard is whole."""
-    from shardkit.loaders.cache import ShardCache
+    from shardkit.loaders.cache.shard_cache import ShardCache
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240)
@@ -550,7 +550,7 @@ def test_a_cold_first_batch_over_streams_with_and_without_document_boundaries(tm
     the first batch, gathered from its cold blocks, is the one a warm cache gives."""
     from shardkit.loaders.dataloader import StreamingDataLoader
     from shardkit.loaders.dataset import StreamingDataset
-    from shardkit.loaders.mixing import Stream
+    from shardkit.loaders.order.mixing import Stream
 
     with_docs, without = str(tmp_path / "docs"), str(tmp_path / "plain")
     write_fixed(with_docs, 200, seq_len=16, per_shard=100, shard_format="arrow")

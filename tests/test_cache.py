@@ -19,8 +19,8 @@ from loader_procs import loader_run, open_shards
 from s3_proxy import CountingProxy
 from shardkit.errors import CorruptShardError
 from shardkit.formats import SHARD_READS
-from shardkit.loaders.cache import CacheLimitError, ShardCache
-from shardkit.loaders.decoded_store import decoded_size
+from shardkit.loaders.cache.shard_cache import CacheLimitError, ShardCache
+from shardkit.loaders.cache.decoded_store import decoded_size
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
@@ -304,7 +304,7 @@ def test_sigkill_during_download_leaves_nothing_that_blocks_or_poisons(s3_bucket
 def test_the_holder_removes_the_temporaries_a_killed_writer_left(tmp_path):
     """What a write killed mid-way leaves (the core's atomic write, or the hidden spelling of older versions),
     the next holder of the shard's download lock removes, and nothing of other files."""
-    from shardkit.loaders.cache_dir import remove_stale_temporaries
+    from shardkit.loaders.cache.directory import remove_stale_temporaries
     from shardkit.storage import atomic_path
 
     path = str(tmp_path / "shard-0.tar.0123456789abcdef.skd")
@@ -320,7 +320,7 @@ def test_the_holder_removes_the_temporaries_a_killed_writer_left(tmp_path):
 def test_a_fresh_node_gets_the_manifest_and_its_index_at_once_after_the_head(tmp_path, monkeypatch):
     """Both GETs of a node's first manifest read are in flight together (one round trip, not two), and
     both start after the HEAD whose identity the node records (so the copy is never older than it)."""
-    from shardkit.loaders import cache as cache_module
+    import shardkit.loaders.cache.shard_cache as cache_module
 
     url = f"memory://fresh-node-{os.getpid()}"
     write_fixed(url, 64)

@@ -19,7 +19,7 @@ import torch
 from loader_helpers import ids_from_tokens, write_fixed
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.formats import open_decoded, write_decoded
-from shardkit.loaders.cache import UnsafeCacheDirError, default_cache_dir
+from shardkit.loaders.cache.shard_cache import UnsafeCacheDirError, default_cache_dir
 
 NOBODY = 65534
 SAMPLES, PER_SHARD = 60, 20
@@ -51,7 +51,7 @@ def refused(url: str, cache_dir: str | None, directory) -> UnsafeCacheDirError:
         StreamingDataset(url, cache_dir=cache_dir)
     message = str(caught.value)
     assert f"refusing cache directory {directory}: " in message
-    # loaders/cache.py is respelled when branch loader is merged: either spelling names the trainer option
+    # loaders/cache/shard_cache.py is respelled when branch loader is merged: either spelling names the trainer option
     assert "cache_dir=" in message and ("--cache-dir" in message or "--cache_dir" in message)  # respell: keep
     return caught.value
 
@@ -140,7 +140,7 @@ def test_a_decoded_file_not_bound_to_its_shard_is_decoded_again(dataset, tmp_pat
     victim = StreamingDataset(dataset, shuffle=False)  # the default cache, where a poisoner would put files
     target = victim.caches[0].path(1)
     forge(target, good[1], good[2], kind)
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.decoded_store"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.cache.decoded_store"):
         ids, encoded = read_all(victim)
     assert sorted(ids.tolist()) == list(range(SAMPLES))
     assert np.array_equal(ids, encoded), "the loader served tokens that are not the shard's"

@@ -1,4 +1,4 @@
-"""Closing what a reader left open (shardkit/loaders/closing.py): a shard handle the garbage collector drops
+"""Closing what a reader left open (shardkit/loaders/delivery/closing.py): a shard handle the garbage collector drops
 is closed outside the collector, so no lock is ever taken from `__del__`; and a reading generator left
 unfinished is closed before the interpreter's teardown, so a user's clean exit prints nothing."""
 
@@ -18,7 +18,7 @@ import pytest
 from loader_helpers import VOCAB, fixed_sample, write_fixed
 from shardkit.errors import CorruptShardError
 from shardkit.formats import write_dataset
-from shardkit.loaders import cache as cache_module
+import shardkit.loaders.cache.shard_cache as cache_module
 from shardkit.manifest import TokenizerInfo, load_manifest
 from shardkit.storage import Storage
 
@@ -155,7 +155,7 @@ def test_a_clean_exit_prints_nothing(tmp_path, case):
 def test_flush_waits_for_earlier_closes_and_returns_at_once_inside_the_closing_thread():
     """`flush` from ordinary code returns after what was handed over before it ran; a close that itself flushes
     (a handle whose close drains a cache) returns at once instead of waiting for itself."""
-    from shardkit.loaders.closing import Closer
+    from shardkit.loaders.delivery.closing import Closer
 
     closer = Closer()
     closer.start()

@@ -108,7 +108,7 @@ def test_loader_state_format_and_validation(dataset_url, tmp_path):
     from dataclasses import FrozenInstanceError
 
     from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW
-    from shardkit.loaders.state import LoaderState
+    from shardkit.loaders.state.loader_state import LoaderState
 
     state = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8).state_dict()
     assert state["version"] == 1  # the saved format: a new version must be a deliberate change

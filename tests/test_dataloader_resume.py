@@ -15,7 +15,7 @@ import json
 from loader_helpers import write_fixed, write_variable
 from resume_contract import check_elastic_resume, check_resume, stream_until, take
 from shardkit import Stream, StreamingDataLoader, StreamingDataset
-from shardkit.loaders.schedule import Schedule
+from shardkit.loaders.order.schedule import Schedule
 from shardkit.manifest import load_manifest
 from shardkit.verify import QUARANTINE_KIND, QUARANTINE_VERSION
 

@@ -15,7 +15,7 @@ from loader_helpers import ids_from_tokens, write_fixed, write_variable
 from loader_procs import loader_run
 from s3_proxy import CountingProxy
 from shardkit import Stream, StreamingDataLoader, StreamingDataset
-from shardkit.loaders.topology import resolve_topology
+from shardkit.loaders.delivery.topology import resolve_topology
 
 
 def test_topology_precedence(monkeypatch):
@@ -129,8 +129,8 @@ def test_per_node_download_volume_four_nodes(process_pool, s3_bucket, s3_endpoin
 def expected_node_shares(manifest, *, num_partitions: int, shuffle_window: int, world_size: int, batch_size: int,
                          ranks_per_node: int) -> list[tuple[float, int]]:
     """(bytes, shard count) each node must download in epoch 0, from the pure order functions."""
-    from shardkit.loaders.order import EpochOrder, OrderConfig
-    from shardkit.loaders.partition import rank_positions, steps_in_epoch
+    from shardkit.loaders.order.epochs import EpochOrder, OrderConfig
+    from shardkit.loaders.order.partition import rank_positions, steps_in_epoch
 
     sizes = [s.samples for s in manifest.shards]
     order = EpochOrder(sizes, OrderConfig(num_partitions=num_partitions, shuffle_window=shuffle_window), 0)

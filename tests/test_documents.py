@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardkit.loaders.documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
+from shardkit.loaders.sources.documents import boundaries, chunk_boundaries, dense_segment_ids, segment_starts
 
 
 def test_cu_seqlens_and_dense_ids_match_a_token_by_token_walk():

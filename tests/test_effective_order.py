@@ -1,4 +1,4 @@
-"""`effective_order`: an epoch's order after skip_samples and quarantine, one pure function of its inputs
+"""`order.effective`: an epoch's order after skip_samples and quarantine, one pure function of its inputs
 (issue 23 item 1). Each result is checked against the brute-force answer computed from whole orders."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardkit.loaders.effective_order import effective_order
-from shardkit.loaders.mixing import MixtureOrder, MixturePlan
-from shardkit.loaders.order import EpochOrder, OrderConfig
+from shardkit.loaders.order.effective import effective_order
+from shardkit.loaders.order.mixing import MixtureOrder, MixturePlan
+from shardkit.loaders.order.epochs import EpochOrder, OrderConfig
 
 SIZES = np.array([40] * 9 + [23], dtype=np.int64)
 ENDS = np.cumsum(SIZES)

@@ -17,7 +17,7 @@ import pytest
 from fault_proxy import FAULT_KINDS, through_proxy
 from shardkit.errors import CorruptShardError
 from shardkit.formats import SHARD_READS, Sample, ShardReader, read_shard, write_dataset
-from shardkit.loaders.cache import ShardCache
+from shardkit.loaders.cache.shard_cache import ShardCache
 from shardkit.manifest import TokenizerInfo, load_manifest
 from shardkit.storage import RetryPolicy, Storage
 

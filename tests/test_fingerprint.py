@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from loader_helpers import write_fixed
 
-from shardkit.loaders import fingerprint as fingerprint_module
+import shardkit.loaders.state.fingerprint as fingerprint_module
 from shardkit.loaders.dataset import StreamingDataset
-from shardkit.loaders.fingerprint import data_fingerprint, shard_entries
-from shardkit.loaders.mixing import Stream
+from shardkit.loaders.state.fingerprint import data_fingerprint, shard_entries
+from shardkit.loaders.order.mixing import Stream
 from shardkit.manifest import Manifest, ShardInfo, TokenizerInfo
 from shardkit.shard_columns import ShardColumns
 

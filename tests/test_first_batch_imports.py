@@ -29,7 +29,7 @@ from shardkit.formats.arrow_format import _flat
 CHILD = """
 import json, sys, tempfile, threading
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
-from shardkit.loaders import cache as cache_module
+import shardkit.loaders.cache.shard_cache as cache_module
 
 started = []
 start_thread = threading.Thread.start

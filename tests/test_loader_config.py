@@ -9,7 +9,7 @@ import pytest
 
 from loader_helpers import write_fixed
 from shardkit import LoaderConfig, StreamingDataLoader, StreamingDataset
-from shardkit.loaders.state import ORDER_FIELDS, LoaderState
+from shardkit.loaders.state.loader_state import ORDER_FIELDS, LoaderState
 
 
 @pytest.mark.parametrize("values, option", [

@@ -20,7 +20,7 @@ from loader_helpers import write_fixed
 
 from shardkit.errors import ManifestError
 from shardkit.loaders.dataset import StreamingDataset
-from shardkit.loaders.partition import worker_step_chunks
+from shardkit.loaders.order.partition import worker_step_chunks
 from shardkit.manifest import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -314,7 +314,7 @@ def test_first_chunk_of_an_epoch_of_1e15_steps_is_immediate():
 
 def test_node_record_lets_later_processes_skip_hashing(indexed, tmp_path, monkeypatch):
     from shardkit import manifest as manifest_module
-    from shardkit.loaders import cache as cache_module
+    import shardkit.loaders.cache.shard_cache as cache_module
 
     url, manifest = indexed
     calls = []
@@ -339,8 +339,8 @@ def test_the_node_record_holds_the_digest_of_the_json(indexed, index):
 
 
 def test_prefetch_starts_at_a_node_dependent_offset():
-    from shardkit.loaders.reading import prefetch_order
-    from shardkit.loaders.topology import Topology
+    from shardkit.loaders.sources.built.reading import prefetch_order
+    from shardkit.loaders.delivery.topology import Topology
 
     shards = list(range(40))
     firsts = [prefetch_order(shards, Topology(rank=node * 2, world_size=32, local_rank=0, local_world_size=2))[0]
@@ -366,7 +366,7 @@ def _many_shards(url: str, n: int, per_shard: int = 4) -> Manifest:
 
 
 def test_later_processes_map_the_node_copy_of_the_index_instead_of_reading_it(tmp_path):
-    from shardkit.loaders.cache import fetch_manifest
+    from shardkit.loaders.cache.shard_cache import fetch_manifest
 
     url, node = str(tmp_path / "ds"), str(tmp_path / "node")
     manifest = _many_shards(url, 40_000)
@@ -389,7 +389,7 @@ def test_later_processes_map_the_node_copy_of_the_index_instead_of_reading_it(tm
 
 
 def test_an_index_copy_replaced_under_a_live_mapping_leaves_it_intact(tmp_path):
-    from shardkit.loaders.cache import fetch_manifest
+    from shardkit.loaders.cache.shard_cache import fetch_manifest
 
     url, node = str(tmp_path / "ds"), str(tmp_path / "node")
     old = _many_shards(url, 20_000)
@@ -406,7 +406,7 @@ def test_an_index_copy_replaced_under_a_live_mapping_leaves_it_intact(tmp_path):
 
 
 def test_a_damaged_index_copy_is_never_trusted_by_the_node(indexed, tmp_path, caplog):
-    from shardkit.loaders.cache import fetch_manifest
+    from shardkit.loaders.cache.shard_cache import fetch_manifest
 
     url, manifest = indexed
     storage, node = Storage(url), str(tmp_path / "node")

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.loaders.mixing import MIX_PERIOD, MixtureOrder, Stream, mixture_quotas
-from shardkit.loaders.order import OrderConfig
-from shardkit.loaders.partition import rank_positions
+from shardkit.loaders.order.mixing import MIX_PERIOD, MixtureOrder, Stream, mixture_quotas
+from shardkit.loaders.order.epochs import OrderConfig
+from shardkit.loaders.order.partition import rank_positions
 
 
 @settings(max_examples=100, deadline=None)

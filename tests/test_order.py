@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.loaders.order import EpochOrder, OrderConfig, epoch_order, full_order, make_blocks
+from shardkit.loaders.order.epochs import EpochOrder, OrderConfig, epoch_order, full_order, make_blocks
 
 shard_sizes = st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(lambda s: sum(s) > 0)
 orders = st.fixed_dictionaries({

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.loaders.order import epoch_order
-from shardkit.loaders.partition import dropped_in_epoch, rank_positions, steps_in_epoch, worker_steps
+from shardkit.loaders.order.epochs import epoch_order
+from shardkit.loaders.order.partition import dropped_in_epoch, rank_positions, steps_in_epoch, worker_steps
 
 
 def shares(order, *, world, batch, start=0, policy="drop"):
@@ -80,7 +80,7 @@ def test_worker_steps_round_robin():
 
 
 def test_edges_of_the_step_and_rank_arithmetic():
-    from shardkit.loaders.partition import worker_of_step
+    from shardkit.loaders.order.partition import worker_of_step
 
     # without bundling, workers take single steps round robin
     assert worker_of_step(np.arange(5), num_workers=2).tolist() == [0, 1, 0, 1, 0]
@@ -96,7 +96,7 @@ def test_edges_of_the_step_and_rank_arithmetic():
 @given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=10).filter(lambda s: sum(s) > 0),
        partitions=st.integers(1, 4), world=st.integers(1, 5), batch=st.integers(1, 5), seed=st.integers(0, 100))
 def test_partial_policy_every_sample_once_equal_batches(sizes, partitions, world, batch, seed):
-    from shardkit.loaders.partition import partial_batch
+    from shardkit.loaders.order.partition import partial_batch
 
     order = epoch_order(sizes, seed=seed, num_partitions=partitions, shuffle_window=7)
     n, global_batch = order.num_positions, world * batch
@@ -124,7 +124,7 @@ def test_partial_policy_every_sample_once_equal_batches(sizes, partitions, world
 def test_partial_step_arithmetic_at_its_edges():
     """The ragged last step counts the positions left after `start` (not before it, not one more), an
     epoch already consumed has no partial step, and the whole-epoch count defaults to one rank."""
-    from shardkit.loaders.partition import partial_batch
+    from shardkit.loaders.order.partition import partial_batch
 
     assert partial_batch(10, start=3, global_batch=4, world_size=1, policy="partial") == 3  # 7 left: 4 + 3
     assert partial_batch(12, start=3, global_batch=4, world_size=2, policy="partial") == 1  # 9 left: 8 + 1
@@ -138,7 +138,7 @@ def test_partial_step_arithmetic_at_its_edges():
 
 
 def test_worker_step_arithmetic_defaults_to_single_steps_and_integer_bundles():
-    from shardkit.loaders.partition import worker_of_step, worker_step_chunks, worker_step_count
+    from shardkit.loaders.order.partition import worker_of_step, worker_step_chunks, worker_step_count
 
     assert worker_of_step(3, num_workers=2, bundle=2) == 1 and isinstance(worker_of_step(3, num_workers=2, bundle=2), int)
     # the first round's bundles one step per message (the ramp), then bundles of two
@@ -154,7 +154,7 @@ def test_worker_step_arithmetic_defaults_to_single_steps_and_integer_bundles():
 
 
 def test_worker_step_chunks_skip_starts_at_the_skipped_step_at_once():
-    from shardkit.loaders.partition import worker_step_chunks
+    from shardkit.loaders.order.partition import worker_step_chunks
 
     every = np.concatenate(list(worker_step_chunks(50, worker=1, num_workers=3, bundle=2, chunk=4)))
     assert len(every) == 16  # its first bundle of 2 as the ramp's two messages of 1, then 7 bundles of 2
@@ -183,8 +183,8 @@ def test_workers_take_one_step_first_then_bundles_that_arrive_in_step_order(num_
     only splits the first round: every later step goes to the worker a dealing of whole bundles gives it, and no
     chunk spans two messages of the ramp (the reader holds a chunk's shards: a chunk across two of them spans
     the other workers' steps between them too)."""
-    from shardkit.loaders.partition import worker_of_step, worker_step_chunks, worker_step_count
-    from shardkit.loaders.tensors import bundled
+    from shardkit.loaders.order.partition import worker_of_step, worker_step_chunks, worker_step_count
+    from shardkit.loaders.delivery.tensors import bundled
 
     owner = worker_of_step(np.arange(num_steps), num_workers=num_workers, bundle=bundle)
     after_ramp = np.arange(num_workers * bundle, num_steps)

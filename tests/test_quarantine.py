@@ -1,4 +1,4 @@
-"""Quarantine of corrupt shards (loaders/quarantine.py): agreed over a real gloo group, exact, balanced,
+"""Quarantine of corrupt shards (loaders/order/quarantine.py): agreed over a real gloo group, exact, balanced,
 resumable; `shardkit verify --quarantine-list` and a run that takes the list up front."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_shard_corrupt_on_one_node_is_skipped_on_every_rank(process_pool, store, figures):
-    from shardkit.loaders.order import epoch_order
+    from shardkit.loaders.order.epochs import epoch_order
 
     # Corrupt a shard of the partition that only rank 1's node reads (two nodes: two canonical partitions),
     # so no sample of it is read before the ranks agree: the epoch must hold every other sample once.
@@ -170,8 +170,8 @@ def test_quarantine_list_round_trip(tmp_path, figures):
 
 
 def test_filtered_order_drops_exactly_the_quarantined_positions():
-    from shardkit.loaders.order import epoch_order
-    from shardkit.loaders.quarantine import filter_order
+    from shardkit.loaders.order.epochs import epoch_order
+    from shardkit.loaders.order.quarantine import filter_order
 
     sizes = [48] * 12 + [34]
     order = epoch_order(sizes, seed=1, num_partitions=2, shuffle_window=50)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from shardkit.loaders.raw_lanes import (deal_lanes, lane_epoch_order, lane_sample_counts, lane_units, merge_cursors,
+from shardkit.loaders.order.lanes import (deal_lanes, lane_epoch_order, lane_sample_counts, lane_units, merge_cursors,
                                         position_lanes, rank_step_positions)
 
 

@@ -1,4 +1,4 @@
-"""Raw-text and built streams in one weighted mixture (`shardkit.loaders.raw_mixture`): the order does not depend on
+"""Raw-text and built streams in one weighted mixture (`shardkit.loaders.sources.mixture`): the order does not depend on
 ranks or workers, resume is exact and elastic, and what cannot be mixed or resumed is refused by name."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from shardkit.loaders import Schedule, Stream, StreamingDataLoader, StreamingDataset
 from resume_contract import check_resume
-from shardkit.loaders.mixing import mixture_quotas, run_counts
+from shardkit.loaders.order.mixing import mixture_quotas, run_counts
 from test_build import WORDS, config, read_samples, write_corpus
 from test_raw_text import ranks_run, rows, take
 
@@ -377,7 +377,7 @@ def test_a_cut_unit_keeps_its_cut_when_the_streams_change(damaged, tokenizer, ca
     resumed = StreamingDataLoader(changed, batch_size=8)
     resumed.load_state_dict(loader.state_dict(), allow_mixture_change=True)
     caplog.clear()  # the first mixture's cut
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.unreadable"):
         tail = take(resumed, 20)
     assert not [r for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
     [[unit, _, _, _]] = resumed.state_dict()["raw_text"]["unreadable"]
@@ -403,7 +403,7 @@ def test_a_cut_unit_keeps_its_cut_when_the_streams_change(damaged, tokenizer, ca
 def test_on_corrupt_skip_cuts_a_raw_streams_unreadable_unit_as_its_own_dataset_would(damaged, tokenizer, caplog):
     ds = skipping(damaged, tokenizer)
     loader = StreamingDataLoader(ds, batch_size=8)
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.unreadable"):
         batches = take(loader, 30)
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
     assert loader.counters()["skipped_units"] == 1 and len(skipped) == 1 and f"{damaged['b']}/c.jsonl.zst from its segment" in \

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
-from shardkit.loaders.documents import dense_segment_ids
-from shardkit.loaders.raw_loader import merge_raw_states
+from shardkit.loaders.sources.documents import dense_segment_ids
+from shardkit.loaders.sources.raw.feed import merge_raw_states
 from shardkit.text.documents import tokenize_unit
 from test_build import config, documents_from_samples, read_samples, write_corpus
 
@@ -116,7 +116,7 @@ def test_pack_none_gives_the_builds_samples(corpus, tmp_path):
 
 
 def test_documents_are_the_builds_across_ranges_segments_and_row_groups(corpus, tmp_path):
-    from shardkit.loaders.raw_units import RANGE, ROW_GROUP, STREAMED
+    from shardkit.loaders.sources.raw.units import RANGE, ROW_GROUP, STREAMED
     from shardkit.tools.build import run_build
 
     run_build(config([corpus], tmp_path / "built", packing="none", seq_len=1024))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shardkit.loaders.raw_units import RANGE, list_units, read_segments
+from shardkit.loaders.sources.raw.units import RANGE, list_units, read_segments
 from shardkit.text.documents import parse_unit
 from shardkit.text.inputs import expand_inputs, max_line_bytes
 
@@ -63,7 +63,7 @@ def test_a_line_too_long_to_read_is_rejected_as_the_build_rejects_it(tmp_path):
 
 
 def test_a_txt_read_by_paragraphs_is_streamed_in_the_builds_segments(tmp_path):
-    from shardkit.loaders.raw_units import STREAMED
+    from shardkit.loaders.sources.raw.units import STREAMED
     from shardkit.text.inputs import iter_units
 
     paragraphs = [f"paragraph {i}\n" + "z" * (1 + i * 13 % 200) for i in range(80)]
@@ -96,7 +96,7 @@ def test_rejected_records_are_named_as_the_build_names_them_or_by_exact_byte_off
     corpus = write_corpus(tmp_path / "in", docs=150)
     report = run_build(config([corpus], tmp_path / "built", packing="none", seq_len=256)).report
     ds = StreamingDataset(str(corpus), tokenizer="byte", seq_len=256, unit_bytes=4096, lanes=4)
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_source"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.corpus"):
         first_epoch(ds)  # every lane through its lane epoch 0
     logged = {r.getMessage().split(": rejected a document: ")[0] for r in caplog.records}
     plain = (corpus / "a.jsonl").read_bytes()
@@ -116,7 +116,7 @@ def few_lanes_warnings(caplog, corpus, *, world_size, **settings):
 
     from shardkit.loaders import StreamingDataLoader, StreamingDataset
 
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_loader"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.feed"):
         for _ in range(2):  # a second loader over the same corpus and readers: warned once
             ds = StreamingDataset(str(corpus), tokenizer="byte", seq_len=64, rank=0, world_size=world_size,
                                   **settings)

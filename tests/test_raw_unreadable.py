@@ -15,7 +15,7 @@ import zstandard
 from resume_contract import check_elastic_resume, check_resume
 from shardkit import metrics
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
-from shardkit.loaders.raw_unreadable import UnitCut, UnitCuts, Unreadable, settle
+from shardkit.loaders.sources.raw.unreadable import UnitCut, UnitCuts, Unreadable, settle
 from test_build import config, read_samples, write_corpus
 from test_raw_text import first_epoch, rows, take
 
@@ -73,7 +73,7 @@ def test_skip_logs_and_counts_each_unreadable_unit_once_and_goes_on(damaged, cap
     loader = StreamingDataLoader(dataset(damaged), batch_size=4)
     before = {name: metrics.value("shardkit_loader_skipped_units_total", stream=name)
               for name in ("c.jsonl.zst", "d.parquet")}
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.unreadable"):
         batches = take(loader, 150)  # every lane well into its second lane epoch
     assert {int(e) for b in batches for e in b["lane_epoch"]} >= {0, 1, 2}
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
@@ -110,7 +110,7 @@ def test_a_file_that_vanishes_is_skipped_unit_by_unit_and_the_run_goes_on(tmp_pa
     reference = StreamingDataLoader(dataset(corpus), batch_size=4)
     head = take(reference, 3)
     (corpus / "a.jsonl").unlink()  # listed, partly read: its remaining byte ranges cannot be read
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.unreadable"):
         tail = take(reference, 100)
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]
     assert skipped and all("a.jsonl bytes " in m and "FileNotFoundError" in m for m in skipped)
@@ -265,7 +265,7 @@ def test_a_parquet_file_with_an_unreadable_footer_is_one_unit_that_raises_or_is_
     report = run_build(config([corpus], tmp_path / "built", packing="none", seq_len=256, on_error="skip")).report
     assert [e["file"] for e in report["file_errors"]] == [str(corpus / "d.parquet")]
     _, built = read_samples(str(tmp_path / "built"))
-    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.raw_unreadable"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.loaders.sources.raw.unreadable"):
         raw = first_epoch(dataset(corpus, pack="none"))
     assert sorted(tuple(s) for s in raw) == sorted(tuple(s.tokens.tolist()) for s in built)
     skipped = [r.getMessage() for r in caplog.records if "skipped an unreadable unit" in r.getMessage()]

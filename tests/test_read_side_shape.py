@@ -1,6 +1,6 @@
 """The read side's shape: stages with one state contract, a small dataset, a loader that talks to one plan.
 
-Each stage with resume fields (`shardkit.loaders.state.Stage`: the step sources, the quarantine, the mixture and
+Each stage with resume fields (`shardkit.loaders.state.loader_state.Stage`: the step sources, the quarantine, the mixture and
 the read plan's order) is run, saved at every point, restored into a fresh one and run on: the shared helper
 `resume_contract.check_stage_resume` (torchdata's `run_test_save_load_state` idea), in-process. The rest reads the
 source with `ast`: `StreamingDataset` stays at most 15 public methods and 300 lines, the data loader reaches the
@@ -19,13 +19,13 @@ import pytest
 from loader_helpers import write_fixed
 from resume_contract import check_stage_resume
 from shardkit.loaders import StreamingDataLoader, StreamingDataset, Stream
-from shardkit.loaders.batch_modes import BATCH_MODES, FixedBatches, TokenBudgetBatches, batch_mode
+from shardkit.loaders.sources.built.batch_modes import BATCH_MODES, FixedBatches, TokenBudgetBatches, batch_mode
 from shardkit.loaders.config import LoaderConfig
-from shardkit.loaders.effective_order import effective_order
-from shardkit.loaders.quarantine import Quarantine, QuarantineSources
-from shardkit.loaders.remix import Mixture, MixtureStreams
-from shardkit.loaders.state import LoaderState
-from shardkit.loaders.steps import FixedSteps, TokenBudgetSteps
+from shardkit.loaders.order.effective import effective_order
+from shardkit.loaders.order.quarantine import Quarantine, QuarantineSources
+from shardkit.loaders.order.remix import Mixture, MixtureStreams
+from shardkit.loaders.state.loader_state import LoaderState
+from shardkit.loaders.order.steps import FixedSteps, TokenBudgetSteps
 
 LOADERS = Path(__file__).resolve().parents[1] / "loaders"
 BASE = dict(epoch=0, samples_consumed=0, dataset="data", num_samples=240, seed=0, shuffle=True, num_partitions=1,
@@ -140,10 +140,10 @@ def _asks_for_token_budget(node: ast.AST) -> bool:
 
 
 def test_only_the_batch_mode_table_asks_whether_batches_are_cut_by_tokens():
-    # config.py and sources.py check the option itself (its value, its fit to the data), not the mode
-    askers = {path.name for path in LOADERS.glob("*.py")
+    # config.py and sources/built/streams.py check the option itself (its value, its fit to the data), not the mode
+    askers = {path.name for path in LOADERS.rglob("*.py")
               if any(_asks_for_token_budget(n) for n in ast.walk(ast.parse(path.read_text())))}
-    assert askers <= {"batch_modes.py", "config.py", "sources.py"}, askers
+    assert askers <= {"batch_modes.py", "config.py", "streams.py"}, askers
 
 
 # -- a small dataset, a loader that talks to the plan -----------------------------------------

@@ -13,9 +13,9 @@ from conftest import free_port
 from loader_helpers import ids_from_tokens, write_fixed
 from loader_procs import loader_run
 from shardkit import StreamingDataLoader, StreamingDataset
-from shardkit.loaders.mixing import MIX_PERIOD, Stream, mixture_quotas
-from shardkit.loaders.order import EpochOrder, OrderConfig
-from shardkit.loaders.schedule import Schedule
+from shardkit.loaders.order.mixing import MIX_PERIOD, Stream, mixture_quotas
+from shardkit.loaders.order.epochs import EpochOrder, OrderConfig
+from shardkit.loaders.order.schedule import Schedule
 from shardkit.train.config import data_entries
 
 BATCH = 4
@@ -269,7 +269,7 @@ def test_trainer_reweights_on_resume_only_with_allow_mixture_change(tmp_path, ca
     reweighted = f"{tmp_path}/web:0.9,{tmp_path}/code:0.1"
     with pytest.raises(ValueError, match="allow_mixture_change"):
         run_training(reweighted, 6)
-    with caplog.at_level("INFO", logger="shardkit.loaders.remix"):
+    with caplog.at_level("INFO", logger="shardkit.loaders.order.remix"):
         assert run_training(reweighted, 6, allow_mixture_change=True) == 0
     assert "mixture changed at step 3 (epoch 0, position 36)" in caplog.text
     log = [json.loads(line) for line in (run_dir / "samples" / "rank-0.jsonl").read_text().splitlines()]

@@ -14,8 +14,8 @@ import pytest
 
 from loader_helpers import ids_from_tokens, write_fixed
 from shardkit import StreamingDataLoader, StreamingDataset
-from shardkit.loaders import cache as cache_module
-from shardkit.loaders.store import CacheStats
+import shardkit.loaders.cache.shard_cache as cache_module
+from shardkit.loaders.cache.store import CacheStats
 from shardkit.manifest import load_manifest
 
 BATCH = 8

@@ -12,10 +12,10 @@ from loader_helpers import VOCAB, fixed_sample, write_fixed
 from resume_contract import check_elastic_resume, check_resume, stream_until
 from shardkit.loaders.dataloader import StreamingDataLoader
 from shardkit.loaders.dataset import StreamingDataset
-from shardkit.loaders.order import epoch_order
+from shardkit.loaders.order.epochs import epoch_order
 from shardkit.formats import write_dataset
-from shardkit.loaders.order import ExcludedOrder
-from shardkit.loaders.skipping import normalize_skip
+from shardkit.loaders.order.epochs import ExcludedOrder
+from shardkit.loaders.order.skipping import normalize_skip
 from shardkit.manifest import TokenizerInfo
 
 NUM_SAMPLES = 300
@@ -122,7 +122,7 @@ def test_bad_skip_samples_are_clear_errors(dataset_url):
     with pytest.raises(ValueError, match="sample id 300 is out of range"):
         loader(dataset_url, 0, 1, skip_samples=[300]).dataset.source.skipped_ids()
     with pytest.raises(ValueError, match="not a mixture"):
-        from shardkit.loaders.mixing import Stream
+        from shardkit.loaders.order.mixing import Stream
         StreamingDataset([Stream(dataset_url), Stream(dataset_url)], skip_samples=[1])
 
 

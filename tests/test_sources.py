@@ -1,4 +1,4 @@
-"""`loaders/sources.py`: a StreamingDataset's streams opened once, and the options checked against the data they
+"""`loaders/sources/built/streams.py`: a StreamingDataset's streams opened once, and the options checked against the data they
 read (each refusal names the option or both streams, before any cache is made); shard questions answered
 without the dataset."""
 

@@ -1,4 +1,4 @@
-"""The shard store contract (`shardkit.loaders.store.ShardStore`), one suite over every store `make_store`
+"""The shard store contract (`shardkit.loaders.cache.store.ShardStore`), one suite over every store `make_store`
 resolves `cache_mode` into: what a lookup serves and counts, what a prefetch and a put keep, and who
 completes a shard read block by block."""
 
@@ -9,8 +9,8 @@ import pytest
 
 from loader_helpers import VOCAB, fixed_sample, ids_from_tokens, write_fixed
 from shardkit.formats import decode_shard, write_dataset
-from shardkit.loaders import cache as cache_module
-from shardkit.loaders.cache import ShardCache, make_store
+import shardkit.loaders.cache.shard_cache as cache_module
+from shardkit.loaders.cache.shard_cache import ShardCache, make_store
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.manifest import TokenizerInfo, load_manifest
 from shardkit.storage import Storage

@@ -35,7 +35,7 @@ def first_lane_epoch(dataset, reasons) -> tuple[list[list[int]], dict[str, float
     documents it rejected meanwhile by reason (`reasons`, and "all"), as it publishes them."""
     from shardkit import metrics
     from shardkit.loaders import StreamingDataLoader
-    from shardkit.loaders.documents import dense_segment_ids
+    from shardkit.loaders.sources.documents import dense_segment_ids
 
     def rejected() -> dict[str, float]:
         name = "shardkit_loader_documents_rejected_total"

@@ -11,7 +11,7 @@ import pytest
 
 from shardkit.cli import build_parser
 from shardkit.cli.build import TokenizerTrainOptions, config_from_args
-from shardkit.loaders.raw_source import RawCorpus, RawTextSettings
+from shardkit.loaders.sources.raw.corpus import RawCorpus, RawTextSettings
 from shardkit.text.recipe import TextRecipe, recipe_fields
 from shardkit.tools import state as build_state
 from shardkit.tools.config import BuildConfig, build_record

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from loader_helpers import write_variable
 from shardkit import StreamingDataLoader, StreamingDataset
-from shardkit.loaders.token_budget import plan_remaining, plan_window
+from shardkit.loaders.order.token_budget import plan_remaining, plan_window
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,7 +1,7 @@
 """DataLoader worker processes: forked safely while the parent's other threads are busy (no lock, thread
 pool or flock of the parent may reach a worker in a state that hangs it: shardkit/forking.py, the fork hooks
 of shardkit/metrics.py), gone as soon as their loader is dropped (no reference cycle keeps it alive), and
-gone when their parent dies (shardkit/loaders/parent_watch.py).
+gone when their parent dies (shardkit/loaders/delivery/parent_watch.py).
 
 Each run gives the DataLoader a timeout, so a hung worker fails the test with "DataLoader timed out"
 instead of hanging the suite.
@@ -23,7 +23,7 @@ import pytest
 from loader_helpers import ids_from_tokens, lock_is_held, write_fixed
 from process_tree import descendants, signal_all
 from shardkit import StreamingDataLoader, StreamingDataset, metrics
-from shardkit.loaders import cache as cache_module
+import shardkit.loaders.cache.shard_cache as cache_module
 
 WORKER_TIMEOUT = 60  # seconds a worker may take for one batch before the run counts as hung
 

@@ -175,7 +175,7 @@ def _start_at(entries: list[tuple[int, list[dict[str, Any]]]], step: int,
 
 def _identity(manifest) -> str:
     """A dataset's identity as the loader records it (its shards, not its location)."""
-    from shardkit.loaders.fingerprint import data_fingerprint
+    from shardkit.loaders.state.fingerprint import data_fingerprint
 
     return data_fingerprint([manifest], [])
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.loaders.raw_lanes import position_lanes
-from shardkit.loaders.raw_source import CURSOR_FIELDS, RejectionLog
+from shardkit.loaders.order.lanes import position_lanes
+from shardkit.loaders.sources.raw.corpus import CURSOR_FIELDS, RejectionLog
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None,
     Raises:
         ValueError: the run's configuration cannot be read.
     """
-    from shardkit.loaders.mixing import Stream
+    from shardkit.loaders.order.mixing import Stream
     from shardkit.train.config import config_from_dict
     from shardkit.train.data import holds_manifest, raw_source, raw_text_dataset, storage_options
 
@@ -136,8 +136,8 @@ class RawRunSamples:
         """(lane, index) -> (sample, lane epoch, the lane's corpus) for every raw place, each lane read once: from
         its cursor in the loader `state` (a checkpoint's) where that stands before the samples, else its start.
         `lanes_read` counts the samples packed on the way."""
-        from shardkit.loaders.raw_loader import saved_cursors
-        from shardkit.loaders.raw_unreadable import UnitCuts
+        from shardkit.loaders.sources.raw.feed import saved_cursors
+        from shardkit.loaders.sources.raw.unreadable import UnitCuts
 
         cursors, cuts = {}, UnitCuts()
         if state is not None:

@@ -3,7 +3,7 @@
 `accelerator.prepare()` must not take the loader: it rebuilds a DataLoader of its own around the dataset, which
 either lets rank 0 read and broadcast (`dispatch_batches`) or keeps every N-th batch of each rank's share
 (`IterableDatasetShard`), and drops the loader's state; shardkit refuses to be iterated that way
-(`loaders/resharding.py`, `BuiltSource.claimed`). The loader is already rank-aware: iterate it as
+(`loaders/delivery/resharding.py`, `BuiltSource.claimed`). The loader is already rank-aware: iterate it as
 it is and let `checkpoint_loader` put its state into accelerate's checkpoints, as JSON (accelerate's
 `register_for_checkpointing` would pickle it).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from shardkit.integrations.loader_state import load_loader_state, save_loader_state
 from shardkit.loaders.dataloader import StreamingDataLoader
-from shardkit.loaders.frameworks import check_processes
+from shardkit.loaders.delivery.frameworks import check_processes
 
 
 def checkpoint_loader(accelerator: Any, loader: StreamingDataLoader) -> None:

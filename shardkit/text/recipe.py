@@ -4,7 +4,7 @@ The tokenizer, the context length, the packing and its parameters, where a recor
 document of a .txt file is, the special ids and the document limit decide the samples a corpus gives.
 `shardkit build` writes shards with them (`shardkit.tools.config.BuildConfig` takes these fields, their help,
 defaults and parsing, as its options) and the raw-text loader tokenizes on the fly with them
-(`shardkit.loaders.raw_source.RawTextSettings` is a recipe plus how the loader cuts the corpus), so both spell
+(`shardkit.loaders.sources.raw.corpus.RawTextSettings` is a recipe plus how the loader cuts the corpus), so both spell
 and check each field the same way.
 
 Allowed values come from the registries of the code that implements them (`PACKING_MODES`, `TXT_MODES`),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.loaders.config import LoaderConfig
-from shardkit.loaders.schedule import Schedule, parse_schedule
+from shardkit.loaders.order.schedule import Schedule, parse_schedule
 from shardkit.train.step_ranges import format_steps, parse_steps
 from shardkit.options import option, option_name, parse_storage_options, storage_options_option
 

@@ -49,7 +49,7 @@ def to_batch(batch: dict[str, torch.Tensor], device: torch.device) -> Batch:
     if segments is None and "cu_seqlens" in batch:
         # The loader sends document boundaries as O(documents) cu_seqlens; the dense ids are built here,
         # on the device (the cumulative sum over every token was the loader's largest cost).
-        from shardkit.loaders.documents import dense_segment_ids
+        from shardkit.loaders.sources.documents import dense_segment_ids
 
         segments = dense_segment_ids(batch["cu_seqlens"].to(device, non_blocking=True),
                                      batch["padding_segments"].to(device, non_blocking=True), *tokens.shape)
@@ -68,7 +68,7 @@ def storage_options(config: DataConfig) -> dict[str, Any] | None:
 
 def _source(spec: str) -> Any:
     """A `--data` value as the loader's source: one URL, or a list of `Stream` for a mixture."""
-    from shardkit.loaders.mixing import Stream
+    from shardkit.loaders.order.mixing import Stream
 
     entries = data_entries(spec)
     return entries[0][0] if len(entries) == 1 else [Stream(url, weight) for url, weight in entries]
@@ -82,7 +82,7 @@ def raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: boo
     Raises:
         ValueError: every entry is a built dataset and not `built_as_built`.
     """
-    from shardkit.loaders.mixing import Stream
+    from shardkit.loaders.order.mixing import Stream
 
     entries = data_entries(spec)
     built = [holds_manifest(url, options) for url, _ in entries]
@@ -111,7 +111,7 @@ def holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,
              built_as_built: bool = False, **overrides: Any):
     """The `StreamingDataset` of `spec`: raw text under `--tokenizer` (built datasets only with `built_as_built`
-    are read as built data, else refused: `raw_source`), else built data, with `overrides` of its loader options.
+    are read as built data, else refused: `sources.raw.corpus`), else built data, with `overrides` of its loader options.
     """
     from shardkit.loaders.dataset import StreamingDataset
 
@@ -130,7 +130,7 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
 
 
 def raw_text_dataset(source: list[Any], config: DataConfig, *, seq_len: int | None, shuffle: bool, **where: Any):
-    """The raw-text `StreamingDataset` the trainer reads from `source` (`raw_source`'s: the inputs of one corpus, or
+    """The raw-text `StreamingDataset` the trainer reads from `source` (`sources.raw.corpus`'s: the inputs of one corpus, or
     a mixture's `Stream`s) under `--tokenizer`; `where`: its rank layout and storage options. `shardkit trace`
     rebuilds a run's raw text through it, so both read the same samples."""
     from shardkit.loaders.dataset import StreamingDataset

@@ -1,0 +1,1 @@
+"""The node-local shard cache: stores per cache mode, the cache directory, block-by-block reading."""

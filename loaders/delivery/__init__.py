@@ -1,0 +1,1 @@
+"""How batches reach the training loop: topology, tensors, worker processes, framework guards."""

@@ -1,0 +1,1 @@
+"""Which sample goes where: pure functions and small objects (orders, partitions, mixtures, steps)."""

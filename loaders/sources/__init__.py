@@ -1,0 +1,1 @@
+"""Sources behind the Source contract (`shardkit.loaders.source`): built shards, raw text, their mixture."""

@@ -1,0 +1,1 @@
+"""Built shards: the source, the loader's feed of epochs, standalone iteration, streams and reading."""

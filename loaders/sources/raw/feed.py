@@ -1,0 +1,265 @@
+"""`RawTextFeed`: the loader's side of raw text (`StreamingDataLoader` over a raw-text source), exact and elastic.
+
+The state is global like a built dataset's (`shardkit.loaders.state.loader_state`): `samples_consumed` (global positions
+handed to the training loop) and, under `raw_text`, one cursor per lane read so far. A rank knows only the
+cursors of the lanes it read, so `state_dict()` gathers them from every rank (`all_gather_object` over the
+dataset's process group) and keeps the furthest cursor of each lane: every rank returns the same dict, and a
+job resumed with another world size, batch size or number of workers starts each lane at its cursor.
+Raw text has no epoch end that all ranks could agree on (each lane runs its own lane epochs), so an
+iteration is endless: the training loop decides when to stop. Under `on_corrupt="skip"` the ranks agree on each
+step's unreadable units before it is handed out (`shardkit.loaders.sources.raw.unreadable`); the state holds their cuts
+under `raw_text.unreadable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shardkit import metrics
+
+from ...delivery.batch_counts import counted_batches
+from ...delivery.closing import closed_at_exit
+from .batches import CURSORS_KEY, UNREADABLE_KEY
+from .iteration import RawIteration
+from ...order.lanes import merge_cursors
+from .corpus import CURSOR_FIELDS
+from .units import few_lanes_advice
+from .unreadable import UnitCuts, agree, log_skipped, settle
+from ...source import Feed
+from ...state.loader_state import LoaderState
+from ...delivery.tensors import batch_to_tensors
+from ...delivery.topology import Topology
+
+logger = logging.getLogger(__name__)
+_WARNED_FEW_LANES: set[tuple[str, int]] = set()  # (corpus, readers) warned about in this process
+
+
+def warn_few_lanes(corpus: Any, *, readers: int) -> None:
+    """Warn once per corpus and number of readers when some readers would get no lane."""
+    advice = few_lanes_advice(corpus.units, corpus.files, corpus.num_lanes, readers=readers,
+                              lanes_asked=corpus.settings.lanes)
+    if advice is not None and (corpus.fingerprint, readers) not in _WARNED_FEW_LANES:
+        _WARNED_FEW_LANES.add((corpus.fingerprint, readers))
+        logger.warning("%s", advice)
+
+
+class RawTextFeed(Feed):
+    """The loader's side of a raw-text source (`RawTextSource.feed`): endless steps and the lanes' cursors.
+
+    Args:
+        source: the `RawTextSource` (or a mixture's).
+        loader: the `StreamingDataLoader` that drives it (its options are checked; the feed keeps no reference).
+        batch_size: samples per rank per step.
+    """
+
+    def __init__(self, source: Any, loader: Any, batch_size: int | None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if loader.persistent_workers:
+            raise ValueError("persistent_workers=True is not supported for raw text: each iteration starts its "
+                             "workers where the loader stands")
+        self.source = source
+        self.samples_per_rank = batch_size
+        self._topology: Topology | None = None
+        self._consumed = 0
+        self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
+        self._cuts = UnitCuts()  # the unreadable units skipped (agreed by every rank)
+        self._published: Counter = Counter()  # the rejections already added to the metric
+
+    def _resolve(self) -> Topology:
+        self._topology = self.source.topology()
+        return self._topology
+
+    def length(self) -> int:
+        raise TypeError("a raw-text StreamingDataLoader has no length: its lanes go on epoch after epoch (stop "
+                        "after a number of steps: shardkit train --steps)")
+
+    @property
+    def epoch(self) -> int:
+        """Always 0: raw text counts epochs per lane (each batch's `lane_epoch`)."""
+        return 0
+
+    def _publish_rejections(self) -> None:
+        """Add the rejections counted since the last call to `shardkit_loader_documents_rejected_total`."""
+        now = self.source.rejected
+        for reason, count in now.items():
+            if count > self._published[reason]:
+                metrics.inc("shardkit_loader_documents_rejected_total", count - self._published[reason],
+                            reason=reason)
+        self._published = Counter(now)
+
+    def counters(self) -> dict[str, int]:
+        """`skipped_units`: unreadable units skipped so far (`on_corrupt="skip"`; the same on every rank)."""
+        return {"skipped_units": len(self._cuts)}
+
+    @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
+    def batches(self, loader: Any) -> Iterator[dict[str, torch.Tensor]]:
+        topology = self._resolve()
+        global_batch = self.samples_per_rank * topology.world_size
+        if self.source.few_lanes_idle_readers:
+            warn_few_lanes(self.source.corpus, readers=topology.world_size * max(1, loader.num_workers))
+
+        def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+            cursors = arrays.pop(CURSORS_KEY)
+            self._consumed += global_batch
+            self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
+            return batch_to_tensors(arrays, self.source.token_dtype)
+
+        yield from counted_batches(self._agreed_batches(loader, topology), prepare,
+                                   pin=loader.pin_batches and torch.cuda.is_available())
+
+    def _agreed_batches(self, loader: Any, topology: Topology) -> Iterator[dict[str, Any]]:
+        """The numpy batches from where the loader stands. Under "skip", each step's unreadable units are agreed
+        over the ranks before it is handed out; when some rank did not read the step with exactly the agreed cuts,
+        every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
+        skipping = self.source.on_corrupt == "skip"
+        while True:
+            self.source.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                                         cursors=dict(self._cursors), cuts=self._cuts))
+            batches = self._numpy_batches(loader)
+            counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
+            try:
+                for batch in batches:
+                    found = batch.pop(UNREADABLE_KEY)
+                    if skipping:
+                        everyone = agree(found, world_size=topology.world_size, group=self.source.agreement_group())
+                        cuts, again = settle(everyone,
+                                             lane_counts=self.source.lane_counts(self._consumed))
+                        if cuts:
+                            self._cuts = self._cuts.adding([c.cut for c in cuts])
+                            log_skipped(cuts, self.source.unit_url)
+                        if again:
+                            self.source.rejected = counted
+                            break
+                    self._publish_rejections()  # the step is handed out: its rejections are counted for good
+                    yield batch
+                    if skipping:
+                        counted = Counter(self.source.rejected)
+                else:
+                    return
+            finally:
+                batches.close()
+
+    def _numpy_batches(self, loader: Any) -> Iterator[dict[str, Any]]:
+        if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
+            yield from iter(loader.dataset)
+            return
+        # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
+        parts = loader.worker_batches()
+        try:
+            while True:
+                yield self.source.assemble([next(parts) for _ in range(loader.num_workers)])
+        finally:
+            parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
+
+    # -- state ---------------------------------------------------------------------------------
+    def _state(self) -> LoaderState:
+        topology = self._topology or self._resolve()
+        return LoaderState(epoch=0, samples_consumed=self._consumed, num_samples=0, block_size=None,
+                           shuffle_window=0, partial_batches="drop", epoch_size=None,
+                           global_batch_size=self.samples_per_rank * topology.world_size,
+                           world_size=topology.world_size, **self.source.order_values(),
+                           raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
+                                     **self.source.raw_state()})
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's state: the cursors of the lanes this rank read (merge every rank's with
+        `merge_raw_states`; `state_dict()` does it through the process group)."""
+        return self._state().to_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global resume state, identical on every rank. With several ranks every rank must call it (it
+        gathers the lanes' cursors from all ranks).
+
+        Raises:
+            ValueError: several ranks but no initialised process group to gather over.
+        """
+        state = self.local_state_dict()
+        if state["world_size"] == 1:
+            return state
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"state_dict() of a raw-text loader on {state['world_size']} ranks gathers every "
+                             "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
+                             "local_state_dict() with shardkit.loaders.sources.raw.feed.merge_raw_states)")
+        group = self.source.agreement_group()
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, state, group=group)
+        return merge_raw_states(states)
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Resume from `state_dict()` (saved with any world size, batch size or workers).
+
+        Args:
+            state: the saved state.
+            allow_mixture_change: a mixture with raw-text streams continues from the saved position with this
+                dataset's streams and weights when they differ from the saved ones (see `sources.mixture`).
+
+        Raises:
+            ValueError: the state is malformed, not a raw-text state, or belongs to other inputs or settings.
+        """
+        saved = LoaderState.from_dict(state)
+        if saved.raw_text is None:
+            raise ValueError("cannot resume: the saved loader state is a built dataset's, not raw text's")
+        current = self._state()
+        saved_kind, kind = (_kind(state.raw_text) for state in (saved, current))
+        if saved_kind != kind:
+            raise ValueError(f"cannot resume: the saved loader state is {saved_kind}'s, this loader reads {kind}")
+        # A mixture's "dataset" and lanes follow its streams and weights, which its plan checks one by one (a
+        # mixture saved before it kept a record cannot change: those fields decide).
+        changeable = kind != _kind({}) and "mixture" in saved.raw_text
+        differences = saved.differences(current, ignore=("dataset", "num_partitions") if changeable else ())
+        if differences:
+            raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
+                             + "; ".join(differences) + ")")
+        cursors = saved_cursors(saved.raw_text)
+        cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
+        cursors, cuts = self.source.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
+                                          allow_mixture_change=allow_mixture_change)
+        self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
+
+
+def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    """lane -> cursor from a state's `raw_text`.
+
+    Raises:
+        ValueError: the cursors are not rows of [lane, samples, epoch, unit, segment, within].
+    """
+    try:
+        rows = [[int(v) for v in row] for row in raw_text["cursors"]]
+    except (KeyError, TypeError, ValueError):
+        rows = None
+    if rows is None or any(len(row) != 1 + CURSOR_FIELDS for row in rows):
+        raise ValueError("loader state: raw_text.cursors must be a list of [lane, samples, epoch, unit, segment, "
+                         "within] (a state saved by an older loader cannot be resumed)")
+    return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def _kind(raw_text: dict[str, Any]) -> str:
+    """What a state's `raw_text` belongs to (a mixture records its streams)."""
+    return "a mixture with raw-text streams" if "streams" in raw_text else "a single raw-text dataset"
+
+
+def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
+    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `saved_cursors`)."""
+    return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
+
+
+def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One global state from every rank's `local_state_dict()` (the furthest cursor of each lane).
+
+    Raises:
+        ValueError: the states do not stand at the same position.
+    """
+    if len({s["samples_consumed"] for s in states}) != 1:
+        raise ValueError("raw-text states of different positions cannot be merged: "
+                         f"{sorted({s['samples_consumed'] for s in states})}")
+    cursors = merge_cursors(*(saved_cursors(s["raw_text"]) for s in states))
+    # The cuts of unreadable units are agreed, the same in every rank's state.
+    return {**states[0], "raw_text": {**states[0]["raw_text"], "cursors": _cursor_rows(cursors)}}

@@ -1,0 +1,274 @@
+"""`RawTextSource`: train straight from raw text; the source of `StreamingDataset(inputs, tokenizer=..., seq_len=...)`.
+
+The corpus is read by lanes (`order.lanes` for the order, `sources.raw.corpus` for the reading): each rank builds the
+rows of its slice of every global step from the lanes they fall in, tokenizing and packing only those lanes.
+A `StreamingDataLoader` talks to it through its feed (`sources.raw.feed.RawTextFeed`): where the next iteration starts
+(consumed positions and the lanes' cursors) and the state's order fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import get_worker_info
+
+from ...config import LoaderConfig
+from ...delivery.parent_watch import watch_parent
+from .batches import CURSORS_KEY, UNREADABLE_KEY, raw_batch
+from .iteration import RawIteration, StepPart
+from ...order.lanes import lane_sample_counts, position_lanes, rank_step_positions
+from .corpus import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .feed import RawTextFeed
+from .unreadable import UnitCuts
+from ...source import Feed, Source, Standalone
+from ...delivery.tensors import batch_to_tensors
+from ...delivery.topology import Topology, data_parallel_group, resolve_topology
+
+logger = logging.getLogger(__name__)
+
+
+class RawTextSource(Source):
+    """Raw text, tokenized and packed on the fly (`StreamingDataset(inputs, tokenizer=..., seq_len=...)`).
+
+    Args:
+        inputs: files, directories, globs or fsspec URLs of JSONL (.gz/.zst), Parquet or .txt inputs.
+        settings: how the text becomes samples (`RawTextSettings`).
+        config: the loader options; raw text reads seed, shuffle (the lanes' unit orders, shuffled per lane epoch
+            by default), token_dtype, segment_ids and on_corrupt (a unit that cannot be read: "raise", naming its
+            file, or "skip" it on every rank alike: `shardkit.loaders.sources.raw.unreadable`).
+        topology_args, group_args: the explicit topology and the process group or mesh (`StreamingDataset`).
+        storage_options: fsspec options of remote inputs.
+    """
+
+    endless = True  # lanes go on epoch after epoch
+
+    def __init__(self, inputs: str | Sequence[str], settings: RawTextSettings, config: LoaderConfig, *,
+                 topology_args: dict[str, int | None], group_args: dict[str, Any],
+                 storage_options: dict[str, Any] | None = None):
+        self.inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+        self.corpus = RawCorpus(self.inputs, settings, storage_options)
+        self.seed, self.shuffle, self.on_corrupt = config.seed, config.shuffle, config.on_corrupt
+        self.token_dtype, self.segment_ids = config.token_dtype, config.segment_ids
+        self.sample_length = None if settings.pack == "none" else settings.seq_len + 1
+        self.next_iteration: RawIteration | None = None
+        self.claimed = False
+        self.rejected: Counter = Counter()  # rejected documents by reason, of the units this process started
+        self._topology_args, self._group_args = topology_args, group_args
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_group_args"] = dict.fromkeys(self._group_args)  # process groups do not pickle
+        return state
+
+    @property
+    def num_lanes(self) -> int:
+        return self.corpus.num_lanes
+
+    def topology(self) -> Topology:
+        return resolve_topology(**self._topology_args, **self._group_args)
+
+    def agreement_group(self) -> Any:
+        """The data-parallel process group (None: the default group)."""
+        return data_parallel_group(**self._group_args)
+
+    def order_values(self) -> dict[str, Any]:
+        """The state's order fields: what the samples depend on."""
+        return {"dataset": self.identity(), "seed": self.seed, "shuffle": self.shuffle, "num_partitions": self.num_lanes}
+
+    def raw_state(self) -> dict[str, Any]:
+        """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
+        return {}
+
+    def restore(self, raw_text: dict[str, Any], cursors: dict[int, tuple[int, ...]], cuts: UnitCuts, *,
+                samples_consumed: int = 0, allow_mixture_change: bool = False
+                ) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
+        """Take the state's `raw_text` fields besides the cursors and cuts, and return those as this dataset
+        numbers its lanes and units (a mixture's plan may change its streams and weights at `samples_consumed`:
+        `RawMixtureSource.restore`)."""
+        return cursors, cuts
+
+    # With fewer lanes than readers some ranks or workers read nothing (`sources.raw.feed.warn_few_lanes` says why).
+    few_lanes_idle_readers = True
+
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
+        """Lane `lane`'s stream of samples from `cursor` on, its units read as `cuts` say."""
+        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
+                          skip_unreadable=self.on_corrupt == "skip")
+
+    def lane_counts(self, samples_consumed: int) -> np.ndarray:
+        """Samples of each lane among the first `samples_consumed` positions."""
+        return lane_sample_counts(samples_consumed, self.num_lanes)
+
+    def unit_url(self, unit: int) -> str:
+        """The file of unit `unit` (as cuts number units)."""
+        return self.corpus.unit_url(unit)
+
+    def claim(self) -> None:
+        self.claimed = True
+
+    def begin(self, iteration: RawIteration) -> None:
+        self.next_iteration = iteration
+
+    # -- what the dataset and the trainer ask ----------------------------------------------------
+    def identity(self) -> str:
+        """Identity of the inputs and of how they become samples."""
+        return self.corpus.fingerprint
+
+    def stream_identities(self) -> list[str]:
+        return [self.corpus.fingerprint]
+
+    def stream_records(self) -> list[dict[str, Any]]:
+        return [{"url": ",".join(self.inputs), "fingerprint": self.identity(), "num_samples": 0}]
+
+    def shapes(self) -> list[tuple[str, Any]]:
+        corpus = self.corpus
+        return [(self.describe(), RawTextShape(seq_len=corpus.settings.seq_len, sample_length=self.sample_length,
+                                               packing=corpus.settings.pack, tokenizer=corpus.tokenizer_info,
+                                               token_dtype=corpus.token_dtype))]
+
+    def describe(self) -> str:
+        return f"raw text {', '.join(self.inputs)} (pack={self.corpus.settings.pack!r})"
+
+    def counters(self) -> dict[str, int]:
+        return {f"rejected_{reason}": count for reason, count in self.rejected.items()}
+
+    def feed(self, loader: Any, batch_size: int | None) -> Feed:
+        return RawTextFeed(self, loader, batch_size)
+
+    def standalone(self, batch_size: int | None) -> Standalone:
+        return RawStandalone(self, batch_size)
+
+    # -- reading -------------------------------------------------------------------------------
+    def batches(self, standalone: Standalone) -> Iterator[Any]:
+        iteration = self.next_iteration
+        info = get_worker_info()
+        if info is not None:  # a DataLoader worker: its lanes' rows of every step (the loader assembles them)
+            if iteration is None:
+                raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
+            watch_parent()  # a worker must not outlive its parent (shardkit.loaders.delivery.parent_watch)
+            return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
+        if iteration is None:  # iterated on its own: from the start, tensors out
+            return standalone.batches()
+        return self.step_batches(iteration)
+
+    def step_batches(self, iteration: RawIteration) -> Iterator[dict[str, np.ndarray]]:
+        """This rank's numpy batches, step after step from `iteration.start` (endless: lanes go on epoch after
+        epoch), each with the cursors of the lanes it read under `CURSORS_KEY`."""
+        return (self.assemble([part]) for part in self.parts(iteration, worker=0, num_workers=1))
+
+    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
+        """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
+        per step, empty or not, so the DataLoader's round robin over workers keeps the parts of a step together."""
+        topology = iteration.topology
+        readers = LaneReaders(self, iteration)
+        step = 0
+        while True:
+            positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
+                                            batch_size=iteration.batch_size, rank=topology.rank,
+                                            num_lanes=self.num_lanes)
+            lanes, indices = position_lanes(positions, self.num_lanes)
+            rows = np.flatnonzero(lanes % num_workers == worker)
+            part = StepPart(rows=rows, positions=positions[rows])
+            for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
+                sample, epoch = readers.take(lane, index, part)
+                part.samples.append(sample)
+                part.epochs.append(epoch)
+            part.cursors = readers.cursor_rows(lanes[rows])
+            step += 1
+            yield part
+
+    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
+        """One step's batch from its parts (the rows in the rank's order), with the lanes' cursors under
+        `CURSORS_KEY`; the parts' rejections are counted in `rejected`."""
+        rows = np.concatenate([p.rows for p in parts])
+        order = np.argsort(rows, kind="stable")
+        samples = [s for p in parts for s in p.samples]
+        epochs = [e for p in parts for e in p.epochs]
+        corpus = self.corpus
+        batch = raw_batch([samples[i] for i in order], np.concatenate([p.positions for p in parts])[order],
+                          [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
+                          variable=self.sample_length is None, dense_segments=self.segment_ids)
+        batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
+        batch[UNREADABLE_KEY] = [u for p in parts for u in p.unreadable]
+        for part in parts:
+            self.rejected.update(part.rejected)
+        return batch
+
+
+@dataclass(frozen=True)
+class RawTextShape:
+    """What the trainer reads of raw text's samples (a built stream's `Manifest` answers the same)."""
+
+    seq_len: int
+    sample_length: int | None
+    packing: str
+    tokenizer: Any
+    token_dtype: str
+
+
+class LaneReaders:
+    """The lanes one process reads in an iteration, each started at the iteration's cursor when first read, with
+    the iteration's cuts."""
+
+    def __init__(self, plan: RawTextSource, iteration: RawIteration):
+        self.plan, self.iteration = plan, iteration
+        self.log, self.streams = RejectionLog(), {}
+
+    def take(self, lane: int, index: int, part: StepPart) -> tuple[Any, int]:
+        """(sample `index` of `lane`, its lane epoch); rejections and unreadable units reported in `part`'s."""
+        stream = self.streams.get(lane)
+        if stream is None:
+            cursor = self.iteration.cursors.get(lane, (0,) * CURSOR_FIELDS)
+            stream = self.streams[lane] = self.plan.lane_stream(lane, self.log, cursor, self.iteration.cuts)
+        # each step's part counts the rejections of the segments it began, and the units it cut
+        stream.rejected, stream.unreadable = part.rejected, part.unreadable
+        return stream.take(index)
+
+    def cursor_rows(self, lanes: np.ndarray) -> np.ndarray:
+        """[lane, *cursor] of each of `lanes` (read already), by lane."""
+        return np.array([[lane, *self.streams[lane].cursor.as_tuple()] for lane in sorted(set(lanes.tolist()))],
+                        dtype=np.int64).reshape(-1, 1 + CURSOR_FIELDS)
+
+
+class RawStandalone(Standalone):
+    """Raw text iterated without `StreamingDataLoader`: from the start, endless; its resume state is the loader's."""
+
+    epoch = 0
+
+    def __init__(self, source: RawTextSource, batch_size: int | None):
+        self.source, self.batch_size = source, batch_size
+
+    def batches(self) -> Iterator[dict[str, Any]]:
+        source = self.source
+        if self.batch_size is None:
+            raise ValueError("iterating a raw-text StreamingDataset on its own needs batch_size=; or use "
+                             "StreamingDataLoader")
+        iteration = RawIteration(start=0, batch_size=self.batch_size, topology=source.topology())
+        if source.on_corrupt == "skip" and iteration.topology.world_size > 1:
+            raise ValueError("on_corrupt='skip' on several ranks needs StreamingDataLoader (the ranks agree on "
+                             "what to skip through it)")
+        return (batch_to_tensors({k: v for k, v in b.items() if k not in (CURSORS_KEY, UNREADABLE_KEY)},
+                                 source.token_dtype)
+                for b in source.step_batches(iteration))
+
+    def length(self) -> int:
+        raise TypeError("a raw-text StreamingDataset has no length: its lanes go on epoch after epoch (stop after a "
+                        "number of steps: shardkit train --steps)")
+
+    def state_dict(self) -> dict[str, Any]:
+        # torchdata's `StatefulDataLoader` calls this; without it, it would resume by reading every consumed batch
+        # again.
+        raise ValueError("a raw-text StreamingDataset keeps no resume state of its own: iterate "
+                         "StreamingDataLoader(dataset, batch_size=N) and save its state_dict() (the lanes' cursors; "
+                         "it resumes exactly, on any number of ranks and workers), not torchdata's StatefulDataLoader")
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
+        self.state_dict()  # the same refusal
+
+    def set_epoch(self, epoch: int) -> None:
+        self.state_dict()  # the same refusal: an epoch means nothing to endless lanes, the loader keeps the place

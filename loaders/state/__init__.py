@@ -1,0 +1,1 @@
+"""The loader state and the data identities it is bound to."""
