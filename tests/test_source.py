@@ -87,6 +87,12 @@ def test_an_option_without_meaning_for_raw_text_is_refused_in_one_line(data):
         StreamingDataset(data["built"], cache_dir=data["cache"], seq_len=32, lanes=3)
 
 
+def test_a_built_dataset_given_as_raw_text_is_named_as_built(data):
+    with pytest.raises(ValueError, match=r"^.*built is a built dataset \(it holds shardkit.json\), and tokenizer= is "
+                                         r"for raw text: drop tokenizer= and seq_len="):
+        StreamingDataset(data["built"], **RAW)
+
+
 def test_raw_text_refuses_standalone_epochs_before_the_first_batch(data):
     raw = datasets(data)["raw"]
     with pytest.raises(ValueError, match="StreamingDataLoader"):

@@ -19,10 +19,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from glob import has_magic
 from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
+
+from shardkit.manifest import MANIFEST_NAME
+from shardkit.storage import Storage
 
 from ..config import LoaderConfig
 from ..order.mixing import Stream
@@ -89,7 +93,22 @@ def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig
     if options.pop("cache_dir", None) is not None:
         raise ValueError("cache_dir: raw text is read from its inputs, not through the node cache; drop cache_dir "
                          "(it applies to built datasets and to built streams mixed with raw text)")
+    check_not_built(items or [], options.get("storage_options"))
     return RawTextSource(source, settings, config, **options)
+
+
+def check_not_built(inputs: list[Any], storage_options: dict[str, Any] | None) -> None:
+    """Refuse a built dataset given as raw text (`StreamingDataset(built_url, tokenizer=...)`).
+
+    Raises:
+        ValueError: naming the dataset and the two ways to read it.
+    """
+    for url in inputs:
+        if isinstance(url, str) and not has_magic(url) and Storage(url, storage_options).exists(MANIFEST_NAME):
+            raise ValueError(f"{url} is a built dataset (it holds {MANIFEST_NAME}), and tokenizer= is for raw text: "
+                             "drop tokenizer= and seq_len= to read it as built data (its manifest names its "
+                             f"tokenizer), or mix it with raw text as Stream({url!r}, weight) among raw_text=True "
+                             "streams")
 
 
 class RawMixtureSource(RawTextSource):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardkit.errors import MissingExtraError, optional_module
 from shardkit.hashing import file_sha256
 from shardkit.manifest import TokenizerInfo
 from shardkit.storage import atomic_path
@@ -186,7 +187,7 @@ def _openai_definition(encoding_name: str, ranks: dict[bytes, int]) -> dict:
 
 
 def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
-    import tiktoken
+    tiktoken = optional_module("tiktoken", what=f"the tokenizer {path}", extra="tokenizers")
     from tiktoken.load import load_tiktoken_bpe
 
     ranks = _read_tokenizer_file(path, str(path), "a .tiktoken ranks file",
@@ -206,7 +207,7 @@ def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
 
 
 def _load_tiktoken_name(name: str) -> TiktokenTokenizer:
-    import tiktoken
+    tiktoken = optional_module("tiktoken", what=f"the tokenizer tiktoken:{name}", extra="tokenizers")
 
     try:
         encoding = tiktoken.get_encoding(name)
@@ -242,9 +243,8 @@ def _special_from_config(directory: Path) -> dict[str, str]:
 
 
 def _hf_from_file(path: Path):
-    from tokenizers import Tokenizer as RustTokenizer
-
-    return RustTokenizer.from_file(str(path))
+    tokenizers = optional_module("tokenizers", what=f"the tokenizer {path}", extra="tokenizers")
+    return tokenizers.Tokenizer.from_file(str(path))
 
 
 def _byte_level_only(tokenizer) -> bool:
@@ -267,6 +267,8 @@ def _read_tokenizer_file(path: Path, spec: str, what: str, read):
     that is not a tokenizer, a truncated model, ...) turned into one line naming the file."""
     try:
         return read(path)
+    except MissingExtraError:
+        raise  # the library is not installed: the error names the extra that installs it
     except OSError as err:
         raise OSError(f"--tokenizer {spec}: cannot read it: {err.strerror or err}") from err
     except Exception as err:  # noqa: BLE001 - the libraries raise bare Exception / RuntimeError on bad files
@@ -314,7 +316,7 @@ class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `.model` file."""
 
     def __init__(self, path: Path, *, spec: str):
-        import sentencepiece
+        sentencepiece = optional_module("sentencepiece", what=f"the tokenizer {spec}", extra="tokenizers")
 
         self.processor = _read_tokenizer_file(
             path, spec, "a sentencepiece .model file",
