@@ -82,10 +82,6 @@ class Source(ABC):
     def standalone(self, batch_size: int | None) -> Standalone:
         """The dataset's iteration without a loader."""
 
-    def counters(self) -> dict[str, int]:
-        """What this process counted so far (rejected documents by reason, ...), for logs and metrics."""
-        return {}
-
 
 class Feed(ABC):
     """The loader's side of one source: the batches handed to the training loop and the global state.

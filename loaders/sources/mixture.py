@@ -19,14 +19,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from glob import has_magic
 from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
 
 from shardkit.manifest import MANIFEST_NAME
-from shardkit.storage import Storage
 
 from ..config import LoaderConfig
 from ..order.mixing import Stream
@@ -37,6 +35,7 @@ from .raw.corpus import LaneStream, RawTextSettings, RejectionLog
 from .raw.unreadable import UnitCuts, check_policy
 from ..order.remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
 from ..order.schedule import weight_spec
+from .built.streams import holds_manifest
 from .mixture_streams import BuiltSamples, _options, open_streams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +103,7 @@ def check_not_built(inputs: list[Any], storage_options: dict[str, Any] | None) -
         ValueError: naming the dataset and the two ways to read it.
     """
     for url in inputs:
-        if isinstance(url, str) and not has_magic(url) and Storage(url, storage_options).exists(MANIFEST_NAME):
+        if isinstance(url, str) and holds_manifest(url, storage_options):
             raise ValueError(f"{url} is a built dataset (it holds {MANIFEST_NAME}), and tokenizer= is for raw text: "
                              "drop tokenizer= and seq_len= to read it as built data (its manifest names its "
                              f"tokenizer), or mix it with raw text as Stream({url!r}, weight) among raw_text=True "

@@ -43,7 +43,8 @@ def raw_run(run_dir: Path, data: str | None, options: dict[str, Any] | None,
     """
     from shardkit.loaders.order.mixing import Stream
     from shardkit.train.config import config_from_dict
-    from shardkit.train.data import holds_manifest, raw_source, raw_text_dataset, storage_options
+    from shardkit.loaders.sources.built.streams import holds_manifest
+    from shardkit.train.data import raw_source, raw_text_dataset, storage_options
 
     path = run_dir / "config.json"
     try:

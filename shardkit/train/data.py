@@ -83,6 +83,7 @@ def raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: boo
         ValueError: every entry is a built dataset and not `built_as_built`.
     """
     from shardkit.loaders.order.mixing import Stream
+    from shardkit.loaders.sources.built.streams import holds_manifest
 
     entries = data_entries(spec)
     built = [holds_manifest(url, options) for url, _ in entries]
@@ -97,15 +98,6 @@ def raw_source(spec: str, options: dict[str, Any] | None, *, built_as_built: boo
     if not any(built) and all(weight == 1.0 for _, weight in entries):
         return [url for url, _ in entries]
     return [Stream(url, weight, raw_text=not is_built) for (url, weight), is_built in zip(entries, built)]
-
-
-def holds_manifest(url: str, options: dict[str, Any] | None) -> bool:
-    from glob import has_magic
-
-    from shardkit.manifest import MANIFEST_NAME
-    from shardkit.storage import Storage
-
-    return not has_magic(url) and Storage(url, options).exists(MANIFEST_NAME)
 
 
 def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, seq_len: int | None = None,

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from glob import has_magic
 from typing import Any
 
 import numpy as np
 
 from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
-from shardkit.manifest import Manifest
+from shardkit.manifest import MANIFEST_NAME, Manifest
 from shardkit.node_cache import fetch_manifest
 from shardkit.storage import Storage
 
@@ -85,6 +86,11 @@ class Sources:
         return {"sample_length": first.sample_length, "token_dtype": numpy_token_dtype(first.token_dtype),
                 "pad_id": next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0),
                 "with_segments": all(bool(m.columns.has_doc_boundaries.all()) for m in self.manifests)}
+
+
+def holds_manifest(url: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether `url` is a built dataset (holds the manifest); a glob never is."""
+    return not has_magic(url) and Storage(url, storage_options).exists(MANIFEST_NAME)
 
 
 def streams_of(source: Any) -> list[Stream]:

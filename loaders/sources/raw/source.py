@@ -134,9 +134,6 @@ class RawTextSource(Source):
     def describe(self) -> str:
         return f"raw text {', '.join(self.inputs)} (pack={self.corpus.settings.pack!r})"
 
-    def counters(self) -> dict[str, int]:
-        return {f"rejected_{reason}": count for reason, count in self.rejected.items()}
-
     def feed(self, loader: Any, batch_size: int | None) -> Feed:
         return RawTextFeed(self, loader, batch_size)
 
