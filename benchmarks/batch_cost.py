@@ -30,6 +30,14 @@ import numpy as np
 SAMPLES, SEQ, PER_SHARD, BATCH = 20_000, 1024, 2_000, 8
 
 
+def at_position(state: dict, samples: int) -> dict:
+    """A loader state moved to position `samples` of its epoch (state version 2, or the flat version 1 of a
+    baseline release measured beside it)."""
+    if "position" in state:
+        return {**state, "position": {**state["position"], "samples": samples}}
+    return {**state, "samples_consumed": samples}
+
+
 def build(url: str) -> None:
     from shardkit.formats import Sample, write_dataset
     from shardkit.manifest import TokenizerInfo
@@ -77,8 +85,7 @@ def measure(url: str, cache: str) -> dict:
             costs.append((time.process_time() - cpu + _worker_cpu(warm) - before) / count * 1e6)
         out[f"warm_cpu_us_per_batch_w{workers}"] = statistics.median(costs)
         del warm
-        state = {**loader(0).state_dict()}
-        state["samples_consumed"] = len(loader(0)) // 2 * BATCH
+        state = at_position(loader(0).state_dict(), len(loader(0)) // 2 * BATCH)
         for name, resumed in (("fresh", False), ("resumed", True)):
             walls, cpus = [], []
             for _ in range(3):

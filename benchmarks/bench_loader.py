@@ -48,6 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (the cold mode's peers)
+from batch_cost import at_position  # noqa: E402
 
 SEQ = 2048
 VOCAB = 50257
@@ -233,7 +234,7 @@ def resume_times(url: str, cache: str, batch: int, runs: int) -> dict:
     steps = len(StreamingDataLoader(ds, batch_size=batch))
     out = {}
     for fraction in (0.0, 0.5, 0.99):
-        state = {**template, "samples_consumed": int(steps * fraction) * batch}
+        state = at_position(template, int(steps * fraction) * batch)
         times = []
         for _ in range(runs):
             start = time.perf_counter()
@@ -374,7 +375,7 @@ def cold_pass(url: str, batch: int, runs: int, *, cache_mode: str, options: dict
             loader = StreamingDataLoader(dataset, batch_size=batch)
             if resume_at is not None:
                 state = loader.state_dict()
-                loader.load_state_dict({**state, "samples_consumed": int(len(loader) * resume_at) * batch})
+                loader.load_state_dict(at_position(state, int(len(loader) * resume_at) * batch))
             iterator = iter(loader)
             next(iterator)
             firsts.append(time.perf_counter() - start)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from loader_helpers import ids_from_tokens
+from shardkit.loaders.state.envelope import decode
 
 SAVE_POINTS = ("start", "mid", "epoch_end", "after_epoch")
 STEP_SAVE_POINTS = ("start", "first", "mid", "last")  # endless loaders
@@ -158,12 +159,13 @@ def check_elastic_resume(make_loader: Callable, *, before: int, after: int, toke
         for i in repeated:
             assert counts[i] - 1 <= singles[i], f"sample {i} was repeated outside a filler batch"
         return
-    epoch_order = dataset.source.order(0, state["num_partitions"], tuple(map(tuple, state.get("quarantine", ()))))
+    flat = decode(state)  # the loader's flat view of the saved envelope
+    epoch_order = dataset.source.order(0, flat["num_partitions"], tuple(map(tuple, flat.get("quarantine", ()))))
     num_positions = epoch_order.num_positions
     order = epoch_order.sample_ids(np.arange(num_positions))
     policy = dataset.config.partial_batches
     batch = len(consumed_batches[0][0])
-    start = state["samples_consumed"]
+    start = flat["samples_consumed"]
     assert start == steps // 2 * before * batch
     policy_steps = ((num_positions - start) // (after * batch) if dataset.config.partial_batches == "drop"
                     else -(-(num_positions - start) // (after * batch)))
@@ -207,7 +209,7 @@ def _check_endless_elastic(make_loader: Callable, *, before: int, after: int, st
     whole = np.concatenate(take(make_loader(0, 1), -(-total // batch)))
     reference = dict(zip(whole[:, 0].tolist(), whole[:, 1].tolist()))
     assert sorted(reference) == list(range(len(whole))), "the uninterrupted run's ids are not its positions"
-    for what, runs, begin in (("before", consumed, 0), ("after", resumed, state["samples_consumed"])):
+    for what, runs, begin in (("before", consumed, 0), ("after", resumed, decode(state)["samples_consumed"])):
         width = len(runs) * batch
         for step in range(len(runs[0])):
             rows = np.concatenate([r[step] for r in runs])

@@ -105,14 +105,21 @@ def test_standalone_dataset_iteration_needs_batch_size(dataset_url, tmp_path):
 
 
 def test_loader_state_format_and_validation(dataset_url, tmp_path):
+    import dataclasses
     from dataclasses import FrozenInstanceError
 
     from shardkit.loaders.config import DEFAULT_TOKEN_WINDOW
     from shardkit.loaders.state.loader_state import LoaderState
 
-    state = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8).state_dict()
-    assert state["version"] == 1  # the saved format: a new version must be a deliberate change
-    saved = LoaderState.from_dict(state)
+    from shardkit.loaders.state.envelope import decode
+
+    saved_state = StreamingDataLoader(make(dataset_url, tmp_path), batch_size=8).state_dict()
+    assert saved_state["version"] == 2  # the saved format: a new version must be a deliberate change
+    saved = LoaderState.from_dict(saved_state)
+    assert saved.to_dict() == saved_state
+    # the flat record (version 1, as the previous release wrote it) still loads, with the same checks
+    state = decode(saved_state)
+    assert state["version"] == 1 and LoaderState.from_dict(state) == dataclasses.replace(saved, legacy_identities=True)
     # optional fields absent (a fixed-length state of an earlier release) take their defaults
     old = {k: v for k, v in state.items() if k not in ("max_tokens", "token_window", "window_segments")}
     loaded = LoaderState.from_dict(old)
@@ -120,18 +127,20 @@ def test_loader_state_format_and_validation(dataset_url, tmp_path):
     with pytest.raises(ValueError, match="lacks seed"):
         LoaderState.from_dict({k: v for k, v in state.items() if k != "seed"})
     for epoch, consumed in ((-1, 0), (0, -1)):
-        with pytest.raises(ValueError, match="must be >= 0"):
+        with pytest.raises(ValueError, match=r"must be an integer in \[0, 2\*\*62\)"):
             LoaderState.from_dict({**state, "epoch": epoch, "samples_consumed": consumed})
+        with pytest.raises(ValueError, match=r"position\.(epoch|samples) must be an integer"):
+            LoaderState.from_dict({**saved_state, "position": {"epoch": epoch, "samples": consumed}})
     with pytest.raises(FrozenInstanceError):
         saved.epoch = 3
     with pytest.raises(TypeError):  # keyword-only: a positional call cannot swap two integers silently
         LoaderState(*[getattr(saved, f) for f in saved.__dataclass_fields__])
     # a single dataset's state carries no mixture key; a mixture's record survives the round trip
-    assert "mixture" not in state and saved.to_dict() == state
-    record = {"streams": [{"url": "a", "weight": 1.0}], "changes": []}
-    mixed = LoaderState.from_dict({**state, "mixture": record})
+    assert "mixture" not in saved_state
+    record = {"streams": [{"url": "a", "weight": 1.0, "identity": "x"}], "changes": []}
+    mixed = LoaderState.from_dict({**saved_state, "mixture": record})
     assert mixed.to_dict()["mixture"] == record and LoaderState.from_dict(mixed.to_dict()) == mixed
     # quarantine entries: shard 0 of epoch 0 at position 0 is a valid entry; a negative one is not
-    assert LoaderState.from_dict({**state, "quarantine": [[0, 0, 0]]}).quarantine == ((0, 0, 0),)
+    assert LoaderState.from_dict({**saved_state, "quarantine": [[0, 0, 0]]}).quarantine == ((0, 0, 0),)
     with pytest.raises(ValueError, match="quarantine entries must be >= 0"):
-        LoaderState.from_dict({**state, "quarantine": [[0, -1, 0]]})
+        LoaderState.from_dict({**saved_state, "quarantine": [[0, -1, 0]]})

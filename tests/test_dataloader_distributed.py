@@ -56,7 +56,7 @@ def test_balance_and_exact_resume(process_pool, dataset):
 def test_elastic_resume_repeats_and_skips_nothing(process_pool, dataset, before, after, workers_after, mesh):
     first = run_group(process_pool, dataset, before, limit=23)
     state = first[0]["state"]
-    assert state["samples_consumed"] == 23 * before * BATCH
+    assert state["position"]["samples"] == 23 * before * BATCH
     # the second run takes its rank from a DeviceMesh dimension when `mesh`
     second = run_group(process_pool, dataset, after, state=state, num_workers=workers_after, mesh=mesh)
     assert len({r["len"] for r in second}) == 1 and second[0]["steps_per_rank"] == [len(second[0]["ids"])] * after

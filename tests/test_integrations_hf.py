@@ -9,6 +9,7 @@ import re
 import pytest
 
 from integration_procs import (
+from shardkit.loaders.state.envelope import decode
     SAMPLES,
     check_resumed,
     check_two_rank_epochs,
@@ -178,6 +179,6 @@ def test_a_raw_text_dataset_trains_and_resumes_in_process(tmp_path):
     whole = train(tmp_path / "whole", 4)
     head = train(tmp_path / "cut", 2)
     saved = json.loads((tmp_path / "cut" / "checkpoint-2" / "shardkit_loader.json").read_text())
-    assert saved["samples_consumed"] == 4 and saved["raw_text"]["cursors"]
+    assert saved["position"]["samples"] == 4 and decode(saved)["raw_text"]["cursors"]
     tail = train(tmp_path / "cut", 4, resume_from_checkpoint=True)
     assert head + tail == whole and len(whole) == 4

@@ -98,4 +98,4 @@ def test_a_raw_text_loader_trains_under_lightning(tmp_path):
     loader = StreamingDataLoader(StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16, lanes=3,
                                                   rank=0, world_size=1), batch_size=2)
     assert fit_two_steps(loader, tmp_path).global_step == 2
-    assert loader.state_dict()["samples_consumed"] >= 4  # Lightning may fetch one batch ahead
+    assert loader.state_dict()["position"]["samples"] >= 4  # Lightning may fetch one batch ahead

@@ -84,7 +84,7 @@ def test_the_state_of_a_dataset_that_torch_dataloader_workers_iterate_is_refused
         read.state_dict()
     alone = dataset(dataset_url, tmp_path)  # without workers the dataset itself moves: its state is right
     list(itertools.islice(DataLoader(alone, batch_size=None), 3))
-    assert alone.state_dict()["samples_consumed"] == 12
+    assert alone.state_dict()["position"]["samples"] == 12
 
 
 @pytest.mark.parametrize("saved, resumed", [(2, 0), (0, 2), (2, 1)])

@@ -12,6 +12,11 @@ from shardkit import LoaderConfig, StreamingDataLoader, StreamingDataset
 from shardkit.loaders.state.loader_state import ORDER_FIELDS, LoaderState
 
 
+def at(state, samples):
+    """`state` moved to position `samples` of its epoch."""
+    return {**state, "position": {**state["position"], "samples": samples}}
+
+
 @pytest.mark.parametrize("values, option", [
     ({"shuffle_window": 0}, "shuffle_window"), ({"seed": -1}, "seed"), ({"block_size": 0}, "block_size"),
     ({"num_partitions": 0}, "num_partitions"), ({"partial_batches": "keep"}, "partial_batches"),
@@ -108,6 +113,6 @@ def test_state_beyond_the_epoch_is_refused(tmp_path):
     write_fixed(url, 100, per_shard=30)
     loader = StreamingDataLoader(StreamingDataset(url, cache_dir=str(tmp_path / "c"), rank=0, world_size=1), 5)
     state = loader.state_dict()
-    StreamingDataLoader(loader.dataset, 5).load_state_dict({**state, "samples_consumed": 100})  # the end: fine
-    with pytest.raises(ValueError, match="samples_consumed=105 is beyond the end of epoch 0, which holds 100"):
-        StreamingDataLoader(loader.dataset, 5).load_state_dict({**state, "samples_consumed": 105})
+    StreamingDataLoader(loader.dataset, 5).load_state_dict(at(state, 100))  # the end: fine
+    with pytest.raises(ValueError, match="position.samples=105 is beyond the end of epoch 0, which holds 100"):
+        StreamingDataLoader(loader.dataset, 5).load_state_dict(at(state, 105))

@@ -28,7 +28,7 @@ def test_the_quickstart_fragment_reads_a_dataset_and_saves_the_loader_state(tmp_
     namespace: dict = {"checkpoint": {}}
     exec(compile(code, str(DOC), "exec"), namespace)
     assert tuple(namespace["tokens"].shape) == (8, 17)
-    assert namespace["checkpoint"]["loader"]["samples_consumed"] == 40
+    assert namespace["checkpoint"]["loader"]["position"]["samples"] == 40
 
 
 def test_the_documented_state_has_the_keys_of_a_loaders_state(tmp_path):

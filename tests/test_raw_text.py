@@ -12,6 +12,7 @@ from shardkit.loaders.sources.documents import dense_segment_ids
 from shardkit.loaders.sources.raw.feed import merge_raw_states
 from shardkit.text.documents import tokenize_unit
 from test_build import config, documents_from_samples, read_samples, write_corpus
+from shardkit.loaders.state.envelope import decode
 
 SETTINGS = dict(tokenizer="byte", seq_len=1024, unit_bytes=4096, lanes=5)  # about 30 samples per lane epoch
 
@@ -218,9 +219,9 @@ def test_a_state_of_other_settings_or_a_built_dataset_is_refused(corpus):
     take(loader, 2)
     state = loader.state_dict()
     other = StreamingDataLoader(dataset(corpus, seq_len=32), batch_size=2)
-    with pytest.raises(ValueError, match="dataset: saved"):
+    with pytest.raises(ValueError, match="seq_len: saved 1024, now 32"):
         other.load_state_dict(state)
-    built = {k: v for k, v in state.items() if k != "raw_text"}
+    built = {**state, "source": "built"}
     with pytest.raises(ValueError, match="built dataset's"):
         StreamingDataLoader(dataset(corpus), batch_size=2).load_state_dict(built)
 
@@ -274,7 +275,7 @@ def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, corpus):
     runs = process_pool.run(raw_rank_run, [dict(inputs=str(corpus), settings=SETTINGS, batch_size=5, rank=r,
                                                 world_size=2, port=port, steps=6) for r in range(2)])
     assert runs[0]["state"] == runs[1]["state"], "the state must be global (identical on every rank)"
-    assert len(runs[0]["state"]["raw_text"]["cursors"]) == 5  # every lane's cursor, from whichever rank read it
+    assert len(decode(runs[0]["state"])["raw_text"]["cursors"]) == 5  # every lane's cursor, from whichever rank read it
     head = runs[0]["rows"] + runs[1]["rows"]
     tail, _ = simulated_run(corpus, world_size=3, batch_size=4, steps=10, state=runs[0]["state"])
     reference, _ = simulated_run(corpus, world_size=1, batch_size=10, steps=18)
@@ -292,7 +293,7 @@ def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_segment_of_a_compr
     head = take(loader, 6)
     state = loader.state_dict()
     # One .zst file is one streamed unit (one lane); the stop falls inside a later segment of it.
-    [[_, _, _, unit, segment, within]] = state["raw_text"]["cursors"]
+    [[_, _, _, unit, segment, within]] = decode(state)["raw_text"]["cursors"]
     assert unit == 0 and segment > 0 and within > 0
     resumed = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
     resumed.load_state_dict(state)

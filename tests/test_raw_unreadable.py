@@ -18,6 +18,7 @@ from shardkit.loaders import StreamingDataLoader, StreamingDataset
 from shardkit.loaders.sources.raw.unreadable import UnitCut, UnitCuts, Unreadable, settle
 from test_build import config, read_samples, write_corpus
 from test_raw_text import first_epoch, rows, take
+from shardkit.loaders.state.envelope import decode
 
 SETTINGS = dict(tokenizer="byte", seq_len=256, unit_bytes=4096, lanes=4)
 STEPS_PAST_THE_DAMAGE = 160  # batches of 4: `damaged`'s two units are cut before half of them
@@ -84,7 +85,7 @@ def test_skip_logs_and_counts_each_unreadable_unit_once_and_goes_on(damaged, cap
     assert "d.parquet row group 1 (" in parquet and "ZSTD decompression failed" in parquet
     for name in ("c.jsonl.zst", "d.parquet"):
         assert metrics.value("shardkit_loader_skipped_units_total", stream=name) - before[name] == 1
-    assert len(loader.state_dict()["raw_text"]["unreadable"]) == 2
+    assert len(decode(loader.state_dict())["raw_text"]["unreadable"]) == 2
 
 
 def test_skipping_gives_the_builds_documents_of_a_truncated_file(tmp_path):
@@ -135,7 +136,7 @@ def test_the_cuts_travel_in_the_state_so_a_resume_skips_the_same_units(tmp_path)
     reference = rows(head + take(loader, 30))
     (corpus / "a.jsonl").write_bytes(plain)  # back again: the resumed run still reads what the state says
     assert rows(head) + resumed_rows(corpus, state, 30, lanes=1, shuffle=False) == reference
-    cuts = state["raw_text"]["unreadable"]
+    cuts = decode(state)["raw_text"]["unreadable"]
     assert cuts and all(epoch == 0 and segment == 0 for _, epoch, segment, _ in cuts)
 
 
@@ -148,7 +149,7 @@ def test_a_cut_inside_a_segment_keeps_the_samples_before_it(tmp_path):
     in_unit_0 = len(ds.source.corpus.pack_unit(next(ds.source.corpus.segments(0)))[0])
     reference = [t for _, _, t in rows(take(StreamingDataLoader(ds, batch_size=4), 20))]
     state = StreamingDataLoader(dataset(corpus, **settings), batch_size=4).state_dict()
-    state["raw_text"]["unreadable"] = [[0, 0, 0, 3]]  # unit 0 ends after its first 3 samples
+    next(iter(state["streams"].values()))["unreadable"] = [[0, 0, 0, 3]]  # unit 0 ends after its first 3 samples
     got = [t for _, _, t in resumed_rows(corpus, state, 10, **settings)]
     assert in_unit_0 > 3 and got == reference[:3] + reference[in_unit_0:in_unit_0 + 37]
 
@@ -242,7 +243,7 @@ def test_ranks_that_share_a_lane_agree_when_only_one_of_them_cannot_read(process
     runs = process_pool.run(raw_rank_run, [
         dict(inputs="memory://agree", settings=settings, batch_size=3, rank=r, world_size=2, port=port, steps=40,
              files=files, remove=["a_lost.jsonl"] if r == 1 else [], workers=workers) for r in range(2)])
-    assert runs[0]["state"] == runs[1]["state"] and runs[0]["state"]["raw_text"]["unreadable"]
+    assert runs[0]["state"] == runs[1]["state"] and decode(runs[0]["state"])["raw_text"]["unreadable"]
     assert runs[0]["skipped"] == runs[1]["skipped"] >= 1
     reference = process_pool.run(raw_rank_run, [
         dict(inputs="memory://agree", settings=settings, batch_size=6, rank=0, world_size=1, port=free_port(),

@@ -74,8 +74,9 @@ def own_order(name: str, seed_key: int, count: int, state: dict) -> list[int]:
     """The first `count` items of a stream's own endless order (its reshuffled epochs, seeded by its key),
     as the ids its tokens encode: what the mixture must have taken from it, whatever the changes."""
     size, first = {"a": (600, 0), "b": (600, 600), "c": (300, 1200)}[name]
-    config = OrderConfig(seed=state["seed"] + 1_000_003 * seed_key, num_partitions=state["num_partitions"],
-                         shuffle_window=state["shuffle_window"])
+    order = state["order"]
+    config = OrderConfig(seed=order["seed"] + 1_000_003 * seed_key, num_partitions=order["num_partitions"],
+                         shuffle_window=order["shuffle_window"])
     ids = [EpochOrder([50] * (size // 50), config, e).sample_ids(np.arange(size)) for e in range(-(-count // size))]
     return sorted((np.concatenate(ids)[:count] + first).tolist())
 
@@ -111,19 +112,19 @@ def test_reweight_mid_epoch_on_two_ranks_then_three_is_exact(process_pool, strea
 
     before = group({"a": 0.5, "b": 0.5}, 2, limit=40)  # 320 positions, mid-epoch
     state = before[0]["state"]
-    assert state["samples_consumed"] == 320
+    assert state["position"]["samples"] == 320
     after = group({"a": 0.9, "b": 0.1}, 3, state=state, allow_mixture_change=True, limit=15)
     assert all(r["mismatched"] == 0 for r in after) and after[0]["steps_per_rank"] == [15] * 3
     changed = after[0]["state"]
     assert all(r["state"] == changed for r in after)
-    assert changed["samples_consumed"] == 320 + 15 * 12
+    assert changed["position"]["samples"] == 320 + 15 * 12
     assert changed["mixture"]["changes"] == [{"step": 40, "epoch": 0, "position": 320,
                                               "old": [[urls["a"], 0.5], [urls["b"], 0.5]],
                                               "new": [[urls["a"], 0.9], [urls["b"], 0.1]]}]
     # The rest of the epoch, elastically on 2 ranks and on 3 ranks (same new mixture: no opt-in needed).
     rest2, end = run_ranks(streams, {"a": 0.9, "b": 0.1}, world=2, state=changed)
     rest3, _ = run_ranks(streams, {"a": 0.9, "b": 0.1}, world=3, state=changed)
-    assert end["epoch"] == 1 and end["mixture"]["changes"] == changed["mixture"]["changes"]
+    assert end["position"]["epoch"] == 1 and end["mixture"]["changes"] == changed["mixture"]["changes"]
     assert [b.tolist() for b in blocks(step_unions(rest2), 24)] == [b.tolist() for b in blocks(step_unions(rest3), 24)]
     # No sample repeated within the epoch, and the new proportions hold in every step after the change.
     steps_before = step_unions([r["ids"] for r in before])

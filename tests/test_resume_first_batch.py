@@ -57,7 +57,8 @@ def first_batch(url: str, cache_dir: str, state: dict | None = None,
 def mid_epoch_state(url: str, cache_dir: str, fraction: float, batch_size: int = BATCH) -> dict:
     loader = StreamingDataLoader(StreamingDataset(url, cache_dir=cache_dir, rank=0, world_size=1, **OPTIONS),
                                  batch_size=batch_size)
-    return {**loader.state_dict(), "samples_consumed": int(len(loader) * fraction) * batch_size}
+    state = loader.state_dict()
+    return {**state, "position": {**state["position"], "samples": int(len(loader) * fraction) * batch_size}}
 
 
 def test_resumed_first_batch_reads_no_more_blocks_than_a_fresh_epochs(source, tmp_path, monkeypatch):
@@ -72,7 +73,7 @@ def test_resumed_first_batch_reads_no_more_blocks_than_a_fresh_epochs(source, tm
         # the batch is the one an uninterrupted epoch reads at that position
         order = StreamingDataset(source, cache_dir=str(tmp_path / "state"), rank=0, world_size=1,
                                  **OPTIONS).source.order(0, 1)
-        expected = order.sample_ids(np.arange(state["samples_consumed"], state["samples_consumed"] + BATCH))
+        expected = order.sample_ids(np.arange(state["position"]["samples"], state["position"]["samples"] + BATCH))
         assert sorted(ids_from_tokens(batch["tokens"]).tolist()) == sorted(expected.tolist())
         assert resumed.downloads == 0, f"resumed at {fraction}: whole shards read before the first batch"
         assert resumed.range_reads <= 2 * fresh.range_reads, (fraction, resumed, fresh)

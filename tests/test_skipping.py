@@ -95,7 +95,7 @@ def test_the_state_records_the_skipped_samples_and_refuses_another_set(dataset_u
     first = loader(dataset_url, 0, 1, skip_samples=SKIP)
     next(iter(first))
     state = first.state_dict()
-    assert state["skip_samples"] == [0, 3, [50, 52], 200, 299]
+    assert state["order"]["skip_samples"] == [0, 3, [50, 52], 200, 299]
     with pytest.raises(ValueError, match=r"skip_samples: saved \(0, 3, \(50, 52\)"):
         loader(dataset_url, 0, 1, skip_samples=SKIP - {3}).load_state_dict(state)
     with pytest.raises(ValueError, match="skip_samples"):
@@ -144,4 +144,4 @@ def test_a_huge_range_stays_two_numbers_and_is_refused_against_the_epoch(dataset
     assert len(batches) == (NUM_SAMPLES - 280) // 4
     assert not {int(i) for b in batches for i in b["sample_id"]} & set(range(10, 290))
     state = inside.state_dict()
-    assert state["skip_samples"] == [[10, 289]]  # the state holds the interval, not 280 ids
+    assert state["order"]["skip_samples"] == [[10, 289]]  # the state holds the interval, not 280 ids

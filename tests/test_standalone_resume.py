@@ -63,7 +63,7 @@ def test_plain_dataloader_resumes_from_the_datasets_own_state(dataset_url, tmp_p
     whole = ids(DataLoader(make(dataset_url, tmp_path), batch_size=None))
     head = ids(itertools.islice(DataLoader(ds, batch_size=None), 20))
     state = ds.state_dict()
-    assert state["samples_consumed"] == 20 * 4 and state["epoch"] == 0
+    assert state["position"] == {"epoch": 0, "samples": 20 * 4}
     fresh = make(dataset_url, tmp_path)
     fresh.load_state_dict(state)
     assert head + ids(DataLoader(fresh, batch_size=None)) == whole

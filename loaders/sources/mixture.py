@@ -35,6 +35,7 @@ from .raw.corpus import LaneStream, RawTextSettings, RejectionLog
 from .raw.unreadable import UnitCuts, check_policy
 from ..order.remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
 from ..order.schedule import weight_spec
+from ..state.loader_state import LoaderState
 from .built.streams import holds_manifest
 from .mixture_streams import BuiltSamples, _options, open_streams
 
@@ -141,9 +142,11 @@ class RawMixtureSource(RawTextSource):
                                    weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
         self.record = record = fresh_record(described)  # replaced by the saved (or changed) one on resume
         self.order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.seed, shuffle=self.shuffle)
-        self._identity = hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
-                                                    for identity, s in zip(opened.identities, streams)]).encode()
-                                        ).hexdigest()
+        self._identity, self._legacy_identity = (
+            hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
+                                       for identity, s in zip(identities, streams)]).encode()).hexdigest()
+            for identities in (opened.identities, opened.legacy_identities))
+        self._legacy_streams = dict(zip(opened.legacy_identities, opened.identities))
         self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
         self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, n, units]
                                for s, n, units in zip(streams, opened.lanes, opened.units)]
@@ -160,6 +163,21 @@ class RawMixtureSource(RawTextSource):
     def identity(self) -> str:
         """Identity of the streams, their weights and how raw text becomes samples."""
         return self._identity
+
+    def identity_parts(self) -> dict[str, Any] | None:
+        return None  # a refused mixture names its streams and weights (`_changed`)
+
+    def upgrade_legacy(self, saved: LoaderState) -> LoaderState:
+        """A version 1 state with its raw streams' identities as today's recipe makes them, where the old
+        recipe's match this mixture's streams."""
+        raw_text = dict(saved.raw_text or {})
+        if isinstance(raw_text.get("mixture"), dict):
+            record = raw_text["mixture"]
+            raw_text["mixture"] = {**record, "streams": [
+                {**s, "identity": self._legacy_streams.get(s.get("identity"), s.get("identity"))}
+                if isinstance(s, dict) else s for s in record.get("streams") or ()]}
+        dataset = self._identity if saved.dataset == self._legacy_identity else saved.dataset
+        return replace(saved, dataset=dataset, raw_text=raw_text)
 
     def stream_identities(self) -> list[str]:
         """Per stream, its data identity (a raw stream's corpus fingerprint, a built stream's shards), not its
@@ -257,8 +275,8 @@ class RawMixtureSource(RawTextSource):
                 lane += lanes
                 unit = unit + int(entry[4]) if unit is not None and len(entry) > 4 else None
         except (TypeError, ValueError, IndexError):
-            raise ValueError("cannot resume: the loader state's raw_text.streams does not match its mixture record "
-                             "(a damaged or edited state)") from None
+            raise ValueError("cannot resume: the loader state's streams do not match its mixture record (a damaged or "
+                             "edited state)") from None
         if len(cuts) and None in unit_at.values():
             raise ValueError("cannot change the streams of this mixture: its loader state records unreadable units "
                              "but not how many units each raw stream had (a state saved by an older shardkit); resume "
@@ -301,6 +319,10 @@ class RawMixtureSource(RawTextSource):
 
     def lane_counts(self, samples_consumed: int) -> np.ndarray:
         return self.order.lane_counts(samples_consumed)
+
+    def lane_unit_count(self, lane: int) -> int:
+        _, corpus, local, _ = self.lane_owners[lane]
+        return len(corpus.lanes[local])
 
     def unit_url(self, unit: int) -> str:
         stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1

@@ -62,6 +62,7 @@ class OpenedStreams:
     lanes: list[int] = field(default_factory=list)
     shard_sizes: list[np.ndarray | None] = field(default_factory=list)
     identities: list[str] = field(default_factory=list)
+    legacy_identities: list[str] = field(default_factory=list)  # as version 1 states name them
     units: list[int] = field(default_factory=list)  # a raw stream's work units (0: built)
 
 
@@ -86,6 +87,7 @@ def open_streams(streams: list[Stream], first: RawCorpus, config: LoaderConfig, 
             opened.units.append(len(corpus.units.size))
             opened.shard_sizes.append(None)
             opened.identities.append(corpus.fingerprint)
+            opened.legacy_identities.append(corpus.legacy_fingerprint)
         else:
             manifest, sizes = next(manifests)
             check_built_stream(stream, manifest, first)
@@ -93,6 +95,7 @@ def open_streams(streams: list[Stream], first: RawCorpus, config: LoaderConfig, 
             opened.units.append(0)
             opened.shard_sizes.append(sizes)
             opened.identities.append(data_fingerprint([manifest], []))
+            opened.legacy_identities.append(opened.identities[-1])
     return opened
 
 

@@ -1,4 +1,7 @@
-"""The loader's resume state: a small versioned dict of scalars, identical on every rank.
+"""The loader's resume state: a small record of scalars, identical on every rank.
+
+Users save it as the versioned envelope of `state.envelope` (`LoaderState.to_dict`), nested by stream; the
+stages below read this flat record (`LoaderState.from_dict` decodes either version into it).
 
 The state is *global*: it records the epoch and how many positions of that epoch's global order
 the whole job has consumed (steps handed to the training loop x world_size x batch_size). Every
@@ -20,9 +23,8 @@ from typing import Any, Protocol
 
 from ..config import DEFAULT_TOKEN_WINDOW, LoaderConfig
 from ..order.skipping import normalize_skip
+from .envelope import FLAT_VERSION, STATE_KIND, decode, encode
 
-STATE_VERSION = 1
-STATE_KIND = "shardkit.StreamingDataLoader"
 # Fields that must match for the resumed order to be the same order: the data itself and every
 # `LoaderConfig` field marked as an order field (num_partitions resolved to a number).
 ORDER_FIELDS = ("dataset", "num_samples", *LoaderConfig.order_fields())
@@ -71,6 +73,10 @@ class LoaderState:
             epoch, unit, segment of the unit, samples of the segment], ...]}, one per lane read so far (`num_partitions` holds the
             lanes, `dataset` the corpus and tokenization's fingerprint), and "unreadable": [[unit, lane epoch,
             segment, samples], ...], where on_corrupt="skip" cut unreadable units (`loaders.raw_unreadable`).
+        identity_parts: a single raw-text dataset's identity part by part (files, tokenizer, each setting), so
+            that a refusal names what differs.
+        legacy_identities: read from a version 1 state, whose raw-text identities followed the old recipe
+            (absolute URLs, the tokenizer's spec): the source maps them to today's before comparing.
     """
 
     epoch: int
@@ -93,6 +99,8 @@ class LoaderState:
     skip_samples: tuple = ()
     quarantine: tuple[tuple[int, int, int], ...] = ()
     raw_text: dict[str, Any] | None = None
+    identity_parts: dict[str, Any] | None = None
+    legacy_identities: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_segments", tuple((int(w), int(n)) for w, n in self.window_segments))
@@ -109,26 +117,33 @@ class LoaderState:
             raise ValueError(f"loader state: epoch ({self.epoch}) and samples_consumed ({self.samples_consumed}) "
                              "must be >= 0")
 
-    def to_dict(self) -> dict[str, Any]:
-        state = {"version": STATE_VERSION, "kind": STATE_KIND, **asdict(self)}
+    def to_dict(self, **worker: int) -> dict[str, Any]:
+        """The state as users save it (`envelope.encode`); `worker`: a DataLoader worker's own fields."""
+        return encode({**self.to_flat(), **worker})
+
+    def to_flat(self) -> dict[str, Any]:
+        """The flat record the stages read (as version 1 states were written)."""
+        state = {"version": FLAT_VERSION, "kind": STATE_KIND, **asdict(self)}
         state["window_segments"] = [list(s) for s in self.window_segments]
         if self.mixture is None:  # a single dataset's state stays as it was
             del state["mixture"]
         if self.raw_text is None:  # likewise a built dataset's
             del state["raw_text"]
+        if self.identity_parts is None:
+            del state["identity_parts"]
+        del state["legacy_identities"]  # how a state was read, never written
         state["skip_samples"] = [list(e) if isinstance(e, tuple) else e for e in self.skip_samples]
         state["quarantine"] = [list(q) for q in self.quarantine]
         return state
 
     @classmethod
-    def from_dict(cls, data: Any) -> LoaderState:
-        if not isinstance(data, dict):
-            raise ValueError(f"loader state must be a dict, got {type(data).__name__}")
-        if data.get("kind") != STATE_KIND:
-            raise ValueError(f"not a StreamingDataLoader state (kind={data.get('kind')!r})")
-        if data.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {data.get('version')!r} is not supported "
-                             f"(this shardkit reads version {STATE_VERSION})")
+    def from_dict(cls, state: Any) -> LoaderState:
+        """A saved state of either version (`envelope.decode`).
+
+        Raises:
+            ValueError: not a loader state, or a field missing, of the wrong type or out of range (named).
+        """
+        data = decode(state)
         names = {f.name for f in fields(cls)}
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         missing = sorted(required - data.keys())

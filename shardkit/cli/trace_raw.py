@@ -138,12 +138,13 @@ class RawRunSamples:
         its cursor in the loader `state` (a checkpoint's) where that stands before the samples, else its start.
         `lanes_read` counts the samples packed on the way."""
         from shardkit.loaders.sources.raw.feed import saved_cursors
+        from shardkit.loaders.state.envelope import decode
         from shardkit.loaders.sources.raw.unreadable import UnitCuts
 
         cursors, cuts = {}, UnitCuts()
         if state is not None:
-            cursors = saved_cursors(state["raw_text"])
-            cuts = UnitCuts.from_rows(state["raw_text"].get("unreadable", ()))
+            raw = decode(state)["raw_text"]
+            cursors, cuts = saved_cursors(raw), UnitCuts.from_rows(raw.get("unreadable", ()))
         wanted: dict[int, list[int]] = {}
         for place in places:
             if place.lane >= 0:

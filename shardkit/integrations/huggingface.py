@@ -25,6 +25,7 @@ from shardkit.integrations.batches import fixed_length_tokens
 from shardkit.integrations.loader_state import LOADER_STATE_FILE, load_loader_state, save_loader_state
 from shardkit.loaders.dataloader import StreamingDataLoader
 from shardkit.loaders.dataset import StreamingDataset
+from shardkit.loaders.state.envelope import position as saved_position
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,13 @@ class TrainerBatches:
 
     def position(self) -> tuple[int, int]:
         """(epoch, batches of it handed out), an epoch's end counted as the next epoch's start."""
-        state = self.loader.state_dict()
-        steps = state["samples_consumed"] // state["global_batch_size"]
+        epoch, samples, global_batch = saved_position(self.loader.state_dict())
+        steps = samples // global_batch
         if self.loader.source.endless:
             return 0, steps  # no epoch end (raw text's lanes go on): the Trainer counts one endless epoch
         if steps >= len(self.loader):
-            return state["epoch"] + 1, 0
-        return state["epoch"], steps
+            return epoch + 1, 0
+        return epoch, steps
 
 
 class ShardkitTrainer(Trainer):

@@ -76,7 +76,7 @@ try:  # optional: about 3x faster than json on JSONL lines
 except ImportError:  # pragma: no cover - depends on the environment
     _fast_loads = json.loads
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
+_TOKENIZERS: dict[tuple[str, tuple[int, int] | None], Tokenizer] = {}
 
 
 def warm_up(spec: str) -> None:
@@ -90,12 +90,22 @@ def cached_tokenizer(spec: str) -> Tokenizer:
 
 
 def _tokenizer(spec: str) -> Tokenizer:
-    cached = _TOKENIZERS.get(spec)
+    # A tokenizer file replaced in place (retrained) is loaded again: its identity is its content.
+    key = (spec, _file_signature(spec))
+    cached = _TOKENIZERS.get(key)
     if cached is None:
         # One tokenizer thread per worker process: parallelism comes from the processes.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        cached = _TOKENIZERS[spec] = load_tokenizer(spec)
+        cached = _TOKENIZERS[key] = load_tokenizer(spec)
     return cached
+
+
+def _file_signature(spec: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(spec)
+    except (OSError, ValueError):  # a named tokenizer (byte, tiktoken:NAME), not a file
+        return None
+    return stat.st_mtime_ns, stat.st_size
 
 
 def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:

@@ -161,7 +161,7 @@ class BuiltFeed(Feed):
                          self.source.order(saved.epoch, saved.num_partitions, saved.quarantine).num_positions)
         # The last step of an epoch may overrun its end (a padded step, a whole token window).
         if saved.samples_consumed > num_positions + self.source.batching.overrun(saved):
-            raise ValueError(f"cannot resume: samples_consumed={saved.samples_consumed} is beyond the end of epoch "
+            raise ValueError(f"cannot resume: position.samples={saved.samples_consumed} is beyond the end of epoch "
                              f"{saved.epoch}, which holds {num_positions} positions (a damaged or edited state)")
         self._epoch = saved.epoch
         self._steps.restore(saved)

@@ -20,6 +20,7 @@ from ...delivery.parent_watch import watch_parent
 from ...order.rank_steps import IterationPlan
 from ...delivery.resharding import check_not_resharded, check_not_rewrapped
 from ...source import Standalone
+from ...state.envelope import decode
 from ...state.loader_state import LoaderState, check_worker_steps
 from ...delivery.tensors import batch_to_tensors, strip_progress
 from ...delivery.worker_copies import WorkerIterations
@@ -62,10 +63,11 @@ class BuiltStandalone(Standalone):
                                   source.order(self.epoch, source.num_partitions, quarantine).num_positions), 0
         state = LoaderState(epoch=self.epoch, samples_consumed=consumed, global_batch_size=global_batch,
                             world_size=topology.world_size, **{**source.state(), "quarantine": quarantine})
-        return {**state.to_dict(), "worker_steps": steps, "worker": worker, "num_workers": num_workers}
+        return state.to_dict(worker_steps=steps, worker=worker, num_workers=num_workers)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         saved = LoaderState.from_dict(state)
+        state = decode(state)  # a worker's own fields
         steps = state.get("worker_steps", 0)
         if steps:
             _, num_workers = this_worker()

@@ -87,9 +87,13 @@ class RawCorpus:
         sizes = self.units.size
         self.num_lanes = min(settings.lanes, len(sizes))
         self.lanes = lane_units(deal_lanes(sizes, self.num_lanes), self.num_lanes)
-        self.fingerprint = hashlib.sha256(json.dumps(
+        self.identity_parts = corpus_identity_parts(self.files, settings, self.documents, info, units=len(sizes))
+        self.fingerprint = _digest(self.identity_parts)
+        # What states written before the identity named files by relative name and the tokenizer by content
+        # (version 1 states) were bound to: absolute URLs and the tokenizer's spec.
+        self.legacy_fingerprint = _digest(
             {"files": [[f.url, f.size] for f in self.files], "settings": asdict(settings), "units": len(sizes),
-             "documents": asdict(self.documents)}, sort_keys=True, default=str).encode()).hexdigest()
+             "documents": asdict(self.documents)})
 
     def segments(self, number: int, skip: int = 0) -> Iterator[WorkUnit]:
         """Unit `number`'s segments from segment `skip` on.
@@ -294,3 +298,31 @@ class LaneStream:
             for record, reason in rejected:
                 self.rejected[reason_category(reason)] += 1
                 self.log.log(url, functools.partial(self.corpus.record_place, segment, record), reason)
+
+
+def corpus_identity_parts(files: list[InputFile], settings: RawTextSettings, documents: DocumentSettings,
+                          tokenizer: Any, *, units: int) -> dict[str, Any]:
+    """What raw-text samples depend on, part by part, so that a refused resume names the part that differs: the
+    files by name relative to the inputs' common folder and size (a corpus moved or mounted elsewhere keeps its
+    identity, an edited file does not), the tokenizer by the content of its vocabulary (a tokenizer retrained in
+    place does not), and every setting of the recipe."""
+    recipe = {k: v for k, v in asdict(settings).items() if k != "tokenizer"}
+    document_fields = {k: v for k, v in asdict(documents).items() if k not in ("tokenizer", "text_field",
+                                                                                "max_doc_chars")}
+    listing = [[name, f.size] for name, f in zip(relative_names([f.url for f in files]), files)]
+    return {"files": _digest(listing), "file_count": len(files), "units": units,
+            "tokenizer": tokenizer.vocab_sha256 or str(settings.tokenizer), **recipe, **document_fields}
+
+
+def relative_names(urls: list[str]) -> list[str]:
+    """Each URL relative to the folder all of them share ('a/b.jsonl'), a lone file by its name."""
+    parts = [url.split("/") for url in urls]
+    shared = 0
+    folders = [p[:-1] for p in parts]
+    while all(len(f) > shared for f in folders) and len({tuple(f[:shared + 1]) for f in folders}) == 1:
+        shared += 1
+    return ["/".join(p[shared:]) for p in parts]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()

@@ -31,6 +31,7 @@ from .corpus import CURSOR_FIELDS
 from .units import few_lanes_advice
 from .unreadable import UnitCuts, agree, log_skipped, settle
 from ...source import Feed
+from ...state.envelope import decode, encode
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
 from ...delivery.topology import Topology
@@ -164,6 +165,7 @@ class RawTextFeed(Feed):
                            shuffle_window=0, partial_batches="drop", epoch_size=None,
                            global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, **self.source.order_values(),
+                           identity_parts=self.source.identity_parts(),
                            raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
                                      **self.source.raw_state()})
 
@@ -180,12 +182,13 @@ class RawTextFeed(Feed):
             ValueError: several ranks but no initialised process group to gather over.
         """
         state = self.local_state_dict()
-        if state["world_size"] == 1:
+        world_size = self._state().world_size
+        if world_size == 1:
             return state
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"state_dict() of a raw-text loader on {state['world_size']} ranks gathers every "
+            raise ValueError(f"state_dict() of a raw-text loader on {world_size} ranks gathers every "
                              "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
                              "local_state_dict() with shardkit.loaders.sources.raw.feed.merge_raw_states)")
         group = self.source.agreement_group()
@@ -207,6 +210,8 @@ class RawTextFeed(Feed):
         saved = LoaderState.from_dict(state)
         if saved.raw_text is None:
             raise ValueError("cannot resume: the saved loader state is a built dataset's, not raw text's")
+        if saved.legacy_identities:
+            saved = self.source.upgrade_legacy(saved)
         current = self._state()
         saved_kind, kind = (_kind(state.raw_text) for state in (saved, current))
         if saved_kind != kind:
@@ -216,12 +221,17 @@ class RawTextFeed(Feed):
         changeable = kind != _kind({}) and "mixture" in saved.raw_text
         differences = saved.differences(current, ignore=("dataset", "num_partitions") if changeable else ())
         if differences:
+            if saved.identity_parts is not None and current.identity_parts is not None:  # name the part that differs
+                differences = [d for d in differences if not d.startswith("dataset:")] + [
+                    f"{name}: saved {saved.identity_parts.get(name)!r}, now {value!r}"
+                    for name, value in current.identity_parts.items() if saved.identity_parts.get(name) != value]
             raise ValueError("cannot resume: the saved loader state belongs to other inputs or settings ("
                              + "; ".join(differences) + ")")
         cursors = saved_cursors(saved.raw_text)
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
         cursors, cuts = self.source.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
                                           allow_mixture_change=allow_mixture_change)
+        check_cursors(cursors, self.source, saved.samples_consumed)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
 
 
@@ -241,6 +251,28 @@ def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     return {row[0]: tuple(row[1:]) for row in rows}
 
 
+def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_consumed: int) -> None:
+    """Refuse cursors this corpus cannot have written at `samples_consumed` (a damaged or edited state): a lane it
+    does not have, a sample count other than the lane's share of the consumed positions, a unit beyond the lane's.
+
+    Raises:
+        ValueError: naming the lane and the field.
+    """
+    counts = source.lane_counts(samples_consumed)
+    for lane, cursor in sorted(cursors.items()):
+        samples, unit, within = cursor[0], cursor[2], cursor[4]  # delivered; unit of the epoch; of its segment
+        where = f"cannot resume: the loader state's cursor of lane {lane}"
+        if lane >= len(counts):
+            raise ValueError(f"{where}: this corpus has {len(counts)} lanes (a damaged or edited state)")
+        if samples != counts[lane]:
+            raise ValueError(f"{where} has delivered {samples} samples, but {samples_consumed} consumed positions "
+                             f"hold {int(counts[lane])} of that lane (a damaged or edited state)")
+        if unit >= source.lane_unit_count(lane) or within > samples:
+            raise ValueError(f"{where} stands at unit {unit}, sample {within} of its segment, beyond the lane's "
+                             f"{source.lane_unit_count(lane)} units or its {samples} samples (a damaged or edited "
+                             "state)")
+
+
 def _kind(raw_text: dict[str, Any]) -> str:
     """What a state's `raw_text` belongs to (a mixture records its streams)."""
     return "a mixture with raw-text streams" if "streams" in raw_text else "a single raw-text dataset"
@@ -257,9 +289,10 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     Raises:
         ValueError: the states do not stand at the same position.
     """
-    if len({s["samples_consumed"] for s in states}) != 1:
+    flats = [decode(s) for s in states]
+    if len({s["samples_consumed"] for s in flats}) != 1:
         raise ValueError("raw-text states of different positions cannot be merged: "
-                         f"{sorted({s['samples_consumed'] for s in states})}")
-    cursors = merge_cursors(*(saved_cursors(s["raw_text"]) for s in states))
+                         f"{sorted({s['samples_consumed'] for s in flats})}")
+    cursors = merge_cursors(*(saved_cursors(s["raw_text"]) for s in flats))
     # The cuts of unreadable units are agreed, the same in every rank's state.
-    return {**states[0], "raw_text": {**states[0]["raw_text"], "cursors": _cursor_rows(cursors)}}
+    return encode({**flats[0], "raw_text": {**flats[0]["raw_text"], "cursors": _cursor_rows(cursors)}})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from .corpus import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, Rejec
 from .feed import RawTextFeed
 from .unreadable import UnitCuts
 from ...source import Feed, Source, Standalone
+from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
 from ...delivery.topology import Topology, data_parallel_group, resolve_topology
 
@@ -80,6 +81,17 @@ class RawTextSource(Source):
         """The state's order fields: what the samples depend on."""
         return {"dataset": self.identity(), "seed": self.seed, "shuffle": self.shuffle, "num_partitions": self.num_lanes}
 
+    def identity_parts(self) -> dict[str, Any] | None:
+        """The identity part by part (`RawCorpus.identity_parts`), so that a refused resume names what differs."""
+        return self.corpus.identity_parts
+
+    def upgrade_legacy(self, saved: LoaderState) -> LoaderState:
+        """A version 1 state with this data's identities as today's recipe makes them, where the old recipe's
+        (absolute URLs, the tokenizer's spec) match this corpus (else unchanged: the comparison refuses it)."""
+        if saved.dataset != self.corpus.legacy_fingerprint:
+            return saved
+        return replace(saved, dataset=self.identity())
+
     def raw_state(self) -> dict[str, Any]:
         """The state's `raw_text` fields besides the cursors (a mixture's record of its streams; none here)."""
         return {}
@@ -103,6 +115,10 @@ class RawTextSource(Source):
     def lane_counts(self, samples_consumed: int) -> np.ndarray:
         """Samples of each lane among the first `samples_consumed` positions."""
         return lane_sample_counts(samples_consumed, self.num_lanes)
+
+    def lane_unit_count(self, lane: int) -> int:
+        """Units in lane `lane` (each lane epoch reads them all, in its own order)."""
+        return len(self.corpus.lanes[lane])
 
     def unit_url(self, unit: int) -> str:
         """The file of unit `unit` (as cuts number units)."""
