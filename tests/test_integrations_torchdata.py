@@ -138,3 +138,47 @@ def test_a_raw_text_dataset_resumes_through_its_loader_in_a_plain_loop_and_is_re
     with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: iterate "
                                          "StreamingDataLoader"):
         stateful.state_dict()
+
+
+@pytest.mark.parametrize("data", ["raw", "token_budget"])
+def test_torchdata_nodes_prefetching_resumes_where_its_consumer_stood(tmp_path, data):
+    """Issue 46 item 1, the framework opposite to Lightning: torchdata.nodes' Prefetcher takes the loader's state
+    right after each next() (in its thread, ahead of its consumer) and on restore skips the items it yielded since
+    that snapshot. The loader's state counts every batch it handed out, so a Loader restored from a state saved
+    after 5 steps (its prefetcher 3 batches ahead) yields the uninterrupted run's batches from step 6 on: none
+    twice, none lost. Raw text and token-budget batches: the loaders without a length."""
+    import itertools
+
+    from torchdata.nodes import IterableWrapper, Loader, Prefetcher
+
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from test_build import write_corpus
+
+    if data == "raw":
+        corpus = write_corpus(tmp_path / "corpus", docs=40)
+
+        def loader():
+            return StreamingDataLoader(StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16,
+                                                        lanes=3, rank=0, world_size=1), batch_size=2)
+    else:
+        write_variable(str(tmp_path / "variable"), 60, max_len=32, per_shard=20)
+
+        def loader():
+            return StreamingDataLoader(StreamingDataset(str(tmp_path / "variable"), max_tokens=128, rank=0,
+                                                        world_size=1, cache_dir=str(tmp_path / "cache")))
+
+    def nodes():
+        return Loader(Prefetcher(IterableWrapper(loader()), prefetch_factor=3))
+
+    def ids(batches):
+        return [b["sample_id"].tolist() for b in batches]
+
+    whole = ids(itertools.islice(nodes(), 12))
+    assert len(whole) == (12 if data == "raw" else 9)  # torchdata's Loader ends with the token-budget epoch
+    first = nodes()
+    head = ids(itertools.islice(first, 5))
+    state = first.state_dict()
+    resumed = nodes()
+    resumed.load_state_dict(state)
+    assert head + ids(itertools.islice(resumed, 7)) == whole

@@ -179,7 +179,10 @@ class RawTextFeed(Feed):
         Raises:
             ValueError: several ranks but no initialised process group to gather over.
         """
-        state = self.local_state_dict()
+        return self.global_state(self.local_state_dict())
+
+    def global_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The global state of every rank's `local_state_dict()` taken at the same step (gathered)."""
         if state["world_size"] == 1:
             return state
         import torch.distributed as dist
