@@ -125,6 +125,20 @@ def test_a_crash_after_a_checkpoint_resumes_with_the_next_step_without_a_length(
     assert tail == whole[5:]
 
 
+def test_a_stateful_dataloader_without_a_length_is_refused(tmp_path):
+    """Lightning reads one batch ahead of a loader without a length; torchdata's StatefulDataLoader around a
+    token-budget dataset would count that batch in its state: refused before training, naming StreamingDataLoader."""
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataset
+    from shardkit.integrations.torchdata import StatefulDataLoader
+
+    write_variable(str(tmp_path / "variable"), 60, max_len=32, per_shard=20)
+    dataset = StreamingDataset(str(tmp_path / "variable"), max_tokens=128, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="^Lightning reads one batch ahead of a loader without a length.*Return a "
+                                         "StreamingDataLoader from train_dataloader"):
+        fit_two_steps(StatefulDataLoader(dataset, batch_size=None), tmp_path)
+
+
 def test_a_raw_text_loader_trains_under_lightning(tmp_path):
     """A raw-text StreamingDataLoader (no length: its lanes go on) from train_dataloader: Lightning trains to
     max_steps and the loader stands after the batches it handed out (one process)."""

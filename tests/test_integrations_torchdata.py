@@ -133,11 +133,24 @@ def test_a_raw_text_dataset_resumes_through_its_loader_in_a_plain_loop_and_is_re
     resumed.load_state_dict(loader.state_dict())
     assert ids(itertools.islice(resumed, 3)) == whole[3:]
 
-    stateful = StatefulDataLoader(raw(batch_size=2), batch_size=None)
-    assert ids(itertools.islice(stateful, 2)) == whole[:2]
-    with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: iterate "
+    # Issue 46 item 2: the document's torch/torchdata recipe on raw text is refused before its first batch, with
+    # or without its set_epoch call, naming StreamingDataLoader (it would train until the first checkpoint).
+    from torch.utils.data import DataLoader
+
+    for kind, name in ((StatefulDataLoader, "torchdata's StatefulDataLoader"), (DataLoader, "torch's DataLoader")):
+        dataset = raw(batch_size=2)
+        with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: "
+                                             "iterate StreamingDataLoader"):
+            dataset.set_epoch(0)
+        with pytest.raises(ValueError, match=f"^a raw-text StreamingDataset iterated by {name} "
+                                             "keeps no resume state: .*StreamingDataLoader"):
+            next(iter(kind(dataset, batch_size=None)))
+        with pytest.raises(ValueError, match="keeps no resume state of its own: iterate StreamingDataLoader"):
+            dataset.state_dict()
+    # The dataset of a StreamingDataLoader, iterated by another loader around it (accelerator.prepare's way).
+    with pytest.raises(ValueError, match=r"iterated by torch's DataLoader \(the dataset of a "
                                          "StreamingDataLoader"):
-        stateful.state_dict()
+        next(iter(DataLoader(loader.dataset, batch_size=None)))
 
 
 @pytest.mark.parametrize("data", ["raw", "token_budget"])

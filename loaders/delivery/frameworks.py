@@ -87,6 +87,38 @@ def running_framework() -> tuple[str, int, bool] | None:
     return None
 
 
+# The iterators of torch's DataLoader and torchdata's StatefulDataLoader (with no workers: they iterate the dataset
+# in this process).
+_LOADER_ITERATOR_MODULES = {"torch.utils.data.dataloader": "torch's DataLoader",
+                            "torchdata.stateful_dataloader.stateful_dataloader": "torchdata's StatefulDataLoader"}
+
+
+def iterating_loader() -> str | None:
+    """Which of torch's `DataLoader` and torchdata's `StatefulDataLoader` iterates the caller in this process (its
+    iterator among the calling frames), or None."""
+    for owner in calling_objects(modules=("torch.utils.data.", "torchdata.")):
+        kind = type(owner)
+        if kind.__module__ in _LOADER_ITERATOR_MODULES and kind.__name__.endswith("DataLoaderIter"):
+            return _LOADER_ITERATOR_MODULES[kind.__module__]
+    return None
+
+
+def refuse_read_ahead_without_length() -> None:
+    """Refuse Lightning around a torch or torchdata loader of a dataset without a length (asked for one, which
+    Lightning does before it starts): Lightning then reads one batch ahead of its training step, and that loader's
+    state, taken at a checkpoint, would count the batch not yet trained (a resume would skip it).
+
+    Raises:
+        ValueError: naming StreamingDataLoader.
+    """
+    found = running_framework()
+    if found is not None and found[0] == "Lightning":
+        raise ValueError("Lightning reads one batch ahead of a loader without a length (token-budget batches) and "
+                         "a checkpoint would count that batch in this StreamingDataset's own state: a resume would "
+                         "skip it. Return a StreamingDataLoader from train_dataloader(): its state counts the batches "
+                         "the training step received (docs/INTEGRATIONS.md)")
+
+
 def check_processes(framework: str, processes: int, world_size: int) -> None:
     """Raise when `framework` trains this process alone while the dataset splits the data over `world_size` ranks.
 
