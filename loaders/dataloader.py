@@ -123,10 +123,10 @@ class StreamingDataLoader(DataLoader):
 
     def _held_position(self) -> dict[str, Any] | None:
         """The local state before the batches a framework's fetcher holds back (None: it holds none)."""
-        held = None if self._held is None else self._held.position()
-        if held is None:
-            refuse_untracked_fetcher(self)
-        return held
+        if self._held is None:
+            refuse_untracked_fetcher(self)  # Lightning holding batches of an iteration not followed: refused
+            return None
+        return self._held.position()
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` output, possibly saved with another world size, batch size or workers.

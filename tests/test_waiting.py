@@ -113,3 +113,47 @@ def test_a_wait_below_the_threshold_says_nothing(tmp_path, notices, monkeypatch)
     corpus = write_corpus(tmp_path / "corpus", docs=40)
     list(itertools.islice(raw_loader(corpus), 2))
     assert notices == []
+
+
+def test_on_a_terminal_the_wait_is_a_tqdm_line(tmp_path):
+    """stderr a terminal (a pseudo-terminal here): the notice is a tqdm line with the time waited; the held reads
+    go once this test has seen it on the terminal."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import sys
+    from pathlib import Path
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40)
+    script = (f"import sys, threading; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "import fsspec\n"
+              "from test_waiting import HeldFileSystem, first_batch_held, raw_loader\n"
+              "fsspec.register_implementation('held', HeldFileSystem, clobber=True)\n"
+              "threading.Thread(target=lambda: (sys.stdin.readline(), HeldFileSystem.gate.set()), daemon=True).start()\n"
+              f"first_batch_held(raw_loader({str(corpus)!r}))\n"
+              "print('first batch', flush=True)\n")
+    terminal, stderr = pty.openpty()
+    # A terminal 120 columns wide (a new pseudo-terminal has 0, into which tqdm fits nothing).
+    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    run = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=stderr, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    os.close(stderr)
+    shown = ""
+    try:
+        while NOTICE + "tokenizing and packing the first units of 3 raw-text lanes (" not in shown:
+            assert select.select([terminal], [], [], 300)[0], f"no notice on the terminal: {shown!r}"
+            try:
+                shown += os.read(terminal, 4096).decode(errors="replace")
+            except OSError:  # the run ended (EIO): what it printed says why
+                pytest.fail(f"the run ended without the notice: {shown!r}")
+        run.stdin.write("go\n")
+        run.stdin.flush()
+        assert run.stdout.readline() == "first batch\n"
+    finally:
+        run.kill()
+        run.wait()
+        os.close(terminal)
