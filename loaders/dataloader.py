@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader
 from shardkit import metrics
 
 from .dataset import StreamingDataset
+from .delivery.frameworks import holding_fetcher, refuse_untracked_fetcher
+from .delivery.received import HeldBatches
 
 
 def keep_batch(batch: Any) -> Any:
@@ -57,6 +59,8 @@ class StreamingDataLoader(DataLoader):
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
         self.pin_batches = pin_memory
         self.feed = source.feed(self, batch_size)
+        # The iteration a framework's fetcher holds batches of, read ahead of its training step (or None).
+        self._held: HeldBatches | None = None
         source.claim()
 
     @property
@@ -80,7 +84,11 @@ class StreamingDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # The iteration holds the loader (`for batch in StreamingDataLoader(...)` keeps it alive); the feed does not.
-        return self.feed.batches(self)
+        batches = self.feed.batches(self)
+        fetcher = holding_fetcher()  # Lightning reading ahead (shardkit.loaders.delivery.received)
+        self._held = None if fetcher is None else HeldBatches(
+            fetcher, self.feed.local_state_dict, ahead=getattr(fetcher, "prefetch_batches", 1))
+        return batches if self._held is None else self._held.follow(batches)
 
     # -- the DataLoader's workers, for the feeds -----------------------------------------------
     def worker_batches(self) -> Iterator[Any]:
@@ -100,13 +108,25 @@ class StreamingDataLoader(DataLoader):
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The global resume state, identical on every rank (see `shardkit.loaders.state.loader_state`). Raw text gathers the
-        lanes' cursors from every rank: with several ranks, every rank must call it."""
-        return self.feed.state_dict()
+        lanes' cursors from every rank: with several ranks, every rank must call it.
+
+        It counts the batches the training loop received: under a framework that reads ahead of its training step
+        (Lightning without a length), not the batches it holds (`shardkit.loaders.delivery.received`)."""
+        held = self._held_position()
+        return self.feed.state_dict() if held is None else self.feed.global_state(held)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state, without a collective (raw text: the cursors of the lanes this rank read;
         merge the ranks' with `shardkit.loaders.sources.raw.feed.merge_raw_states`). Built data: `state_dict()`."""
-        return self.feed.local_state_dict()
+        held = self._held_position()
+        return self.feed.local_state_dict() if held is None else held
+
+    def _held_position(self) -> dict[str, Any] | None:
+        """The local state before the batches a framework's fetcher holds back (None: it holds none)."""
+        if self._held is None:
+            refuse_untracked_fetcher(self)  # Lightning holding batches of an iteration not followed: refused
+            return None
+        return self._held.position()
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` output, possibly saved with another world size, batch size or workers.

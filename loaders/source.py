@@ -113,6 +113,11 @@ class Feed(ABC):
         """This rank's part of the state (a global state already needs nothing else)."""
         return self.state_dict()
 
+    def global_state(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The global state of a `local_state_dict()` taken now or earlier at the same step on every rank (every
+        rank calls it; a global state already is one)."""
+        return local
+
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from a `state_dict()`, possibly saved with another world size, batch size or workers."""

@@ -50,14 +50,14 @@ RECIPES = {
     "huggingface": Recipe(
         "transformers `Trainer` and accelerate",
         "trainer = ShardkitTrainer(model=model, args=args, train_dataset=dataset)",
-        "trainer.on_sample_ids = lambda ids: SEEN.append([trainer.state.global_step + 1, ids.tolist()])",
+        "trainer.on_sample_ids = lambda step, ids: SEEN.append([step, ids.tolist()])",
         multi_rank_env={"ACCELERATE_USE_CPU": "true"}, dataset_options={"shuffle_window": 8192}),
     "accelerate": Recipe(
         "accelerate without the Trainer", "step += 1", 'SEEN.append([step, batch["sample_id"].tolist()])',
         multi_rank_env={"ACCELERATE_USE_CPU": "true"}),
     "torchtitan": Recipe(
         "torchtitan", "checkpointer.load(step=-1)  # the latest checkpoint, if any, the loader included",
-        "dataloader.on_sample_ids = lambda ids: SEEN.append([train_state.step + 1, ids.tolist()])", block=1,
+        "dataloader.on_sample_ids = lambda step, ids: SEEN.append([step, ids.tolist()])", block=1,
         sizes={"SEQ_LEN, VOCAB": "16, 512"}, launcher="torchrun"),
     "torchdata": Recipe(
         "torchdata `StatefulDataLoader` and torch `DataLoader`", "step += 1",

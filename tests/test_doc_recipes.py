@@ -76,8 +76,8 @@ def test_the_torchtitan_config_function_builds_shardkits_loader(dataset_url, tmp
     loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=16,
                                      local_batch_size=BATCH_SIZE)
     seen = []
-    loader.on_sample_ids = lambda ids: seen.append(ids.tolist())
+    loader.on_sample_ids = lambda step, ids: seen.append([step, ids.tolist()])
     batches = iter(loader)
     for _ in range(3):
         next(batches)
-    assert seen == [ids for _, ids in own_loader_steps(dataset_url, str(tmp_path / "own"), steps=3)[0]]
+    assert seen == own_loader_steps(dataset_url, str(tmp_path / "own"), steps=3)[0]

@@ -173,7 +173,7 @@ def test_a_raw_text_dataset_trains_and_resumes_in_process(tmp_path):
         args = TrainingArguments(output_dir=str(output), use_cpu=True, report_to=[], max_steps=steps, save_steps=2,
                                  per_device_train_batch_size=2, logging_steps=100, seed=0)
         ShardkitTrainer(model=model, args=args, train_dataset=dataset,
-                        on_sample_ids=lambda batch: ids.append(batch.tolist())).train(**resume)
+                        on_sample_ids=lambda step, batch: ids.append([step, batch.tolist()])).train(**resume)
         return ids
 
     whole = train(tmp_path / "whole", 4)
@@ -181,4 +181,4 @@ def test_a_raw_text_dataset_trains_and_resumes_in_process(tmp_path):
     saved = json.loads((tmp_path / "cut" / "checkpoint-2" / "shardkit_loader.json").read_text())
     assert saved["position"]["samples"] == 4 and decode(saved)["raw_text"]["cursors"]
     tail = train(tmp_path / "cut", 4, resume_from_checkpoint=True)
-    assert head + tail == whole and len(whole) == 4
+    assert head + tail == whole and [step for step, _ in whole] == [1, 2, 3, 4]

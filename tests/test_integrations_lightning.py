@@ -88,6 +88,57 @@ def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, 
 
 
 
+@pytest.fixture(scope="module")
+def no_length_data(tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
+    """What leaves a StreamingDataLoader without a length, so that Lightning reads one batch ahead of the training
+    step: raw text, and built data in token-budget batches. {name: (DATASET argument, run options)}."""
+    from loader_helpers import write_variable
+    from test_build import write_corpus
+
+    folder = tmp_path_factory.mktemp("no-length")
+    corpus = write_corpus(folder / "corpus", docs=40)
+    write_variable(str(folder / "variable"), 60, max_len=32, per_shard=20)
+    return {"raw": (f"{corpus}/*.jsonl*", ["--raw"]),
+            "token_budget": (str(folder / "variable"), ["--max-tokens", "128"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["raw", "token_budget"])
+def test_a_crash_after_a_checkpoint_resumes_with_the_next_step_without_a_length(no_length_data, tmp_path, data):
+    """Issue 46 item 1: without a length Lightning's fetcher holds one batch it has not trained when a checkpoint
+    takes the loader's state; that state counts only the batches the training step received. A run killed after
+    step 7 (checkpoints every 5 steps) and resumed with `fit(ckpt_path="last")` in a new process trains step 6 on
+    the uninterrupted run's step 6 (not its step 7), and so on to the end (12 steps: past the 9-batch epoch of the
+    token-budget data)."""
+    import json
+
+    url, options = no_length_data[data]
+    whole = run_script("lightning_runs.py", url, tmp_path / "whole", "whole", "--steps", 12, *options)[0]
+    crashed = run_script("lightning_runs.py", url, tmp_path / "cut", "head", "--steps", 12, "--crash-at", 7,
+                         *options, check=False)
+    assert crashed.returncode == 3, crashed.stderr[-3000:]
+    head = json.loads((tmp_path / "head.0").read_text())
+    tail = run_script("lightning_runs.py", url, tmp_path / "cut", "tail", "--steps", 12, "--resume", "last",
+                      *options)[0]
+    assert head == whole[:7]
+    assert [step for step, _ in tail] == list(range(6, 13))
+    assert tail == whole[5:]
+
+
+def test_a_stateful_dataloader_without_a_length_is_refused(tmp_path):
+    """Lightning reads one batch ahead of a loader without a length; torchdata's StatefulDataLoader around a
+    token-budget dataset would count that batch in its state: refused before training, naming StreamingDataLoader."""
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataset
+    from shardkit.integrations.torchdata import StatefulDataLoader
+
+    write_variable(str(tmp_path / "variable"), 60, max_len=32, per_shard=20)
+    dataset = StreamingDataset(str(tmp_path / "variable"), max_tokens=128, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="^Lightning reads one batch ahead of a loader without a length.*Return a "
+                                         "StreamingDataLoader from train_dataloader"):
+        fit_two_steps(StatefulDataLoader(dataset, batch_size=None), tmp_path)
+
+
 def test_a_raw_text_loader_trains_under_lightning(tmp_path):
     """A raw-text StreamingDataLoader (no length: its lanes go on) from train_dataloader: Lightning trains to
     max_steps and the loader stands after the batches it handed out (one process)."""

@@ -133,8 +133,65 @@ def test_a_raw_text_dataset_resumes_through_its_loader_in_a_plain_loop_and_is_re
     resumed.load_state_dict(loader.state_dict())
     assert ids(itertools.islice(resumed, 3)) == whole[3:]
 
-    stateful = StatefulDataLoader(raw(batch_size=2), batch_size=None)
-    assert ids(itertools.islice(stateful, 2)) == whole[:2]
-    with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: iterate "
+    # Issue 46 item 2: the document's torch/torchdata recipe on raw text is refused before its first batch, with
+    # or without its set_epoch call, naming StreamingDataLoader (it would train until the first checkpoint).
+    from torch.utils.data import DataLoader
+
+    for kind, name in ((StatefulDataLoader, "torchdata's StatefulDataLoader"), (DataLoader, "torch's DataLoader")):
+        dataset = raw(batch_size=2)
+        with pytest.raises(ValueError, match="^a raw-text StreamingDataset keeps no resume state of its own: "
+                                             "iterate StreamingDataLoader"):
+            dataset.set_epoch(0)
+        with pytest.raises(ValueError, match=f"^a raw-text StreamingDataset iterated by {name} "
+                                             "keeps no resume state: .*StreamingDataLoader"):
+            next(iter(kind(dataset, batch_size=None)))
+        with pytest.raises(ValueError, match="keeps no resume state of its own: iterate StreamingDataLoader"):
+            dataset.state_dict()
+    # The dataset of a StreamingDataLoader, iterated by another loader around it (accelerator.prepare's way).
+    with pytest.raises(ValueError, match=r"iterated by torch's DataLoader \(the dataset of a "
                                          "StreamingDataLoader"):
-        stateful.state_dict()
+        next(iter(DataLoader(loader.dataset, batch_size=None)))
+
+
+@pytest.mark.parametrize("data", ["raw", "token_budget"])
+def test_torchdata_nodes_prefetching_resumes_where_its_consumer_stood(tmp_path, data):
+    """Issue 46 item 1, the framework opposite to Lightning: torchdata.nodes' Prefetcher takes the loader's state
+    right after each next() (in its thread, ahead of its consumer) and on restore skips the items it yielded since
+    that snapshot. The loader's state counts every batch it handed out, so a Loader restored from a state saved
+    after 5 steps (its prefetcher 3 batches ahead) yields the uninterrupted run's batches from step 6 on: none
+    twice, none lost. Raw text and token-budget batches: the loaders without a length."""
+    import itertools
+
+    from torchdata.nodes import IterableWrapper, Loader, Prefetcher
+
+    from loader_helpers import write_variable
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from test_build import write_corpus
+
+    if data == "raw":
+        corpus = write_corpus(tmp_path / "corpus", docs=40)
+
+        def loader():
+            return StreamingDataLoader(StreamingDataset([f"{corpus}/*.jsonl*"], tokenizer="byte", seq_len=16,
+                                                        lanes=3, rank=0, world_size=1), batch_size=2)
+    else:
+        write_variable(str(tmp_path / "variable"), 60, max_len=32, per_shard=20)
+
+        def loader():
+            return StreamingDataLoader(StreamingDataset(str(tmp_path / "variable"), max_tokens=128, rank=0,
+                                                        world_size=1, cache_dir=str(tmp_path / "cache")))
+
+    def nodes():
+        return Loader(Prefetcher(IterableWrapper(loader()), prefetch_factor=3))
+
+    def ids(batches):
+        return [b["sample_id"].tolist() for b in batches]
+
+    whole = ids(itertools.islice(nodes(), 12))
+    assert len(whole) == (12 if data == "raw" else 9)  # torchdata's Loader ends with the token-budget epoch
+    first = nodes()
+    head = ids(itertools.islice(first, 5))
+    state = first.state_dict()
+    resumed = nodes()
+    resumed.load_state_dict(state)
+    assert head + ids(itertools.islice(resumed, 7)) == whole

@@ -25,7 +25,9 @@ from shardkit.integrations.torchtitan import STATE_KEY, ShardkitDataLoader  # no
 
 def build(url, tmp_path, *, rank=0, world=1, seq_len=16, **config):
     # The arguments torchtitan's Trainer passes to config.dataloader.build(...).
-    return ShardkitDataLoader.Config(dataset_path=url, cache_dir=str(tmp_path / "cache"), **config).build(
+    if "raw_tokenizer" not in config:
+        config.setdefault("cache_dir", str(tmp_path / "cache"))
+    return ShardkitDataLoader.Config(dataset_path=url, **config).build(
         dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=4,
         snapshot_every_n_steps=None)
 
@@ -94,3 +96,42 @@ def test_raw_text_is_tokenized_by_the_loader_and_resumes_exactly(tmp_path):
         assert torch.equal(inputs["input"], want[0]["input"]) and torch.equal(labels, want[1])
     with pytest.raises(ValueError, match='pack="none"'):
         build(f"{corpus}/*.jsonl", tmp_path, raw_tokenizer="byte", pack="none")
+
+
+def test_raw_text_takes_unit_bytes_and_lanes_refuses_a_cache_dir_and_hooks_get_the_batch_number(tmp_path):
+    """Issue 46 item 5: `unit_bytes` and `lanes` as in the Python API (the batches are those of
+    StreamingDataset(..., unit_bytes=, lanes=)); `cache_dir` with raw text refused, not ignored; a dataset_path that
+    is no dataset, and raw-text fields without raw_tokenizer, refused naming both kinds of input;
+    `on_sample_ids(batch_number, ids)` numbered on across a resume."""
+    import itertools
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from test_build import write_corpus
+
+    corpus = f"{write_corpus(tmp_path / 'corpus', docs=60)}/*.jsonl"
+    sized = dict(raw_tokenizer="byte", unit_bytes=2048, lanes=2)
+    own = StreamingDataLoader(StreamingDataset(corpus, tokenizer="byte", seq_len=16, unit_bytes=2048, lanes=2,
+                                               rank=0, world_size=1), batch_size=4)
+    default = next(iter(build(corpus, tmp_path, raw_tokenizer="byte")))[0]["input"]
+    for (inputs, _), batch in zip(itertools.islice(build(corpus, tmp_path, **sized), 4), own):
+        assert torch.equal(inputs["input"], batch["tokens"][:, :-1].long())
+    assert not torch.equal(default, next(iter(build(corpus, tmp_path, **sized)))[0]["input"])
+    with pytest.raises(ValueError, match="^dataloader.cache_dir='/nvme': raw text .* leave dataloader.cache_dir "
+                                         "unset"):
+        build(corpus, tmp_path, cache_dir="/nvme", **sized)
+    with pytest.raises(ValueError, match=r"^dataloader.dataset_path='.*\*.jsonl' is no built shardkit dataset .*"
+                                         "shardkit.json.*or raw text inputs .* with dataloader.raw_tokenizer"):
+        build(corpus, tmp_path)
+    with pytest.raises(ValueError, match="^dataloader.lanes: how raw text becomes samples, which needs "
+                                         "dataloader.raw_tokenizer"):
+        build(str(tmp_path / "data"), tmp_path, lanes=2)
+
+    seen = []
+    first = build(corpus, tmp_path, **sized)
+    first.on_sample_ids = lambda number, ids: seen.append(number)
+    list(itertools.islice(first, 3))
+    resumed = build(corpus, tmp_path, **sized)
+    resumed.load_state_dict(first.state_dict())
+    resumed.on_sample_ids = lambda number, ids: seen.append(number)
+    list(itertools.islice(resumed, 2))
+    assert seen == [1, 2, 3, 4, 5]

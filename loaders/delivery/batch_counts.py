@@ -10,6 +10,8 @@ from typing import Any
 
 from shardkit import metrics
 
+from .waiting import WaitNotice
+
 _PUBLISH_BATCHES = 64  # batch metrics are published every this many batches, or every second, or at the end
 _PUBLISH_SECONDS = 1.0
 
@@ -34,19 +36,23 @@ class BatchCounts:
 
 
 def counted_batches(source: Iterable[dict[str, Any]], prepare: Callable[[dict[str, Any]], dict[str, Any]], *,
-                    pin: bool) -> Iterator[dict[str, Any]]:
+                    pin: bool, waiting_for: str) -> Iterator[dict[str, Any]]:
     """The batches `prepare` makes of `source`'s arrays (tensors, pinned when `pin`), counted in the metrics.
     `prepare` runs before its batch is handed out: a position it advances includes that batch, as a state saved
-    after receiving it must."""
+    after receiving it must. A first batch that takes long is announced, saying it waits for `waiting_for`
+    (`shardkit.loaders.delivery.waiting`)."""
     counts, asked = BatchCounts(), time.perf_counter()
+    notice = WaitNotice(waiting_for)
     try:
         for arrays in source:
             batch = prepare(arrays)
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
+            notice.done()
             now = time.perf_counter()
             counts.add(now - asked, now)
             yield batch
             asked = time.perf_counter()
     finally:
+        notice.done()
         counts.publish(time.perf_counter())

@@ -87,6 +87,38 @@ def running_framework() -> tuple[str, int, bool] | None:
     return None
 
 
+# The iterators of torch's DataLoader and torchdata's StatefulDataLoader (with no workers: they iterate the dataset
+# in this process).
+_LOADER_ITERATOR_MODULES = {"torch.utils.data.dataloader": "torch's DataLoader",
+                            "torchdata.stateful_dataloader.stateful_dataloader": "torchdata's StatefulDataLoader"}
+
+
+def iterating_loader() -> str | None:
+    """Which of torch's `DataLoader` and torchdata's `StatefulDataLoader` iterates the caller in this process (its
+    iterator among the calling frames), or None."""
+    for owner in calling_objects(modules=("torch.utils.data.", "torchdata.")):
+        kind = type(owner)
+        if kind.__module__ in _LOADER_ITERATOR_MODULES and kind.__name__.endswith("DataLoaderIter"):
+            return _LOADER_ITERATOR_MODULES[kind.__module__]
+    return None
+
+
+def refuse_read_ahead_without_length() -> None:
+    """Refuse Lightning around a torch or torchdata loader of a dataset without a length (asked for one, which
+    Lightning does before it starts): Lightning then reads one batch ahead of its training step, and that loader's
+    state, taken at a checkpoint, would count the batch not yet trained (a resume would skip it).
+
+    Raises:
+        ValueError: naming StreamingDataLoader.
+    """
+    found = running_framework()
+    if found is not None and found[0] == "Lightning":
+        raise ValueError("Lightning reads one batch ahead of a loader without a length (token-budget batches) and "
+                         "a checkpoint would count that batch in this StreamingDataset's own state: a resume would "
+                         "skip it. Return a StreamingDataLoader from train_dataloader(): its state counts the batches "
+                         "the training step received (docs/INTEGRATIONS.md)")
+
+
 def check_processes(framework: str, processes: int, world_size: int) -> None:
     """Raise when `framework` trains this process alone while the dataset splits the data over `world_size` ranks.
 
@@ -116,3 +148,42 @@ def check_framework(world_size: int, *, standalone: bool) -> None:
                          "for Lightning's checkpoints: a resume would train the epoch again from its start. Return a "
                          "StreamingDataLoader from train_dataloader() (or torchdata's StatefulDataLoader) "
                          "(docs/INTEGRATIONS.md)")
+
+
+# Lightning's fetchers (lightning/pytorch/loops/fetchers.py): `_PrefetchDataFetcher` holds the batches it read
+# ahead of the training step in its list `batches` (shardkit.loaders.delivery.received says why that matters).
+_FETCHER_MODULES = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
+
+
+def _holds_batches(owner: Any) -> bool:
+    return type(owner).__module__ in _FETCHER_MODULES and isinstance(getattr(owner, "batches", None), list)
+
+
+def holding_fetcher() -> Any:
+    """The fetcher among the calling frames that holds batches back from the training step (Lightning's
+    `_PrefetchDataFetcher`, starting an iteration), or None."""
+    for owner in calling_objects(modules=("lightning.", "pytorch_lightning.")):
+        if _holds_batches(owner):
+            return owner
+    return None
+
+
+def refuse_untracked_fetcher(loader: Any) -> None:
+    """Refuse a state asked under Lightning while its fetcher holds batches read from `loader` by an iteration
+    that was not started under that fetcher (so the batches the training step received are unknown).
+
+    Raises:
+        ValueError: saying so.
+    """
+    for owner in calling_objects(modules=("lightning.", "pytorch_lightning.")):
+        trainer = _lightning_trainer(owner)
+        fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+        if fetcher is None:
+            continue
+        loaders = getattr(getattr(fetcher, "_combined_loader", None), "flattened", ())
+        if _holds_batches(fetcher) and fetcher.batches and any(item is loader for item in loaders):
+            raise ValueError("Lightning's fetcher holds batches of this StreamingDataLoader that its training step "
+                             "has not received, read by an iteration shardkit did not see start under it: the "
+                             "state would count them and a resume would skip them. Return the StreamingDataLoader "
+                             "itself from train_dataloader() (docs/INTEGRATIONS.md)")
+        return

@@ -72,8 +72,9 @@ class ShardkitTrainer(Trainer):
     `remove_unused_columns` do not apply: batches come whole, as `input_ids` and `labels`.
 
     Args:
-        on_sample_ids: called with the `sample_id` (int64 [batch]) of each micro-batch as the Trainer takes it,
-            `state.global_step` then being the step it trains in (for lineage; also settable as an attribute).
+        on_sample_ids: called as `on_sample_ids(step, ids)` with the optimizer step (from 1) that trains on each
+            micro-batch and its `sample_id` (int64 [batch]) as the Trainer takes it (for lineage; also settable
+            as an attribute).
         *args, **kwargs: the `Trainer`'s.
 
     Raises:
@@ -83,7 +84,7 @@ class ShardkitTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, train_dataset: StreamingDataset | None = None,
-                 on_sample_ids: Callable[[torch.Tensor], None] | None = None, **kwargs: Any):
+                 on_sample_ids: Callable[[int, torch.Tensor], None] | None = None, **kwargs: Any):
         if not isinstance(train_dataset, StreamingDataset):
             raise TypeError(f"ShardkitTrainer needs train_dataset=StreamingDataset(...), got "
                             f"{type(train_dataset).__name__}: pass the dataset, the trainer builds its loader")
@@ -106,7 +107,8 @@ class ShardkitTrainer(Trainer):
 
     def _sample_ids(self, ids: torch.Tensor) -> None:
         if self.on_sample_ids is not None:
-            self.on_sample_ids(ids)
+            # The Trainer takes a step's micro-batches before it trains them: global_step counts the steps done.
+            self.on_sample_ids(self.state.global_step + 1, ids)
 
     def _samples_per_rank(self) -> int:
         batch, world = self._train_batch_size, self.accelerator.num_processes

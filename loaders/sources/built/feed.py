@@ -131,7 +131,10 @@ class BuiltFeed(Feed):
             self._steps.advance(len(arrays["sample_id"]), progress, topology.world_size)
             return batch_to_tensors(arrays, self.source.config.token_dtype)
 
-        yield from counted_batches(batches, prepare, pin=loader.pin_batches and torch.cuda.is_available())
+        waiting_for = (f"reading the shards of epoch {self._epoch} at position {self._steps.consumed} into the node "
+                       "cache (a cold cache downloads them)")
+        yield from counted_batches(batches, prepare, waiting_for=waiting_for,
+                                   pin=loader.pin_batches and torch.cuda.is_available())
 
     def _bundle_size(self) -> int:
         """Batches per worker message: about 1 MiB, at most 16 (per-message cost dominates small batches); each

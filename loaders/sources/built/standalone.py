@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ...delivery.frameworks import NEEDS_BATCH_SIZE
+from ...delivery.frameworks import NEEDS_BATCH_SIZE, refuse_read_ahead_without_length
 from ...delivery.parent_watch import watch_parent
 from ...order.rank_steps import IterationPlan
 from ...delivery.resharding import check_not_resharded, check_not_rewrapped
@@ -93,9 +93,12 @@ class BuiltStandalone(Standalone):
     def length(self) -> int:
         source = self.source
         topology = source.topology()
-        # token-budget mode raises TypeError here: batches per epoch depend on the sample lengths
-        steps = source.batching.steps_left(source.positions_per_epoch, start=0,
-                                           global_batch=(self.batch_size or 1) * topology.world_size)
+        try:
+            steps = source.batching.steps_left(source.positions_per_epoch, start=0,
+                                               global_batch=(self.batch_size or 1) * topology.world_size)
+        except TypeError:  # token-budget mode: batches per epoch depend on the sample lengths
+            refuse_read_ahead_without_length()
+            raise
         if self.batch_size is None:
             raise TypeError("len(StreamingDataset) needs batch_size; use len(StreamingDataLoader)")
         return steps

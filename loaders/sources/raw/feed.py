@@ -111,7 +111,10 @@ class RawTextFeed(Feed):
             self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
             return batch_to_tensors(arrays, self.source.token_dtype)
 
-        yield from counted_batches(self._agreed_batches(loader, topology), prepare,
+        lanes = self.source.num_lanes
+        waiting_for = (f"re-reading {len(self._cursors)} raw-text lanes up to their saved cursors" if self._cursors
+                       else f"tokenizing and packing the first units of {lanes} raw-text lanes")
+        yield from counted_batches(self._agreed_batches(loader, topology), prepare, waiting_for=waiting_for,
                                    pin=loader.pin_batches and torch.cuda.is_available())
 
     def _agreed_batches(self, loader: Any, topology: Topology) -> Iterator[dict[str, Any]]:
@@ -181,8 +184,11 @@ class RawTextFeed(Feed):
         Raises:
             ValueError: several ranks but no initialised process group to gather over.
         """
-        state = self.local_state_dict()
-        world_size = self._state().world_size
+        return self.global_state(self.local_state_dict())
+
+    def global_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The global state of every rank's `local_state_dict()` taken at the same step (gathered)."""
+        world_size = decode(state)["world_size"]
         if world_size == 1:
             return state
         import torch.distributed as dist

@@ -18,7 +18,9 @@ import numpy as np
 from torch.utils.data import get_worker_info
 
 from ...config import LoaderConfig
+from ...delivery.frameworks import check_framework, iterating_loader
 from ...delivery.parent_watch import watch_parent
+from ...delivery.resharding import check_not_resharded
 from .batches import CURSORS_KEY, UNREADABLE_KEY, raw_batch
 from .iteration import RawIteration, StepPart
 from ...order.lanes import lane_sample_counts, position_lanes, rank_step_positions
@@ -71,7 +73,11 @@ class RawTextSource(Source):
         return self.corpus.num_lanes
 
     def topology(self) -> Topology:
-        return resolve_topology(**self._topology_args, **self._group_args)
+        topology = resolve_topology(**self._topology_args, **self._group_args)
+        # As for built data: a framework among the callers that runs the dataset the wrong way is refused where
+        # every path learns the world size (shardkit.loaders.delivery.frameworks).
+        check_framework(topology.world_size, standalone=not self.claimed)
+        return topology
 
     def agreement_group(self) -> Any:
         """The data-parallel process group (None: the default group)."""
@@ -165,6 +171,7 @@ class RawTextSource(Source):
                 raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
             watch_parent()  # a worker must not outlive its parent (shardkit.loaders.delivery.parent_watch)
             return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
+        refuse_other_loaders(self.claimed)
         if iteration is None:  # iterated on its own: from the start, tensors out
             return standalone.batches()
         return self.step_batches(iteration)
@@ -211,6 +218,23 @@ class RawTextSource(Source):
         for part in parts:
             self.rejected.update(part.rejected)
         return batch
+
+
+def refuse_other_loaders(claimed: bool) -> None:
+    """Refuse a torch `DataLoader` or torchdata `StatefulDataLoader` iterating raw text, before its first batch:
+    the lanes' cursors are the loader's state, which they would never save (a resume would read every batch
+    again), and a dataset a `StreamingDataLoader` drives would be read past that loader's state.
+
+    Raises:
+        ValueError: naming StreamingDataLoader.
+    """
+    loader = iterating_loader()
+    if loader is None:
+        return
+    owner = " (the dataset of a StreamingDataLoader: iterate that loader itself)" if claimed else ""
+    raise ValueError(f"a raw-text StreamingDataset iterated by {loader}{owner} keeps no resume state: its lanes' "
+                     "cursors are the state of StreamingDataLoader(dataset, batch_size=N), which resumes exactly on "
+                     "any number of ranks and workers; iterate that and save its state_dict() (docs/INTEGRATIONS.md)")
 
 
 @dataclass(frozen=True)
@@ -262,6 +286,7 @@ class RawStandalone(Standalone):
             raise ValueError("iterating a raw-text StreamingDataset on its own needs batch_size=; or use "
                              "StreamingDataLoader")
         iteration = RawIteration(start=0, batch_size=self.batch_size, topology=source.topology())
+        check_not_resharded(iteration.topology.world_size)
         if source.on_corrupt == "skip" and iteration.topology.world_size > 1:
             raise ValueError("on_corrupt='skip' on several ranks needs StreamingDataLoader (the ranks agree on "
                              "what to skip through it)")
