@@ -96,7 +96,8 @@ def test_sigterm_during_a_long_accumulation_checkpoints_the_last_step_and_stops(
     code, out, err = _finished(process)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     print(f"stopped {time.monotonic() - signalled:.1f} s after the signal")
-    assert time.monotonic() - signalled < 8, "the trainer finished the step before stopping"
+    # The message tells that the step was left; the time only guards against a stop that waits for the step's end.
+    assert time.monotonic() - signalled < 30, "the trainer finished the step before stopping"
     assert "stopped by a signal during step 2's gradient accumulation; checkpoint of step 1 saved" in out
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
     drawn_by_step_1 = sample_ids(run_dir)[1]
@@ -111,3 +112,30 @@ def test_sigterm_during_a_long_accumulation_checkpoints_the_last_step_and_stops(
     assert code == 0, err[-3000:]
     next_batch = Counter(sample_ids(reference_dir)[1]) - Counter(drawn_by_step_1)
     assert Counter(sample_ids(run_dir)[2]) == next_batch and sum(next_batch.values()) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_rank_job_stops_every_rank_at_the_same_micro_step(tmp_path):
+    """torchrun forwards SIGTERM to both ranks, which see it at different micro-steps: they agree on it at the next
+    multiple of 64 (one all-reduce) and save the checkpoint of step 1 together."""
+    data = str(tmp_path / "data")
+    write_byte_dataset(data)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "0",
+         "--monitor-interval", "0.2", "-m", "shardkit.train", "--data", data, "--device", "cpu", "--batch-size", "1",
+         "--warmup-steps", "1", "--log-every", "100", "--run-dir", str(run_dir), "--cache-dir",
+         str(tmp_path / "cache"), "--steps", "3", "--grad-accum", str(ACCUM), "--skip-steps", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while 1 not in _logged_steps(run_dir):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code, out, err = _finished(process)
+    print(f"stopped {time.monotonic() - signalled:.1f} s after the signal")
+    assert code != 0
+    assert "stopped by a signal during step 2's gradient accumulation; checkpoint of step 1 saved" in out, err[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
