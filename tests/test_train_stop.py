@@ -15,7 +15,7 @@ import pytest
 
 from shardkit.train.config import (MAX_GLOBAL_BATCH_TOKENS, MAX_MICRO_STEPS, MAX_STEPS, config_from_dict,
                                    with_step_size)
-from train_runs import sample_ids, write_byte_dataset
+from train_runs import losses, sample_ids, write_byte_dataset
 
 
 @pytest.mark.parametrize(("values", "option", "bound"), [
@@ -139,3 +139,24 @@ def test_sigterm_to_a_two_rank_job_stops_every_rank_at_the_same_micro_step(tmp_p
     assert code != 0
     assert "stopped by a signal during step 2's gradient accumulation; checkpoint of step 1 saved" in out, err[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+@pytest.mark.parametrize("signal_at_batch", [2, 7])  # during step 1 (nothing completed yet) and during step 2
+def test_a_run_stopped_between_micro_steps_resumes_exactly(tmp_path, signal_at_batch, capsys):
+    """In this process (`test_train_inprocess`'s harness): SIGTERM while micro-batch k of a 4-micro-step step is
+    drawn; the checkpoint holds the last completed step (none when none is: a rerun starts over) and the loader
+    before the step left, so the resumed run's losses are the uninterrupted run's."""
+    from test_train_inprocess import run_training
+
+    data = str(tmp_path / "data")
+    write_byte_dataset(data)
+    options = {"grad_accum": 4, "data.batch_size": 3, "steps": 3}
+    assert run_training(tmp_path / "reference", data, **options) == 0
+    run_dir = tmp_path / "run"
+    assert run_training(run_dir, data, signal_at_batch=signal_at_batch, **options) == 128 + signal.SIGTERM
+    completed = (signal_at_batch - 1) // 4
+    saved = f"checkpoint of step {completed} saved" if completed else "no step completed, nothing to save"
+    assert f"during step {completed + 1}'s gradient accumulation; {saved}" in capsys.readouterr().out
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ([f"step_{completed:08d}"] if completed else [])
+    assert run_training(run_dir, data, **options) == 0
+    assert losses(run_dir) == losses(tmp_path / "reference")

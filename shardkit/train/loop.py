@@ -297,10 +297,13 @@ def stop_within_step(run: Run, result: StepResult) -> int:
     """A stop signal came during step `result.step`'s accumulation (`shardkit.train.step.stop_asked`): checkpoint
     the last completed step, with the loader where that step left it, and stop. Returns the exit code."""
     sync_point(run)  # the completed steps' records
-    save_checkpoint(run, loader_state=result.loader_state_before)
+    if run.step == 0:  # no step completed: there is nothing to save, a rerun starts over
+        saved = "no step completed, nothing to save; a rerun starts over"
+    else:
+        save_checkpoint(run, loader_state=result.loader_state_before)
+        saved = f"checkpoint of step {run.step} saved, resume with --resume auto"
     if run.runtime.is_main:
-        print(f"stopped by a signal during step {result.step}'s gradient accumulation; checkpoint of step {run.step} "
-              "saved, resume with --resume auto", flush=True)
+        print(f"stopped by a signal during step {result.step}'s gradient accumulation; {saved}", flush=True)
     return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
 
 
