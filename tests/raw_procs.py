@@ -36,3 +36,33 @@ def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: i
                 "rejected": dict(dataset.source.rejected)}
     finally:
         dist.destroy_process_group()
+
+
+def raw_node_copy_run(*, root: str, files: dict[str, str], settings: dict, rank: int, world_size: int, port: int,
+                      steps: int, workers: int = 0) -> dict:
+    """One rank of a real gloo group reading its own copy of a corpus (written under `root`, a memory:// URL of
+    this process: another node's disk): the rows of `steps` batches, or the error that stopped the loader."""
+    from datetime import timedelta
+
+    import fsspec
+    import torch.distributed as dist
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    fs = fsspec.filesystem("memory")
+    for name, text in files.items():
+        fs.pipe(f"{root}/{name}", text.encode())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        loader = StreamingDataLoader(StreamingDataset(root, **settings), batch_size=2, num_workers=workers,
+                                     multiprocessing_context="fork" if workers else None)
+        rows, it = [], iter(loader)
+        try:
+            for _ in range(steps):
+                rows += [int(i) for i in next(it)["sample_id"]]
+        except ValueError as err:
+            return {"error": str(err), "rows": rows}
+        return {"error": None, "rows": rows}
+    finally:
+        dist.destroy_process_group()

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import io
 import logging
+import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,17 +41,47 @@ _GLOB_CHARS = "*?["
 @dataclass(frozen=True, kw_only=True)
 class InputFile:
     """One input file: its URL (a plain path for local files), reader kind, compression, size and the
-    SHA-256 of its bytes (None unless asked for: it costs one read of the file)."""
+    SHA-256 of its bytes (None unless asked for: it costs one read of the file).
+
+    Attributes:
+        name: the file's path relative to the root of the INPUT that named it (a directory, a glob's directory,
+            or a named file's directory): the same wherever the corpus is mounted.
+        change_marker: what the store says changes with the file's content, as listed: 'etag:...' (object
+            stores), 'mtime:...' (file systems), or None where it gives neither. Every read checks the size and
+            this against the file it opens (`InputChangedError`).
+    """
 
     url: str
     kind: str
     compression: str | None
     size: int
     sha256: str | None = None
+    name: str = ""
+    change_marker: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The file as the build record names it: an edit of any byte changes the record."""
         return {"url": self.url, "bytes": self.size, "sha256": self.sha256}
+
+    def listing(self) -> dict[str, Any]:
+        """What the listing saw, as plain data: {"name", "size", "change_marker"}."""
+        return {"name": self.name, "size": self.size, "change_marker": self.change_marker}
+
+
+class InputChangedError(OSError):
+    """An input file is not the one listed: its size or change marker differs (it was cut, appended to or
+    replaced since), so the units cut from the listing would read short, past its end or other bytes."""
+
+
+def change_marker(info: dict[str, Any]) -> str | None:
+    """What changes with a file's content in a store's `info()`: its ETag, else its modification time."""
+    for key in ("ETag", "etag", "e_tag"):
+        if info.get(key):
+            return f"etag:{str(info[key]).strip(chr(34))}"
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(key) is not None:
+            return f"mtime:{info[key]}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,9 +177,20 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
                 digest = content_sha256(fs, match) if content_hashes else None
             except OSError as err:
                 raise OSError(f"INPUT {url}: cannot read it to fingerprint its content: {_describe(err)}") from err
-            size = retry_call(functools.partial(fs.size, match), url=redact_url(url), what="stat")
-            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(size), sha256=digest))
+            info = retry_call(functools.partial(fs.info, match), url=redact_url(url), what="stat")
+            files.append(InputFile(url=url, kind=kind, compression=compression, size=int(info["size"]),
+                                   sha256=digest, name=posixpath.relpath(match, _input_root(fs, path, explicit)),
+                                   change_marker=change_marker(info)))
     return files
+
+
+def _input_root(fs: fsspec.AbstractFileSystem, path: str, explicit: bool) -> str:
+    """The directory an INPUT's files are named relative to: a named file's, a directory itself, a glob's
+    directory before its first wildcard."""
+    glob_at = min((path.index(c) for c in _GLOB_CHARS if c in path), default=None)
+    if glob_at is not None:
+        return posixpath.dirname(path[:glob_at]) or "."
+    return (posixpath.dirname(path) or ".") if explicit else path
 
 
 def _matches(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str] | None, bool]:
@@ -162,11 +204,13 @@ def _matches(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str] | None
     return None, False
 
 
-def open_input(url: str, storage_options: dict[str, Any] | None = None) -> _RetryingInput:
+def open_input(url: str, storage_options: dict[str, Any] | None = None, *,
+               listed: InputFile | None = None) -> _RetryingInput:
     """An input file opened for seekable binary reads through the core's retry policy (local or fsspec): the
-    build's reader, `shardkit convert`'s and the raw-text loader's."""
+    build's reader, `shardkit convert`'s and the raw-text loader's. With `listed`, the file's first read raises
+    `InputChangedError` when it is not the file listed (its size or change marker differs)."""
     fs, path = open_filesystem(url, storage_options)
-    return _RetryingInput(fs, path, redact_url(url))
+    return _RetryingInput(fs, path, redact_url(url), listed=listed)
 
 
 def max_line_bytes(max_doc_chars: int) -> int:
@@ -192,16 +236,19 @@ class _RetryingInput(io.RawIOBase):
     of a remote input gets the same retry policy and deadline as the shards (and s3fs's and botocore's
     own retries stay off, see `shardkit.storage.open_filesystem`)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, url: str):
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, url: str, *, listed: InputFile | None = None):
         super().__init__()
         self._fs, self._path, self._url = fs, path, url
         self._file = None
         self._position = 0
+        self._listed = listed
+        self._unchecked = False  # opened since the last check against `listed`
 
     def _attempt(self, operation):
         def call():
             if self._file is None:
                 self._file = self._fs.open(self._path, "rb")
+                self._unchecked = self._listed is not None
                 if self._position:
                     self._file.seek(self._position)
             try:
@@ -209,7 +256,27 @@ class _RetryingInput(io.RawIOBase):
             except Exception:
                 self._discard()  # the next try reopens at self._position
                 raise
-        return retry_call(call, url=self._url, what="read")
+        result = retry_call(call, url=self._url, what="read")
+        if self._unchecked:  # outside the retries: a changed file is no transient failure
+            self._unchecked = False
+            self._check_listed()
+        return result
+
+    def _check_listed(self) -> None:
+        """Raise `InputChangedError` when the opened file is not the one listed (an object store's open file
+        holds its details already; elsewhere one stat)."""
+        listed = self._listed
+        info = getattr(self._file, "details", None) or retry_call(
+            functools.partial(self._fs.info, self._path), url=self._url, what="stat")
+        size, marker = int(info.get("size", listed.size)), change_marker(info)
+        if size != listed.size:
+            change = f"{listed.size:,} bytes when listed, {size:,} now"
+        elif marker != listed.change_marker and None not in (marker, listed.change_marker):
+            change = f"same size, but {listed.change_marker} when listed, {marker} now"
+        else:
+            return
+        raise InputChangedError(f"it changed since it was listed ({change}): its units were cut from the listing; "
+                                "restore the file, or list the inputs as they are now (a new loader)")
 
     def _discard(self) -> None:
         file, self._file = self._file, None
@@ -427,7 +494,7 @@ def _line_units(file: InputFile, source: int, cursor: _Cursor, *, kind: str, uni
     line_start = True  # while discarding: the bytes dropped so far end at a line start (or in whitespace after one)
     reached = 0  # input bytes consumed as of the last unit: the report checks they add up to the file's size
     try:
-        raw = open_input(file.url, storage_options)
+        raw = open_input(file.url, storage_options, listed=file)
         stream = _decompressing(raw, file.compression)
         while True:
             block = stream.read(unit_bytes)
@@ -515,7 +582,7 @@ def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes
                        rejected=((0, reason),), input_offset=file.size)
         return
     try:
-        with open_input(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options, listed=file) as raw:
             data = raw.read()
     except OSError as err:
         yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
@@ -534,7 +601,7 @@ def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field:
     reached = 0
     pending: WorkUnit | None = None  # held back one batch: the last one says the whole file was read
     try:
-        with open_input(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options, listed=file) as raw:
             parquet = pq.ParquetFile(raw)
             if text_field not in parquet.schema_arrow.names:
                 raise ValueError(f"no column {text_field!r} (columns: {', '.join(parquet.schema_arrow.names)}); "

@@ -37,6 +37,12 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_at_most(option: str, value: int | None, bound: int, unit: str) -> None:
+    """Refuse a size option over its upper bound (None: not given), naming the option and the bound."""
+    _check(value is None or value <= bound, f"--{option} {value} is over its upper bound of {bound:,} {unit}: "
+           "a value this large never finishes a loop (a typo or an overflowed expression?)")
+
+
 # float32's largest finite and smallest normal numbers (torch.finfo(torch.float32).max and .tiny).
 FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 # fp16: optimizer steps in a row with overflowing gradients before the run stops. From the default scale
@@ -47,6 +53,15 @@ MAX_PARAMETERS = 10**13  # 10 trillion: beyond any one training run (40 TB of fp
 # Megatron pads to 128 x tensor-parallel size; 2**20 leaves room for any --tp while a padded vocabulary
 # stays within reach of the parameter bound below (2**40 asked for 281 TB of embedding rows).
 MAX_VOCAB_MULTIPLE = 2**20
+# Upper bounds of the size options that set a loop count, each far beyond any real run, so that a typo or an
+# overflowed expression (--global-batch-tokens 2**70: 4.6e18 micro-steps, no step ever made) is refused at once.
+MAX_STEPS = 10**9  # optimizer steps: 1,000 times the longest published pre-training runs
+MAX_MICRO_STEPS = 2**20  # micro-steps per optimizer step (--grad-accum, or what --global-batch-tokens implies)
+MAX_GLOBAL_BATCH_TOKENS = 2**40  # tokens per optimizer step: 10,000 times GPT-3's 3.2M
+MAX_BATCH_SIZE = 2**20  # samples per rank per micro-step
+MAX_EVAL_BATCHES = 2**20  # batches per rank in one evaluation
+MAX_NUM_WORKERS = 1024  # loader processes per rank
+MAX_PP_MICROBATCHES = 2**16  # micro-batches per pipeline step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,6 +253,9 @@ class DataConfig:
         _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _check(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         _check(self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}")
+        _check_at_most("batch-size", self.batch_size, MAX_BATCH_SIZE, "samples per rank per micro-step")
+        _check_at_most("num-workers", self.num_workers, MAX_NUM_WORKERS, "loader processes per rank")
+        _check_at_most("eval-batches", self.eval_batches, MAX_EVAL_BATCHES, "batches per rank")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +339,7 @@ class ParallelConfig:
         _check(self.pp_schedule in PP_SCHEDULES, f"--pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
                f"--pp-microbatches must be >= 1, got {self.pp_microbatches}")
+        _check_at_most("pp-microbatches", self.pp_microbatches, MAX_PP_MICROBATCHES, "micro-batches per step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,6 +476,10 @@ class TrainConfig:
         _check(self.grad_accum is None or self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         _check(self.global_batch_tokens is None or self.global_batch_tokens >= 1,
                f"--global-batch-tokens must be >= 1, got {self.global_batch_tokens}")
+        _check_at_most("steps", self.steps, MAX_STEPS, "optimizer steps")
+        _check_at_most("grad-accum", self.grad_accum, MAX_MICRO_STEPS, "micro-steps per optimizer step")
+        _check_at_most("global-batch-tokens", self.global_batch_tokens, MAX_GLOBAL_BATCH_TOKENS,
+                       "tokens per optimizer step")
         if self.grad_accum is None and self.global_batch_tokens is None:
             object.__setattr__(self, "grad_accum", 1)
         _check(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
@@ -551,7 +574,8 @@ def with_step_size(config: TrainConfig, *, seq_len: int, dp_size: int) -> TrainC
     sequence length (the dataset's) and the data-parallel size (the mesh's) are known.
 
     Raises:
-        ValueError: the micro-batches do not divide --global-batch-tokens, or --grad-accum disagrees.
+        ValueError: the micro-batches do not divide --global-batch-tokens, make more micro-steps than
+            `MAX_MICRO_STEPS`, or --grad-accum disagrees.
     """
     if config.global_batch_tokens is None:
         return config
@@ -561,6 +585,9 @@ def with_step_size(config: TrainConfig, *, seq_len: int, dp_size: int) -> TrainC
         raise ValueError(f"--global-batch-tokens {config.global_batch_tokens} is not a multiple of one micro-step's "
                          f"{micro} tokens (--batch-size {config.data.batch_size} x seq_len {seq_len} x {dp_size} "
                          f"data-parallel ranks): use a multiple of {micro}, or change --batch-size")
+    _check(accum <= MAX_MICRO_STEPS, f"--global-batch-tokens {config.global_batch_tokens} makes {accum:,} micro-steps "
+           f"of {micro} tokens per optimizer step, over the upper bound of {MAX_MICRO_STEPS:,}: give fewer tokens "
+           "per step or a larger --batch-size")
     if config.grad_accum is not None and config.grad_accum != accum:
         raise ValueError(f"--grad-accum {config.grad_accum} disagrees with --global-batch-tokens "
                          f"{config.global_batch_tokens}, which needs {accum} micro-steps of {micro} tokens: "

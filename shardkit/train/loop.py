@@ -239,7 +239,8 @@ def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
               f"(the old schedule's: {old_lr:.3e})", flush=True)
 
 
-def save_checkpoint(run: Run) -> None:
+def save_checkpoint(run: Run, *, loader_state: dict[str, Any] | None = None) -> None:
+    """Save the training state at `run.step`, the loader's state `loader_state` (default: where it stands)."""
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
@@ -247,7 +248,7 @@ def save_checkpoint(run: Run) -> None:
             "skip_steps": run.config.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
-    rank_state = {"loader": run.data.state_dict(), "rng": rng.get_state()}
+    rank_state = {"loader": run.data.state_dict() if loader_state is None else loader_state, "rng": rng.get_state()}
     with run.watch.checkpoint("save"):
         run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                               rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
@@ -284,10 +285,26 @@ def _train_steps(run: Run) -> int:
     while run.step < run.config.steps:
         step = run.step + 1
         result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
+        if result.interrupted:
+            return stop_within_step(run, result)
         exit_code = after_step(run, result)
         if exit_code is not None:
             return exit_code
     return finish(run)
+
+
+def stop_within_step(run: Run, result: StepResult) -> int:
+    """A stop signal came during step `result.step`'s accumulation (`shardkit.train.step.stop_asked`): checkpoint
+    the last completed step, with the loader where that step left it, and stop. Returns the exit code."""
+    sync_point(run)  # the completed steps' records
+    if run.step == 0:  # no step completed: there is nothing to save, a rerun starts over
+        saved = "no step completed, nothing to save; a rerun starts over"
+    else:
+        save_checkpoint(run, loader_state=result.loader_state_before)
+        saved = f"checkpoint of step {run.step} saved, resume with --resume auto"
+    if run.runtime.is_main:
+        print(f"stopped by a signal during step {result.step}'s gradient accumulation; {saved}", flush=True)
+    return 128 + (run.stop_signal[0] if run.stop_signal else signal.SIGTERM)
 
 
 def after_step(run: Run, result: StepResult) -> int | None:

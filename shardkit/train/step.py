@@ -14,11 +14,17 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from shardkit.train import faults
 from shardkit.train.metrics import CollectiveCounter
 
 from shardkit.train.run import Run
+
+# A stop signal (SIGTERM/SIGINT) that arrives during a long gradient accumulation is honoured between micro-steps:
+# at once in one process; several ranks agree on it every this many micro-steps (one small all-reduce), so that
+# every rank leaves the step at the same micro-step. A step of at most this many micro-steps ends first.
+STOP_CHECK_MICRO_STEPS = 64
 
 
 @dataclass
@@ -33,6 +39,10 @@ class StepResult:
     data_wait: float = 0.0  # seconds blocked on the loader
     seconds: float = 0.0
     comm: dict[str, int] | None = None  # bytes per collective kind (`CollectiveCounter`), if counted
+    # Left between two micro-steps on a stop signal: the step made no update, and this is the loader's state at
+    # its start (what a checkpoint of the last completed step holds).
+    interrupted: bool = False
+    loader_state_before: dict | None = None
 
 
 def train_step(run: Run, step: int) -> StepResult:
@@ -44,8 +54,14 @@ def train_step(run: Run, step: int) -> StepResult:
     started = time.perf_counter()
     scale = loss_scale(run, step)
     loss_sum = torch.zeros((), device=run.runtime.device)
+    if interruptible(run):
+        result.loader_state_before = run.data.state_dict()
     with collective_counter(run) as counter:
         for micro in range(config.grad_accum):
+            if micro and result.loader_state_before is not None and stop_asked(run, micro):
+                run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation is dropped with the step
+                result.interrupted = True
+                return result
             waited = time.perf_counter()
             batch = next(run.data)  # on the device already (see `TrainStream`): this only waits for the loader
             result.data_wait += time.perf_counter() - waited
@@ -82,6 +98,24 @@ def skip_step(run: Run, step: int) -> StepResult:
         print(f"step {step:>6}/{run.config.steps} | skipped (--skip-steps): {len(result.sample_ids)} samples per "
               "rank drawn and dropped", flush=True)
     return result
+
+
+def interruptible(run: Run) -> bool:
+    """Whether a stop signal can end this run's steps between micro-steps (see `STOP_CHECK_MICRO_STEPS`)."""
+    limit = STOP_CHECK_MICRO_STEPS if run.runtime.distributed else 1
+    return run.config.grad_accum > limit
+
+
+def stop_asked(run: Run, micro: int) -> bool:
+    """Whether the step must end before micro-step `micro` (> 0): a stop signal came, on any rank. Several
+    ranks ask each other only every `STOP_CHECK_MICRO_STEPS` micro-steps, all at the same ones."""
+    if not run.runtime.distributed:
+        return bool(run.stop_signal)
+    if micro % STOP_CHECK_MICRO_STEPS:
+        return False
+    flag = torch.tensor([float(bool(run.stop_signal))], device=run.runtime.device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
 
 
 def collective_counter(run: Run):

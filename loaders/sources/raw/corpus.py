@@ -26,7 +26,7 @@ import numpy as np
 from shardkit.formats import Sample
 from shardkit.manifest import token_dtype_for_vocab
 from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category, tokenize_unit
-from shardkit.text.inputs import InputFile, WorkUnit, expand_inputs
+from shardkit.text.inputs import InputChangedError, InputFile, WorkUnit, expand_inputs
 from shardkit.text.packing import make_packer
 from shardkit.text.recipe import TextRecipe, check_count
 from shardkit.text.tokenizers import with_special_ids
@@ -75,6 +75,9 @@ class RawCorpus:
     def __init__(self, inputs: list[str], settings: RawTextSettings, storage_options: dict[str, Any] | None = None):
         self.settings, self.storage_options = settings, storage_options
         self.files: list[InputFile] = expand_inputs(inputs, storage_options)
+        # What the listing saw of each file, as plain data: {"name" (relative to its INPUT's root), "size",
+        # "change_marker"}; every read checks the file it opens against it (`shardkit.text.inputs.InputChangedError`).
+        self.listing: list[dict[str, Any]] = [f.listing() for f in self.files]
         self.tokenizer_info = info = cached_tokenizer(settings.tokenizer).info
         used = with_special_ids(info, eos_id=settings.eos_id, bos_id=settings.bos_id, options=("eos_id", "bos_id"))
         eos, bos, self.pad_id = used.eos_id, used.bos_id, used.pad_id
@@ -110,7 +113,8 @@ class RawCorpus:
                 # A footer the listing could not read was already broken then; any other failure means the
                 # file changed after it was listed.
                 broken_when_listed = self.units.footer_errors[int(self.units.source[number])]
-                hint = "" if broken_when_listed else " (did it change or vanish since the loader listed its units?)"
+                known = broken_when_listed or InputChangedError.__name__ in segment.file_error
+                hint = "" if known else " (did it change or vanish since the loader listed its units?)"
                 raise UnreadableInput(f"{url}: cannot read it: {segment.file_error}{hint}", segment.file_error,
                                       segment)
             read += 1

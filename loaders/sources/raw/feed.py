@@ -101,6 +101,7 @@ class RawTextFeed(Feed):
     @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def batches(self, loader: Any) -> Iterator[dict[str, torch.Tensor]]:
         topology = self._resolve()
+        self.source.check_corpus_agreed()
         global_batch = self.samples_per_rank * topology.world_size
         if self.source.few_lanes_idle_readers:
             warn_few_lanes(self.source.corpus, readers=topology.world_size * max(1, loader.num_workers))

@@ -21,6 +21,7 @@ from ...config import LoaderConfig
 from ...delivery.frameworks import check_framework, iterating_loader
 from ...delivery.parent_watch import watch_parent
 from ...delivery.resharding import check_not_resharded
+from .agreement import check_ranks_see_one_corpus
 from .batches import CURSORS_KEY, UNREADABLE_KEY, raw_batch
 from .iteration import RawIteration, StepPart
 from ...order.lanes import lane_sample_counts, position_lanes, rank_step_positions
@@ -55,6 +56,8 @@ class RawTextSource(Source):
                  storage_options: dict[str, Any] | None = None):
         self.inputs = [inputs] if isinstance(inputs, str) else list(inputs)
         self.corpus = RawCorpus(self.inputs, settings, storage_options)
+        self.corpora = [self.corpus]  # every corpus read (a mixture's raw streams)
+        self._corpus_agreed = False
         self.seed, self.shuffle, self.on_corrupt = config.seed, config.shuffle, config.on_corrupt
         self.token_dtype, self.segment_ids = config.token_dtype, config.segment_ids
         self.sample_length = None if settings.pack == "none" else settings.seq_len + 1
@@ -82,6 +85,17 @@ class RawTextSource(Source):
     def agreement_group(self) -> Any:
         """The data-parallel process group (None: the default group)."""
         return data_parallel_group(**self._group_args)
+
+    def check_corpus_agreed(self) -> None:
+        """Before the first batch: the ranks read one corpus (`sources.raw.agreement`; one small collective).
+
+        Raises:
+            ValueError: some rank lists other files or sizes, naming it and the file.
+        """
+        if not self._corpus_agreed:
+            check_ranks_see_one_corpus(self.corpora, world_size=self.topology().world_size,
+                                       group=self.agreement_group())
+            self._corpus_agreed = True
 
     def order_values(self) -> dict[str, Any]:
         """The state's order fields: what the samples depend on."""
@@ -287,6 +301,7 @@ class RawStandalone(Standalone):
                              "StreamingDataLoader")
         iteration = RawIteration(start=0, batch_size=self.batch_size, topology=source.topology())
         check_not_resharded(iteration.topology.world_size)
+        source.check_corpus_agreed()
         if source.on_corrupt == "skip" and iteration.topology.world_size > 1:
             raise ValueError("on_corrupt='skip' on several ranks needs StreamingDataLoader (the ranks agree on "
                              "what to skip through it)")

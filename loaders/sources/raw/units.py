@@ -97,7 +97,7 @@ def _row_groups(file: InputFile, text_field: str, storage_options: dict[str, Any
     import pyarrow.parquet as pq
 
     try:
-        with open_input(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options, listed=file) as raw:
             parquet = pq.ParquetFile(raw)
             names = parquet.schema_arrow.names
             meta = parquet.metadata
@@ -190,7 +190,7 @@ def read_range(file: InputFile, source: int, number: int, part: int, *, unit_byt
     begin, end = part * unit_bytes, min((part + 1) * unit_bytes, file.size)
     rejected: tuple[tuple[int, str], ...] = ()
     try:
-        with open_input(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options, listed=file) as raw:
             first = begin if part == 0 else _line_start(raw, begin)
             if first >= end:  # one line runs across the whole range: it belongs to an earlier one
                 return WorkUnit(index=number, source=source, file_unit=part, kind="jsonl", first_record=first)
@@ -248,7 +248,7 @@ def _read_row_group(file: InputFile, source: int, number: int, group: int, first
     if not first_rows:  # a file without rows: nothing to read
         return WorkUnit(index=number, source=source, file_unit=0, kind="parquet", first_record=0, payload=())
     try:
-        with open_input(file.url, storage_options) as raw:
+        with open_input(file.url, storage_options, listed=file) as raw:
             column = pq.ParquetFile(raw).read_row_group(group, columns=[text_field]).column(0)
     except (OSError, ValueError, RuntimeError) as err:
         return WorkUnit(index=number, source=source, file_unit=group, kind="parquet", first_record=first_rows[group],

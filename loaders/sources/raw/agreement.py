@@ -1,0 +1,78 @@
+"""The ranks agree that they read one corpus before the raw-text loader starts.
+
+Each rank lists the inputs itself, so two ranks whose copies of the same path differ (a file half copied on one
+node, a directory synced late) would cut different units from them and train on rows outside the global order,
+with nothing to say so. When the loader starts under an initialised process group, the ranks all-gather a digest
+of their listings (per corpus: each file's name relative to its INPUT's root and its size; not the change marker,
+which differs between copies of the same bytes), one small collective; when the digests differ they gather the
+listings themselves (every rank alike, so the collectives match) and every rank refuses to run, naming the first
+rank and file that differ from rank 0's. Without a process group (an explicit rank and world size) there is
+nothing to agree over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+Listing = list[list[tuple[str, int]]]  # per corpus, per file: (name, size)
+
+
+def corpus_listing(corpora: list[Any]) -> Listing:
+    """What the ranks compare: per corpus (`RawCorpus.listing`), each file's relative name and size."""
+    return [[(entry["name"], entry["size"]) for entry in corpus.listing] for corpus in corpora]
+
+
+def listing_digest(listing: Listing) -> str:
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def check_ranks_see_one_corpus(corpora: list[Any], *, world_size: int, group: Any) -> None:
+    """Refuse to start when some rank lists other files or sizes than rank 0 (no-op alone or without a group).
+
+    Raises:
+        ValueError: the listings differ, naming the rank and the file.
+    """
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    listing = corpus_listing(corpora)
+    ranks = dist.get_world_size(group)
+    digests: list[Any] = [None] * ranks
+    dist.all_gather_object(digests, listing_digest(listing), group=group)
+    if len(set(digests)) == 1:
+        return
+    listings: list[Any] = [None] * ranks
+    dist.all_gather_object(listings, listing, group=group)
+    global_ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(ranks)]
+    raise ValueError(first_difference(listings, global_ranks))
+
+
+def first_difference(listings: list[Listing], ranks: list[int]) -> str:
+    """The message naming the first rank whose listing differs from the first rank's, and the file."""
+    first = listings[0]
+    for rank, listing in zip(ranks[1:], listings[1:]):
+        if listing == first:
+            continue
+        for stream, (theirs, ours) in enumerate(zip(listing, first)):
+            place = f" (raw stream {stream})" if len(first) > 1 else ""
+            sizes, names = dict(theirs), dict(ours)
+            for name in [*names, *sizes]:
+                if sizes.get(name) != names.get(name):
+                    return (f"raw text: rank {rank} does not see the corpus rank {ranks[0]} sees: {name}{place} is "
+                            f"{_size(sizes.get(name))} there, {_size(names.get(name))} on rank {ranks[0]} (a copy "
+                            "not finished on one node?); every rank must read the same files: make the copies "
+                            "equal and start again")
+            if theirs != ours:
+                return (f"raw text: rank {rank} lists the files{place} in another order than rank {ranks[0]}; "
+                        "every rank must read the same files")
+        return f"raw text: rank {rank} reads another number of raw streams than rank {ranks[0]}"
+    return "raw text: the ranks' corpus listings differ"
+
+
+def _size(size: int | None) -> str:
+    return "missing" if size is None else f"{size:,} bytes"
