@@ -307,25 +307,15 @@ class LaneStream:
 def corpus_identity_parts(files: list[InputFile], settings: RawTextSettings, documents: DocumentSettings,
                           tokenizer: Any, *, units: int) -> dict[str, Any]:
     """What raw-text samples depend on, part by part, so that a refused resume names the part that differs: the
-    files by name relative to the inputs' common folder and size (a corpus moved or mounted elsewhere keeps its
-    identity, an edited file does not), the tokenizer by the content of its vocabulary (a tokenizer retrained in
-    place does not), and every setting of the recipe."""
+    files as the listing saw them (name relative to their input's root, size, the store's change marker: a corpus
+    moved or mounted elsewhere keeps its identity, a changed file does not), the tokenizer by the content of its
+    vocabulary (a tokenizer retrained in place does not), and every setting of the recipe."""
     recipe = {k: v for k, v in asdict(settings).items() if k != "tokenizer"}
     document_fields = {k: v for k, v in asdict(documents).items() if k not in ("tokenizer", "text_field",
                                                                                 "max_doc_chars")}
-    listing = [[name, f.size] for name, f in zip(relative_names([f.url for f in files]), files)]
+    listing = [[f.name, f.size, f.change_marker] for f in files]
     return {"files": _digest(listing), "file_count": len(files), "units": units,
             "tokenizer": tokenizer.vocab_sha256 or str(settings.tokenizer), **recipe, **document_fields}
-
-
-def relative_names(urls: list[str]) -> list[str]:
-    """Each URL relative to the folder all of them share ('a/b.jsonl'), a lone file by its name."""
-    parts = [url.split("/") for url in urls]
-    shared = 0
-    folders = [p[:-1] for p in parts]
-    while all(len(f) > shared for f in folders) and len({tuple(f[:shared + 1]) for f in folders}) == 1:
-        shared += 1
-    return ["/".join(p[shared:]) for p in parts]
 
 
 def _digest(value: Any) -> str:
