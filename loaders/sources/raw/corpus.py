@@ -307,13 +307,18 @@ class LaneStream:
 def corpus_identity_parts(files: list[InputFile], settings: RawTextSettings, documents: DocumentSettings,
                           tokenizer: Any, *, units: int) -> dict[str, Any]:
     """What raw-text samples depend on, part by part, so that a refused resume names the part that differs: the
-    files as the listing saw them (name relative to their input's root, size, the store's change marker: a corpus
-    moved or mounted elsewhere keeps its identity, a changed file does not), the tokenizer by the content of its
-    vocabulary (a tokenizer retrained in place does not), and every setting of the recipe."""
+    files as the listing saw them (name relative to their input's root and size: a corpus moved, copied or
+    mounted elsewhere keeps its identity, a file of another size does not), the tokenizer by the content of its
+    vocabulary (a tokenizer retrained in place does not), and every setting of the recipe.
+
+    Not the store's change marker: copies of the same bytes on different nodes differ in it (mtime), and every rank
+    must resume the same state (the ranks' agreement, `agreement.py`, leaves it out for the same reason). A file
+    rewritten in place with the same size between save and resume is therefore not noticed here; within a run,
+    every read checks the marker (`shardkit.text.inputs.InputChangedError`)."""
     recipe = {k: v for k, v in asdict(settings).items() if k != "tokenizer"}
     document_fields = {k: v for k, v in asdict(documents).items() if k not in ("tokenizer", "text_field",
                                                                                 "max_doc_chars")}
-    listing = [[f.name, f.size, f.change_marker] for f in files]
+    listing = [[f.name, f.size] for f in files]
     return {"files": _digest(listing), "file_count": len(files), "units": units,
             "tokenizer": tokenizer.vocab_sha256 or str(settings.tokenizer), **recipe, **document_fields}
 
