@@ -66,3 +66,35 @@ def raw_node_copy_run(*, root: str, files: dict[str, str], settings: dict, rank:
         return {"error": None, "rows": rows}
     finally:
         dist.destroy_process_group()
+
+
+def raw_state_on_one_rank_run(*, inputs: str, settings: dict, rank: int, world_size: int, port: int,
+                              timeout: float) -> dict:
+    """One rank of a real gloo group that reads a step, then, on rank 0 only, calls `state_dict()` (the user code
+    that saves on rank 0): rank 0's error, or None; the other ranks stay alive past the timeout without calling it."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardkit import StreamingDataLoader, StreamingDataset
+
+    os.environ["SHARDKIT_STATE_CALL_TIMEOUT"] = str(timeout)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    try:
+        loader = StreamingDataLoader(StreamingDataset(inputs, **settings), batch_size=2)
+        next(iter(loader))
+        error = None
+        if rank == 0:
+            try:
+                loader.state_dict()
+            except ValueError as err:  # a hang would end at the group's timeout (120 s), failing the pool's wait
+                error = str(err)
+        else:
+            time.sleep(timeout + 5)  # alive, not calling it (the group is broken after the refusal: no barrier)
+        return {"error": error}
+    finally:
+        os.environ.pop("SHARDKIT_STATE_CALL_TIMEOUT", None)  # a pool process serves later tests too
+        dist.destroy_process_group()

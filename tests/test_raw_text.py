@@ -282,6 +282,21 @@ def test_state_dict_gathers_every_ranks_cursors_over_gloo(process_pool, corpus):
     assert sorted(head + tail) == sorted(r for r in reference if r[0] < 60 + 120)
 
 
+@pytest.mark.slow
+def test_state_dict_called_on_one_rank_only_is_refused_in_one_line(process_pool, corpus):
+    """Saving on rank 0 only: its state_dict() says every rank must call it, within the agreement's timeout,
+    instead of blocking in the gather until the group's timeout (issue 45, item 11)."""
+    from conftest import free_port
+    from raw_procs import raw_state_on_one_rank_run
+
+    port = free_port()
+    runs = process_pool.run(raw_state_on_one_rank_run, [dict(inputs=str(corpus), settings=SETTINGS, rank=r,
+                                                             world_size=2, port=port, timeout=3) for r in range(2)])
+    error = runs[0]["error"]
+    assert error is not None and "must be called on every rank" in error and "within 3 s" in error, error
+    assert "\n" not in error and runs[1]["error"] is None
+
+
 def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_segment_of_a_compressed_file():
     from conftest import shared_path
 

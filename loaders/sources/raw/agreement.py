@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+from datetime import timedelta
 from typing import Any
 
 Listing = list[list[tuple[str, int]]]  # per corpus, per file: (name, size)
@@ -76,3 +79,34 @@ def first_difference(listings: list[Listing], ranks: list[int]) -> str:
 
 def _size(size: int | None) -> str:
     return "missing" if size is None else f"{size:,} bytes"
+
+
+# How long a rank waits in `state_dict()` for the others before it says that not every rank called it (seconds;
+# `SHARDKIT_STATE_CALL_TIMEOUT` sets it). Ranks reach a checkpoint at the same step but not at the same instant (a
+# slow rank, a long step): the default is generous.
+STATE_CALL_TIMEOUT = 300.0
+
+
+def check_every_rank_calls(group: Any, *, world_size: int, timeout: float | None = None) -> None:
+    """Before `state_dict()` gathers the lanes' cursors: refuse, in one line, a call that not every rank makes
+    (saving on rank 0 only, a common habit), which would otherwise block in the gather until the group's timeout.
+
+    Gloo's `monitored_barrier` detects it; other backends have none, so there the gather waits as before.
+
+    Raises:
+        ValueError: a rank did not call it within `timeout` seconds (default `SHARDKIT_STATE_CALL_TIMEOUT`, 300).
+    """
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        return
+    if timeout is None:
+        timeout = float(os.environ.get("SHARDKIT_STATE_CALL_TIMEOUT", STATE_CALL_TIMEOUT))
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as err:
+        missing = sorted(set(re.findall(r"[Rr]ank (\d+)", str(err))) - {str(dist.get_rank(group))}, key=int)
+        who = f"rank {', '.join(missing)} did not" if missing else "not every rank did"
+        raise ValueError(f"state_dict() of a raw-text loader on {world_size} ranks must be called on every rank (it "
+                         f"gathers every rank's lane cursors): {who} within {timeout:g} s; call it on every rank "
+                         "and save the result on rank 0 only") from None

@@ -32,6 +32,7 @@ from .units import few_lanes_advice
 from .unreadable import UnitCuts, agree, log_skipped, settle
 from ...source import Feed
 from ...state.envelope import decode, encode
+from .agreement import check_every_rank_calls
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
 from ...delivery.topology import Topology
@@ -199,6 +200,7 @@ class RawTextFeed(Feed):
                              "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
                              "local_state_dict() with shardkit.loaders.sources.raw.feed.merge_raw_states)")
         group = self.source.agreement_group()
+        check_every_rank_calls(group, world_size=world_size)
         states: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(states, state, group=group)
         return merge_raw_states(states)
