@@ -15,7 +15,8 @@ from fault_proxy import through_proxy
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
-pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
+pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.usefixtures("storage_client")]  # both clients
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which be this".split()
 
