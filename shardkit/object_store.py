@@ -37,12 +37,13 @@ from shardkit.redaction import redact_url
 # URL scheme -> obstore's kind of store.
 _KINDS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
           "http": "http", "https": "http"}
+_OBSTORE_SCHEMES = {"s3a": "s3", "gcs": "gs"}  # the spellings obstore's from_url knows
 CLIENT_VARIABLE = "SHARDKIT_STORAGE_CLIENT"
 # fsspec's caching knobs: they mean nothing to a client without listings caches.
 _FSSPEC_ONLY = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                 "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous",
                 "loop"}
-# fsspec option -> obstore config key, per kind; a value True means the same name.
+# fsspec option -> obstore config key, per kind.
 _S3_KEYS = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
             "endpoint_url": "endpoint", "region": "region", "requester_pays": "request_payer"}
 _GCS_KEYS = {"endpoint_url": "base_url"}
@@ -52,10 +53,16 @@ _AZURE_KEYS = {"account_name": "account_name", "account_key": "account_key", "sa
 _SINGLE_PUT = 64 * 2**20
 
 _runtime_pid: int | None = None  # the process whose obstore runtime has started (None: not yet)
+_kinds_used: set[str] = set()  # the kinds of store it made requests to
 
 
 def obstore_installed() -> bool:
     return importlib.util.find_spec("obstore") is not None
+
+
+def ran_here(kind: str) -> bool:
+    """Whether this process has made an obstore request to a store of `kind` ("s3", "gcs", ...)."""
+    return _runtime_pid == os.getpid() and kind in _kinds_used
 
 
 def usable_here() -> bool:
@@ -75,6 +82,7 @@ def object_store_for(url: str, storage_options: dict[str, Any]) -> ObjectStoreOb
     config = store_config(kind, url, storage_options)
     if config is None:
         return None
+    scheme = _OBSTORE_SCHEMES.get(scheme.lower(), scheme.lower())
     return ObjectStoreObjects(f"{scheme}://{authority}", rest.partition("/")[2].strip("/"), kind, config)
 
 
@@ -231,6 +239,7 @@ class ObjectStoreObjects:
     def _run(self, operation, *args, **kwargs):
         global _runtime_pid
         _runtime_pid = _runtime_pid or os.getpid()
+        _kinds_used.add(self.kind)
         try:
             return operation(self.store, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - every obstore error becomes the OSError family
@@ -304,6 +313,11 @@ class ObjectStoreObjects:
         import obstore
 
         prefix = f"{root.rstrip('/')}/" if root else None
+        if self.kind == "http":  # obstore lists over WebDAV only; fsspec reads a web server's index pages
+            import fsspec
+
+            found = fsspec.filesystem("http").find(f"{self.root_url}/{prefix or ''}")
+            return [url.removeprefix(f"{self.root_url}/") for url in found]
         # The listing arrives page by page as it is iterated: inside `_run`, so that a broken page is an OSError.
         return self._run(lambda store: [meta["path"] for chunk in obstore.list(store, prefix=prefix) for meta in chunk])
 

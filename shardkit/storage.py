@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import logging
 import os
 import random
@@ -28,7 +29,7 @@ import fsspec
 from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
-from shardkit.object_store import ObjectStoreObjects, object_store_for, usable_here
+from shardkit.object_store import ObjectStoreObjects, object_store_for, ran_here, usable_here
 from shardkit.redaction import redact_url, remember_credentials
 
 logger = logging.getLogger(__name__)
@@ -283,6 +284,36 @@ def _share_model_loader(fs: fsspec.AbstractFileSystem) -> None:
     loader = _MODEL_LOADERS.setdefault(key, session.get_component("data_loader"))
     session.register_component("data_loader", loader)
     fs.session = session
+
+
+def _prepare_forked_fallback() -> None:
+    """Before a fork: where obstore read S3 in this process, import s3fs and parse botocore's S3 models here, once.
+
+    obstore's runtime does not survive fork(), so a child forked after it ran (a DataLoader worker) reads S3
+    through s3fs. Before obstore, the parent's own s3fs filesystem had imported and parsed all that, and every
+    worker inherited it; without this each worker would pay for it (1-2 s on a loaded 2-core machine)."""
+    if not ran_here("s3") or importlib.util.find_spec("s3fs") is None:
+        return
+    try:
+        import aiobotocore.session
+        import s3fs  # noqa: F401 - imported for the children
+
+        session = aiobotocore.session.AioSession()
+        loader = _MODEL_LOADERS.setdefault(session.get_config_variable("data_path"),
+                                           session.get_component("data_loader"))
+        if not getattr(loader, "_shardkit_prepared", False):
+            import botocore.session
+
+            # A client built on the shared loader fills it with everything an S3 client reads (no request is made).
+            builder = botocore.session.Session()
+            builder.register_component("data_loader", loader)
+            builder.create_client("s3", region_name="us-east-1", aws_access_key_id="-", aws_secret_access_key="-")
+            loader._shardkit_prepared = True
+    except Exception as err:  # noqa: BLE001 - a child then parses them itself: slower, not wrong
+        logger.debug("could not prepare s3fs for forked children: %s", describe_error(err))
+
+
+os.register_at_fork(before=_prepare_forked_fallback)
 
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

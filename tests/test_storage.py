@@ -645,14 +645,19 @@ def test_s3_filesystems_share_the_parsed_service_models_and_keep_their_own_sessi
 # -- the object-store path (obstore) and its fallback -------------------------------------------------------
 
 def _read_in_forked_child(storage, name):
+    from shardkit.storage import _MODEL_LOADERS
+
+    # botocore's models came parsed from the parent (prepared before the fork), as before obstore
+    inherited = any(getattr(loader, "_shardkit_prepared", False) for loader in _MODEL_LOADERS.values())
     fresh = Storage(storage.url, storage.storage_options)
-    return storage.read_bytes(name), storage.client, fresh.read_bytes(name), fresh.client
+    return storage.read_bytes(name), storage.client, fresh.read_bytes(name), fresh.client, inherited
 
 
 @pytest.mark.s3
 def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket):
     """tokio's runtime does not survive fork(): a DataLoader worker forked after its parent read through obstore
-    would hang at its first request; it reads through fsspec instead, and so does a Storage it opens."""
+    would hang at its first request; it reads through fsspec instead, and so does a Storage it opens, with s3fs
+    and botocore's models imported and parsed once in the parent before the fork (not once per worker)."""
     import multiprocessing
 
     pytest.importorskip("obstore")
@@ -661,8 +666,8 @@ def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket):
     storage.write_bytes("f.bin", b"forked")  # obstore's runtime now runs in this process
     assert storage.client == "obstore"
     with multiprocessing.get_context("fork").Pool(1) as pool:
-        result = pool.apply_async(_read_in_forked_child, (storage, "f.bin")).get(timeout=60)
-    assert result == (b"forked", "fsspec", b"forked", "fsspec")
+        result = pool.apply_async(_read_in_forked_child, (storage, "f.bin")).get(timeout=30)
+    assert result == (b"forked", "fsspec", b"forked", "fsspec", True)
     assert storage.read_bytes("f.bin") == b"forked" and storage.client == "obstore"  # the parent keeps it
 
 
