@@ -1,16 +1,19 @@
-"""All dataset I/O goes through fsspec: local paths, file://, memory://, s3:// (s3fs) and any other
-installed protocol. There are no per-cloud client classes.
+"""All dataset I/O goes through `Storage`: one dataset prefix, resolved once at the edge to one of two
+backends. Object stores (`s3://`, `gs://`, `az://`, `http(s)://`) go through obstore when it is installed
+(`shardkit.object_store`: signed requests without botocore); every other protocol (local paths, file://,
+memory://, ...) and the fallback go through fsspec (`FsspecObjects`). There are no per-cloud client classes.
 
-`Storage` is one dataset prefix on one filesystem, resolved once at the edge. Every remote call is
-wrapped in `retry_call`, which retries transient failures (5xx, throttling, resets, timeouts) with
-bounded exponential backoff and jitter, and otherwise raises an error that names the URL and cause.
-Credentials never appear in `repr`, logs or error messages: only the URL does.
+Every remote call is wrapped in `retry_call`, the one retry policy of both backends, which retries transient
+failures (5xx, throttling, resets, timeouts, a body cut short) with bounded exponential backoff and jitter, and
+otherwise raises an error of the OSError family that names the URL and cause. Credentials never appear in
+`repr`, logs or error messages: only the URL does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import logging
 import os
 import random
@@ -26,6 +29,7 @@ import fsspec
 from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
+from shardkit.object_store import ObjectStoreObjects, object_store_for, ran_here, usable_here
 from shardkit.redaction import redact_url, remember_credentials
 
 logger = logging.getLogger(__name__)
@@ -167,6 +171,8 @@ def describe_error(exc: BaseException) -> str:
 def http_answer(exc: BaseException) -> str:
     """' (HTTP 404 ...)' for an error caused by an object store's answer, else ''."""
     for err in _error_chain(exc):
+        if isinstance(getattr(err, "http_answer", None), str):
+            return err.http_answer  # set by `object_store.as_os_error`
         response = getattr(err, "response", None)
         if not isinstance(response, dict):
             continue
@@ -280,6 +286,36 @@ def _share_model_loader(fs: fsspec.AbstractFileSystem) -> None:
     fs.session = session
 
 
+def _prepare_forked_fallback() -> None:
+    """Before a fork: where obstore read S3 in this process, import s3fs and parse botocore's S3 models here, once.
+
+    obstore's runtime does not survive fork(), so a child forked after it ran (a DataLoader worker) reads S3
+    through s3fs. Before obstore, the parent's own s3fs filesystem had imported and parsed all that, and every
+    worker inherited it; without this each worker would pay for it (1-2 s on a loaded 2-core machine)."""
+    if not ran_here("s3") or importlib.util.find_spec("s3fs") is None:
+        return
+    try:
+        import aiobotocore.session
+        import s3fs  # noqa: F401 - imported for the children
+
+        session = aiobotocore.session.AioSession()
+        loader = _MODEL_LOADERS.setdefault(session.get_config_variable("data_path"),
+                                           session.get_component("data_loader"))
+        if not getattr(loader, "_shardkit_prepared", False):
+            import botocore.session
+
+            # A client built on the shared loader fills it with everything an S3 client reads (no request is made).
+            builder = botocore.session.Session()
+            builder.register_component("data_loader", loader)
+            builder.create_client("s3", region_name="us-east-1", aws_access_key_id="-", aws_secret_access_key="-")
+            loader._shardkit_prepared = True
+    except Exception as err:  # noqa: BLE001 - a child then parses them itself: slower, not wrong
+        logger.debug("could not prepare s3fs for forked children: %s", describe_error(err))
+
+
+os.register_at_fork(before=_prepare_forked_fallback)
+
+
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """`(filesystem, path)` of `url`, built the one way shardkit builds them: its options (see
     `filesystem_options`), one try per call in s3fs, so that `retry_call` is the only retry layer, and
@@ -347,12 +383,75 @@ def _pieces(data: bytes | memoryview | Sequence[bytes | memoryview]) -> Sequence
     return (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
+class FsspecObjects:
+    """The objects of one fsspec filesystem, by path: the backend of every protocol obstore does not serve
+    (local, file://, memory://, ...) and the fallback of those it does (see `shardkit.object_store`).
+    Pickles as its filesystem (fsspec filesystems do)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        self.fs = fs
+        self.is_local = _is_local(fs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _single_retry_policy(self.fs)  # an unpickled filesystem is built afresh
+
+    def invalidate(self, path: str) -> None:
+        # Object-store filesystems (s3fs, gcsfs) answer stat and listing calls from cached directory
+        # listings, which never see what another process or instance wrote or deleted since. A
+        # dataset prefix is shared by writers and readers, so always ask the store.
+        self.fs.invalidate_cache(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def identity(self, path: str) -> str:
+        info = self.fs.info(path)
+        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
+        return f"{info.get('size')}:{tag}"
+
+    def read(self, path: str, size: int | None = None) -> bytes:
+        # With the size known, one buffered file with large blocks, which s3fs serves several times faster
+        # than `cat_file`, with no metadata round trip.
+        if size is None or self.is_local:
+            return self.fs.cat_file(path)
+        with self.fs.open(path, "rb", block_size=_READ_BLOCK, size=size) as fh:
+            return fh.read()
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def list(self, root: str) -> list[str]:
+        self.fs.invalidate_cache(root)
+        if not self.fs.exists(root):
+            return []
+        return [path.replace(os.sep, "/") if self.is_local else path for path in self.fs.find(root)]
+
+    def download(self, path: str, local_path: str) -> None:
+        self.fs.get_file(path, local_path)
+
+    def write(self, path: str, pieces: Sequence[bytes | memoryview]) -> None:
+        if self.is_local:
+            write_file_atomic(path, pieces)
+        else:
+            self.fs.pipe_file(path, b"".join(pieces))  # what every fsspec put takes
+
+    def delete(self, path: str) -> None:
+        self.fs.invalidate_cache(path)
+        if self.fs.exists(path):
+            self.fs.rm_file(path)
+
+
 class Storage:
-    """One dataset prefix (a "directory" URL) on an fsspec filesystem.
+    """One dataset prefix (a "directory" URL), on obstore for object stores where it is installed
+    (`shardkit.object_store`), else on an fsspec filesystem.
 
     Names handed to its methods are relative to the prefix and validated with
     `check_relative_name`, so a manifest can never make shardkit read or write outside it.
-    Instances pickle (fsspec filesystems do), so they can be handed to worker processes.
+    Instances pickle, so they can be handed to worker processes.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
@@ -365,10 +464,38 @@ class Storage:
         self.url = url if not stripped or stripped.endswith(":") else stripped
         self.storage_options = dict(storage_options or {})
         self.retry = retry
-        self.fs, root = open_filesystem(self.url, self.storage_options)
-        root = root or self.fs.root_marker  # "memory://" is the memory filesystem's "/"
+        remember_credentials(self.url)  # before any library can quote the URL's parts in an error
+        objects = object_store_for(self.url, self.storage_options)
+        if objects is not None:
+            self.objects: FsspecObjects | ObjectStoreObjects = objects
+            self.root = objects.prefix
+        else:
+            self._open_fsspec()
+        self.is_local = self.objects.is_local
+
+    def _open_fsspec(self) -> None:
+        fs, root = open_filesystem(self.url, self.storage_options)
+        root = root or fs.root_marker  # "memory://" is the memory filesystem's "/"
         self.root = root.rstrip("/") if root not in ("/", "") else root
-        self.is_local = _is_local(self.fs)
+        self.objects = FsspecObjects(fs)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem behind the prefix (built on first use where obstore serves the reads)."""
+        if not isinstance(self.objects, FsspecObjects):
+            fs, _ = open_filesystem(self.url, self.storage_options)
+            return fs
+        return self.objects.fs
+
+    @property
+    def client(self) -> str:
+        """"obstore" or "fsspec": the path this prefix's reads and writes take in this process."""
+        return "fsspec" if isinstance(self.objects, FsspecObjects) else "obstore"
+
+    def _backend(self) -> FsspecObjects | ObjectStoreObjects:
+        if not isinstance(self.objects, FsspecObjects) and not usable_here():
+            self._open_fsspec()  # forked after obstore ran in the parent: its runtime did not come along
+        return self.objects
 
     @property
     def display_url(self) -> str:
@@ -377,7 +504,6 @@ class Storage:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _single_retry_policy(self.fs)  # an unpickled filesystem is built afresh
         remember_credentials(self.url)  # a worker process masks what its parent masked
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
@@ -385,7 +511,7 @@ class Storage:
 
     # -- names -------------------------------------------------------------------------------
     def path(self, name: str) -> str:
-        """Filesystem path of `name` under the prefix (validated)."""
+        """Path (fsspec) or key (obstore) of `name` under the prefix (validated)."""
         check_relative_name(name, what="object name")
         return f"{self.root.rstrip('/')}/{name}" if self.root else name
 
@@ -395,53 +521,32 @@ class Storage:
         url = self.display_url
         return f"{url.rstrip('/')}/{name}" if not url.endswith("://") else f"{url}{name}"
 
-    def _call(self, fn: Callable[[], T], name: str, what: str) -> T:
-        return retry_call(fn, url=self.url_of(name), what=what, policy=self.retry)
+    def _call(self, fn: Callable[[FsspecObjects | ObjectStoreObjects, str], T], name: str, what: str) -> T:
+        objects = self._backend()  # first: a fallback changes the root
+        path = self.path(name)
+        return retry_call(lambda: fn(objects, path), url=self.url_of(name), what=what, policy=self.retry)
 
     # -- reads -------------------------------------------------------------------------------
-    def _fresh(self, path: str) -> None:
-        # Object-store filesystems (s3fs, gcsfs) answer stat and listing calls from cached directory
-        # listings, which never see what another process or instance wrote or deleted since. A
-        # dataset prefix is shared by writers and readers, so always ask the store.
-        self.fs.invalidate_cache(path)
-
     def exists(self, name: str) -> bool:
-        path = self.path(name)
-        self._fresh(path)
-        return self._call(lambda: self.fs.exists(path), name, "stat")
+        return self._call(lambda objects, path: objects.invalidate(path) or objects.exists(path), name, "stat")
 
     def size(self, name: str) -> int:
-        path = self.path(name)
-        self._fresh(path)
-        return int(self._call(lambda: self.fs.size(path), name, "stat"))
+        return self._call(lambda objects, path: objects.invalidate(path) or objects.size(path), name, "stat")
 
     def identity(self, name: str) -> str:
         """What changes when the object is replaced: its size and the store's ETag (else mtime).
 
         One metadata request (a HEAD on object stores); a node cache compares it with the copy it holds.
         """
-        path = self.path(name)
-        self._fresh(path)
-        info = self._call(lambda: self.fs.info(path), name, "stat")
-        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
-        return f"{info.get('size')}:{tag}"
+        return self._call(lambda objects, path: objects.invalidate(path) or objects.identity(path), name, "stat")
 
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
-        """The whole object. Pass `size` when it is known (e.g. from the manifest): on remote
-        filesystems the object is then read through one buffered file with large blocks, which
-        s3fs serves several times faster than `cat_file`, with no metadata round trip."""
-        path = self.path(name)
-        if size is None or self.is_local:
-            return self._call(lambda: self.fs.cat_file(path), name, "read")
-
-        def read_buffered() -> bytes:
-            with self.fs.open(path, "rb", block_size=_READ_BLOCK, size=size) as fh:
-                return fh.read()
-        return self._call(read_buffered, name, "read")
+        """The whole object. Pass `size` when it is known (e.g. from the manifest): a remote object is then
+        read with no metadata round trip, and a body that arrives short is read again."""
+        return self._call(lambda objects, path: objects.read(path, size), name, "read")
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        path = self.path(name)
-        return self._call(lambda: self.fs.cat_file(path, start=start, end=end), name, "read")
+        return self._call(lambda objects, path: objects.read_range(path, start, end), name, "read")
 
     def read_range_into(self, name: str, start: int, end: int, scratch: bytearray) -> memoryview:
         """Bytes [start, end) of `name` (fewer at the end of the object), as a view valid until the next
@@ -453,9 +558,8 @@ class Storage:
         if not self.is_local:
             return memoryview(self.read_range(name, start, end))
         target = memoryview(scratch)[:end - start]
-        path = self.path(name)
 
-        def read() -> memoryview:
+        def read(objects, path: str) -> memoryview:
             count = 0
             with open(path, "rb", buffering=0) as fh:
                 fh.seek(start)
@@ -466,16 +570,11 @@ class Storage:
 
     def list_names(self) -> list[str]:
         """Names of all files under the prefix, relative to it, sorted."""
-        def walk() -> list[str]:
-            self.fs.invalidate_cache(self.root)
-            if not self.fs.exists(self.root):
-                return []
-            return self.fs.find(self.root)
-        paths = retry_call(walk, url=self.display_url, what="list", policy=self.retry)
+        objects = self._backend()
+        paths = retry_call(lambda: objects.list(self.root), url=self.display_url, what="list", policy=self.retry)
         prefix = f"{self.root.rstrip('/')}/" if self.root else ""
         names = []
         for path in paths:
-            path = path if not self.is_local else path.replace(os.sep, "/")
             if path.startswith(prefix):
                 names.append(path[len(prefix):])
             elif prefix and path.startswith(prefix.lstrip("/")):
@@ -484,8 +583,7 @@ class Storage:
 
     def download(self, name: str, local_path: str) -> None:
         """Copy `name` to a local file path (the caller makes it atomic)."""
-        path = self.path(name)
-        self._call(lambda: self.fs.get_file(path, local_path), name, "download")
+        self._call(lambda objects, path: objects.download(path, local_path), name, "download")
 
     # -- writes ------------------------------------------------------------------------------
     def write_bytes(self, name: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
@@ -495,20 +593,11 @@ class Storage:
         Local files are written to a temporary name and renamed; object stores publish an object
         only when its (single or multipart) upload completes, so a plain put is already atomic.
         """
-        path = self.path(name)
-        if self.is_local:
-            self._call(lambda: write_file_atomic(path, data), name, "write")
-        else:
-            whole = data if isinstance(data, bytes) else b"".join(_pieces(data))  # what every fsspec put takes
-            self._call(lambda: self.fs.pipe_file(path, whole), name, "write")
+        pieces = _pieces(data)
+        self._call(lambda objects, path: objects.write(path, pieces), name, "write")
 
     def delete(self, name: str) -> None:
-        path = self.path(name)
-        def remove() -> None:
-            self._fresh(path)
-            if self.fs.exists(path):
-                self.fs.rm_file(path)
-        self._call(remove, name, "delete")
+        self._call(lambda objects, path: objects.delete(path), name, "delete")
 
     def makedirs(self) -> None:
         """Create the prefix where the filesystem has real directories (no-op on object stores)."""

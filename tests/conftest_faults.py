@@ -29,6 +29,16 @@ def fault_proxy(s3_endpoint):
         proxy.close()
 
 
+@pytest.fixture(params=["obstore", "fsspec"])
+def storage_client(request, monkeypatch):
+    """The client Storage uses, each in turn: obstore (taken when installed) and fsspec (the fallback). A module
+    runs all its tests on both with `pytestmark = pytest.mark.usefixtures("storage_client")`."""
+    if request.param == "obstore":
+        pytest.importorskip("obstore")
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", request.param)
+    return request.param
+
+
 @pytest.fixture
 def faulty_bucket(s3_endpoint, fault_proxy):
     """A fresh bucket reached through the proxy: returns (url, storage_options, proxy).

@@ -15,6 +15,8 @@ from fault_proxy import through_proxy
 from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
+
+# On the default client (obstore where installed); tests/test_faults.py runs the core's fault tests on both.
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which be this".split()

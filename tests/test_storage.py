@@ -25,10 +25,20 @@ from shardkit.storage import RetryPolicy, Storage, atomic_path, is_transient, re
 from shardkit.verify import verify_dataset
 
 
-@pytest.fixture(params=["local", "file", "memory", pytest.param("s3", marks=pytest.mark.s3)])
-def backend(request, tmp_path):
-    """(dataset URL, storage_options) on each backend; every test gets a fresh, empty prefix."""
-    if request.param == "local":
+@pytest.fixture(params=["local", "file", "memory", pytest.param("s3-fsspec", marks=pytest.mark.s3),
+                        pytest.param("s3-obstore", marks=pytest.mark.s3)])
+def backend(request, tmp_path, monkeypatch):
+    """(dataset URL, storage_options) on each backend; every test gets a fresh, empty prefix. S3 twice: through
+    s3fs (the fallback) and through obstore (the path taken when it is installed), with the same options."""
+    if request.param.startswith("s3"):
+        client = request.param.removeprefix("s3-")
+        if client == "obstore":
+            pytest.importorskip("obstore")
+        monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", client)
+        url, options = request.getfixturevalue("s3_bucket")
+        assert Storage(url, options).client == client
+        yield url, options
+    elif request.param == "local":
         yield str(tmp_path / "data"), {}
     elif request.param == "file":
         yield f"file://{tmp_path}/data", {}
@@ -40,8 +50,6 @@ def backend(request, tmp_path):
         memory = fsspec.filesystem("memory")
         if memory.exists(f"/{root}"):
             memory.rm(f"/{root}", recursive=True)
-    else:
-        yield request.getfixturevalue("s3_bucket")
 
 
 def test_write_read_range_exists_size(backend):
@@ -476,10 +484,15 @@ def test_a_non_s3_endpoint_answering_404_is_named_with_the_url_and_the_cause(s3_
 
 
 @pytest.mark.s3
-def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint, caplog, figures):
-    """Nothing listens on the port: shardkit's 6 tries only (botocore's and s3fs's retries are off), so it
-    fails after about 6 s of backoff; it took 46-54 s when the three retry layers multiplied."""
-    pytest.importorskip("s3fs")
+@pytest.mark.parametrize(("client", "cause"), [("fsspec", "EndpointConnectionError: Could not connect"),
+                                               ("obstore", "ConnectionError: .*Connection refused")])
+def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint, caplog, figures, monkeypatch,
+                                                                    client, cause):
+    """Nothing listens on the port: shardkit's 6 tries only (botocore's and s3fs's retries are off, obstore's
+    max_retries is 0), so it fails after about 6 s of backoff; it took 46-54 s when the three retry layers
+    multiplied."""
+    pytest.importorskip("s3fs" if client == "fsspec" else "obstore")
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", client)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again when the block ends: connections are refused
@@ -488,13 +501,12 @@ def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint,
     # One try alone first (it also pays for the first client's set-up): the yardstick of a try on this machine now.
     single = Storage("s3://bucket/data", options, retry=RetryPolicy(attempts=1))
     began = time.monotonic()
-    with pytest.raises(StorageError, match="Could not connect"):
+    with pytest.raises(StorageError, match=cause.split(": ", 1)[1]):
         single.read_bytes("shardkit.json")
     one_try = time.monotonic() - began
     storage = Storage("s3://bucket/data", options)
     began = time.monotonic()
-    with pytest.raises(StorageError, match=r"read s3://bucket/data/shardkit.json failed after 6 attempts: "
-                                           r"EndpointConnectionError: Could not connect"):
+    with pytest.raises(StorageError, match=rf"read s3://bucket/data/shardkit.json failed after 6 attempts: {cause}"):
         storage.read_bytes("shardkit.json")
     seconds = time.monotonic() - began
     retried = [r.message for r in caplog.records if "retrying in" in r.message]
@@ -506,7 +518,7 @@ def test_a_refused_connection_fails_in_seconds_naming_url_and_cause(s3_endpoint,
     # multiplied: each try then held botocore's and s3fs's own retries, 25 connections instead of one.
     waits = sum(float(re.search(r"retrying in ([0-9.]+)s", message)[1]) for message in retried)
     assert seconds < waits + 6 * (3 * one_try + 1.0), (seconds, waits, one_try)
-    figures.add("storage_refused_connection", runs=1, attempts=retries + 1, seconds=round(seconds, 2))
+    figures.add("storage_refused_connection" + ("_obstore" if client == "obstore" else ""), runs=1, attempts=retries + 1, seconds=round(seconds, 2))
 
 
 @pytest.mark.s3
@@ -615,6 +627,7 @@ def test_s3_filesystems_share_the_parsed_service_models_and_keep_their_own_sessi
     """Every S3 filesystem of a process (and every forked worker's) takes S3's API models from one botocore
     loader, parsed once (0.2-0.3 s a filesystem on a loaded machine), and keeps a session of its own."""
     url, options = s3_bucket
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "fsspec")  # the fallback's set-up (obstore has no botocore models)
     config = tmp_path / "aws-config"
     config.write_text("[profile other]\naws_access_key_id = other\naws_secret_access_key = other\n")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
@@ -627,3 +640,62 @@ def test_s3_filesystems_share_the_parsed_service_models_and_keep_their_own_sessi
     # what was parsed for the first filesystem is what the second one's client was built from
     loader = sessions[0].get_component("data_loader")
     assert loader.load_service_model("s3", "service-2") is loader.load_service_model("s3", "service-2")
+
+
+# -- the object-store path (obstore) and its fallback -------------------------------------------------------
+
+def _read_in_forked_child(storage, name):
+    from shardkit.storage import _MODEL_LOADERS
+
+    # botocore's models came parsed from the parent (prepared before the fork), as before obstore
+    inherited = any(getattr(loader, "_shardkit_prepared", False) for loader in _MODEL_LOADERS.values())
+    fresh = Storage(storage.url, storage.storage_options)
+    return storage.read_bytes(name), storage.client, fresh.read_bytes(name), fresh.client, inherited
+
+
+@pytest.mark.s3
+def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket):
+    """tokio's runtime does not survive fork(): a DataLoader worker forked after its parent read through obstore
+    would hang at its first request; it reads through fsspec instead, and so does a Storage it opens, with s3fs
+    and botocore's models imported and parsed once in the parent before the fork (not once per worker)."""
+    import multiprocessing
+
+    pytest.importorskip("obstore")
+    url, options = s3_bucket
+    storage = Storage(url, options)
+    storage.write_bytes("f.bin", b"forked")  # obstore's runtime now runs in this process
+    assert storage.client == "obstore"
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        result = pool.apply_async(_read_in_forked_child, (storage, "f.bin")).get(timeout=30)
+    assert result == (b"forked", "fsspec", b"forked", "fsspec", True)
+    assert storage.read_bytes("f.bin") == b"forked" and storage.client == "obstore"  # the parent keeps it
+
+
+@pytest.mark.s3
+def test_options_decide_the_path_and_mean_the_same_on_both(s3_bucket, tmp_path, monkeypatch):
+    """The same storage_options on both paths: translated for obstore (endpoint, region, keys, anon, profile),
+    fsspec kept for an option obstore cannot honour (botocore's config_kwargs), and when asked."""
+    pytest.importorskip("obstore")
+    url, options = s3_bucket
+    assert Storage(url, options).client == "obstore"
+    assert Storage(url, {**options, "config_kwargs": {"s3": {"addressing_style": "virtual"}}}).client == "fsspec"
+    assert Storage(url, {**options, "client_kwargs": {"verify": False}}).client == "fsspec"
+    assert Storage("memory://x/data").client == "fsspec"
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "fsspec")
+    assert Storage(url, options).client == "fsspec"
+    monkeypatch.delenv("SHARDKIT_STORAGE_CLIENT")
+    keys = Storage(url, {**options, "key": "AKIDEXPLICIT", "secret": "explicit-secret"}).objects.settings["config"]
+    assert keys["access_key_id"] == "AKIDEXPLICIT" and keys["secret_access_key"] == "explicit-secret"
+    assert keys["endpoint"] == options["endpoint_url"] and keys["region"] == "us-east-1"
+    assert Storage(url, {**options, "anon": True}).objects.settings["config"]["skip_signature"] is True
+    # A profile: botocore's chain resolves it (as s3fs would), obstore signs with what it found.
+    config = tmp_path / "aws-config"
+    config.write_text("[profile other]\naws_access_key_id = AKIDOTHER\naws_secret_access_key = other-secret\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    storage = Storage(url, {**options, "profile": "other"})
+    credentials = storage.objects.settings["provider"]()
+    assert (credentials["access_key_id"], credentials["secret_access_key"]) == ("AKIDOTHER", "other-secret")
+    storage.write_bytes("p.bin", b"signed with the profile's keys")  # moto takes any keys
+    clone = pickle.loads(pickle.dumps(storage))
+    assert clone.read_bytes("p.bin") == b"signed with the profile's keys" and clone.client == "obstore"
+    assert "other-secret" not in repr(clone)
