@@ -9,7 +9,6 @@ import re
 import pytest
 
 from integration_procs import (
-from shardkit.loaders.state.envelope import decode
     SAMPLES,
     check_resumed,
     check_two_rank_epochs,
@@ -17,6 +16,7 @@ from shardkit.loaders.state.envelope import decode
     ids_of,
     run_script,
 )
+from shardkit.loaders.state.envelope import decode
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -113,7 +113,7 @@ def test_the_loader_state_is_the_composition_of_its_stages(two_streams):
     parts = {**plan.state(), **loader.feed._steps.state(), **loader.feed._quarantine.state()}
     assert LoaderState.from_dict(state) == complete(
         {**parts, "epoch": 0, "global_batch_size": 4, "world_size": 1})
-    assert state["samples_consumed"] == 4 and state["mixture"]["global_batch"] == 4
+    assert state["position"]["samples"] == 4 and state["mixture"]["global_batch"] == 4
 
 
 # -- the batch mode is chosen once, from a table ----------------------------------------------
