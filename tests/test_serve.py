@@ -141,3 +141,13 @@ def test_the_consumer_tells_what_it_reads(data):
         loader = StreamingDataLoader(dataset, batch_size=4)
         assert len(loader) == len(StreamingDataLoader(here, batch_size=4)) == 75
         assert take(loader, 2)[0].shape == (4,)
+
+
+def test_workers_of_another_machine_join_a_dispatcher(data):
+    spec = spec_of(data, "built")
+    with LocalService(spec, workers=0) as head, \
+            LocalService(spec, workers=0, worker_threads=2, join=head.url) as joined:
+        assert joined.url == head.url and joined.dispatcher is None
+        head.wait_for_workers(2)
+        got = take(served(head.url)(1, 2), 5)
+        np.testing.assert_array_equal(np.concatenate(got), np.concatenate(take(in_process(spec)(1, 2), 5)))

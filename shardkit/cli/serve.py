@@ -27,6 +27,9 @@ class ServeConfig:
     workers: int = option(2, "worker processes on this machine")
     host: str = option("127.0.0.1", "address the dispatcher and workers bind (any non-loopback one needs --token)")
     port: int = option(8815, "the dispatcher's port (0: any free port); consumers connect to grpc://HOST:PORT")
+    join: str | None = option(None, "run only the workers, on this machine, joining the dispatcher of another "
+                              "shardkit serve at this address (grpc://HOST:PORT; the same DATA and options)",
+                              metavar="URL")
     token: str | None = option(None, "shared token every consumer sends (default $SHARDKIT_SERVICE_TOKEN); never "
                                "logged", repr=False)
     tokenizer: str | None = option(None, "serve raw text, tokenized and packed by the workers (a tokenizer spec)")
@@ -99,14 +102,16 @@ def run_serve(args: Namespace) -> int:
     from shardkit.serve.local import LocalService
 
     try:
-        service = LocalService(spec, workers=config.workers, host=config.host, port=config.port, token=token)
+        service = LocalService(spec, workers=config.workers, host=config.host, port=config.port, token=token,
+                               join=config.join)
     except (ValueError, OSError) as err:
         print(f"shardkit serve: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a scheduler's stop: close the workers, exit 0
     with service:
-        print(f"serving {config.data} at {service.url} with {config.workers} workers", flush=True)
+        print(f"serving {config.data} {'joining' if config.join else 'at'} {service.url} with {config.workers} workers",
+              flush=True)
         try:
             stop.wait()
         except KeyboardInterrupt:

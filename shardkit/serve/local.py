@@ -24,22 +24,24 @@ SPEC_ENV = "SHARDKIT_SERVE_SPEC"
 
 
 class LocalService:
-    """A dispatcher on `host:port` (port 0: any free one) and `workers` worker processes serving `spec`.
+    """A dispatcher on `host:port` (port 0: any free one) and `workers` worker processes serving `spec`; with
+    `join` (a dispatcher's address), only the workers, joining that dispatcher.
 
     Raises:
         ValueError: a non-loopback `host` without `token`.
     """
 
     def __init__(self, spec: DataSpec, *, workers: int, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, worker_threads: int = 0):
+                 token: str | None = None, worker_threads: int = 0, join: str | None = None):
         from shardkit.serve.dispatcher import Dispatcher
 
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"--workers must be an integer >= 0, got {workers!r}")
         check_binding(host, token)
         self.spec, self.host, self.token = spec, host, token
-        self.dispatcher = Dispatcher(location=f"grpc://{host}:{port}", token=token)
-        self.url = f"grpc://{advertised_host(host)}:{self.dispatcher.port}"
+        # With `join`, this machine's workers join the dispatcher of another `shardkit serve` (several machines).
+        self.dispatcher = None if join else Dispatcher(location=f"grpc://{host}:{port}", token=token)
+        self.url = join or f"grpc://{advertised_host(host)}:{self.dispatcher.port}"
         self.processes: list[subprocess.Popen] = []
         self._threads: list[tuple[Any, threading.Event]] = []
         for _ in range(workers):
@@ -96,7 +98,8 @@ class LocalService:
         for server, stop in self._threads:
             stop.set()
             server.shutdown()
-        self.dispatcher.shutdown()
+        if self.dispatcher is not None:
+            self.dispatcher.shutdown()
 
     def __enter__(self) -> LocalService:
         return self
