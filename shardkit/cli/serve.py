@@ -30,6 +30,8 @@ class ServeConfig:
     join: str | None = option(None, "run only the workers, on this machine, joining the dispatcher of another "
                               "shardkit serve at this address (grpc://HOST:PORT; the same DATA and options)",
                               metavar="URL")
+    ray: str | None = option(None, "place the --workers as Ray actors on the Ray cluster at this address (Ray "
+                             "restarts what dies); the dispatcher stays in this process", metavar="ADDRESS")
     token: str | None = option(None, "shared token every consumer sends (default $SHARDKIT_SERVICE_TOKEN); never "
                                "logged", repr=False)
     tokenizer: str | None = option(None, "serve raw text, tokenized and packed by the workers (a tokenizer spec)")
@@ -103,7 +105,7 @@ def run_serve(args: Namespace) -> int:
 
     try:
         service = LocalService(spec, workers=config.workers, host=config.host, port=config.port, token=token,
-                               join=config.join)
+                               join=config.join, ray_address=config.ray)
     except (ValueError, OSError) as err:
         print(f"shardkit serve: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

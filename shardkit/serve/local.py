@@ -25,14 +25,16 @@ SPEC_ENV = "SHARDKIT_SERVE_SPEC"
 
 class LocalService:
     """A dispatcher on `host:port` (port 0: any free one) and `workers` worker processes serving `spec`; with
-    `join` (a dispatcher's address), only the workers, joining that dispatcher.
+    `join` (a dispatcher's address), only the workers, joining that dispatcher; with `ray_address`, the workers
+    are Ray actors on that cluster.
 
     Raises:
         ValueError: a non-loopback `host` without `token`.
     """
 
     def __init__(self, spec: DataSpec, *, workers: int, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, worker_threads: int = 0, join: str | None = None):
+                 token: str | None = None, worker_threads: int = 0, join: str | None = None,
+                 ray_address: str | None = None):
         from shardkit.serve.dispatcher import Dispatcher
 
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -44,6 +46,13 @@ class LocalService:
         self.url = join or f"grpc://{advertised_host(host)}:{self.dispatcher.port}"
         self.processes: list[subprocess.Popen] = []
         self._threads: list[tuple[Any, threading.Event]] = []
+        self.ray_workers: list[Any] = []
+        if ray_address is not None:  # the workers are Ray actors on that cluster (shardkit.serve.ray_workers)
+            from shardkit.serve.ray_workers import start_ray_workers
+
+            self.ray_workers = start_ray_workers(spec, address=ray_address, count=workers, dispatcher=self.url,
+                                                 token=token, host=None if host in ("0.0.0.0", "::") else host)
+            workers = 0
         for _ in range(workers):
             self.add_worker()
         for _ in range(worker_threads):
@@ -95,6 +104,11 @@ class LocalService:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+        if self.ray_workers:
+            import ray
+
+            for worker in self.ray_workers:
+                ray.kill(worker, no_restart=True)
         for server, stop in self._threads:
             stop.set()
             server.shutdown()

@@ -10,10 +10,12 @@ seed, step and topology, so nothing is lost, nothing is read twice, and the orde
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from pyarrow import ArrowException
 
 from shardkit import metrics
 
@@ -22,12 +24,12 @@ from ...delivery.tensors import batch_to_tensors
 from ...source import Feed
 from ...state.loader_state import LoaderState
 from ..raw.feed import merge_raw_states
-from .client import StreamBroken
+from .client import StreamBroken, refusal
 from .wire import StreamRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILURES = 8  # streams in a row that broke without a batch: the service cannot serve this position
+RETRY_SECONDS = 0.2  # between streams that broke without a batch (a restarted worker takes seconds to join)
 _STATE_KEY = "__service_state__"
 
 
@@ -79,18 +81,21 @@ class ServiceFeed(Feed):
     def _received(self) -> Iterator[dict[str, Any]]:
         """The numpy batches of one iteration, each with its state, across as many streams as it takes."""
         exclude: list[str] = []
-        failures = 0
+        failing_since: float | None = None  # the first of the streams that broke in a row without a batch
         while True:
             worker, location = self.source.client.route(exclude)
             try:
                 stream = self.source.client.open_stream(location, self._request(self._state),
                                                         prefetch=self.source.prefetch)
-            except OSError as err:  # the worker went between the dispatcher's answer and the call
-                exclude, failures = self._broken(worker, exclude, failures, err)
+            except (OSError, ArrowException) as err:  # the worker went after the dispatcher last heard of it
+                refused = refusal(err)
+                if refused is not None:
+                    raise refused from None
+                exclude, failing_since = self._broken(worker, exclude, failing_since, err)
                 continue
             try:
                 for arrays, state, last in stream.messages(self.source.client.timeout):
-                    failures = 0
+                    failing_since = None
                     if arrays:
                         arrays[_STATE_KEY] = state
                         yield arrays
@@ -102,19 +107,29 @@ class ServiceFeed(Feed):
                     raise StreamBroken("the stream of endless data ended")
                 return
             except StreamBroken as err:
-                exclude, failures = self._broken(worker, exclude, failures, err)
+                exclude, failing_since = self._broken(worker, exclude, failing_since, err)
             finally:
                 stream.close()
 
-    def _broken(self, worker: str, exclude: list[str], failures: int, err: Exception) -> tuple[list[str], int]:
-        failures += 1
-        if failures > MAX_FAILURES:
-            raise ConnectionError(f"data service {self.source.client.url}: {failures} streams in a row broke "
-                                  f"before a batch ({err}); the last state stays resumable") from None
+    def _broken(self, worker: str, exclude: list[str], failing_since: float | None,
+                err: Exception) -> tuple[list[str], float]:
+        """Note a broken stream; the consumer waits up to `service_timeout` for a worker that serves again.
+
+        Raises:
+            ConnectionError: no stream gave a batch for `service_timeout` seconds.
+        """
+        now = time.monotonic()
+        failing_since = now if failing_since is None else failing_since
+        if now - failing_since > self.source.client.timeout:
+            raise ConnectionError(f"data service {self.source.client.url}: no worker served a batch for "
+                                  f"{self.source.client.timeout:g} s ({str(err).splitlines()[0]}); the last state "
+                                  "stays resumable") from None
         self.reassignments += 1
         metrics.inc("shardkit_service_reassignments_total")
-        logger.warning("data service: worker %s stream broke (%s); resuming on another worker", worker, err)
-        return [*exclude[-8:], worker], failures
+        logger.warning("data service: worker %s stream broke (%s); resuming on another worker", worker,
+                       str(err).splitlines()[0])
+        time.sleep(RETRY_SECONDS)
+        return [*exclude[-8:], worker], failing_since
 
     # -- state ---------------------------------------------------------------------------------
     def local_state_dict(self) -> dict[str, Any]:
