@@ -24,6 +24,7 @@ from .sources.built.source import BuiltSource
 from .config import LoaderConfig, loader_config
 from .order.mixing import Stream
 from .sources.mixture import raw_text_source
+from .sources.service.source import served_source
 from .sources.raw.corpus import RawTextSettings
 from .sources.built.streams import Sources, streams_of
 from .sources.built.token_batches import PROGRESS_KEY
@@ -66,13 +67,17 @@ class StreamingDataset(IterableDataset):
             that cannot be mixed.
     """
 
-    def __init__(self, source: str | Stream | Sequence[Any], config: LoaderConfig | None = None, *,
+    def __init__(self, source: str | Stream | Sequence[Any] | None, config: LoaderConfig | None = None, *,
                  tokenizer: str | None = None, cache_dir: str | None = None, rank: int | None = None,
                  world_size: int | None = None, local_rank: int | None = None, local_world_size: int | None = None,
                  storage_options: dict[str, Any] | None = None, process_group: Any = None, device_mesh: Any = None,
-                 mesh_dim: Any = None, batch_size: int | None = None, **options: Any):
+                 mesh_dim: Any = None, batch_size: int | None = None, service: str | None = None,
+                 service_token: str | None = None, service_timeout: float = 60.0, **options: Any):
         super().__init__()
         text = {name: options.pop(name) for name in TEXT_FIELDS if name in options}
+        # With service=, the service decides these (its workers read the data).
+        decided_by_service = [*text, *options] + (["config"] if config is not None else []) + \
+            (["tokenizer"] if tokenizer is not None else [])
         self.config = config = loader_config(config, options, caller="StreamingDataset")
         topology_args = dict(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size)
         check_topology_args(**topology_args)
@@ -80,7 +85,15 @@ class StreamingDataset(IterableDataset):
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
-        if tokenizer is None:
+        if service is not None:
+            if decided_by_service:
+                raise ValueError(f"{', '.join(sorted(decided_by_service))}: with service= the service decides the data and how it is read "
+                                 "(give them to shardkit serve)")
+            self.source = served_source(service, token=service_token, timeout=service_timeout, expected=source,
+                                        topology_args=topology_args, group_args=group_args)
+        elif source is None:
+            raise TypeError("StreamingDataset needs a source (a dataset URL, raw text inputs or streams), or service=")
+        elif tokenizer is None:
             if text:
                 raise ValueError(f"{', '.join(sorted(text))}: how raw text becomes samples, which needs tokenizer= "
                                  "(a built dataset's manifest already says how its samples were made: drop them)")

@@ -111,6 +111,12 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_cache_bytes", "gauge", "Decoded shard bytes in the cache directories this process uses.", ()),
     ),
     *_specs(
+        "service",
+        ("shardkit_service_reassignments_total", "counter",
+         "Streams of a data-service consumer moved to another worker (a worker killed, hung past the deadline or "
+         "gone), each resumed from the consumer's last state.", ()),
+    ),
+    *_specs(
         "trainer",
         ("shardkit_train_step", "gauge", "Optimizer steps completed.", ("rank",)),
         ("shardkit_train_loss", "gauge", "Training loss of the last step (mean over ranks).", ("rank",)),
@@ -518,7 +524,8 @@ class TrainerMetrics:
 SECTION_TITLES = {"build": "Build (`shardkit build --metrics-port P`)",
                   "storage": "Storage (every process that reads or writes datasets)",
                   "loader": "Loader and node cache (`start_metrics_server(port)`, or the trainer's endpoint)",
-                  "trainer": "Trainer (`--metrics-port P`: rank r serves on P + local rank)"}
+                  "trainer": "Trainer (`--metrics-port P`: rank r serves on P + local rank)",
+                  "service": "Data service consumer (`StreamingDataset(service=...)`, in the trainer's endpoint)"}
 
 
 def markdown_reference() -> str:

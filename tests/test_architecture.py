@@ -5,6 +5,7 @@
 - The build side (`tools/` = `shardkit.tools`) uses the core and the text layer; the loaders (`loaders/` =
   `shardkit.loaders`) likewise: the two never import each other, and neither imports the trainer.
 - The trainer (`shardkit/train/`) uses the loaders and the core, by their modules (not the lazy face).
+- The data service (`shardkit/serve/`: dispatcher and workers) uses the loaders and the core; only the face imports it.
 - The framework integrations (`shardkit/integrations/`) sit with the face: they use the loaders and the core,
   and nothing but the face imports them.
 - Only the face (`shardkit/__init__.py`, `shardkit/__main__.py`, `shardkit/cli/`) and the tuner, which drives
@@ -41,7 +42,8 @@ ALLOWED = {
     "trainer": {"core", "loaders", "trainer"},
     "integrations": {"core", "loaders", "integrations"},
     "tune": {"core", "trainer", "tune"},
-    "face": {"core", "text", "build", "loaders", "trainer", "tune", "integrations", "face"},
+    "serve": {"core", "loaders", "serve"},
+    "face": {"core", "text", "build", "loaders", "trainer", "tune", "integrations", "serve", "face"},
 }
 
 
@@ -55,7 +57,7 @@ def part_of_module(module: str) -> str | None:
     if len(names) == 1:
         return "face"  # `from shardkit import X` goes through the lazy face
     return {"text": "text", "tools": "build", "loaders": "loaders", "train": "trainer", "tune": "tune",
-            "integrations": "integrations", "cli": "face", "__main__": "face"}.get(names[1], "core")
+            "integrations": "integrations", "serve": "serve", "cli": "face", "__main__": "face"}.get(names[1], "core")
 
 
 def source_files() -> dict[Path, str]:

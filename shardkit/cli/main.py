@@ -16,7 +16,7 @@ from shardkit.options import OptionParser, add_subcommands, command_parser
 from shardkit.redaction import redacted_output
 
 # Each provider module and the commands it registers: dataset commands (inspect, verify, cat), lineage (trace),
-# the build side (build, tokenizer; convert, export), the trainer (train, plot), the tuner, the end-to-end demo.
+# the build side (build, tokenizer; convert, export), the trainer (train, plot), the tuner, the end-to-end demo, the data service.
 # A command line that names a command registers its provider alone: the trainer's and the tuner's options import
 # their configurations (~40 ms), which `shardkit build` and `convert` never use; `--help`, `--version` and a
 # mistyped command register them all.
@@ -28,6 +28,7 @@ COMMAND_PROVIDERS = {
     "shardkit.cli.train": ("train", "plot"),
     "shardkit.cli.tune": ("tune",),
     "shardkit.cli.demo": ("demo",),
+    "shardkit.cli.serve": ("serve",),
 }
 
 

@@ -221,6 +221,10 @@ class DataConfig:
                                         "mixture (no sample of a stream's current epoch is repeated; the loader "
                                         "state records the change); without it such a resume is refused")
     eval_data: str | None = option(None, "held-out dataset URL evaluated every --eval-every steps")
+    data_service: str | None = option(None, "read the training batches from a `shardkit serve` data service at this "
+                                      "address (grpc://HOST:PORT) serving --data: its workers tokenize and batch, "
+                                      "the service decides the data options (docs/SERVICE.md); the token comes from "
+                                      "$SHARDKIT_SERVICE_TOKEN", metavar="URL")
     tokenizer: str | None = option(None, "train straight from raw text: --data names text inputs (JSONL / .gz / "
                                    ".zst, Parquet, .txt; files, directories, globs or URLs), tokenized with this "
                                    "tokenizer spec (as `shardkit build --tokenizer`) and packed on the fly; needs "
@@ -256,6 +260,9 @@ class DataConfig:
         _check_at_most("batch-size", self.batch_size, MAX_BATCH_SIZE, "samples per rank per micro-step")
         _check_at_most("num-workers", self.num_workers, MAX_NUM_WORKERS, "loader processes per rank")
         _check_at_most("eval-batches", self.eval_batches, MAX_EVAL_BATCHES, "batches per rank")
+        _check(self.data_service is None or (self.num_workers == 0 and self.tokenizer is None),
+               "--data-service: the service's workers read the data: drop --num-workers and --tokenizer (give "
+               "those to shardkit serve)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -113,6 +113,10 @@ def _dataset(spec: str, config: DataConfig, runtime: Runtime, *, shuffle: bool, 
     local_world_size = runtime.dp_local_world_size
     where = dict(**mesh, local_rank=runtime.dp_rank % local_world_size, local_world_size=local_world_size,
                  storage_options=storage_options(config))
+    if config.data_service is not None and not built_as_built:  # the training data, from the service
+        entries = data_entries(spec)
+        return StreamingDataset(entries[0][0] if len(entries) == 1 else None, service=config.data_service, **mesh,
+                                local_rank=where["local_rank"], local_world_size=local_world_size)
     source = raw_source(spec, where["storage_options"], built_as_built=built_as_built) \
         if config.tokenizer is not None else None
     if source is not None:  # raw text, tokenized and packed by the loader

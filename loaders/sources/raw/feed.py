@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -190,20 +190,7 @@ class RawTextFeed(Feed):
 
     def global_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The global state of every rank's `local_state_dict()` taken at the same step (gathered)."""
-        world_size = decode(state)["world_size"]
-        if world_size == 1:
-            return state
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"state_dict() of a raw-text loader on {world_size} ranks gathers every "
-                             "rank's lane cursors: initialise torch.distributed first (or merge the ranks' "
-                             "local_state_dict() with shardkit.loaders.sources.raw.feed.merge_raw_states)")
-        group = self.source.agreement_group()
-        check_every_rank_calls(group, world_size=world_size)
-        states: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(states, state, group=group)
-        return merge_raw_states(states)
+        return gathered_state(state, self.source.agreement_group)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Resume from `state_dict()` (saved with any world size, batch size or workers).
@@ -290,6 +277,30 @@ def _kind(raw_text: dict[str, Any]) -> str:
 def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
     """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `saved_cursors`)."""
     return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
+
+
+def gathered_state(state: dict[str, Any], group_of: Callable[[], Any], *, what: str = "a raw-text loader"
+                   ) -> dict[str, Any]:
+    """The global state of this rank's local raw-text `state` and every other rank's, gathered over the group
+    `group_of()` answers (every rank must call it: `agreement.check_every_rank_calls`).
+
+    Raises:
+        ValueError: several ranks but no initialised process group, or a rank that does not call it.
+    """
+    world_size = decode(state)["world_size"]
+    if world_size == 1:
+        return state
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"state_dict() of {what} on {world_size} ranks gathers every rank's lane cursors: "
+                         "initialise torch.distributed first (or merge the ranks' local_state_dict() with "
+                         "shardkit.loaders.sources.raw.feed.merge_raw_states)")
+    group = group_of()
+    check_every_rank_calls(group, world_size=world_size)
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, state, group=group)
+    return merge_raw_states(states)
 
 
 def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""The consumer of a `shardkit serve` data service: `ServiceSource` and its feed."""
