@@ -76,7 +76,8 @@ class ServiceFeed(Feed):
             self._state = arrays.pop(_STATE_KEY)
             return batch_to_tensors(arrays)
 
-        return counted_batches(self._received(), prepare, pin=loader.pin_batches and torch.cuda.is_available())
+        return counted_batches(self._received(), prepare, pin=loader.pin_batches and torch.cuda.is_available(),
+                               waiting_for=f"the data service at {self.source.client.url}")
 
     def _received(self) -> Iterator[dict[str, Any]]:
         """The numpy batches of one iteration, each with its state, across as many streams as it takes."""
@@ -138,10 +139,12 @@ class ServiceFeed(Feed):
         return self._state
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.local_state_dict()
+        return self.global_state(self.local_state_dict())
+
+    def global_state(self, local: dict[str, Any]) -> dict[str, Any]:
         if not self.source.endless:  # built data's state is global already
-            return state
-        return gathered_state(state, self.source.topology_group, what="a served raw-text loader")
+            return local
+        return gathered_state(local, self.source.topology_group, what="a served raw-text loader")
 
     def load_state_dict(self, state: dict[str, Any], *, allow_mixture_change: bool = False) -> None:
         if not isinstance(state, dict):
