@@ -67,7 +67,7 @@ def test_incremental_samples_equal_the_whole_segment_and_every_restart_point_res
     first = samples.take()
     # the first sample needs only the first few of the segment's documents (bestfit: its first buffer)
     if pack == "bestfit":
-        assert samples.next_document <= 64 + 2 < len(samples.texts)
+        assert samples.next_document <= 64 + 2 < len(samples.records)
     else:
         assert tokenized(samples, 0) <= FIRST_CALL < samples.chars[-1] / 10
     got, restarts = [first], [samples.restart()]

@@ -98,8 +98,10 @@ def _tokenizer(spec: str) -> Tokenizer:
     return cached
 
 
-def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
-    """(record index, text-or-rejection) pairs; a rejection is an `_Reject`."""
+def unit_records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
+    """(record index, raw record) of every record of a unit's payload, in order, without parsing them (a JSONL
+    line stays a string; a rejection already found is an `_Reject`): cheap, so a reader that tokenizes a few
+    documents at a time parses (`check_records`) only those."""
     if unit.kind == "parquet":
         return [(unit.first_record + i, v if v is not None else _Reject(f"'{text_field}' is null"))
                 for i, v in enumerate(_column_values(unit.payload))]
@@ -118,14 +120,33 @@ def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
         texts = [_decode(line) for line in data.split(b"\n")]
     if texts and texts[-1] == "":
         texts.pop()
-    out = []
-    for i, line in enumerate(texts):
-        record = unit.first_record + i
-        if isinstance(line, _Reject):
-            out.append((record, line))
+    return list(enumerate(texts, unit.first_record))
+
+
+def _value(kind: str, raw: object, text_field: str) -> object:
+    """A raw record's text or rejection: a JSONL line parsed, anything else as it is."""
+    if kind == "jsonl" and not isinstance(raw, _Reject):
+        return _parse_json_line(raw, text_field)
+    return raw
+
+
+def check_records(kind: str, records: list[tuple[int, object]], *, text_field: str, max_doc_chars: int
+                  ) -> tuple[list[int], list[str], list[tuple[int, str]]]:
+    """(record indices of the accepted documents, their texts, (record, reason) of the rejected ones) of raw
+    records of a unit of `kind` (`unit_records`)."""
+    settings = DocumentSettings(tokenizer="", token_dtype="uint16", text_field=text_field,
+                                max_doc_chars=max_doc_chars)
+    accepted_ids: list[int] = []
+    texts: list[str] = []
+    rejected: list[tuple[int, str]] = []
+    for record, raw in records:
+        checked = _check(_value(kind, raw, text_field), settings)
+        if isinstance(checked, _Reject):
+            rejected.append((record, str(checked)))
         else:
-            out.append((record, _parse_json_line(line, text_field)))
-    return out
+            accepted_ids.append(record)
+            texts.append(checked)
+    return accepted_ids, texts, rejected
 
 
 def _column_values(column) -> list:
@@ -225,20 +246,10 @@ def parse_unit(unit: WorkUnit, *, text_field: str, max_doc_chars: int
         (record indices of accepted documents, their texts, (record, reason) of rejected ones,
         number of records seen).
     """
-    settings = DocumentSettings(tokenizer="", token_dtype="uint16", text_field=text_field,
-                                max_doc_chars=max_doc_chars)
-    rejected = list(unit.rejected)
-    accepted_ids: list[int] = []
-    texts: list[str] = []
-    records = _records(unit, text_field)
-    for record, value in records:
-        checked = _check(value, settings)
-        if isinstance(checked, _Reject):
-            rejected.append((record, str(checked)))
-        else:
-            accepted_ids.append(record)
-            texts.append(checked)
-    return accepted_ids, texts, rejected, len(records) + len(unit.rejected)
+    records = unit_records(unit, text_field)
+    accepted_ids, texts, rejected = check_records(unit.kind, records, text_field=text_field,
+                                                  max_doc_chars=max_doc_chars)
+    return accepted_ids, texts, [*unit.rejected, *rejected], len(records) + len(unit.rejected)
 
 
 def tokenize_unit(unit: WorkUnit, settings: DocumentSettings) -> UnitResult:

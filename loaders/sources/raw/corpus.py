@@ -7,8 +7,8 @@ the build's ~unit_bytes pieces of a streamed file) packed on their own by the bu
 (`shardkit.text.packing.make_packer`, finished at the segment's end), its documents tokenized a few at a time as
 samples are asked for (`sources.raw.segment_samples`), so a lane's first sample needs its first few documents.
 A lane's position is a small cursor: (samples delivered, lane epoch, unit in the epoch's order, segment of that
-unit, samples of that segment delivered, and where the next sample begins: document of the segment and token of
-it). Resuming from a cursor re-reads the segment and tokenizes from that document on (concat, none; bestfit from
+unit, samples of that segment delivered, and where the next sample begins: record of the segment and token of
+its document). Resuming from a cursor re-reads the segment and tokenizes from that document on (concat, none; bestfit from
 the segment's start); a streamed file is decompressed up to the segment, not tokenized. No packer buffer is ever
 saved.
 """
@@ -170,7 +170,7 @@ class RejectionLog:
 class LaneCursor:
     """Where a lane stands: samples delivered, its epoch, the unit (position in the epoch's order), the segment
     of that unit, the samples of that segment delivered, and where the next sample begins in the segment: its
-    document (numbered from 0 among the segment's parsed documents) and the tokens of it already delivered
+    record (line, row or paragraph, numbered from 0 in the segment) and the tokens of its document delivered
     (`sources.raw.segment_samples`; (0, 0): from the segment's start, skipping `within` samples, as bestfit and
     a state saved before these two fields resume)."""
 

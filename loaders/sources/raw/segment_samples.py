@@ -1,18 +1,20 @@
 """One segment's samples, made as its documents are tokenized: a lane hands out its first sample once the first
 few documents are tokenized, not the whole unit.
 
-A segment (a unit, or a piece of a streamed file) is parsed at once (cheap: no tokenizer) and its documents are
-tokenized a few at a time (`shardkit.text.documents.tokenize_texts`: a document's tokens never depend on the
-others in the call) into the segment's packer, which gives the same samples however its documents are fed
-(`shardkit.text.packing`). So the samples are exactly those of tokenizing the whole segment at once.
+A segment (a unit, or a piece of a streamed file) is split into its records at once (cheap: nothing parsed), and
+its records are parsed, checked and tokenized a few at a time (`shardkit.text.documents.check_records` and
+`tokenize_texts`: a document's tokens never depend on the others in the call) into the segment's packer, which
+gives the same samples however its documents are fed (`shardkit.text.packing`). So the samples are exactly those
+of tokenizing the whole segment at once.
 
 Where the next sample begins (`restart()`), so that a resume re-reads from there rather than from the segment's
 start: with `concat` and `none` the samples follow the token stream, so the next one begins at token `token` of
-document `document` (the segment's parsed documents numbered from 0; `token` may be that document's length: the
-next one then). Resuming there tokenizes from that document on with a fresh packer, which gives the same next
-samples: a concat window or a `none` piece never depends on the tokens before its first. (0, 0) is the segment's
-start. `bestfit` windows hold pieces of documents from anywhere before them (up to `bestfit_open` windows), so
-its restart point is always (0, 0): a resume re-tokenizes the segment up to the saved sample, as before.
+record `document` of the segment (its records numbered from 0: line, row or paragraph; `token` may be that
+document's length: the next one then). Resuming there parses and tokenizes from that record on with a fresh packer,
+which gives the same next samples: a concat window or a `none` piece never depends on the tokens before its first.
+(0, 0) is the segment's start. `bestfit` windows hold pieces of documents from anywhere before them (up to
+`bestfit_open` windows), so its restart point is always (0, 0): a resume re-tokenizes the segment up to the saved
+sample, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.formats import Sample
-from shardkit.text.documents import parse_unit, tokenize_texts
+from shardkit.text.documents import check_records, tokenize_texts, unit_records
 from shardkit.text.inputs import WorkUnit
 
 # Text characters tokenized per call: small at first (the first sample needs a few documents), doubling to a
@@ -45,25 +47,25 @@ class SegmentSamples:
 
     def __init__(self, segment: WorkUnit, corpus: Any, *, within: int = 0, document: int = 0, token: int = 0):
         s = corpus.settings
-        ids, self.texts, rejected, _ = parse_unit(segment, text_field=s.text_field, max_doc_chars=s.max_doc_chars)
-        self.ids = np.asarray(ids, dtype=np.int64)
-        self.found: list[tuple[int, str]] = list(rejected)  # rejections not yet counted by the lane
+        self.records = unit_records(segment, s.text_field)
+        self.kind, self.first_record = segment.kind, segment.first_record
+        self.found: list[tuple[int, str]] = list(segment.rejected)  # rejections not yet counted by the lane
         self.corpus, self.source = corpus, segment.source
         self.packer = corpus.packer()
         self.follows_stream = s.pack in STREAM_ORDER_PACKINGS
         if (document, token) != (0, 0) and not self.follows_stream:
             raise ValueError(f"a restart point ({document}, {token}) for pack={s.pack!r}, which has none")
-        if document > len(self.texts):
-            raise ValueError(f"a restart point at document {document} of a segment of {len(self.texts)}: the input "
+        if document > len(self.records):
+            raise ValueError(f"a restart point at record {document} of a segment of {len(self.records)}: the input "
                              "changed since the state was saved")
         self.ready: deque[tuple[Sample, tuple[int, int]]] = deque()
         self.skip = within if (document, token) == (0, 0) else 0
         self.next_document, self.trim = document, token
-        self.chars = np.cumsum([0, *map(len, self.texts)])
+        self.chars = np.cumsum([0, *(len(raw) for _, raw in self.records)])
         self.batch_chars = _FIRST_CHARS
         self.finished = False
-        # the document of the last token handed to samples and how many of its tokens they hold
-        self.last_doc, self.last_count = (int(self.ids[document]), token) if token else (-1, 0)
+        # the record of the last token handed to samples and how many of its tokens they hold
+        self.last_doc, self.last_count = (self.first_record + document, token) if token else (-1, 0)
         self._restart = (document, token)
 
     def take(self) -> Sample | None:
@@ -80,20 +82,27 @@ class SegmentSamples:
         return self._restart if self.follows_stream else (0, 0)
 
     def _make(self) -> None:
-        """Tokenize the next few documents into the packer (or finish it) and keep the samples it completes."""
+        """Parse and tokenize the next few records into the packer (or finish it) and keep the samples it
+        completes."""
         first = self.next_document
-        if first >= len(self.texts):
+        if first >= len(self.records):
             self._keep(self.packer.finish())
             self.finished = True
             return
         last = int(np.searchsorted(self.chars, self.chars[first] + self.batch_chars, side="left"))
-        last = min(max(last, first + 1), len(self.texts))
+        last = min(max(last, first + 1), len(self.records))
         self.batch_chars = min(2 * self.batch_chars, _MOST_CHARS)
         self.next_document = last
-        documents = tokenize_texts(self.ids[first:last].tolist(), self.texts[first:last], self.corpus.documents)
-        self.found.extend(documents.rejected)
+        s = self.corpus.settings
+        ids, texts, rejected = check_records(self.kind, self.records[first:last], text_field=s.text_field,
+                                             max_doc_chars=s.max_doc_chars)
+        documents = tokenize_texts(ids, texts, self.corpus.documents)
+        self.found.extend(sorted([*rejected, *documents.rejected]))
         tokens, lengths, doc_index = documents.tokens, documents.lengths, documents.doc_index
-        if self.trim:  # resumed inside this document: its first `trim` tokens went into samples already
+        if self.trim:  # resumed inside this record's document: its first `trim` tokens went into samples already
+            if not len(doc_index) or doc_index[0] != self.first_record + first or lengths[0] < self.trim:
+                raise ValueError(f"record {first} of the segment no longer holds the document a loader state "
+                                 "resumes inside: the input changed since the state was saved")
             tokens, lengths = tokens[self.trim:], lengths.copy()
             lengths[0] -= self.trim
             if not lengths[0]:
@@ -112,9 +121,9 @@ class SegmentSamples:
     def _follow(self, sample: Sample) -> tuple[int, int]:
         """Where the sample after `sample` begins, following the token stream."""
         if int(sample.doc_source[-1]) < 0:  # padded: the segment's last sample
-            return len(self.texts), 0
+            return len(self.records), 0
         doc = int(sample.doc_index[-1])
         held = len(sample.tokens) - int(sample.doc_starts[-1])
         self.last_count = self.last_count + held if len(sample.doc_index) == 1 and doc == self.last_doc else held
         self.last_doc = doc
-        return int(np.searchsorted(self.ids, doc)), self.last_count
+        return doc - self.first_record, self.last_count

@@ -1,14 +1,14 @@
 """The raw-text loader's work units, listed without reading the corpus, and read one at a time.
 
-Listing (`list_units`) costs a stat per file and, for Parquet, its footer:
-- an uncompressed JSONL file is cut into byte ranges of `unit_bytes`; a line belongs to the range its first
-  byte lies in, so range k is found by seeking to its start and reading on to the next newline (at most one
-  line before it is read), and ends with the line that crosses its end (`read_range`). Listing finds each
-  range's first line start so (a small read per range of the file, `_range_bounds`): a range holding none (a
-  line longer than a unit runs across it) is merged into the range before it, whose line it belongs to, so
-  every unit holds a line, identically on every rank. Its documents are numbered from the range's first line's byte offset (unique in the file and
-  found without counting the lines before it; the build numbers lines), so their tokens are the build's, and a
-  rejected one is named by the exact byte offset of its line (`record_place`);
+Listing (`list_units`) costs a stat per file and, for Parquet, its footer (and a small read per byte range):
+- an uncompressed JSONL file is cut into byte ranges of `unit_bytes`; a line belongs to the range its first byte
+  lies in, so range k is found by seeking to its start and reading on to the next newline (at most one line before
+  it is read), and ends with the line that crosses its end (`read_range`). Listing finds each range's first line
+  start so (a small read per range of the file, `_range_bounds`): a range holding none (a line longer than a unit
+  runs across it) is merged into the range before it, whose line it belongs to, so every unit holds a line,
+  identically on every rank. Its documents are numbered from the range's first line's byte offset (unique in the
+  file and found without counting the lines before it; the build numbers lines), so their tokens are the build's,
+  and a rejected one is named by the exact byte offset of its line (`record_place`);
 - a Parquet file gives one unit per row group (its rows numbered as the build numbers them);
 - a .gz / .zst file (not seekable) and a .txt file read by paragraphs are one *streamed* unit each, sized by
   the file's bytes: the lane reader cuts it while reading it once into the build's own units of ~unit_bytes of
