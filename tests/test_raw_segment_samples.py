@@ -103,3 +103,12 @@ def test_a_resumed_loader_restarts_inside_the_segment_and_continues_exactly(tmp_
     again = StreamingDataLoader(StreamingDataset(str(path), **settings), batch_size=4)
     again.load_state_dict(old)
     assert rows(head) + rows(take(again, 7)) == reference
+
+
+def test_a_lane_cursor_reads_as_its_fields_in_order():
+    from dataclasses import astuple
+
+    from shardkit.loaders.sources.raw.corpus import CURSOR_FIELDS, LaneCursor
+
+    cursor = LaneCursor(*range(1, CURSOR_FIELDS + 1))
+    assert cursor.as_tuple() == astuple(cursor) == tuple(range(1, CURSOR_FIELDS + 1))

@@ -21,7 +21,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -183,7 +183,8 @@ class LaneCursor:
     token: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        return astuple(self)
+        # not dataclasses.astuple: it deep-copies every field, and the loader asks every lane read at every step
+        return (self.samples, self.epoch, self.unit, self.segment, self.within, self.document, self.token)
 
 
 CURSOR_FIELDS = len(fields(LaneCursor))  # a cursor's entries in a loader state's row, after its lane
