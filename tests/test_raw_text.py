@@ -308,7 +308,7 @@ def test_a_real_corpus_with_a_real_tokenizer_resumes_inside_a_segment_of_a_compr
     head = take(loader, 6)
     state = loader.state_dict()
     # One .zst file is one streamed unit (one lane); the stop falls inside a later segment of it.
-    [[_, _, _, unit, segment, within]] = decode(state)["raw_text"]["cursors"]
+    [[_, _, _, unit, segment, within, *_]] = decode(state)["raw_text"]["cursors"]
     assert unit == 0 and segment > 0 and within > 0
     resumed = StreamingDataLoader(StreamingDataset(corpus, **settings), batch_size=8)
     resumed.load_state_dict(state)

@@ -15,6 +15,7 @@ import zstandard
 from resume_contract import check_elastic_resume, check_resume
 from shardkit import metrics
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
+from shardkit.loaders.sources.raw.segment_samples import SegmentSamples
 from shardkit.loaders.sources.raw.unreadable import UnitCut, UnitCuts, Unreadable, settle
 from test_build import config, read_samples, write_corpus
 from test_raw_text import first_epoch, rows, take
@@ -146,7 +147,8 @@ def test_a_cut_inside_a_segment_keeps_the_samples_before_it(tmp_path):
     corpus = write_corpus(tmp_path / "in", docs=150)
     settings = dict(lanes=1, shuffle=False)  # one lane, its units in corpus order: unit 0 first
     ds = dataset(corpus, **settings)
-    in_unit_0 = len(ds.source.corpus.pack_unit(next(ds.source.corpus.segments(0)))[0])
+    raw = ds.source.corpus
+    in_unit_0 = len(list(iter(SegmentSamples(next(raw.segments(0)), raw).take, None)))
     reference = [t for _, _, t in rows(take(StreamingDataLoader(ds, batch_size=4), 20))]
     state = StreamingDataLoader(dataset(corpus, **settings), batch_size=4).state_dict()
     next(iter(state["streams"].values()))["unreadable"] = [[0, 0, 0, 3]]  # unit 0 ends after its first 3 samples

@@ -108,8 +108,10 @@ def _file_signature(spec: str) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
-def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
-    """(record index, text-or-rejection) pairs; a rejection is an `_Reject`."""
+def unit_records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
+    """(record index, raw record) of every record of a unit's payload, in order, without parsing them (a JSONL
+    line stays a string; a rejection already found is an `_Reject`): cheap, so a reader that tokenizes a few
+    documents at a time parses (`check_records`) only those."""
     if unit.kind == "parquet":
         return [(unit.first_record + i, v if v is not None else _Reject(f"'{text_field}' is null"))
                 for i, v in enumerate(_column_values(unit.payload))]
@@ -128,14 +130,33 @@ def _records(unit: WorkUnit, text_field: str) -> list[tuple[int, object]]:
         texts = [_decode(line) for line in data.split(b"\n")]
     if texts and texts[-1] == "":
         texts.pop()
-    out = []
-    for i, line in enumerate(texts):
-        record = unit.first_record + i
-        if isinstance(line, _Reject):
-            out.append((record, line))
+    return list(enumerate(texts, unit.first_record))
+
+
+def _value(kind: str, raw: object, text_field: str) -> object:
+    """A raw record's text or rejection: a JSONL line parsed, anything else as it is."""
+    if kind == "jsonl" and not isinstance(raw, _Reject):
+        return _parse_json_line(raw, text_field)
+    return raw
+
+
+def check_records(kind: str, records: list[tuple[int, object]], *, text_field: str, max_doc_chars: int
+                  ) -> tuple[list[int], list[str], list[tuple[int, str]]]:
+    """(record indices of the accepted documents, their texts, (record, reason) of the rejected ones) of raw
+    records of a unit of `kind` (`unit_records`)."""
+    settings = DocumentSettings(tokenizer="", token_dtype="uint16", text_field=text_field,
+                                max_doc_chars=max_doc_chars)
+    accepted_ids: list[int] = []
+    texts: list[str] = []
+    rejected: list[tuple[int, str]] = []
+    for record, raw in records:
+        checked = _check(_value(kind, raw, text_field), settings)
+        if isinstance(checked, _Reject):
+            rejected.append((record, str(checked)))
         else:
-            out.append((record, _parse_json_line(line, text_field)))
-    return out
+            accepted_ids.append(record)
+            texts.append(checked)
+    return accepted_ids, texts, rejected
 
 
 def _column_values(column) -> list:
@@ -235,63 +256,77 @@ def parse_unit(unit: WorkUnit, *, text_field: str, max_doc_chars: int
         (record indices of accepted documents, their texts, (record, reason) of rejected ones,
         number of records seen).
     """
-    settings = DocumentSettings(tokenizer="", token_dtype="uint16", text_field=text_field,
-                                max_doc_chars=max_doc_chars)
-    rejected = list(unit.rejected)
-    accepted_ids: list[int] = []
-    texts: list[str] = []
-    records = _records(unit, text_field)
-    for record, value in records:
-        checked = _check(value, settings)
-        if isinstance(checked, _Reject):
-            rejected.append((record, str(checked)))
-        else:
-            accepted_ids.append(record)
-            texts.append(checked)
-    return accepted_ids, texts, rejected, len(records) + len(unit.rejected)
+    records = unit_records(unit, text_field)
+    accepted_ids, texts, rejected = check_records(unit.kind, records, text_field=text_field,
+                                                  max_doc_chars=max_doc_chars)
+    return accepted_ids, texts, [*unit.rejected, *rejected], len(records) + len(unit.rejected)
 
 
 def tokenize_unit(unit: WorkUnit, settings: DocumentSettings) -> UnitResult:
     """Parse, check and tokenize one unit (runs in a worker process or a Ray task)."""
-    tokenizer = _tokenizer(settings.tokenizer)
     accepted_ids, texts, rejected, documents_in = parse_unit(unit, text_field=settings.text_field,
                                                              max_doc_chars=settings.max_doc_chars)
+    documents = tokenize_texts(accepted_ids, texts, settings)
+    rejected.extend(documents.rejected)
+    rejected.sort(key=lambda item: item[0])
+    return UnitResult(index=unit.index, source=unit.source, file_unit=unit.file_unit, kind=unit.kind,
+                      tokens=documents.tokens, doc_lengths=documents.lengths, doc_index=documents.doc_index,
+                      rejected=tuple(rejected), documents_in=documents_in, text_chars=documents.text_chars,
+                      file_error=unit.file_error, input_offset=unit.input_offset)
+
+
+@dataclass(frozen=True)
+class TokenizedDocuments:
+    """Checked documents tokenized: every kept document's tokens (BOS/EOS included) joined, their lengths and
+    record indices, the documents the tokenizer refused or encoded to nothing as (record, reason), and the
+    characters of the kept texts."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    doc_index: np.ndarray
+    rejected: list[tuple[int, str]]
+    text_chars: int
+
+
+def tokenize_texts(ids: list[int], texts: list[str], settings: DocumentSettings) -> TokenizedDocuments:
+    """Tokenize checked documents (`parse_unit`'s accepted ones, or any run of them: a document's tokens never
+    depend on the others in the call, so the build tokenizes a unit at once and the raw-text loader a few
+    documents at a time, with the same result)."""
+    tokenizer = _tokenizer(settings.tokenizer)
+    rejected: list[tuple[int, str]] = []
     try:
         encoded = tokenizer.encode_batch(texts)
     except Exception:  # noqa: BLE001 - find the document(s) the tokenizer refuses, reject only those
         encoded = []
         keep_ids, keep_texts = [], []
-        for record, text in zip(accepted_ids, texts):
+        for record, text in zip(ids, texts):
             try:
                 encoded.append(tokenizer.encode(text))
                 keep_ids.append(record)
                 keep_texts.append(text)
             except Exception as err:  # noqa: BLE001
                 rejected.append((record, f"tokenizer failed: {type(err).__name__}: {err}"))
-        accepted_ids, texts = keep_ids, keep_texts
+        ids, texts = keep_ids, keep_texts
     extra = (settings.bos_id is not None) + (settings.eos_id is not None)
     lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
         for i in empty:
-            rejected.append((accepted_ids[i], "text encodes to no tokens"))
+            rejected.append((ids[i], "text encodes to no tokens"))
         keep = lengths > 0
         encoded = [e for e, k in zip(encoded, keep) if k]
         texts = [t for t, k in zip(texts, keep) if k]
-        accepted_ids = [r for r, k in zip(accepted_ids, keep) if k]
+        ids = [r for r, k in zip(ids, keep) if k]
         lengths = lengths[keep]
-    tokens = _join(encoded, lengths, extra, settings)
-    rejected.sort(key=lambda item: item[0])
-    text_chars = sum(len(t) for t in texts)  # characters: a cheap, deterministic size measure
-    return UnitResult(index=unit.index, source=unit.source, file_unit=unit.file_unit, kind=unit.kind, tokens=tokens, doc_lengths=lengths + extra,
-                      doc_index=np.asarray(accepted_ids, dtype=np.int64), rejected=tuple(rejected),
-                      documents_in=documents_in, text_chars=text_chars, file_error=unit.file_error,
-                      input_offset=unit.input_offset)
+    tokens = _join(encoded, lengths, settings)
+    return TokenizedDocuments(tokens=tokens, lengths=lengths + extra, doc_index=np.asarray(ids, dtype=np.int64),
+                              rejected=rejected, text_chars=sum(len(t) for t in texts))
 
 
-def _join(encoded: list[np.ndarray], lengths: np.ndarray, extra: int, settings: DocumentSettings) -> np.ndarray:
+def _join(encoded: list[np.ndarray], lengths: np.ndarray, settings: DocumentSettings) -> np.ndarray:
     """Concatenate documents into one array, with BOS before and EOS after each."""
     dtype = np.dtype(settings.token_dtype)
+    extra = (settings.bos_id is not None) + (settings.eos_id is not None)
     total = int(lengths.sum()) + extra * len(encoded)
     out = np.empty(total, dtype=dtype)
     if not encoded:

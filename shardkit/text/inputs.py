@@ -334,7 +334,11 @@ class _FrameStream:
     """Reads concatenated gzip members or zstd frames and raises when the input ends inside one (a
     truncated download or copy would otherwise look like a shorter file). Unlike `gzip.GzipFile`, it
     hands over every byte decompressed before an error, so every complete record of a damaged file is
-    read (and counted) before the file is reported unreadable."""
+    read (and counted) before the file is reported unreadable: a failed call to the decompressor returns
+    nothing, so the frame it failed in is decompressed again from its start, the failed chunk in small steps,
+    up to the damage (`_salvage`)."""
+
+    _STEP = 64  # compressed bytes per call when the failed chunk is decompressed again
 
     def __init__(self, raw, codec: str, chunk: int = 1 << 20):
         if codec == "zstd":
@@ -352,6 +356,8 @@ class _FrameStream:
         self._chunk = chunk
         self._obj = self._new()
         self._in_frame = False
+        self._raw_pos = 0  # compressed bytes read
+        self._frame_start, self._frame_out = 0, 0  # where the current frame began, what it gave so far
         self._data = b""
         self._pos = 0
         self._pieces: list[bytes] = []
@@ -359,14 +365,17 @@ class _FrameStream:
 
     def read(self, size: int) -> bytes:
         while len(self._data) - self._pos < size and self._failure is None:
+            start = self._raw_pos
             data = self._raw.read(self._chunk)
+            self._raw_pos += len(data)
             if not data:
                 if self._in_frame:
                     self._failure = TruncatedInputError(f"{self._codec} stream ends inside a frame (file truncated)")
                 break
             try:
-                self._feed(data)
+                self._feed(data, start)
             except ValueError as err:
+                self._salvage(data, start)
                 self._failure = err  # raised once what was decompressed before it has been read
             self._data = b"".join([self._data[self._pos:], *self._pieces])
             self._pos = 0
@@ -377,18 +386,42 @@ class _FrameStream:
             raise self._failure
         return out
 
-    def _feed(self, data: bytes) -> None:
-        while data:
-            self._in_frame = True
+    def _feed(self, data: bytes, start: int) -> None:
+        offset = 0
+        while offset < len(data):
+            if not self._in_frame:
+                self._frame_start, self._frame_out = start + offset, 0
+                self._in_frame = True
             try:
-                self._pieces.append(self._obj.decompress(data))
+                piece = self._obj.decompress(data[offset:] if offset else data)
             except self._errors as err:
                 raise ValueError(f"corrupt {self._codec} data: {err}") from err
+            self._pieces.append(piece)
+            self._frame_out += len(piece)
             if not self._obj.eof:
                 return
-            data = self._obj.unused_data
+            offset = len(data) - len(self._obj.unused_data)
             self._obj = self._new()
             self._in_frame = False
+
+    def _salvage(self, data: bytes, start: int) -> None:
+        """Add what the failed frame decompresses to before the damage, past what it gave already: the frame's
+        bytes before the failed chunk (read again) in large calls, the chunk's in `_STEP`-byte calls."""
+        if not (hasattr(self._raw, "seek") and self._raw.seekable()):
+            return
+        obj, recovered = self._new(), []
+        try:
+            self._raw.seek(self._frame_start)
+            while self._raw.tell() < start:
+                recovered.append(obj.decompress(self._raw.read(min(self._chunk, start - self._raw.tell()))))
+            tail = data[max(0, self._frame_start - start):]
+            for offset in range(0, len(tail), self._STEP):
+                recovered.append(obj.decompress(tail[offset:offset + self._STEP]))
+                if obj.eof:
+                    break
+        except (*self._errors, OSError):
+            pass  # the damage: everything before it is in `recovered`
+        self._pieces.append(b"".join(recovered)[self._frame_out:])
 
 
 def _describe(err: BaseException) -> str:

@@ -19,7 +19,7 @@ from shardkit.formats import Sample
 
 from ..documents import boundaries, dense_segment_ids, segment_starts
 
-CURSORS_KEY = "_raw_lane_cursors"  # [lanes touched, 6]: lane, then its cursor after this batch (the loader's)
+CURSORS_KEY = "_raw_lane_cursors"  # [lanes touched, 8]: lane, then its cursor after this batch (the loader's)
 UNREADABLE_KEY = "_raw_unreadable"  # the units this batch's readers found unreadable (`sources.raw.unreadable.Unreadable`)
 
 

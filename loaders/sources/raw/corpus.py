@@ -3,11 +3,14 @@
 `RawCorpus` lists the inputs' work units without reading the corpus (`sources.raw.units.list_units`: byte ranges,
 Parquet row groups, streamed compressed files) and deals them into lanes (`order.lanes.deal_lanes`). A
 `LaneStream` turns one lane into samples: its units in the lane epoch's order, each unit's segments (one, or
-the build's ~unit_bytes pieces of a streamed file) tokenized (`shardkit.text.documents.tokenize_unit`) and
-packed on their own by the build's packer (`shardkit.text.packing.make_packer`, finished at the segment's end),
-so a lane's position is a small cursor: (samples delivered, lane epoch, unit in the epoch's order, segment of
-that unit, samples of that segment delivered). Resuming from a cursor re-tokenizes one segment and skips into
-it (a streamed file is decompressed up to the segment, not tokenized); no packer buffer is ever saved.
+the build's ~unit_bytes pieces of a streamed file) packed on their own by the build's packer
+(`shardkit.text.packing.make_packer`, finished at the segment's end), its documents tokenized a few at a time as
+samples are asked for (`sources.raw.segment_samples`), so a lane's first sample needs its first few documents.
+A lane's position is a small cursor: (samples delivered, lane epoch, unit in the epoch's order, segment of that
+unit, samples of that segment delivered, and where the next sample begins: record of the segment and token of
+its document). Resuming from a cursor re-reads the segment and tokenizes from that document on (concat, none; bestfit from
+the segment's start); a streamed file is decompressed up to the segment, not tokenized. No packer buffer is ever
+saved.
 """
 
 from __future__ import annotations
@@ -18,20 +21,21 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from shardkit.formats import Sample
 from shardkit.manifest import token_dtype_for_vocab
-from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category, tokenize_unit
+from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_category
 from shardkit.text.inputs import InputChangedError, InputFile, WorkUnit, expand_inputs
-from shardkit.text.packing import make_packer
+from shardkit.text.packing import Packer, make_packer
 from shardkit.text.recipe import TextRecipe, check_count
 from shardkit.text.tokenizers import with_special_ids
 
 from ...order.lanes import deal_lanes, lane_epoch_order, lane_units
+from .segment_samples import SegmentSamples
 from .units import RANGE, list_units, read_segments, record_place, unit_place
 from .unreadable import UnitCut, UnitCuts, Unreadable
 
@@ -139,15 +143,11 @@ class RawCorpus:
         """The files a lane's units come from."""
         return [self.files[s].url for s in sorted(set(self.units.source[self.lanes[lane]].tolist()))]
 
-    def pack_unit(self, unit: WorkUnit) -> tuple[list[Sample], tuple[tuple[int, str], ...]]:
-        """A unit's (or segment's) samples, tokenized and packed on its own (the tail kept), and its rejected
-        records."""
+    def packer(self) -> Packer:
+        """A new packer of this corpus's samples (one per segment: its tail padded)."""
         s = self.settings
-        result = tokenize_unit(unit, self.documents)
-        packer = make_packer(s.pack, seq_len=s.seq_len, pad_id=self.pad_id, token_dtype=self.token_dtype,
-                             buffer_docs=s.bestfit_buffer, max_open=s.bestfit_open)
-        fed = packer.feed(result.tokens, result.doc_lengths, result.source, result.doc_index)
-        return [*fed, *packer.finish()], result.rejected
+        return make_packer(s.pack, seq_len=s.seq_len, pad_id=self.pad_id, token_dtype=self.token_dtype,
+                           buffer_docs=s.bestfit_buffer, max_open=s.bestfit_open)
 
 
 class UnreadableInput(OSError):
@@ -177,19 +177,26 @@ class RejectionLog:
 @dataclass
 class LaneCursor:
     """Where a lane stands: samples delivered, its epoch, the unit (position in the epoch's order), the segment
-    of that unit and the samples of that segment delivered."""
+    of that unit, the samples of that segment delivered, and where the next sample begins in the segment: its
+    record (line, row or paragraph, numbered from 0 in the segment) and the tokens of its document delivered
+    (`sources.raw.segment_samples`; (0, 0): from the segment's start, skipping `within` samples, as bestfit and
+    a state saved before these two fields resume)."""
 
     samples: int = 0
     epoch: int = 0
     unit: int = 0
     segment: int = 0
     within: int = 0
+    document: int = 0
+    token: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        return astuple(self)
+        # not dataclasses.astuple: it deep-copies every field, and the loader asks every lane read at every step
+        return (self.samples, self.epoch, self.unit, self.segment, self.within, self.document, self.token)
 
 
 CURSOR_FIELDS = len(fields(LaneCursor))  # a cursor's entries in a loader state's row, after its lane
+OLD_CURSOR_FIELDS = 5  # a state saved before the restart point (document, token) was kept
 
 
 class LaneStream:
@@ -215,7 +222,9 @@ class LaneStream:
         self._number = -1  # the current unit
         self._end: tuple[int, int] | None = None  # its cut in this lane epoch: (segment, within), or None
         self._segments: Iterator[WorkUnit] | None = None  # the current unit's segments, from the next one on
-        self._samples: list[Sample] | None = None  # the current segment's samples
+        self._samples: SegmentSamples | None = None  # the current segment's samples
+        self._counting = False  # whether this reader counts the current segment's rejections
+        self._current: WorkUnit | None = None  # the current segment
         self._dry_units = 0  # units finished since the last sample delivered
 
     def take(self, k: int) -> tuple[Sample, int]:
@@ -234,15 +243,24 @@ class LaneStream:
 
     def _next(self) -> tuple[Sample, int]:
         cursor = self.cursor
-        while self._samples is None or cursor.within >= len(self._samples):
-            if self._samples is not None:  # the segment is done
-                cursor.segment, cursor.within, self._samples = cursor.segment + 1, 0, None
-            self._load()
-        sample, epoch = self._samples[cursor.within], cursor.epoch
+        while True:
+            if self._samples is None:
+                self._load()
+            cut = self._end is not None and (cursor.segment, cursor.within) >= self._end
+            sample = None if cut else self._samples.take()
+            self._count_found()
+            if sample is not None:
+                break
+            # the segment is done (or cut): the next one, or the unit's end where it is cut
+            cursor.segment, cursor.within, cursor.document, cursor.token = cursor.segment + 1, 0, 0, 0
+            self._samples = None
+            if cut:
+                self._segments = iter(())
         cursor.within += 1
         cursor.samples += 1
+        cursor.document, cursor.token = self._samples.restart()
         self._dry_units = 0
-        return sample, epoch
+        return sample, cursor.epoch
 
     def _load(self) -> None:
         """The next segment's samples, moving on to the next unit (and lane epoch) where a unit ends or is cut."""
@@ -254,7 +272,7 @@ class LaneStream:
             if segment is not None:
                 break
             self._segments = None
-            cursor.unit, cursor.segment, cursor.within = cursor.unit + 1, 0, 0
+            cursor.unit, cursor.segment, cursor.within, cursor.document, cursor.token = cursor.unit + 1, 0, 0, 0, 0
             if cursor.unit == len(self._units):
                 cursor.epoch, cursor.unit = cursor.epoch + 1, 0
             self._dry_units += 1
@@ -263,9 +281,12 @@ class LaneStream:
                 raise ValueError(f"lane {self.lane} of {self.corpus.num_lanes} holds no accepted document (its "
                                  f"inputs: {', '.join(self.corpus.lane_inputs(self.lane))}){skipped}: give fewer "
                                  "lanes (a larger share of the corpus per lane) or inputs that hold text")
-        samples, rejected = self.corpus.pack_unit(segment)
-        self._samples = samples[:self._end[1]] if self._end is not None and self._end[0] == cursor.segment else samples
-        self._count(segment, rejected)
+        # Counted as the build counts them (once per corpus: in lane epoch 0) by the reader that starts the
+        # segment (a segment resumed into was counted before).
+        self._counting = cursor.epoch == 0 and cursor.within == 0
+        self._samples = SegmentSamples(segment, self.corpus, within=cursor.within, document=cursor.document,
+                                       token=cursor.token)
+        self._current = segment
 
     def _open(self) -> None:
         """Open the unit the cursor stands at (from its segment on), with its cut in this lane epoch."""
@@ -290,18 +311,22 @@ class LaneStream:
             self.cuts = self.cuts.adding([cut])
             self.unreadable.append(Unreadable(cut, self.global_lane, cursor.samples,
                                               self.corpus.unit_place(self._number), err.reason))
-            if err.segment is not None:  # the build counts a truncated file's incomplete last record
-                self._count(err.segment, err.segment.rejected)
+            if err.segment is not None and cursor.epoch == 0 and cursor.within == 0:
+                self._count(err.segment, err.segment.rejected)  # the build counts a truncated file's last record
             return None
 
-    def _count(self, segment: WorkUnit, rejected: tuple[tuple[int, str], ...]) -> None:
-        # Counted as the build counts them (once per corpus: in lane epoch 0), when the segment starts (a
-        # segment resumed into was counted before).
-        if self.cursor.epoch == 0 and self.cursor.within == 0:
-            url = self.corpus.files[segment.source].url
-            for record, reason in rejected:
-                self.rejected[reason_category(reason)] += 1
-                self.log.log(url, functools.partial(self.corpus.record_place, segment, record), reason)
+    def _count_found(self) -> None:
+        """Count the rejections the current segment found since the last call (its parse's when it opened, the
+        tokenizer's as its documents are tokenized), where this reader counts them."""
+        found, self._samples.found = self._samples.found, []
+        if self._counting:
+            self._count(self._current, found)
+
+    def _count(self, segment: WorkUnit, rejected: Any) -> None:
+        url = self.corpus.files[segment.source].url
+        for record, reason in rejected:
+            self.rejected[reason_category(reason)] += 1
+            self.log.log(url, functools.partial(self.corpus.record_place, segment, record), reason)
 
 
 def corpus_identity_parts(files: list[InputFile], settings: RawTextSettings, documents: DocumentSettings,

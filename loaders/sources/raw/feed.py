@@ -27,7 +27,7 @@ from ...delivery.closing import closed_at_exit
 from .batches import CURSORS_KEY, UNREADABLE_KEY
 from .iteration import RawIteration
 from ...order.lanes import merge_cursors
-from .corpus import CURSOR_FIELDS
+from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS
 from .units import few_lanes_advice
 from .unreadable import UnitCuts, agree, log_skipped, settle
 from ...source import Feed
@@ -232,19 +232,22 @@ class RawTextFeed(Feed):
 
 
 def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
-    """lane -> cursor from a state's `raw_text`.
+    """lane -> cursor from a state's `raw_text`: rows of [lane, samples, epoch, unit, segment, within, document,
+    token] (`sources.raw.corpus.LaneCursor`), or of the first six, as states saved before the restart point
+    (document, token) was kept hold them: those resume from their segment's start (document and token 0).
 
     Raises:
-        ValueError: the cursors are not rows of [lane, samples, epoch, unit, segment, within].
+        ValueError: the cursors are not such rows.
     """
     try:
         rows = [[int(v) for v in row] for row in raw_text["cursors"]]
     except (KeyError, TypeError, ValueError):
         rows = None
-    if rows is None or any(len(row) != 1 + CURSOR_FIELDS for row in rows):
+    if rows is None or any(len(row) not in (1 + CURSOR_FIELDS, 1 + OLD_CURSOR_FIELDS) for row in rows):
         raise ValueError("loader state: raw_text.cursors must be a list of [lane, samples, epoch, unit, segment, "
-                         "within] (a state saved by an older loader cannot be resumed)")
-    return {row[0]: tuple(row[1:]) for row in rows}
+                         "within, document, token] (a state saved by an older loader cannot be resumed)")
+    padding = (0,) * (CURSOR_FIELDS - OLD_CURSOR_FIELDS)
+    return {row[0]: tuple(row[1:]) + (padding if len(row) == 1 + OLD_CURSOR_FIELDS else ()) for row in rows}
 
 
 def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_consumed: int) -> None:

@@ -1,12 +1,14 @@
 """The raw-text loader's work units, listed without reading the corpus, and read one at a time.
 
-Listing (`list_units`) costs a stat per file and, for Parquet, its footer:
-- an uncompressed JSONL file is cut into byte ranges of `unit_bytes`; a line belongs to the range its first
-  byte lies in, so range k is found by seeking to its start and reading on to the next newline (at most one
-  line before it is read), and ends with the line that crosses its end (`read_range`). A range holding no line
-  start is empty. Its documents are numbered from the range's first line's byte offset (unique in the file and
-  found without counting the lines before it; the build numbers lines), so their tokens are the build's, and a
-  rejected one is named by the exact byte offset of its line (`record_place`);
+Listing (`list_units`) costs a stat per file and, for Parquet, its footer (and a small read per byte range):
+- an uncompressed JSONL file is cut into byte ranges of `unit_bytes`; a line belongs to the range its first byte
+  lies in, so range k is found by seeking to its start and reading on to the next newline (at most one line before
+  it is read), and ends with the line that crosses its end (`read_range`). Listing finds each range's first line
+  start so (a small read per range of the file, `_range_bounds`): a range holding none (a line longer than a unit
+  runs across it) is merged into the range before it, whose line it belongs to, so every unit holds a line,
+  identically on every rank. Its documents are numbered from the range's first line's byte offset (unique in the
+  file and found without counting the lines before it; the build numbers lines), so their tokens are the build's,
+  and a rejected one is named by the exact byte offset of its line (`record_place`);
 - a Parquet file gives one unit per row group (its rows numbered as the build numbers them);
 - a .gz / .zst file (not seekable) and a .txt file read by paragraphs are one *streamed* unit each, sized by
   the file's bytes: the lane reader cuts it while reading it once into the build's own units of ~unit_bytes of
@@ -69,8 +71,8 @@ def list_units(files: list[InputFile], *, unit_bytes: int, text_field: str,
         rows: tuple[int, ...] = ()
         footer_error = ""
         if kind == RANGE:
-            count = max(1, -(-file.size // unit_bytes))
-            unit_sizes = [min(unit_bytes, file.size - k * unit_bytes) for k in range(count)]
+            bounds = _range_bounds(file, unit_bytes, storage_options)
+            unit_sizes = [end - begin for _, begin, end in bounds]
         elif kind == ROW_GROUP:
             try:
                 groups = _row_groups(file, text_field, storage_options)
@@ -83,13 +85,41 @@ def list_units(files: list[InputFile], *, unit_bytes: int, text_field: str,
             unit_sizes = [file.size]
         first_rows.append(rows)
         footer_errors.append(footer_error)
-        for part, size in enumerate(unit_sizes):
+        numbers = [part for part, _, _ in bounds] if kind == RANGE else range(len(unit_sizes))
+        for part, size in zip(numbers, unit_sizes):
             sources.append(source)
             parts.append(part)
             sizes.append(max(1, int(size)))
     return UnitTable(source=np.array(sources, dtype=np.int64), part=np.array(parts, dtype=np.int64),
                      size=np.array(sizes, dtype=np.int64), kinds=tuple(kinds), first_rows=tuple(first_rows),
                      footer_errors=tuple(footer_errors))
+
+
+def _range_bounds(file: InputFile, unit_bytes: int, storage_options: dict[str, Any] | None
+                  ) -> list[tuple[int, int, int]]:
+    """(range number, first byte, end) of each byte range of an uncompressed JSONL file that holds a line start:
+    ranges of `unit_bytes`, those without a line start merged into the range before them. A file that cannot be
+    read here keeps its plain ranges (its reads fail, and say so, when a lane reaches them)."""
+    count = max(1, -(-file.size // unit_bytes))
+    bounds = [[0, 0, min(unit_bytes, file.size)]]
+    if count == 1:
+        return [tuple(bounds[0])]
+    try:
+        with open_input(file.url, storage_options) as raw:
+            part = 1
+            while part < count:
+                first = _line_start(raw, part * unit_bytes)
+                holder = count if first >= file.size else first // unit_bytes  # the range of the next line start
+                if holder > part:  # ranges part .. holder - 1 hold none: the line crossing them is the range's before
+                    bounds[-1][2] = min(holder * unit_bytes, file.size)
+                    part = holder
+                    if part == count:
+                        break
+                bounds.append([part, part * unit_bytes, min((part + 1) * unit_bytes, file.size)])
+                part += 1
+    except OSError:
+        return [(k, k * unit_bytes, min((k + 1) * unit_bytes, file.size)) for k in range(count)]
+    return [tuple(b) for b in bounds]
 
 
 def _row_groups(file: InputFile, text_field: str, storage_options: dict[str, Any] | None) -> list[tuple[int, int]]:
@@ -138,7 +168,7 @@ def unit_place(table: UnitTable, files: list[InputFile], number: int, *, unit_by
     source, part = int(table.source[number]), int(table.part[number])
     file, kind = files[source], table.kinds[source]
     if kind == RANGE:
-        return f"{file.url} bytes {part * unit_bytes}-{min((part + 1) * unit_bytes, file.size)}"
+        return f"{file.url} bytes {part * unit_bytes}-{part * unit_bytes + int(table.size[number])}"
     if kind == ROW_GROUP:
         return f"{file.url} row group {part}"
     return file.url
@@ -172,7 +202,7 @@ def read_segments(table: UnitTable, files: list[InputFile], number: int, *, skip
     if skip:
         return
     if kind == RANGE:
-        yield read_range(file, source, number, part, unit_bytes=unit_bytes,
+        yield read_range(file, source, number, part, unit_bytes=unit_bytes, size=int(table.size[number]),
                          line_limit=max_line_bytes(max_doc_chars), storage_options=storage_options)
     else:
         footer_error = table.footer_errors[source]
@@ -184,10 +214,11 @@ def read_segments(table: UnitTable, files: list[InputFile], number: int, *, skip
                                   storage_options)
 
 
-def read_range(file: InputFile, source: int, number: int, part: int, *, unit_bytes: int, line_limit: int,
+def read_range(file: InputFile, source: int, number: int, part: int, *, unit_bytes: int, size: int, line_limit: int,
                storage_options: dict[str, Any] | None) -> WorkUnit:
-    """The lines of an uncompressed JSONL file that start in bytes [part * unit_bytes, (part + 1) * unit_bytes)."""
-    begin, end = part * unit_bytes, min((part + 1) * unit_bytes, file.size)
+    """The lines of an uncompressed JSONL file that start in bytes [part * unit_bytes, part * unit_bytes + size)."""
+    begin = part * unit_bytes
+    end = min(begin + size, file.size)
     rejected: tuple[tuple[int, str], ...] = ()
     try:
         with open_input(file.url, storage_options, listed=file) as raw:
