@@ -15,6 +15,7 @@ from shardkit.loaders import StreamingDataLoader, StreamingDataset
 from shardkit.loaders.sources.raw.segment_samples import SegmentSamples
 from shardkit.text.documents import tokenize_unit
 from test_raw_text import rows, take
+from shardkit.loaders.state.envelope import decode
 
 GPT2 = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2_hf_tokenizer.json"
 WORDS = "the of and a to in is was he for it with as his on be at by had are but from or data text".split()
@@ -98,8 +99,9 @@ def test_a_resumed_loader_restarts_inside_the_segment_and_continues_exactly(tmp_
     resumed = StreamingDataLoader(StreamingDataset(str(path), **settings), batch_size=4)
     resumed.load_state_dict(state)
     assert rows(head) + rows(take(resumed, 7)) == reference
-    # a state saved before the restart point was kept (six entries per cursor) resumes exactly too
-    old = {**state, "raw_text": {**state["raw_text"], "cursors": [row[:6] for row in state["raw_text"]["cursors"]]}}
+    # a state saved before the restart point was kept (version 1, six entries per cursor) resumes exactly too
+    flat = decode(state)
+    old = {**flat, "raw_text": {**flat["raw_text"], "cursors": [row[:6] for row in flat["raw_text"]["cursors"]]}}
     again = StreamingDataLoader(StreamingDataset(str(path), **settings), batch_size=4)
     again.load_state_dict(old)
     assert rows(head) + rows(take(again, 7)) == reference

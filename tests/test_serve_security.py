@@ -80,7 +80,8 @@ def test_bad_requests_get_a_clear_error_and_the_service_goes_on(data):
         loader = served(service.url)(0, 1)
         with pytest.raises(ValueError, match="data service: .*(other|dataset)"):
             loader.load_state_dict(other.state_dict())
-        beyond = {**loader.state_dict(), "samples_consumed": 10_000}
+        saved = loader.state_dict()
+        beyond = {**saved, "position": {**saved["position"], "samples": 10_000}}
         with pytest.raises(ValueError, match="data service: .*beyond the end of epoch"):
             loader.load_state_dict(beyond)
         # the dispatcher and the worker still serve
