@@ -68,7 +68,7 @@ def test_sentencepiece_model(tmp_path):
 def test_bad_specs():
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_tokenizer("/nonexistent/tokenizer.json")
-    with pytest.raises(ValueError, match="--vocab-size"):
+    with pytest.raises(ValueError, match="vocab_size= must be at least"):  # a Python call: its keyword
         train_bpe(CORPUS, vocab_size=100)
 
 

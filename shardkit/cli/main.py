@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from shardkit import __version__
 from shardkit.options import OptionParser, add_subcommands, command_parser
 from shardkit.redaction import redacted_output
+from shardkit.text.wording import command_line
 
 # Each provider module and the commands it registers: dataset commands (inspect, verify, cat), lineage (trace),
 # the build side (build, tokenizer; convert, export), the trainer (train, plot), the tuner, the end-to-end demo, the data service.
@@ -60,7 +61,7 @@ def build_parser(argv: Sequence[str] = ()) -> OptionParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything printed, by shardkit or by a library it calls, masks the credentials of the URLs given.
-    with redacted_output(*argv):
+    with redacted_output(*argv), command_line():  # errors name --options, not keywords
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:

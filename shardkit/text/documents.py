@@ -16,6 +16,7 @@ import numpy as np
 
 from shardkit.text.inputs import WorkUnit, _paragraphs
 from shardkit.text.tokenizers import Tokenizer, load_tokenizer
+from shardkit.text.wording import option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +245,8 @@ def _check(value: object, settings: DocumentSettings) -> str | _Reject:
     if not value or value.isspace():
         return _Reject("empty document (no text or only whitespace)")
     if len(value) > settings.max_doc_chars:
-        return _Reject(f"enormous document: {len(value)} characters, over --max-doc-chars {settings.max_doc_chars}")
+        return _Reject(f"enormous document: {len(value)} characters, over {option('max_doc_chars')} "
+                       f"{settings.max_doc_chars}")
     return value
 
 

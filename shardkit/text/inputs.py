@@ -29,6 +29,7 @@ import fsspec
 
 from shardkit.hashing import read_pieces, sha256_pieces
 from shardkit.storage import open_filesystem, redact_url, retry_call
+from shardkit.text.wording import inputs_name, option
 
 logger = logging.getLogger(__name__)
 
@@ -147,36 +148,37 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict[str, Any] | Non
         ValueError: an explicitly named file has an unrecognised suffix, or a file is named twice.
     """
     if not patterns:
-        raise ValueError("give at least one INPUT (file, directory, glob or URL)")
+        raise ValueError(f"give at least one of {inputs_name()} (file, directory, glob or URL)")
     files: list[InputFile] = []
     seen: dict[str, str] = {}
     for pattern in patterns:
         fs, path = open_filesystem(pattern, storage_options)
         matches, explicit = retry_call(functools.partial(_matches, fs, path), url=redact_url(pattern), what="list")
         if matches is None:
-            raise FileNotFoundError(f"INPUT {pattern}: no such file, directory or URL")
+            raise FileNotFoundError(f"{inputs_name()} {pattern}: no such file, directory or URL")
         chosen = []
         for match in matches:
             kind = classify(match)
             if kind is None:
                 if explicit:
-                    raise ValueError(f"INPUT {pattern}: unrecognised file type (expected one of "
+                    raise ValueError(f"{inputs_name()} {pattern}: unrecognised file type (expected one of "
                                      f"{', '.join(SUFFIXES)})")
                 logger.info("skipping %s: not a recognised input type", match)
                 continue
             chosen.append((match, kind))
         if not chosen:
-            raise FileNotFoundError(f"INPUT {pattern}: matches no {'/'.join(SUFFIXES)} file")
+            raise FileNotFoundError(f"{inputs_name()} {pattern}: matches no {'/'.join(SUFFIXES)} file")
         for match, (kind, compression) in chosen:
             url = _display(fs, match)
             if url in seen:
-                raise ValueError(f"INPUT {url} is named twice (by {seen[url]!r} and {pattern!r}); "
+                raise ValueError(f"{inputs_name()} {url} is named twice (by {seen[url]!r} and {pattern!r}); "
                                  "each file may appear once")
             seen[url] = pattern
             try:
                 digest = content_sha256(fs, match) if content_hashes else None
             except OSError as err:
-                raise OSError(f"INPUT {url}: cannot read it to fingerprint its content: {_describe(err)}") from err
+                raise OSError(f"{inputs_name()} {url}: cannot read it to fingerprint its content: "
+                              f"{_describe(err)}") from err
             info = retry_call(functools.partial(fs.info, match), url=redact_url(url), what="stat")
             files.append(InputFile(url=url, kind=kind, compression=compression, size=int(info["size"]),
                                    sha256=digest, name=posixpath.relpath(match, _input_root(fs, path, explicit)),
@@ -227,7 +229,7 @@ def max_text_bytes(max_doc_chars: int) -> int:
 def long_line_reason(limit: int, record: str = "line") -> str:
     """Why a line (or paragraph) longer than `limit` bytes is rejected (the build's and the raw-text loader's
     words)."""
-    return f"{record} is longer than {limit} bytes (raise --max-doc-chars to accept it)"
+    return f"{record} is longer than {limit} bytes (raise {option('max_doc_chars')} to accept it)"
 
 
 class _RetryingInput(io.RawIOBase):
@@ -610,7 +612,7 @@ def _whole_file_unit(file: InputFile, source: int, cursor: _Cursor, *, max_bytes
     index = cursor.next_index
     cursor.next_index += 1
     if file.size > max_bytes:
-        reason = f"file is {file.size} bytes, over the {max_bytes} allowed for one document (--max-doc-chars)"
+        reason = f"file is {file.size} bytes, over the {max_bytes} allowed for one document ({option('max_doc_chars')})"
         yield WorkUnit(index=index, source=source, file_unit=0, kind="txt", first_record=0,
                        rejected=((0, reason),), input_offset=file.size)
         return
@@ -638,7 +640,7 @@ def _parquet_units(file: InputFile, source: int, cursor: _Cursor, *, text_field:
             parquet = pq.ParquetFile(raw)
             if text_field not in parquet.schema_arrow.names:
                 raise ValueError(f"no column {text_field!r} (columns: {', '.join(parquet.schema_arrow.names)}); "
-                                 "choose one with --text-field")
+                                 f"choose one with {option('text_field')}")
             for batch in parquet.iter_batches(batch_size=rows_per_unit, columns=[text_field]):
                 rows = batch.num_rows
                 file_unit += 1
@@ -688,7 +690,7 @@ def iter_units(files: Sequence[InputFile], *, text_field: str = "text", txt_mode
         start: (unit index, file index, units to skip in that file) to resume from.
     """
     if txt_mode not in TXT_MODES:
-        raise ValueError(f"--txt-mode must be one of {TXT_MODES}, got {txt_mode!r}")
+        raise ValueError(f"{option('txt_mode')} must be one of {TXT_MODES}, got {txt_mode!r}")
     first_index, first_file, skip = start
     cursor = _Cursor(first_index)
     line_limit = max_line_bytes(max_doc_chars)

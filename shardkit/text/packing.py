@@ -36,6 +36,7 @@ import numpy as np
 
 from shardkit.formats import Sample, ShardArrays, arrays_from_samples
 from shardkit.formats.sample import OFFSETS_DTYPE
+from shardkit.text.wording import option
 
 PACKING_MODES = ("concat", "bestfit", "none")
 _I32 = np.int32
@@ -73,7 +74,8 @@ class Packer:
 
     def __post_init__(self) -> None:
         if self.sample_length < 2:
-            raise ValueError(f"--seq-len must be >= 1 (a window holds seq_len + 1 tokens), got {self.sample_length - 1}")
+            raise ValueError(f"{option('seq_len')} must be >= 1 (a window holds seq_len + 1 tokens), got "
+                             f"{self.sample_length - 1}")
         self.dtype = np.dtype(self.token_dtype)
 
     def feed(self, tokens: np.ndarray, lengths: np.ndarray, source: int, doc_index: np.ndarray) -> ShardArrays:
@@ -333,4 +335,4 @@ def make_packer(mode: str, *, seq_len: int, pad_id: int, token_dtype: str, buffe
         return BestFitPacker(seq_len + 1, pad_id, token_dtype, buffer_docs=buffer_docs, max_open=max_open)
     if mode == "none":
         return NonePacker(seq_len + 1, pad_id, token_dtype)
-    raise ValueError(f"--pack must be one of {PACKING_MODES}, got {mode!r}")
+    raise ValueError(f"{option('pack')} must be one of {PACKING_MODES}, got {mode!r}")

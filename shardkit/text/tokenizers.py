@@ -41,6 +41,7 @@ from shardkit.errors import MissingExtraError, optional_module
 from shardkit.hashing import file_sha256
 from shardkit.manifest import TokenizerInfo
 from shardkit.storage import atomic_path
+from shardkit.text.wording import option
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def _load_tiktoken_file(path: Path) -> TiktokenTokenizer:
     if encoding_name is None:
         encoding_name = _TIKTOKEN_BY_VOCAB.get(len(ranks))
     if encoding_name is None:
-        raise ValueError(f"--tokenizer {path}: cannot tell which split pattern this .tiktoken file needs "
+        raise ValueError(f"{option('tokenizer')} {path}: cannot tell which split pattern this .tiktoken file needs "
                          f"({len(ranks)} ranks; known: r50k/gpt2, p50k, cl100k, o200k). Name the file after "
                          "its encoding (e.g. cl100k_base.tiktoken) or use tiktoken:NAME")
     definition = _openai_definition(encoding_name, ranks)
@@ -212,9 +213,10 @@ def _load_tiktoken_name(name: str) -> TiktokenTokenizer:
     try:
         encoding = tiktoken.get_encoding(name)
     except ValueError as err:
-        raise ValueError(f"--tokenizer tiktoken:{name}: {err}") from err
+        raise ValueError(f"{option('tokenizer')} tiktoken:{name}: {err}") from err
     except Exception as err:  # noqa: BLE001 - a failed download names the network, not tiktoken
-        raise OSError(f"--tokenizer tiktoken:{name}: tiktoken could not load its files ({type(err).__name__}: "
+        raise OSError(f"{option('tokenizer')} tiktoken:{name}: tiktoken could not load its files "
+                      f"({type(err).__name__}: "
                       f"{err}); offline, point TIKTOKEN_CACHE_DIR at a cache holding them, or pass the "
                       ".tiktoken file path instead") from err
     return TiktokenTokenizer(encoding, name=f"tiktoken:{name}",
@@ -273,10 +275,10 @@ def _read_tokenizer_file(path: Path, spec: str, what: str, read):
     except MissingExtraError:
         raise  # the library is not installed: the error names the extra that installs it
     except OSError as err:
-        raise OSError(f"--tokenizer {spec}: cannot read it: {err.strerror or err}") from err
+        raise OSError(f"{option('tokenizer')} {spec}: cannot read it: {err.strerror or err}") from err
     except Exception as err:  # noqa: BLE001 - the libraries raise bare Exception / RuntimeError on bad files
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ValueError(f"--tokenizer {spec}: not {what} ({reason}); expected 'byte', 'tiktoken:NAME', or a "
+        raise ValueError(f"{option('tokenizer')} {spec}: not {what} ({reason}); expected 'byte', 'tiktoken:NAME', or a "
                          "tokenizer.json, an HF tokenizer directory, a .tiktoken or a .model file") from err
 
 
@@ -384,18 +386,19 @@ def load_tokenizer(spec: str) -> Tokenizer:
         FileNotFoundError: the spec is a path that does not exist.
     """
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"--tokenizer must be a non-empty spec, got {spec!r}")
+        raise ValueError(f"{option('tokenizer')} must be a non-empty spec, got {spec!r}")
     if spec == "byte":
         return ByteTokenizer()
     if spec.startswith("tiktoken:"):
         return _load_tiktoken_name(spec.split(":", 1)[1])
     path = Path(os.path.expanduser(spec))
     if not path.exists():
-        raise FileNotFoundError(f"--tokenizer {spec}: no such file or directory (expected 'byte', 'tiktoken:NAME', "
+        raise FileNotFoundError(f"{option('tokenizer')} {spec}: no such file or directory (expected 'byte', "
+                                "'tiktoken:NAME', "
                                 "or a path to tokenizer.json, an HF tokenizer directory, a .tiktoken or a .model file)")
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"--tokenizer {spec}: directory has no tokenizer.json (only HF 'fast' tokenizer "
+            raise ValueError(f"{option('tokenizer')} {spec}: directory has no tokenizer.json (only HF 'fast' tokenizer "
                              "directories are supported)")
         return HFTokenizer(path / "tokenizer.json", spec=spec, config_dir=path)
     if path.suffix == ".tiktoken":
@@ -404,7 +407,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return SentencePieceTokenizer(path, spec=spec)
     if path.suffix == ".json":
         return HFTokenizer(path, spec=spec)
-    raise ValueError(f"--tokenizer {spec}: unrecognised file type {path.suffix!r} "
+    raise ValueError(f"{option('tokenizer')} {spec}: unrecognised file type {path.suffix!r} "
                      "(expected tokenizer.json, .tiktoken or .model)")
 
 
@@ -427,8 +430,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, output: str | Path | Non
 
     minimum = 256 + len(special_tokens)
     if vocab_size < minimum:
-        raise ValueError(f"--vocab-size must be at least {minimum} (256 bytes + {len(special_tokens)} specials), "
-                         f"got {vocab_size}")
+        raise ValueError(f"{option('vocab_size')} must be at least {minimum} (256 bytes + {len(special_tokens)} "
+                         f"specials), got {vocab_size}")
     tokenizer = RustTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

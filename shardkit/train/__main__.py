@@ -17,10 +17,12 @@ STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 def main(argv: list[str] | None = None) -> int:
     from shardkit.redaction import redacted_output
+    from shardkit.text.wording import command_line
     from shardkit.train.options import parse_train_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    with redacted_output(*argv):  # every rank's messages mask the credentials of the URLs given
+    # every rank's messages mask the credentials of the URLs given, and name --options, not keywords
+    with redacted_output(*argv), command_line():
         return run(parse_train_args(argv))
 
 

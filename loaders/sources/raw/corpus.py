@@ -32,6 +32,7 @@ from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_c
 from shardkit.text.inputs import InputChangedError, InputFile, WorkUnit, expand_inputs
 from shardkit.text.packing import Packer, make_packer
 from shardkit.text.recipe import TextRecipe, check_count
+from shardkit.text.wording import setting
 from shardkit.text.tokenizers import with_special_ids
 
 from ...order.lanes import deal_lanes, lane_epoch_order, lane_units
@@ -278,9 +279,12 @@ class LaneStream:
             self._dry_units += 1
             if self._dry_units > len(self._units):
                 skipped = f"; {len(self.cuts)} unreadable units skipped" if self.cuts else ""
-                raise ValueError(f"lane {self.lane} of {self.corpus.num_lanes} holds no accepted document (its "
-                                 f"inputs: {', '.join(self.corpus.lane_inputs(self.lane))}){skipped}: give fewer "
-                                 "lanes (a larger share of the corpus per lane) or inputs that hold text")
+                lanes, unit_bytes = self.corpus.num_lanes, self.corpus.settings.unit_bytes
+                raise ValueError(f"lane {self.lane} of {lanes} holds no accepted document (its inputs: "
+                                 f"{', '.join(self.corpus.lane_inputs(self.lane))}){skipped}: give fewer lanes "
+                                 f"({setting('lanes', max(1, lanes // 2))}, now {lanes}: a larger share of the "
+                                 f"corpus per lane) or larger units ({setting('unit_bytes', 2 * unit_bytes)}, now "
+                                 f"{unit_bytes}), or inputs that hold text")
         # Counted as the build counts them (once per corpus: in lane epoch 0) by the reader that starts the
         # segment (a segment resumed into was counted before).
         self._counting = cursor.epoch == 0 and cursor.within == 0
