@@ -85,7 +85,12 @@ def make_state(corpus: str, out: Path, steps: int = 3) -> None:
         next(batches)
     state = loader.state_dict()
     out.write_text(json.dumps(state))
-    old = {**state, "raw_text": {**state["raw_text"], "cursors": [r[:6] for r in state["raw_text"]["cursors"]]}}
+    # The same position as the previous release writes it (version 1: flat, six-entry cursors, its identity recipe).
+    from shardkit.loaders.state.envelope import decode
+
+    flat = decode(state)
+    old = {**flat, "dataset": loader.dataset.source.corpus.legacy_fingerprint,
+           "raw_text": {**flat["raw_text"], "cursors": [r[:6] for r in flat["raw_text"]["cursors"]]}}
     out.with_suffix(".old.json").write_text(json.dumps(old))
 
 
