@@ -72,8 +72,8 @@ print(json.dumps({{"client": storage.client, "import_ms": 1e3 * (imported - bega
 def child(code: str, client: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("SHARDKIT_STORAGE_CLIENT", None)
-    if client == "fsspec":
-        env["SHARDKIT_STORAGE_CLIENT"] = "fsspec"
+    if client is not None:  # shardkit's runs name their client (fsspec is the default, obstore is asked for)
+        env["SHARDKIT_STORAGE_CLIENT"] = client
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env,
                           cwd="/tmp")
     return json.loads(done.stdout.splitlines()[-1])

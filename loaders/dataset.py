@@ -56,6 +56,12 @@ class StreamingDataset(IterableDataset):
         process_group: data-parallel process group to take rank and world size from.
         device_mesh, mesh_dim: or a DeviceMesh and its data-parallel dimension.
         batch_size: samples per rank per step when iterated without `StreamingDataLoader`.
+        service: read from a `shardkit serve` data service at this address (grpc://HOST:PORT) instead: its workers
+            read the data and send each rank the batches this class would give it (`source` may then be None, or
+            the data meant, which the service's must match).
+        service_token: the service's shared token (default `$SHARDKIT_SERVICE_TOKEN`).
+        service_timeout: seconds to wait for the service, and for a worker's next batch before the stream moves
+            to another worker.
         **options: `LoaderConfig` fields (`shuffle=False`, `cache_limit=...`) applied over `config`; with
             `tokenizer=`, also how text becomes samples (`seq_len`, `pack`, `text_field`, `txt_mode`,
             `unit_bytes`, `lanes`, `eos_id`, `bos_id`, `max_doc_chars`, `bestfit_buffer`, `bestfit_open`:
@@ -87,12 +93,13 @@ class StreamingDataset(IterableDataset):
         group_args = dict(process_group=process_group, device_mesh=device_mesh, mesh_dim=mesh_dim)
         if service is not None:
             if decided_by_service:
-                raise ValueError(f"{', '.join(sorted(decided_by_service))}: with service= the service decides the data and how it is read "
-                                 "(give them to shardkit serve)")
+                raise ValueError(f"{', '.join(sorted(decided_by_service))}: with service= the service decides the data "
+                             "and how it is read (give them to shardkit serve)")
             self.source = served_source(service, token=service_token, timeout=service_timeout, expected=source,
                                         topology_args=topology_args, group_args=group_args)
         elif source is None:
-            raise TypeError("StreamingDataset needs a source (a dataset URL, raw text inputs or streams), or service=")
+            raise TypeError("source must be a dataset URL (str), a Stream, or a non-empty list of Stream (raw text "
+                            "inputs with tokenizer=), or give service=; got None")
         elif tokenizer is None:
             if text:
                 raise ValueError(f"{', '.join(sorted(text))}: how raw text becomes samples, which needs tokenizer= "

@@ -52,7 +52,8 @@ def first_batch(url, cold, state=None):
     imported = sorted(set(sys.modules) - before)
     # Read before the iterator goes: closing it completes the shards in the background (threads of their own).
     # The closing thread starts once per process, with its first shard handle (the whole-shard run).
-    threads = [name for name in started if name != "shardkit-closer"]
+    # The first-batch notice's watcher (loaders.delivery.waiting) only waits on a timer: no read work.
+    threads = [name for name in started if name not in ("shardkit-closer", "shardkit-first-batch-notice")]
     return {**{name: name in sys.modules for name in MODULES}, "threads": threads, "imported": imported}
 
 MODULES = json.loads(sys.argv[2])

@@ -13,6 +13,7 @@ import pytest
 from conftest import free_port
 from resume_contract import batch_ids, save, take
 from shardkit.loaders import StreamingDataLoader, StreamingDataset
+from shardkit.serve.data import DataSpec
 from shardkit.serve.local import LocalService
 from test_serve import data, in_process, served, spec_of  # noqa: F401 - the module's data fixture
 
@@ -30,9 +31,20 @@ def busy_worker(service: LocalService, timeout: float = 10.0) -> dict:
     raise AssertionError(f"no worker reports an open stream: {service.workers()}")
 
 
+@pytest.fixture(scope="module")
+def long_built(tmp_path_factory):
+    """Built data whose epoch (about 10 MB) outlasts what gRPC lets a worker send ahead: a worker killed after 8
+    batches still has a stream open (the module's small dataset fits in the window, its stream ends at once)."""
+    from loader_helpers import write_fixed
+
+    root = tmp_path_factory.mktemp("long")
+    write_fixed(str(root / "built"), 1200, seq_len=1023, per_shard=200)
+    return DataSpec(source=str(root / "built"), options={"cache_dir": str(root / "cache")})
+
+
 @pytest.mark.parametrize("kind", ["built", "raw"])
-def test_a_worker_killed_mid_run_loses_and_repeats_nothing(data, kind):
-    spec = spec_of(data, kind)
+def test_a_worker_killed_mid_run_loses_and_repeats_nothing(data, kind, request):
+    spec = request.getfixturevalue("long_built") if kind == "built" else spec_of(data, kind)
     with LocalService(spec, workers=2) as service:
         service.wait_for_workers(2)
         want = take(in_process(spec)(0, 1), 30)

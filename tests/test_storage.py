@@ -654,13 +654,14 @@ def _read_in_forked_child(storage, name):
 
 
 @pytest.mark.s3
-def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket):
+def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket, monkeypatch):
     """tokio's runtime does not survive fork(): a DataLoader worker forked after its parent read through obstore
     would hang at its first request; it reads through fsspec instead, and so does a Storage it opens, with s3fs
     and botocore's models imported and parsed once in the parent before the fork (not once per worker)."""
     import multiprocessing
 
     pytest.importorskip("obstore")
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "obstore")  # inherited by the forked child, which still falls back
     url, options = s3_bucket
     storage = Storage(url, options)
     storage.write_bytes("f.bin", b"forked")  # obstore's runtime now runs in this process
@@ -677,13 +678,15 @@ def test_options_decide_the_path_and_mean_the_same_on_both(s3_bucket, tmp_path, 
     fsspec kept for an option obstore cannot honour (botocore's config_kwargs), and when asked."""
     pytest.importorskip("obstore")
     url, options = s3_bucket
+    assert Storage(url, options).client == "fsspec"  # the default until obstore is asked for (object_store.py)
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "obstore")
     assert Storage(url, options).client == "obstore"
     assert Storage(url, {**options, "config_kwargs": {"s3": {"addressing_style": "virtual"}}}).client == "fsspec"
     assert Storage(url, {**options, "client_kwargs": {"verify": False}}).client == "fsspec"
     assert Storage("memory://x/data").client == "fsspec"
     monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "fsspec")
     assert Storage(url, options).client == "fsspec"
-    monkeypatch.delenv("SHARDKIT_STORAGE_CLIENT")
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "obstore")
     keys = Storage(url, {**options, "key": "AKIDEXPLICIT", "secret": "explicit-secret"}).objects.settings["config"]
     assert keys["access_key_id"] == "AKIDEXPLICIT" and keys["secret_access_key"] == "explicit-secret"
     assert keys["endpoint"] == options["endpoint_url"] and keys["region"] == "us-east-1"

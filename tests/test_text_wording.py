@@ -8,7 +8,7 @@ import pytest
 
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.cli.main import main
-from shardkit.text.wording import WORDING_ENV
+from shardkit.wording import WORDING_ENV
 
 
 def _python_error(**options):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from shardkit import __version__
 from shardkit.options import OptionParser, add_subcommands, command_parser
 from shardkit.redaction import redacted_output
-from shardkit.text.wording import command_line
+from shardkit.wording import command_line
 
 # Each provider module and the commands it registers: dataset commands (inspect, verify, cat), lineage (trace),
 # the build side (build, tokenizer; convert, export), the trainer (train, plot), the tuner, the end-to-end demo, the data service.

@@ -16,7 +16,7 @@ import numpy as np
 
 from shardkit.text.inputs import WorkUnit, _paragraphs
 from shardkit.text.tokenizers import Tokenizer, load_tokenizer
-from shardkit.text.wording import option
+from shardkit.wording import option
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ import fsspec
 
 from shardkit.hashing import read_pieces, sha256_pieces
 from shardkit.storage import open_filesystem, redact_url, retry_call
-from shardkit.text.wording import inputs_name, option
+from shardkit.wording import inputs_name, option
 
 logger = logging.getLogger(__name__)
 

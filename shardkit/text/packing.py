@@ -36,7 +36,7 @@ import numpy as np
 
 from shardkit.formats import Sample, ShardArrays, arrays_from_samples
 from shardkit.formats.sample import OFFSETS_DTYPE
-from shardkit.text.wording import option
+from shardkit.wording import option
 
 PACKING_MODES = ("concat", "bestfit", "none")
 _I32 = np.int32

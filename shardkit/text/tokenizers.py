@@ -41,7 +41,7 @@ from shardkit.errors import MissingExtraError, optional_module
 from shardkit.hashing import file_sha256
 from shardkit.manifest import TokenizerInfo
 from shardkit.storage import atomic_path
-from shardkit.text.wording import option
+from shardkit.wording import option
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 def main(argv: list[str] | None = None) -> int:
     from shardkit.redaction import redacted_output
-    from shardkit.text.wording import command_line
+    from shardkit.wording import command_line
     from shardkit.train.options import parse_train_args
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -32,7 +32,7 @@ from shardkit.text.documents import DocumentSettings, cached_tokenizer, reason_c
 from shardkit.text.inputs import InputChangedError, InputFile, WorkUnit, expand_inputs
 from shardkit.text.packing import Packer, make_packer
 from shardkit.text.recipe import TextRecipe, check_count
-from shardkit.text.wording import setting
+from shardkit.wording import setting
 from shardkit.text.tokenizers import with_special_ids
 
 from ...order.lanes import deal_lanes, lane_epoch_order, lane_units

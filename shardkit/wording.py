@@ -1,4 +1,5 @@
-"""Errors in the caller's language: the same option is `--seq-len` on a command line and `seq_len=` in Python.
+"""Errors in the caller's language: the same option is `--seq-len` on a command line and `seq_len=` in Python (core:
+the text layer words its errors with it, the CLI and the trainer mark their processes).
 
 The text layer is shared by `shardkit build` (a command) and the raw-text `StreamingDataset` (a Python API), and its
 messages name the option to change. They say it the Python way unless a command line runs: the CLI marks its
