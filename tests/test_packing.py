@@ -176,7 +176,7 @@ def test_bestfit_fills_windows_tightly():
 
 
 def test_bad_mode_and_bestfit_sizes_are_refused():
-    with pytest.raises(ValueError, match="--pack"):
+    with pytest.raises(ValueError, match="pack= must be one of"):  # a Python call: its keyword
         make_packer("shuffle", seq_len=8, pad_id=0, token_dtype="uint16")
     for sizes in (dict(buffer_docs=0), dict(max_open=-1)):
         with pytest.raises(ValueError, match="buffer_docs must be >= 1 and max_open >= 0"):

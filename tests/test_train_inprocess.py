@@ -258,5 +258,7 @@ def test_metrics_ports_beyond_65535_are_refused_on_every_rank_before_any_process
     data, _ = datasets
     result = torchrun(tmp_path / "run", data, nproc=2, extra=("--metrics-port", "65535"), timeout=120)
     message = "--metrics-port 65535 + local rank goes up to 65536 with 2 ranks on this node, beyond 65535"
-    assert result.returncode != 0 and result.stderr.count(message) == 2, result.stderr[-3000:]
+    # Every rank checks it before any process group; torchrun stops the other rank as soon as one exits, so the
+    # second may be stopped before it prints (a race seen on a busy machine): at least one refusal, no group.
+    assert result.returncode != 0 and result.stderr.count(message) >= 1, result.stderr[-3000:]
     assert "gloo" not in result.stderr.lower() and "ProcessGroup" not in result.stderr
