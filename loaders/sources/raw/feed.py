@@ -27,7 +27,7 @@ from ...delivery.closing import closed_at_exit
 from .batches import CURSORS_KEY, UNREADABLE_KEY
 from .iteration import RawIteration
 from ...order.lanes import merge_cursors
-from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS
+from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS, LaneCursor
 from .units import few_lanes_advice
 from .unreadable import UnitCuts, agree, log_skipped, settle
 from ...source import Feed
@@ -258,8 +258,9 @@ def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_cons
         ValueError: naming the lane and the field.
     """
     counts = source.lane_counts(samples_consumed)
-    for lane, cursor in sorted(cursors.items()):
-        samples, unit, within = cursor[0], cursor[2], cursor[4]  # delivered; unit of the epoch; of its segment
+    for lane, row in sorted(cursors.items()):
+        cursor = LaneCursor(*row)
+        samples, unit, within = cursor.samples, cursor.unit, cursor.within
         where = f"cannot resume: the loader state's cursor of lane {lane}"
         if lane >= len(counts):
             raise ValueError(f"{where}: this corpus has {len(counts)} lanes (a damaged or edited state)")
