@@ -15,7 +15,9 @@ The wings, one job each (docs/LOADING.md, "How the read side is put together"):
   `steps`, `batch_modes`, `token_budget`, `token_batches`; `mixing`, `schedule`, `remix`: mixtures and their
   changes; `skipping`, `quarantine`; `lanes`, `mixed_lanes`: raw text's lanes and a raw mixture's order).
 - `cache/`: the node-local shard cache (`shard_cache`; `store`, `decoded_store`, `memory_stores`: one store per
-  `cache_mode`; `directory`; `block_reader`: a format v2 shard read block by block before it is local).
+  `cache_mode`; `directory`; a format v2 shard read block by block before it is local: `shard_blocks` (each block
+  fetched, verified, decoded, placed), `block_completion` (the rest in the background), `block_reader` (what a
+  batch asks for)).
 - `state/`: `loader_state` (the resume state, composed of the stages' `state()`), `fingerprint` (data identity).
 - `delivery/`: `topology`, `tensors`, `batch_counts`, `closing`, `parent_watch`, `worker_copies`, `frameworks`,
   `resharding`: how batches reach the training loop and what guards it.

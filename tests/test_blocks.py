@@ -22,6 +22,7 @@ from shardkit.formats.blocks import BlockIndex
 from shardkit.formats.shard_bytes import decode_block
 from shardkit.formats import shard_bytes as shard_bytes_module
 import shardkit.loaders.cache.block_reader as block_reader_module
+import shardkit.loaders.cache.shard_blocks as shard_blocks_module
 import shardkit.loaders.cache.shard_cache as cache_module
 from shardkit.loaders.config import CACHE_MODES
 from shardkit.loaders.cache.block_reader import BlockReader
@@ -337,13 +338,13 @@ def test_bytes_outside_the_blocks_are_checked_only_where_they_are_kept(tmp_path,
 def test_a_completion_in_many_runs_reuses_its_buffer_without_mixing_blocks(tmp_path, cold_blocks, monkeypatch):
     """The background completion reads each run of blocks into one reused buffer: with runs of ~3 blocks
     (so every run overwrites the previous one's bytes), every sample still arrives intact."""
-    import shardkit.loaders.cache.block_reader as block_reader_module
+    import shardkit.loaders.cache.block_completion as block_completion_module
 
     url = str(tmp_path / "ds")
     manifest = write_blocks(url, 240, shard_format="arrow")
     shard = manifest.shards[0]
     blocks = block_index(url, shard).blocks
-    monkeypatch.setattr(block_reader_module, "COMPLETION_RANGE_BYTES", 3 * (blocks[1].byte_end - blocks[1].byte_start))
+    monkeypatch.setattr(block_completion_module, "COMPLETION_RANGE_BYTES", 3 * (blocks[1].byte_end - blocks[1].byte_start))
     reads = count_reads(monkeypatch)
     cache = cache_module.ShardCache(Storage(url), manifest, str(tmp_path / "cache"), cache_mode="none")
     handle = cache.open(0, on_demand=True)
@@ -530,12 +531,12 @@ def test_a_first_batch_reads_blocks_once_and_places_none(tmp_path, cold_blocks, 
         decoded[number] += 1
         return original(data, block, number=number, **kwargs)
 
-    block_reader_module.decode_block = counting
+    shard_blocks_module.decode_block = counting
     try:
         handle.ensure([0])  # the second read starts the completion
         assert partial.wait_complete(30)
     finally:
-        block_reader_module.decode_block = original
+        shard_blocks_module.decode_block = original
     handle.close()
     cache.drain()
     assert [k for k, count in enumerate(decoded) if count != 1] == partial._index.blocks_of(wanted)
