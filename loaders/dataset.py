@@ -128,7 +128,7 @@ class StreamingDataset(IterableDataset):
         """Rank, world and node layout, resolved now (see `shardkit.loaders.delivery.topology`)."""
         return self.source.topology()
 
-    def fingerprint(self) -> str:
+    def identity(self) -> str:
         """Identity of the data and of how it becomes samples (stream weights too), not of its location."""
         return self.source.identity()
 

@@ -87,7 +87,7 @@ def test_dataset_fingerprints_use_the_formula(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     first, second = write_fixed(a, 120, seq_len=8, per_shard=50), write_fixed(b, 60, seq_len=8, per_shard=50)
     single = StreamingDataset(a, cache_dir=str(tmp_path / "cache"), rank=0, world_size=1)
-    assert single.fingerprint() == reference([first], []) == single.stream_identities()[0]
+    assert single.identity() == reference([first], []) == single.stream_identities()[0]
     mixed = StreamingDataset([Stream(a, 2.0), Stream(b, 1.0)], cache_dir=str(tmp_path / "cache"), rank=0, world_size=1)
-    assert mixed.fingerprint() == reference([first, second], [2.0, 1.0])
+    assert mixed.identity() == reference([first, second], [2.0, 1.0])
     assert mixed.stream_identities() == [reference([first], []), reference([second], [])]

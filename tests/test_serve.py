@@ -135,7 +135,7 @@ def test_the_consumer_tells_what_it_reads(data):
         service.wait_for_workers(1)
         dataset = StreamingDataset(None, service=service.url, rank=0, world_size=1)
         here = StreamingDataset(str(data / "built"), cache_dir=str(data / "cache"))
-        assert dataset.fingerprint() == here.fingerprint()
+        assert dataset.identity() == here.identity()
         assert dataset.stream_identities() == here.stream_identities()
         assert dataset.source.shapes()[0][1].seq_len == 16
         loader = StreamingDataLoader(dataset, batch_size=4)

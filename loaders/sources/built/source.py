@@ -78,7 +78,7 @@ class BuiltSource(Source):
         self._topology_args, self._group_args = topology_args, group_args
         self._skipped: np.ndarray | None = None  # skip_samples resolved to sample ids (on first use)
         self._orders: dict[tuple, Order] = {}
-        self._fingerprints: dict[str | int, str] = {}  # see fingerprint(): computed once, O(shards) each
+        self._identities: dict[str | int, str] = {}  # see identity(): computed once, O(shards) each
 
     def __getstate__(self) -> dict:
         # Process groups and meshes do not pickle; workers get the topology through the iteration plan.
@@ -137,15 +137,25 @@ class BuiltSource(Source):
 
     # -- identity ------------------------------------------------------------------------------
     def identity(self) -> str:
-        return self.fingerprint()
+        """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
+        if "all" not in self._identities:
+            weights = [weight_spec(s.weight) for s in self.streams] if len(self.streams) > 1 else []
+            self._identities["all"] = data_fingerprint(self.sources.manifests, weights)
+        return self._identities["all"]
 
     def stream_identities(self) -> list[str]:
-        return self.stream_fingerprints()
+        """Per stream, the identity it has as a dataset of its own (its shards, not its weight)."""
+        manifests = self.sources.manifests
+        if len(manifests) == 1:
+            return [self.identity()]  # one stream: no weights, the same value
+        for i, manifest in enumerate(manifests):
+            if i not in self._identities:
+                self._identities[i] = data_fingerprint([manifest], [])
+        return [self._identities[i] for i in range(len(manifests))]
 
     def stream_records(self) -> list[dict[str, Any]]:
-        return [{"url": stream.url, "fingerprint": fingerprint, "num_samples": manifest.num_samples}
-                for stream, fingerprint, manifest in zip(self.streams, self.stream_fingerprints(),
-                                                         self.sources.manifests)]
+        return [{"url": stream.url, "fingerprint": identity, "num_samples": manifest.num_samples}
+                for stream, identity, manifest in zip(self.streams, self.stream_identities(), self.sources.manifests)]
 
     def shapes(self) -> list[tuple[str, Any]]:
         return [(stream.url, manifest) for stream, manifest in zip(self.streams, self.sources.manifests)]
@@ -153,32 +163,15 @@ class BuiltSource(Source):
     def describe(self) -> str:
         return ", ".join(stream.url for stream in self.streams)
 
-    def fingerprint(self) -> str:
-        """Identity of the data (shard names, sizes and hashes, stream weights), not of its location."""
-        if "all" not in self._fingerprints:
-            weights = [weight_spec(s.weight) for s in self.streams] if len(self.streams) > 1 else []
-            self._fingerprints["all"] = data_fingerprint(self.sources.manifests, weights)
-        return self._fingerprints["all"]
-
-    def stream_fingerprints(self) -> list[str]:
-        """Per stream, the fingerprint it has as a dataset of its own (a stream's identity in a mixture)."""
-        manifests = self.sources.manifests
-        if len(manifests) == 1:
-            return [self.fingerprint()]  # one stream: no weights, the same value
-        for i, manifest in enumerate(manifests):
-            if i not in self._fingerprints:
-                self._fingerprints[i] = data_fingerprint([manifest], [])
-        return [self._fingerprints[i] for i in range(len(manifests))]
-
     def _mixture_streams(self) -> MixtureStreams:
-        return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_fingerprints(),
+        return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_identities(),
                               weights=[s.weight for s in self.streams], epoch_size=self.positions_per_epoch,
                               policy=self.config.partial_batches)
 
     # -- the order's part of the resume state --------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The order's fields of `LoaderState` (data identity, order options, partitions, mixture record)."""
-        return {**self.config.order_values(), "num_partitions": self.num_partitions, "dataset": self.fingerprint(),
+        return {**self.config.order_values(), "num_partitions": self.num_partitions, "dataset": self.identity(),
                 "num_samples": self.num_samples, **self.mixture.state()}
 
     def restore(self, saved: LoaderState, *, allow_mixture_change: bool = False) -> bool:
@@ -194,7 +187,7 @@ class BuiltSource(Source):
             raise ValueError("cannot resume: the saved loader state is raw text's (a raw-text dataset, or a mixture "
                              "with raw-text streams), this loader reads built datasets only")
         explicit = self.config.num_partitions
-        values = {**self.config.order_values(), "dataset": self.fingerprint(), "num_samples": self.num_samples,
+        values = {**self.config.order_values(), "dataset": self.identity(), "num_samples": self.num_samples,
                   "num_partitions": explicit if explicit is not None else saved.num_partitions}
         current = dataclasses.replace(saved, **values)
         differences, fixed = saved.differences(current), saved.differences(current, ignore=MIXTURE_FIELDS)
