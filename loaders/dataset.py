@@ -28,6 +28,7 @@ from .sources.service.source import served_source
 from .sources.raw.corpus import RawTextSettings
 from .sources.built.streams import Sources, streams_of
 from .sources.built.token_batches import PROGRESS_KEY
+from .source import Provenance
 from .delivery.topology import Topology, check_topology_args
 
 # Re-exported: their callers import them from here (the loader, the trainer, integrations, benchmarks).
@@ -135,6 +136,11 @@ class StreamingDataset(IterableDataset):
     def stream_identities(self) -> list[str]:
         """Per stream, in sample-id order, the identity of its data (not its weight)."""
         return self.source.stream_identities()
+
+    def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
+        """Where each sample id comes from: its place (shard or lane), document segments and tokens
+        (`Source.provenance`; `state`: a loader state saved before those samples, where raw text may start)."""
+        return self.source.provenance(sample_ids, state=state)
 
     @property
     def epoch(self) -> int:

@@ -7,8 +7,9 @@ outside a source asks which kind it is: what differs between kinds is a property
 
 Three roles, each small (torchdata.nodes' `BaseNode` and Grain's `MapDataset` are the size aimed at):
 
-- `Source`: the data's identity, shape and topology, and the batches `iter(dataset)` yields (a DataLoader
-  worker's share of them, or whole batches when iterated in the loading process);
+- `Source`: the data's identity, shape and topology, the batches `iter(dataset)` yields (a DataLoader
+  worker's share of them, or whole batches when iterated in the loading process), and the provenance of a
+  sample (`shardkit trace`);
 - `Feed` (`Source.feed`): the loader's side of one source: its iteration, length and global resume state;
 - `Standalone` (`Source.standalone`): the dataset iterated without `StreamingDataLoader` (torch's DataLoader,
   torchdata's `StatefulDataLoader`): its iteration, epoch and state, or a refusal that names the loader.
@@ -22,8 +23,36 @@ StreamingDataset ──holds──> Source ──feed()──────> Feed 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleProvenance:
+    """Where one sample comes from (what `shardkit trace` shows of it).
+
+    Attributes:
+        place: where the source keeps the sample: {"dataset", "shard", "shard_index"} for a built shard's,
+            {"dataset", "lane", "lane_sample", "lane_epoch"} for raw text's (`dataset`: the data's URL).
+        documents: its document segments, each {"start", "end", "source", "source_name", "doc"}: tokens
+            [start, end) of document `doc` (line, row or paragraph) of input `source_name` (source -1: padding);
+            empty when the data records none.
+        tokens: the sample's tokens, as the loader gives them.
+    """
+
+    place: dict[str, Any]
+    documents: list[dict[str, Any]]
+    tokens: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """`Source.provenance`'s answer: each sample id's `SampleProvenance`, and `reread`: samples the source made
+    again to find them (raw text packs its lanes again; 0 where samples are read from shards)."""
+
+    samples: dict[int, SampleProvenance] = field(default_factory=dict)
+    reread: int = 0
 
 
 class Source(ABC):
@@ -50,6 +79,17 @@ class Source(ABC):
     @abstractmethod
     def stream_records(self) -> list[dict[str, Any]]:
         """Per stream: {"url", "fingerprint", "num_samples"} (0 for endless streams), as a run records them."""
+
+    def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
+        """Where each of `sample_ids` (the ids the loader gives, `--log-sample-ids` logs) comes from: its place, its
+        documents and its tokens. `state`: a loader state saved before those samples, from which a source that
+        must make its samples again (raw text) may start instead of its beginning.
+
+        Raises:
+            IndexError: an id outside the data, naming it.
+            ValueError: a source that cannot say (naming it).
+        """
+        raise ValueError(f"{self.describe()} cannot say where its samples come from: trace the data it reads")
 
     @abstractmethod
     def shapes(self) -> list[tuple[str, Any]]:

@@ -38,6 +38,9 @@ from ..order.schedule import weight_spec
 from ..state.loader_state import LoaderState
 from .built.streams import holds_manifest
 from .mixture_streams import BuiltSamples, _options, open_streams
+from .built.provenance import ShardSamples
+from .raw.provenance import LanePlace, checked_ids, lane_provenance
+from ..source import Provenance
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +191,17 @@ class RawMixtureSource(RawTextSource):
         # ids count through the streams as `order.mixed_lanes` numbers them; endless: no sample count
         return [{"url": s.url, "fingerprint": identity, "num_samples": 0}
                 for s, identity in zip(self.streams, self.stream_identities())]
+
+    def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
+        ids = checked_ids(sample_ids)
+        streams, lanes, indexes = (a.tolist() for a in self.order.places_of_ids(ids))
+        found = lane_provenance(self, {i: LanePlace(self.streams[s].url, lane, index) for i, s, lane, index
+                                       in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0}, state)
+        built = [s for s, stream in enumerate(self.streams) if not stream.raw_text]  # `self.sources`' streams
+        shards = ShardSamples(self.sources.storages, self.sources.manifests) if built else None
+        samples = {i: found.samples[i] if lane >= 0 else shards.provenance(built.index(s), index)
+                   for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes)}
+        return Provenance(samples=samples, reread=found.reread)
 
     def describe(self) -> str:
         return f"a mixture of {', '.join(s.url for s in self.streams)} (raw text pack={self.corpus.settings.pack!r})"

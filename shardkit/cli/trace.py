@@ -182,73 +182,49 @@ def _identity(manifest) -> str:
 
 # -- forward: a step's samples ---------------------------------------------------------------------
 
-class _Dataset:
-    """One dataset's manifest and the shards read so far (each at most once, verified)."""
-
-    def __init__(self, url: str, options: dict[str, Any]):
-        from shardkit.manifest import load_manifest
-        from shardkit.storage import Storage
-
-        self.storage = Storage(url, options)
-        self.manifest = load_manifest(self.storage)
-        self._arrays: dict[int, Any] = {}
-
-    def arrays(self, position: int):
-        if position not in self._arrays:
-            from shardkit.formats.fetch import read_shard
-            from shardkit.formats.reader import ShardReader
-
-            shard = self.manifest.shards[position]
-            self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
-                data, shard=shard, manifest=self.manifest, verify=False)).arrays
-        return self._arrays[position]
-
-
-def _datasets_at(run_dir: Path, step: int, data: str | None, options: dict[str, Any]) -> list[_Dataset]:
-    """The datasets whose global sample ids the run logged at `step`, checked against the identities the
-    run recorded (`data`: other URLs for them, e.g. after a move)."""
+def _built_run_dataset(run_dir: Path, step: int, data: str | None, options: dict[str, Any]) -> Any:
+    """The run's built data whose global sample ids it logged at `step` (`data`: other URLs for it, e.g. after a
+    move), checked against the identities the run recorded; each stream of weight 1: weights do not decide which
+    data a sample id is."""
     entries = _streams_log(run_dir)
     if entries is None:  # a run from before streams were recorded: its configuration is all there is
-        return [_Dataset(url, options) for url in _run_streams(run_dir, data)]
+        return _built_dataset(_run_streams(run_dir, data), options)
     streams = _streams_at(entries, step, run_dir)
     urls = [s["url"] for s in streams] if data is None else _run_streams(run_dir, data)
     if len(urls) != len(streams):
         raise ValueError(f"--data names {len(urls)} dataset(s) but run {run_dir} trained on {len(streams)} at step "
                          f"{step} ({', '.join(s['url'] for s in streams)})")
-    datasets = [_Dataset(url, options) for url in urls]
-    for dataset, stream in zip(datasets, streams):
-        if _identity(dataset.manifest) != stream["fingerprint"]:
-            raise ValueError(f"{dataset.storage.display_url} is not the dataset run {run_dir} trained on at step "
-                             f"{step} (its shards differ from those of {stream['url']} then); pass that dataset "
-                             "with --data")
-    return datasets
+    dataset = _built_dataset(urls, options)
+    for url, identity, stream in zip(urls, dataset.stream_identities(), streams):
+        if identity != stream["fingerprint"]:
+            raise ValueError(f"{url} is not the dataset run {run_dir} trained on at step {step} (its shards differ "
+                             f"from those of {stream['url']} then); pass that dataset with --data")
+    return dataset
 
 
-def _decoder(config: TraceConfig, expected, default: str, *, whose: str = "the dataset was built with",
+def _built_dataset(urls: list[str], options: dict[str, Any]) -> Any:
+    from shardkit.loaders.dataset import StreamingDataset
+    from shardkit.loaders.order.mixing import Stream
+
+    # No node cache: provenance reads the few shards a trace needs whole, verified, and keeps nothing.
+    return StreamingDataset([Stream(url) for url in urls], rank=0, world_size=1, storage_options=options,
+                            cache_mode="none")
+
+
+def _decoder(config: TraceConfig, expected: list[Any], default: str, *, whose: str = "the dataset was built with",
              owner: str = "the dataset's tokenizer"):
-    """The tokenizer that decodes `--text`: `--tokenizer`, else `default`; refused unless it is `expected` (a
-    `TokenizerInfo`) or `--force`."""
+    """The tokenizer that decodes `--text`: `--tokenizer`, else `default`; refused unless it is each of `expected`
+    (the streams' `TokenizerInfo`s) or `--force`."""
     from shardkit.cli.dataset import _load_tokenizer, tokenizer_differences
 
     spec = config.tokenizer or default
     tokenizer = _load_tokenizer(spec)
-    differences = tokenizer_differences(getattr(tokenizer, "info", None), expected)
-    if differences and not config.force:
-        raise ValueError(f"tokenizer {spec!r} is not the one {whose} ({'; '.join(differences)}): "
-                         f"its text would be wrong. Pass {owner} with --tokenizer, or --force")
+    for info in expected:
+        differences = tokenizer_differences(getattr(tokenizer, "info", None), info)
+        if differences and not config.force:
+            raise ValueError(f"tokenizer {spec!r} is not the one {whose} ({'; '.join(differences)}): "
+                             f"its text would be wrong. Pass {owner} with --tokenizer, or --force")
     return tokenizer
-
-
-def _built_sample(dataset: _Dataset, sample_id: int) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
-    """(entry fields, segments, tokens) of sample `sample_id` of a built dataset, from its shard."""
-    from shardkit.lineage import locate_samples, sample_segments
-
-    [(position, local)] = locate_samples(dataset.manifest, [sample_id])
-    arrays = dataset.arrays(position)
-    segments = [dataclasses.asdict(s) for s in sample_segments(dataset.manifest, arrays, local)]
-    fields = {"dataset": dataset.storage.display_url, "shard": dataset.manifest.shards[position].name,
-              "shard_index": local}
-    return fields, segments, arrays.sample(local).tokens
 
 
 def _add_text(entry: dict[str, Any], segments: list[dict[str, Any]], tokens: Any, decoder: Any) -> None:
@@ -258,8 +234,23 @@ def _add_text(entry: dict[str, Any], segments: list[dict[str, Any]], tokens: Any
         piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
 
 
+def _sample_entries(found: dict[int, tuple[list[int], bool]], provenance: Any, decoder: Any) -> list[dict[str, Any]]:
+    """Per rank, per logged id: where the sample comes from and its segments (`Source.provenance`), with text."""
+    samples = []
+    for rank in sorted(found):
+        ids, skipped = found[rank]
+        for sample_id in ids:
+            record = provenance.samples[sample_id]
+            segments = [dict(segment) for segment in record.documents]
+            entry = {"rank": rank, "sample_id": sample_id, **record.place, "skipped": skipped, "segments": segments}
+            if decoder is not None:
+                _add_text(entry, segments, record.tokens, decoder)
+            samples.append(entry)
+    return samples
+
+
 def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
-    """The samples of `config.step` (all ranks or `config.rank`) with their shards and segments."""
+    """The samples of `config.step` (all ranks or `config.rank`) with their places and segments."""
     run_dir = Path(config.target)
     found: dict[int, tuple[list[int], bool]] = {}
     steps_seen = [None, None]
@@ -277,37 +268,26 @@ def trace_step(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     start = _start_at(entries, config.step, run_dir) if entries is not None else None
     raw = raw_run(run_dir, config.data, options, start[1] if start is not None else None)
     if raw is not None:
-        return _trace_raw_step(config, raw, found, entries, start, options)
-    datasets = _datasets_at(run_dir, config.step, config.data, options)
-    offsets, total = [], 0
-    for dataset in datasets:
-        offsets.append(total)
-        total += dataset.manifest.num_samples
-    decoders = [_decoder(config, d.manifest.tokenizer, d.manifest.tokenizer.name) for d in datasets] \
-        if config.text else None
-    samples = []
-    for rank in sorted(found):
-        ids, skipped = found[rank]
-        for sample_id in ids:
-            if not 0 <= sample_id < total:
-                raise ValueError(f"sample id {sample_id} (step {config.step}, rank {rank}) is outside the run's data "
-                                 f"({total:,} samples): is --data the dataset this run trained on?")
-            stream = max(s for s, offset in enumerate(offsets) if offset <= sample_id)
-            fields, segments, tokens = _built_sample(datasets[stream], sample_id - offsets[stream])
-            entry = {"rank": rank, "sample_id": sample_id, **fields, "skipped": skipped, "segments": segments}
-            if decoders is not None:
-                _add_text(entry, segments, tokens, decoders[stream])
-            samples.append(entry)
-    return {"run": str(run_dir), "step": config.step, "samples": samples}
+        return _trace_raw_step(config, raw, found, entries, start)
+    dataset = _built_run_dataset(run_dir, config.step, config.data, options)
+    total = sum(record["num_samples"] for record in dataset.source.stream_records())
+    for rank, (ids, _) in sorted(found.items()):
+        outside = [i for i in ids if not 0 <= i < total]
+        if outside:
+            raise ValueError(f"sample id {outside[0]} (step {config.step}, rank {rank}) is outside the run's data "
+                             f"({total:,} samples): is --data the dataset this run trained on?")
+    tokenizers = [shape.tokenizer for _, shape in dataset.source.shapes()]
+    decoder = _decoder(config, tokenizers, tokenizers[0].name) if config.text else None
+    provenance = dataset.provenance([i for ids, _ in found.values() for i in ids])
+    return {"run": str(run_dir), "step": config.step, "samples": _sample_entries(found, provenance, decoder)}
 
 
 def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[int], bool]],
                     entries: list[tuple[int, list[dict[str, Any]]]] | None,
-                    start: tuple[int, list[dict[str, Any]]] | None, options: dict[str, Any]) -> dict[str, Any]:
-    """`trace_step` for a run on raw text (a `trace_raw.RawRun`): each raw sample read again from its lane, from
-    the newest checkpoint before the step on (`shardkit.cli.trace_raw`), a mixture's built samples from their
-    shards."""
-    from shardkit.cli.trace_raw import RawRunSamples, loader_state_before, raw_segments
+                    start: tuple[int, list[dict[str, Any]]] | None) -> dict[str, Any]:
+    """`trace_step` for a run on raw text (a `trace_raw.RawRun`): the samples made again by the run's dataset
+    (`Source.provenance`), from the newest checkpoint before the step on (`shardkit.cli.trace_raw`)."""
+    from shardkit.cli.trace_raw import loader_state_before
 
     run_dir = Path(config.target)
     dataset, spec = raw.dataset, raw.spec
@@ -319,8 +299,9 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
             raise ValueError(f"the raw text {spec} is not what run {run_dir} read at step "
                              f"{config.step} (the inputs, their files' sizes or the tokenization differ); pass the "
                              "inputs it read with --data")
-    decoder = _decoder(config, dataset.source.corpus.tokenizer_info, dataset.source.corpus.settings.tokenizer,
-                       whose="the run read its text with", owner="it") if config.text else None
+    tokenizers = [shape.tokenizer for _, shape in dataset.source.shapes()]
+    decoder = _decoder(config, tokenizers, raw.tokenizer, whose="the run read its text with",
+                       owner="it") if config.text else None
     checkpoint = loader_state_before(raw, config.step, since)
     if checkpoint is None and since > 0 and \
             [s["fingerprint"] for s in entries[0][1]] != dataset.stream_identities():
@@ -328,32 +309,12 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
         raise ValueError(f"step {config.step} read the mixture run {run_dir} changed to at step {since}: reading it "
                          f"again needs a checkpoint saved from step {since} on and before step {config.step}, and "
                          f"{raw.checkpoints} holds none (--keep pruned it?)")
-    reader = RawRunSamples(dataset, spec)
-    places = {sample_id: reader.place(sample_id) for ids, _ in found.values() for sample_id in ids}
-    read = reader.read(list(places.values()), checkpoint[1] if checkpoint is not None else None)
-    built: dict[str, _Dataset] = {}
-    samples = []
-    for rank in sorted(found):
-        ids, skipped = found[rank]
-        for sample_id in ids:
-            place = places[sample_id]
-            entry: dict[str, Any] = {"rank": rank, "sample_id": sample_id, "skipped": skipped}
-            if place.lane >= 0:
-                sample, epoch, corpus = read[(place.lane, place.index)]
-                segments, tokens = raw_segments(sample, corpus), sample.tokens
-                entry.update(dataset=place.url, lane=place.lane, lane_sample=place.index, lane_epoch=epoch)
-            else:
-                if place.url not in built:
-                    built[place.url] = _Dataset(place.url, options)
-                fields, segments, tokens = _built_sample(built[place.url], place.local)
-                entry.update(fields)
-            entry["segments"] = segments
-            if decoder is not None:
-                _add_text(entry, segments, tokens, decoder)
-            samples.append(entry)
+    provenance = dataset.provenance([i for ids, _ in found.values() for i in ids],
+                                    state=checkpoint[1] if checkpoint is not None else None)
     replayed = {"from_checkpoint_step": checkpoint[0] if checkpoint is not None else None,
-                "lane_samples_read": reader.lanes_read}
-    return {"run": str(run_dir), "step": config.step, "samples": samples, "replayed": replayed}
+                "lane_samples_read": provenance.reread}
+    return {"run": str(run_dir), "step": config.step, "samples": _sample_entries(found, provenance, decoder),
+            "replayed": replayed}
 
 
 def _segment_line(segment: dict[str, Any]) -> str:
@@ -389,6 +350,28 @@ def format_step(result: dict[str, Any]) -> str:
 
 
 # -- reverse: a document's samples -----------------------------------------------------------------
+
+class _Dataset:
+    """One dataset's manifest and the shards read so far (each at most once, verified)."""
+
+    def __init__(self, url: str, options: dict[str, Any]):
+        from shardkit.manifest import load_manifest
+        from shardkit.storage import Storage
+
+        self.storage = Storage(url, options)
+        self.manifest = load_manifest(self.storage)
+        self._arrays: dict[int, Any] = {}
+
+    def arrays(self, position: int):
+        if position not in self._arrays:
+            from shardkit.formats.fetch import read_shard
+            from shardkit.formats.reader import ShardReader
+
+            shard = self.manifest.shards[position]
+            self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
+                data, shard=shard, manifest=self.manifest, verify=False)).arrays
+        return self._arrays[position]
+
 
 def trace_document(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     """The samples holding a piece of document (`config.source`, `config.doc`), and the run's steps."""

@@ -11,7 +11,7 @@ gives and checks the order's fields (`state()` / `restore(saved)`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,8 @@ from .reading import BatchReader
 from ...order.remix import Mixture, MixtureStreams
 from ...order.schedule import weight_spec
 from ...order.skipping import resolve_skipped
-from ...source import Feed, Source, Standalone
+from .provenance import built_provenance
+from ...source import Feed, Provenance, Source, Standalone
 from .streams import Sources
 from ...state.loader_state import MIXTURE_FIELDS, LoaderState
 from ...delivery.tensors import batch_to_tensors, bundled, strip_progress
@@ -156,6 +157,9 @@ class BuiltSource(Source):
     def stream_records(self) -> list[dict[str, Any]]:
         return [{"url": stream.url, "fingerprint": identity, "num_samples": manifest.num_samples}
                 for stream, identity, manifest in zip(self.streams, self.stream_identities(), self.sources.manifests)]
+
+    def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
+        return built_provenance(self.sources.storages, self.sources.manifests, sample_ids)
 
     def shapes(self) -> list[tuple[str, Any]]:
         return [(stream.url, manifest) for stream, manifest in zip(self.streams, self.sources.manifests)]

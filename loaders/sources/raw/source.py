@@ -27,8 +27,9 @@ from .iteration import RawIteration, StepPart
 from ...order.lanes import lane_sample_counts, position_lanes, rank_step_positions
 from .corpus import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, RejectionLog
 from .feed import RawTextFeed
+from .provenance import LanePlace, checked_ids, lane_provenance
 from .unreadable import UnitCuts
-from ...source import Feed, Source, Standalone
+from ...source import Feed, Provenance, Source, Standalone
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
 from ...delivery.topology import Topology, data_parallel_group, resolve_topology
@@ -160,6 +161,13 @@ class RawTextSource(Source):
 
     def stream_records(self) -> list[dict[str, Any]]:
         return [{"url": ",".join(self.inputs), "fingerprint": self.identity(), "num_samples": 0}]
+
+    def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
+        ids = checked_ids(sample_ids)
+        lanes, indexes = position_lanes(ids, self.num_lanes)
+        url = ",".join(self.inputs)
+        return lane_provenance(self, {i: LanePlace(url, lane, index) for i, lane, index
+                                      in zip(ids.tolist(), lanes.tolist(), indexes.tolist())}, state)
 
     def shapes(self) -> list[tuple[str, Any]]:
         corpus = self.corpus

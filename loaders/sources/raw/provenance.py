@@ -1,0 +1,95 @@
+"""The provenance of raw-text samples (`Source.provenance`): no shard holds them, so each is made again.
+
+A sample id is a position of the raw dataset (or, in a mixture, an item of a raw stream), and the loader made it by
+reading one lane's units in that lane epoch's order and packing their documents. So each lane is read again up to
+the samples asked for: the same documents, tokenized and packed again. The reading starts where a loader state
+saved before the samples left each lane (a cursor per lane, and the unreadable units it cut), so finding a sample
+costs at most the text the loader read between that state and it; without a state, each lane is read from its
+start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...source import Provenance, SampleProvenance
+from ...state.envelope import decode
+from .corpus import CURSOR_FIELDS, RejectionLog
+from .feed import saved_cursors
+from .unreadable import UnitCuts
+
+
+@dataclass(frozen=True)
+class LanePlace:
+    """Where a raw sample comes from: raw text `url`'s (global) lane `lane`, its sample `index`."""
+
+    url: str
+    lane: int
+    index: int
+
+
+class _Unlogged(RejectionLog):
+    """Rejected documents were logged when the loader first read them: reading them again does not log them."""
+
+    def log(self, url, where, reason) -> None:
+        pass
+
+
+def checked_ids(sample_ids: Sequence[int]) -> np.ndarray:
+    """The ids as an array.
+
+    Raises:
+        IndexError: a negative id, naming it.
+    """
+    ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+    if ids.size and int(ids.min()) < 0:
+        raise IndexError(f"sample id {int(ids.min())} is negative")
+    return ids
+
+
+def lane_provenance(source: Any, places: dict[int, LanePlace], state: dict[str, Any] | None) -> Provenance:
+    """Each sample id of `places` made again from its lane of `source` (a `RawTextSource`), each lane read once:
+    from its cursor in the loader `state` where that stands before the samples, else from its start. `reread`
+    counts the lane samples packed on the way."""
+    cursors, cuts = {}, UnitCuts()
+    if state is not None:
+        raw = decode(state)["raw_text"]
+        cursors, cuts = saved_cursors(raw), UnitCuts.from_rows(raw.get("unreadable", ()))
+    wanted: dict[int, set[int]] = {}
+    for place in places.values():
+        wanted.setdefault(place.lane, set()).add(place.index)
+    made, reread = {}, 0
+    for lane, indexes in sorted(wanted.items()):
+        cursor = cursors.get(lane, (0,) * CURSOR_FIELDS)
+        if cursor[0] > min(indexes):
+            cursor = (0,) * CURSOR_FIELDS
+        stream = source.lane_stream(lane, _Unlogged(), cursor, cuts)
+        for index in sorted(indexes):
+            made[(lane, index)] = (*stream.take(index), stream.corpus)
+        reread += stream.cursor.samples - cursor[0]
+    samples = {}
+    for sample_id, place in places.items():
+        sample, epoch, corpus = made[(place.lane, place.index)]
+        samples[sample_id] = SampleProvenance(
+            place={"dataset": place.url, "lane": place.lane, "lane_sample": place.index, "lane_epoch": epoch},
+            documents=raw_segments(sample, corpus), tokens=sample.tokens)
+    return Provenance(samples=samples, reread=reread)
+
+
+def raw_segments(sample: Any, corpus: Any) -> list[dict[str, Any]]:
+    """A raw sample's document segments as `shardkit.lineage.Segment` fields: tokens [start, end) of document
+    `doc` (line, row or paragraph) of input file `source_name` (source -1: padding)."""
+    if sample.doc_starts is None:
+        return []
+    ends = [*sample.doc_starts[1:].tolist(), len(sample.tokens)]
+    segments = []
+    for start, end, source, doc in zip(sample.doc_starts.tolist(), ends, sample.doc_source.tolist(),
+                                       sample.doc_index.tolist()):
+        name = corpus.files[source].url if source >= 0 else None
+        segments.append({"start": int(start), "end": int(end), "source": int(source), "source_name": name,
+                         "doc": int(doc)})
+    return segments
