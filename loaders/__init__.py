@@ -9,8 +9,9 @@ The wings, one job each (docs/LOADING.md, "How the read side is put together"):
   iteration; `feed`: the loader's epochs; `standalone`: iteration without a loader; `streams`: each stream's
   storage, manifest and cache, opened once; `reading`, `batching`: sample ids -> batch arrays; `provenance`: a
   sample's shard and documents). `raw/`: raw text (`source`, `feed`: the lanes' cursors; `corpus`: units dealt
-  into lanes and one lane's samples; `units`, `unreadable`, `batches`, `iteration`; `provenance`: a sample made
-  again from its lane). `mixture`: raw and built streams in one weighted mixture; `documents`:
+  into lanes and one lane's samples; `units`, `unreadable`, `batches`, `iteration`; `worker_start`: where
+  persistent workers begin an iteration; `provenance`: a sample made again from its lane). `mixture`: raw and
+  built streams in one weighted mixture; `documents`:
   a batch's document boundaries.
 - `order/`: which sample goes where, pure (`epochs`: an epoch's order; `partition`, `effective`, `rank_steps`,
   `steps`, `batch_modes`, `token_budget`, `token_batches`; `mixing`, `schedule`, `remix`: mixtures and their

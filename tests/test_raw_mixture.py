@@ -437,6 +437,36 @@ def test_resume_contract_of_a_mixture_that_skips(damaged, tokenizer, workers):
     assert run.counters()["skipped_units"] == 1
 
 
+def test_persistent_workers_of_a_mixture_that_skips_read_on_across_iterations(damaged, tokenizer):
+    """A raw mixture with built and raw streams, read by persistent workers in four iterations, gives the rows of one
+    uninterrupted run without workers: each iteration from where the loader stands, across the unit cut at step 10
+    (which the workers' copies do not hold: they are started again with it)."""
+    reference = take(StreamingDataLoader(skipping(damaged, tokenizer), batch_size=8), 16)
+    loader = StreamingDataLoader(skipping(damaged, tokenizer), batch_size=8, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    batches = []
+    for steps in (3, 5, 4, 4):
+        batches += take(loader, steps)
+    assert rows(batches) == rows(reference)
+    assert loader.counters()["skipped_units"] == 1
+
+
+def test_persistent_workers_take_up_a_weight_change_loaded_into_their_loader(data, tokenizer):
+    """A state loaded with a weight change into a loader whose persistent workers already read: they are started
+    again with the changed mixture, and read what a fresh loader reads from that state."""
+    after = (0.2, 0.3, 0.5)
+    before = StreamingDataLoader(mixture(data, tokenizer), batch_size=8)
+    take(before, 5)
+    state = before.state_dict()
+    fresh = StreamingDataLoader(mixture(data, tokenizer, weights=after), batch_size=8)
+    fresh.load_state_dict(state, allow_mixture_change=True)
+    loader = StreamingDataLoader(mixture(data, tokenizer, weights=after), batch_size=8, num_workers=2,
+                                 persistent_workers=True, multiprocessing_context="fork")
+    take(loader, 3)
+    loader.load_state_dict(state, allow_mixture_change=True)
+    assert rows(take(loader, 4)) + rows(take(loader, 4)) == rows(take(fresh, 8))
+
+
 def test_cuts_saved_on_one_rank_hold_on_two_and_three(damaged, tokenizer):
     """An elastic resume of a mixture that skipped a unit: the resumed ranks cut it where the state says (under
     "raise", so that ranks in one process need no process group to agree: any new failure would raise)."""

@@ -237,8 +237,29 @@ def test_two_workers_give_the_samples_of_none_and_resume_across(corpus):
                                       multiprocessing_context="fork" if workers else None)
         resumed.load_state_dict(state)
         assert rows(head) + rows(take(resumed, 11)) == rows(reference)
-    with pytest.raises(ValueError, match="persistent_workers"):
-        StreamingDataLoader(dataset(corpus), batch_size=2, num_workers=2, persistent_workers=True)
+
+
+def test_persistent_workers_continue_where_the_loader_stands_and_resume_exactly(corpus):
+    """Persistent workers serve every iteration (the same processes), each from where the loader stands, not from
+    where they had read ahead to; the state saved between iterations resumes exactly, in a fresh loader and in this
+    one (whose workers are then started again, from the state)."""
+    batches = take(StreamingDataLoader(dataset(corpus), batch_size=6), 20)
+    reference = rows(batches)
+    loader = StreamingDataLoader(dataset(corpus), batch_size=6, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    head = take(loader, 4)
+    workers = [w.pid for w in loader._iterator._workers]
+    head += take(loader, 5)  # the second iteration: the same workers, from step 4
+    assert [w.pid for w in loader._iterator._workers] == workers
+    assert rows(head) == rows(batches[:9])
+    state = loader.state_dict()
+    assert rows(take(loader, 3)) == rows(batches[9:12])
+    resumed = StreamingDataLoader(dataset(corpus), batch_size=6, num_workers=2, persistent_workers=True,
+                                  multiprocessing_context="fork")
+    resumed.load_state_dict(state)
+    assert rows(head) + rows(take(resumed, 6)) + rows(take(resumed, 5)) == reference
+    loader.load_state_dict(state)
+    assert rows(take(loader, 11)) == rows(batches[9:])
 
 
 def test_an_unreadable_input_is_named(tmp_path):

@@ -30,6 +30,7 @@ from ...order.lanes import merge_cursors
 from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS, LaneCursor
 from .units import few_lanes_advice
 from .unreadable import UnitCuts, agree, log_skipped, settle
+from .worker_start import WorkerStart
 from ...source import Feed
 from ...state.envelope import decode, encode
 from .agreement import check_every_rank_calls
@@ -62,10 +63,13 @@ class RawTextFeed(Feed):
     def __init__(self, source: Any, loader: Any, batch_size: int | None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if loader.persistent_workers:
-            raise ValueError("persistent_workers=True is not supported for raw text: each iteration starts its "
-                             "workers where the loader stands")
         self.source = source
+        # Persistent workers are told where each later iteration starts (`worker_start`); they are kept while their
+        # copies of the source still hold its mixture and cuts (`_workers_in_sync`), else started again.
+        self._worker_start = WorkerStart(source.num_lanes) if loader.persistent_workers and loader.num_workers \
+            else None
+        self._workers_in_sync = False
+        self._worker_cuts: UnitCuts | None = None
         self.samples_per_rank = batch_size
         self._topology: Topology | None = None
         self._consumed = 0
@@ -125,9 +129,10 @@ class RawTextFeed(Feed):
         every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
         skipping = self.source.on_corrupt == "skip"
         while True:
-            self.source.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
-                                         cursors=dict(self._cursors), cuts=self._cuts))
-            batches = self._numpy_batches(loader)
+            iteration = RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                                     cursors=dict(self._cursors), cuts=self._cuts, worker_start=self._worker_start)
+            self.source.begin(iteration)
+            batches = self._numpy_batches(loader, iteration)
             counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
             try:
                 for batch in batches:
@@ -151,17 +156,30 @@ class RawTextFeed(Feed):
             finally:
                 batches.close()
 
-    def _numpy_batches(self, loader: Any) -> Iterator[dict[str, Any]]:
+    def _numpy_batches(self, loader: Any, iteration: RawIteration) -> Iterator[dict[str, Any]]:
         if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
             yield from iter(loader.dataset)
             return
+        if loader.has_worker_iterator() and not (self._workers_in_sync and iteration.cuts == self._worker_cuts):
+            loader.stop_workers()  # their copies hold another mixture (a loaded state) or other cuts
+        if self._worker_start is not None:
+            self._worker_start.write(iteration)  # before the workers begin it (persistent ones: as they resume)
+        self._worker_cuts, self._workers_in_sync = iteration.cuts, True
         # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
         parts = loader.worker_batches()
         try:
             while True:
                 yield self.source.assemble([next(parts) for _ in range(loader.num_workers)])
+        except GeneratorExit:  # the training loop stopped the iteration
+            raise
+        except BaseException:
+            self._workers_in_sync = False  # a failed iteration's workers are not resumed
+            raise
         finally:
-            parts._shutdown_workers()  # the workers read ahead endlessly: stop them with the iteration
+            # Persistent workers stay: they read ahead only as far as the DataLoader's outstanding requests. Others
+            # would read ahead endlessly: stop them with the iteration.
+            if self._worker_start is None:
+                parts._shutdown_workers()
 
     # -- state ---------------------------------------------------------------------------------
     def _state(self) -> LoaderState:
@@ -229,6 +247,7 @@ class RawTextFeed(Feed):
                                           allow_mixture_change=allow_mixture_change)
         check_cursors(cursors, self.source, saved.samples_consumed)
         self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
+        self._workers_in_sync = False  # the source may have changed (a mixture's record): new workers copy it
 
 
 def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -15,13 +16,15 @@ from ...delivery.topology import Topology
 @dataclass(frozen=True)
 class RawIteration:
     """Where an iteration starts: consumed global positions, the lanes' cursors, the batch, the topology and the
-    unreadable units' cuts in force."""
+    unreadable units' cuts in force; with persistent DataLoader workers, `worker_start` (`worker_start.WorkerStart`)
+    tells them where each later iteration starts."""
 
     start: int
     batch_size: int
     topology: Topology
     cursors: dict[int, tuple[int, ...]] = field(default_factory=dict)
     cuts: UnitCuts = field(default_factory=UnitCuts)
+    worker_start: Any = None
 
 
 @dataclass

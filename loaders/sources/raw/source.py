@@ -191,6 +191,8 @@ class RawTextSource(Source):
         if info is not None:  # a DataLoader worker: its lanes' rows of every step (the loader assembles them)
             if iteration is None:
                 raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
+            if iteration.worker_start is not None:  # persistent workers: where the loader stands now
+                iteration = iteration.worker_start.read(iteration)
             watch_parent()  # a worker must not outlive its parent (shardkit.loaders.delivery.parent_watch)
             return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
         refuse_other_loaders(self.claimed)
