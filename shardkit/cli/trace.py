@@ -234,15 +234,18 @@ def _add_text(entry: dict[str, Any], segments: list[dict[str, Any]], tokens: Any
         piece["text"] = decoder.decode([int(t) for t in tokens[start:end]])
 
 
-def _sample_entries(found: dict[int, tuple[list[int], bool]], provenance: Any, decoder: Any) -> list[dict[str, Any]]:
-    """Per rank, per logged id: where the sample comes from and its segments (`Source.provenance`), with text."""
+def _sample_entries(found: dict[int, tuple[list[int], bool]], provenance: Any, decoder: Any, *,
+                    skipped_first: bool = False) -> list[dict[str, Any]]:
+    """Per rank, per logged id: where the sample comes from and its segments (`Source.provenance`), with text
+    (`skipped_first`: "skipped" before the place, as `--json` has always printed a raw-text run's samples)."""
     samples = []
     for rank in sorted(found):
         ids, skipped = found[rank]
         for sample_id in ids:
             record = provenance.samples[sample_id]
             segments = [dict(segment) for segment in record.documents]
-            entry = {"rank": rank, "sample_id": sample_id, **record.place, "skipped": skipped, "segments": segments}
+            entry = {"rank": rank, "sample_id": sample_id, **({"skipped": skipped} if skipped_first else {}),
+                     **record.place, "skipped": skipped, "segments": segments}
             if decoder is not None:
                 _add_text(entry, segments, record.tokens, decoder)
             samples.append(entry)
@@ -313,8 +316,8 @@ def _trace_raw_step(config: TraceConfig, raw: Any, found: dict[int, tuple[list[i
                                     state=checkpoint[1] if checkpoint is not None else None)
     replayed = {"from_checkpoint_step": checkpoint[0] if checkpoint is not None else None,
                 "lane_samples_read": provenance.reread}
-    return {"run": str(run_dir), "step": config.step, "samples": _sample_entries(found, provenance, decoder),
-            "replayed": replayed}
+    return {"run": str(run_dir), "step": config.step,
+            "samples": _sample_entries(found, provenance, decoder, skipped_first=True), "replayed": replayed}
 
 
 def _segment_line(segment: dict[str, Any]) -> str:
