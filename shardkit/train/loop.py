@@ -25,7 +25,8 @@ import torch.distributed as dist
 from shardkit.metrics import TrainerMetrics
 from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
-from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
+from shardkit.train.config import TrainConfig, describe_step, with_step_size
+from shardkit.train.step_ranges import format_steps, parse_steps
 from shardkit.train.run import Run
 from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
@@ -58,7 +59,7 @@ def build(config: TrainConfig) -> Run:
     # (benchmarks/bench_goodput.py reads them): imports end here, the process group, data, model and
     # checkpoint follow.
     logger.info("setting up the run: process group, data, model, checkpoint")
-    runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
+    runtime = init_runtime(config.parallelism, device=config.training.device, batch_size=config.data.batch_size)
     # The loaders fetch each manifest once (through the node cache); the checks read theirs.
     data = TrainStream(config.data, runtime, seq_len=config.model.seq_len)
     manifest = check_dataset(data.loader.dataset, seq_len=config.model.seq_len, what="--data")
@@ -82,25 +83,27 @@ def build(config: TrainConfig) -> Run:
     if resume_from[0] is not None:
         model_config = model_to_resume(resume_from[0], read_marker(resume_from[0]), model_config, dataset_vocab=vocab,
                                        from_checkpoint=bool(config.checkpoint.model_from_checkpoint))
-    precision = choose_precision(config.precision, device_type=runtime.device.type,
+    precision = choose_precision(config.mixed_precision.precision, device_type=runtime.device.type,
                                  native_bf16=device_has_native_bf16(runtime.device))
     # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
-    config = dataclasses.replace(config, model=model_config, precision=precision.name)
+    config = dataclasses.replace(config, model=model_config, mixed_precision=dataclasses.replace(
+        config.mixed_precision, precision=precision.name))
     config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.training.seed)
     model = Transformer(model_config).to(runtime.device)
     num_parameters = model.num_parameters()
     parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype,
-                           compile=config.compile, activation_checkpointing=config.activation_checkpointing,
-                           compile_mode=config.compile_mode)
+                           compile=config.compile.compile,
+                           activation_checkpointing=config.compile.activation_checkpointing,
+                           compile_mode=config.compile.compile_mode)
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
-    scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
+    scheduler = build_scheduler(optimizer, config.optimizer, config.training.steps)
     logger.info("model built and wrapped (%s)", runtime.dims.describe())
     # Dropout draws differ per rank; seeded so that a run is reproducible.
-    torch.manual_seed(config.seed + 1 + runtime.rank)
+    torch.manual_seed(config.training.seed + 1 + runtime.rank)
 
     checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
@@ -113,14 +116,14 @@ def build(config: TrainConfig) -> Run:
                               world_size=runtime.world_size),
               scaler=build_loss_scaler(precision, device=runtime.device,
                                        agree_over_ranks=runtime.ranks_hold_partial_gradients,
-                                       init_scale=config.loss_scale,
-                                       growth_interval=config.loss_scale_growth_interval,
-                                       max_overflow_steps=config.max_overflow_steps),
-              tokens_per_step=config.data.batch_size * manifest.seq_len * config.grad_accum * runtime.dp_size,
+                                       init_scale=config.mixed_precision.loss_scale,
+                                       growth_interval=config.mixed_precision.loss_scale_growth_interval,
+                                       max_overflow_steps=config.mixed_precision.max_overflow_steps),
+              tokens_per_step=config.data.batch_size * manifest.seq_len * config.training.grad_accum * runtime.dp_size,
               pending=PendingSteps(runtime.device))
     run.watch = _trainer_metrics(config, runtime)
     resume(run, *resume_from)
-    run.skip_steps = parse_steps(run.config.skip_steps)
+    run.skip_steps = parse_steps(run.config.training.skip_steps)
     if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(run.config.to_dict(), indent=1) + "\n")
@@ -132,7 +135,7 @@ def build(config: TrainConfig) -> Run:
         logger.info("precision %s: %s", precision.name, precision.reason)
         logger.info("%s", describe_step(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size))
     _barrier()
-    run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
+    run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.training.steps,
                                 log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
                                 resume_step=run.step)
     if run.resumed_step is not None:  # the record tests (and people) check: which checkpoint this run continued
@@ -188,8 +191,9 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     # Skipped steps stay skipped: a resume without (or with other) --skip-steps adds the checkpoint's.
-    skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
-    run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
+    skip_steps = parse_steps(run.config.training.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
+    run.config = dataclasses.replace(run.config, training=dataclasses.replace(run.config.training,
+                                                                              skip_steps=format_steps(skip_steps)))
     run.resumed_path = path.name
     _resume_loss_scale(run, loaded.meta)
     _rescale_schedule(run, loaded.meta.get("steps"))
@@ -226,16 +230,16 @@ def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
 def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
     """A run resumed with another `--steps` follows the schedule for the new total from its next step on
     (say, a WSD run extended while stable), and says what that does to the learning rate."""
-    if saved_steps is None or saved_steps == run.config.steps:
+    if saved_steps is None or saved_steps == run.config.training.steps:
         return
     # The optimizer came back holding the old schedule's rate for the next step: replace it now.
     old_lr = run.optimizer.param_groups[0]["lr"]
-    factor = lr_factor(run.step, total_steps=run.config.steps, config=run.config.optimizer)
+    factor = lr_factor(run.step, total_steps=run.config.training.steps, config=run.config.optimizer)
     for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
         group["lr"] = base * factor
     if run.runtime.is_main:
-        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.steps}: the learning-rate schedule "
-              f"is rescaled to {run.config.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
+        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.training.steps}: the learning-rate schedule "
+              f"is rescaled to {run.config.training.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
               f"(the old schedule's: {old_lr:.3e})", flush=True)
 
 
@@ -244,8 +248,8 @@ def save_checkpoint(run: Run, *, loader_state: dict[str, Any] | None = None) -> 
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
-            "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
-            "skip_steps": run.config.skip_steps, "precision": run.precision.name,
+            "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.training.steps,
+            "skip_steps": run.config.training.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict() if loader_state is None else loader_state, "rng": rng.get_state()}
@@ -282,7 +286,7 @@ def train(run: Run) -> int:
 
 def _train_steps(run: Run) -> int:
     run.model.train()
-    while run.step < run.config.steps:
+    while run.step < run.config.training.steps:
         step = run.step + 1
         result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
         if result.interrupted:
@@ -318,8 +322,8 @@ def after_step(run: Run, result: StepResult) -> int | None:
         run.sample_log.log(step, result.sample_ids, skipped=result.loss is None)
     _add_record(run, result)
     every = config.checkpoint.checkpoint_every
-    checkpoint_due = bool(every) and step % every == 0 and step < config.steps
-    eval_due = run.eval_data is not None and bool(config.eval_every) and step % config.eval_every == 0
+    checkpoint_due = bool(every) and step % every == 0 and step < config.training.steps
+    eval_due = run.eval_data is not None and bool(config.training.eval_every) and step % config.training.eval_every == 0
     # One process needs no agreement: it stops after the step the signal came in.
     alone_and_stopped = bool(run.stop_signal) and not run.runtime.distributed
     overflowing = run.scaler is not None and run.scaler.overflows_in_a_row >= run.scaler.max_overflow_steps
@@ -346,7 +350,7 @@ def finish(run: Run) -> int:
     config = run.config
     if config.checkpoint.save_final:
         save_checkpoint(run)
-    if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
+    if run.eval_data is not None and (not config.training.eval_every or run.step % config.training.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
     return 0
 
@@ -372,7 +376,7 @@ def is_sync_point(run: Run) -> bool:
     """Whether the loop reads the device's numbers after this step: the first and last steps, and every
     min(--log-every, MAX_STEPS_BETWEEN_SYNCS) steps (also at checkpoints and evaluations, see `after_step`)."""
     step = run.step
-    return step in (1, run.config.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
+    return step in (1, run.config.training.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
 
 
 def sync_point(run: Run) -> bool:
