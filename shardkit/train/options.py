@@ -1,9 +1,11 @@
 """Command-line options generated one-to-one from the configuration dataclasses.
 
 Each field `NAME` of section `SECTION` is `--NAME` and `--SECTION.NAME`, spelled in kebab-case
-(`--min-lr-ratio`, `--optimizer.min-lr-ratio`; `shardkit.options` accepts the snake_case alias); its help
-is the field's help text. `--config FILE` (JSON or TOML, nested like `TrainConfig`) is read
-first, then the options given on the command line override it, over the chosen `--preset`.
+(`--min-lr-ratio`, `--optimizer.min-lr-ratio`, `--mixed-precision.loss-scale`; `shardkit.options` accepts the
+snake_case alias); its help is the field's help text, and `--help` groups the options by section. `--config FILE`
+(JSON or TOML, nested like `TrainConfig`; the loop sections' options may stand at its top level, as files written
+before those sections hold them) is read first, then the options given on the command line override it, over the
+chosen `--preset`.
 """
 
 from __future__ import annotations
