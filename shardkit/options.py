@@ -331,7 +331,7 @@ def add_field_option(target: Any, f: dataclasses.Field, *, name: str | None = No
     flags = list(meta.get("flags", ()))
     names = flags if any(text.startswith("--") for text in flags) else [option_name(name), *flags]
     if section:
-        names.append(f"--{section}.{option_name(name)[2:]}")
+        names.append(f"{option_name(section)}.{option_name(name)[2:]}")
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
     if _type_text(f) == "bool":
         negative = f"--no-{option_name(name)[2:]}"

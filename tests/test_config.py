@@ -9,8 +9,9 @@ import pytest
 
 from shardkit.cli import build_parser
 from shardkit.loaders.config import LoaderConfig
-from shardkit.train.config import (PRESETS, ModelConfig, TrainConfig, config_from_dict, data_entries,
-                                   describe_step, with_step_size)
+from shardkit.train.config import (PRESETS, SECTIONS, CompileConfig, DataConfig, ModelConfig, PrecisionConfig,
+                                   TrainConfig, TrainingConfig, config_from_dict, data_entries, describe_step,
+                                   with_step_size)
 from shardkit.train.options import parse_train_args
 
 
@@ -47,14 +48,73 @@ def test_dataclasses_are_frozen_and_keyword_only():
     with pytest.raises(TypeError):
         ModelConfig("gpt2")  # noqa: the positional form is refused
     with pytest.raises(AttributeError):
-        TrainConfig().steps = 3
+        TrainConfig().training.steps = 3
+
+
+def test_every_section_is_a_frozen_keyword_only_dataclass_in_its_own_module():
+    modules = set()
+    for name, cls in SECTIONS.items():
+        assert cls.__dataclass_params__.frozen and all(f.kw_only for f in dataclasses.fields(cls)), name
+        assert isinstance(getattr(TrainConfig(), name), cls), name
+        modules.add(cls.__module__)
+    # one module per component (parallelism holds the mesh and DiLoCo's outer optimizer)
+    assert len(modules) == len(SECTIONS) - 1 and all(m.startswith("shardkit.train.config.") for m in modules)
+
+
+def test_the_former_flat_keywords_build_the_same_config():
+    """`TrainConfig(steps=..., precision=..., compile=...)` was the keyword form before the loop sections:
+    `TrainConfig.from_keywords` keeps it, without a preset, as the constructor."""
+    sectioned = TrainConfig(training=TrainingConfig(steps=5, seed=3, skip_steps="4,2"),
+                            mixed_precision=PrecisionConfig(precision="fp32"), compile=CompileConfig(compile=True),
+                            data=DataConfig(data="/d"))
+    flat = TrainConfig.from_keywords(steps=5, seed=3, skip_steps="4,2", precision="fp32", compile=True,
+                                     data=DataConfig(data="/d"))
+    assert flat == sectioned and flat.training.skip_steps == "2,4" and flat.compile.compile is True
+    assert TrainConfig.from_keywords(compile=CompileConfig(compile=True), preset="tiny").compile.compile is True
+    with pytest.raises(TypeError, match="unexpected keyword 'lr'"):
+        TrainConfig.from_keywords(lr=1e-3)
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        TrainConfig.from_keywords(steps=0)
+
+
+def test_loop_options_at_the_top_level_of_a_file_or_an_older_config_json_still_load(tmp_path):
+    """Config files and the run directories' config.json written before the loop sections hold `steps`,
+    `precision`, `compile`, ... at the top level: they build the same config; the command line overrides them."""
+    flat = {"steps": 50, "seed": 9, "precision": "fp32", "loss_scale": 65536.0, "compile": True,
+            "activation_checkpointing": True, "model": {"n_layer": 3}}
+    nested = {"training": {"steps": 50, "seed": 9}, "mixed_precision": {"precision": "fp32", "loss_scale": 65536.0},
+              "compile": {"compile": True, "activation_checkpointing": True}, "model": {"n_layer": 3}}
+    assert config_from_dict(flat) == config_from_dict(nested)
+    assert config_from_dict(flat).training.steps == 50 and config_from_dict(flat).compile.activation_checkpointing
+    written = config_from_dict(nested).to_dict()
+    assert written["training"]["steps"] == 50 and "steps" not in written  # config.json: nested by section
+    assert config_from_dict(written) == config_from_dict(nested)
+    path = tmp_path / "old.toml"
+    path.write_text('steps = 50\nprecision = "fp32"\n[optimizer]\nlr = 0.01\n')
+    config = parse_train_args(["--config", str(path), "--steps", "60"])
+    assert (config.training.steps, config.mixed_precision.precision, config.optimizer.lr) == (60, "fp32", 0.01)
+    with pytest.raises(ValueError, match="steps is given twice, 5 at the top level and 6 in section training"):
+        config_from_dict({"steps": 5, "training": {"steps": 6}})
+
+
+def test_help_is_grouped_by_section_with_both_spellings(capsys):
+    with pytest.raises(SystemExit):
+        parse_train_args(["--help"])
+    out = capsys.readouterr().out
+    titles = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["options", "preset", *SECTIONS], titles
+    assert "--steps INT, --training.steps INT" in out and "--precision STR, --mixed-precision.precision STR" in out
+    config = parse_train_args(["--data", "/d", "--mixed-precision.precision", "fp16", "--loss-scale", "1024",
+                               "--compile.compile", "--training.grad-accum", "3"])
+    assert (config.mixed_precision.precision, config.mixed_precision.loss_scale) == ("fp16", 1024.0)
+    assert config.compile.compile and config.training.grad_accum == 3
 
 
 def test_command_line_short_and_sectioned_forms():
     config = parse_train_args(["--data", "/d", "--lr", "1e-3", "--model.n-layer", "3", "--grad-accum", "2",
                                "--compile", "--shuffle", "false", "--d-ff", "none", "--parallel", "fsdp"])
     assert config.data.data == "/d" and config.optimizer.lr == 1e-3 and config.model.n_layer == 3
-    assert config.grad_accum == 2 and config.compile is True and config.data.loader.shuffle is False
+    assert config.training.grad_accum == 2 and config.compile.compile is True and config.data.loader.shuffle is False
     assert config.model.d_ff is None and config.parallelism.parallel == "fsdp"
 
 
@@ -67,7 +127,7 @@ def test_config_file_then_command_line(tmp_path, suffix):
     else:
         path.write_text('preset = "tiny"\nsteps = 50\n[optimizer]\nlr = 0.01\nwarmup_steps = 5\n[model]\nn_layer = 3\n')
     config = parse_train_args(["--config", str(path), "--lr", "0.02"])
-    assert (config.steps, config.optimizer.lr, config.optimizer.warmup_steps, config.model.n_layer) == (50, 0.02, 5, 3)
+    assert (config.training.steps, config.optimizer.lr, config.optimizer.warmup_steps, config.model.n_layer) == (50, 0.02, 5, 3)
 
 
 def test_bad_config_file_and_bad_value_exit_with_a_message(tmp_path, capsys):
@@ -100,7 +160,7 @@ def test_every_loader_option_is_a_trainer_option(capsys):
                                "--data.block-size", "16", "--seed", "7", "--partial-batches", "pad", "--prefetch", "false"])
     assert config.data.loader == LoaderConfig(shuffle_window=64, cache_limit=1_000_000, seed=5, block_size=16,
                                               partial_batches="pad", prefetch=False)
-    assert config.seed == 7  # --seed seeds the weights; the order's seed is --data-seed
+    assert config.training.seed == 7  # --seed seeds the weights; the order's seed is --data-seed
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -163,9 +223,9 @@ def test_absurd_weights_and_model_sizes_are_one_line_before_anything_runs(capsys
 
 def test_global_batch_tokens_derives_the_gradient_accumulation_or_says_what_does_not_divide():
     config = config_from_dict({"preset": "gpt2-124m", "global_batch_tokens": 524288})
-    assert config.data.batch_size == 32 and config.grad_accum is None  # resolved once seq_len and dp are known
+    assert config.data.batch_size == 32 and config.training.grad_accum is None  # resolved once seq_len and dp are known
     resolved = with_step_size(config, seq_len=1024, dp_size=2)
-    assert resolved.grad_accum == 8
+    assert resolved.training.grad_accum == 8
     assert describe_step(resolved, seq_len=1024, dp_size=2) == (
         "one optimizer step holds 524,288 tokens: --batch-size 32 x seq_len 1024 x --grad-accum 8 micro-steps x 2 "
         "data-parallel rank(s)")
@@ -173,13 +233,15 @@ def test_global_batch_tokens_derives_the_gradient_accumulation_or_says_what_does
                                          "tokens .--batch-size 32 x seq_len 1024 x 3 data-parallel ranks."):
         with_step_size(config, seq_len=1024, dp_size=3)
     with pytest.raises(ValueError, match="is not a multiple"):  # less than one micro-step is no step
-        with_step_size(dataclasses.replace(config, global_batch_tokens=1024), seq_len=1024, dp_size=1)
-    agreeing = dataclasses.replace(config, grad_accum=8)
+        with_step_size(dataclasses.replace(config, training=dataclasses.replace(config.training, global_batch_tokens=1024)),
+                       seq_len=1024, dp_size=1)
+    agreeing = dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum=8))
     assert with_step_size(agreeing, seq_len=1024, dp_size=2) == agreeing
     with pytest.raises(ValueError, match="--grad-accum 4 disagrees with --global-batch-tokens 524288, which needs 8"):
-        with_step_size(dataclasses.replace(config, grad_accum=4), seq_len=1024, dp_size=2)
+        with_step_size(dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum=4)),
+                       seq_len=1024, dp_size=2)
     plain = config_from_dict({})
-    assert plain.grad_accum == 1 and with_step_size(plain, seq_len=1024, dp_size=8) == plain
+    assert plain.training.grad_accum == 1 and with_step_size(plain, seq_len=1024, dp_size=8) == plain
     with pytest.raises(ValueError, match="--global-batch-tokens must be >= 1"):
         config_from_dict({"global_batch_tokens": 0})
     # Each GPU preset names its micro-batch (docs/PARALLELISM.md, "How big a step is").

@@ -59,7 +59,7 @@ def test_snake_case_alias_of_every_trainer_option_gives_the_same_config():
     snake = parse_train_args(["--data", "/d", "--eval_every", "5", "--batch_size", "3", "--cache_limit", "64MB",  # respell: keep
                               "--optimizer.min_lr_ratio", "0.2", "--tie_embeddings", "false", "--data_seed=4"])  # respell: keep
     assert kebab == snake
-    assert kebab.eval_every == 5 and kebab.data.loader.cache_limit == 64 * 10**6 and kebab.data.loader.seed == 4
+    assert kebab.training.eval_every == 5 and kebab.data.loader.cache_limit == 64 * 10**6 and kebab.data.loader.seed == 4
     assert kebab.optimizer.min_lr_ratio == 0.2 and kebab.model.tie_embeddings is False
 
 

@@ -79,7 +79,7 @@ def test_options_that_rule_out_the_mode_are_refused_naming_it(values, message):
 def test_allowed_combinations_build_a_config():
     for values in ({"compile": True, "compile_mode": "reduce-overhead"},
                    {"compile": True, "compile_mode": "max-autotune-no-cudagraphs", "grad_accum": 4}):
-        assert config_from_dict(values).compile_mode == values["compile_mode"]
+        assert config_from_dict(values).compile.compile_mode == values["compile_mode"]
 
 
 def test_the_cli_refuses_with_exit_2(tmp_path, capsys):

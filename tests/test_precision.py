@@ -71,7 +71,7 @@ def test_auto_is_checked_again_once_it_resolved_to_fp16(tmp_path, data, monkeypa
 
     values = {"device": "cpu", "parallelism": {"comm_hook": "powersgd"}, "data": {"data": data},
               "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False}}
-    assert config_from_dict(values).precision == "auto"
+    assert config_from_dict(values).mixed_precision.precision == "auto"
     monkeypatch.setattr(loop, "choose_precision", lambda *_, **__: PrecisionChoice("fp16", "a GPU without bf16"))
     with pytest.raises(ValueError, match="--comm-hook powersgd does not compose with --precision fp16"):
         build(config_from_dict(values))
@@ -86,7 +86,7 @@ def test_help_lists_fp16_and_the_loss_scale_options(capsys):
     assert "fp16" in text and "--loss-scale" in text and "--loss-scale-growth-interval" in text
     config = parse_train_args(["--data", "/d", "--precision", "fp16", "--loss-scale", "1024",
                                "--loss-scale-growth-interval", "3"])
-    assert (config.precision, config.loss_scale, config.loss_scale_growth_interval) == ("fp16", 1024.0, 3)
+    assert dataclasses.astuple(config.mixed_precision)[:3] == ("fp16", 1024.0, 3)
 
 
 def _tiny_step(scaler: LossScaler, model: torch.nn.Module, optimizer, *, overflow: bool) -> bool:
@@ -224,7 +224,7 @@ def test_fp16_on_cpu_skips_the_forced_overflow_consumes_its_batches_and_records_
     assert marker["precision"] == "fp16"
     assert marker["loss_scaler"] == {"scale": 32768.0, "growth_tracker": 5, "overflow_steps": 1,
                                      "overflows_in_a_row": 0}
-    assert json.loads((tmp_path / "fp16" / "config.json").read_text())["precision"] == "fp16"
+    assert json.loads((tmp_path / "fp16" / "config.json").read_text())["mixed_precision"]["precision"] == "fp16"
 
 
 def test_a_bf16_checkpoint_resumed_in_fp16_starts_at_the_initial_scale(tmp_path, data, caplog):

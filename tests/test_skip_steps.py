@@ -7,7 +7,8 @@ import json
 import pytest
 
 from shardkit.train.checkpoint import find_latest, read_marker
-from shardkit.train.config import TrainConfig, format_steps, parse_steps
+from shardkit.train.config import TrainingConfig
+from shardkit.train.step_ranges import format_steps, parse_steps
 from test_train_inprocess import run_training
 from train_runs import losses, sample_ids, write_byte_dataset
 
@@ -47,7 +48,7 @@ def test_skipped_steps_drop_their_batches_and_every_other_step_keeps_its_own(run
     # The schedule moves on through skipped steps: step 5 runs at the reference's step-5 learning rate.
     assert records(skipping)[5]["lr"] == records(reference)[5]["lr"]
     assert {s for s, r in records(skipping).items() if r.get("skipped")} == {3, 4, 7}
-    assert json.loads((skipping / "config.json").read_text())["skip_steps"] == SKIP
+    assert json.loads((skipping / "config.json").read_text())["training"]["skip_steps"] == SKIP
     assert read_marker(find_latest(skipping / "checkpoints"))["skip_steps"] == SKIP
 
 
@@ -59,15 +60,15 @@ def test_a_resumed_run_goes_on_skipping_what_the_checkpoint_recorded(runs, tmp_p
     assert run_training(run_dir, data, **{"logging.log_sample_ids": True}) == 0  # no --skip-steps this time
     assert losses(run_dir) == losses(skipping)
     assert sample_ids(run_dir) == sample_ids(skipping) and skipped_in_log(run_dir) == {3, 4, 7}
-    assert json.loads((run_dir / "config.json").read_text())["skip_steps"] == SKIP
+    assert json.loads((run_dir / "config.json").read_text())["training"]["skip_steps"] == SKIP
 
 
 def test_skip_steps_are_parsed_and_bad_ones_named():
     assert format_steps(parse_steps("1200-1260, 3100 5")) == "5,1200-1260,3100"
-    assert TrainConfig(skip_steps="9,8,7").skip_steps == "7-9"
+    assert TrainingConfig(skip_steps="9,8,7").skip_steps == "7-9"
     for bad in ("0", "5-3", "x", "3-"):
         with pytest.raises(ValueError, match=f"--skip-steps entry '{bad}'"):
-            TrainConfig(skip_steps=bad)
+            TrainingConfig(skip_steps=bad)
 
 
 def test_the_trainer_leaves_skip_samples_out_of_training_only(tmp_path):
@@ -89,7 +90,7 @@ def test_ranges_stay_intervals_in_the_config_and_the_loop(runs, tmp_path):
     import tracemalloc
 
     tracemalloc.start()
-    config = TrainConfig(skip_steps="1-3000000, 2999999-5000000, 9")  # a set of these would take ~300 MB
+    config = TrainingConfig(skip_steps="1-3000000, 2999999-5000000, 9")  # a set of these would take ~300 MB
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1_000_000 and config.skip_steps == "1-5000000"

@@ -79,7 +79,7 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, datasets, refere
     data, _ = datasets
     caplog.set_level("INFO", logger="shardkit.train.loop")
     run_training(tmp_path / "accumulated", data, **step_size, **{"data.batch_size": 6})
-    assert json.loads((tmp_path / "accumulated" / "config.json").read_text())["grad_accum"] == 2
+    assert json.loads((tmp_path / "accumulated" / "config.json").read_text())["training"]["grad_accum"] == 2
     assert ("one optimizer step holds 384 tokens: --batch-size 6 x seq_len 32 x --grad-accum 2 micro-steps x 1 "
             "data-parallel rank(s)") in caplog.text
     full, accumulated = losses(reference), losses(tmp_path / "accumulated")

@@ -23,7 +23,7 @@ def test_parse_space_kinds_sections_and_typed_choices():
     assert (dropout.section, warmup.section, warmup.name) == ("model", "optimizer", "warmup_steps")
     assert schedule.choices == ("cosine", "wsd") and tie.choices == (True, False)
     assert apply({"steps": 10}, (lr, layers), {"lr": 1e-3, "n_layer": 2}) == {
-        "steps": 10, "optimizer": {"lr": 1e-3}, "model": {"n_layer": 2}}
+        "training": {"steps": 10}, "optimizer": {"lr": 1e-3}, "model": {"n_layer": 2}}
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -296,7 +296,7 @@ def test_tuners_started_together_on_one_sqlite_study_run_exactly_the_trials_aske
     ran = [t for t in trials if not t.user_attrs.get("surplus")]
     assert [t.state.name for t in ran] == ["COMPLETE"] * 3  # never more than --trials
     assert sum((Path(t.user_attrs["run_dir"]) / "metrics.jsonl").exists() for t in trials if "run_dir" in t.user_attrs) == 3
-    assert tomllib.loads((output / "best.toml").read_text())["steps"] == 2
+    assert tomllib.loads((output / "best.toml").read_text())["training"]["steps"] == 2
 
 
 def test_a_trial_asked_after_other_tuners_reached_the_total_is_closed_unrun(tmp_path):

@@ -76,14 +76,15 @@ def _prepare(args: Namespace):
         raise ValueError("--data is required: the URL of the training dataset")
     if config.objective == "eval_loss" and not base.data.eval_data:
         raise ValueError("--objective eval_loss needs --eval-data (a held-out dataset), or use --objective loss")
-    if config.sampler != "pbt" and config.pruner != "none" and "eval_every" not in values:
+    training = values.setdefault("training", {})
+    if config.sampler != "pbt" and config.pruner != "none" and "eval_every" not in training:
         # The pruner compares trials at intermediate evaluations: without --eval-every, derive them from --steps.
-        values["eval_every"] = max(1, base.steps // 10)
+        training["eval_every"] = max(1, base.training.steps // 10)
         base = config_from_dict(values, source="trainer options")
-        print(f"shardkit tune: no --eval-every given: trials evaluate every {values['eval_every']} steps (--steps "
-              f"{base.steps} / 10) for --pruner {config.pruner}; pass --eval-every N, or --pruner none to evaluate "
-              "only at the end", file=sys.stderr)
-    if config.sampler != "pbt" and config.pruner != "none" and not base.eval_every:
+        print(f"shardkit tune: no --eval-every given: trials evaluate every {training['eval_every']} steps (--steps "
+              f"{base.training.steps} / 10) for --pruner {config.pruner}; pass --eval-every N, or --pruner none to "
+              "evaluate only at the end", file=sys.stderr)
+    if config.sampler != "pbt" and config.pruner != "none" and not base.training.eval_every:
         raise ValueError(f"--pruner {config.pruner} needs --eval-every N (intermediate results to prune on), "
                          "or use --pruner none")
     if config.sampler == "pbt" and any(p.name == "steps" for p in params):
@@ -149,12 +150,13 @@ def _open_study(config, output: Path, fingerprint: dict[str, Any], **kwargs: Any
 
 def _run_study(config, params, values, secret, ports, output: Path) -> int:
     from shardkit.tune import plots, report
+    from shardkit.tune.space import training_option
     from shardkit.tune.study import StudyRun, make_pruner, make_sampler
 
     study = _open_study(config, output, {"space": [p.spec for p in params], "trainer_options": values,
                                          "objective": config.objective},
-                        pruner=make_pruner(config, steps=int(values.get("steps", 1000)),
-                                           eval_every=int(values.get("eval_every", 0)) or 1))
+                        pruner=make_pruner(config, steps=int(training_option(values, "steps", 1000)),
+                                           eval_every=int(training_option(values, "eval_every", 0)) or 1))
     # Seeded by the trials already there: a continued study does not redraw the first run's values.
     study.sampler = make_sampler(config, params, seed=config.sampler_seed + len(study.trials))
     try:

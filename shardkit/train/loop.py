@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.manifest import Manifest
 from shardkit.metrics import TrainerMetrics
 from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
-from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
+from shardkit.train.config import ModelConfig, TrainConfig, describe_step, with_step_size
+from shardkit.train.step_ranges import format_steps, parse_steps
 from shardkit.train.run import Run
 from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
@@ -34,7 +36,7 @@ from shardkit.train.parallel.diloco import build_sync
 from shardkit.train.model import Transformer, flops_per_token, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler, lr_factor
 from shardkit.train.parallel import Runtime, close_runtime, init_runtime, parallelize
-from shardkit.train.precision import build_loss_scaler, choose_precision, device_has_native_bf16
+from shardkit.train.precision import PrecisionChoice, build_loss_scaler, choose_precision, device_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,40 @@ def build(config: TrainConfig) -> Run:
     # (benchmarks/bench_goodput.py reads them): imports end here, the process group, data, model and
     # checkpoint follow.
     logger.info("setting up the run: process group, data, model, checkpoint")
-    runtime = init_runtime(config.parallelism, device=config.device, batch_size=config.data.batch_size)
+    runtime = init_runtime(config.parallelism, device=config.training.device, batch_size=config.data.batch_size)
+    data, eval_data, manifest = _open_data(config, runtime)
+    run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
+    checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
+    # The checkpoint to resume from is chosen before the model is built: it may say which model to build.
+    resume_from = checkpoint_to_resume(config.checkpoint.resume, checkpoint_dir)
+    model_config = _model_to_build(config, manifest, resume_from[0])
+    precision = choose_precision(config.mixed_precision.precision, device_type=runtime.device.type,
+                                 native_bf16=device_has_native_bf16(runtime.device))
+    # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
+    config = dataclasses.replace(config, model=model_config, mixed_precision=dataclasses.replace(
+        config.mixed_precision, precision=precision.name))
+    config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
+    run, num_parameters = _build_run(config, runtime, precision, data=data, eval_data=eval_data, run_dir=run_dir,
+                                     checkpoint_dir=checkpoint_dir, seq_len=manifest.seq_len)
+    run.watch = _trainer_metrics(config, runtime)
+    resume(run, *resume_from)
+    run.skip_steps = parse_steps(run.config.training.skip_steps)
+    if runtime.is_main:
+        _write_run_dir(run, num_parameters=num_parameters, seq_len=manifest.seq_len)
+    _barrier()
+    run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.training.steps,
+                                log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
+                                resume_step=run.step)
+    if run.resumed_step is not None:  # the record tests (and people) check: which checkpoint this run continued
+        run.metrics.log({"step": run.step, "resumed_from": run.resumed_path}, echo=False)
+    if config.logging.log_sample_ids:
+        run.sample_log = SampleLog(run_dir, rank=runtime.rank)
+    return run
+
+
+def _open_data(config: TrainConfig, runtime: Runtime) -> tuple[TrainStream, EvalData | None, Manifest]:
+    """The training stream, the evaluation data (None without --eval-data) and the training manifest, checked
+    against each other and against --seq-len."""
     # The loaders fetch each manifest once (through the node cache); the checks read theirs.
     data = TrainStream(config.data, runtime, seq_len=config.model.seq_len)
     manifest = check_dataset(data.loader.dataset, seq_len=config.model.seq_len, what="--data")
@@ -69,41 +104,47 @@ def build(config: TrainConfig) -> Run:
         check_same_tokens(manifest, held_out, what=f"--eval-data {config.data.eval_data}",
                           against=f"--data {config.data.data}")
     logger.info("training data ready: %s", data.loader.source.describe())
+    return data, eval_data, manifest
+
+
+def _model_to_build(config: TrainConfig, manifest: Manifest, checkpoint: Path | None) -> ModelConfig:
+    """The model section completed from the dataset (vocabulary, seq_len) and, when resuming, matched with (or
+    taken from) the checkpoint's."""
     vocab = manifest.tokenizer.vocab_size
     if config.model.vocab_size is not None and config.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {config.model.vocab_size} is smaller than the dataset's tokenizer "
                          f"vocabulary ({vocab}); leave it unset (the model pads it, see --make-vocab-size-divisible-by)")
     model_config = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab,
                                        seq_len=manifest.seq_len)
-    run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
-    checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
-    # The checkpoint to resume from is chosen before the model is built: it may say which model to build.
-    resume_from = checkpoint_to_resume(config.checkpoint.resume, checkpoint_dir)
-    if resume_from[0] is not None:
-        model_config = model_to_resume(resume_from[0], read_marker(resume_from[0]), model_config, dataset_vocab=vocab,
-                                       from_checkpoint=bool(config.checkpoint.model_from_checkpoint))
-    precision = choose_precision(config.precision, device_type=runtime.device.type,
-                                 native_bf16=device_has_native_bf16(runtime.device))
-    # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
-    config = dataclasses.replace(config, model=model_config, precision=precision.name)
-    config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
+    if checkpoint is None:
+        return model_config
+    return model_to_resume(checkpoint, read_marker(checkpoint), model_config, dataset_vocab=vocab,
+                           from_checkpoint=bool(config.checkpoint.model_from_checkpoint))
 
+
+def _build_run(config: TrainConfig, runtime: Runtime, precision: PrecisionChoice, *, data: TrainStream, eval_data: EvalData | None,
+               run_dir: Path, checkpoint_dir: Path, seq_len: int) -> tuple[Run, int]:
+    """The model (seeded, parallelized), its optimizer, schedule, checkpointer, sync and loss scaler in one `Run`
+    (no metrics yet), and the model's parameter count."""
+    model_config = config.model
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.training.seed)
     model = Transformer(model_config).to(runtime.device)
     num_parameters = model.num_parameters()
     parallel = parallelize(model, runtime, config.parallelism, param_dtype=precision.compute_dtype,
-                           compile=config.compile, activation_checkpointing=config.activation_checkpointing,
-                           compile_mode=config.compile_mode)
+                           compile=config.compile.compile,
+                           activation_checkpointing=config.compile.activation_checkpointing,
+                           compile_mode=config.compile.compile_mode)
     wrapped = parallel.model
     optimizer = build_optimizer(wrapped, config.optimizer, fused=runtime.device.type == "cuda")
-    scheduler = build_scheduler(optimizer, config.optimizer, config.steps)
+    scheduler = build_scheduler(optimizer, config.optimizer, config.training.steps)
     logger.info("model built and wrapped (%s)", runtime.dims.describe())
     # Dropout draws differ per rank; seeded so that a run is reproducible.
-    torch.manual_seed(config.seed + 1 + runtime.rank)
+    torch.manual_seed(config.training.seed + 1 + runtime.rank)
 
     checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
+    scaling = config.mixed_precision
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=data, eval_data=eval_data,
               checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
@@ -113,33 +154,26 @@ def build(config: TrainConfig) -> Run:
                               world_size=runtime.world_size),
               scaler=build_loss_scaler(precision, device=runtime.device,
                                        agree_over_ranks=runtime.ranks_hold_partial_gradients,
-                                       init_scale=config.loss_scale,
-                                       growth_interval=config.loss_scale_growth_interval,
-                                       max_overflow_steps=config.max_overflow_steps),
-              tokens_per_step=config.data.batch_size * manifest.seq_len * config.grad_accum * runtime.dp_size,
+                                       init_scale=scaling.loss_scale,
+                                       growth_interval=scaling.loss_scale_growth_interval,
+                                       max_overflow_steps=scaling.max_overflow_steps),
+              tokens_per_step=config.data.batch_size * seq_len * config.training.grad_accum * runtime.dp_size,
               pending=PendingSteps(runtime.device))
-    run.watch = _trainer_metrics(config, runtime)
-    resume(run, *resume_from)
-    run.skip_steps = parse_steps(run.config.skip_steps)
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(run.config.to_dict(), indent=1) + "\n")
-        if config.logging.log_sample_ids:
-            SampleLog.truncate_all(run_dir, run.step)
-            SampleLog.record_streams(run_dir, run.step, run.data.streams())
-        logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", model_config.style,
-                    num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
-        logger.info("precision %s: %s", precision.name, precision.reason)
-        logger.info("%s", describe_step(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size))
-    _barrier()
-    run.metrics = MetricsLogger(run_dir, is_main=runtime.is_main, total_steps=config.steps,
-                                log_every=config.logging.log_every, tensorboard=config.logging.tensorboard,
-                                resume_step=run.step)
-    if run.resumed_step is not None:  # the record tests (and people) check: which checkpoint this run continued
-        run.metrics.log({"step": run.step, "resumed_from": run.resumed_path}, echo=False)
+    return run, num_parameters
+
+
+def _write_run_dir(run: Run, *, num_parameters: int, seq_len: int) -> None:
+    """Rank 0: config.json, the sample log's start, and what the run is, in the log."""
+    config, runtime, run_dir, precision = run.config, run.runtime, run.run_dir, run.precision
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1) + "\n")
     if config.logging.log_sample_ids:
-        run.sample_log = SampleLog(run_dir, rank=runtime.rank)
-    return run
+        SampleLog.truncate_all(run_dir, run.step)
+        SampleLog.record_streams(run_dir, run.step, run.data.streams())
+    logger.info("%s model, %.2fM parameters, %s on %d rank(s), %s, run dir %s", config.model.style,
+                num_parameters / 1e6, runtime.dims.describe(), runtime.world_size, precision.name, run_dir)
+    logger.info("precision %s: %s", precision.name, precision.reason)
+    logger.info("%s", describe_step(config, seq_len=seq_len, dp_size=runtime.dp_size))
 
 
 def check_metrics_ports(port: int, *, local_ranks: int) -> None:
@@ -188,8 +222,9 @@ def resume(run: Run, path: Path | None, skipped: list[tuple[Path, str]]) -> None
     run.sync.load_state_dict(loaded.extra)
     run.step = run.resumed_step = loaded.step
     # Skipped steps stay skipped: a resume without (or with other) --skip-steps adds the checkpoint's.
-    skip_steps = parse_steps(run.config.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
-    run.config = dataclasses.replace(run.config, skip_steps=format_steps(skip_steps))
+    skip_steps = parse_steps(run.config.training.skip_steps) | parse_steps(loaded.meta.get("skip_steps", ""))
+    run.config = dataclasses.replace(run.config, training=dataclasses.replace(run.config.training,
+                                                                              skip_steps=format_steps(skip_steps)))
     run.resumed_path = path.name
     _resume_loss_scale(run, loaded.meta)
     _rescale_schedule(run, loaded.meta.get("steps"))
@@ -226,16 +261,16 @@ def _resume_loss_scale(run: Run, meta: dict[str, Any]) -> None:
 def _rescale_schedule(run: Run, saved_steps: int | None) -> None:
     """A run resumed with another `--steps` follows the schedule for the new total from its next step on
     (say, a WSD run extended while stable), and says what that does to the learning rate."""
-    if saved_steps is None or saved_steps == run.config.steps:
+    if saved_steps is None or saved_steps == run.config.training.steps:
         return
     # The optimizer came back holding the old schedule's rate for the next step: replace it now.
     old_lr = run.optimizer.param_groups[0]["lr"]
-    factor = lr_factor(run.step, total_steps=run.config.steps, config=run.config.optimizer)
+    factor = lr_factor(run.step, total_steps=run.config.training.steps, config=run.config.optimizer)
     for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
         group["lr"] = base * factor
     if run.runtime.is_main:
-        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.steps}: the learning-rate schedule "
-              f"is rescaled to {run.config.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
+        print(f"--steps changed from {saved_steps} (checkpoint) to {run.config.training.steps}: the learning-rate schedule "
+              f"is rescaled to {run.config.training.steps} steps; the next step's lr is {run.optimizer.param_groups[0]['lr']:.3e} "
               f"(the old schedule's: {old_lr:.3e})", flush=True)
 
 
@@ -244,8 +279,8 @@ def save_checkpoint(run: Run, *, loader_state: dict[str, Any] | None = None) -> 
     if run.step in (run.resumed_step, run.saved_step):
         return  # nothing trained since the checkpoint this run resumed from or saved last: it is this state
     meta = {"world_size": run.runtime.world_size, "parallel": run.runtime.dims.describe(),
-            "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.steps,
-            "skip_steps": run.config.skip_steps, "precision": run.precision.name,
+            "model": model_record(run.config.model), "preset": run.config.preset, "steps": run.config.training.steps,
+            "skip_steps": run.config.training.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
     rank_state = {"loader": run.data.state_dict() if loader_state is None else loader_state, "rng": rng.get_state()}
@@ -282,7 +317,7 @@ def train(run: Run) -> int:
 
 def _train_steps(run: Run) -> int:
     run.model.train()
-    while run.step < run.config.steps:
+    while run.step < run.config.training.steps:
         step = run.step + 1
         result = skip_step(run, step) if step in run.skip_steps else train_step(run, step)
         if result.interrupted:
@@ -318,8 +353,8 @@ def after_step(run: Run, result: StepResult) -> int | None:
         run.sample_log.log(step, result.sample_ids, skipped=result.loss is None)
     _add_record(run, result)
     every = config.checkpoint.checkpoint_every
-    checkpoint_due = bool(every) and step % every == 0 and step < config.steps
-    eval_due = run.eval_data is not None and bool(config.eval_every) and step % config.eval_every == 0
+    checkpoint_due = bool(every) and step % every == 0 and step < config.training.steps
+    eval_due = run.eval_data is not None and bool(config.training.eval_every) and step % config.training.eval_every == 0
     # One process needs no agreement: it stops after the step the signal came in.
     alone_and_stopped = bool(run.stop_signal) and not run.runtime.distributed
     overflowing = run.scaler is not None and run.scaler.overflows_in_a_row >= run.scaler.max_overflow_steps
@@ -346,7 +381,7 @@ def finish(run: Run) -> int:
     config = run.config
     if config.checkpoint.save_final:
         save_checkpoint(run)
-    if run.eval_data is not None and (not config.eval_every or run.step % config.eval_every):
+    if run.eval_data is not None and (not config.training.eval_every or run.step % config.training.eval_every):
         run.metrics.log({"step": run.step, "eval_loss": evaluate(run)}, echo=True)
     return 0
 
@@ -372,7 +407,7 @@ def is_sync_point(run: Run) -> bool:
     """Whether the loop reads the device's numbers after this step: the first and last steps, and every
     min(--log-every, MAX_STEPS_BETWEEN_SYNCS) steps (also at checkpoints and evaluations, see `after_step`)."""
     step = run.step
-    return step in (1, run.config.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
+    return step in (1, run.config.training.steps) or step % min(run.config.logging.log_every, MAX_STEPS_BETWEEN_SYNCS) == 0
 
 
 def sync_point(run: Run) -> bool:

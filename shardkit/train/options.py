@@ -1,9 +1,11 @@
 """Command-line options generated one-to-one from the configuration dataclasses.
 
 Each field `NAME` of section `SECTION` is `--NAME` and `--SECTION.NAME`, spelled in kebab-case
-(`--min-lr-ratio`, `--optimizer.min-lr-ratio`; `shardkit.options` accepts the snake_case alias); its help
-is the field's help text. `--config FILE` (JSON or TOML, nested like `TrainConfig`) is read
-first, then the options given on the command line override it, over the chosen `--preset`.
+(`--min-lr-ratio`, `--optimizer.min-lr-ratio`, `--mixed-precision.loss-scale`; `shardkit.options` accepts the
+snake_case alias); its help is the field's help text, and `--help` groups the options by section. `--config FILE`
+(JSON or TOML, nested like `TrainConfig`; the loop sections' options may stand at its top level, as files written
+before those sections hold them) is read first, then the options given on the command line override it, over the
+chosen `--preset`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from shardkit.options import (Namespace, add_dataclass_options, add_field_option, command_parser, option, option_group,
                               option_name)
-from shardkit.train.config import PRESETS, SECTIONS, TrainConfig, config_from_dict, section_options
+from shardkit.train.config import PRESETS, SECTIONS, TrainConfig, config_from_dict, nest_options, section_options
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +58,7 @@ def add_field(group: Any, f: dataclasses.Field, section: str | None,
 def add_train_arguments(parser: Any) -> None:
     """Add `--config` and one option per configuration field to `parser`."""
     add_dataclass_options(parser, ConfigFileOption)
-    top = option_group(parser, "training")
+    top = option_group(parser, "preset")
     for f in dataclasses.fields(TrainConfig):
         if f.name not in SECTIONS:
             add_field(top, f, None)
@@ -90,7 +92,9 @@ def option_values(args: Namespace, *, skip: set[str] | frozenset[str] = frozense
     """The `--config FILE` values overlaid with the options given on the command line, nested by section
     (the input of `config_from_dict`); `skip` names parser destinations that are not trainer options."""
     values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
-    values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    # A file may give the loop sections' options at the top level (`steps = 50`): nested first, so that the
+    # command line's --steps (training.steps) overrides it.
+    values = nest_options(values, source=f"--config {args.config}") if values else {}
     for dest, value in vars(args).items():
         if dest in {"config", "func", "command", *skip}:
             continue

@@ -57,7 +57,7 @@ def train_step(run: Run, step: int) -> StepResult:
     if interruptible(run):
         result.loader_state_before = run.data.state_dict()
     with collective_counter(run) as counter:
-        for micro in range(config.grad_accum):
+        for micro in range(config.training.grad_accum):
             if micro and result.loader_state_before is not None and stop_asked(run, micro):
                 run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation is dropped with the step
                 result.interrupted = True
@@ -68,8 +68,8 @@ def train_step(run: Run, step: int) -> StepResult:
             result.sample_ids += batch.sample_ids
             with run.runtime.autocast(run.precision.compute_dtype):
                 loss_sum += run.parallel.forward_backward(batch.inputs, batch.targets, batch.segment_ids,
-                                                          scale=scale / config.grad_accum,
-                                                          sync=micro == config.grad_accum - 1)
+                                                          scale=scale / config.training.grad_accum,
+                                                          sync=micro == config.training.grad_accum - 1)
         if run.scaler is not None:
             run.scaler.unscale_(run.optimizer)  # clip the true gradients
         result.grad_norm = run.parallel.clip_grad_norm_(config.optimizer.grad_clip or math.inf)
@@ -79,7 +79,7 @@ def train_step(run: Run, step: int) -> StepResult:
             run.optimizer.step()
         advance_schedule(run)
         run.optimizer.zero_grad(set_to_none=True)
-    result.loss = loss_sum / config.grad_accum
+    result.loss = loss_sum / config.training.grad_accum
     result.comm = counter.record() if counter is not None else None
     result.seconds = time.perf_counter() - started
     return result
@@ -91,11 +91,11 @@ def skip_step(run: Run, step: int) -> StepResult:
     the learning rate it would have had; the sample log keeps the dropped ids, marked skipped."""
     faults.inject_now("step", step, run.runtime.rank)
     result = StepResult(step=step)
-    for _ in range(run.config.grad_accum):
+    for _ in range(run.config.training.grad_accum):
         result.sample_ids += next(run.data).sample_ids
     advance_schedule(run)
     if run.runtime.is_main:
-        print(f"step {step:>6}/{run.config.steps} | skipped (--skip-steps): {len(result.sample_ids)} samples per "
+        print(f"step {step:>6}/{run.config.training.steps} | skipped (--skip-steps): {len(result.sample_ids)} samples per "
               "rank drawn and dropped", flush=True)
     return result
 
@@ -103,7 +103,7 @@ def skip_step(run: Run, step: int) -> StepResult:
 def interruptible(run: Run) -> bool:
     """Whether a stop signal can end this run's steps between micro-steps (see `STOP_CHECK_MICRO_STEPS`)."""
     limit = STOP_CHECK_MICRO_STEPS if run.runtime.distributed else 1
-    return run.config.grad_accum > limit
+    return run.config.training.grad_accum > limit
 
 
 def stop_asked(run: Run, micro: int) -> bool:

@@ -102,7 +102,7 @@ class PopulationRun:
 
     @property
     def steps(self) -> int:
-        return int(self.base_values.get("steps", 1000))
+        return int(search_space.training_option(self.base_values, "steps", 1000))
 
     @property
     def rounds(self) -> int:
@@ -114,12 +114,13 @@ class PopulationRun:
     def member_values(self, member: int, chosen: dict[str, Any], end_step: int) -> dict[str, Any]:
         """Trainer options of one member for a round that ends at `end_step`."""
         values = search_space.apply(self.base_values, self.params, chosen)
-        values["steps"] = end_step
+        training = values.setdefault("training", {})
+        training["steps"] = end_step
         every = self.config.perturb_every
         # An evaluation at each round's end; a constant schedule unless one was given, since `--steps`
         # (which the cosine and wsd schedules stretch over) grows round by round.
-        if not values.get("eval_every") or every % int(values["eval_every"]):
-            values["eval_every"] = every
+        if not training.get("eval_every") or every % int(training["eval_every"]):
+            training["eval_every"] = every
         optimizer = values.setdefault("optimizer", {})
         optimizer.setdefault("schedule", "constant")
         optimizer.setdefault("warmup_steps", 0)

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict
+from shardkit.train.config import SECTIONS, TrainConfig, config_from_dict, nest_options
 from shardkit.options import option_name, parse_bool
 
 KINDS = ("loguniform", "uniform", "int", "choice")
@@ -130,9 +130,16 @@ def parse_space(specs: list[str] | tuple[str, ...]) -> tuple[Param, ...]:
     return params
 
 
+def training_option(values: dict[str, Any], name: str, default: Any) -> Any:
+    """An option of the trainer's training section (`steps`, `eval_every`, ...) in option values (nested, or
+    with the section's options at the top level as a study started before the section existed holds them)."""
+    return nest_options(values).get("training", {}).get(name, default)
+
+
 def apply(values: dict[str, Any], params: tuple[Param, ...], chosen: dict[str, Any]) -> dict[str, Any]:
-    """Nested trainer option values with the chosen hyperparameters set (a new dict)."""
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    """Nested trainer option values with the chosen hyperparameters set (a new dict; options given at the top
+    level that belong to a section are moved into it, see `nest_options`)."""
+    merged = nest_options(values)
     for param in params:
         if param.section is None:
             merged[param.name] = chosen[param.name]

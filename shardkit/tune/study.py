@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardkit.train.config import config_from_dict
+from shardkit.train.config import config_from_dict, nest_options
 from shardkit.tune import space as search_space
 from shardkit.tune import storage as study_storage
 from shardkit.tune.config import TuneConfig
@@ -66,6 +66,9 @@ def check_fingerprint(study, fingerprint: dict[str, Any]) -> None:
     """A study continues only with the command that started it: refuse other trainer options or space."""
     for key, value in fingerprint.items():
         stored = study.user_attrs.get(key)
+        if key == "trainer_options" and stored is not None:
+            # A study started before the trainer had a training section holds its options at the top level.
+            stored = nest_options(stored)
         if stored is None:
             study.set_user_attr(key, value)
         elif stored != value:
@@ -110,11 +113,11 @@ class StudyRun:
 
     @property
     def steps(self) -> int:
-        return int(self.base_values.get("steps", 1000))
+        return int(search_space.training_option(self.base_values, "steps", 1000))
 
     @property
     def eval_every(self) -> int:
-        return int(self.base_values.get("eval_every", 0))
+        return int(search_space.training_option(self.base_values, "eval_every", 0))
 
     @property
     def target(self) -> int:

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardkit.train.config.compile import CUDA_GRAPH_MODES
 from shardkit.train.model import blocks_of
 from shardkit.train.parallel.mesh import ParallelDims
-
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def cuda_graph_refusal(mode: str, *, device_type: str, dims: ParallelDims, activation_checkpointing: bool,
                        document_mask: bool) -> str | None:
     """Why `--compile-mode mode` cannot run in this layout, or None where it can (checked once the device
-    and the mesh are resolved; `TrainConfig` refuses what the options alone decide)."""
+    and the mesh are resolved; `TrainConfig` and `CompileConfig` refuse what the options alone decide)."""
     if mode not in CUDA_GRAPH_MODES:
         return None
     reasons = [
