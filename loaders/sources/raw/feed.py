@@ -125,8 +125,7 @@ class RawTextFeed(Feed):
         every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
         skipping = self.source.on_corrupt == "skip"
         while True:
-            self.source.begin(RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
-                                         cursors=dict(self._cursors), cuts=self._cuts))
+            self.source.begin(self.iteration_here(topology))
             batches = self._numpy_batches(loader)
             counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
             try:
@@ -150,6 +149,12 @@ class RawTextFeed(Feed):
                     return
             finally:
                 batches.close()
+
+    def iteration_here(self, topology: Topology) -> RawIteration:
+        """An iteration that starts where the loader stands (a data service's worker reads a step's parts from
+        it: `sources.service.parts`)."""
+        return RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                            cursors=dict(self._cursors), cuts=self._cuts)
 
     def _numpy_batches(self, loader: Any) -> Iterator[dict[str, Any]]:
         if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
