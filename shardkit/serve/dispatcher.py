@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from shardkit import metrics
 from shardkit.loaders.sources.service.wire import decode_object
 from shardkit.serve.security import middleware
 from shardkit.serve.worker import json_result, refused
@@ -90,7 +91,10 @@ class Dispatcher(flight.FlightServerBase):
                 return {"known": False}  # a restarted dispatcher: the worker registers again
             record.seen, record.routed = time.monotonic(), 0
             load = body.get("load")
+            sent = _rows(load) - _rows(record.load)
             record.load = load if isinstance(load, dict) else {}
+        if sent > 0:
+            metrics.inc("shardkit_service_worker_rows_total", sent, worker=body["id"])
         return {"known": True}
 
     def _leave(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -174,3 +178,9 @@ def _pid() -> int:
     import os
 
     return os.getpid()
+
+
+def _rows(load: Any) -> int:
+    """The rows a worker's load report says it sent so far (0 for a malformed report)."""
+    rows = load.get("rows") if isinstance(load, dict) else None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else 0

@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from shardkit import metrics
+
 from .wire import REFUSED, StreamRequest, decode_batch, decode_object
 
 TOKEN_ENV = "SHARDKIT_SERVICE_TOKEN"
@@ -164,12 +166,14 @@ class BatchStream:
         self._thread.start()
 
     def _put(self, item: Any) -> bool:
+        metrics.inc("shardkit_service_queue_depth")  # before the put: the consumer may take it at once
         while not self._closed.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
+        metrics.inc("shardkit_service_queue_depth", -1)
         return False
 
     def _read(self) -> None:
@@ -193,10 +197,14 @@ class BatchStream:
             ValueError, PermissionError: the worker refused the request (see `refusal`).
         """
         while True:
+            asked = time.perf_counter()
             try:
                 item = self._queue.get(timeout=deadline)
             except queue.Empty:
                 raise StreamBroken(f"no batch from the worker within {deadline:g} s", worker=self.worker) from None
+            finally:
+                metrics.inc("shardkit_service_wait_seconds_total", time.perf_counter() - asked)
+            metrics.inc("shardkit_service_queue_depth", -1)
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -217,3 +225,4 @@ class BatchStream:
             pass
         self._thread.join(timeout=5)
         self._client.close()
+        metrics.inc("shardkit_service_queue_depth", -self._queue.qsize())  # read ahead, never handed out
