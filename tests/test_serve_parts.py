@@ -48,12 +48,12 @@ def spec_of(data, kind: str) -> DataSpec:
 
 @pytest.fixture
 def service():
-    """A service with three worker threads, shut down (servers and heartbeats) however the test ends."""
+    """A service with `workers` worker threads, shut down (servers and heartbeats) however the test ends."""
     running: list[LocalService] = []
 
-    def start(spec: DataSpec) -> LocalService:
-        running.append(LocalService(spec, workers=0, worker_threads=3))
-        running[-1].wait_for_workers(3)
+    def start(spec: DataSpec, workers: int = 3) -> LocalService:
+        running.append(LocalService(spec, workers=0, worker_threads=workers))
+        running[-1].wait_for_workers(workers)
         return running[-1]
 
     yield start
@@ -61,10 +61,12 @@ def service():
         each.close()
 
 
-@pytest.mark.parametrize("kind", ["raw", "mixture"])
-def test_steps_read_in_parts_are_the_in_process_batches_and_states(data, service, kind):
+@pytest.mark.parametrize("kind, workers", [("raw", 3), ("mixture", 3), ("mixture", 1)])
+def test_steps_read_in_parts_are_the_in_process_batches_and_states(data, service, kind, workers):
+    """Raw text and a mixture of a raw-text and a built stream, weighted: per step exactly the in-process batch
+    and state, read in parts by 3 workers (and whole by 1)."""
     spec = spec_of(data, kind)
-    running = service(spec)
+    running = service(spec, workers)
     for rank, world_size in [(0, 1), (1, 2)]:
         here = StreamingDataLoader(StreamingDataset(spec.dataset_source(), rank=rank, world_size=world_size,
                                                     **spec.options), batch_size=6)
