@@ -15,6 +15,8 @@ of --runs runs:
 4. Stall after a worker kill: 2 workers, the consumer reading without step time; the worker serving it is
    SIGKILLed after --kill-after batches; the stall is the longest gap between two batches after the kill minus
    the median gap before it.
+5. `--dispatch` (alone): the dispatcher at a scale one machine cannot hold as real workers, 8 x 2, 64 x 16 and
+   256 x 64 simulated consumers x workers on loopback (`service_dispatch.py`).
 
 On a machine with few cores the workers compete with the consumer for them: the data wait then measures the
 machine, not the design (the service moves tokenization to other machines' CPUs). Prints a table, writes JSON.
@@ -171,7 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="bench_service.json")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="only the dispatcher at scale: simulated consumers x workers on loopback "
+                             "(service_dispatch.py)")
+    parser.add_argument("--dispatch-seconds", type=float, default=4.0)
     args = parser.parse_args(argv)
+    if args.dispatch:
+        from service_dispatch import dispatcher_scale
+
+        rows = dispatcher_scale([(8, 2), (64, 16), (256, 64)], seconds=args.dispatch_seconds, runs=args.runs)
+        Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "args": vars(args),
+                                              "dispatch": rows}, indent=1))
+        return 0
     from shardkit.serve.data import DataSpec
 
     root = Path(tempfile.mkdtemp(prefix="bench_service_"))
@@ -180,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = DataSpec(source=str(corpus), options=dict(tokenizer=tokenizer, seq_len=args.seq_len, lanes=8,
                                                      unit_bytes=1 << 16))
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "args": vars(args),
-               "workers": per_workers(spec, args, args.runs), "latency": latency(args, args.runs, root), "stall": stall(spec, args, args.runs)}
+               "workers": per_workers(spec, args, args.runs), "latency": latency(args, args.runs, root),
+               "stall": stall(spec, args, args.runs)}
     print(f"{'what':<40} {'median':>12}")
     rows = {name: row for name, row in results["workers"].items() if isinstance(row, dict)}
     for name, row in rows.items():
