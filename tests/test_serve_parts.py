@@ -121,3 +121,19 @@ def test_the_dispatcher_routes_a_consumer_to_several_distinct_workers(data, serv
     assert {w for w, _ in client.route([routes[0][0]], workers=8)} == {w for w, _ in routes[1:]}
     with pytest.raises(ValueError, match="route request: workers must be an integer >= 1, got 0"):
         client.route([], workers=0)
+
+
+def test_a_part_of_data_read_whole_or_outside_its_parts_is_refused_in_one_line(data, service):
+    from shardkit.loaders.sources.service.client import ServiceClient
+    from shardkit.loaders.sources.service.wire import StreamRequest
+
+    fields = dict(rank=0, world_size=1, local_rank=0, local_world_size=1, batch_size=4, identity="x")
+    with pytest.raises(ValueError, match=r"part 2 of 2\) is outside its world"):
+        StreamRequest(**fields, part=2, parts=2)
+    running = service(DataSpec(source=str(data / "built"), options={"cache_dir": str(data / "cache")}), 1)
+    client = ServiceClient(running.url, token=None, timeout=10)
+    (worker, location), = client.route([], workers=8)
+    identity = client.action("describe", {})["identity"]
+    with pytest.raises(ValueError, match=r"^data service: .* is not read in parts: ask for whole batches \(parts=1\)$"):
+        client.open_stream(worker, location, StreamRequest(**{**fields, "identity": identity}, part=0, parts=2),
+                           prefetch=4).close()
