@@ -6,14 +6,17 @@ of --runs runs:
 
 1. Data wait of a simulated trainer (one rank: --step-ms of sleep per step stands for the GPU's work, --steps
    steps): the share of the wall time spent in the loader's next(), in-process (`StreamingDataLoader`, no
-   workers: the tokenization runs on the trainer's CPU) against the service with 1, 2 and 4 worker processes.
-2. Throughput with no step time: tokens/s of the in-process loader and of the service with one worker (its
-   per-worker rate against the in-process one).
+   workers: the tokenization runs on the trainer's CPU) against the service with 1, 2 and 4 worker processes
+   (with 2 and 4, each worker reads a part of every step: its lanes).
+2. Throughput with no step time, same configurations: tokens/s (the service with one worker against the
+   in-process loader: its per-worker rate).
 3. Added latency per batch: built data (byte-level, small batches: the transport's cost dominates), median time
    per batch through the service (1 worker, read ahead) minus in-process.
 4. Stall after a worker kill: 2 workers, the consumer reading without step time; the worker serving it is
    SIGKILLed after --kill-after batches; the stall is the longest gap between two batches after the kill minus
    the median gap before it.
+5. `--dispatch` (alone): the dispatcher at a scale one machine cannot hold as real workers, 8 x 2, 64 x 16 and
+   256 x 64 simulated consumers x workers on loopback (`service_dispatch.py`).
 
 On a machine with few cores the workers compete with the consumer for them: the data wait then measures the
 machine, not the design (the service moves tokenization to other machines' CPUs). Prints a table, writes JSON.
@@ -93,35 +96,31 @@ def service(spec, workers: int):
     return running
 
 
-def data_wait(spec, args, runs: int) -> dict:
+def per_workers(spec, args, runs: int) -> dict:
+    """Data wait (with --step-ms per step) and throughput (without) of the in-process loader and of the service
+    with 1, 2 and 4 workers (2 and 4 read each step in parts), each service started once for its runs."""
     rows = {}
     for name, workers in [("in-process", 0), ("service, 1 worker", 1), ("service, 2 workers", 2),
                           ("service, 4 workers", 4)]:
-        shares = []
+        shares, rates = [], []
         running = service(spec, workers) if workers else None
         try:
             for _ in range(runs):
-                loader = in_process(spec, args.batch) if running is None else served(running.url, args.batch)
-                result = consume(loader, args.steps, args.step_ms / 1000)
-                shares.append(result["waited"] / result["wall"])
+                for step_seconds in (args.step_ms / 1000, 0):
+                    loader = in_process(spec, args.batch) if running is None else served(running.url, args.batch)
+                    result = consume(loader, args.steps, step_seconds)
+                    if step_seconds:
+                        shares.append(result["waited"] / result["wall"])
+                    else:
+                        rates.append(result["tokens"] / result["wall"])
         finally:
             if running is not None:
                 running.close()
-        rows[name] = {"data_wait_share": statistics.median(shares), "runs": shares}
+        rows[name] = {"data_wait_share": statistics.median(shares), "tokens_per_s": statistics.median(rates),
+                      "wait_runs": shares, "rate_runs": rates}
+    rows["per_worker_vs_in_process"] = (rows["service, 1 worker"]["tokens_per_s"]
+                                        / rows["in-process"]["tokens_per_s"])
     return rows
-
-
-def throughput(spec, args, runs: int) -> dict:
-    rates = {"in-process": [], "service, 1 worker": []}
-    with service(spec, 1) as running:
-        for _ in range(runs):
-            for name in rates:
-                loader = in_process(spec, args.batch) if name == "in-process" else served(running.url, args.batch)
-                result = consume(loader, args.steps, 0)
-                rates[name].append(result["tokens"] / result["wall"])
-    out = {name: {"tokens_per_s": statistics.median(r), "runs": r} for name, r in rates.items()}
-    out["per_worker_vs_in_process"] = out["service, 1 worker"]["tokens_per_s"] / out["in-process"]["tokens_per_s"]
-    return out
 
 
 def latency(args, runs: int, root: Path) -> dict:
@@ -174,7 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="bench_service.json")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="only the dispatcher at scale: simulated consumers x workers on loopback "
+                             "(service_dispatch.py)")
+    parser.add_argument("--dispatch-seconds", type=float, default=4.0)
     args = parser.parse_args(argv)
+    if args.dispatch:
+        from service_dispatch import dispatcher_scale
+
+        rows = dispatcher_scale([(8, 2), (64, 16), (256, 64)], seconds=args.dispatch_seconds, runs=args.runs)
+        Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count()}, "args": vars(args),
+                                              "dispatch": rows}, indent=1))
+        return 0
     from shardkit.serve.data import DataSpec
 
     root = Path(tempfile.mkdtemp(prefix="bench_service_"))
@@ -183,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = DataSpec(source=str(corpus), options=dict(tokenizer=tokenizer, seq_len=args.seq_len, lanes=8,
                                                      unit_bytes=1 << 16))
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "args": vars(args),
-               "data_wait": data_wait(spec, args, args.runs), "throughput": throughput(spec, args, args.runs),
-               "latency": latency(args, args.runs, root), "stall": stall(spec, args, args.runs)}
+               "workers": per_workers(spec, args, args.runs), "latency": latency(args, args.runs, root),
+               "stall": stall(spec, args, args.runs)}
     print(f"{'what':<40} {'median':>12}")
-    for name, row in results["data_wait"].items():
+    rows = {name: row for name, row in results["workers"].items() if isinstance(row, dict)}
+    for name, row in rows.items():
         print(f"{'data wait share, ' + name:<40} {row['data_wait_share']:>11.1%}")
-    for name in ("in-process", "service, 1 worker"):
-        print(f"{'tokens/s, ' + name:<40} {results['throughput'][name]['tokens_per_s']:>12,.0f}")
-    print(f"{'service per worker / in-process':<40} {results['throughput']['per_worker_vs_in_process']:>11.0%}")
+    for name, row in rows.items():
+        print(f"{'tokens/s, ' + name:<40} {row['tokens_per_s']:>12,.0f}")
+    print(f"{'service per worker / in-process':<40} {results['workers']['per_worker_vs_in_process']:>11.0%}")
     print(f"{'ms per batch, built, in-process':<40} {results['latency']['in_process_ms']:>12.3f}")
     print(f"{'ms per batch, built, service':<40} {results['latency']['service_ms']:>12.3f}")
     print(f"{'added latency per batch (ms)':<40} {results['latency']['added_ms']:>12.3f}")

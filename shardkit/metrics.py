@@ -115,6 +115,16 @@ METRICS: tuple[MetricSpec, ...] = (
         ("shardkit_service_reassignments_total", "counter",
          "Streams of a data-service consumer moved to another worker (a worker killed, hung past the deadline or "
          "gone), each resumed from the consumer's last state.", ()),
+        ("shardkit_service_queue_depth", "gauge",
+         "Messages a data-service consumer read ahead and has not handed to the training loop: whole batches, or "
+         "parts of steps where several workers read its steps in parts (per stream at most 4 queued and one "
+         "waiting for room).", ()),
+        ("shardkit_service_wait_seconds_total", "counter",
+         "Seconds a data-service consumer waited for the service's next batch or part (the workers and the "
+         "network; the loader's wait adds the consumer's own assembly of a step).", ()),
+        ("shardkit_service_worker_rows_total", "counter",
+         "Rows each data-service worker sent, as its heartbeats report them, counted by the dispatcher (rate(): "
+         "rows/s per worker).", ("worker",)),
     ),
     *_specs(
         "trainer",

@@ -45,7 +45,7 @@ def test_metric_names_follow_the_conventions():
         assert spec.name.startswith("shardkit_"), spec.name
         assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
         assert not re.search(r"_(ms|milliseconds|kb|mb|gib|percent)(_|$)", spec.name), f"{spec.name}: not a base unit"
-        assert set(spec.labels) <= {"stream", "shard_format", "rank", "reason", "operation", "cause"}, spec.name
+        assert set(spec.labels) <= {"stream", "shard_format", "rank", "reason", "operation", "cause", "worker"}, spec.name
 
 
 def dashboard_expressions() -> list[str]:

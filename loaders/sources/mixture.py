@@ -368,11 +368,9 @@ class RawMixtureSource(RawTextSource):
         finally:
             built.close()
 
-    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
-        """One step's batch (see `RawTextSource.assemble`), with each row's `stream` (its index in the mixture)."""
-        batch = super().assemble(parts)
-        batch["stream"] = self.order.stream_of_ids(batch["sample_id"])
-        return batch
+    def row_columns(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Each row's `stream`: its index in the mixture."""
+        return {"stream": self.order.stream_of_ids(sample_ids)}
 
 
 def _weights(record: MixtureRecord) -> list[tuple[str, Any]]:

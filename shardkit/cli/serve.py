@@ -43,12 +43,15 @@ class ServeConfig:
     shuffle: bool = option(True, "shuffle the order")
     cache_dir: str | None = option(None, "the workers' node-local shard cache (built data)")
     storage_options: str | None = storage_options_option()
+    metrics_port: int = option(0, "serve the dispatcher's Prometheus metrics (rows sent per worker) at "
+                               "http://127.0.0.1:P/metrics (0: off)", metavar="P")
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(self, name)}")
         if self.tokenizer is not None and self.seq_len is None:
             raise ValueError("--tokenizer serves raw text and needs --seq-len")
 
@@ -109,6 +112,15 @@ def run_serve(args: Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"shardkit serve: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
+    if config.metrics_port:
+        from shardkit.metrics import start_metrics_server
+
+        try:
+            start_metrics_server(config.metrics_port)
+        except OSError as err:
+            service.close()
+            print(f"shardkit serve: {err}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a scheduler's stop: close the workers, exit 0
     with service:

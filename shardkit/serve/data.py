@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardkit.loaders.order.mixing import Stream
+from shardkit.loaders.sources.service.parts import step_assembly
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,8 @@ class DataSpec:
         return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0)
 
     def describe(self) -> dict[str, Any]:
-        """What a consumer needs to know of the data before any batch (its identity, shapes and records)."""
+        """What a consumer needs to know of the data before any batch (its identity, shapes and records, and how
+        it assembles a step read in parts: None where steps come whole)."""
         from shardkit.loaders.dataset import StreamingDataset
 
         dataset = StreamingDataset(self.dataset_source(), rank=0, world_size=1, **self.options)
@@ -69,6 +71,7 @@ class DataSpec:
         return {"identity": source.identity(), "stream_identities": source.stream_identities(),
                 "stream_records": source.stream_records(), "describe": source.describe(),
                 "endless": bool(source.endless), "sample_length": source.sample_length,
+                "assembly": step_assembly(source),
                 "shapes": [[where, shape_fields(shape)] for where, shape in source.shapes()]}
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from shardkit import metrics
 from shardkit.loaders.sources.service.wire import decode_object
 from shardkit.serve.security import middleware
 from shardkit.serve.worker import json_result, refused
@@ -90,7 +91,10 @@ class Dispatcher(flight.FlightServerBase):
                 return {"known": False}  # a restarted dispatcher: the worker registers again
             record.seen, record.routed = time.monotonic(), 0
             load = body.get("load")
+            sent = _rows(load) - _rows(record.load)
             record.load = load if isinstance(load, dict) else {}
+        if sent > 0:
+            metrics.inc("shardkit_service_worker_rows_total", sent, worker=body["id"])
         return {"known": True}
 
     def _leave(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -114,26 +118,31 @@ class Dispatcher(flight.FlightServerBase):
                                 for wid, r in sorted(self._live().items())]}
 
     def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
-        """Route a consumer's next stream: the least loaded live worker outside its `exclude` list (a worker
-        it saw fail), or any live one when all are excluded."""
+        """Route a consumer's next streams: up to `workers` (default 1) distinct live workers, least loaded first,
+        outside its `exclude` list (workers it saw fail), or any live ones when all are excluded. A consumer
+        reading a step in parts opens one stream per endpoint (`sources.service.parts`)."""
         try:
-            exclude = decode_object(descriptor.command or b"{}", what="route request").get("exclude", [])
+            request = decode_object(descriptor.command or b"{}", what="route request")
         except ValueError as err:
             raise refused(str(err)) from None
+        exclude, wanted = request.get("exclude", []), request.get("workers", 1)
         if not isinstance(exclude, list):
             raise refused("route request: exclude must be a list of worker ids")
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+            raise refused(f"route request: workers must be an integer >= 1, got {wanted!r}")
         with self._lock:
             live = self._live()
             candidates = {wid: r for wid, r in live.items() if wid not in exclude} or live
             if not candidates:
                 raise flight.FlightUnavailableError("no live worker (starting, or all gone: the consumer waits)")
-            worker_id = min(candidates, key=lambda wid: (candidates[wid].load.get("streams", 0)
-                                                         + candidates[wid].routed, wid))
-            record = candidates[worker_id]
-            record.routed += 1
+            chosen = sorted(candidates, key=lambda wid: (candidates[wid].load.get("streams", 0)
+                                                         + candidates[wid].routed, wid))[:wanted]
+            for worker_id in chosen:
+                candidates[worker_id].routed += 1
             self.routes += 1
-        endpoint = flight.FlightEndpoint(worker_id.encode(), [flight.Location(record.location)])
-        return flight.FlightInfo(pa.schema([]), descriptor, [endpoint], -1, -1)
+        endpoints = [flight.FlightEndpoint(wid.encode(), [flight.Location(candidates[wid].location)])
+                     for wid in chosen]
+        return flight.FlightInfo(pa.schema([]), descriptor, endpoints, -1, -1)
 
 
 def run_heartbeats(server: Any, *, dispatcher: str, advertised: str, token: str | None, stop: threading.Event,
@@ -169,3 +178,9 @@ def _pid() -> int:
     import os
 
     return os.getpid()
+
+
+def _rows(load: Any) -> int:
+    """The rows a worker's load report says it sent so far (0 for a malformed report)."""
+    rows = load.get("rows") if isinstance(load, dict) else None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else 0

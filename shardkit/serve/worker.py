@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow.flight as flight
 
+from shardkit.loaders.sources.service.parts import served_parts
 from shardkit.loaders.sources.service.wire import REFUSED, StreamRequest, batch_schema, decode_object, encode_batch
 from shardkit.serve.data import DataSpec
 from shardkit.serve.security import middleware
@@ -70,26 +71,48 @@ class WorkerServer(flight.FlightServerBase):
         return request, loader
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
-        _, loader = self._loader(ticket.ticket)
-        batches = iter(loader)
+        request, loader = self._loader(ticket.ticket)
+        messages = self._whole_batches(loader) if request.parts == 1 else self._step_parts(loader, request)
         try:
-            first = next(batches, None)
+            first = next(messages)
         except (ValueError, OSError) as err:
             raise refused(f"{type(err).__name__}: {err}") from None
-        arrays = None if first is None else {name: tensor.numpy() for name, tensor in first.items()}
-        schema = batch_schema(arrays or {})
+        schema = batch_schema(first[0] or {})
         with self._lock:
             self.active_streams += 1
-        return flight.GeneratorStream(schema, self._messages(loader, batches, arrays, schema))
+        return flight.GeneratorStream(schema, self._sent(first, messages, schema))
 
-    def _messages(self, loader: Any, batches: Iterator[Any], arrays: dict[str, Any] | None,
-                  schema: Any) -> Iterator[tuple[Any, bytes]]:
-        """Each batch with the loader state after it; of an epoch's last batch (found by reading one ahead), the
-        state after the epoch, so that a consumer holding it starts the next epoch in its next iteration."""
-        endless = self.description["endless"]
+    def _sent(self, first: tuple[Any, dict[str, Any], bool], messages: Iterator[tuple[Any, dict[str, Any], bool]],
+              schema: Any) -> Iterator[tuple[Any, bytes]]:
+        """The stream's Arrow messages, counted; bad data met on the way is a refusal, the same on every worker."""
         try:
-            if arrays is None:  # the iteration is empty (a state at an epoch's end): only its state
-                yield encode_batch({}, schema, state=loader.local_state_dict(), last=True)
+            message: tuple[Any, dict[str, Any], bool] | None = first
+            while message is not None:
+                arrays, state, last = message
+                yield encode_batch(arrays or {}, schema, state=state, last=last)
+                if arrays is None:  # only a state: the iteration was empty
+                    return
+                with self._lock:
+                    self.batches_sent += 1
+                    self.rows_sent += len(arrays["rows"] if "rows" in arrays else next(iter(arrays.values())))
+                message = next(messages, None)
+        except (ValueError, OSError) as err:
+            raise refused(f"{type(err).__name__}: {err}") from None
+        finally:
+            messages.close()
+            with self._lock:
+                self.active_streams -= 1
+
+    def _whole_batches(self, loader: Any) -> Iterator[tuple[dict[str, Any], dict[str, Any], bool]]:
+        """(arrays, the loader state after them, last) per batch; of an epoch's last batch (found by reading one
+        ahead), the state after the epoch, so that a consumer holding it starts the next epoch in its next
+        iteration. An empty iteration (a state at an epoch's end) is one message of its state only (arrays None)."""
+        endless = self.description["endless"]
+        batches = iter(loader)
+        try:
+            arrays = _numpy(next(batches, None))
+            if arrays is None:
+                yield None, loader.local_state_dict(), True
                 return
             while arrays is not None:
                 state = loader.local_state_dict()
@@ -97,19 +120,26 @@ class WorkerServer(flight.FlightServerBase):
                 last = not endless and following is None
                 if last:
                     state = loader.local_state_dict()  # the epoch ended: the state of the next one
-                yield encode_batch(arrays, schema, state=state, last=last)
-                with self._lock:
-                    self.batches_sent += 1
-                    self.rows_sent += len(next(iter(arrays.values())))
+                yield arrays, state, last
                 if endless:
                     following = next(batches, None)
-                arrays = None if following is None else {k: v.numpy() for k, v in following.items()}
-        except (ValueError, OSError) as err:  # bad data: a refusal, the same on every worker
-            raise refused(f"{type(err).__name__}: {err}") from None
+                arrays = _numpy(following)
         finally:
             batches.close() if hasattr(batches, "close") else None
-            with self._lock:
-                self.active_streams -= 1
+
+    def _step_parts(self, loader: Any, request: StreamRequest) -> Iterator[tuple[dict[str, Any], dict[str, Any], bool]]:
+        """(arrays, state, False) per step: part `request.part` of each. The consumer keeps the state: the first
+        message carries the loader's state where the iteration began (a mixture's order pinned to the global batch
+        then), the others none."""
+        if self.description["assembly"] is None:
+            raise refused(f"{self.description['describe']} is not read in parts: ask for whole batches (parts=1)")
+        parts = served_parts(loader, part=request.part, parts=request.parts)
+        try:
+            yield next(parts), loader.local_state_dict(), False
+            for arrays in parts:
+                yield arrays, {}, False
+        finally:
+            parts.close()
 
     def do_action(self, context: Any, action: flight.Action) -> list[flight.Result]:
         kind = action.type
@@ -136,3 +166,7 @@ class WorkerServer(flight.FlightServerBase):
     def load(self) -> dict[str, int]:
         with self._lock:
             return {"streams": self.active_streams, "batches": self.batches_sent, "rows": self.rows_sent}
+
+
+def _numpy(batch: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if batch is None else {name: tensor.numpy() for name, tensor in batch.items()}

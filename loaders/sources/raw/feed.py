@@ -129,8 +129,7 @@ class RawTextFeed(Feed):
         every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
         skipping = self.source.on_corrupt == "skip"
         while True:
-            iteration = RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
-                                     cursors=dict(self._cursors), cuts=self._cuts, worker_start=self._worker_start)
+            iteration = self.iteration_here(topology)
             self.source.begin(iteration)
             batches = self._numpy_batches(loader, iteration)
             counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
@@ -155,6 +154,12 @@ class RawTextFeed(Feed):
                     return
             finally:
                 batches.close()
+
+    def iteration_here(self, topology: Topology) -> RawIteration:
+        """An iteration that starts where the loader stands (a data service's worker reads a step's parts from
+        it: `sources.service.parts`)."""
+        return RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
+                            cursors=dict(self._cursors), cuts=self._cuts, worker_start=self._worker_start)
 
     def _numpy_batches(self, loader: Any, iteration: RawIteration) -> Iterator[dict[str, Any]]:
         if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)

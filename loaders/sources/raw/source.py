@@ -237,11 +237,17 @@ class RawTextSource(Source):
         batch = raw_batch([samples[i] for i in order], np.concatenate([p.positions for p in parts])[order],
                           [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
                           variable=self.sample_length is None, dense_segments=self.segment_ids)
+        batch.update(self.row_columns(batch["sample_id"]))
         batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
         batch[UNREADABLE_KEY] = [u for p in parts for u in p.unreadable]
         for part in parts:
             self.rejected.update(part.rejected)
         return batch
+
+
+    def row_columns(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The per-row columns a batch holds besides the samples' own (a mixture's `stream`; none here)."""
+        return {}
 
 
 def refuse_other_loaders(claimed: bool) -> None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from shardkit import metrics
+
 from .wire import REFUSED, StreamRequest, decode_batch, decode_object
 
 TOKEN_ENV = "SHARDKIT_SERVICE_TOKEN"
@@ -26,7 +28,15 @@ _RETRY_SECONDS = 0.2
 
 
 class StreamBroken(ConnectionError):
-    """A worker's stream ended before its iteration did (the feed resumes it elsewhere)."""
+    """A worker's stream ended before its iteration did (the feed resumes it elsewhere).
+
+    Attributes:
+        worker: the id of the worker whose stream broke.
+    """
+
+    def __init__(self, message: str, *, worker: str):
+        super().__init__(message)
+        self.worker = worker
 
 
 def call_options(token: str | None, timeout: float | None = None) -> Any:
@@ -100,16 +110,16 @@ class ServiceClient:
 
         return self._retrying(name, call)
 
-    def route(self, exclude: list[str]) -> tuple[str, str]:
-        """(worker id, location) of a live worker, not one of `exclude` where another is live."""
+    def route(self, exclude: list[str], *, workers: int = 1) -> list[tuple[str, str]]:
+        """(worker id, location) of up to `workers` distinct live workers (at least one), none of `exclude` where
+        others are live."""
         import pyarrow.flight as flight
 
-        descriptor = flight.FlightDescriptor.for_command(json.dumps({"exclude": exclude}).encode())
+        descriptor = flight.FlightDescriptor.for_command(json.dumps({"exclude": exclude, "workers": workers}).encode())
 
-        def call() -> tuple[str, str]:
+        def call() -> list[tuple[str, str]]:
             info = self._client().get_flight_info(descriptor, call_options(self._token, self.timeout))
-            endpoint = info.endpoints[0]
-            return endpoint.ticket.ticket.decode(), endpoint.locations[0].uri.decode()
+            return [(e.ticket.ticket.decode(), e.locations[0].uri.decode()) for e in info.endpoints]
 
         return self._retrying("finding a worker", call)
 
@@ -122,32 +132,48 @@ class ServiceClient:
         finally:
             client.close()
 
-    def open_stream(self, location: str, request: StreamRequest, *, prefetch: int) -> BatchStream:
+    def open_stream(self, worker: str, location: str, request: StreamRequest, *, prefetch: int) -> BatchStream:
+        """Worker `worker`'s stream of `request`.
+
+        Raises:
+            StreamBroken: the worker cannot be reached (gone since the dispatcher last heard of it).
+            ValueError, PermissionError: the worker refused the request.
+        """
+        import pyarrow as pa
         import pyarrow.flight as flight
 
         client = flight.FlightClient(location)
-        reader = client.do_get(flight.Ticket(request.to_bytes()), call_options(self._token))
-        return BatchStream(client, reader, prefetch=prefetch)
+        try:
+            reader = client.do_get(flight.Ticket(request.to_bytes()), call_options(self._token))
+        except (OSError, pa.ArrowException) as err:
+            client.close()
+            refused = refusal(err)
+            if refused is not None:
+                raise refused from None
+            raise StreamBroken(str(err).splitlines()[0] if str(err) else type(err).__name__, worker=worker) from None
+        return BatchStream(client, reader, prefetch=prefetch, worker=worker)
 
 
 class BatchStream:
     """One worker's stream, read ahead by a thread into a queue of at most `prefetch` decoded batches (with
     gRPC's flow control behind it, the worker runs at most that far ahead of the training loop)."""
 
-    def __init__(self, client: Any, reader: Any, *, prefetch: int):
-        self._client, self._reader = client, reader
+    def __init__(self, client: Any, reader: Any, *, prefetch: int, worker: str):
+        self._client, self._reader, self.worker = client, reader, worker
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, name="shardkit-service-stream", daemon=True)
         self._thread.start()
 
     def _put(self, item: Any) -> bool:
+        metrics.inc("shardkit_service_queue_depth")  # before the put: the consumer may take it at once
         while not self._closed.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
+        metrics.inc("shardkit_service_queue_depth", -1)
         return False
 
     def _read(self) -> None:
@@ -171,10 +197,14 @@ class BatchStream:
             ValueError, PermissionError: the worker refused the request (see `refusal`).
         """
         while True:
+            asked = time.perf_counter()
             try:
                 item = self._queue.get(timeout=deadline)
             except queue.Empty:
-                raise StreamBroken(f"no batch from the worker within {deadline:g} s") from None
+                raise StreamBroken(f"no batch from the worker within {deadline:g} s", worker=self.worker) from None
+            finally:
+                metrics.inc("shardkit_service_wait_seconds_total", time.perf_counter() - asked)
+            metrics.inc("shardkit_service_queue_depth", -1)
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -183,7 +213,8 @@ class BatchStream:
                     raise refused from None
                 if isinstance(item, ValueError) and "service message" in str(item):
                     raise item
-                raise StreamBroken(str(item).splitlines()[0] if str(item) else type(item).__name__) from None
+                raise StreamBroken(str(item).splitlines()[0] if str(item) else type(item).__name__,
+                                   worker=self.worker) from None
             yield item
 
     def close(self) -> None:
@@ -194,3 +225,4 @@ class BatchStream:
             pass
         self._thread.join(timeout=5)
         self._client.close()
+        metrics.inc("shardkit_service_queue_depth", -self._queue.qsize())  # read ahead, never handed out

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from pyarrow import ArrowException
 
 from shardkit import metrics
 
@@ -24,7 +23,7 @@ from ...delivery.tensors import batch_to_tensors
 from ...source import Feed
 from ...state.loader_state import LoaderState
 from ..raw.feed import gathered_state
-from .client import StreamBroken, refusal
+from .client import BatchStream, StreamBroken
 from .wire import StreamRequest
 
 logger = logging.getLogger(__name__)
@@ -47,15 +46,15 @@ class ServiceFeed(Feed):
         self._allow_mixture_change = False
         self.reassignments = 0
 
-    def _request(self, state: dict[str, Any] | None) -> StreamRequest:
+    def _request(self, state: dict[str, Any] | None, *, part: int = 0, parts: int = 1) -> StreamRequest:
         topology = self.source.topology()
         return StreamRequest(rank=topology.rank, world_size=topology.world_size, local_rank=topology.local_rank,
                              local_world_size=topology.local_world_size, batch_size=self.samples_per_rank,
                              identity=self.source.identity(), state=state,
-                             allow_mixture_change=self._allow_mixture_change)
+                             allow_mixture_change=self._allow_mixture_change, part=part, parts=parts)
 
     def _ask_worker(self, action: str, state: dict[str, Any] | None) -> dict[str, Any]:
-        _, location = self.source.client.route([])
+        (_, location), = self.source.client.route([])
         return self.source.client.worker_action(action, location, self._request(state))
 
     @property
@@ -80,37 +79,58 @@ class ServiceFeed(Feed):
                                waiting_for=f"the data service at {self.source.client.url}")
 
     def _received(self) -> Iterator[dict[str, Any]]:
-        """The numpy batches of one iteration, each with its state, across as many streams as it takes."""
+        """The numpy batches of one iteration, each with its state, across as many streams as it takes: one
+        worker's whole batches, or, where the source's steps are read in parts and several workers are live, one
+        part of every step from each of them (`parts`)."""
+        source = self.source
         exclude: list[str] = []
         failing_since: float | None = None  # the first of the streams that broke in a row without a batch
         while True:
-            worker, location = self.source.client.route(exclude)
+            routes = source.client.route(exclude, workers=source.parts if source.assembly else 1)
+            streams: list[BatchStream] = []
             try:
-                stream = self.source.client.open_stream(location, self._request(self._state),
-                                                        prefetch=self.source.prefetch)
-            except (OSError, ArrowException) as err:  # the worker went after the dispatcher last heard of it
-                refused = refusal(err)
-                if refused is not None:
-                    raise refused from None
-                exclude, failing_since = self._broken(worker, exclude, failing_since, err)
-                continue
-            try:
-                for arrays, state, last in stream.messages(self.source.client.timeout):
+                for part, (worker, location) in enumerate(routes):
+                    request = self._request(self._state, part=part, parts=len(routes))
+                    streams.append(source.client.open_stream(worker, location, request, prefetch=source.prefetch))
+                for arrays in self._whole(streams[0]) if len(streams) == 1 else self._assembled(streams):
                     failing_since = None
-                    if arrays:
-                        arrays[_STATE_KEY] = state
-                        yield arrays
-                    else:
-                        self._state = state  # the end of an epoch: where the next iteration starts
-                    if last:
-                        return
-                if self.source.endless:
-                    raise StreamBroken("the stream of endless data ended")
+                    yield arrays
                 return
             except StreamBroken as err:
-                exclude, failing_since = self._broken(worker, exclude, failing_since, err)
+                exclude, failing_since = self._broken(err.worker, exclude, failing_since, err)
             finally:
-                stream.close()
+                for stream in streams:
+                    stream.close()
+
+    def _whole(self, stream: BatchStream) -> Iterator[dict[str, Any]]:
+        """One worker's batches, each with the state after it, to the iteration's end."""
+        for arrays, state, last in stream.messages(self.source.client.timeout):
+            if arrays:
+                arrays[_STATE_KEY] = state
+                yield arrays
+            else:
+                self._state = state  # the end of an epoch: where the next iteration starts
+            if last:
+                return
+        if self.source.endless:
+            raise StreamBroken("the stream of endless data ended", worker=stream.worker)
+
+    def _assembled(self, streams: list[BatchStream]) -> Iterator[dict[str, Any]]:
+        """Each step assembled from one part per stream (in part order), with the state after it (endless)."""
+        received = [stream.messages(self.source.client.timeout) for stream in streams]
+        global_batch = self.samples_per_rank * self.source.topology().world_size
+        state = self._state
+        while True:
+            parts = []
+            for stream, messages in zip(streams, received):
+                message = next(messages, None)
+                if message is None:
+                    raise StreamBroken("the stream of endless data ended", worker=stream.worker)
+                parts.append(message[0])
+                state = message[1] or state  # a stream's first message: the state where its iteration began
+            arrays = self.source.assembly.batch(parts)
+            arrays[_STATE_KEY] = state = self.source.assembly.state_after(state, parts, global_batch=global_batch)
+            yield arrays
 
     def _broken(self, worker: str, exclude: list[str], failing_since: float | None,
                 err: Exception) -> tuple[list[str], float]:

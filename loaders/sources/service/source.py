@@ -13,8 +13,10 @@ from typing import Any
 from ...delivery.topology import Topology, data_parallel_group, resolve_topology
 from ...source import Feed, Source, Standalone
 from .client import ServiceClient
+from .parts import StepAssembly
 
-PREFETCH = 4  # batches read ahead per consumer (with gRPC's flow control, what bounds its memory)
+PREFETCH = 4  # batches (or parts of steps) read ahead per stream (with gRPC's flow control, what bounds its memory)
+PARTS = 8  # at most this many workers read one consumer's steps in parts (where the data's steps split)
 
 
 @dataclass(frozen=True)
@@ -49,16 +51,19 @@ class ServiceSource(Source):
         token: the service's shared token (default `$SHARDKIT_SERVICE_TOKEN`).
         timeout: seconds to wait for the service to answer, and for a worker's next batch before the stream is
             moved to another worker.
-        prefetch: batches read ahead per stream (the memory bound per consumer).
+        prefetch: batches read ahead per stream (the memory bound per consumer: `prefetch` steps whatever the
+            number of streams, whose parts add up to whole steps).
+        parts: at most this many workers read the consumer's steps, each a part of every step, where the data's
+            steps split (raw text and mixtures with raw-text streams, by lane: `parts`); 1: one worker at a time.
         expected: the data the caller means (`StreamingDataset`'s `source`), compared with what the service
             serves; None: whatever it serves.
         topology_args, group_args: the explicit topology and the process group or mesh (`StreamingDataset`).
     """
 
     def __init__(self, url: str, *, token: str | None, timeout: float, prefetch: int, expected: Any,
-                 topology_args: dict[str, int | None], group_args: dict[str, Any]):
+                 topology_args: dict[str, int | None], group_args: dict[str, Any], parts: int = PARTS):
         self.client = ServiceClient(url, token=token, timeout=timeout)
-        self.prefetch = prefetch
+        self.prefetch, self.parts = prefetch, parts
         self.topology_args, self.group_args = topology_args, group_args
         self.description = self.client.action("describe", {})
         served = self.description.get("data")
@@ -66,6 +71,8 @@ class ServiceSource(Source):
             raise ValueError(f"the data service {url} serves {served}, not {expected} (pass the data it serves, or "
                              "none)")
         self.endless = bool(self.description["endless"])
+        assembly = self.description.get("assembly")
+        self.assembly = None if assembly is None else StepAssembly(**assembly)
         self.sample_length = self.description["sample_length"]
         self.token_dtype = None
 

@@ -27,6 +27,8 @@ class StreamRequest:
 
     Attributes:
         identity: the data the consumer reads (`Source.identity()`); a worker serving other data refuses.
+        part, parts: with `parts` > 1, only part `part` of every step (a step read in parts by several workers:
+            `parts.served_parts`); 1: whole batches.
     """
 
     rank: int
@@ -37,16 +39,17 @@ class StreamRequest:
     identity: str
     state: dict[str, Any] | None = None
     allow_mixture_change: bool = False
+    part: int = 0
+    parts: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("rank", "world_size", "local_rank", "local_world_size", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if "rank" in name else 1):
-                raise ValueError(f"stream request: {name} must be an integer >= {0 if 'rank' in name else 1}, "
-                                 f"got {value!r}")
-        if self.rank >= self.world_size or self.local_rank >= self.local_world_size:
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "batch_size", "part", "parts"):
+            value, least = getattr(self, name), 0 if name in ("rank", "local_rank", "part") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"stream request: {name} must be an integer >= {least}, got {value!r}")
+        if self.rank >= self.world_size or self.local_rank >= self.local_world_size or self.part >= self.parts:
             raise ValueError(f"stream request: rank {self.rank} of {self.world_size} (local {self.local_rank} of "
-                             f"{self.local_world_size}) is outside its world")
+                             f"{self.local_world_size}, part {self.part} of {self.parts}) is outside its world")
         if not isinstance(self.identity, str) or not self.identity:
             raise ValueError("stream request: identity must be the data's identity (a non-empty string)")
         if not isinstance(self.allow_mixture_change, bool):
