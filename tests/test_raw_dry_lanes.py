@@ -152,3 +152,27 @@ def test_ranks_agree_on_a_dry_lane_over_gloo_and_resume_on_three(process_pool, g
     three = run(3, 8, state=two[0]["state"])
     assert three[0]["state"] == three[1]["state"] == three[2]["state"]
     assert merged(three, 8) == reference[72:]
+
+
+@pytest.mark.slow
+def test_under_raise_ranks_agree_on_a_lane_of_rejected_documents_over_gloo(process_pool, tmp_path):
+    """Under on_corrupt="raise" a lane whose every document is rejected is found in the steps of round 0 (each
+    lane's first sample), which 2 gloo ranks agree on: both leave it out alike, the single process's rows."""
+    from conftest import free_port
+    from raw_procs import raw_rank_run
+
+    lines = mix_lines(FILES * DOCS_PER_FILE)
+    for part in range(FILES):
+        text = b"".join(lines[part * DOCS_PER_FILE:(part + 1) * DOCS_PER_FILE])
+        if part == DAMAGED:
+            text = b'{"text": ""}\n' * DOCS_PER_FILE  # every record rejected (an empty document)
+        (tmp_path / f"part{part}.jsonl.gz").write_bytes(gzip.compress(text))
+    options = {**settings(), "on_corrupt": "raise"}
+    reference = rows(take(StreamingDataLoader(StreamingDataset(str(tmp_path), **options), batch_size=12), 6))
+    port = free_port()
+    two = process_pool.run(raw_rank_run, [
+        dict(inputs=str(tmp_path), settings=options, batch_size=6, rank=r, world_size=2, port=port, steps=6)
+        for r in range(2)])
+    assert two[0]["state"] == two[1]["state"] and [r["dry_lanes"] for r in two] == [1, 1]
+    merged = [row for step in range(6) for run in two for row in run["rows"][6 * step:6 * (step + 1)]]
+    assert merged == reference
