@@ -61,8 +61,6 @@ def raw_node_copy_run(*, root: str, files: dict[str, str], settings: dict, rank:
     try:
         loader = StreamingDataLoader(StreamingDataset(root, **settings), batch_size=2, num_workers=workers,
                                      multiprocessing_context="fork" if workers else None)
-        if state is not None:
-            loader.load_state_dict(state)
         rows, it = [], iter(loader)
         try:
             for _ in range(steps):
