@@ -176,3 +176,16 @@ def test_under_raise_ranks_agree_on_a_lane_of_rejected_documents_over_gloo(proce
     assert two[0]["state"] == two[1]["state"] and [r["dry_lanes"] for r in two] == [1, 1]
     merged = [row for step in range(6) for run in two for row in run["rows"][6 * step:6 * (step + 1)]]
     assert merged == reference
+
+
+def test_a_dataset_iterated_on_its_own_leaves_a_dry_lane_out_too(tmp_path):
+    """Without StreamingDataLoader (one rank): the iteration starts again with the lane left out and skips the
+    steps it handed out, so the rows are the loader's."""
+    lines = mix_lines(40)
+    (tmp_path / "good.jsonl").write_bytes(b"".join(lines))
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": ""}\n' * 10)  # every record rejected
+    options = dict(tokenizer="byte", seq_len=64, lanes=2)
+    alone = StreamingDataset(str(tmp_path), **options, batch_size=4)
+    got = [b for b, _ in zip(alone, range(5))]
+    assert rows(got) == rows(take(StreamingDataLoader(StreamingDataset(str(tmp_path), **options), batch_size=4), 5))
+    assert sorted(i for i, _, _ in rows(got)) == list(range(20))
