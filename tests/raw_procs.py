@@ -4,11 +4,12 @@ from __future__ import annotations
 
 
 def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: int, world_size: int, port: int,
-                 steps: int, files: dict[str, str] | None = None, remove: list[str] = (), workers: int = 0) -> dict:
+                 steps: int, files: dict[str, str] | None = None, remove: list[str] = (), workers: int = 0,
+                 state: dict | None = None) -> dict:
     """Read `steps` batches of a raw-text loader as one rank of a real gloo group; its rows, its state and the
     units it skipped. `inputs` is a corpus or a list of `Stream` (a mixture). `files` are first written under
     `inputs` (a memory:// URL: this process's own), and `remove` deleted once the dataset has listed them (a file
-    that vanishes for this rank only)."""
+    that vanishes for this rank only). With `state`, the loader resumes from it first."""
     from datetime import timedelta
 
     import fsspec
@@ -27,12 +28,15 @@ def raw_rank_run(*, inputs: str | list, settings: dict, batch_size: int, rank: i
     try:
         loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                      multiprocessing_context="fork" if workers else None)
+        if state is not None:
+            loader.load_state_dict(state)
         rows, it = [], iter(loader)
         for _ in range(steps):
             batch = next(it)
             rows += [(int(i), int(e), tuple(t.tolist())) for i, e, t in
                      zip(batch["sample_id"], batch["lane_epoch"], batch["tokens"])]
         return {"rows": rows, "state": loader.state_dict(), "skipped": loader.counters()["skipped_units"],
+                "dry_lanes": loader.counters()["dry_lanes"],
                 "rejected": dict(dataset.source.rejected)}
     finally:
         dist.destroy_process_group()

@@ -271,13 +271,21 @@ def test_an_unreadable_input_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [b'{"text": ""}\nnot json\n', b""])
-def test_a_lane_without_accepted_documents_is_named_not_spun_on(tmp_path, bad):
+def test_a_lane_without_accepted_documents_is_left_out_not_spun_on(tmp_path, bad):
+    """Issue 45 item 8: the order leaves a dry lane out (tests/test_raw_dry_lanes.py); a corpus whose every lane is
+    dry is one error naming the cause."""
     (tmp_path / "good.jsonl").write_text("\n".join(f'{{"text": "document {i} {"x" * 50}"}}' for i in range(40)))
     (tmp_path / "bad.jsonl").write_bytes(bad)  # every document rejected, or no document at all
     ds = StreamingDataset(str(tmp_path), tokenizer="byte", seq_len=64, lanes=2)
     assert [len(units) for units in ds.source.corpus.lanes] == [1, 1]
-    with pytest.raises(ValueError, match=r"lane 1 of 2 holds no accepted document \(its inputs: .*bad.jsonl\)"):
-        take(StreamingDataLoader(ds, batch_size=4), 2)
+    loader = StreamingDataLoader(ds, batch_size=4)
+    assert sorted(i for i, _, _ in rows(take(loader, 2))) == list(range(8))  # lane 0's first 8 samples
+    assert loader.counters()["dry_lanes"] == 1
+    (tmp_path / "good.jsonl").unlink()
+    (tmp_path / "worse.jsonl").write_bytes(bad)
+    with pytest.raises(ValueError, match=r"all 2 lanes ran dry \(their units hold no accepted document"):
+        take(StreamingDataLoader(StreamingDataset(str(tmp_path), tokenizer="byte", seq_len=64, lanes=2),
+                                 batch_size=4), 1)
 
 
 def test_standalone_iteration_needs_batch_size(corpus):

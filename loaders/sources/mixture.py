@@ -331,8 +331,10 @@ class RawMixtureSource(RawTextSource):
         return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
                           skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
 
-    def lane_counts(self, samples_consumed: int) -> np.ndarray:
-        return self.order.lane_counts(samples_consumed)
+    skips_dry_lanes = False  # the plan's positions are its streams' items: a lane that runs dry stops the loader
+
+    def lane_counts(self, samples_consumed: int, dry: Any = None) -> np.ndarray:
+        return self.order.lane_counts(samples_consumed)  # never a dry lane (`skips_dry_lanes`)
 
     def lane_unit_count(self, lane: int) -> int:
         _, corpus, local, _ = self.lane_owners[lane]

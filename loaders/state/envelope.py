@@ -15,8 +15,9 @@
 
 The position counts samples, not steps: a resume on another world size or batch size continues the same global
 order from the same position (elastic), so steps are what a position divides into, not what it is. A raw-text
-stream's state is its lanes' cursors and unreadable-unit cuts, numbered within the stream; a built stream's order is
-the whole dataset's (one shuffled order over every built stream), so its entry holds only what names it.
+stream's state is its lanes' cursors, unreadable-unit cuts and dry lanes, numbered within the stream; a built
+stream's order is the whole dataset's (one shuffled order over every built stream), so its entry holds only what
+names it.
 
 Inside the loader the stages still read one flat record (`loader_state.LoaderState`): `encode` and `decode` convert,
 and `decode` also reads version 1 (the flat record itself, written before this envelope) and checks every field's
@@ -40,6 +41,7 @@ _RAW_FLAT = {"num_samples": 0, "block_size": None, "shuffle_window": 0, "partial
 # A cursor row: [lane, samples, lane epoch, unit, segment, within, ...]: the lane's reader may append fields (a
 # restart point inside the segment), and rows without them stay loadable. A cut row: [unit, epoch, segment, samples].
 _CURSOR_LENGTH, _CUT_LENGTH = 6, 4
+_DRY_LENGTH = 2  # a dry lane row: [lane, samples it holds in all]
 
 
 def encode(flat: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +69,8 @@ def encode(flat: dict[str, Any]) -> dict[str, Any]:
         if kind == "raw":
             state["streams"] = {flat["dataset"]: {"index": 0, "kind": "raw", "lanes": flat["num_partitions"],
                                                   "cursors": raw["cursors"], "unreadable": raw["unreadable"]}}
+            if raw.get("dry_lanes"):  # lanes left out of the order (`sources.raw.dry_lanes`)
+                state["streams"][flat["dataset"]]["dry_lanes"] = raw["dry_lanes"]
         else:
             state["streams"], state["mixture"] = _mixture_streams(raw), raw["mixture"]
             if raw["mixture"] is None or raw.get("global_batch") != raw["mixture"].get("global_batch"):
@@ -120,6 +124,8 @@ def decode(state: Any) -> dict[str, Any]:
             name, entry = entries[0]
             flat["raw_text"] = {"cursors": _rows(entry, "cursors", name, _CURSOR_LENGTH),
                                 "unreadable": _rows(entry, "unreadable", name, _CUT_LENGTH)}
+            if "dry_lanes" in entry:
+                flat["raw_text"]["dry_lanes"] = _rows(entry, "dry_lanes", name, _DRY_LENGTH)
         else:
             flat["raw_text"] = _flat_mixture(entries, state)
     if "worker" in state:

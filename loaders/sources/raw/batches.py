@@ -2,8 +2,8 @@
 
 - `tokens` [B, L]: packed samples are L = seq_len + 1 tokens; with pack="none" L is the longest sample of the
   batch, padded with the pad id, and `lengths` (int64 [B]) gives the real lengths.
-- `sample_id` int64 [B]: the sample's global position (lane = id % lanes, index in the lane = id // lanes),
-  the same whatever the world size, batch size or workers.
+- `sample_id` int64 [B]: the sample's global position (lane = id % lanes, index in the lane = id // lanes,
+  until a lane runs dry: `order.lanes.position_lanes`), the same whatever the world size, batch size or workers.
 - `lane_epoch` int64 [B]: the lane epoch the sample belongs to.
 - `cu_seqlens`, `padding_segments`: the batch's document segments (`shardkit.loaders.sources.documents`).
 """
@@ -21,31 +21,37 @@ from ..documents import boundaries, dense_segment_ids, segment_starts
 
 CURSORS_KEY = "_raw_lane_cursors"  # [lanes touched, 8]: lane, then its cursor after this batch (the loader's)
 UNREADABLE_KEY = "_raw_unreadable"  # the units this batch's readers found unreadable (`sources.raw.unreadable.Unreadable`)
+DRY_KEY = "_raw_dry_lanes"  # the lanes this batch's readers found dry (`sources.raw.dry_lanes.DryLane`)
 
 
 def raw_batch(samples: Sequence[Sample], positions: np.ndarray, epochs: Sequence[int], *, pad_id: int,
               token_dtype: str, variable: bool, dense_segments: bool = False) -> dict[str, np.ndarray]:
-    """The batch of `samples` (one row each), ids `positions`, from lane epochs `epochs`."""
-    lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
+    """The batch of `samples` (one row each), ids `positions`, from lane epochs `epochs`.
+
+    Built with a few array operations over the batch rather than per row: for cheap tokenizers this assembly is
+    a large part of the loader's work per token."""
+    count = len(samples)
+    lengths = np.fromiter((len(s.tokens) for s in samples), dtype=np.int64, count=count)
     width = max(int(lengths.max(initial=0)), 1)
-    tokens = np.full((len(samples), width), pad_id, dtype=token_dtype)
-    rows, starts, padding = [], [], []
-    for row, sample in enumerate(samples):
-        n = len(sample.tokens)
-        tokens[row, :n] = sample.tokens
-        doc_starts = np.asarray(sample.doc_starts, dtype=np.int64)
-        rows.append(np.full(len(doc_starts) + (n < width), row, dtype=np.int64))
-        starts.append(np.concatenate([doc_starts, [n]] if n < width else [doc_starts]))
-        padding.append(np.concatenate([np.asarray(sample.doc_source) < 0, [True]] if n < width
-                                      else [np.asarray(sample.doc_source) < 0]))
+    if count and (lengths == width).all():  # packed samples: all of one length
+        tokens = np.stack([s.tokens for s in samples]).astype(token_dtype, copy=False)
+    else:
+        tokens = np.full((count, width), pad_id, dtype=token_dtype)
+        for row, sample in enumerate(samples):
+            tokens[row, :len(sample.tokens)] = sample.tokens
+    pieces = np.fromiter((len(s.doc_starts) for s in samples), dtype=np.int64, count=count)
+    short = np.flatnonzero(lengths < width)  # rows padded at their tail: a padding segment each
+    rows = np.concatenate([np.repeat(np.arange(count, dtype=np.int64), pieces), short])
+    starts = np.concatenate([*(s.doc_starts for s in samples), lengths[short]]).astype(np.int64, copy=False)
+    padding = np.concatenate([np.concatenate([s.doc_source for s in samples]) < 0 if count else np.zeros(0, bool),
+                              np.ones(len(short), dtype=bool)])
     out = {"tokens": tokens, "sample_id": np.asarray(positions, dtype=np.int64),
            "lane_epoch": np.asarray(epochs, dtype=np.int64)}
     if variable:
         out["lengths"] = lengths
-    keys, flags = segment_starts(np.concatenate(rows), np.concatenate(starts), np.concatenate(padding),
-                                 len(samples), width)
-    out.update(boundaries(keys, flags, len(samples), width))
+    keys, flags = segment_starts(rows, starts, padding, count, width)
+    out.update(boundaries(keys, flags, count, width))
     if dense_segments:
         out["segment_ids"] = dense_segment_ids(torch.from_numpy(out["cu_seqlens"]),
-                                               torch.from_numpy(out["padding_segments"]), len(samples), width).numpy()
+                                               torch.from_numpy(out["padding_segments"]), count, width).numpy()
     return out

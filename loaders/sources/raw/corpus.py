@@ -36,7 +36,7 @@ from shardkit.wording import setting
 from shardkit.text.tokenizers import with_special_ids
 
 from ...order.lanes import deal_lanes, lane_epoch_order, lane_units
-from .segment_samples import SegmentSamples
+from .segment_samples import FIRST_CHARS, SegmentSamples
 from .units import RANGE, list_units, read_segments, record_place, unit_place
 from .unreadable import UnitCut, UnitCuts, Unreadable
 
@@ -161,6 +161,25 @@ class UnreadableInput(OSError):
         self.reason, self.segment = reason or message, segment
 
 
+class LaneRanDry(ValueError):
+    """A lane has no sample past its first `samples`: a whole lane epoch of its units held no accepted document
+    (every record rejected, or every unit cut as unreadable). The raw-text loader leaves the lane out of the order
+    from there (`sources.raw.dry_lanes`); where it cannot (a mixture's lane, ranks without a process group) this is
+    the error."""
+
+    def __init__(self, stream: LaneStream, samples: int):
+        corpus, lane = stream.corpus, stream.lane
+        cuts = f"; {len(stream.cuts)} unreadable units skipped" if stream.cuts else ""
+        lanes, unit_bytes = corpus.num_lanes, corpus.settings.unit_bytes
+        self.inputs = ", ".join(corpus.lane_inputs(lane))
+        super().__init__(f"lane {lane} of {lanes} holds no accepted document after its first {samples} samples (its "
+                         f"inputs: {self.inputs}){cuts}: give fewer lanes "
+                         f"({setting('lanes', max(1, lanes // 2))}, now {lanes}: a larger share of the corpus per "
+                         f"lane) or larger units ({setting('unit_bytes', 2 * unit_bytes)}, now {unit_bytes}), or "
+                         "inputs that hold text")
+        self.lane, self.samples = stream.global_lane, samples
+
+
 class RejectionLog:
     """How many rejected documents one process has logged (the first `_LOGGED_REJECTIONS` are)."""
 
@@ -227,12 +246,14 @@ class LaneStream:
         self._counting = False  # whether this reader counts the current segment's rejections
         self._current: WorkUnit | None = None  # the current segment
         self._dry_units = 0  # units finished since the last sample delivered
+        self._chars = FIRST_CHARS  # text of the next tokenizer call: small first, growing over the lane's segments
 
     def take(self, k: int) -> tuple[Sample, int]:
         """(sample k of the lane, its lane epoch); samples before k not yet passed are skipped.
 
         Raises:
-            ValueError: k was passed already, or a whole lane epoch holds no accepted document.
+            ValueError: k was passed already.
+            LaneRanDry: a whole lane epoch holds no accepted document (the lane has no sample k).
         """
         if k < self.cursor.samples:
             raise ValueError(f"lane {self.lane}: sample {k} was passed already (the lane stands at "
@@ -254,7 +275,7 @@ class LaneStream:
                 break
             # the segment is done (or cut): the next one, or the unit's end where it is cut
             cursor.segment, cursor.within, cursor.document, cursor.token = cursor.segment + 1, 0, 0, 0
-            self._samples = None
+            self._chars, self._samples = self._samples.batch_chars, None
             if cut:
                 self._segments = iter(())
         cursor.within += 1
@@ -278,18 +299,12 @@ class LaneStream:
                 cursor.epoch, cursor.unit = cursor.epoch + 1, 0
             self._dry_units += 1
             if self._dry_units > len(self._units):
-                skipped = f"; {len(self.cuts)} unreadable units skipped" if self.cuts else ""
-                lanes, unit_bytes = self.corpus.num_lanes, self.corpus.settings.unit_bytes
-                raise ValueError(f"lane {self.lane} of {lanes} holds no accepted document (its inputs: "
-                                 f"{', '.join(self.corpus.lane_inputs(self.lane))}){skipped}: give fewer lanes "
-                                 f"({setting('lanes', max(1, lanes // 2))}, now {lanes}: a larger share of the "
-                                 f"corpus per lane) or larger units ({setting('unit_bytes', 2 * unit_bytes)}, now "
-                                 f"{unit_bytes}), or inputs that hold text")
+                raise LaneRanDry(self, self.cursor.samples)
         # Counted as the build counts them (once per corpus: in lane epoch 0) by the reader that starts the
         # segment (a segment resumed into was counted before).
         self._counting = cursor.epoch == 0 and cursor.within == 0
         self._samples = SegmentSamples(segment, self.corpus, within=cursor.within, document=cursor.document,
-                                       token=cursor.token)
+                                       token=cursor.token, first_chars=self._chars)
         self._current = segment
 
     def _open(self) -> None:

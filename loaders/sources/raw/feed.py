@@ -24,11 +24,12 @@ from shardkit import metrics
 
 from ...delivery.batch_counts import counted_batches
 from ...delivery.closing import closed_at_exit
-from .batches import CURSORS_KEY, UNREADABLE_KEY
+from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY
 from .iteration import RawIteration
 from ...order.lanes import merge_cursors
 from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS, LaneCursor
 from .units import few_lanes_advice
+from .dry_lanes import DryLane, agrees_on_dry_lanes, dry_from_rows, dry_rows, log_dry, newly_dry
 from .unreadable import UnitCuts, agree, log_skipped, settle
 from .worker_start import WorkerStart
 from ...source import Feed
@@ -65,16 +66,17 @@ class RawTextFeed(Feed):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.source = source
         # Persistent workers are told where each later iteration starts (`worker_start`); they are kept while their
-        # copies of the source still hold its mixture and cuts (`_workers_in_sync`), else started again.
+        # copies of the source still hold its mixture, cuts and dry lanes (`_workers_in_sync`), else started again.
         self._worker_start = WorkerStart(source.num_lanes) if loader.persistent_workers and loader.num_workers \
             else None
         self._workers_in_sync = False
-        self._worker_cuts: UnitCuts | None = None
+        self._worker_cuts: tuple[UnitCuts, dict[int, int]] | None = None
         self.samples_per_rank = batch_size
         self._topology: Topology | None = None
         self._consumed = 0
         self._cursors: dict[int, tuple[int, ...]] = {}  # lane -> cursor after the last batch handed out
         self._cuts = UnitCuts()  # the unreadable units skipped (agreed by every rank)
+        self._dry: dict[int, int] = {}  # lane -> its samples in all: the lanes that ran dry (agreed by every rank)
         self._published: Counter = Counter()  # the rejections already added to the metric
 
     def _resolve(self) -> Topology:
@@ -100,8 +102,9 @@ class RawTextFeed(Feed):
         self._published = Counter(now)
 
     def counters(self) -> dict[str, int]:
-        """`skipped_units`: unreadable units skipped so far (`on_corrupt="skip"`; the same on every rank)."""
-        return {"skipped_units": len(self._cuts)}
+        """`skipped_units`: unreadable units skipped so far (`on_corrupt="skip"`); `dry_lanes`: lanes left out of
+        the order since they ran dry (`sources.raw.dry_lanes`); the same on every rank."""
+        return {"skipped_units": len(self._cuts), "dry_lanes": len(self._dry)}
 
     @closed_at_exit  # its `finally` publishes counts: before the interpreter's teardown empties the modules
     def batches(self, loader: Any) -> Iterator[dict[str, torch.Tensor]]:
@@ -114,7 +117,7 @@ class RawTextFeed(Feed):
         def prepare(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
             cursors = arrays.pop(CURSORS_KEY)
             self._consumed += global_batch
-            self._cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in cursors)
+            self._cursors.update((row[0], tuple(row[1:])) for row in cursors.tolist())
             return batch_to_tensors(arrays, self.source.token_dtype)
 
         lanes = self.source.num_lanes
@@ -124,10 +127,10 @@ class RawTextFeed(Feed):
                                    pin=loader.pin_batches and torch.cuda.is_available())
 
     def _agreed_batches(self, loader: Any, topology: Topology) -> Iterator[dict[str, Any]]:
-        """The numpy batches from where the loader stands. Under "skip", each step's unreadable units are agreed
-        over the ranks before it is handed out; when some rank did not read the step with exactly the agreed cuts,
-        every rank starts its iteration again at that step (from its lanes' cursors) and reads it with them."""
-        skipping = self.source.on_corrupt == "skip"
+        """The numpy batches from where the loader stands. A step's unreadable units (under "skip") and lanes found
+        dry (`sources.raw.dry_lanes`) are agreed over the ranks before it is handed out; when some rank did not
+        read the step with exactly the agreed cuts, or a lane ran dry, every rank starts its iteration again at
+        that step (from its lanes' cursors) and reads it with them."""
         while True:
             iteration = self.iteration_here(topology)
             self.source.begin(iteration)
@@ -135,41 +138,65 @@ class RawTextFeed(Feed):
             counted = Counter(self.source.rejected)  # before the step: a step read again counts its rejections once
             try:
                 for batch in batches:
-                    found = batch.pop(UNREADABLE_KEY)
-                    if skipping:
-                        everyone = agree(found, world_size=topology.world_size, group=self.source.agreement_group())
-                        cuts, again = settle(everyone,
-                                             lane_counts=self.source.lane_counts(self._consumed))
-                        if cuts:
-                            self._cuts = self._cuts.adding([c.cut for c in cuts])
-                            log_skipped(cuts, self.source.unit_url)
-                        if again:
-                            self.source.rejected = counted
-                            break
+                    if self._read_again(batch.pop(UNREADABLE_KEY), batch.pop(DRY_KEY), topology):
+                        self.source.rejected = counted
+                        break
                     self._publish_rejections()  # the step is handed out: its rejections are counted for good
                     yield batch
-                    if skipping:
-                        counted = Counter(self.source.rejected)
+                    counted = Counter(self.source.rejected)
                 else:
                     return
             finally:
                 batches.close()
 
+    def _read_again(self, found: list[Any], dry: list[DryLane], topology: Topology) -> bool:
+        """Agree on a step's findings where the step is agreed (adding the cuts and dry lanes to the loader's);
+        whether every rank must read the step again.
+
+        Raises:
+            ValueError: a lane ran dry in a step the ranks cannot agree on (`LaneRanDry`'s message).
+        """
+        if topology.world_size == 1 and not found and not dry:  # alone, nothing to agree on: the common case
+            return False
+        skipping = self.source.on_corrupt == "skip"
+        group = self.source.agreement_group
+        grouped = topology.world_size == 1 or _grouped()
+        if not agrees_on_dry_lanes(skipping=skipping, world_size=topology.world_size, grouped=grouped,
+                                   step_start=self._consumed, num_lanes=self.source.num_lanes, dry=self._dry):
+            if dry:
+                raise ValueError(f"{dry[0].message} (the ranks cannot agree on leaving it out here: "
+                                 f"{_why_not_agreed(grouped)})")
+            return False
+        everyone = agree((found, dry), world_size=topology.world_size, group=group())
+        cuts, again = settle([part[0] for part in everyone], lane_counts=self.source.lane_counts(self._consumed,
+                                                                                                 self._dry))
+        if cuts:
+            self._cuts = self._cuts.adding([c.cut for c in cuts])
+            log_skipped(cuts, self.source.unit_url)
+        if again:  # the dry lanes a reader found with other cuts: found again with the agreed ones
+            return True
+        newly = newly_dry([part[1] for part in everyone], self._dry)
+        self._dry.update((item.lane, item.samples) for item in newly)
+        log_dry(newly, num_lanes=self.source.num_lanes, dry=self._dry)
+        return bool(newly)
+
     def iteration_here(self, topology: Topology) -> RawIteration:
         """An iteration that starts where the loader stands (a data service's worker reads a step's parts from
         it: `sources.service.parts`)."""
         return RawIteration(start=self._consumed, batch_size=self.samples_per_rank, topology=topology,
-                            cursors=dict(self._cursors), cuts=self._cuts, worker_start=self._worker_start)
+                            cursors=dict(self._cursors), cuts=self._cuts, dry=dict(self._dry),
+                            worker_start=self._worker_start)
 
     def _numpy_batches(self, loader: Any, iteration: RawIteration) -> Iterator[dict[str, Any]]:
         if loader.num_workers == 0:  # read the dataset directly (the DataLoader machinery only adds overhead)
             yield from iter(loader.dataset)
             return
-        if loader.has_worker_iterator() and not (self._workers_in_sync and iteration.cuts == self._worker_cuts):
-            loader.stop_workers()  # their copies hold another mixture (a loaded state) or other cuts
+        held = (iteration.cuts, iteration.dry)
+        if loader.has_worker_iterator() and not (self._workers_in_sync and held == self._worker_cuts):
+            loader.stop_workers()  # their copies hold another mixture (a loaded state), other cuts or dry lanes
         if self._worker_start is not None:
             self._worker_start.write(iteration)  # before the workers begin it (persistent ones: as they resume)
-        self._worker_cuts, self._workers_in_sync = iteration.cuts, True
+        self._worker_cuts, self._workers_in_sync = held, True
         # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
         parts = loader.worker_batches()
         try:
@@ -195,6 +222,7 @@ class RawTextFeed(Feed):
                            world_size=topology.world_size, **self.source.order_values(),
                            identity_parts=self.source.identity_parts(),
                            raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
+                                     **({"dry_lanes": dry_rows(self._dry)} if self._dry else {}),
                                      **self.source.raw_state()})
 
     def local_state_dict(self) -> dict[str, Any]:
@@ -250,8 +278,9 @@ class RawTextFeed(Feed):
         cuts = UnitCuts.from_rows(saved.raw_text.get("unreadable", ()))  # a state from before skipping had none
         cursors, cuts = self.source.restore(saved.raw_text, cursors, cuts, samples_consumed=saved.samples_consumed,
                                           allow_mixture_change=allow_mixture_change)
-        check_cursors(cursors, self.source, saved.samples_consumed)
-        self._consumed, self._cursors, self._cuts = saved.samples_consumed, cursors, cuts
+        dry = dry_from_rows(saved.raw_text.get("dry_lanes", ()), self.source.num_lanes)
+        check_cursors(cursors, self.source, saved.samples_consumed, dry)
+        self._consumed, self._cursors, self._cuts, self._dry = saved.samples_consumed, cursors, cuts, dry
         self._workers_in_sync = False  # the source may have changed (a mixture's record): new workers copy it
 
 
@@ -274,14 +303,15 @@ def saved_cursors(raw_text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     return {row[0]: tuple(row[1:]) + (padding if len(row) == 1 + OLD_CURSOR_FIELDS else ()) for row in rows}
 
 
-def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_consumed: int) -> None:
+def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_consumed: int,
+                  dry: dict[int, int] | None = None) -> None:
     """Refuse cursors this corpus cannot have written at `samples_consumed` (a damaged or edited state): a lane it
     does not have, a sample count other than the lane's share of the consumed positions, a unit beyond the lane's.
 
     Raises:
         ValueError: naming the lane and the field.
     """
-    counts = source.lane_counts(samples_consumed)
+    counts = source.lane_counts(samples_consumed, dry or {})
     for lane, row in sorted(cursors.items()):
         cursor = LaneCursor(*row)
         samples, unit, within = cursor.samples, cursor.unit, cursor.within
@@ -295,6 +325,18 @@ def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_cons
             raise ValueError(f"{where} stands at unit {unit}, sample {within} of its segment, beyond the lane's "
                              f"{source.lane_unit_count(lane)} units or its {samples} samples (a damaged or edited "
                              "state)")
+
+
+def _grouped() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _why_not_agreed(grouped: bool) -> str:
+    if not grouped:
+        return "several ranks without an initialised torch.distributed process group"
+    return "it ran dry after its first lane epoch under on_corrupt='raise': resume with on_corrupt='skip'"
 
 
 def _kind(raw_text: dict[str, Any]) -> str:

@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from torch.utils.data import get_worker_info
 
+from shardkit.formats import Sample
+
 from ...config import LoaderConfig
 from ...delivery.frameworks import check_framework, iterating_loader
 from ...delivery.parent_watch import watch_parent
 from ...delivery.resharding import check_not_resharded
 from .agreement import check_ranks_see_one_corpus
-from .batches import CURSORS_KEY, UNREADABLE_KEY, raw_batch
+from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY, raw_batch
 from .iteration import RawIteration, StepPart
-from ...order.lanes import lane_sample_counts, position_lanes, rank_step_positions
-from .corpus import CURSOR_FIELDS, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from ...order.lanes import NO_DRY_LANES, lane_sample_counts, position_lanes, rank_step_positions
+from .corpus import CURSOR_FIELDS, LaneRanDry, LaneStream, RawCorpus, RawTextSettings, RejectionLog
+from .dry_lanes import DryLane, log_dry, newly_dry
 from .feed import RawTextFeed
 from .provenance import LanePlace, checked_ids, lane_provenance
 from .unreadable import UnitCuts
@@ -133,9 +136,12 @@ class RawTextSource(Source):
         return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
                           skip_unreadable=self.on_corrupt == "skip")
 
-    def lane_counts(self, samples_consumed: int) -> np.ndarray:
-        """Samples of each lane among the first `samples_consumed` positions."""
-        return lane_sample_counts(samples_consumed, self.num_lanes)
+    # A lane that runs dry leaves the order (`sources.raw.dry_lanes`); a mixture's plan has no place for that.
+    skips_dry_lanes = True
+
+    def lane_counts(self, samples_consumed: int, dry: Mapping[int, int] = NO_DRY_LANES) -> np.ndarray:
+        """Samples of each lane among the first `samples_consumed` positions (the lanes that ran dry: `dry`)."""
+        return lane_sample_counts(samples_consumed, self.num_lanes, dry)
 
     def lane_unit_count(self, lane: int) -> int:
         """Units in lane `lane` (each lane epoch reads them all, in its own order)."""
@@ -214,8 +220,8 @@ class RawTextSource(Source):
         while True:
             positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
                                             batch_size=iteration.batch_size, rank=topology.rank,
-                                            num_lanes=self.num_lanes)
-            lanes, indices = position_lanes(positions, self.num_lanes)
+                                            num_lanes=self.num_lanes, dry=iteration.dry)
+            lanes, indices = position_lanes(positions, self.num_lanes, iteration.dry)
             rows = np.flatnonzero(lanes % num_workers == worker)
             part = StepPart(rows=rows, positions=positions[rows])
             for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
@@ -240,10 +246,10 @@ class RawTextSource(Source):
         batch.update(self.row_columns(batch["sample_id"]))
         batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
         batch[UNREADABLE_KEY] = [u for p in parts for u in p.unreadable]
+        batch[DRY_KEY] = [d for p in parts for d in p.dry]
         for part in parts:
             self.rejected.update(part.rejected)
         return batch
-
 
     def row_columns(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The per-row columns a batch holds besides the samples' own (a mixture's `stream`; none here)."""
@@ -285,16 +291,30 @@ class LaneReaders:
     def __init__(self, plan: RawTextSource, iteration: RawIteration):
         self.plan, self.iteration = plan, iteration
         self.log, self.streams = RejectionLog(), {}
+        self.dry: dict[int, Any] = {}  # lane -> a stand-in sample: lanes found dry in this iteration
 
     def take(self, lane: int, index: int, part: StepPart) -> tuple[Any, int]:
-        """(sample `index` of `lane`, its lane epoch); rejections and unreadable units reported in `part`'s."""
+        """(sample `index` of `lane`, its lane epoch); rejections, unreadable units and a lane found dry reported
+        in `part`'s. A dry lane gives a padding sample: the loader reads the step again without the lane."""
+        if lane in self.dry:
+            return self.dry[lane], 0
         stream = self.streams.get(lane)
         if stream is None:
             cursor = self.iteration.cursors.get(lane, (0,) * CURSOR_FIELDS)
             stream = self.streams[lane] = self.plan.lane_stream(lane, self.log, cursor, self.iteration.cuts)
         # each step's part counts the rejections of the segments it began, and the units it cut
         stream.rejected, stream.unreadable = part.rejected, part.unreadable
-        return stream.take(index)
+        try:
+            return stream.take(index)
+        except LaneRanDry as dry:
+            if not self.plan.skips_dry_lanes:
+                raise
+            part.dry.append(DryLane(dry.lane, dry.samples, dry.inputs, str(dry)))
+            corpus = self.plan.corpus
+            self.dry[lane] = Sample(np.full(self.plan.sample_length or 1, corpus.pad_id, dtype=corpus.token_dtype),
+                                    np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64),
+                                    np.zeros(1, dtype=np.int64))
+            return self.dry[lane], 0
 
     def cursor_rows(self, lanes: np.ndarray) -> np.ndarray:
         """[lane, *cursor] of each of `lanes` (read already), by lane."""
@@ -323,7 +343,26 @@ class RawStandalone(Standalone):
                              "what to skip through it)")
         return (batch_to_tensors({k: v for k, v in b.items() if k not in (CURSORS_KEY, UNREADABLE_KEY)},
                                  source.token_dtype)
-                for b in source.step_batches(iteration))
+                for b in self._without_dry_lanes(iteration))
+
+    def _without_dry_lanes(self, iteration: RawIteration) -> Iterator[dict[str, Any]]:
+        """The numpy batches from the start; where a lane runs dry, from the start again with the lane left out
+        of the order (`sources.raw.dry_lanes`: the steps before it keep their rows), skipping the steps handed out.
+        One rank only: several ranks need StreamingDataLoader to agree on it."""
+        handed_out = 0
+        while True:
+            for step, batch in enumerate(self.source.step_batches(iteration)):
+                found = newly_dry([batch.pop(DRY_KEY)], iteration.dry)
+                if found and iteration.topology.world_size > 1:
+                    raise ValueError(f"{found[0].message} (several ranks iterating a raw-text StreamingDataset on "
+                                     "their own cannot agree on leaving it out: iterate StreamingDataLoader)")
+                if found:
+                    iteration = replace(iteration, dry={**iteration.dry, **{d.lane: d.samples for d in found}})
+                    log_dry(found, num_lanes=self.source.num_lanes, dry=iteration.dry)
+                    break
+                if step == handed_out:
+                    handed_out += 1
+                    yield batch
 
     def length(self) -> int:
         raise TypeError("a raw-text StreamingDataset has no length: its lanes go on epoch after epoch (stop after a "

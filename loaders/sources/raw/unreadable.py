@@ -119,21 +119,21 @@ def check_policy(on_corrupt: str, skip_samples: Any, quarantine_list: Any) -> No
                          "on_corrupt='skip' to skip unreadable input units, or remove the bad files from the inputs")
 
 
-def agree(found: list[Unreadable], *, world_size: int, group: Any) -> list[list[Unreadable]]:
-    """Every rank's findings of one step, rank by rank, the same on every rank.
+def agree(found: Any, *, world_size: int, group: Any) -> list[Any]:
+    """Every rank's findings of one step (`found`: this rank's, picklable), rank by rank, the same on every rank.
 
     Raises:
         ValueError: several ranks without an initialised process group.
     """
     if world_size == 1:
-        return [list(found)]
+        return [found]
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("on_corrupt='skip' on several ranks needs an initialised torch.distributed process group: "
                          "the ranks must agree on what to skip")
     everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, list(found), group=group)
+    dist.all_gather_object(everyone, found, group=group)
     return everyone
 
 
