@@ -27,6 +27,7 @@ from shardkit.train import rng
 from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
 from shardkit.train.config import TrainConfig, describe_step, format_steps, parse_steps, with_step_size
 from shardkit.train.run import Run
+from shardkit.train.run_lease import RunLease
 from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog, peak_flops, peak_memory_gib
@@ -77,6 +78,9 @@ def build(config: TrainConfig) -> Run:
                                        seq_len=manifest.seq_len)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
     checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
+    # Before a checkpoint is chosen: an older job still writing this run directory stops at its next sync point,
+    # before it prunes the checkpoint this one resumes from (run_lease).
+    lease = RunLease.take(run_dir) if runtime.is_main else None
     # The checkpoint to resume from is chosen before the model is built: it may say which model to build.
     resume_from = checkpoint_to_resume(config.checkpoint.resume, checkpoint_dir)
     if resume_from[0] is not None:
@@ -87,6 +91,10 @@ def build(config: TrainConfig) -> Run:
     # config.json records the precision used; the checks run again on it ('auto' may have chosen fp16).
     config = dataclasses.replace(config, model=model_config, precision=precision.name)
     config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
+    # Before the model: a background writer process starts meanwhile (Checkpointer._start_writer).
+    checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
+                                async_save=config.checkpoint.async_save, async_writer=config.checkpoint.async_writer,
+                                aliases=tied_weights(model_config))
 
     # Same seed on every rank: identical initial weights without a broadcast (FSDP shards them after).
     torch.manual_seed(config.seed)
@@ -102,8 +110,6 @@ def build(config: TrainConfig) -> Run:
     # Dropout draws differ per rank; seeded so that a run is reproducible.
     torch.manual_seed(config.seed + 1 + runtime.rank)
 
-    checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=data, eval_data=eval_data,
               checkpointer=checkpointer, metrics=None, sample_log=None,  # type: ignore[arg-type]
@@ -119,6 +125,7 @@ def build(config: TrainConfig) -> Run:
               tokens_per_step=config.data.batch_size * manifest.seq_len * config.grad_accum * runtime.dp_size,
               pending=PendingSteps(runtime.device))
     run.watch = _trainer_metrics(config, runtime)
+    run.lease = lease
     resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.skip_steps)
     if runtime.is_main:
@@ -377,13 +384,19 @@ def is_sync_point(run: Run) -> bool:
 
 def sync_point(run: Run) -> bool:
     """Read the pending steps' numbers (one all-reduce and one host conversion), write their records,
-    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT."""
+    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT.
+    Stops every rank (ValueError) when another job took over the run directory (`run_lease`)."""
     runtime = run.runtime
-    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
-    records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
-                                                      distributed=runtime.distributed)
+    taken_by = run.lease.taken_by() if run.lease is not None else None
+    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written()), float(taken_by is not None)]
+    records, (stopped, written, lease_lost) = run.pending.resolve(flags, world_size=runtime.world_size,
+                                                                  distributed=runtime.distributed)
+    if lease_lost:  # every rank stops here, before a checkpoint is written, completed or pruned
+        run.checkpointer.abandon()
+        raise ValueError(run.lease.lost_message(taken_by) if taken_by is not None else
+                         "another job took over the run directory (rank 0's log names it); this one stops")
     if run.checkpointer.saving_in_background and written == runtime.world_size:
-        run.checkpointer.wait()
+        run.checkpointer.wait(join=False)
     for record in records:
         if record.get("skipped"):
             run.metrics.log(record, echo=False)
