@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -51,17 +52,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardkit.options import option_name
 from shardkit.train import faults
 from shardkit.train.config import ModelConfig
 from shardkit.train.checkpoint_metadata import SafeFileSystemReader
+from shardkit.train.checkpoint_writer import WriterProcessFileSystemWriter
 
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = "shardkit-checkpoint.json"
 _STEP_NAME = re.compile(r"step_\d{8,}")
 PARTIAL_SUFFIX = ".partial"
+# Where DCP's writer process writes a save of nothing as it starts (see `Checkpointer._start_writer`).
+WRITER_CHECK_NAME = ".writer-check"
 # Optimizer state and param groups keyed by parameter name: pipeline stages hold different
 # parameters, and a per-group list of names saved by every stage would collide in DCP.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -232,23 +237,31 @@ class Checkpointer:
         directory: where the checkpoints go (shared by all ranks: a shared filesystem on multi-node runs).
         rank: this process's rank.
         keep: number of complete checkpoints to keep.
-        async_save: copy the state to CPU memory (pinned on a GPU) and write it in a background thread
+        async_save: copy the state to CPU memory (pinned on a GPU) and write it in the background
             (dcp.async_save), so that the loop pays only the copy; the checkpoint is published (marker,
             rename) when every rank has written its part, at a sync point of the loop or the next save.
+        async_writer: what writes a background save: "process", DCP's writer process (started with the
+            checkpointer, it plans and writes off the trainer's GIL and cores), or "thread", a thread of the
+            trainer (it competes with the steps for the GIL). One process without a process group always
+            writes in a thread: DCP's writer process joins a group of its own that mirrors the trainers'.
         aliases: model state names that hold the same tensor as another name ({alias: name}, see
             `shardkit.train.model.tied_weights`): saved once under the name.
     """
 
     def __init__(self, directory: str | Path, *, rank: int, keep: int = 3, async_save: bool = False,
-                 aliases: dict[str, str] | None = None):
+                 async_writer: str = "process", aliases: dict[str, str] | None = None):
         self.directory = Path(directory)
         self.aliases = dict(aliases or {})
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
-        self._pending: tuple[Any, Path, dict[str, Any]] | None = None
+        # (future, directory, meta) of the save being written; meta None: the writer process's start
+        self._pending: tuple[Any, Path, dict[str, Any] | None] | None = None
         self._async_group = None
         self._stager: DefaultStager | None = None
+        self._publisher: threading.Thread | None = None
+        self._publish_error: tuple[Path, BaseException] | None = None
+        self.writer = _writer_type(async_writer) if async_save else None
         if not dist.is_initialized():
             # DCP warns on every call (also from its background thread) without a process group;
             # one process is a supported case here, so that one message is silenced.
@@ -257,6 +270,22 @@ class Checkpointer:
             # A separate gloo group: the background writer's collectives must not interleave with
             # the training's own collectives on the default group.
             self._async_group = dist.new_group(backend="gloo")
+        if self.writer == AsyncCheckpointerType.PROCESS:
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Start DCP's writer process now, in the background, with a save of nothing into a scratch directory:
+        a new interpreter that imports torch and joins its group takes seconds, which the first real save would
+        otherwise wait for (the model is built and the checkpoint loaded meanwhile). It also finds out early
+        whether the writer can write into the checkpoint directory."""
+        scratch = self.directory / WRITER_CHECK_NAME
+        if self.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)  # left by a run that ended before its writer started
+        _barrier()
+        future = dcp.async_save({}, checkpoint_id=str(scratch), process_group=self._async_group,
+                                storage_writer=WriterProcessFileSystemWriter(scratch),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        self._pending = (future, scratch, None)
 
     def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              rank_state: dict[str, Any], meta: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
@@ -264,7 +293,7 @@ class Checkpointer:
 
         `extra` holds more top-level entries (e.g. DiLoCo's outer state); keys saved by every rank
         are kept once, so per-rank values need rank-specific keys."""
-        self.wait()  # logs its own time
+        self.wait()  # logs its own time; joins the publishing thread before the stale partials are removed
         started = time.perf_counter()
         final = self.directory / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -281,8 +310,10 @@ class Checkpointer:
                  f"rank_{self.rank}": json.dumps(rank_state), **(extra or {})}
         meta = {**meta, "step": step}
         if self.async_save:
+            in_process = self.writer == AsyncCheckpointerType.PROCESS
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group,
-                                    async_stager=self._staging(model))
+                                    storage_writer=WriterProcessFileSystemWriter(partial) if in_process else None,
+                                    async_checkpointer_type=self.writer, async_stager=self._staging(model))
             self._pending = (future, partial, meta)
             self._pending_bytes = _state_bytes(state)
             logger.info("checkpoint step %d: background save started after %.3fs in the loop", step,
@@ -293,16 +324,18 @@ class Checkpointer:
         except (Exception, CheckpointException) as err:  # a full disk, wrapped by DCP (not an Exception)
             raise self._write_failed(partial, step, _state_bytes(state), err) from None
         faults.inject_now("save", step, self.rank)
-        self._finish(partial, meta)
+        self._complete_now(partial, meta)
         logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
 
     def _staging(self, model: nn.Module) -> DefaultStager:
         """The run's one stager. It keeps its CPU copy of each tensor and copies into it at the next save,
         which is safe because a save first waits for the previous one to be written (`wait`); on a GPU
-        the copy goes to pinned memory, at full bandwidth, without a new pinning at every save."""
+        the copy goes to pinned memory, at full bandwidth, without a new pinning at every save. For the
+        writer process the copy lives in shared memory, so that a save hands it over without copying it."""
         if self._stager is None:
             on_gpu = any(parameter.device.type == "cuda" for parameter in model.parameters())
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+            shared = self.writer == AsyncCheckpointerType.PROCESS
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=shared,
                                                         use_async_staging=False, use_non_blocking_copy=on_gpu))
         return self._stager
 
@@ -319,9 +352,21 @@ class Checkpointer:
         future = future if hasattr(future, "done") else future.upload_completion
         return future.done()
 
-    def wait(self) -> None:
-        """Finish a background save: wait for every rank's writes, then mark it complete."""
+    def abandon(self) -> None:
+        """Forget the background save in flight: it is never marked complete (the next run's first save removes
+        its partial directory). For a job that must stop without writing (another job took its run directory)."""
+        self._pending = None
+
+    def wait(self, *, join: bool = True) -> None:
+        """Finish a background save: wait for every rank's writes, then mark it complete (rank 0, in a thread).
+
+        Args:
+            join: wait for that thread too. False at the loop's sync points: training goes on while rank 0
+                marks the checkpoint complete; the next save (or a later `wait()`) waits for it first.
+        """
         if self._pending is None:
+            if join:
+                self._join_publisher()
             return
         started = time.perf_counter()
         future, partial, meta = self._pending
@@ -330,33 +375,73 @@ class Checkpointer:
         try:
             (future.result() if hasattr(future, "result") else future.upload_completion.result())
         except (Exception, CheckpointException) as err:
+            if meta is None:
+                raise OSError(f"background saves cannot be written to {self.directory}: DCP's writer process failed "
+                              f"({_first_failure(err)}); check the directory, or use --async-writer thread") from None
             raise self._write_failed(partial, meta["step"], getattr(self, "_pending_bytes", 0), err) from None
+        if meta is None:
+            # Rank 0's save returns once every rank's writer has written (DCP ends a save with a collective).
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            logger.info("checkpoint writer process started; the loop waited %.3fs for it",
+                        time.perf_counter() - started)
+            return
         faults.inject_now("save", meta["step"], self.rank)
-        self._finish(partial, meta)
+        _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+        if self.rank == 0:
+            # The marker's fsync, the renames and the pruning are file-system round trips (slow on a shared
+            # file system), none of them the loop's business: a thread does them while training goes on.
+            self._publisher = threading.Thread(target=self._publish_in_background, args=(partial, meta),
+                                               name="shardkit-checkpoint-publish", daemon=True)
+            self._publisher.start()
+        if join:
+            self._join_publisher()
         logger.info("checkpoint step %d completed (background save) after %.3fs in the loop", meta["step"],
                     time.perf_counter() - started)
 
-    def _finish(self, partial: Path, meta: dict[str, Any]) -> None:
+    def _publish_in_background(self, partial: Path, meta: dict[str, Any]) -> None:
+        try:
+            self._finish(partial, meta)
+        except BaseException as err:  # noqa: BLE001 - raised in the training thread, at the join
+            self._publish_error = (partial, err)
+
+    def _join_publisher(self) -> None:
+        """Wait for rank 0's thread publishing the last background save, and raise what it failed with."""
+        if self._publisher is None:
+            return
+        self._publisher.join()
+        self._publisher, failure, self._publish_error = None, self._publish_error, None
+        if failure is not None:
+            partial, err = failure
+            raise OSError(f"checkpoint {partial} could not be marked complete ({type(err).__name__}: {err}); "
+                          "the previous checkpoints are intact") from err
+
+    def _complete_now(self, partial: Path, meta: dict[str, Any]) -> None:
         _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
         if self.rank == 0:
-            marker = partial / MARKER_NAME
-            # Every rank's files, with their sizes: a later resume checks them before DCP reads any.
-            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
-            with open(marker, "w") as handle:
-                json.dump({**meta, "files": files}, handle, indent=1, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())
-            final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
-            if final.exists():  # the same step saved again (e.g. by a run started with --resume none)
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.directory)
-            self._prune()
+            self._finish(partial, meta)
         _barrier()
+
+    def _finish(self, partial: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: write the marker, rename the partial directory to its final name, prune old checkpoints."""
+        marker = partial / MARKER_NAME
+        # Every rank's files, with their sizes: a later resume checks them before DCP reads any.
+        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        with open(marker, "w") as handle:
+            json.dump({**meta, "files": files}, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
+        if final.exists():  # the same step saved again (e.g. by a run started with --resume none)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(self.directory)
+        self._prune()
 
     def _shared(self, model_state: dict[str, Any]) -> dict[str, str]:
         """The aliases whose name is in `model_state` too (a pipeline stage may hold only one of them)."""
         return {alias: name for alias, name in self.aliases.items() if alias in model_state and name in model_state}
+
     def _write_failed(self, partial: Path, step: int, needed: int, err: BaseException) -> OSError:
         """One line for a save that failed to write (a full disk, above all). The partial directory is
         removed: it never counts as a checkpoint, and its bytes would keep the disk full."""
@@ -414,6 +499,20 @@ class Checkpointer:
         logger.info("resumed from %s at step %d (loaded in %.2fs)", path, step, time.perf_counter() - started)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta,
                                 extra={key: state[key] for key in extra or {}})
+
+
+ASYNC_WRITERS = ("process", "thread")
+
+
+def _writer_type(async_writer: str) -> AsyncCheckpointerType:
+    """DCP's executor for `async_writer`; a thread when no process group exists (DCP's writer process needs one)."""
+    if async_writer not in ASYNC_WRITERS:
+        raise ValueError(f"--async-writer must be one of {ASYNC_WRITERS}, got {async_writer!r}")
+    if async_writer == "process" and not dist.is_initialized():
+        logger.info("background saves are written in a thread: one process without a process group "
+                    "(DCP's writer process needs one)")
+        return AsyncCheckpointerType.THREAD
+    return AsyncCheckpointerType(async_writer)
 
 
 def _first_failure(err: BaseException) -> str:

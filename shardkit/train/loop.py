@@ -29,6 +29,7 @@ from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record
 from shardkit.train.config import ModelConfig, TrainConfig, describe_step, with_step_size
 from shardkit.train.step_ranges import format_steps, parse_steps
 from shardkit.train.run import Run
+from shardkit.train.run_lease import RunLease
 from shardkit.train.step import StepResult, skip_step, train_step
 from shardkit.train.data import EvalData, TrainStream, check_dataset, check_same_tokens, to_batch
 from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog, peak_flops, peak_memory_gib
@@ -64,6 +65,9 @@ def build(config: TrainConfig) -> Run:
     data, eval_data, manifest = _open_data(config, runtime)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else default_run_dir(config)
     checkpoint_dir = Path(config.checkpoint.checkpoint_dir or run_dir / "checkpoints")
+    # Before a checkpoint is chosen: an older job still writing this run directory stops at its next sync point,
+    # before it prunes the checkpoint this one resumes from (run_lease).
+    lease = RunLease.take(run_dir) if runtime.is_main else None
     # The checkpoint to resume from is chosen before the model is built: it may say which model to build.
     resume_from = checkpoint_to_resume(config.checkpoint.resume, checkpoint_dir)
     model_config = _model_to_build(config, manifest, resume_from[0])
@@ -73,9 +77,14 @@ def build(config: TrainConfig) -> Run:
     config = dataclasses.replace(config, model=model_config, mixed_precision=dataclasses.replace(
         config.mixed_precision, precision=precision.name))
     config = with_step_size(config, seq_len=manifest.seq_len, dp_size=runtime.dp_size)
+    # Before the model: a background writer process starts meanwhile (Checkpointer._start_writer).
+    checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
+                                async_save=config.checkpoint.async_save, async_writer=config.checkpoint.async_writer,
+                                aliases=tied_weights(model_config))
     run, num_parameters = _build_run(config, runtime, precision, data=data, eval_data=eval_data, run_dir=run_dir,
-                                     checkpoint_dir=checkpoint_dir, seq_len=manifest.seq_len)
+                                     checkpointer=checkpointer, seq_len=manifest.seq_len)
     run.watch = _trainer_metrics(config, runtime)
+    run.lease = lease
     resume(run, *resume_from)
     run.skip_steps = parse_steps(run.config.training.skip_steps)
     if runtime.is_main:
@@ -123,7 +132,7 @@ def _model_to_build(config: TrainConfig, manifest: Manifest, checkpoint: Path | 
 
 
 def _build_run(config: TrainConfig, runtime: Runtime, precision: PrecisionChoice, *, data: TrainStream, eval_data: EvalData | None,
-               run_dir: Path, checkpoint_dir: Path, seq_len: int) -> tuple[Run, int]:
+               run_dir: Path, checkpointer: Checkpointer, seq_len: int) -> tuple[Run, int]:
     """The model (seeded, parallelized), its optimizer, schedule, checkpointer, sync and loss scaler in one `Run`
     (no metrics yet), and the model's parameter count."""
     model_config = config.model
@@ -142,8 +151,6 @@ def _build_run(config: TrainConfig, runtime: Runtime, precision: PrecisionChoice
     # Dropout draws differ per rank; seeded so that a run is reproducible.
     torch.manual_seed(config.training.seed + 1 + runtime.rank)
 
-    checkpointer = Checkpointer(checkpoint_dir, rank=runtime.rank, keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save, aliases=tied_weights(model_config))
     scaling = config.mixed_precision
     run = Run(config=config, runtime=runtime, run_dir=run_dir, model=wrapped, parallel=parallel, optimizer=optimizer,
               scheduler=scheduler, data=data, eval_data=eval_data,
@@ -412,13 +419,19 @@ def is_sync_point(run: Run) -> bool:
 
 def sync_point(run: Run) -> bool:
     """Read the pending steps' numbers (one all-reduce and one host conversion), write their records,
-    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT."""
+    complete a background checkpoint every rank has written; returns whether any rank got SIGTERM/SIGINT.
+    Stops every rank (ValueError) when another job took over the run directory (`run_lease`)."""
     runtime = run.runtime
-    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written())]
-    records, (stopped, written) = run.pending.resolve(flags, world_size=runtime.world_size,
-                                                      distributed=runtime.distributed)
+    taken_by = run.lease.taken_by() if run.lease is not None else None
+    flags = [float(bool(run.stop_signal)), float(run.checkpointer.background_written()), float(taken_by is not None)]
+    records, (stopped, written, lease_lost) = run.pending.resolve(flags, world_size=runtime.world_size,
+                                                                  distributed=runtime.distributed)
+    if lease_lost:  # every rank stops here, before a checkpoint is written, completed or pruned
+        run.checkpointer.abandon()
+        raise ValueError(run.lease.lost_message(taken_by) if taken_by is not None else
+                         "another job took over the run directory (rank 0's log names it); this one stops")
     if run.checkpointer.saving_in_background and written == runtime.world_size:
-        run.checkpointer.wait()
+        run.checkpointer.wait(join=False)
     for record in records:
         if record.get("skipped"):
             run.metrics.log(record, echo=False)

@@ -16,6 +16,7 @@ from shardkit.train.metrics import MetricsLogger, PendingSteps, SampleLog
 from shardkit.train.parallel import ParallelModel, Runtime
 from shardkit.train.parallel.diloco import NoSync
 from shardkit.train.precision import LossScaler, PrecisionChoice
+from shardkit.train.run_lease import RunLease
 from shardkit.train.step_ranges import StepRanges
 
 
@@ -49,3 +50,4 @@ class Run:
     watch: TrainerMetrics | None = None  # Prometheus metrics and the starvation alarm
     skip_steps: StepRanges = StepRanges()  # --skip-steps and those the resumed checkpoint recorded
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling
+    lease: RunLease | None = None  # rank 0: this job's lease on the run directory (one job writes it)

@@ -17,6 +17,9 @@ class CheckpointConfig:
     checkpoint_every: int = option(0, "save every N steps (0: only at the end and on SIGTERM/SIGINT)")
     keep: int = option(3, "keep the newest K complete checkpoints, delete older ones")
     async_save: bool = option(False, "save in the background (dcp.async_save); training continues meanwhile")
+    async_writer: str = option("process", "with --async-save: 'process' (DCP's writer process, off the trainer's GIL; "
+                               "one process without a process group writes in a thread) or 'thread'",
+                               choices=("process", "thread"))
     resume: str = option("auto", "'auto' (newest complete checkpoint if any), 'none', or a checkpoint directory")
     model_from_checkpoint: bool | None = option(
         None, "on resume, build the model the checkpoint records (as nanoGPT does) and ignore this run's model "
@@ -27,5 +30,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         check(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         check(self.keep >= 1, f"--keep must be >= 1, got {self.keep}")
+        check(self.async_writer in ("process", "thread"),
+              f"--async-writer must be 'process' or 'thread', got {self.async_writer!r}")
         check(bool(self.resume), "--resume must be 'auto', 'none' or a checkpoint directory")
 
