@@ -85,7 +85,13 @@ def test_a_damaged_gz_file_among_eight_leaves_its_lane_out_and_the_run_goes_on(g
     lanes, _ = position_lanes(np.array(ids), 8, {dry_lane: 0})
     assert dry_lane not in lanes.tolist() and set(lanes.tolist()) == set(range(8)) - {dry_lane}
     assert not any(all(t == tokens[0] for t in tokens) for _, _, tokens in got)  # no stand-in padding row
-    assert decode(loader.state_dict())["raw_text"]["dry_lanes"] == [[dry_lane, 0]]
+    state = loader.state_dict()
+    assert decode(state)["raw_text"]["dry_lanes"] == [[dry_lane, 0]]
+    # Where a sample comes from (shardkit trace) follows the same order: a late id made again is the delivered one.
+    late = got[-6:]
+    found = dataset.source.provenance([i for i, _, _ in late], state=state).samples
+    assert [tuple(found[i].tokens.tolist()) for i, _, _ in late] == [tokens for _, _, tokens in late]
+    assert all(found[i].place["lane"] != dry_lane for i, _, _ in late)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

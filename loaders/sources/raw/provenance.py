@@ -19,6 +19,7 @@ import numpy as np
 from ...source import Provenance, SampleProvenance
 from ...state.envelope import decode
 from .corpus import CURSOR_FIELDS, RejectionLog
+from .dry_lanes import dry_from_rows
 from .feed import saved_cursors
 from .unreadable import UnitCuts
 
@@ -49,6 +50,13 @@ def checked_ids(sample_ids: Sequence[int]) -> np.ndarray:
     if ids.size and int(ids.min()) < 0:
         raise IndexError(f"sample id {int(ids.min())} is negative")
     return ids
+
+
+def saved_dry_lanes(state: dict[str, Any] | None, num_lanes: int) -> dict[int, int]:
+    """The lanes a loader `state` knows ran dry (lane -> its samples in all); none without a state."""
+    if state is None:
+        return {}
+    return dry_from_rows(decode(state)["raw_text"].get("dry_lanes", ()), num_lanes)
 
 
 def lane_provenance(source: Any, places: dict[int, LanePlace], state: dict[str, Any] | None) -> Provenance:
