@@ -14,6 +14,7 @@ the source where to start and counts what the training loop received. Iterated o
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -136,6 +137,12 @@ class StreamingDataset(IterableDataset):
     def stream_identities(self) -> list[str]:
         """Per stream, in sample-id order, the identity of its data (not its weight)."""
         return self.source.stream_identities()
+
+    def fingerprint(self) -> str:
+        """Deprecated spelling of `identity()` (the release before renovation 2 named it so); warns, then answers."""
+        warnings.warn("StreamingDataset.fingerprint() is now StreamingDataset.identity(); fingerprint() will be "
+                      "removed in a later release", DeprecationWarning, stacklevel=2)
+        return self.identity()
 
     def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
         """Where each sample id comes from: its place (shard or lane), document segments and tokens

@@ -91,3 +91,13 @@ def test_dataset_fingerprints_use_the_formula(tmp_path):
     mixed = StreamingDataset([Stream(a, 2.0), Stream(b, 1.0)], cache_dir=str(tmp_path / "cache"), rank=0, world_size=1)
     assert mixed.identity() == reference([first, second], [2.0, 1.0])
     assert mixed.stream_identities() == [reference([first], []), reference([second], [])]
+
+
+def test_the_former_fingerprint_method_warns_and_answers_the_identity(tmp_path):
+    from shardkit.loaders import StreamingDataset
+    from train_runs import write_byte_dataset
+
+    write_byte_dataset(str(tmp_path / "data"), num_samples=8, samples_per_shard=4)
+    dataset = StreamingDataset(str(tmp_path / "data"))
+    with pytest.warns(DeprecationWarning, match=r"now StreamingDataset.identity\(\)"):
+        assert dataset.fingerprint() == dataset.identity()
