@@ -66,9 +66,11 @@ def check_fingerprint(study, fingerprint: dict[str, Any]) -> None:
     """A study continues only with the command that started it: refuse other trainer options or space."""
     for key, value in fingerprint.items():
         stored = study.user_attrs.get(key)
-        if key == "trainer_options" and stored is not None:
-            # A study started before the trainer had a training section holds its options at the top level.
-            stored = nest_options(stored)
+        if key == "trainer_options":
+            # Compared in their sectioned shape: a study started before the trainer had a training section holds
+            # its options at the top level, and a tuner may be given them either way (`steps` or `training.steps`).
+            value = nest_options(value)
+            stored = nest_options(stored) if stored is not None else None
         if stored is None:
             study.set_user_attr(key, value)
         elif stored != value:
