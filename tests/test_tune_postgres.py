@@ -24,10 +24,15 @@ def datasets(tmp_path_factory):
 def _storage(url: str):
     """One Optuna storage per database: `kill_tuner_during_second_trial` polls every 0.1 s, and a storage made
     per call (`load_study(storage=url)`) kept its pooled connection open, so a slow trial (a loaded machine)
-    exhausted the server's 100 connections ("too many clients already")."""
+    exhausted the server's 100 connections ("too many clients already"). Made under the tuners' lock: it creates
+    the tables when the tuner has not yet, and two CREATE TABLEs at once fail on PostgreSQL ("duplicate key value
+    violates unique constraint pg_type_typname_nsp_index", in the tuner or here)."""
     import optuna
 
-    return optuna.storages.RDBStorage(url)
+    from shardkit.tune.storage import study_lock
+
+    with study_lock(url):
+        return optuna.storages.RDBStorage(url)
 
 
 def _trials(url: str, study: str = "shardkit"):
