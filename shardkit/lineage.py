@@ -10,12 +10,13 @@ those arrays; the corpus itself is never read. `shardkit trace` and the loader's
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from shardkit.formats.sample import ShardArrays
+from shardkit.formats.sample import Sample, ShardArrays
 from shardkit.manifest import Manifest
 
 
@@ -56,7 +57,12 @@ def locate_samples(manifest: Manifest, sample_ids: Iterable[int]) -> list[tuple[
 
 def sample_segments(manifest: Manifest, arrays: ShardArrays, local: int) -> list[Segment]:
     """The document segments of sample `local` of a shard (empty when the shard stores none)."""
-    sample = arrays.sample(local)
+    return segments_of(arrays.sample(local), manifest.sources)
+
+
+def segments_of(sample: Sample, sources: Sequence[str]) -> list[Segment]:
+    """The document segments of `sample` (empty when it records none), naming each source from `sources` (a
+    manifest's inputs, or a raw-text corpus's files)."""
     if sample.doc_starts is None:
         return []
     bounds = [*(int(s) for s in sample.doc_starts), len(sample.tokens)]
@@ -64,8 +70,33 @@ def sample_segments(manifest: Manifest, arrays: ShardArrays, local: int) -> list
     for j in range(len(sample.doc_starts)):
         source = int(sample.doc_source[j])
         segments.append(Segment(start=bounds[j], end=bounds[j + 1], source=source, doc=int(sample.doc_index[j]),
-                                source_name=manifest.sources[source] if 0 <= source < len(manifest.sources) else None))
+                                source_name=sources[source] if 0 <= source < len(sources) else None))
     return segments
+
+
+class VerifiedShards:
+    """One dataset's shards, each read whole and checked against the manifest's SHA-256 at most once: tracing
+    reads a few samples of a few shards (the node cache is for training).
+
+    Args:
+        storage: where the dataset is (`shardkit.storage.Storage`).
+        manifest: its manifest.
+    """
+
+    def __init__(self, storage: Any, manifest: Manifest):
+        self.storage, self.manifest = storage, manifest
+        self._arrays: dict[int, ShardArrays] = {}
+
+    def arrays(self, position: int) -> ShardArrays:
+        """The arrays of the shard at `position` in the manifest."""
+        if position not in self._arrays:
+            from shardkit.formats.fetch import read_shard
+            from shardkit.formats.reader import ShardReader
+
+            shard = self.manifest.shards[position]
+            self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
+                data, shard=shard, manifest=self.manifest, verify=False)).arrays
+        return self._arrays[position]
 
 
 def source_index(manifest: Manifest, name: str) -> int:

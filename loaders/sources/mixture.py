@@ -39,7 +39,7 @@ from ..state.loader_state import LoaderState
 from .built.streams import holds_manifest
 from .mixture_streams import BuiltSamples, _options, open_streams
 from .built.provenance import ShardSamples
-from .raw.provenance import LanePlace, checked_ids, lane_provenance
+from .raw.provenance import LanePlace, checked_ids, lane_provenance, saved_raw_text
 from ..source import Provenance
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,8 @@ class RawMixtureSource(RawTextSource):
         ids = checked_ids(sample_ids)
         streams, lanes, indexes = (a.tolist() for a in self.order.places_of_ids(ids))
         found = lane_provenance(self, {i: LanePlace(self.streams[s].url, lane, index) for i, s, lane, index
-                                       in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0}, state)
+                                       in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0},
+                                saved_raw_text(state))
         built = [s for s, stream in enumerate(self.streams) if not stream.raw_text]  # `self.sources`' streams
         shards = ShardSamples(self.sources.storages, self.sources.manifests) if built else None
         samples = {i: found.samples[i] if lane >= 0 else shards.provenance(built.index(s), index)

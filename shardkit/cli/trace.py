@@ -11,7 +11,6 @@ Only shards are read (verified), never the corpus. Options are the fields of `Tr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -354,33 +353,14 @@ def format_step(result: dict[str, Any]) -> str:
 
 # -- reverse: a document's samples -----------------------------------------------------------------
 
-class _Dataset:
-    """One dataset's manifest and the shards read so far (each at most once, verified)."""
-
-    def __init__(self, url: str, options: dict[str, Any]):
-        from shardkit.manifest import load_manifest
-        from shardkit.storage import Storage
-
-        self.storage = Storage(url, options)
-        self.manifest = load_manifest(self.storage)
-        self._arrays: dict[int, Any] = {}
-
-    def arrays(self, position: int):
-        if position not in self._arrays:
-            from shardkit.formats.fetch import read_shard
-            from shardkit.formats.reader import ShardReader
-
-            shard = self.manifest.shards[position]
-            self._arrays[position] = read_shard(self.storage, shard, decode=lambda data: ShardReader.from_bytes(
-                data, shard=shard, manifest=self.manifest, verify=False)).arrays
-        return self._arrays[position]
-
-
 def trace_document(config: TraceConfig, options: dict[str, Any]) -> dict[str, Any]:
     """The samples holding a piece of document (`config.source`, `config.doc`), and the run's steps."""
-    from shardkit.lineage import find_documents, locate_samples, sample_segments, source_index
+    from shardkit.lineage import VerifiedShards, find_documents, locate_samples, sample_segments, source_index
+    from shardkit.manifest import load_manifest
+    from shardkit.storage import Storage
 
-    dataset = _Dataset(config.target, options)
+    storage = Storage(config.target, options)
+    dataset = VerifiedShards(storage, load_manifest(storage))
     manifest = dataset.manifest
     source = source_index(manifest, config.source)
     ids = find_documents(manifest, [(source, config.doc)], dataset.arrays)[(source, config.doc)]

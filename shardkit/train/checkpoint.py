@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from shardkit.options import option_name
 from shardkit.train import faults
 from shardkit.train.config import ModelConfig
+from shardkit.train.config.checkpoint import ASYNC_WRITERS
 from shardkit.train.checkpoint_metadata import SafeFileSystemReader
 from shardkit.train.checkpoint_writer import WriterProcessFileSystemWriter
 
@@ -499,9 +500,6 @@ class Checkpointer:
         logger.info("resumed from %s at step %d (loaded in %.2fs)", path, step, time.perf_counter() - started)
         return LoadedCheckpoint(step=step, rank_state=rank_state, same_topology=same_topology, meta=meta,
                                 extra={key: state[key] for key in extra or {}})
-
-
-ASYNC_WRITERS = ("process", "thread")
 
 
 def _writer_type(async_writer: str) -> AsyncCheckpointerType:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from shardkit.formats.fetch import read_shard
-from shardkit.formats.reader import ShardReader
-from shardkit.lineage import locate_samples, sample_segments
+from shardkit.lineage import VerifiedShards, locate_samples, sample_segments
 from shardkit.manifest import Manifest
 from shardkit.storage import Storage
 
@@ -24,8 +21,7 @@ class ShardSamples:
     once (a trace reads a few samples of a few shards; the node cache is for training)."""
 
     def __init__(self, storages: Sequence[Storage], manifests: Sequence[Manifest]):
-        self.storages, self.manifests = list(storages), list(manifests)
-        self._arrays: dict[tuple[int, int], Any] = {}
+        self._shards = [VerifiedShards(storage, manifest) for storage, manifest in zip(storages, manifests)]
 
     def provenance(self, stream: int, sample_id: int) -> SampleProvenance:
         """Sample `sample_id` of stream `stream`: its shard, its index there, its documents and tokens.
@@ -33,21 +29,14 @@ class ShardSamples:
         Raises:
             IndexError: an id outside the stream, naming it and the stream's size.
         """
-        manifest = self.manifests[stream]
+        shards = self._shards[stream]
+        manifest = shards.manifest
         [(position, local)] = locate_samples(manifest, [sample_id])
-        arrays = self._shard_arrays(stream, position)
-        place = {"dataset": self.storages[stream].display_url, "shard": manifest.shards[position].name,
+        arrays = shards.arrays(position)
+        place = {"dataset": shards.storage.display_url, "shard": manifest.shards[position].name,
                  "shard_index": local}
         documents = [dataclasses.asdict(s) for s in sample_segments(manifest, arrays, local)]
         return SampleProvenance(place=place, documents=documents, tokens=arrays.sample(local).tokens)
-
-    def _shard_arrays(self, stream: int, position: int) -> Any:
-        if (stream, position) not in self._arrays:
-            manifest, shard = self.manifests[stream], self.manifests[stream].shards[position]
-            self._arrays[(stream, position)] = read_shard(
-                self.storages[stream], shard,
-                decode=lambda data: ShardReader.from_bytes(data, shard=shard, manifest=manifest, verify=False)).arrays
-        return self._arrays[(stream, position)]
 
 
 def built_provenance(storages: Sequence[Storage], manifests: Sequence[Manifest],

@@ -219,6 +219,11 @@ CURSOR_FIELDS = len(fields(LaneCursor))  # a cursor's entries in a loader state'
 OLD_CURSOR_FIELDS = 5  # a state saved before the restart point (document, token) was kept
 
 
+def cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
+    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `feed.saved_cursors`)."""
+    return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
+
+
 class LaneStream:
     """One lane's samples in order, from a cursor on; `take(k)` returns sample k of the lane.
 

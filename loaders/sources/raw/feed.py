@@ -27,7 +27,7 @@ from ...delivery.closing import closed_at_exit
 from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY
 from .iteration import RawIteration
 from ...order.lanes import merge_cursors
-from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS, LaneCursor
+from .corpus import CURSOR_FIELDS, OLD_CURSOR_FIELDS, LaneCursor, cursor_rows
 from .units import few_lanes_advice
 from .dry_lanes import DryLane, agrees_on_dry_lanes, dry_from_rows, dry_rows, log_dry, newly_dry
 from .unreadable import UnitCuts, agree, log_skipped, settle
@@ -70,7 +70,7 @@ class RawTextFeed(Feed):
         self._worker_start = WorkerStart(source.num_lanes) if loader.persistent_workers and loader.num_workers \
             else None
         self._workers_in_sync = False
-        self._worker_cuts: tuple[UnitCuts, dict[int, int]] | None = None
+        self._workers_hold: tuple[UnitCuts, dict[int, int]] | None = None  # the cuts and dry lanes their copies hold
         self.samples_per_rank = batch_size
         self._topology: Topology | None = None
         self._consumed = 0
@@ -192,11 +192,11 @@ class RawTextFeed(Feed):
             yield from iter(loader.dataset)
             return
         held = (iteration.cuts, iteration.dry)
-        if loader.has_worker_iterator() and not (self._workers_in_sync and held == self._worker_cuts):
+        if loader.has_worker_iterator() and not (self._workers_in_sync and held == self._workers_hold):
             loader.stop_workers()  # their copies hold another mixture (a loaded state), other cuts or dry lanes
         if self._worker_start is not None:
             self._worker_start.write(iteration)  # before the workers begin it (persistent ones: as they resume)
-        self._worker_cuts, self._workers_in_sync = held, True
+        self._workers_hold, self._workers_in_sync = held, True
         # The DataLoader hands out worker outputs round robin in worker order: one part of each step per worker.
         parts = loader.worker_batches()
         try:
@@ -221,7 +221,7 @@ class RawTextFeed(Feed):
                            global_batch_size=self.samples_per_rank * topology.world_size,
                            world_size=topology.world_size, **self.source.order_values(),
                            identity_parts=self.source.identity_parts(),
-                           raw_text={"cursors": _cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
+                           raw_text={"cursors": cursor_rows(self._cursors), "unreadable": self._cuts.rows(),
                                      **({"dry_lanes": dry_rows(self._dry)} if self._dry else {}),
                                      **self.source.raw_state()})
 
@@ -344,11 +344,6 @@ def _kind(raw_text: dict[str, Any]) -> str:
     return "a mixture with raw-text streams" if "streams" in raw_text else "a single raw-text dataset"
 
 
-def _cursor_rows(cursors: dict[int, tuple[int, ...]]) -> list[list[int]]:
-    """A state's `raw_text.cursors`: [lane, *cursor] per lane, by lane (the inverse of `saved_cursors`)."""
-    return [[lane, *cursor] for lane, cursor in sorted(cursors.items())]
-
-
 def gathered_state(state: dict[str, Any], group_of: Callable[[], Any], *, what: str = "a raw-text loader"
                    ) -> dict[str, Any]:
     """The global state of this rank's local raw-text `state` and every other rank's, gathered over the group
@@ -385,4 +380,4 @@ def merge_raw_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                          f"{sorted({s['samples_consumed'] for s in flats})}")
     cursors = merge_cursors(*(saved_cursors(s["raw_text"]) for s in flats))
     # The cuts of unreadable units are agreed, the same in every rank's state.
-    return encode({**flats[0], "raw_text": {**flats[0]["raw_text"], "cursors": _cursor_rows(cursors)}})
+    return encode({**flats[0], "raw_text": {**flats[0]["raw_text"], "cursors": cursor_rows(cursors)}})

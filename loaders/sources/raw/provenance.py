@@ -10,11 +10,14 @@ start.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from shardkit.lineage import segments_of
 
 from ...source import Provenance, SampleProvenance
 from ...state.envelope import decode
@@ -52,21 +55,23 @@ def checked_ids(sample_ids: Sequence[int]) -> np.ndarray:
     return ids
 
 
-def saved_dry_lanes(state: dict[str, Any] | None, num_lanes: int) -> dict[int, int]:
-    """The lanes a loader `state` knows ran dry (lane -> its samples in all); none without a state."""
-    if state is None:
-        return {}
-    return dry_from_rows(decode(state)["raw_text"].get("dry_lanes", ()), num_lanes)
+def saved_raw_text(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `raw_text` part of a loader `state` (checked), or None without a state."""
+    return None if state is None else decode(state)["raw_text"]
 
 
-def lane_provenance(source: Any, places: dict[int, LanePlace], state: dict[str, Any] | None) -> Provenance:
+def saved_dry_lanes(raw_text: dict[str, Any] | None, num_lanes: int) -> dict[int, int]:
+    """The lanes a loader state's `raw_text` knows ran dry (lane -> its samples in all); none without a state."""
+    return {} if raw_text is None else dry_from_rows(raw_text.get("dry_lanes", ()), num_lanes)
+
+
+def lane_provenance(source: Any, places: dict[int, LanePlace], raw_text: dict[str, Any] | None) -> Provenance:
     """Each sample id of `places` made again from its lane of `source` (a `RawTextSource`), each lane read once:
-    from its cursor in the loader `state` where that stands before the samples, else from its start. `reread`
-    counts the lane samples packed on the way."""
+    from its cursor in a loader state's `raw_text` (`saved_raw_text`) where that stands before the samples, else
+    from its start. `reread` counts the lane samples packed on the way."""
     cursors, cuts = {}, UnitCuts()
-    if state is not None:
-        raw = decode(state)["raw_text"]
-        cursors, cuts = saved_cursors(raw), UnitCuts.from_rows(raw.get("unreadable", ()))
+    if raw_text is not None:
+        cursors, cuts = saved_cursors(raw_text), UnitCuts.from_rows(raw_text.get("unreadable", ()))
     wanted: dict[int, set[int]] = {}
     for place in places.values():
         wanted.setdefault(place.lane, set()).add(place.index)
@@ -91,13 +96,4 @@ def lane_provenance(source: Any, places: dict[int, LanePlace], state: dict[str, 
 def raw_segments(sample: Any, corpus: Any) -> list[dict[str, Any]]:
     """A raw sample's document segments as `shardkit.lineage.Segment` fields: tokens [start, end) of document
     `doc` (line, row or paragraph) of input file `source_name` (source -1: padding)."""
-    if sample.doc_starts is None:
-        return []
-    ends = [*sample.doc_starts[1:].tolist(), len(sample.tokens)]
-    segments = []
-    for start, end, source, doc in zip(sample.doc_starts.tolist(), ends, sample.doc_source.tolist(),
-                                       sample.doc_index.tolist()):
-        name = corpus.files[source].url if source >= 0 else None
-        segments.append({"start": int(start), "end": int(end), "source": int(source), "source_name": name,
-                         "doc": int(doc)})
-    return segments
+    return [dataclasses.asdict(s) for s in segments_of(sample, [file.url for file in corpus.files])]

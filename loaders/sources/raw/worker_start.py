@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .corpus import CURSOR_FIELDS
+from .corpus import CURSOR_FIELDS, cursor_rows
 from .iteration import RawIteration
 
 _HEADER = 3  # written (0: never), start, cursor rows
@@ -42,8 +42,7 @@ class WorkerStart:
     def write(self, iteration: RawIteration) -> None:
         """Where the next iteration starts: its consumed positions and its lanes' cursors."""
         values = np.frombuffer(self._values, dtype=np.int64)
-        rows = np.array([[lane, *cursor] for lane, cursor in sorted(iteration.cursors.items())],
-                        dtype=np.int64).reshape(-1, _ROW)
+        rows = np.array(cursor_rows(iteration.cursors), dtype=np.int64).reshape(-1, _ROW)
         values[1], values[2] = iteration.start, len(rows)
         values[_HEADER:_HEADER + rows.size] = rows.reshape(-1)
         values[0] = 1

@@ -24,6 +24,7 @@ from shardkit.formats import Sample
 
 from ...state.envelope import decode, encode
 from ..raw.batches import raw_batch
+from ..raw.corpus import cursor_rows
 from ..raw.feed import saved_cursors
 
 ROW_COLUMN = "row:"  # prefix of the per-row columns a source adds besides the samples' (a mixture's `stream`)
@@ -118,7 +119,7 @@ class StepAssembly:
         cursors = saved_cursors(flat["raw_text"])
         for part in parts:
             cursors.update((int(row[0]), tuple(int(v) for v in row[1:])) for row in part["cursors"])
-        raw_text = {**flat["raw_text"], "cursors": [[lane, *cursor] for lane, cursor in sorted(cursors.items())]}
+        raw_text = {**flat["raw_text"], "cursors": cursor_rows(cursors)}
         return encode({**flat, "samples_consumed": flat["samples_consumed"] + global_batch, "raw_text": raw_text})
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from shardkit.options import option
 from shardkit.train.config.checks import check
 
+ASYNC_WRITERS = ("process", "thread")  # what writes a background save (`shardkit.train.checkpoint.Checkpointer`)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
@@ -19,7 +21,7 @@ class CheckpointConfig:
     async_save: bool = option(False, "save in the background (dcp.async_save); training continues meanwhile")
     async_writer: str = option("process", "with --async-save: 'process' (DCP's writer process, off the trainer's GIL; "
                                "one process without a process group writes in a thread) or 'thread'",
-                               choices=("process", "thread"))
+                               choices=ASYNC_WRITERS)
     resume: str = option("auto", "'auto' (newest complete checkpoint if any), 'none', or a checkpoint directory")
     model_from_checkpoint: bool | None = option(
         None, "on resume, build the model the checkpoint records (as nanoGPT does) and ignore this run's model "
@@ -30,7 +32,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         check(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         check(self.keep >= 1, f"--keep must be >= 1, got {self.keep}")
-        check(self.async_writer in ("process", "thread"),
-              f"--async-writer must be 'process' or 'thread', got {self.async_writer!r}")
+        check(self.async_writer in ASYNC_WRITERS,
+              f"--async-writer must be one of {ASYNC_WRITERS}, got {self.async_writer!r}")
         check(bool(self.resume), "--resume must be 'auto', 'none' or a checkpoint directory")
 
