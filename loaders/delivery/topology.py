@@ -58,6 +58,13 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def process_group_ready() -> bool:
+    """True when torch.distributed has an initialised default process group (the ranks can agree)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _from_group(process_group: Any, device_mesh: Any, mesh_dim: Any) -> tuple[int, int] | None:
     import torch.distributed as dist
 
@@ -66,7 +73,7 @@ def _from_group(process_group: Any, device_mesh: Any, mesh_dim: Any) -> tuple[in
         return dist.get_rank(group), dist.get_world_size(group)
     if process_group is not None:
         return dist.get_rank(process_group), dist.get_world_size(process_group)
-    if dist.is_available() and dist.is_initialized():
+    if process_group_ready():
         return dist.get_rank(), dist.get_world_size()
     return None
 

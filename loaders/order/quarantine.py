@@ -41,7 +41,7 @@ from shardkit.manifest import Manifest
 from .epochs import ExcludedOrder, Order, excluding
 from .rank_steps import IterationPlan
 from ..state.loader_state import LoaderState
-from ..delivery.topology import Topology
+from ..delivery.topology import Topology, process_group_ready
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class Quarantine:
             return mine
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
+        if not process_group_ready():
             raise ValueError("on_corrupt='skip' with several ranks needs an initialised torch.distributed process "
                              "group: the ranks must agree on what to skip")
         everyone: list[Any] = [None] * topology.world_size

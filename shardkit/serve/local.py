@@ -21,6 +21,26 @@ from shardkit.serve.security import TOKEN_ENV, advertised_host, check_binding
 logger = logging.getLogger(__name__)
 
 SPEC_ENV = "SHARDKIT_SERVE_SPEC"
+# How long a server's shutdown waits for its open streams: a consumer that stops reading (an iterator left open)
+# holds its stream open under gRPC's flow control, and Flight's shutdown would wait for it forever.
+SHUTDOWN_GRACE = 5.0
+
+
+def stop_server(server: Any, grace: float = SHUTDOWN_GRACE) -> bool:
+    """Shut a Flight server down, waiting at most `grace` seconds for its open streams; False when some were still
+    open then (the server is left to end when their consumers read on or close: its threads hold no process open)."""
+    closing = getattr(server, "closing", None)
+    if closing is not None:
+        closing.set()
+    thread = threading.Thread(target=server.shutdown, daemon=True, name="shardkit-serve-shutdown")
+    thread.start()
+    thread.join(grace)
+    if thread.is_alive():
+        streams = getattr(server, "active_streams", "some")
+        logger.warning("a service server still had %s open stream(s) %g s after its shutdown began (a consumer "
+                       "stopped reading): left behind", streams, grace)
+        return False
+    return True
 
 
 class LocalService:
@@ -95,13 +115,15 @@ class LocalService:
         """The live workers: id, location, pid, load."""
         return self.dispatcher._list({})["workers"]
 
-    def close(self) -> None:
+    def close(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """Stop the workers and the dispatcher, within about `grace` seconds even where a consumer has left a
+        stream open (it then sees a broken stream and no worker to continue on)."""
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
         for process in self.processes:
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=grace + 5)
             except subprocess.TimeoutExpired:
                 process.kill()
         if self.ray_workers:
@@ -111,9 +133,9 @@ class LocalService:
                 ray.kill(worker, no_restart=True)
         for server, stop in self._threads:
             stop.set()
-            server.shutdown()
+            stop_server(server, grace)
         if self.dispatcher is not None:
-            self.dispatcher.shutdown()
+            stop_server(self.dispatcher, grace)
 
     def __enter__(self) -> LocalService:
         return self
@@ -144,7 +166,10 @@ def worker_main(dispatcher: str, host: str) -> int:
         os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
-    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    # The handler must not block (it runs on the serving thread): the shutdown runs beside, and the process ends
+    # after the grace even where a consumer left a stream open.
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
+        target=lambda: stop_server(server) or os._exit(0), daemon=True).start())
     server.serve()
     stop.set()
     return 0

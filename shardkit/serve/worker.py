@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +44,7 @@ class WorkerServer(flight.FlightServerBase):
         self.spec = spec
         self.description = {**spec.describe(), "data": spec.source if isinstance(spec.source, str) else None}
         self._lock = threading.Lock()
+        self.closing = threading.Event()  # set by `stop_server`: streams end at their next message
         self.active_streams = 0
         self.batches_sent = 0
         self.rows_sent = 0
@@ -88,6 +87,8 @@ class WorkerServer(flight.FlightServerBase):
         try:
             message: tuple[Any, dict[str, Any], bool] | None = first
             while message is not None:
+                if self.closing.is_set():  # an error, not an end: the consumer continues on another worker
+                    raise flight.FlightUnavailableError("the worker is shutting down")
                 arrays, state, last = message
                 yield encode_batch(arrays or {}, schema, state=state, last=last)
                 if arrays is None:  # only a state: the iteration was empty

@@ -19,6 +19,8 @@ import re
 from datetime import timedelta
 from typing import Any
 
+from ...delivery.topology import process_group_ready
+
 Listing = list[list[tuple[str, int]]]  # per corpus, per file: (name, size)
 
 
@@ -41,7 +43,7 @@ def check_ranks_see_one_corpus(corpora: list[Any], *, world_size: int, group: An
         return
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not process_group_ready():
         return
     listing = corpus_listing(corpora)
     ranks = dist.get_world_size(group)

@@ -37,7 +37,7 @@ from ...state.envelope import decode, encode
 from .agreement import check_every_rank_calls
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
-from ...delivery.topology import Topology
+from ...delivery.topology import Topology, process_group_ready
 
 logger = logging.getLogger(__name__)
 _WARNED_FEW_LANES: set[tuple[str, int]] = set()  # (corpus, readers) warned about in this process
@@ -160,7 +160,7 @@ class RawTextFeed(Feed):
             return False
         skipping = self.source.on_corrupt == "skip"
         group = self.source.agreement_group
-        grouped = topology.world_size == 1 or _grouped()
+        grouped = topology.world_size == 1 or process_group_ready()
         if not agrees_on_dry_lanes(skipping=skipping, world_size=topology.world_size, grouped=grouped,
                                    step_start=self._consumed, num_lanes=self.source.num_lanes, dry=self._dry):
             if dry:
@@ -327,12 +327,6 @@ def check_cursors(cursors: dict[int, tuple[int, ...]], source: Any, samples_cons
                              "state)")
 
 
-def _grouped() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def _why_not_agreed(grouped: bool) -> str:
     if not grouped:
         return "several ranks without an initialised torch.distributed process group"
@@ -357,7 +351,7 @@ def gathered_state(state: dict[str, Any], group_of: Callable[[], Any], *, what: 
         return state
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not process_group_ready():
         raise ValueError(f"state_dict() of {what} on {world_size} ranks gathers every rank's lane cursors: "
                          "initialise torch.distributed first (or merge the ranks' local_state_dict() with "
                          "shardkit.loaders.sources.raw.feed.merge_raw_states)")

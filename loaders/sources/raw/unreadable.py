@@ -32,6 +32,7 @@ import numpy as np
 from shardkit import metrics
 
 from ...config import CORRUPT_POLICIES
+from ...delivery.topology import process_group_ready
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def agree(found: Any, *, world_size: int, group: Any) -> list[Any]:
         return [found]
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
+    if not process_group_ready():
         raise ValueError("on_corrupt='skip' on several ranks needs an initialised torch.distributed process group: "
                          "the ranks must agree on what to skip")
     everyone: list[Any] = [None] * world_size
