@@ -37,8 +37,7 @@ from ..order.remix import MixtureRecord, MixtureStreams, changed_record, fresh_r
 from ..order.schedule import weight_spec
 from ..state.loader_state import LoaderState
 from .built.streams import holds_manifest
-from .mixture_streams import BuiltSamples, _options, open_streams
-from .built.provenance import ShardSamples
+from .mixture_streams import BuiltSamples, _options, open_children
 from .raw.provenance import LanePlace, checked_ids, lane_provenance, saved_raw_text
 from ..source import Provenance
 
@@ -139,29 +138,39 @@ class RawMixtureSource(RawTextSource):
             raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
                              "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
         # The first raw stream sets the source up as a raw source would: settings, tokenizer, topology.
-        super().__init__(raw[0].url, settings, config, storage_options=_options(raw[0], storage_options), **options)
-        opened = open_streams(streams, self.corpus, config, storage_options=storage_options, cache_dir=cache_dir)
-        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=opened.identities,
+        raw_options = _options(raw[0], storage_options)
+        super().__init__(raw[0].url, settings, config, storage_options=raw_options, **options)
+        first = RawTextSource(raw[0].url, settings, config, storage_options=raw_options, corpus=self.corpus, **options)
+        opened = open_children(streams, first, config, storage_options=storage_options, cache_dir=cache_dir,
+                               child_args=options)
+        parts = opened.parts
+        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=[p.identity for p in parts],
                                    weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
         self.record = record = fresh_record(described)  # replaced by the saved (or changed) one on resume
-        self.order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.seed, shuffle=self.shuffle)
+        self.order = MixedOrder(record.plan, [p.lanes for p in parts], [p.shard_sizes for p in parts],
+                                seed=self.seed, shuffle=self.shuffle)
         self._identity, self._legacy_identity = (
             hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
                                        for identity, s in zip(identities, streams)]).encode()).hexdigest()
-            for identities in (opened.identities, opened.legacy_identities))
-        self._legacy_streams = dict(zip(opened.legacy_identities, opened.identities))
-        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
-        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, n, units]
-                               for s, n, units in zip(streams, opened.lanes, opened.units)]
+            for identities in ([p.identity for p in parts], [p.legacy_identity for p in parts]))
+        self._legacy_streams = {p.legacy_identity: p.identity for p in parts}
+        # The children: one Source per stream (`source.MixtureChild`); those read by lanes and those read by shards.
+        self.streams, self.children, self.stream_parts, self.corpora = streams, opened.children, parts, opened.corpora
+        self.by_shards = opened.read_by_shards()
+        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, p.lanes, p.units]
+                               for s, p in zip(streams, parts)]
         self.described = described
-        # Units are numbered over the raw streams in stream order (as the state's cuts name them).
-        units = [len(corpus.units.size) for corpus in opened.corpora]
+        # Units are numbered over the lane-read streams in stream order (as the state's cuts name them).
+        lane_streams = np.flatnonzero(self.order.lanes > 0).tolist()
+        units = [parts[s].units for s in lane_streams]
         self.unit_offsets = np.cumsum(units) - units
-        # global lane -> (its stream, its stream's corpus, lane in it, the stream's first unit number)
-        raw_streams = np.flatnonzero(self.order.lanes > 0).tolist()
-        self.lane_owners = [(s, corpus, lane, int(offset))
-                            for s, corpus, offset in zip(raw_streams, opened.corpora, self.unit_offsets)
-                            for lane in range(corpus.num_lanes)]
+        self.unit_streams = lane_streams
+        # global lane -> (its stream, lane in its child, the stream's first unit number)
+        self.lane_owners = [(s, lane, int(offset)) for s, offset in zip(lane_streams, self.unit_offsets)
+                            for lane in range(parts[s].lanes)]
+
+    def mixture_part(self) -> Any:
+        raise ValueError(f"{self.describe()} cannot be a stream of another mixture: list its streams instead")
 
     def identity(self) -> str:
         """Identity of the streams, their weights and how raw text becomes samples."""
@@ -198,9 +207,14 @@ class RawMixtureSource(RawTextSource):
         found = lane_provenance(self, {i: LanePlace(self.streams[s].url, lane, index) for i, s, lane, index
                                        in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0},
                                 saved_raw_text(state))
-        built = [s for s, stream in enumerate(self.streams) if not stream.raw_text]  # `self.sources`' streams
-        shards = ShardSamples(self.sources.storages, self.sources.manifests) if built else None
-        samples = {i: found.samples[i] if lane >= 0 else shards.provenance(built.index(s), index)
+        # A row read by shards: its child's own provenance of its id there (each child asked once, for all its ids).
+        asked: dict[int, dict[int, int]] = {}
+        for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes):
+            if lane < 0:
+                asked.setdefault(s, {})[i] = index
+        by_child = {s: self.children[s].provenance(list(dict.fromkeys(wanted.values()))).samples
+                    for s, wanted in asked.items()}
+        samples = {i: found.samples[i] if lane >= 0 else by_child[s][index]
                    for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes)}
         return Provenance(samples=samples, reread=found.reread)
 
@@ -311,7 +325,7 @@ class RawMixtureSource(RawTextSource):
             for j in range(lanes):
                 if first + j in cursors:
                     new_cursors[new_first + j] = cursors[first + j]
-            units = len(self.corpora[raw.index(s)].units.size)
+            units = self.stream_parts[s].units
             start = unit_at[identity]
             for cut in cuts.cuts:
                 if start is not None and start <= cut.unit < start + units:
@@ -326,11 +340,11 @@ class RawMixtureSource(RawTextSource):
     few_lanes_idle_readers = False
 
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        stream, corpus, local, unit_offset = self.lane_owners[lane]
+        stream, local, unit_offset = self.lane_owners[lane]
         # The lanes' seed: the mixture's plus the stream's seed key (its index in the first mixture that had it).
-        seed = self.seed + self.record.streams[stream].seed_key
-        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
-                          skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
+        seed_key = self.record.streams[stream].seed_key
+        return self.children[stream].lane_stream(local, log, cursor, cuts, seed_offset=seed_key, global_lane=lane,
+                                                 unit_offset=unit_offset)
 
     skips_dry_lanes = False  # the plan's positions are its streams' items: a lane that runs dry stops the loader
 
@@ -338,12 +352,12 @@ class RawMixtureSource(RawTextSource):
         return self.order.lane_counts(samples_consumed)  # never a dry lane (`skips_dry_lanes`)
 
     def lane_unit_count(self, lane: int) -> int:
-        _, corpus, local, _ = self.lane_owners[lane]
-        return len(corpus.lanes[local])
+        stream, local, _ = self.lane_owners[lane]
+        return self.children[stream].lane_unit_count(local)
 
     def unit_url(self, unit: int) -> str:
-        stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
-        return self.corpora[stream].unit_url(unit - int(self.unit_offsets[stream]))
+        at = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
+        return self.children[self.unit_streams[at]].unit_url(unit - int(self.unit_offsets[at]))
 
 
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
@@ -351,7 +365,7 @@ class RawMixtureSource(RawTextSource):
         one part per step, empty or not (see `RawTextSource.parts`)."""
         plan, topology = self, iteration.topology
         plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
+        lanes, built = LaneReaders(plan, iteration), BuiltSamples(*self.by_shards)
         step = 0
         try:
             while True:
