@@ -92,18 +92,19 @@ def open_children(streams: list[Stream], first: RawTextSource, config: LoaderCon
         manifests = [sources.manifests[0] for sources in opened]
         check_mixable(built, manifests)
         check_options_fit(config, built, manifests)
-    built_children = iter(opened)
+    built_sources, first_raw = iter(opened), True
     children: list[Any] = []
     for stream in streams:
         if not stream.raw_text:
-            sources = next(built_children)
+            sources = next(built_sources)
             check_built_stream(stream, sources.manifests[0], first.corpus)
             children.append(BuiltSource(config, [stream], sources, **child_args))
-        elif any(child is first for child in children):
+        elif first_raw:
+            children.append(first)
+            first_raw = False
+        else:
             children.append(RawTextSource(stream.url, first.corpus.settings, config,
                                           storage_options=_options(stream, storage_options), **child_args))
-        else:
-            children.append(first)
     return OpenedStreams(children=children, parts=[child.mixture_part() for child in children])
 
 
