@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset
 from .sources.built.source import BuiltSource
 from .config import LoaderConfig, loader_config
 from .order.mixing import Stream
-from .sources.mixture import raw_text_source
+from .sources.choice import raw_text_source
 from .sources.service.source import served_source
 from .sources.raw.corpus import RawTextSettings
 from .sources.built.streams import Sources, streams_of

@@ -18,6 +18,9 @@ Three roles, each small (torchdata.nodes' `BaseNode` and Grain's `MapDataset` ar
 StreamingDataset ──holds──> Source ──feed()──────> Feed        <──delegates── StreamingDataLoader
                                    └─standalone()─> Standalone <──delegates── StreamingDataset (no loader)
 ```
+
+A weighted mixture (`sources.mixture`) is a Source over Sources: each of its streams is a child Source that also
+answers `MixtureChild` (what the mixture asks of a stream: its part in the order, and its items).
 """
 
 from __future__ import annotations
@@ -189,3 +192,58 @@ class Standalone(ABC):
     @abstractmethod
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next standalone iteration."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamPart:
+    """A child's part in a mixture's order (`MixtureChild.mixture_part`).
+
+    Attributes:
+        identity: its data's identity as a stream of its own (not its weight): the mixture record names it so.
+        legacy_identity: the same by version 1 states' recipe.
+        lanes: the lanes it is read by (raw text); 0: it is read by shards.
+        units: its lanes' work units (the state's unreadable cuts number them per stream).
+        shard_sizes: samples per shard, when it is read by shards (None when read by lanes).
+    """
+
+    identity: str
+    legacy_identity: str
+    lanes: int = 0
+    units: int = 0
+    shard_sizes: Any = None
+
+
+class MixtureChild(ABC):
+    """What a weighted mixture asks of the source of each of its streams; a kind of source joins a mixture by
+    answering it (and `Source`'s `identity`, `shapes` and `provenance`).
+
+    A child is read by lanes (item k of a lane is its sample k, read through `lane_stream`) or by shards (items are
+    samples of its epochs' orders, read through `open_shard`); the mixture's order (`order.mixed_lanes.MixedOrder`)
+    places both by `mixture_part()` alone, and numbers lanes, units and shards over its children in stream order.
+    """
+
+    @abstractmethod
+    def mixture_part(self) -> StreamPart:
+        """Its part in the mixture's order."""
+
+    def lane_stream(self, lane: int, log: Any, cursor: tuple[int, ...], cuts: Any, *, seed_offset: int = 0,
+                    global_lane: int | None = None, unit_offset: int = 0) -> Any:
+        """Lane `lane`'s samples from `cursor` on (a `sources.raw.corpus.LaneStream`), seeded `seed_offset` after
+        the config's seed, its lane and units numbered from `global_lane` / `unit_offset` in reports and cuts."""
+        raise ValueError(f"{self.describe()} is not read by lanes")
+
+    def lane_unit_count(self, lane: int) -> int:
+        """Units in lane `lane`."""
+        raise ValueError(f"{self.describe()} is not read by lanes")
+
+    def unit_url(self, unit: int) -> str:
+        """The file of work unit `unit` (numbered within this child)."""
+        raise ValueError(f"{self.describe()} is not read by lanes")
+
+    def open_shard(self, shard: int) -> Any:
+        """Shard `shard` opened through the node cache (its `reader.sample(i)`; closed by the caller)."""
+        raise ValueError(f"{self.describe()} is not read by shards")
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the child reads, for messages."""

@@ -1,8 +1,10 @@
 """`RawMixtureSource`: raw-text and built streams in one weighted mixture, the source of
 `StreamingDataset([Stream(url, w), Stream(glob, w, raw_text=True), ...], tokenizer=SPEC, seq_len=N)`.
 
-The order is `order.mixed_lanes.MixedOrder` (pure); this module opens the streams and reads their rows: a raw stream's
-lanes through `LaneStream`s, as a raw dataset reads its own, a built stream's samples through its node cache.
+The order is `order.mixed_lanes.MixedOrder` (pure); the mixture is a Source over Sources: each stream is a child
+Source (`source.MixtureChild`: a `RawTextSource`, or a `BuiltSource` of one dataset; `mixture_streams.open_children`)
+and the mixture reads its rows through them: a raw stream's lanes through the child's `lane_stream`, as the stream's
+own dataset reads them (seeded with the stream's seed key), a built stream's samples through its `open_shard`.
 It is a `RawTextSource` whose lanes are every raw stream's lanes in stream order (a global lane number), so
 the raw-text feed (`sources.raw.feed.RawTextFeed`) saves and resumes it unchanged: `samples_consumed` and one
 cursor per global lane, O(lanes + streams), elastic like a raw dataset's state. The state's `raw_text` also
@@ -19,12 +21,10 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
-
-from shardkit.manifest import MANIFEST_NAME
 
 from ..config import LoaderConfig
 from ..order.mixing import Stream
@@ -32,86 +32,15 @@ from .raw.source import LaneReaders, RawTextSource
 from .raw.iteration import RawIteration, StepPart
 from ..order.mixed_lanes import ENDLESS, MixedOrder
 from .raw.corpus import LaneStream, RawTextSettings, RejectionLog
-from .raw.unreadable import UnitCuts, check_policy
+from .raw.unreadable import UnitCuts
 from ..order.remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
 from ..order.schedule import weight_spec
 from ..state.loader_state import LoaderState
-from .built.streams import holds_manifest
-from .mixture_streams import BuiltSamples, _options, open_streams
-from .built.provenance import ShardSamples
+from .mixture_streams import BuiltSamples, _options, open_children
 from .raw.provenance import LanePlace, checked_ids, lane_provenance, saved_raw_text
 from ..source import Provenance
 
 logger = logging.getLogger(__name__)
-
-
-# The `LoaderConfig` fields raw text reads (the others keep their defaults, see `check_raw_options`).
-RAW_OPTIONS = frozenset({"seed", "shuffle", "token_dtype", "segment_ids", "on_corrupt", "skip_samples",
-                         "quarantine_list"})
-# ... and those a mixture's built streams read.
-CACHE_OPTIONS = frozenset({"cache_limit", "cache_wait", "prefetch", "cache_mode", "chunk_samples"})
-# Why an option means nothing to raw text, and what to use instead.
-_WHY_NOT_RAW = {
-    **dict.fromkeys(("num_partitions", "block_size", "shuffle_window", "partial_batches", "epoch_size"),
-                    "raw text's order is its lanes (each shuffles its units per lane epoch, endlessly): set lanes= "
-                    "and seed= instead"),
-    **dict.fromkeys(("max_tokens", "token_window"), "token-budget batches need built data; raw text's batches hold "
-                    "batch_size samples (pack='none' keeps documents whole)"),
-    **dict.fromkeys(CACHE_OPTIONS, "raw text is read from its inputs, not through the node cache (it applies to "
-                    "built datasets and to built streams mixed with raw text)"),
-}
-
-
-def check_raw_options(config: LoaderConfig, *, mixture: bool) -> None:
-    """Refuse a loader option that raw text cannot honour (one that keeps its default is not asked about).
-
-    Raises:
-        ValueError: naming the option, why it has no meaning here, and what to use instead.
-    """
-    check_policy(config.on_corrupt, config.skip_samples, config.quarantine_list)
-    allowed = RAW_OPTIONS | (CACHE_OPTIONS if mixture else frozenset())
-    default = LoaderConfig()
-    for option in (f.name for f in fields(LoaderConfig)):
-        if option not in allowed and getattr(config, option) != getattr(default, option):
-            raise ValueError(f"{option}={getattr(config, option)!r} has no meaning for raw text: "
-                             f"{_WHY_NOT_RAW.get(option, 'drop it')}")
-
-
-def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig, **options: Any) -> RawTextSource:
-    """The source of `StreamingDataset(source, tokenizer=...)`: a mixture for a list of `Stream`, else one corpus.
-
-    Raises:
-        TypeError: a list that mixes `Stream`s with plain inputs.
-        ValueError: a loader option raw text cannot honour (`check_raw_options`).
-    """
-    items = [source] if isinstance(source, (str, Stream)) else list(source) if isinstance(source, (list, tuple)) \
-        else None
-    mixture = items is not None and any(isinstance(item, Stream) for item in items)
-    check_raw_options(config, mixture=mixture)
-    if mixture:
-        if not all(isinstance(item, Stream) for item in items):
-            raise TypeError("a raw-text source is either inputs (paths, globs, URLs) or a list of Stream, not both: "
-                            "give each input as Stream(url, weight, raw_text=True)")
-        return RawMixtureSource(items, settings, config, **options)
-    if options.pop("cache_dir", None) is not None:
-        raise ValueError("cache_dir: raw text is read from its inputs, not through the node cache; drop cache_dir "
-                         "(it applies to built datasets and to built streams mixed with raw text)")
-    check_not_built(items or [], options.get("storage_options"))
-    return RawTextSource(source, settings, config, **options)
-
-
-def check_not_built(inputs: list[Any], storage_options: dict[str, Any] | None) -> None:
-    """Refuse a built dataset given as raw text (`StreamingDataset(built_url, tokenizer=...)`).
-
-    Raises:
-        ValueError: naming the dataset and the two ways to read it.
-    """
-    for url in inputs:
-        if isinstance(url, str) and holds_manifest(url, storage_options):
-            raise ValueError(f"{url} is a built dataset (it holds {MANIFEST_NAME}), and tokenizer= is for raw text: "
-                             "drop tokenizer= and seq_len= to read it as built data (its manifest names its "
-                             f"tokenizer), or mix it with raw text as Stream({url!r}, weight) among raw_text=True "
-                             "streams")
 
 
 class RawMixtureSource(RawTextSource):
@@ -139,29 +68,39 @@ class RawMixtureSource(RawTextSource):
             raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
                              "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
         # The first raw stream sets the source up as a raw source would: settings, tokenizer, topology.
-        super().__init__(raw[0].url, settings, config, storage_options=_options(raw[0], storage_options), **options)
-        opened = open_streams(streams, self.corpus, config, storage_options=storage_options, cache_dir=cache_dir)
-        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=opened.identities,
+        raw_options = _options(raw[0], storage_options)
+        super().__init__(raw[0].url, settings, config, storage_options=raw_options, **options)
+        first = RawTextSource(raw[0].url, settings, config, storage_options=raw_options, corpus=self.corpus, **options)
+        opened = open_children(streams, first, config, storage_options=storage_options, cache_dir=cache_dir,
+                               child_args=options)
+        parts = opened.parts
+        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=[p.identity for p in parts],
                                    weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
         self.record = record = fresh_record(described)  # replaced by the saved (or changed) one on resume
-        self.order = MixedOrder(record.plan, opened.lanes, opened.shard_sizes, seed=self.seed, shuffle=self.shuffle)
+        self.order = MixedOrder(record.plan, [p.lanes for p in parts], [p.shard_sizes for p in parts],
+                                seed=self.seed, shuffle=self.shuffle)
         self._identity, self._legacy_identity = (
             hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
                                        for identity, s in zip(identities, streams)]).encode()).hexdigest()
-            for identities in (opened.identities, opened.legacy_identities))
-        self._legacy_streams = dict(zip(opened.legacy_identities, opened.identities))
-        self.streams, self.corpora, self.sources = streams, opened.corpora, opened.sources
-        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, n, units]
-                               for s, n, units in zip(streams, opened.lanes, opened.units)]
+            for identities in ([p.identity for p in parts], [p.legacy_identity for p in parts]))
+        self._legacy_streams = {p.legacy_identity: p.identity for p in parts}
+        # The children: one Source per stream (`source.MixtureChild`); those read by lanes and those read by shards.
+        self.streams, self.children, self.stream_parts, self.corpora = streams, opened.children, parts, opened.corpora
+        self.by_shards = opened.read_by_shards()
+        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, p.lanes, p.units]
+                               for s, p in zip(streams, parts)]
         self.described = described
-        # Units are numbered over the raw streams in stream order (as the state's cuts name them).
-        units = [len(corpus.units.size) for corpus in opened.corpora]
+        # Units are numbered over the lane-read streams in stream order (as the state's cuts name them).
+        lane_streams = np.flatnonzero(self.order.lanes > 0).tolist()
+        units = [parts[s].units for s in lane_streams]
         self.unit_offsets = np.cumsum(units) - units
-        # global lane -> (its stream, its stream's corpus, lane in it, the stream's first unit number)
-        raw_streams = np.flatnonzero(self.order.lanes > 0).tolist()
-        self.lane_owners = [(s, corpus, lane, int(offset))
-                            for s, corpus, offset in zip(raw_streams, opened.corpora, self.unit_offsets)
-                            for lane in range(corpus.num_lanes)]
+        self.unit_streams = lane_streams
+        # global lane -> (its stream, lane in its child, the stream's first unit number)
+        self.lane_owners = [(s, lane, int(offset)) for s, offset in zip(lane_streams, self.unit_offsets)
+                            for lane in range(parts[s].lanes)]
+
+    def mixture_part(self) -> Any:
+        raise ValueError(f"{self.describe()} cannot be a stream of another mixture: list its streams instead")
 
     def identity(self) -> str:
         """Identity of the streams, their weights and how raw text becomes samples."""
@@ -198,9 +137,14 @@ class RawMixtureSource(RawTextSource):
         found = lane_provenance(self, {i: LanePlace(self.streams[s].url, lane, index) for i, s, lane, index
                                        in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0},
                                 saved_raw_text(state))
-        built = [s for s, stream in enumerate(self.streams) if not stream.raw_text]  # `self.sources`' streams
-        shards = ShardSamples(self.sources.storages, self.sources.manifests) if built else None
-        samples = {i: found.samples[i] if lane >= 0 else shards.provenance(built.index(s), index)
+        # A row read by shards: its child's own provenance of its id there (each child asked once, for all its ids).
+        asked: dict[int, dict[int, int]] = {}
+        for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes):
+            if lane < 0:
+                asked.setdefault(s, {})[i] = index
+        by_child = {s: self.children[s].provenance(list(dict.fromkeys(wanted.values()))).samples
+                    for s, wanted in asked.items()}
+        samples = {i: found.samples[i] if lane >= 0 else by_child[s][index]
                    for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes)}
         return Provenance(samples=samples, reread=found.reread)
 
@@ -311,7 +255,7 @@ class RawMixtureSource(RawTextSource):
             for j in range(lanes):
                 if first + j in cursors:
                     new_cursors[new_first + j] = cursors[first + j]
-            units = len(self.corpora[raw.index(s)].units.size)
+            units = self.stream_parts[s].units
             start = unit_at[identity]
             for cut in cuts.cuts:
                 if start is not None and start <= cut.unit < start + units:
@@ -326,11 +270,11 @@ class RawMixtureSource(RawTextSource):
     few_lanes_idle_readers = False
 
     def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        stream, corpus, local, unit_offset = self.lane_owners[lane]
+        stream, local, unit_offset = self.lane_owners[lane]
         # The lanes' seed: the mixture's plus the stream's seed key (its index in the first mixture that had it).
-        seed = self.seed + self.record.streams[stream].seed_key
-        return LaneStream(corpus, local, log, seed=seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
-                          skip_unreadable=self.on_corrupt == "skip", global_lane=lane, unit_offset=unit_offset)
+        seed_key = self.record.streams[stream].seed_key
+        return self.children[stream].lane_stream(local, log, cursor, cuts, seed_offset=seed_key, global_lane=lane,
+                                                 unit_offset=unit_offset)
 
     skips_dry_lanes = False  # the plan's positions are its streams' items: a lane that runs dry stops the loader
 
@@ -338,12 +282,12 @@ class RawMixtureSource(RawTextSource):
         return self.order.lane_counts(samples_consumed)  # never a dry lane (`skips_dry_lanes`)
 
     def lane_unit_count(self, lane: int) -> int:
-        _, corpus, local, _ = self.lane_owners[lane]
-        return len(corpus.lanes[local])
+        stream, local, _ = self.lane_owners[lane]
+        return self.children[stream].lane_unit_count(local)
 
     def unit_url(self, unit: int) -> str:
-        stream = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
-        return self.corpora[stream].unit_url(unit - int(self.unit_offsets[stream]))
+        at = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
+        return self.children[self.unit_streams[at]].unit_url(unit - int(self.unit_offsets[at]))
 
 
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
@@ -351,7 +295,7 @@ class RawMixtureSource(RawTextSource):
         one part per step, empty or not (see `RawTextSource.parts`)."""
         plan, topology = self, iteration.topology
         plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration), BuiltSamples(self.sources)
+        lanes, built = LaneReaders(plan, iteration), BuiltSamples(*self.by_shards)
         step = 0
         try:
             while True:

@@ -1,5 +1,6 @@
-"""A mixture's streams (`mixture.RawMixtureSource`): raw streams' corpora listed with the mixture's settings, built
-streams' manifests fetched and checked against them (`open_streams`), and built samples read by global sample id
+"""A mixture's streams (`mixture.RawMixtureSource`), each a child Source that answers `source.MixtureChild`: raw
+streams as `RawTextSource`s listed with the mixture's settings, built streams as one-dataset `BuiltSource`s whose
+manifests are checked against them (`open_children`), and the built children's samples read by global sample id
 through their node caches (`BuiltSamples`)."""
 
 from __future__ import annotations
@@ -15,32 +16,37 @@ from shardkit.manifest import Manifest
 
 from ..config import LoaderConfig
 from ..order.mixing import Stream
-from ..state.fingerprint import data_fingerprint
-from .built.streams import Sources
+from ..order.shard_table import ShardTable
+from ..source import MixtureChild, StreamPart
+from .built.reading import ShardOwners
+from .built.source import BuiltSource
+from .built.streams import Sources, check_mixable, check_options_fit
 from .raw.corpus import RawCorpus
+from .raw.source import RawTextSource
 
 
 class BuiltSamples:
-    """Built streams' samples by global sample id, read through their node caches; the shards a step reads are
-    held until a step no longer reads them."""
+    """The samples of the children read by shards, by global sample id (numbered over those children's shards in
+    stream order); the shards a step reads are held until a step no longer reads them."""
 
-    def __init__(self, sources: Sources | None):
-        self.sources = sources
+    def __init__(self, children: list[MixtureChild], shard_sizes: list[np.ndarray]):
+        self.children = children
+        self.owners = ShardOwners([len(sizes) for sizes in shard_sizes])
+        self.table = ShardTable(np.concatenate(shard_sizes) if shard_sizes else np.zeros(0, dtype=np.int64))
         self.held: dict[int, Any] = {}
 
     def read(self, shards: np.ndarray, sample_ids: np.ndarray) -> list[Sample]:
         """The samples `sample_ids` (global ids over the built streams) of the global shards `shards`."""
         if not len(sample_ids):
             return []
-        owners, table = self.sources.owners, self.sources.table
         needed = set(shards.tolist())
         for index in [i for i in self.held if i not in needed]:
             self.held.pop(index).close()
         samples = []
-        for shard, local in zip(shards.tolist(), table.locate(sample_ids)[1].tolist()):
+        for shard, local in zip(shards.tolist(), self.table.locate(sample_ids)[1].tolist()):
             if shard not in self.held:
-                stream, in_stream = owners[shard]
-                self.held[shard] = self.sources.caches[stream].open(in_stream)
+                child, in_child = self.owners[shard]
+                self.held[shard] = self.children[child].open_shard(in_child)
             sample = self.held[shard].reader.sample(local)
             if sample.doc_starts is None:  # a shard without document boundaries: the sample is one segment
                 sample = Sample(sample.tokens, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
@@ -54,49 +60,52 @@ class BuiltSamples:
 
 @dataclass
 class OpenedStreams:
-    """A mixture's streams, opened: the raw streams' corpora, the built streams' sources, and per stream its
-    lanes (0 for built), samples per shard (None for raw text), identity (its fingerprint) and work units."""
+    """A mixture's streams, opened: per stream its child Source and its part in the order (`StreamPart`)."""
 
-    corpora: list[RawCorpus] = field(default_factory=list)
-    sources: Sources | None = None
-    lanes: list[int] = field(default_factory=list)
-    shard_sizes: list[np.ndarray | None] = field(default_factory=list)
-    identities: list[str] = field(default_factory=list)
-    legacy_identities: list[str] = field(default_factory=list)  # as version 1 states name them
-    units: list[int] = field(default_factory=list)  # a raw stream's work units (0: built)
+    children: list[Any] = field(default_factory=list)
+    parts: list[StreamPart] = field(default_factory=list)
+
+    @property
+    def corpora(self) -> list[RawCorpus]:
+        """The raw children's corpora (what the ranks agree on before the first batch)."""
+        return [child.corpus for child, part in zip(self.children, self.parts) if part.lanes]
+
+    def read_by_shards(self) -> tuple[list[Any], list[np.ndarray]]:
+        """The children read by shards, and their samples per shard, in stream order."""
+        pairs = [(child, part.shard_sizes) for child, part in zip(self.children, self.parts) if not part.lanes]
+        return [child for child, _ in pairs], [sizes for _, sizes in pairs]
 
 
-def open_streams(streams: list[Stream], first: RawCorpus, config: LoaderConfig, *,
-                 storage_options: dict[str, Any] | None, cache_dir: str | None) -> OpenedStreams:
-    """List every raw stream's units with `first`'s settings (`first` is the first raw stream's corpus) and fetch
-    the built streams' manifests, checking each against the mixture.
+def open_children(streams: list[Stream], first: RawTextSource, config: LoaderConfig, *,
+                  storage_options: dict[str, Any] | None, cache_dir: str | None,
+                  child_args: dict[str, Any]) -> OpenedStreams:
+    """Each stream's child Source: `first` for the first raw stream, the built streams (manifests fetched and
+    checked together), then the other raw streams listed with `first`'s settings, each built stream checked against
+    the mixture in stream order (the order of checks a mixture always made).
 
     Raises:
-        ValueError / OSError: as `RawCorpus`, `Sources` and `check_built_stream` raise them.
+        ValueError / OSError: as `RawCorpus`, `Sources`, `check_mixable` and `check_built_stream` raise them.
     """
     built = [s for s in streams if not s.raw_text]
-    opened = OpenedStreams(sources=Sources(built, config, cache_dir=cache_dir,
-                                           storage_options=storage_options) if built else None)
-    manifests = iter(zip(opened.sources.manifests, opened.sources.shard_sizes) if built else ())
+    opened = [Sources([s], config, cache_dir=cache_dir, storage_options=storage_options) for s in built]
+    if built:
+        manifests = [sources.manifests[0] for sources in opened]
+        check_mixable(built, manifests)
+        check_options_fit(config, built, manifests)
+    built_sources, first_raw = iter(opened), True
+    children: list[Any] = []
     for stream in streams:
-        if stream.raw_text:
-            corpus = RawCorpus([stream.url], first.settings, _options(stream, storage_options)) \
-                if opened.corpora else first
-            opened.corpora.append(corpus)
-            opened.lanes.append(corpus.num_lanes)
-            opened.units.append(len(corpus.units.size))
-            opened.shard_sizes.append(None)
-            opened.identities.append(corpus.fingerprint)
-            opened.legacy_identities.append(corpus.legacy_fingerprint)
+        if not stream.raw_text:
+            sources = next(built_sources)
+            check_built_stream(stream, sources.manifests[0], first.corpus)
+            children.append(BuiltSource(config, [stream], sources, **child_args))
+        elif first_raw:
+            children.append(first)
+            first_raw = False
         else:
-            manifest, sizes = next(manifests)
-            check_built_stream(stream, manifest, first)
-            opened.lanes.append(0)
-            opened.units.append(0)
-            opened.shard_sizes.append(sizes)
-            opened.identities.append(data_fingerprint([manifest], []))
-            opened.legacy_identities.append(opened.identities[-1])
-    return opened
+            children.append(RawTextSource(stream.url, first.corpus.settings, config,
+                                          storage_options=_options(stream, storage_options), **child_args))
+    return OpenedStreams(children=children, parts=[child.mixture_part() for child in children])
 
 
 def _options(stream: Stream, default: dict[str, Any] | None) -> dict[str, Any] | None:

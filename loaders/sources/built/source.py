@@ -33,7 +33,7 @@ from ...order.remix import Mixture, MixtureStreams
 from ...order.schedule import weight_spec
 from ...order.skipping import resolve_skipped
 from .provenance import built_provenance
-from ...source import Feed, Provenance, Source, Standalone
+from ...source import Feed, MixtureChild, Provenance, Source, Standalone, StreamPart
 from .streams import Sources
 from ...state.loader_state import MIXTURE_FIELDS, LoaderState
 from ...delivery.tensors import batch_to_tensors, bundled, strip_progress
@@ -42,7 +42,7 @@ from ...delivery.topology import Topology, data_parallel_group, resolve_topology
 _MEMO_ORDERS = 4  # an epoch's order with quarantine scans the epoch once: keep the last few
 
 
-class BuiltSource(Source):
+class BuiltSource(Source, MixtureChild):
     """A dataset's order, identity, mixture, batch mode and reader, and where its next iteration starts.
 
     Args:
@@ -166,6 +166,16 @@ class BuiltSource(Source):
 
     def describe(self) -> str:
         return ", ".join(stream.url for stream in self.streams)
+
+    # -- as a mixture's child (`MixtureChild`): one built dataset, read by shards ----------------
+    def mixture_part(self) -> StreamPart:
+        if len(self.streams) != 1:
+            raise ValueError(f"a mixture of {len(self.streams)} streams cannot be a stream of another mixture")
+        return StreamPart(identity=self.identity(), legacy_identity=self.identity(),
+                          shard_sizes=self.sources.shard_sizes[0])
+
+    def open_shard(self, shard: int) -> Any:
+        return self.sources.caches[0].open(shard)
 
     def _mixture_streams(self) -> MixtureStreams:
         return MixtureStreams(urls=[s.url for s in self.streams], fingerprints=self.stream_identities(),

@@ -32,7 +32,7 @@ from .dry_lanes import DryLane, log_dry, newly_dry
 from .feed import RawTextFeed
 from .provenance import LanePlace, checked_ids, lane_provenance, saved_dry_lanes, saved_raw_text
 from .unreadable import UnitCuts
-from ...source import Feed, Provenance, Source, Standalone
+from ...source import Feed, MixtureChild, Provenance, Source, Standalone, StreamPart
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
 from ...delivery.topology import Topology, data_parallel_group, resolve_topology
@@ -40,7 +40,7 @@ from ...delivery.topology import Topology, data_parallel_group, resolve_topology
 logger = logging.getLogger(__name__)
 
 
-class RawTextSource(Source):
+class RawTextSource(Source, MixtureChild):
     """Raw text, tokenized and packed on the fly (`StreamingDataset(inputs, tokenizer=..., seq_len=...)`).
 
     Args:
@@ -51,15 +51,16 @@ class RawTextSource(Source):
             file, or "skip" it on every rank alike: `shardkit.loaders.sources.raw.unreadable`).
         topology_args, group_args: the explicit topology and the process group or mesh (`StreamingDataset`).
         storage_options: fsspec options of remote inputs.
+        corpus: the inputs' corpus, already listed with `settings` (a mixture's first raw stream: listed once).
     """
 
     endless = True  # lanes go on epoch after epoch
 
     def __init__(self, inputs: str | Sequence[str], settings: RawTextSettings, config: LoaderConfig, *,
                  topology_args: dict[str, int | None], group_args: dict[str, Any],
-                 storage_options: dict[str, Any] | None = None):
+                 storage_options: dict[str, Any] | None = None, corpus: RawCorpus | None = None):
         self.inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-        self.corpus = RawCorpus(self.inputs, settings, storage_options)
+        self.corpus = corpus if corpus is not None else RawCorpus(self.inputs, settings, storage_options)
         self.corpora = [self.corpus]  # every corpus read (a mixture's raw streams)
         self._corpus_agreed = False
         self.seed, self.shuffle, self.on_corrupt = config.seed, config.shuffle, config.on_corrupt
@@ -131,10 +132,19 @@ class RawTextSource(Source):
     # With fewer lanes than readers some ranks or workers read nothing (`sources.raw.feed.warn_few_lanes` says why).
     few_lanes_idle_readers = True
 
-    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        """Lane `lane`'s stream of samples from `cursor` on, its units read as `cuts` say."""
-        return LaneStream(self.corpus, lane, log, seed=self.seed, shuffle=self.shuffle, cursor=cursor, cuts=cuts,
-                          skip_unreadable=self.on_corrupt == "skip")
+    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts, *,
+                    seed_offset: int = 0, global_lane: int | None = None, unit_offset: int = 0) -> LaneStream:
+        """Lane `lane`'s stream of samples from `cursor` on, its units read as `cuts` say (as a mixture's child:
+        `MixtureChild.lane_stream`)."""
+        return LaneStream(self.corpus, lane, log, seed=self.seed + seed_offset, shuffle=self.shuffle, cursor=cursor,
+                          cuts=cuts, skip_unreadable=self.on_corrupt == "skip", global_lane=global_lane,
+                          unit_offset=unit_offset)
+
+    def mixture_part(self) -> StreamPart:
+        """Read by its lanes (`MixtureChild`)."""
+        corpus = self.corpus
+        return StreamPart(identity=corpus.fingerprint, legacy_identity=corpus.legacy_fingerprint,
+                          lanes=corpus.num_lanes, units=len(corpus.units.size))
 
     # A lane that runs dry leaves the order (`sources.raw.dry_lanes`); a mixture's plan has no place for that.
     skips_dry_lanes = True
