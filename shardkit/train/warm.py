@@ -94,8 +94,11 @@ def relay_signals(child_pid: int) -> None:
     def relay(signum, _frame):
         try:
             os.killpg(child_pid, signum)
-        except ProcessLookupError:
-            pass
+        except ProcessLookupError:  # not yet its group's leader (it calls setsid first thing), or gone
+            try:
+                os.kill(child_pid, signum)
+            except ProcessLookupError:
+                pass
     for signum in RELAYED_SIGNALS:
         signal.signal(signum, relay)
 

@@ -148,7 +148,10 @@ class Server:
             request = receive_request(conn)
         except (ConnectionError, OSError, ValueError, KeyError) as err:
             with conn:
-                conn.sendall((json.dumps({"error": str(err)}) + "\n").encode())
+                try:
+                    conn.sendall((json.dumps({"error": str(err)}) + "\n").encode())
+                except OSError:  # the launcher is gone: nothing to answer
+                    pass
             return None
         forked_at = time.monotonic()
         pid = os.fork()
@@ -160,7 +163,10 @@ class Server:
         pidfd = os.pidfd_open(pid)
         self.workers[pidfd] = (pid, conn)
         self.selector.register(pidfd, selectors.EVENT_READ, "worker")
-        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        try:
+            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        except OSError:  # the launcher was stopped while it waited in the backlog: so is its worker
+            os.kill(pid, signal.SIGKILL)  # (reaped as any worker's exit, its report dropped)
         return None
 
     def close_in_child(self, conn: socket.socket) -> None:
