@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,49 @@ def test_a_node_loss_restarts_the_survivor_forked_from_its_server_and_resumes_ex
     while len(expected) < len(ids):
         expected.update(next(reference)["sample_id"].tolist())
     assert set(ids) == expected, "the resumed run skipped samples of the epoch's order"
+
+
+@pytest.fixture
+def node_server():
+    """A warm-start server for workers this test process starts (it plays their agent: their parent)."""
+    path = warm.socket_path(os.getpid())
+    server = warm.start_server(path, os.getpid())
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # bound before it imports
+        time.sleep(0.05)
+    yield server
+    for pid in servers_of(os.getpid()):
+        os.kill(pid, signal.SIGKILL)
+    server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_forked_worker_gets_the_agents_signals_and_its_exit_code_comes_back(node_server, tmp_path):
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", warm.ENABLE_VARIABLE: "1", "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_ADDR", None)
+    # A user's mistake: the trainer's one-line error and its exit code 2 come back through the launcher.
+    mistake = subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(tmp_path), "--no-such-option"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert mistake.returncode == 2 and FORKED.search(mistake.stderr), mistake.stderr
+    assert "--no-such-option" in mistake.stderr and "Traceback" not in mistake.stderr, mistake.stderr
+    # The agent stops a worker with SIGTERM: relayed, the trainer saves and stops with 128 + 15, as unforked.
+    data = str(tmp_path / "data")
+    write_byte_dataset(data, num_samples=400, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
+    run_dir = tmp_path / "run"
+    worker = subprocess.Popen([sys.executable, "-m", "shardkit.train", "--data", data, "--steps", "100000",
+                               "--batch-size", "2", "--device", "cpu", "--run-dir", str(run_dir), "--log-every", "1",
+                               "--checkpoint-every", "0", "--cache-dir", str(tmp_path / "cache")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while last_step(run_dir) < 3 and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert FORKED.search(err) and re.search(r"stopped by a signal after step \d+; checkpoint saved", out), out + err
 
 
 def test_warm_start_is_wanted_only_when_asked_under_torchrun_and_not_in_a_forked_worker():

@@ -81,7 +81,7 @@ def become_worker(request: Request, conn: socket.socket, server_pid: int, forked
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     threading.Thread(target=die_with_launcher, args=(conn,), daemon=True, name="warm-start-launcher").start()
-    print(f"warm start: rank {request.env.get('RANK', '?')} forked from the warm-start server (pid {server_pid}) "
+    print(f"warm start: rank {request.env.get('RANK', '0')} forked from the warm-start server (pid {server_pid}) "
           f"as pid {os.getpid()} in {time.monotonic() - forked_at:.3f}s", file=sys.stderr, flush=True)
 
 
