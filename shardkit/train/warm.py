@@ -13,8 +13,10 @@ is re-raised), so the agent sees an ordinary worker; if the launcher dies, the c
 
 The server belongs to one agent: its socket is named after the launcher's parent (the agent's pid), it exits
 when that agent exits (a node's loss or the job's end) or after `SHARDKIT_WARM_START_IDLE_S` seconds without a
-worker (default 1800). The first worker of an agent finds no server: it starts one and runs cold itself, so the
-first start costs no more than without warm start; every restart after it is forked.
+worker (default 1800). `python -m shardkit.train.elastic` starts it with the agent, so that it imports while the
+agent waits for its rendezvous; under plain torchrun the first worker of an agent finds no server, starts one
+and runs cold itself (the first start costs no more than without warm start), and every restart is forked.
+Measured, and what it costs: docs/GOODPUT.md ("Warm start").
 """
 
 from __future__ import annotations

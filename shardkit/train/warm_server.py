@@ -34,6 +34,8 @@ from shardkit.train.warm import FORKED_VARIABLE, HEADER, idle_timeout
 WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
                 "torch._dynamo", "torch.nn.parallel", "shardkit.train.__main__", "shardkit.train.loop")
 
+REQUEST_TIMEOUT_S = 10.0  # a launcher sends its request as soon as it connects
+
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
@@ -144,9 +146,11 @@ class Server:
 
     def fork_worker(self) -> tuple[Request, socket.socket, float] | None:
         conn, _ = self.listener.accept()
+        conn.settimeout(REQUEST_TIMEOUT_S)  # a client that connects and says nothing must not stall the node
         try:
             request = receive_request(conn)
-        except (ConnectionError, OSError, ValueError, KeyError) as err:
+            conn.settimeout(None)
+        except (ConnectionError, OSError, ValueError, KeyError, TypeError) as err:
             with conn:
                 try:
                     conn.sendall((json.dumps({"error": str(err)}) + "\n").encode())
