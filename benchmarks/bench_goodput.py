@@ -28,7 +28,7 @@ every run: per the trainer's sample-id logs, every step 1..--steps once and no s
 epoch; the ids consumed are the first ones of the epoch's order (the one of an uninterrupted reader with
 the job's 2 partitions), so none is missing.
 
-    python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...]
+    python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...] [--warm-start both]
         [--json bench_out/bench_goodput.json] [-- TRAINER OPTIONS, e.g. --async-save]
     python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300
 
@@ -88,7 +88,9 @@ def first_after(lines: list[tuple[float, str]], after: float, pattern: str) -> t
 
 
 class TunedNode(Node):
-    """A simulated node whose agents take more rendezvous options (`--rdzv-conf`), e.g. a shorter keep-alive."""
+    """A simulated node whose agents take more rendezvous options (`--rdzv-conf`), e.g. a shorter keep-alive,
+    started by shardkit's torchrun (`shardkit.train.elastic`, which starts the warm-start server with the agent
+    when SHARDKIT_WARM_START=1)."""
 
     def __init__(self, *args, rdzv_conf: str = "", **kwargs):
         super().__init__(*args, **kwargs)
@@ -96,6 +98,7 @@ class TunedNode(Node):
 
     def command(self) -> list[str]:
         command = super().command()
+        command[command.index("torch.distributed.run")] = "shardkit.train.elastic"
         if self.rdzv_conf:
             at = command.index("--rdzv-conf") + 1
             command[at] = f"{command[at]},{self.rdzv_conf}"
@@ -144,7 +147,7 @@ def lost(kind: str, phases: dict[str, float]) -> float:
 
 
 def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoint_every: int,
-                 extra: list[str], rdzv_conf: str = "", timeout: float = 180) -> dict:
+                 extra: list[str], rdzv_conf: str = "", warm_start: bool = False, timeout: float = 180) -> dict:
     """Train on two nodes; `losses` times: SIGKILL node b halfway between two checkpoints, let node a train
     alone for a few steps, start node b again. Returns the nodes, run directory, events and wall times."""
     run_dir = workdir / "run"
@@ -153,7 +156,8 @@ def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoin
                   "--device", "cpu", "--run-dir", str(run_dir), "--resume", "auto", *extra]
     port = free_port()
     nodes = [TunedNode(name, workdir=workdir, rdzv_port=port, train_args=train_args, storage_options=None,
-                       max_restarts=losses + 1, env={"LOGLEVEL": "INFO"}, rdzv_conf=rdzv_conf)
+                       max_restarts=losses + 1, rdzv_conf=rdzv_conf,
+                       env={"LOGLEVEL": "INFO", "SHARDKIT_WARM_START": "1" if warm_start else "0"})
              for name in ("a", "b")]
     node_a, node_b = nodes
     logs = lambda: node_a.log() + node_b.log()  # noqa: E731
@@ -213,11 +217,11 @@ def check_exact(run_dir: Path, data: str, workdir: Path, steps: int) -> dict[str
 
 
 def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, extra: list[str],
-             rdzv_conf: str = "") -> dict:
+             rdzv_conf: str = "", warm_start: bool = False) -> dict:
     data = str(workdir / "data")
     write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
     job = scripted_job(workdir, data=data, steps=steps, losses=losses, checkpoint_every=checkpoint_every,
-                       extra=extra, rdzv_conf=rdzv_conf)
+                       extra=extra, rdzv_conf=rdzv_conf, warm_start=warm_start)
     node_a, node_b = job["nodes"]
     records = [r for r in metric_records(job["run_dir"]) if "loss" in r]
     steps_by_number = {r["step"]: r for r in records}
@@ -236,7 +240,8 @@ def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, e
             "finish_s": job["ended"] - steps_by_number[steps]["time"],
             "lost_s": sum(e["lost"] for e in events), "saves": len(saves), "save_s": sum(saves),
             "median_step_s": statistics.median(r["step_time_s"] for r in records),
-            "events": events, "exact": check_exact(job["run_dir"], data, workdir, steps),
+            "events": events, "exact": check_exact(job["run_dir"], data, workdir, steps), "warm_start": warm_start,
+            "forked_workers": sum(log.count("forked from the warm-start server") for log in (node_a.log(), node_b.log())),
             "load_average": os.getloadavg()[1]}  # this machine is shared: the 5-minute load, for context
 
 
@@ -250,8 +255,8 @@ def medians(runs: list[dict]) -> dict:
     return {"events": table, "totals": {name: statistics.median(r[name] for r in runs) for name in totals}}
 
 
-def print_table(table: dict, runs: int) -> None:
-    print(f"\nseconds per event, median over the events of {runs} run(s)")
+def print_table(table: dict, runs: int, title: str = "") -> None:
+    print(f"\n{title}seconds per event, median over the events of {runs} run(s)")
     print(f"{'event':8}" + "".join(f"{p:>14}" for p in (*PHASES, "lost")))
     for kind, row in table["events"].items():
         print(f"{kind:8}" + "".join(f"{row[p]:14.2f}" for p in (*PHASES, "lost")))
@@ -325,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--rdzv-conf", default="", help="more rendezvous options for both agents, e.g. "
                         "keep_alive_interval=1,keep_alive_max_attempt=2 (after last_call_timeout=1,join_timeout=120)")
+    parser.add_argument("--warm-start", choices=("off", "on", "both"), default="off",
+                        help="SHARDKIT_WARM_START for the nodes (restarted workers forked from a node's server); "
+                             "both: --runs runs of each, alternated (off, on, off, ...), a table for each")
     parser.add_argument("--save-cost", action="store_true",
                         help="instead of the elastic job: the loop's time without checkpoints, with synchronous and "
                              "with background saves every 10 steps (one process)")
@@ -337,21 +345,27 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "save_cost": result}, indent=2))
         return 0
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.warm_start]
     runs = []
-    for run in range(args.runs):
+    for run in range(args.runs * len(variants)):
+        warm_start = variants[run % len(variants)]
         with tempfile.TemporaryDirectory(prefix="bench-goodput-", dir=args.keep) as tmp:
             if args.keep:  # the run's logs, checkpoints and records stay for a look
                 tmp = Path(args.keep) / f"run-{run + 1}"
                 tmp.mkdir()
             runs.append(run_once(Path(tmp), steps=args.steps, losses=args.losses,
                                  checkpoint_every=args.checkpoint_every, extra=args.train_args,
-                                 rdzv_conf=args.rdzv_conf))
-        print(f"run {run + 1}/{args.runs}: {runs[-1]['wall_s']:.0f} s wall, goodput {100 * runs[-1]['goodput']:.1f}%, "
-              f"exact ({runs[-1]['exact']['ids']} ids)", flush=True)
-    table = medians(runs)
-    print_table(table, args.runs)
+                                 rdzv_conf=args.rdzv_conf, warm_start=warm_start))
+        print(f"run {run + 1}/{args.runs * len(variants)} (warm start {'on' if warm_start else 'off'}): "
+              f"{runs[-1]['wall_s']:.0f} s wall, goodput {100 * runs[-1]['goodput']:.1f}%, "
+              f"exact ({runs[-1]['exact']['ids']} ids), {runs[-1]['forked_workers']} workers forked", flush=True)
+    tables = {}
+    for warm_start in variants:
+        name = "warm start on" if warm_start else "warm start off"
+        tables[name] = medians([r for r in runs if r["warm_start"] == warm_start])
+        print_table(tables[name], args.runs, title=f"{name}: ")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "median": table}, indent=2))
+    Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "median": tables}, indent=2))
     return 0
 
 

@@ -16,11 +16,21 @@ STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The trainer; under torchrun with SHARDKIT_WARM_START=1, in a process forked from the node's warm-start
+    server (`shardkit.train.warm`)."""
+    from shardkit.train import warm
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    code = warm.launch(argv) if warm.wanted() else None
+    return run_trainer(argv) if code is None else code
+
+
+def run_trainer(argv: list[str]) -> int:
+    """Parse `argv` and run the trainer in this process."""
     from shardkit.redaction import redacted_output
     from shardkit.wording import command_line
     from shardkit.train.options import parse_train_args
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     # every rank's messages mask the credentials of the URLs given, and name --options, not keywords
     with redacted_output(*argv), command_line():
         return run(parse_train_args(argv))
