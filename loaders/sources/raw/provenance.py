@@ -11,7 +11,7 @@ start.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,16 @@ def saved_dry_lanes(raw_text: dict[str, Any] | None, num_lanes: int) -> dict[int
 
 class LaneReads:
     """Lanes of `source` (a `RawTextSource` or a mixture's) read again: each lane's stream starts at its cursor in
-    a loader state's `raw_text` (`saved_raw_text`), or at the lane's start where a sample of `earliest` (lane ->
-    the first index wanted) lies before that cursor or the state has none; the state's cuts in force."""
+    a loader state's `raw_text` (`saved_raw_text`), or at the lane's start where one of `places` (the samples to
+    be taken first) lies before that cursor or the state has none; the state's cuts in force."""
 
-    def __init__(self, source: Any, raw_text: dict[str, Any] | None, earliest: dict[int, int]):
+    def __init__(self, source: Any, raw_text: dict[str, Any] | None, places: Iterable[LanePlace] = ()):
         self.cursors, self.cuts = {}, UnitCuts()
         if raw_text is not None:
             self.cursors, self.cuts = saved_cursors(raw_text), UnitCuts.from_rows(raw_text.get("unreadable", ()))
-        self.source, self.earliest = source, earliest
+        self.source, self.earliest = source, {}
+        for place in places:
+            self.earliest[place.lane] = min(place.index, self.earliest.get(place.lane, place.index))
         self.streams: dict[int, Any] = {}
         self.started: dict[int, int] = {}  # lane -> the sample its stream started at
 
@@ -94,6 +96,12 @@ class LaneReads:
             self.started[lane] = cursor[0]
         return (*stream.take(index), stream.corpus)
 
+    def made(self, places: dict[int, LanePlace]) -> dict[int, tuple[LanePlace, Any, int, Any]]:
+        """Sample id -> (its place, the sample, its lane epoch, its corpus) of each of `places`, taken lane by lane."""
+        taken = {(lane, index): self.take(lane, index)
+                 for lane, index in sorted({(place.lane, place.index) for place in places.values()})}
+        return {i: (place, *taken[(place.lane, place.index)]) for i, place in places.items()}
+
     @property
     def reread(self) -> int:
         """The lane samples packed so far."""
@@ -103,14 +111,8 @@ class LaneReads:
 def lane_provenance(source: Any, places: dict[int, LanePlace], raw_text: dict[str, Any] | None) -> Provenance:
     """Each sample id of `places` made again from its lane of `source` (a `RawTextSource`), each lane read once
     (`LaneReads`). `reread` counts the lane samples packed on the way."""
-    earliest: dict[int, int] = {}
-    for place in places.values():
-        earliest[place.lane] = min(place.index, earliest.get(place.lane, place.index))
-    reads = LaneReads(source, raw_text, earliest)
-    made = {(lane, index): reads.take(lane, index)
-            for lane, index in sorted({(place.lane, place.index) for place in places.values()})}
-    return provenance_of({i: (place, *made[(place.lane, place.index)]) for i, place in places.items()},
-                         reads.reread)
+    reads = LaneReads(source, raw_text, places.values())
+    return provenance_of(reads.made(places), reads.reread)
 
 
 def position_provenance(source: Any, sample_ids: Sequence[int], state: dict[str, Any] | None) -> Provenance:
@@ -120,7 +122,7 @@ def position_provenance(source: Any, sample_ids: Sequence[int], state: dict[str,
     A position's lane depends on the lanes that ran dry before it (`order.lanes.position_lanes`), and a lane that
     ran dry after the state was saved is not in it. So the ids before the state's position map through the state's
     dry lanes, and the order is replayed from that position up to the last id step by step as the loader read it
-    (`_replayed`): each step's positions mapped through the dry lanes known, their lanes read, a lane found dry
+    (`_Replay`): each step's positions mapped through the dry lanes known, their lanes read, a lane found dry
     added (`dry_lanes.newly_dry`) and the step mapped again.
 
     Raises:
@@ -128,26 +130,22 @@ def position_provenance(source: Any, sample_ids: Sequence[int], state: dict[str,
         ValueError: a lane ran dry where the run's ranks could not agree on leaving it out (it stopped there), or
             every lane ran dry before an id.
     """
-    ids, raw_text = checked_ids(sample_ids), saved_raw_text(state)
-    saved = None if state is None else decode(state)
-    start = 0 if saved is None else int(saved["samples_consumed"])
+    ids, saved = checked_ids(sample_ids), None if state is None else decode(state)
+    raw_text, start = (None, 0) if saved is None else (saved["raw_text"], int(saved["samples_consumed"]))
     dry = saved_dry_lanes(raw_text, source.num_lanes)
     url = ",".join(source.inputs)
     before = ids[ids < start]
     lanes, indexes = position_lanes(before, source.num_lanes, dry)
     places = {i: LanePlace(url, lane, index) for i, lane, index in zip(before.tolist(), lanes.tolist(),
                                                                        indexes.tolist())}
-    earliest: dict[int, int] = {}
-    for place in places.values():
-        earliest[place.lane] = min(place.index, earliest.get(place.lane, place.index))
-    reads = LaneReads(source, raw_text, earliest)
-    made = {i: (place, *reads.take(place.lane, place.index))
-            for i, place in sorted(places.items(), key=lambda item: (item[1].lane, item[1].index))}
+    reads = LaneReads(source, raw_text, places.values())  # the ids before the state first: lanes start before it
+    made = reads.made(places)
     later = set(ids[ids >= start].tolist())
     if later:
         replay = _Replay(source=source, reads=reads, url=url, dry=dry, skipping=source.on_corrupt == "skip",
                          world_size=1 if saved is None else int(saved["world_size"]))
-        step = max(1, 1 if saved is None else int(saved["global_batch_size"]))
+        # Without a state, one position a step: reading the samples costs far more than mapping them.
+        step = 1 if saved is None else max(1, int(saved["global_batch_size"]))
         made.update(replay.samples(later, start=start, step=step))
     return provenance_of(made, reads.reread)
 
@@ -169,16 +167,18 @@ class _Replay:
         made, last = {}, max(wanted)
         for step_start in range(start, last + 1, step):
             positions = np.arange(step_start, min(step_start + step, last + 1), dtype=np.int64)
-            lanes, indexes, taken = self._step(positions)
+            keep = not wanted.isdisjoint(positions.tolist())
+            lanes, indexes, taken = self._step(positions, keep=keep)
             for position, lane, index in zip(positions.tolist(), lanes.tolist(), indexes.tolist()):
                 if position in wanted:
                     made[position] = (LanePlace(self.url, lane, index), *taken[(lane, index)])
         return made
 
-    def _step(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, int], Any]]:
-        """(lane, index of each of a step's `positions`; the samples read) once the step's lanes that ran dry are
-        known, as the loader agreed on them: a lane found dry joins `dry` and the step is mapped again (the
-        positions before the lane's last sample keep their places, so what was read stays read)."""
+    def _step(self, positions: np.ndarray, *, keep: bool) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, int], Any]]:
+        """(lane, index of each of a step's `positions`; the samples read, `keep` or else None) once the step's
+        lanes that ran dry are known, as the loader agreed on them: a lane found dry joins `dry` and the step is
+        mapped again (the positions before the lane's last sample keep their places, the later ones go to other
+        lanes' later samples: what was read stays read, kept for a position that now maps to it)."""
         taken: dict[tuple[int, int], Any] = {}
         while True:
             lanes, indexes = position_lanes(positions, self.source.num_lanes, self.dry)
@@ -187,7 +187,8 @@ class _Replay:
                 if (lane, index) in taken or any(item.lane == lane for item in found):
                     continue
                 try:
-                    taken[(lane, index)] = self.reads.take(lane, index)
+                    sample = self.reads.take(lane, index)
+                    taken[(lane, index)] = sample if keep else None
                 except LaneRanDry as err:
                     found.append(DryLane(err.lane, err.samples, err.inputs, str(err)))
             if not found:
