@@ -5,7 +5,8 @@ No shard holds such a run's samples: the source makes them again (`Source.proven
 as the trainer built it (`shardkit.train.data.raw_text_dataset`), and asked for the samples from the loader state
 of the newest of the run's checkpoints before the step (a cursor per lane, and the unreadable units it cut), so a
 step costs at most the text the loader read between that checkpoint and the step; without a checkpoint, each lane
-is read from its start.
+is read from its start. A lane that ran dry after that checkpoint is found as the loader found it: the source
+replays the run's steps from the checkpoint on.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def loader_state_before(run: RawRun, step: int, since: int = 0) -> tuple[int, di
     trainer loaded it (a mixture changed at `since` changes there: seed keys, lanes and units renumbered): its lane
     cursors and cuts, numbered for this dataset. None when there is none (a damaged one is passed over)."""
     from shardkit.loaders.dataloader import StreamingDataLoader
+    from shardkit.loaders.state.envelope import decode
     from shardkit.train.checkpoint import complete_checkpoints, read_rank_state
 
     for saved_step, path in complete_checkpoints(run.checkpoints):
@@ -80,7 +82,8 @@ def loader_state_before(run: RawRun, step: int, since: int = 0) -> tuple[int, di
             continue
         try:
             state = read_rank_state(path)["loader"]
-            loader = StreamingDataLoader(run.dataset, batch_size=1)
+            # The run's global batch: provenance replays the run's steps from the state (lanes that ran dry later).
+            loader = StreamingDataLoader(run.dataset, batch_size=int(decode(state)["global_batch_size"]))
             loader.load_state_dict(state, allow_mixture_change=True)
         except (ValueError, KeyError, TypeError):
             continue

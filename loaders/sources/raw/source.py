@@ -30,7 +30,7 @@ from ...order.lanes import NO_DRY_LANES, lane_sample_counts, position_lanes, ran
 from .corpus import CURSOR_FIELDS, LaneRanDry, LaneStream, RawCorpus, RawTextSettings, RejectionLog
 from .dry_lanes import DryLane, log_dry, newly_dry
 from .feed import RawTextFeed
-from .provenance import LanePlace, checked_ids, lane_provenance, saved_dry_lanes, saved_raw_text
+from .provenance import position_provenance
 from .unreadable import UnitCuts
 from ...source import Feed, MixtureChild, Provenance, Source, Standalone, StreamPart
 from ...state.loader_state import LoaderState
@@ -179,12 +179,8 @@ class RawTextSource(Source, MixtureChild):
         return [{"url": ",".join(self.inputs), "fingerprint": self.identity(), "num_samples": 0}]
 
     def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
-        ids, raw_text = checked_ids(sample_ids), saved_raw_text(state)
-        # Positions after a lane ran dry go round the other lanes: the lanes the state knows ran dry decide them.
-        lanes, indexes = position_lanes(ids, self.num_lanes, saved_dry_lanes(raw_text, self.num_lanes))
-        url = ",".join(self.inputs)
-        return lane_provenance(self, {i: LanePlace(url, lane, index) for i, lane, index
-                                      in zip(ids.tolist(), lanes.tolist(), indexes.tolist())}, raw_text)
+        # A position's lane depends on the lanes that ran dry before it: replayed from the state's position on.
+        return position_provenance(self, sample_ids, state)
 
     def shapes(self) -> list[tuple[str, Any]]:
         corpus = self.corpus
