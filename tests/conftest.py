@@ -15,7 +15,8 @@ import pytest
 # suite runs a test per core (pytest-xdist), and a second thread per process only contends, spinning.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-pytest_plugins = ["conftest_faults"]  # the fault-injecting S3 proxy and the reliability figures
+pytest_plugins = ["conftest_faults",  # the fault-injecting S3 proxy and the reliability figures
+                  "conftest_cpu"]  # SHARDKIT_TEST_CPU=FILE: CPU-seconds a test, its processes included
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))

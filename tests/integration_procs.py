@@ -27,17 +27,16 @@ def dataset_url(tmp_path_factory) -> str:
     return url
 
 
-def whole_and_resumed(script: str, dataset_url: str, tmp_path: Path, *options, steps: int, ranks: int = 1):
-    """(uninterrupted run, run stopped after step 10, the latter resumed from step 10's checkpoint): each
-    {rank: [[step, sample ids], ...]}. The script takes --resume STEP."""
-    for folder in ("whole", "cut"):
-        (tmp_path / folder).mkdir(exist_ok=True)
-    whole = run_script(script, dataset_url, tmp_path / "whole", "whole", "--steps", steps, *options, ranks=ranks)
+def stopped_and_resumed(script: str, dataset_url: str, tmp_path: Path, *options, steps: int, ranks: int = 1):
+    """(run stopped after step 10, that run resumed from step 10's checkpoint in a new process), each {rank:
+    [[step, sample ids], ...]}, in tmp_path / "cut". Where the framework reads shardkit's batches as they come, the
+    uninterrupted run they must add up to is `own_loader_steps` (in this process): no framework run to start."""
+    (tmp_path / "cut").mkdir(exist_ok=True)
     head = run_script(script, dataset_url, tmp_path / "cut", "head", "--steps", steps, "--stop-at", 10, *options,
                       ranks=ranks)
     tail = run_script(script, dataset_url, tmp_path / "cut", "tail", "--steps", steps, "--resume", 10, *options,
                       ranks=ranks)
-    return whole, head, tail
+    return head, tail
 
 
 def check_resumed(whole: dict, head: dict, tail: dict, *, first: int = 11) -> None:
@@ -90,16 +89,16 @@ def write_ids(path: str, seen: list) -> None:
 
 
 def run_script(script: str, dataset_url: str, folder: Path, name: str, *options, ranks: int = 1, check: bool = True,
-               torchrun: bool = False):
-    """Run `script` in a new process (torchrun for several ranks or with `torchrun`, gloo); {rank: [[step, sample
-    ids], ...]} it recorded, or the finished process when `check` is off."""
+               torchrun: bool = False, env: dict[str, str] | None = None):
+    """Run `script` in a new process (torchrun for several ranks or with `torchrun`, gloo; `env` added to its
+    environment); {rank: [[step, sample ids], ...]} it recorded, or the finished process when `check` is off."""
     from conftest import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     command = [str(HERE / script), dataset_url, str(folder), str(folder.parent / name), *map(str, options)]
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                  f"--master-port={free_port()}"] if ranks > 1 or torchrun else [sys.executable])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     done = subprocess.run(launcher + command, capture_output=True, text=True, env=env, timeout=600)
     if not check:
         return done
@@ -107,18 +106,34 @@ def run_script(script: str, dataset_url: str, folder: Path, name: str, *options,
     return {rank: json.loads((folder.parent / f"{name}.{rank}").read_text()) for rank in range(ranks)}
 
 
-def own_loader_steps(dataset_url: str, cache_dir: str, *, steps: int, ranks: int = 1, batch_size: int = 4,
-                     **options) -> dict[int, list]:
+def torchrun_worker_env(rank: int, world_size: int) -> dict[str, str]:
+    """The environment torchrun gives worker `rank` of `world_size` on one node (what a framework and the dataset
+    read to learn their place), for a test of what one worker does before it meets the others: that worker alone,
+    without torchrun's agent process and the other workers (no agent store to join: a process group would use
+    MASTER_ADDR/MASTER_PORT)."""
+    from conftest import free_port
+
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def own_loader_steps(dataset_url: str | list[str], cache_dir: str | None, *, steps: int, ranks: int = 1,
+                     batch_size: int | None = 4, **options) -> dict[int, list]:
     """{rank: [[step, sample ids], ...]} of steps 1..`steps` as shardkit's own StreamingDataLoader reads them (in
-    this process, each rank told its place), through as many epochs as it takes: what a framework run must read."""
+    this process, each rank told its place), through as many epochs as it takes: what a framework run must read.
+    `cache_dir` None: none given (raw text); `batch_size` None: the dataset batches (token budgets)."""
     import itertools
 
     from shardkit import StreamingDataLoader, StreamingDataset
 
     read = {}
     for rank in range(ranks):
-        loader = StreamingDataLoader(StreamingDataset(dataset_url, cache_dir=cache_dir, rank=rank, world_size=ranks,
-                                                      **options), batch_size=batch_size)
+        cache = {} if cache_dir is None else {"cache_dir": cache_dir}
+        loader = StreamingDataLoader(StreamingDataset(dataset_url, rank=rank, world_size=ranks, **cache, **options),
+                                     batch_size=batch_size)
         batches = itertools.chain.from_iterable(loader for _ in itertools.count())
         read[rank] = [[step, batch["sample_id"].tolist()]
                       for step, batch in zip(range(1, steps + 1), batches)]

@@ -17,6 +17,7 @@ The only changes made to a command are these (`shrink`), so a misspelled or remo
 | trainer: `--steps S` (or none), `--resume .../step_00001000`, `--skip-steps 1200-1260`; trace `--step 1200` | `--steps 4` and `--checkpoint-every 2`, `step_00000002`, `3-3`; `--step 3` |
 | trainer from raw text (`--tokenizer`): `--seq-len 2048` | `--seq-len 32` |
 | trainer: the model's size (any preset) | `--n-layer 2 --n-head 2 --n-kv-head 2 --d-model 32 --d-ff 64` where the command gives none of them |
+| trainer: the batch (a preset's: 32 a rank for `gpt2-124m`, whose steps with cl100k's 100k-token vocabulary cost a CPU-second each) | `--batch-size 4` where the command gives none |
 | tune: `--steps`, `--eval-every`, `--trials`, `--population`, `--perturb-every`; `warmup_steps=int:0:200` | 4, 2, 2, 2, 2; `warmup_steps=int:0:1` |
 | `shardkit demo` | `--steps 2 --corpus-mb 0.1` |
 
@@ -67,6 +68,7 @@ CHECKED_ELSEWHERE = {"CLUSTERS.md": "Slurm and Kubernetes recipes: tests/test_cl
 PLACEHOLDERS = {"DATA": "data/train", "DATA_URL": "data/train", "URL": "data/train", "EVAL": "data/eval",
                 "EVAL_URL": "data/eval", "INPUT...": "corpus/web.jsonl.zst", "SPEC": "byte", "N": "300"}
 TINY_MODEL = {"--n-layer": "2", "--n-head": "2", "--n-kv-head": "2", "--d-model": "32", "--d-ff": "64"}
+TRAIN_BATCH = "4"  # divides --pp-microbatches 4 (PARALLELISM.md) and every data-parallel size here
 TUNE_SIZES = {"--steps": "4", "--eval-every": "2", "--trials": "2", "--population": "2", "--perturb-every": "2"}
 
 
@@ -143,6 +145,8 @@ def shrink(command: str, cwd: Path | None = None) -> list[str]:
         _set(argv, "--checkpoint-every", "2", add=True)
         if not any(word in argv for word in TINY_MODEL):
             argv += [word for option, value in TINY_MODEL.items() for word in (option, value)]
+        if "--batch-size" not in argv:
+            argv += ["--batch-size", TRAIN_BATCH]
         if "--tokenizer" in argv:  # raw text: the loader tokenizes, at the build's small size
             _set(argv, "--seq-len", "32")
         argv = [re.sub(r"step_\d{8}$", "step_00000002", word) for word in argv]
@@ -242,6 +246,8 @@ def test_shrink_changes_sizes_only():
     assert argv[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert argv[argv.index("--nproc_per_node") + 1] == "2" and argv[argv.index("--tp") + 1] == "2"
     assert "--eval_every" in argv and argv[argv.index("--steps") + 1] == "4"  # kept as written; respell: keep
+    assert argv[argv.index("--batch-size") + 1] == TRAIN_BATCH  # not the preset's 8 a rank
+    assert shrink("python -m shardkit.train --data d --batch-size 16").count("--batch-size") == 1  # one given: kept
 
 
 @pytest.mark.parametrize("doc", [path.relative_to(REPO).as_posix() for path in DOCS])

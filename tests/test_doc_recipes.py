@@ -49,8 +49,13 @@ def test_a_stopped_run_resumes_in_a_new_process_on_shardkits_samples(dataset_url
     assert head[0] + tail[0] == own_loader(name, dataset_url, tmp_path, steps=20)[0]
 
 
+# accelerate's documented launch on 2 processes is the stopped run of tests/test_integrations_accelerate.py's
+# two-rank test, which checks its steps against shardkit's own loader the same way (one launch fewer here).
+TWO_PROCESS_ELSEWHERE = {"accelerate"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(set(RECIPES) - TWO_PROCESS_ELSEWHERE))
 def test_the_documented_two_process_launch_reads_shardkits_shares(dataset_url, tmp_path, name):
     needs_framework(name)
     two = run(name, dataset_url, tmp_path / "run", "two", "--steps", 9, ranks=2)  # 7 steps an epoch on 2 ranks

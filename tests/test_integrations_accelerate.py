@@ -68,15 +68,20 @@ def test_a_prepared_dataloader_around_a_rank_aware_dataset_is_refused(dataset_ur
 
 @pytest.mark.slow
 def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
-    whole, head, tail = procs.whole_and_resumed("recipe_runs.py", dataset_url, tmp_path, *RECIPE, steps=14, ranks=2)
+    """The recipe on 2 ranks stopped after step 10 and resumed on 2 ranks and on 1, each run a new process: every
+    step trains on what shardkit's own StreamingDataLoader reads at that step (computed here, in this process, as
+    tests/test_doc_recipes.py does: the reference an uninterrupted framework run had to match, without starting
+    one). The stopped run is also the document's two-process launch (test_doc_recipes leaves it to this test)."""
+    head, tail = procs.stopped_and_resumed("recipe_runs.py", dataset_url, tmp_path, *RECIPE, steps=14, ranks=2)
+    whole = procs.own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=14, ranks=2)
+    assert {rank: steps[:10] for rank, steps in whole.items()} == head  # the documented launch reads its shares
     procs.check_two_rank_epochs(whole)
     procs.check_resumed(whole, head, tail)
     # 2 -> 1 processes from the same checkpoint (the loader's state is global).
     assert (tmp_path / "cut" / "run" / "step-10" / "shardkit_loader.json").is_file()
     one = procs.run_script("recipe_runs.py", dataset_url, tmp_path / "cut", "one", *RECIPE, "--steps", 25, "--resume",
                            10)
-    whole_one = procs.run_script("recipe_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", *RECIPE,
-                                 "--steps", 36)
+    whole_one = procs.own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=36)
     procs.check_elastic(head, one[0], whole_one[0])
 
 

@@ -13,8 +13,10 @@ from integration_procs import (
     check_resumed,
     check_two_rank_epochs,
     dataset_url,  # noqa: F401 - a fixture: the module's dataset
+    own_loader_steps,
     run_script,
-    whole_and_resumed,
+    stopped_and_resumed,
+    torchrun_worker_env,
 )
 
 pytest.importorskip("lightning")
@@ -68,8 +70,9 @@ def test_a_torch_dataloader_is_refused_and_a_stateful_one_is_not(dataset_url, tm
 def test_lightning_not_distributed_under_torchrun_is_refused(dataset_url, tmp_path):
     """torchrun starts 2 processes, but Lightning's default devices on a CPU machine is 1: each process would
     train its own model on half the data (shardkit splits by torchrun's WORLD_SIZE)."""
+    # Rank 0 of torchrun's 2 workers, alone: the refusal comes before any process group (no agent, no rank 1).
     refused = run_script("lightning_runs.py", dataset_url, tmp_path, "refused", "--steps", 4, "--default-devices",
-                         ranks=2, check=False)
+                         check=False, env=torchrun_worker_env(0, 2))
     assert refused.returncode != 0
     assert "Lightning trains this process on its own, but the dataset splits the data over 2 ranks" in refused.stderr
     assert 'strategy="ddp"' in refused.stderr, refused.stderr[-3000:]
@@ -77,15 +80,18 @@ def test_lightning_not_distributed_under_torchrun_is_refused(dataset_url, tmp_pa
 
 @pytest.mark.slow
 def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
-    whole, head, tail = whole_and_resumed("lightning_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    """Every run a new process; every step trains on what shardkit's own StreamingDataLoader reads at that step
+    (computed in this process: the reference an uninterrupted Lightning run had to match, without starting one)."""
+    head, tail = stopped_and_resumed("lightning_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    whole = own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=14, ranks=2, shuffle_window=50)
+    assert {rank: steps[:10] for rank, steps in whole.items()} == head
     check_two_rank_epochs(whole)
     check_resumed(whole, head, tail)
     # 2 -> 1 ranks from the same checkpoint: Lightning restores the loader's global state on one process, which
     # continues the epoch's global order where the two ranks stopped.
     one = run_script("lightning_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10)[0]
-    whole_one = run_script("lightning_runs.py", dataset_url, tmp_path / "whole-one", "whole-one", "--steps", 36)[0]
+    whole_one = own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=36, shuffle_window=50)[0]
     check_elastic(head, one, whole_one)
-
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,12 @@ def test_a_crash_after_a_checkpoint_resumes_with_the_next_step_without_a_length(
     import json
 
     url, options = no_length_data[data]
-    whole = run_script("lightning_runs.py", url, tmp_path / "whole", "whole", "--steps", 12, *options)[0]
+    # The uninterrupted run: shardkit's own loader over the same data (raw: lightning_runs' byte tokenizer, 16-token
+    # samples in 3 lanes, 4 a batch; token budget: 128 tokens a batch), read in this process.
+    loader_options = (dict(tokenizer="byte", seq_len=16, lanes=3) if data == "raw" else
+                      dict(max_tokens=128, batch_size=None))
+    whole = own_loader_steps([url] if data == "raw" else url, None if data == "raw" else str(tmp_path / "own-cache"),
+                             steps=12, **loader_options)[0]
     crashed = run_script("lightning_runs.py", url, tmp_path / "cut", "head", "--steps", 12, "--crash-at", 7,
                          *options, check=False)
     assert crashed.returncode == 3, crashed.stderr[-3000:]

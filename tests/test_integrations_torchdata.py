@@ -16,51 +16,70 @@ from integration_procs import (
     check_two_rank_epochs,
     dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
+    own_loader_steps,
     run_script,
-    whole_and_resumed,
+    stopped_and_resumed,
 )
 
 pytest.importorskip("torchdata.stateful_dataloader")
+
+
+def own_loader(dataset_url, tmp_path, *, steps, ranks=1):
+    """What torchdata_runs.py must read at each step without workers (4 a batch, shuffle window 50): shardkit's own
+    loader in this process, standing in for an uninterrupted run in a new one."""
+    return own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=steps, ranks=ranks, shuffle_window=50)
 
 
 # With 2 workers: the document's recipe (tests/test_doc_recipes.py).
 @pytest.mark.parametrize("options", [("--workers", 0), ("--plain",)],
                          ids=["stateful-0-workers", "dataloader-0-workers"])
 def test_resume_in_a_new_process_continues_across_the_epoch_end(dataset_url, tmp_path, options):
-    whole, head, tail = whole_and_resumed("torchdata_runs.py", dataset_url, tmp_path, *options, steps=20)
+    head, tail = stopped_and_resumed("torchdata_runs.py", dataset_url, tmp_path, *options, steps=20)
+    whole = own_loader(dataset_url, tmp_path, steps=20)
     check_resumed(whole, head, tail)
     whole = whole[0]
     assert sorted(ids_of(whole, 1, 16)) == list(range(SAMPLES))
     assert ids_of(whole, 16) != ids_of(whole, 1, 6)  # epoch 1 is another order, not epoch 0 again
 
 
+TWO_RANKS = {  # run options, whether the stopped run also resumes on 2 ranks
+    "stateful-0-workers": (("--workers", 0), True),
+    "dataloader-0-workers": (("--plain",), False),
+    "stateful-2-workers": (("--workers", 2), True),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_two_ranks_disjoint_complete_and_resumed(dataset_url, tmp_path, workers):
-    whole, head, tail = whole_and_resumed("torchdata_runs.py", dataset_url, tmp_path, "--workers", workers, steps=14,
-                                          ranks=2)
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path, case):
+    """One 2-rank run stopped after step 10 serves both resumes. On 2 ranks: every rank continues exactly. 2 -> 1
+    ranks: a state without workers is global (the position in the epoch's global order), so one rank continues
+    exactly; a worker's state counts that worker's steps only, and is refused on another world size."""
+    options, on_two = TWO_RANKS[case]
+    workers = options[-1] == 2
+    if on_two:
+        head, tail = stopped_and_resumed("torchdata_runs.py", dataset_url, tmp_path, *options, steps=14, ranks=2)
+    else:
+        head = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10,
+                          *options, ranks=2)
+    if workers:  # the workers take turns: the uninterrupted run in a new process is the reference
+        whole = run_script("torchdata_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 14, *options,
+                           ranks=2)
+    else:
+        whole = own_loader(dataset_url, tmp_path, steps=14, ranks=2)
+        assert {rank: steps[:10] for rank, steps in whole.items()} == head
     check_two_rank_epochs(whole)
-    check_resumed(whole, head, tail)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("options", [("--workers", 0), ("--plain",), ("--workers", 2)],
-                         ids=["stateful-0-workers", "dataloader-0-workers", "stateful-2-workers-refused"])
-def test_two_ranks_resumed_on_one(dataset_url, tmp_path, options):
-    """2 -> 1 ranks: a state without workers is global (the position in the epoch's global order), so one rank
-    continues exactly; a worker's state counts that worker's steps only, and is refused on another world size."""
-    head = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "head", "--steps", 14, "--stop-at", 10,
-                      *options, ranks=2)
-    if options[-1] == 2:
+    if on_two:
+        check_resumed(whole, head, tail)
+    if workers:
         refused = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10,
                              *options, check=False)
         assert refused.returncode != 0 and "do not convert to a global batch of 4" in refused.stderr, refused.stderr
         return
     one = run_script("torchdata_runs.py", dataset_url, tmp_path / "cut", "one", "--steps", 25, "--resume", 10,
                      *options)[0]
-    whole_one = run_script("torchdata_runs.py", dataset_url, tmp_path / "whole", "whole", "--steps", 36, *options)[0]
     check_two_rank_epochs(head, steps=((1, 8),))
-    check_elastic(head, one, whole_one)
+    check_elastic(head, one, own_loader(dataset_url, tmp_path, steps=36)[0])
 
 
 def dataset(url, tmp_path):

@@ -14,8 +14,9 @@ from integration_procs import (
     check_two_rank_epochs,
     dataset_url,  # noqa: F401 - a fixture: the module's dataset
     ids_of,
+    own_loader_steps,
     run_script,
-    whole_and_resumed,
+    stopped_and_resumed,
 )
 from loader_helpers import ids_from_tokens
 
@@ -63,7 +64,11 @@ def test_bad_configuration_is_named(dataset_url, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_disjoint_complete_and_resumed_on_two_and_on_one(dataset_url, tmp_path):
-    whole, head, tail = whole_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    head, tail = stopped_and_resumed("titan_runs.py", dataset_url, tmp_path, steps=14, ranks=2)
+    # The uninterrupted run: shardkit's own loader in this process (ShardkitDataLoader's defaults, 4 a batch), as
+    # tests/test_doc_recipes.py checks the torchtitan recipe.
+    whole = own_loader_steps(dataset_url, str(tmp_path / "own-cache"), steps=14, ranks=2)
+    assert {rank: steps[:10] for rank, steps in whole.items()} == head
     check_two_rank_epochs(whole)
     check_resumed(whole, head, tail)
     # 2 -> 1 ranks from the same checkpoint (torchtitan's own loader refuses another data-parallel size):
