@@ -6,8 +6,10 @@ The samples of side_by_side.py (bench_loader's: 2,049 random uint16 tokens each)
 and as each installed peer's format (benchmarks/peers.py), uploaded once to a moto server on loopback. Each cell is
 one pass in a fresh interpreter (imports done before the clock starts, as in side_by_side; the client's set-up,
 the manifest and the first batch inside it), batch 8, shuffle on, a fresh cache: the time to the first batch and
-samples/s over the pass. shardkit runs twice, before (`SHARDKIT_STORAGE_CLIENT=fsspec`: s3fs, the path of every
-earlier release) and after (obstore, the default where it is installed), children alternating run by run.
+samples/s over the pass, with 0 and 2 DataLoader workers (shardkit, WebDataset, LitData). shardkit runs twice: with
+`SHARDKIT_STORAGE_CLIENT=fsspec` (s3fs, the opt-out and the path of every release before obstore) and on the
+default (obstore where it is installed; forked workers load obstore's extension afresh), children alternating
+run by run.
 The set-up rows time, in fresh processes: importing the object-store path (`shardkit.storage` and, after, obstore),
 building its client (obstore's store / an s3fs filesystem), and the first request (a HEAD of the manifest, which
 builds s3fs's botocore client). Medians of --runs; prints tables, writes JSON.
@@ -72,7 +74,7 @@ print(json.dumps({{"client": storage.client, "import_ms": 1e3 * (imported - bega
 def child(code: str, client: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("SHARDKIT_STORAGE_CLIENT", None)
-    if client is not None:  # shardkit's runs name their client (fsspec is the default, obstore is asked for)
+    if client == "fsspec":  # shardkit's opt-out; obstore is the default
         env["SHARDKIT_STORAGE_CLIENT"] = client
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env,
                           cwd="/tmp")
@@ -107,9 +109,9 @@ def main() -> None:
         configs = []  # (row label, kind, url, workers, client)
         for name, (kind, url) in remote.items():
             clients = ("fsspec", "obstore") if kind == "shardkit" else (None,)
-            for workers in (0, 2) if kind in ("shardkit", "webdataset") else (0,):
+            for workers in (0, 2) if kind in ("shardkit", "webdataset", "litdata") else (0,):
                 for client in clients:
-                    side = f", {'before (fsspec)' if client == 'fsspec' else 'after (obstore)'}" if client else ""
+                    side = f", {'fsspec (opt-out)' if client == 'fsspec' else 'obstore (default)'}" if client else ""
                     if args.only in f"{name}{side}, workers={workers}":
                         configs.append((f"{name}{side}, workers={workers}", kind, url, workers, client))
         setup_url = remote["shardkit Arrow"][1]
