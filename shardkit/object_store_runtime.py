@@ -28,6 +28,7 @@ _runtime_pid: int | None = None  # the process whose runtime (of `_module`) has 
 _module: ModuleType | None = None  # obstore's extension as this process uses it (None: not imported yet)
 _kinds_used: set[str] = set()  # the kinds of store ("s3", "gcs", ...) `_runtime_pid` made requests to
 _copy_for_children: tuple[int, int] | None = None  # (the process that made it, the memfd) of a fresh extension
+_failed_pid: int | None = None  # the process where loading a fresh copy failed (it reads through fsspec)
 # The store classes' names in obstore's extension, by kind of store.
 STORE_CLASSES = {"s3": "S3Store", "gcs": "GCSStore", "azure": "AzureStore", "http": "HTTPStore"}
 
@@ -36,19 +37,13 @@ def obstore_module() -> ModuleType:
     """obstore's extension (`obstore._obstore`: `get`, `head`, `_store.S3Store`, ...) usable in this process: the
     one imported here, or, in a child forked after its parent started obstore, a fresh copy (its own runtime).
     Raises RuntimeError where neither can run here (`usable_here()` is False)."""
-    global _module, _runtime_pid
-    if _module is not None and _runtime_pid in (None, os.getpid()):
-        return _module
+    global _module
+    if not usable_here():
+        raise RuntimeError("obstore's runtime started in the parent process and no fresh copy can be loaded here")
     if _module is None:
         import obstore._obstore
 
         _module = obstore._obstore
-        return _module
-    fresh = _fresh_copy()
-    if fresh is None:
-        raise RuntimeError("obstore's runtime started in the parent process and no fresh copy can be loaded here")
-    _module, _runtime_pid = fresh, None
-    _kinds_used.clear()
     return _module
 
 
@@ -65,12 +60,20 @@ def ran_here(kind: str) -> bool:
 
 
 def usable_here() -> bool:
-    """Whether obstore can run in this process: its runtime started nowhere, started here, or a fresh copy of the
-    extension can be loaded (a child forked after its parent started obstore)."""
+    """Whether obstore can run in this process: its runtime started nowhere or here, or, in a child forked after
+    its parent started it, a fresh copy of the extension is now loaded (`_fresh_copy`; tried once a process)."""
+    global _module, _runtime_pid, _failed_pid
     if _runtime_pid in (None, os.getpid()):
         return True
-    # A copy made by the process whose runtime this one inherited: no process of this line has loaded it yet.
-    return _copy_for_children is not None and _copy_for_children[0] == _runtime_pid
+    if _failed_pid == os.getpid():
+        return False
+    fresh = _fresh_copy()
+    if fresh is None:
+        _failed_pid = os.getpid()
+        return False
+    _module, _runtime_pid = fresh, None  # its runtime starts at this process's first request
+    _kinds_used.clear()
+    return True
 
 
 def prepare_children() -> bool:
@@ -98,10 +101,11 @@ def prepare_children() -> bool:
 
 
 def _fresh_copy() -> ModuleType | None:
-    """obstore's extension loaded again from the parent's memfd (another file: its own statics, its own runtime),
-    or None where the parent made none. `sys.modules` keeps the inherited modules (the copy's loading replaces
-    `obstore.exceptions` and `obstore._store`): only shardkit's stores use the copy."""
-    if not usable_here() or _copy_for_children is None:
+    """obstore's extension loaded again from the memfd of the process whose runtime this one inherited (another
+    file: its own statics, its own runtime; no process of this line has loaded that copy), or None where it made
+    none. `sys.modules` keeps the inherited modules (the copy's loading replaces `obstore.exceptions` and
+    `obstore._store`): only shardkit's stores use the copy."""
+    if _copy_for_children is None or _copy_for_children[0] != _runtime_pid:
         return None
     path = f"/proc/self/fd/{_copy_for_children[1]}"
     loader = importlib.machinery.ExtensionFileLoader("obstore._obstore", path)
