@@ -726,6 +726,10 @@ def test_options_decide_the_path_and_mean_the_same_on_both(s3_bucket, tmp_path, 
     assert keys["access_key_id"] == "AKIDEXPLICIT" and keys["secret_access_key"] == "explicit-secret"
     assert keys["endpoint"] == options["endpoint_url"] and keys["region"] == "us-east-1"
     assert Storage(url, {**options, "anon": True}).objects.settings["config"]["skip_signature"] is True
+    # botocore's GET checksum off means obstore's ETag check off: a damaged body reaches shardkit's own checks
+    unchecked = {**options, "config_kwargs": {"response_checksum_validation": "when_required"}}
+    assert Storage(url, unchecked).objects.settings["check_etags"] is False
+    assert Storage(url, options).objects.settings["check_etags"] is True
     # A profile: botocore's chain resolves it (as s3fs would), obstore signs with what it found.
     config = tmp_path / "aws-config"
     config.write_text("[profile other]\naws_access_key_id = AKIDOTHER\naws_secret_access_key = other-secret\n")
