@@ -654,9 +654,11 @@ def _read_in_forked_child(storage, name):
 
 
 def _read_in_forked_grandchild(storage, name):
-    """The child reads, then forks a grandchild of its own (not through a Pool: its workers are daemons)."""
+    """The child reads (its own copy's runtime starts), then forks a grandchild of its own (not through a Pool:
+    its workers are daemons), which needs a copy of its own in turn."""
     import json
 
+    child_read = _read_in_forked_child(storage, name)
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # the grandchild: the child's runtime started, a copy of its own is needed
@@ -666,7 +668,7 @@ def _read_in_forked_grandchild(storage, name):
     with os.fdopen(read) as answer:
         grandchild = tuple(json.load(answer))
     os.waitpid(child, 0)
-    return _read_in_forked_child(storage, name), grandchild
+    return child_read, grandchild
 
 
 @pytest.mark.s3
