@@ -187,8 +187,8 @@ def table(cells: dict[str, list[dict]]) -> str:
                                                       for k in ("import_ms", "client_ms", "first_request_ms")) + " |")
     profiled = {label: runs for label, runs in cells.items() if label.startswith("profile")}
     if profiled:
-        lines += ["", "| first batch's phases, shardkit Arrow, fresh process, medians (ms) | dataset (manifest) | loader "
-                  "+ iterator | first batch | total |", "|---|---|---|---|---|"]
+        lines += ["", "| first batch's phases, shardkit Arrow, fresh process, medians (ms) | dataset (manifest) "
+                  "| loader + iterator | first batch | total |", "|---|---|---|---|---|"]
         for label, runs in profiled.items():
             lines.append(f"| {label} | " + " | ".join(f"{statistics.median(r[k] for r in runs):.1f}" for k in (
                 "dataset_ms", "iterator_ms", "first_batch_ms", "total_ms")) + " |")

@@ -4,9 +4,10 @@
 `storage.Storage` asks `object_store_for(url, storage_options)` once, at the edge: it answers an
 `ObjectStoreObjects` (this module's backend) or None, and None means fsspec, the path of every other protocol and
 the fallback. obstore is the default where it is installed; the fallback is taken when obstore is not installed,
-when `SHARDKIT_STORAGE_CLIENT=fsspec` (the opt-out), when the URL carries a user-info part, or when `storage_options` hold a key this module does not translate (botocore's
-`config_kwargs`, an `aiohttp` session, ...): the options are fsspec's, so every key obstore cannot honour keeps
-its fsspec meaning rather than being dropped.
+when `SHARDKIT_STORAGE_CLIENT=fsspec` (the opt-out), when the URL carries a user-info part, or when
+`storage_options` hold a key this module does not translate (botocore's `config_kwargs`, an `aiohttp` session,
+...): the options are fsspec's, so every key obstore cannot honour keeps its fsspec meaning rather than being
+dropped.
 
 One credential story for both paths: the same `storage_options` keys (fsspec's names: `key`/`secret`/`token`,
 `endpoint_url`, `client_kwargs.region_name`, `anon`, `profile`, ...), else the environment (`AWS_*`, `GOOGLE_*`,
@@ -40,8 +41,8 @@ _KINDS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "ab
           "http": "http", "https": "http"}
 _OBSTORE_SCHEMES = {"s3a": "s3", "gcs": "gs"}  # the spellings obstore's from_url knows
 CLIENT_VARIABLE = "SHARDKIT_STORAGE_CLIENT"
-# obstore wherever it is installed (issue 47): signed requests without botocore, 3x s3fs's rate with 0 workers
-# (benchmarks/RESULTS.md); SHARDKIT_STORAGE_CLIENT=fsspec opts out.
+# obstore wherever it is installed (issue 47): signed requests without botocore, about twice s3fs's samples/s
+# with 0 or 2 workers and a client set up in ~11 ms (benchmarks/RESULTS.md); SHARDKIT_STORAGE_CLIENT=fsspec opts out.
 DEFAULT_CLIENT = "obstore"
 # fsspec's caching knobs: they mean nothing to a client without listings caches.
 _FSSPEC_ONLY = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
@@ -55,7 +56,6 @@ _AZURE_KEYS = {"account_name": "account_name", "account_key": "account_key", "sa
                "tenant_id": "tenant_id", "client_id": "client_id", "client_secret": "client_secret"}
 # Objects up to this size are put in one request; larger ones as a multipart upload of their pieces.
 _SINGLE_PUT = 64 * 2**20
-
 
 
 def obstore_installed() -> bool:
