@@ -6,11 +6,15 @@ The samples of side_by_side.py (bench_loader's: 2,049 random uint16 tokens each)
 and as each installed peer's format (benchmarks/peers.py), uploaded once to a moto server on loopback. Each cell is
 one pass in a fresh interpreter (imports done before the clock starts, as in side_by_side; the client's set-up,
 the manifest and the first batch inside it), batch 8, shuffle on, a fresh cache: the time to the first batch and
-samples/s over the pass. shardkit runs twice, before (`SHARDKIT_STORAGE_CLIENT=fsspec`: s3fs, the path of every
-earlier release) and after (obstore, the default where it is installed), children alternating run by run.
+samples/s over the pass, with 0 and 2 DataLoader workers (shardkit, WebDataset, LitData). shardkit runs twice: with
+`SHARDKIT_STORAGE_CLIENT=fsspec` (s3fs, the opt-out and the path of every release before obstore) and on the
+default (obstore where it is installed; forked workers load obstore's extension afresh), children alternating
+run by run.
 The set-up rows time, in fresh processes: importing the object-store path (`shardkit.storage` and, after, obstore),
 building its client (obstore's store / an s3fs filesystem), and the first request (a HEAD of the manifest, which
-builds s3fs's botocore client). Medians of --runs; prints tables, writes JSON.
+builds s3fs's botocore client). Medians of --runs; prints tables, writes JSON. `--profile` adds, per client and
+worker count, where the first batch's time goes in a fresh process: the dataset (its manifest), the loader and
+its iterator (forking the workers), the first batch, and cProfile's heaviest functions with 0 workers.
 
 Peers need their own venv (benchmarks/peers.py's docstring): run this with that venv's python.
 """
@@ -68,11 +72,41 @@ print(json.dumps({{"client": storage.client, "import_ms": 1e3 * (imported - bega
                   "client_ms": 1e3 * (built - imported), "first_request_ms": 1e3 * (answered - built)}}))
 """
 
+PROFILE_CHILD = """
+import cProfile, io, json, pstats, shutil, tempfile, time, warnings
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+from shardkit import StreamingDataLoader, StreamingDataset
+cache = tempfile.mkdtemp(prefix="shardkit-bench-profile-")
+profile = cProfile.Profile()
+if {workers} == 0:
+    profile.enable()
+began = time.perf_counter()
+dataset = StreamingDataset({url!r}, cache_dir=cache, rank=0, world_size=1, storage_options={options!r},
+                           partial_batches="partial")
+made = time.perf_counter()
+loader = StreamingDataLoader(dataset, batch_size=8, num_workers={workers})
+iterator = iter(loader)
+started = time.perf_counter()
+next(iterator)
+first = time.perf_counter()
+profile.disable()
+text = io.StringIO()
+if {workers} == 0:  # with workers the parent only waits
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats("shardkit/|obstore|s3fs/", 14)
+del iterator
+shutil.rmtree(cache, ignore_errors=True)
+from shardkit.storage import Storage
+print(json.dumps({{"client": Storage({url!r}, {options!r}).client,
+                  "dataset_ms": 1e3 * (made - began), "iterator_ms": 1e3 * (started - made),
+                  "first_batch_ms": 1e3 * (first - started), "total_ms": 1e3 * (first - began),
+                  "top": text.getvalue()}}))
+"""
+
 
 def child(code: str, client: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("SHARDKIT_STORAGE_CLIENT", None)
-    if client is not None:  # shardkit's runs name their client (fsspec is the default, obstore is asked for)
+    if client == "fsspec":  # shardkit's opt-out; obstore is the default
         env["SHARDKIT_STORAGE_CLIENT"] = client
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env,
                           cwd="/tmp")
@@ -90,6 +124,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="bench_out/object_store.json")
     parser.add_argument("--only", default="", help="run only the cells whose label holds this text")
+    parser.add_argument("--profile", action="store_true", help="also time the first batch's phases (see above)")
     args = parser.parse_args()
     data_dir, shard_bytes = Path(args.data_dir).resolve(), args.shard_mb * 2**20
     tar_url, flat, samples = build_data(data_dir, int(args.tokens), shard_bytes)
@@ -107,9 +142,9 @@ def main() -> None:
         configs = []  # (row label, kind, url, workers, client)
         for name, (kind, url) in remote.items():
             clients = ("fsspec", "obstore") if kind == "shardkit" else (None,)
-            for workers in (0, 2) if kind in ("shardkit", "webdataset") else (0,):
+            for workers in (0, 2) if kind in ("shardkit", "webdataset", "litdata") else (0,):
                 for client in clients:
-                    side = f", {'before (fsspec)' if client == 'fsspec' else 'after (obstore)'}" if client else ""
+                    side = f", {'fsspec (opt-out)' if client == 'fsspec' else 'obstore (default)'}" if client else ""
                     if args.only in f"{name}{side}, workers={workers}":
                         configs.append((f"{name}{side}, workers={workers}", kind, url, workers, client))
         setup_url = remote["shardkit Arrow"][1]
@@ -123,6 +158,9 @@ def main() -> None:
             for client in ("fsspec", "obstore"):
                 row = child(SETUP_CHILD.format(url=setup_url, options=server.options), client)
                 cells.setdefault(f"set-up, {client}", []).append(row)
+                for workers in (0, 2) if args.profile else ():
+                    row = child(PROFILE_CHILD.format(url=setup_url, options=server.options, workers=workers), client)
+                    cells.setdefault(f"profile, {client}, workers={workers}", []).append(row)
     result = {"machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
               "data": {"samples": samples, "shard_mb": args.shard_mb, "runs": args.runs}, "cells": cells}
     print(table(cells))
@@ -134,7 +172,7 @@ def table(cells: dict[str, list[dict]]) -> str:
     lines = ["| moto S3, fresh process, medians | first batch (s) | samples/s | runs (samples/s) | each sample once |",
              "|---|---|---|---|---|"]
     for label, runs in cells.items():
-        if label.startswith("set-up"):
+        if label.startswith(("set-up", "profile")):
             continue
         rates = [r["samples_per_s"] for r in runs]
         lines.append(f"| {label} | {statistics.median(r['first_batch_s'] for r in runs):.3f} | "
@@ -147,6 +185,16 @@ def table(cells: dict[str, list[dict]]) -> str:
         if label.startswith("set-up"):
             lines.append(f"| {label} | " + " | ".join(f"{statistics.median(r[k] for r in runs):.1f}"
                                                       for k in ("import_ms", "client_ms", "first_request_ms")) + " |")
+    profiled = {label: runs for label, runs in cells.items() if label.startswith("profile")}
+    if profiled:
+        lines += ["", "| first batch's phases, shardkit Arrow, fresh process, medians (ms) | dataset (manifest) "
+                  "| loader + iterator | first batch | total |", "|---|---|---|---|---|"]
+        for label, runs in profiled.items():
+            lines.append(f"| {label} | " + " | ".join(f"{statistics.median(r[k] for r in runs):.1f}" for k in (
+                "dataset_ms", "iterator_ms", "first_batch_ms", "total_ms")) + " |")
+        for label, runs in profiled.items():
+            if runs[-1]["top"]:
+                lines += ["", f"cProfile, {label} (last run), by cumulative time:", runs[-1]["top"]]
     return "\n".join(lines)
 
 

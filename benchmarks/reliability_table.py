@@ -31,8 +31,10 @@ SCENARIOS = [
      "tests/test_pipeline_faults.py::test_build_under_faults_matches_fault_free[tar-0.1]"),
     ("build_upload_30pct", "... at 30% faults (arrow)", "tests/test_pipeline_faults.py::test_build_under_faults_matches_fault_free[arrow-0.3]"),
     ("loader_download_10pct", "Loader from S3 at 10% faults yields exactly the fault-free sample stream",
-     "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[0.1]"),
-    ("loader_download_30pct", "... at 30% faults", "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[0.3]"),
+     "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[obstore-0.1]"),
+    ("loader_download_30pct", "... at 30% faults", "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[obstore-0.3]"),
+    ("loader_download_30pct_fsspec", "... at 30% faults, through fsspec (the opt-out)",
+     "tests/test_pipeline_faults.py::test_loader_under_faults_yields_the_fault_free_stream[fsspec-0.3]"),
     ("sigkill_build", "Build SIGKILLed at 20 seeded points, rerun: manifest equals the uninterrupted build's",
      "tests/test_kill_matrix.py::test_build_sigkill_matrix"),
     ("sigkill_cache_download", "Cache: 3 readers, one SIGKILLed at 20 seeded points: others finish, no partial file read",
@@ -87,7 +89,9 @@ SCENARIOS = [
     ("cache_poisoned_decoded_file", "A forged, stale (another shard's), damaged or truncated .skd where the loader looks: warned, decoded again from the verified shard, never served",
      "tests/test_cache_security.py::test_a_decoded_file_not_bound_to_its_shard_is_decoded_again"),
     ("secrets", "Sentinel secrets (env, storage_options) absent from DEBUG logs, errors, reprs, report, manifests, loader state",
-     "tests/test_secrets.py::test_secrets_never_leak"),
+     "tests/test_secrets.py::test_secrets_never_leak[obstore]"),
+    ("secrets_fsspec", "... through fsspec (the opt-out), botocore's and s3fs's DEBUG logs among them",
+     "tests/test_secrets.py::test_secrets_never_leak[fsspec]"),
 ]
 COLUMNS = ("runs", "faults", "samples_checked", "lost", "duplicated", "corrupt")
 

@@ -3,11 +3,11 @@
 
 `storage.Storage` asks `object_store_for(url, storage_options)` once, at the edge: it answers an
 `ObjectStoreObjects` (this module's backend) or None, and None means fsspec, the path of every other protocol and
-the fallback. obstore is taken where `SHARDKIT_STORAGE_CLIENT=obstore` (`DEFAULT_CLIENT` says why it is not the
-default yet); the fallback is taken when obstore is not installed, when `SHARDKIT_STORAGE_CLIENT=fsspec`, when the
-URL carries a user-info part, or when `storage_options` hold a key this module does not translate (botocore's
-`config_kwargs`, an `aiohttp` session, ...): the options are fsspec's, so every key obstore cannot honour keeps
-its fsspec meaning rather than being dropped.
+the fallback. obstore is the default where it is installed; the fallback is taken when obstore is not installed,
+when `SHARDKIT_STORAGE_CLIENT=fsspec` (the opt-out), when the URL carries a user-info part, or when
+`storage_options` hold a key this module does not translate (botocore's `config_kwargs`, an `aiohttp` session,
+...): the options are fsspec's, so every key obstore cannot honour keeps its fsspec meaning rather than being
+dropped.
 
 One credential story for both paths: the same `storage_options` keys (fsspec's names: `key`/`secret`/`token`,
 `endpoint_url`, `client_kwargs.region_name`, `anon`, `profile`, ...), else the environment (`AWS_*`, `GOOGLE_*`,
@@ -18,8 +18,8 @@ roles), exactly what s3fs would find. One retry policy: obstore's own retries ar
 store's XML body reduced to its error code; credentials are never part of them.
 
 tokio's runtime, which obstore starts in a process at its first request, does not survive `fork()`: a forked
-child that touches obstore hangs. A process forked after its parent used obstore (a DataLoader worker) therefore
-reads through fsspec (`usable_here`), as every process did before obstore.
+child (a DataLoader worker) loads a fresh copy of obstore's extension with a runtime of its own
+(`shardkit.object_store_runtime`), and reads through fsspec only where no copy can be made (`usable_here`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from shardkit.object_store_runtime import STORE_CLASSES, note_request, obstore_module, usable_here
 from shardkit.redaction import redact_url
 
 # URL scheme -> obstore's kind of store.
@@ -40,11 +41,9 @@ _KINDS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "ab
           "http": "http", "https": "http"}
 _OBSTORE_SCHEMES = {"s3a": "s3", "gcs": "gs"}  # the spellings obstore's from_url knows
 CLIENT_VARIABLE = "SHARDKIT_STORAGE_CLIENT"
-# obstore is taken when asked for (SHARDKIT_STORAGE_CLIENT=obstore), not yet by default: DataLoader workers forked
-# after it ran fall back to fsspec (tokio), a bucket outside us-east-1 with no region configured anywhere is found
-# by s3fs but not by obstore, and the suite's S3 tests that inject faults were written against fsspec's retry and
-# checksum behaviour (obstore's ETag check turns a flipped byte into a transport retry).
-DEFAULT_CLIENT = "fsspec"
+# obstore wherever it is installed (issue 47): signed requests without botocore, about twice s3fs's samples/s
+# with 0 or 2 workers and a client set up in ~11 ms (benchmarks/RESULTS.md); SHARDKIT_STORAGE_CLIENT=fsspec opts out.
+DEFAULT_CLIENT = "obstore"
 # fsspec's caching knobs: they mean nothing to a client without listings caches.
 _FSSPEC_ONLY = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                 "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous",
@@ -58,22 +57,9 @@ _AZURE_KEYS = {"account_name": "account_name", "account_key": "account_key", "sa
 # Objects up to this size are put in one request; larger ones as a multipart upload of their pieces.
 _SINGLE_PUT = 64 * 2**20
 
-_runtime_pid: int | None = None  # the process whose obstore runtime has started (None: not yet)
-_kinds_used: set[str] = set()  # the kinds of store it made requests to
-
 
 def obstore_installed() -> bool:
     return importlib.util.find_spec("obstore") is not None
-
-
-def ran_here(kind: str) -> bool:
-    """Whether this process has made an obstore request to a store of `kind` ("s3", "gcs", ...)."""
-    return _runtime_pid == os.getpid() and kind in _kinds_used
-
-
-def usable_here() -> bool:
-    """Whether obstore can run in this process: not in a child forked after its parent started obstore's runtime."""
-    return _runtime_pid is None or _runtime_pid == os.getpid()
 
 
 def object_store_for(url: str, storage_options: dict[str, Any]) -> ObjectStoreObjects | None:
@@ -97,12 +83,12 @@ def store_config(kind: str, url: str, storage_options: dict[str, Any]) -> dict[s
     None when an option has no obstore meaning (the fsspec fallback keeps it)."""
     options = {k: v for k, v in storage_options.items() if k not in _FSSPEC_ONLY}
     config: dict[str, Any] = {}
-    retries, client_options = 0, {}
+    retries, client_options, check_etags = 0, {}, True
     if kind == "s3":
         botocore_config = _botocore_config(options.pop("config_kwargs", None) or {})
         if botocore_config is None:
             return None
-        retries, client_options = botocore_config
+        retries, client_options, check_etags = botocore_config
         client_kwargs = dict(options.pop("client_kwargs", None) or {})
         if "region_name" in client_kwargs:
             options.setdefault("region", client_kwargs.pop("region_name"))
@@ -130,14 +116,17 @@ def store_config(kind: str, url: str, storage_options: dict[str, Any]) -> dict[s
         provider = _s3_credentials(config, profile)
     endpoint = config.get("endpoint") or config.get("base_url") or url
     client_options["allow_http"] = str(endpoint).lower().startswith("http://")
-    return {"config": config, "provider": provider, "client_options": client_options, "retries": retries}
+    return {"config": config, "provider": provider, "client_options": client_options, "retries": retries,
+            "check_etags": check_etags}
 
 
-def _botocore_config(config_kwargs: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
-    """(obstore's max_retries, client options) meaning what botocore's `config_kwargs` say, or None for a
-    setting without an obstore meaning. A user's own retries stay, under shardkit's, as on the fsspec path;
-    checksum settings need nothing (obstore validates no response checksum: shardkit's hashes catch a bad body)."""
-    retries, client_options = 0, {}
+def _botocore_config(config_kwargs: dict[str, Any]) -> tuple[int, dict[str, str], bool] | None:
+    """(obstore's max_retries, client options, whether whole reads are checked against their ETag) meaning what
+    botocore's `config_kwargs` say, or None for a setting without an obstore meaning. A user's own retries stay,
+    under shardkit's, as on the fsspec path. `response_checksum_validation="when_required"` turns botocore's
+    check of a GET's body off (no GET requires it), and so the ETag check that stands for it here: a damaged
+    body then reaches shardkit's own checks (the shard's SHA-256), on both paths alike."""
+    retries, client_options, check_etags = 0, {}, True
     for key, value in config_kwargs.items():
         if key == "retries" and isinstance(value, dict):
             if "total_max_attempts" in value:
@@ -146,9 +135,11 @@ def _botocore_config(config_kwargs: dict[str, Any]) -> tuple[int, dict[str, str]
                 retries = max(0, int(value["max_attempts"]))
         elif key in ("connect_timeout", "read_timeout"):
             client_options["connect_timeout" if key == "connect_timeout" else "timeout"] = f"{value}s"
-        elif key not in ("response_checksum_validation", "request_checksum_calculation"):
+        elif key == "response_checksum_validation":
+            check_etags = value != "when_required"
+        elif key != "request_checksum_calculation":
             return None
-    return retries, client_options
+    return retries, client_options, check_etags
 
 
 def _gcs_token(token: Any) -> dict[str, Any] | None:
@@ -219,35 +210,40 @@ class ObjectStoreObjects:
 
     def __init__(self, root_url: str, prefix: str, kind: str, settings: dict[str, Any]):
         self.root_url, self.prefix, self.kind, self.settings = root_url, prefix, kind, settings
-        self._store = None
+        self._store = self._store_module = None
         self._etags_are_md5: bool | None = None  # unknown until one matches or one mismatch repeats
         self._mismatches: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "_store_module": None}
 
     @property
     def store(self):
-        if self._store is None:
-            from obstore.store import from_url
-
+        """obstore's store, made with the extension this process can run (`object_store_runtime`): a store
+        inherited through fork() from a parent whose runtime started is made again."""
+        module = obstore_module()
+        if self._store is None or self._store_module is not module:
             config = dict(self.settings["config"])
             provider = self.settings["provider"]
-            if provider is not None and "region" not in config and not os.environ.get("AWS_REGION") \
+            if self.kind == "s3" and "region" not in config and not os.environ.get("AWS_REGION") \
                     and not os.environ.get("AWS_DEFAULT_REGION"):
-                config["region"] = provider.region() or "us-east-1"
+                config["region"] = (provider.region() if provider is not None else None) \
+                    or bucket_region(self.root_url, config.get("endpoint")) or "us-east-1"
             extra = {"credential_provider": provider} if provider is not None else {}
-            self._store = from_url(self.root_url, config=config or None,
-                                   client_options=self.settings["client_options"],
-                                   retry_config={"max_retries": self.settings["retries"]}, **extra)
+            if self.kind != "http":  # a web server takes no configuration
+                extra["config"] = config or None
+            store_class = getattr(module._store, STORE_CLASSES[self.kind])
+            self._store = store_class.from_url(self.root_url, client_options=self.settings["client_options"],
+                                               retry_config={"max_retries": self.settings["retries"]}, **extra)
+            self._store_module = module
         return self._store
 
     def _run(self, operation, *args, **kwargs):
-        global _runtime_pid
-        _runtime_pid = _runtime_pid or os.getpid()
-        _kinds_used.add(self.kind)
+        """`operation(obstore, store, *args, **kwargs)`, obstore's errors as the OSError family."""
         try:
-            return operation(self.store, *args, **kwargs)
+            store = self.store
+            note_request(self.kind)
+            return operation(self._store_module, store, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - every obstore error becomes the OSError family
             raise as_os_error(err, self.kind) from err
 
@@ -260,9 +256,7 @@ class ObjectStoreObjects:
         return True
 
     def head(self, path: str) -> dict[str, Any]:
-        import obstore
-
-        return self._run(obstore.head, path)
+        return self._run(lambda obstore, store: obstore.head(store, path))
 
     def size(self, path: str) -> int:
         return int(self.head(path)["size"])
@@ -274,15 +268,14 @@ class ObjectStoreObjects:
     def read(self, path: str, size: int | None = None) -> bytes:
         """The whole object, checked against its size and its ETag, as botocore checks s3fs's whole-object reads
         against their checksum (a damaged body is read again here, not handed to the caller)."""
-        import obstore
-
-        def get(store, key):
-            result = obstore.get(store, key)
+        def get(obstore, store):
+            result = obstore.get(store, path)
             return bytes(result.bytes()), result.meta
-        data, meta = self._run(get, path)
+        data, meta = self._run(get)
         if size is not None and len(data) != size:
             raise ShortReadError(f"{len(data)} bytes arrived of the {size} the object holds")
-        self._check_etag(path, data, str(meta.get("e_tag") or ""))
+        if self.settings.get("check_etags", True):
+            self._check_etag(path, data, str(meta.get("e_tag") or ""))
         return data
 
     def _check_etag(self, path: str, data: bytes, etag: str) -> None:
@@ -304,20 +297,16 @@ class ObjectStoreObjects:
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end), fewer at the end of the object, none past it (as fsspec answers)."""
-        import obstore
-
         if end <= start:
             return b""
         try:
-            return bytes(self._run(obstore.get_range, path, start=start, end=end))
+            return bytes(self._run(lambda obstore, store: obstore.get_range(store, path, start=start, end=end)))
         except OSError as err:
             if getattr(err, "status", None) != 416:
                 raise
             return b""  # the range starts at or past the object's end
 
     def list(self, root: str) -> list[str]:
-        import obstore
-
         prefix = f"{root.rstrip('/')}/" if root else None
         if self.kind == "http":  # obstore lists over WebDAV only; fsspec reads a web server's index pages
             import fsspec
@@ -325,13 +314,12 @@ class ObjectStoreObjects:
             found = fsspec.filesystem("http").find(f"{self.root_url}/{prefix or ''}")
             return [url.removeprefix(f"{self.root_url}/") for url in found]
         # The listing arrives page by page as it is iterated: inside `_run`, so that a broken page is an OSError.
-        return self._run(lambda store: [meta["path"] for chunk in obstore.list(store, prefix=prefix) for meta in chunk])
+        return self._run(lambda obstore, store: [meta["path"] for chunk in obstore.list(store, prefix=prefix)
+                                                 for meta in chunk])
 
     def download(self, path: str, local_path: str) -> None:
-        import obstore
-
-        def stream(store, key):
-            result = obstore.get(store, key)
+        def stream(obstore, store):
+            result = obstore.get(store, path)
             count = 0
             with open(local_path, "wb") as fh:
                 for chunk in result:
@@ -339,24 +327,47 @@ class ObjectStoreObjects:
                     count += len(chunk)
             if count != result.meta["size"]:
                 raise ShortReadError(f"{count} bytes arrived of the {result.meta['size']} the object holds")
-        self._run(stream, path)
+        self._run(stream)
 
     def write(self, path: str, pieces: Sequence[bytes | memoryview]) -> None:
-        import obstore
-
         total = sum(memoryview(piece).nbytes for piece in pieces)
         if total <= _SINGLE_PUT:  # one request; a multipart upload of a small object costs three
-            self._run(obstore.put, path, b"".join(pieces), use_multipart=False)
+            self._run(lambda obstore, store: obstore.put(store, path, b"".join(pieces), use_multipart=False))
         else:
-            self._run(obstore.put, path, list(pieces), use_multipart=True)
+            self._run(lambda obstore, store: obstore.put(store, path, list(pieces), use_multipart=True))
 
     def delete(self, path: str) -> None:
-        import obstore
-
-        self._run(obstore.delete, path)
+        self._run(lambda obstore, store: obstore.delete(store, path))
 
     def invalidate(self, path: str) -> None:
         """Nothing to forget: obstore keeps no listings cache."""
+
+
+_BUCKET_REGIONS: dict[tuple[str, str], str | None] = {}  # (endpoint, bucket) -> region, once per process
+
+
+def bucket_region(root_url: str, endpoint: str | None) -> str | None:
+    """The region S3 names for the bucket of `root_url` (`s3://bucket`) in its answer to an unsigned HEAD of the
+    bucket (`x-amz-bucket-region`, sent with a 200, 301 or 403 alike), as botocore's redirects find it for s3fs;
+    None where the answer names none (the endpoint is no S3, or cannot be reached: signing for us-east-1 then
+    fails with the store's own message)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    bucket = root_url.partition("://")[2]
+    base = (endpoint or "https://s3.amazonaws.com").rstrip("/")
+    if (base, bucket) not in _BUCKET_REGIONS:
+        request = urllib.request.Request(f"{base}/{urllib.parse.quote(bucket)}", method="HEAD")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                region = answer.headers.get("x-amz-bucket-region")
+        except urllib.error.HTTPError as err:
+            region = err.headers.get("x-amz-bucket-region")
+        except OSError:
+            region = None
+        _BUCKET_REGIONS[base, bucket] = region
+    return _BUCKET_REGIONS[base, bucket]
 
 
 class ShortReadError(ConnectionError):

@@ -29,7 +29,8 @@ import fsspec
 from shardkit import metrics
 from shardkit.errors import StorageError
 from shardkit.names import check_relative_name
-from shardkit.object_store import ObjectStoreObjects, object_store_for, ran_here, usable_here
+from shardkit.object_store import ObjectStoreObjects, object_store_for
+from shardkit.object_store_runtime import prepare_children, ran_here, usable_here
 from shardkit.redaction import redact_url, remember_credentials
 
 logger = logging.getLogger(__name__)
@@ -287,12 +288,12 @@ def _share_model_loader(fs: fsspec.AbstractFileSystem) -> None:
 
 
 def _prepare_forked_fallback() -> None:
-    """Before a fork: where obstore read S3 in this process, import s3fs and parse botocore's S3 models here, once.
+    """Before a fork: where obstore read S3 in this process and its children cannot load a copy of their own
+    (`object_store_runtime.prepare_children`), import s3fs and parse botocore's S3 models here, once.
 
-    obstore's runtime does not survive fork(), so a child forked after it ran (a DataLoader worker) reads S3
-    through s3fs. Before obstore, the parent's own s3fs filesystem had imported and parsed all that, and every
+    Such a child (a DataLoader worker) reads S3 through s3fs. Before obstore, the parent's own s3fs filesystem had imported and parsed all that, and every
     worker inherited it; without this each worker would pay for it (1-2 s on a loaded 2-core machine)."""
-    if not ran_here("s3") or importlib.util.find_spec("s3fs") is None:
+    if not ran_here("s3") or prepare_children() or importlib.util.find_spec("s3fs") is None:
         return
     try:
         import aiobotocore.session

@@ -16,7 +16,8 @@ from shardkit.manifest import load_manifest
 from shardkit.storage import Storage
 
 
-# On the default client (obstore where installed); tests/test_faults.py runs the core's fault tests on both.
+# The build on the default client (obstore where installed), the loader on both; tests/test_faults.py runs the
+# core's fault tests on both.
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which be this".split()
@@ -77,13 +78,19 @@ def stream(url: str, options: dict, cache_dir: str, epochs: int = 1) -> tuple[np
     return np.concatenate(ids), np.concatenate(tokens)
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.3])
-def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_path, rate, figures, caplog):
+@pytest.mark.parametrize("client,rate", [("obstore", 0.1), ("obstore", 0.3), ("fsspec", 0.3)])
+def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_path, client, rate, figures, caplog,
+                                                          monkeypatch):
     from loader_helpers import write_fixed
 
+    if client == "obstore":
+        pytest.importorskip("obstore")
+    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", client)
     url, options, proxy = faulty_bucket
-    # No transport checksums: flipped bodies reach the loader's own fetch (read_shard), which reads them again.
+    # No transport checksums (botocore's, and obstore's ETag check, which the same option turns off): flipped
+    # bodies reach the loader's own fetch (read_shard), which reads them again, on both clients.
     options = through_proxy(options, checksums=False)
+    assert Storage(url, options).client == client
     manifest = write_fixed(url, 600, seq_len=31, per_shard=10, storage_options=options)
     clean_ids, clean_tokens = stream(url, options, str(tmp_path / "clean-cache"))
     proxy.configure(rate=rate, seed=71)
@@ -103,6 +110,6 @@ def test_loader_under_faults_yields_the_fault_free_stream(faulty_bucket, tmp_pat
     expected[:, 0], expected[:, 1] = ids % 60000, ids // 60000
     corrupt = int((tokens != expected).any(axis=1).sum())
     assert corrupt == 0
-    figures.add(f"loader_download_{int(rate * 100)}pct", runs=1, faults=injected, samples_checked=len(ids),
+    figures.add(f"loader_download_{int(rate * 100)}pct" + ("_fsspec" if client == "fsspec" else ""), runs=1, faults=injected, samples_checked=len(ids),
                 lost=manifest.num_samples - manifest.num_samples % 8 - len(np.unique(ids)),
                 duplicated=len(ids) - len(np.unique(ids)), corrupt=corrupt, flips=flips, rereads=rereads)

@@ -647,29 +647,67 @@ def test_s3_filesystems_share_the_parsed_service_models_and_keep_their_own_sessi
 def _read_in_forked_child(storage, name):
     from shardkit.storage import _MODEL_LOADERS
 
-    # botocore's models came parsed from the parent (prepared before the fork), as before obstore
+    # botocore's models came parsed from the parent (prepared before the fork) where the child falls back
     inherited = any(getattr(loader, "_shardkit_prepared", False) for loader in _MODEL_LOADERS.values())
     fresh = Storage(storage.url, storage.storage_options)
     return storage.read_bytes(name), storage.client, fresh.read_bytes(name), fresh.client, inherited
 
 
+def _read_in_forked_grandchild(storage, name):
+    """The child reads (its own copy's runtime starts), then forks a grandchild of its own (not through a Pool:
+    its workers are daemons), which needs a copy of its own in turn."""
+    import json
+
+    child_read = _read_in_forked_child(storage, name)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the grandchild: the child's runtime started, a copy of its own is needed
+        os.write(write, json.dumps([storage.read_bytes(name).decode(), storage.client]).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        grandchild = tuple(json.load(answer))
+    os.waitpid(child, 0)
+    return child_read, grandchild
+
+
 @pytest.mark.s3
-def test_a_process_forked_after_obstore_ran_reads_through_fsspec(s3_bucket, monkeypatch):
-    """tokio's runtime does not survive fork(): a DataLoader worker forked after its parent read through obstore
-    would hang at its first request; it reads through fsspec instead, and so does a Storage it opens, with s3fs
-    and botocore's models imported and parsed once in the parent before the fork (not once per worker)."""
+def test_a_process_forked_after_obstore_ran_reads_through_an_obstore_of_its_own(s3_bucket, monkeypatch):
+    """tokio's runtime does not survive fork(): in a child forked after its parent read through obstore, every
+    request on obstore's extension hangs. The child loads a fresh copy of the extension (object_store_runtime)
+    and reads through it, as does a Storage it opens, and so does its own forked child in turn."""
     import multiprocessing
 
     pytest.importorskip("obstore")
-    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "obstore")  # inherited by the forked child, which still falls back
+    monkeypatch.delenv("SHARDKIT_STORAGE_CLIENT", raising=False)  # the default
     url, options = s3_bucket
     storage = Storage(url, options)
     storage.write_bytes("f.bin", b"forked")  # obstore's runtime now runs in this process
     assert storage.client == "obstore"
     with multiprocessing.get_context("fork").Pool(1) as pool:
+        child, grandchild = pool.apply_async(_read_in_forked_grandchild, (storage, "f.bin")).get(timeout=30)
+    assert child == (b"forked", "obstore", b"forked", "obstore", False) and grandchild == ("forked", "obstore")
+    assert storage.read_bytes("f.bin") == b"forked" and storage.client == "obstore"  # the parent keeps it
+
+
+@pytest.mark.s3
+def test_a_forked_process_without_a_copy_of_obstore_reads_through_fsspec(s3_bucket, monkeypatch):
+    """Where no copy of obstore's extension can be made for the children (no memfd: not Linux), a child forked
+    after its parent read through obstore reads through fsspec, with s3fs and botocore's models imported and
+    parsed once in the parent before the fork (not once per worker)."""
+    import multiprocessing
+
+    pytest.importorskip("obstore")
+    from shardkit import object_store_runtime
+
+    monkeypatch.delattr(os, "memfd_create")  # as on a platform without it
+    monkeypatch.setattr(object_store_runtime, "_copy_for_children", None)  # nor one an earlier test made
+    url, options = s3_bucket
+    storage = Storage(url, options)
+    storage.write_bytes("f.bin", b"forked")
+    with multiprocessing.get_context("fork").Pool(1) as pool:
         result = pool.apply_async(_read_in_forked_child, (storage, "f.bin")).get(timeout=30)
     assert result == (b"forked", "fsspec", b"forked", "fsspec", True)
-    assert storage.read_bytes("f.bin") == b"forked" and storage.client == "obstore"  # the parent keeps it
 
 
 @pytest.mark.s3
@@ -678,9 +716,8 @@ def test_options_decide_the_path_and_mean_the_same_on_both(s3_bucket, tmp_path, 
     fsspec kept for an option obstore cannot honour (botocore's config_kwargs), and when asked."""
     pytest.importorskip("obstore")
     url, options = s3_bucket
-    assert Storage(url, options).client == "fsspec"  # the default until obstore is asked for (object_store.py)
-    monkeypatch.setenv("SHARDKIT_STORAGE_CLIENT", "obstore")
-    assert Storage(url, options).client == "obstore"
+    monkeypatch.delenv("SHARDKIT_STORAGE_CLIENT", raising=False)
+    assert Storage(url, options).client == "obstore"  # the default where it is installed
     assert Storage(url, {**options, "config_kwargs": {"s3": {"addressing_style": "virtual"}}}).client == "fsspec"
     assert Storage(url, {**options, "client_kwargs": {"verify": False}}).client == "fsspec"
     assert Storage("memory://x/data").client == "fsspec"
@@ -691,6 +728,10 @@ def test_options_decide_the_path_and_mean_the_same_on_both(s3_bucket, tmp_path, 
     assert keys["access_key_id"] == "AKIDEXPLICIT" and keys["secret_access_key"] == "explicit-secret"
     assert keys["endpoint"] == options["endpoint_url"] and keys["region"] == "us-east-1"
     assert Storage(url, {**options, "anon": True}).objects.settings["config"]["skip_signature"] is True
+    # botocore's GET checksum off means obstore's ETag check off: a damaged body reaches shardkit's own checks
+    unchecked = {**options, "config_kwargs": {"response_checksum_validation": "when_required"}}
+    assert Storage(url, unchecked).objects.settings["check_etags"] is False
+    assert Storage(url, options).objects.settings["check_etags"] is True
     # A profile: botocore's chain resolves it (as s3fs would), obstore signs with what it found.
     config = tmp_path / "aws-config"
     config.write_text("[profile other]\naws_access_key_id = AKIDOTHER\naws_secret_access_key = other-secret\n")
