@@ -12,7 +12,8 @@ default (obstore where it is installed; forked workers load obstore's extension 
 run by run.
 The set-up rows time, in fresh processes: importing the object-store path (`shardkit.storage` and, after, obstore),
 building its client (obstore's store / an s3fs filesystem), and the first request (a HEAD of the manifest, which
-builds s3fs's botocore client). Medians of --runs; prints tables, writes JSON. `--profile` adds, per client and
+builds s3fs's botocore client). Medians of --runs; prints tables, writes JSON. `--before DIR` measures the
+obstore cells and the profile of shardkit's code in DIR beside this code's, alternating run by run. `--profile` adds, per client and
 worker count, where the first batch's time goes in a fresh process: the dataset (its manifest), the loader and
 its iterator (forking the workers), the first batch, and cProfile's heaviest functions with 0 workers.
 
@@ -103,11 +104,15 @@ print(json.dumps({{"client": Storage({url!r}, {options!r}).client,
 """
 
 
-def child(code: str, client: str | None = None) -> dict:
+def child(code: str, client: str | None = None, code_dir: str | None = None) -> dict:
+    """Run `code` in a fresh interpreter (shardkit from `code_dir` when given: the before-code) and return the
+    JSON of its last line."""
     env = dict(os.environ)
     env.pop("SHARDKIT_STORAGE_CLIENT", None)
     if client == "fsspec":  # shardkit's opt-out; obstore is the default
         env["SHARDKIT_STORAGE_CLIENT"] = client
+    if code_dir is not None:
+        env["PYTHONPATH"] = code_dir
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env,
                           cwd="/tmp")
     return json.loads(done.stdout.splitlines()[-1])
@@ -123,7 +128,11 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="bench_out/object_store.json")
-    parser.add_argument("--only", default="", help="run only the cells whose label holds this text")
+    parser.add_argument("--only", default="", help="run only the cells whose label holds one of these texts "
+                        "(comma-separated)")
+    parser.add_argument("--before", default=None, help="a source tree of shardkit to measure beside this one "
+                        "(e.g. `git archive` of main with its loaders/tools links): its obstore cells and profile "
+                        "rows alternate with this code's, run by run, labelled 'before' and 'after'")
     parser.add_argument("--profile", action="store_true", help="also time the first batch's phases (see above)")
     args = parser.parse_args()
     data_dir, shard_bytes = Path(args.data_dir).resolve(), args.shard_mb * 2**20
@@ -139,28 +148,38 @@ def main() -> None:
         os.environ.update({"AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "bench"),
                            "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "bench")})
         remote = {name: (kind, server.upload(url, Path(url).name)) for name, (kind, url) in local.items()}
-        configs = []  # (row label, kind, url, workers, client)
+        configs = []  # (row label, kind, url, workers, client, code_dir)
+        wanted = [text for text in args.only.split(",") if text] or [""]
         for name, (kind, url) in remote.items():
             clients = ("fsspec", "obstore") if kind == "shardkit" else (None,)
             for workers in (0, 2) if kind in ("shardkit", "webdataset", "litdata") else (0,):
                 for client in clients:
                     side = f", {'fsspec (opt-out)' if client == 'fsspec' else 'obstore (default)'}" if client else ""
-                    if args.only in f"{name}{side}, workers={workers}":
-                        configs.append((f"{name}{side}, workers={workers}", kind, url, workers, client))
+                    label = f"{name}{side}, workers={workers}"
+                    if not any(text in label for text in wanted):
+                        continue
+                    if args.before and client == "obstore":
+                        configs.append((f"{label}, before", kind, url, workers, client, args.before))
+                        label += ", after"
+                    configs.append((label, kind, url, workers, client, None))
         setup_url = remote["shardkit Arrow"][1]
+        profiled = [("fsspec", None), ("obstore", None)] if not args.before else \
+            [("obstore", args.before), ("obstore", None)]
         for run in range(args.runs):  # alternating: every configuration once per run
-            for label, kind, url, workers, client in configs:
+            for label, kind, url, workers, client, code_dir in configs:
                 row = child(PASS_CHILD.format(bench=str(BENCH), label=kind, url=url, workers=workers,
-                                              samples=samples, options=server.options), client)
+                                              samples=samples, options=server.options), client, code_dir)
                 cells.setdefault(label, []).append(row)
                 print(f"  run {run + 1}: {label:<62} first batch {row['first_batch_s']:.3f} s "
                       f"{row['samples_per_s']:>9,.0f} samples/s exact {row['exact']} ({row['client']})", flush=True)
-            for client in ("fsspec", "obstore"):
-                row = child(SETUP_CHILD.format(url=setup_url, options=server.options), client)
-                cells.setdefault(f"set-up, {client}", []).append(row)
+            for client, code_dir in profiled:
+                code = "" if not args.before else ", before" if code_dir else ", after"
+                row = child(SETUP_CHILD.format(url=setup_url, options=server.options), client, code_dir)
+                cells.setdefault(f"set-up, {client}{code}", []).append(row)
                 for workers in (0, 2) if args.profile else ():
-                    row = child(PROFILE_CHILD.format(url=setup_url, options=server.options, workers=workers), client)
-                    cells.setdefault(f"profile, {client}, workers={workers}", []).append(row)
+                    row = child(PROFILE_CHILD.format(url=setup_url, options=server.options, workers=workers), client,
+                                code_dir)
+                    cells.setdefault(f"profile, {client}{code}, workers={workers}", []).append(row)
     result = {"machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
               "data": {"samples": samples, "shard_mb": args.shard_mb, "runs": args.runs}, "cells": cells}
     print(table(cells))

@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shardkit.errors import ManifestError
@@ -87,68 +88,95 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, node_copy:
     """The dataset's manifest, fetched and checked once per node through the node cache (without
     `node_copy`, for a reader that keeps nothing on disk: read from the store by every process).
 
-    Every process asks the store for the manifest's identity (size and ETag or mtime: one HEAD or
-    stat). The first process that finds the node's record missing or different takes the node's
-    manifest lock (a flock, as for a shard), downloads `shardkit.json` and copies the binary index (when
-    the dataset has one) into the cache with atomic renames, hashes the JSON once, and writes a record
-    of identity, size and SHA-256 last, once the manifest passed every check. The node's other
-    processes wait on the lock and read the local copy, trusting the record's hash instead of hashing
-    the JSON again, and its checks of that very index file (checksum, names) instead of repeating them:
-    a thousand ranks on 125 nodes cost 125 manifest GETs and 125 hashes, not 1,000. Every process
-    memory-maps the node's private copy of the index, so its pages are shared by the node's processes
-    (`shardkit.shard_columns.map_index_file`). A local dataset's JSON is read in place; its index is
-    copied too, since a file that someone may rewrite in place must not be mapped. Errors name the
-    store's URL.
+    The first process of the node (no record of the manifest there yet) takes the node's manifest lock (a
+    flock, as for a shard) and downloads `shardkit.json` and the binary index (when the dataset has one) at
+    once, in one round trip: the GET of the JSON answers its identity too (size and ETag or mtime), so no
+    HEAD comes first. It copies both into the cache with atomic renames, hashes the JSON once, and writes
+    a record of identity, size and SHA-256 last, once the manifest passed every check. Every other process
+    asks the store for the manifest's identity (one HEAD or stat) and compares it with the record: a
+    changed manifest is fetched again the same way, under the lock; an unchanged one is read from the
+    local copy, trusting the record's hash instead of hashing the JSON again, and its checks of that very
+    index file (checksum, names) instead of repeating them: a thousand ranks on 125 nodes cost 125
+    manifest GETs and 125 hashes, not 1,000. Every process memory-maps the node's private copy of the
+    index, so its pages are shared by the node's processes (`shardkit.shard_columns.map_index_file`). A
+    local dataset's JSON is read in place; its index is copied too, since a file that someone may rewrite
+    in place must not be mapped. Errors name the store's URL.
     """
     if not node_copy:
         return load_manifest(storage)
     url = storage.url_of(MANIFEST_NAME)
-    try:
-        identity = storage.identity(MANIFEST_NAME)
-    except FileNotFoundError as err:
-        raise ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
-                            "(was the build interrupted before it finished?)") from err
     root = os.path.abspath(cache_dir or default_cache_dir())
     directory = os.path.join(root, dataset_cache_key(storage.url))
     private_tree(root, directory)  # the record below is trusted instead of a hash: nobody else may write it
     local = storage if storage.is_local else Storage(directory)
     index_copy = os.path.join(directory, INDEX_NAME)
     record_path = os.path.join(directory, MANIFEST_NAME + ".record")
+    if not storage.is_local and not os.path.exists(record_path):
+        first = _under_lock(directory, lambda: None if os.path.exists(record_path)
+                            else _fetch_manifest_locked(storage, local, directory, record_path))
+        if first is not None:
+            return first
+        # Another process of the node recorded it meanwhile: its copy is checked below, as any process checks it.
+    identity = _manifest_identity(storage)
     record = _read_record(record_path, identity)
     if record is None:
-        download = LockFile(os.path.join(directory, MANIFEST_NAME + ".dl"))  # a fork must not hold it too
-        try:
-            download.lock()
-            record = _read_record(record_path, identity)  # another process may have just done it
-            if record is None:
-                return _fetch_manifest_locked(storage, local, directory, identity, record_path)
-        finally:
-            download.close()  # releases the lock
+        def fetch() -> Manifest | None:
+            if _read_record(record_path, identity) is not None:  # another process may have just done it
+                return None
+            return _fetch_manifest_locked(storage, local, directory, record_path, identity)
+        fetched = _under_lock(directory, fetch)
+        if fetched is not None:
+            return fetched
+        record = _read_record(record_path, identity)
     size, digest, checked_index = record
     return load_manifest(local, display_url=url, known_digest=(size, digest), index_copy=index_copy,
                          checked_index=checked_index)
 
 
-def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, identity: str,
-                           record_path: str) -> Manifest:
-    """The node's first process: download, hash and fully check the manifest, then record it."""
+def _under_lock(directory: str, work: Callable[[], Manifest | None]) -> Manifest | None:
+    """`work()` holding the node's manifest lock (waiting for it)."""
+    download = LockFile(os.path.join(directory, MANIFEST_NAME + ".dl"))  # a fork must not hold it too
+    try:
+        download.lock()
+        return work()
+    finally:
+        download.close()  # releases the lock
+
+
+def _manifest_identity(storage: Storage) -> str:
+    try:
+        return storage.identity(MANIFEST_NAME)
+    except FileNotFoundError as err:
+        raise _no_dataset(storage) from err
+
+
+def _no_dataset(storage: Storage) -> ManifestError:
+    return ManifestError(f"no dataset at {storage.display_url}: {MANIFEST_NAME} not found "
+                         "(was the build interrupted before it finished?)")
+
+
+def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, record_path: str,
+                           identity: str | None = None) -> Manifest:
+    """The node's process holding the manifest lock: download, hash and fully check the manifest, then record it
+    under `identity` (a local dataset's, asked before), or under the identity the GET of the JSON answered."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record_path)  # the copies below are being replaced: invalid until rewritten
-    # The JSON (remote datasets; a local one is read in place) and the index at once: one round trip less
-    # before the first batch. Both start after the HEAD that gave `identity`, so the JSON recorded under
-    # it is that version or a newer one (which the next HEAD sees as a change), never an older one; the
-    # index records the JSON it was built for and is checked against it, so it may come from any moment.
-    # A process still reading the previous index copy keeps its mapping of that file: the rename gives
-    # this one a new inode. A local dataset's JSON is read in place, so there is nothing to overlap the
-    # index copy with: a thread would only add its start-up (milliseconds on a busy node) to the first batch.
+    # The JSON (remote datasets; a local one is read in place) and the index at once: one round trip before the
+    # first batch. The JSON's identity comes with its bytes (`Storage.download_with_identity`); the index records
+    # the JSON it was built for and is checked against it, so it may come from any moment. A process still
+    # reading the previous index copy keeps its mapping of that file: the rename gives this one a new inode. A
+    # local dataset's JSON is read in place, so there is nothing to overlap the index copy with: a thread would
+    # only add its start-up (milliseconds on a busy node) to the first batch.
     if storage.is_local:
         _download_index(storage, directory)
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
             index = pool.submit(_download_index, storage, directory)
             try:
-                _download_atomic(storage, MANIFEST_NAME, directory)
+                identity = _download_atomic(storage, MANIFEST_NAME, directory, identity=True, asked=identity)
                 index.result()
+            except FileNotFoundError as err:
+                raise _no_dataset(storage) from err
             finally:
                 # The future keeps an error, whose traceback keeps this frame and its callers': a reference
                 # cycle that would hold the caller's objects (a DataLoader and its workers) until a collection.
@@ -181,7 +209,12 @@ def _download_index(storage: Storage, directory: str) -> None:
             os.unlink(os.path.join(directory, INDEX_NAME))
 
 
-def _download_atomic(storage: Storage, name: str, directory: str) -> None:
+def _download_atomic(storage: Storage, name: str, directory: str, *, identity: bool = False,
+                     asked: str | None = None) -> str | None:
+    """Copy `name` into `directory`; with `identity`, return the copy's (`Storage.download_with_identity`)."""
     # No fsync here or for the record: the node cache holds copies of the store, fetched again when lost.
     with atomic_path(os.path.join(directory, name), fsync=False) as temporary:
+        if identity:
+            return storage.download_with_identity(name, temporary, asked=asked)
         storage.download(name, temporary)
+        return None

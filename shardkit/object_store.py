@@ -262,8 +262,7 @@ class ObjectStoreObjects:
         return int(self.head(path)["size"])
 
     def identity(self, path: str) -> str:
-        meta = self.head(path)
-        return f"{meta['size']}:{meta.get('e_tag') or meta.get('last_modified') or ''}"
+        return identity_of(self.head(path))
 
     def read(self, path: str, size: int | None = None) -> bytes:
         """The whole object, checked against its size and its ETag, as botocore checks s3fs's whole-object reads
@@ -317,7 +316,9 @@ class ObjectStoreObjects:
         return self._run(lambda obstore, store: [meta["path"] for chunk in obstore.list(store, prefix=prefix)
                                                  for meta in chunk])
 
-    def download(self, path: str, local_path: str) -> None:
+    def download(self, path: str, local_path: str) -> str:
+        """Copy the object to `local_path`; returns its identity (as `identity`) from the GET's own answer: the
+        identity of exactly the bytes written, with no HEAD before them."""
         def stream(obstore, store):
             result = obstore.get(store, path)
             count = 0
@@ -327,7 +328,8 @@ class ObjectStoreObjects:
                     count += len(chunk)
             if count != result.meta["size"]:
                 raise ShortReadError(f"{count} bytes arrived of the {result.meta['size']} the object holds")
-        self._run(stream)
+            return identity_of(result.meta)
+        return self._run(stream)
 
     def write(self, path: str, pieces: Sequence[bytes | memoryview]) -> None:
         total = sum(memoryview(piece).nbytes for piece in pieces)
@@ -341,6 +343,12 @@ class ObjectStoreObjects:
 
     def invalidate(self, path: str) -> None:
         """Nothing to forget: obstore keeps no listings cache."""
+
+
+def identity_of(meta: dict[str, Any]) -> str:
+    """What changes when an object is replaced, from obstore's metadata of it (a HEAD's or a GET's): its size and
+    ETag, else its last-modified time."""
+    return f"{meta['size']}:{meta.get('e_tag') or meta.get('last_modified') or ''}"
 
 
 _BUCKET_REGIONS: dict[tuple[str, str], str | None] = {}  # (endpoint, bucket) -> region, once per process

@@ -4,10 +4,11 @@ obstore (0.12.1) runs every request, synchronous or async, on one tokio runtime 
 a static started at the first request. fork() copies the static but not the runtime's threads, so in a forked
 child every request hangs, through a store the parent made and one the child makes alike (tried: a HEAD, a GET
 and a ranged GET, sync and async, all hang; none fails). A shared library loaded again from another file has
-statics of its own, so a child loads obstore's extension once more: before the fork the parent copies the
-extension's file into an anonymous memory file (a memfd, once per process, its pages shared by every child),
-and a child that reads an object store loads its own copy from it (10-20 ms) and makes its stores with that.
-Its runtime then starts in the child, which prepares a copy for its own children in turn.
+statics of its own, so a child runs obstore's extension loaded once more: before its first fork the parent
+copies the extension's file into an anonymous memory file (a memfd, once per process, its pages shared by every
+child) and loads that copy without ever running it (10-20 ms, once), and a child that reads an object store makes
+its stores with the copy it inherited loaded and not started. Its runtime then starts in the child, which
+prepares a copy for its own children in turn.
 
 Where no copy can be made (no memfd: not Linux; the copy failed), `usable_here()` says so and the caller reads
 through fsspec, as every process did before obstore.
@@ -29,6 +30,7 @@ _module: ModuleType | None = None  # obstore's extension as this process uses it
 _kinds_used: set[str] = set()  # the kinds of store ("s3", "gcs", ...) `_runtime_pid` made requests to
 _copy_for_children: tuple[int, int] | None = None  # (the process that made it, the memfd) of a fresh extension
 _failed_pid: int | None = None  # the process where loading a fresh copy failed (it reads through fsspec)
+_spare: tuple[int, ModuleType | None] | None = None  # (the process that loaded it, the copy for its children)
 # The store classes' names in obstore's extension, by kind of store.
 STORE_CLASSES = {"s3": "S3Store", "gcs": "GCSStore", "azure": "AzureStore", "http": "HTTPStore"}
 
@@ -97,17 +99,32 @@ def prepare_children() -> bool:
         logger.debug("no copy of obstore's extension for forked children (%s): they read through fsspec", err)
         return False
     _copy_for_children = (os.getpid(), memfd)
+    _load_spare(memfd)
     return True
+
+
+def _load_spare(memfd: int) -> None:
+    """Load the copy for children here, once, never to run it here: every child forked from now on inherits it
+    loaded, its runtime not started, instead of each loading its own at its first request (10-20 ms alone, 50 ms
+    or more while the DataLoader's workers all start at once on a busy machine, on the way to each first batch)."""
+    global _spare
+    _spare = (os.getpid(), _load_copy(f"/proc/self/fd/{memfd}"))
 
 
 def _fresh_copy() -> ModuleType | None:
     """obstore's extension loaded again from the memfd of the process whose runtime this one inherited (another
-    file: its own statics, its own runtime; no process of this line has loaded that copy), or None where it made
-    none. `sys.modules` keeps the inherited modules (the copy's loading replaces `obstore.exceptions` and
-    `obstore._store`): only shardkit's stores use the copy."""
+    file: its own statics, its own runtime; no process of this line has run that copy), or None where it made
+    none: the copy that process loaded for its children (`_load_spare`), else loaded here."""
     if _copy_for_children is None or _copy_for_children[0] != _runtime_pid:
         return None
-    path = f"/proc/self/fd/{_copy_for_children[1]}"
+    if _spare is not None and _spare[0] == _runtime_pid and _spare[1] is not None:
+        return _spare[1]
+    return _load_copy(f"/proc/self/fd/{_copy_for_children[1]}")
+
+
+def _load_copy(path: str) -> ModuleType | None:
+    """obstore's extension loaded from the file `path`, or None. `sys.modules` keeps the modules it had (loading
+    the copy replaces `obstore.exceptions` and `obstore._store`): only shardkit's stores use the copy."""
     loader = importlib.machinery.ExtensionFileLoader("obstore._obstore", path)
     spec = importlib.util.spec_from_file_location("obstore._obstore", path, loader=loader)
     inherited = {name: module for name, module in sys.modules.items() if name.startswith("obstore")}

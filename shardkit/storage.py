@@ -432,7 +432,7 @@ class FsspecObjects:
         return [path.replace(os.sep, "/") if self.is_local else path for path in self.fs.find(root)]
 
     def download(self, path: str, local_path: str) -> None:
-        self.fs.get_file(path, local_path)
+        self.fs.get_file(path, local_path)  # no identity from fsspec's copy: `download_with_identity` asks first
 
     def write(self, path: str, pieces: Sequence[bytes | memoryview]) -> None:
         if self.is_local:
@@ -585,6 +585,18 @@ class Storage:
     def download(self, name: str, local_path: str) -> None:
         """Copy `name` to a local file path (the caller makes it atomic)."""
         self._call(lambda objects, path: objects.download(path, local_path), name, "download")
+
+    def download_with_identity(self, name: str, local_path: str, *, asked: str | None = None) -> str:
+        """Copy `name` to a local file path (the caller makes it atomic) and return the identity (as `identity`) of
+        the copy. On obstore one request, a GET whose answer gives both; on fsspec a HEAD (or stat) and then the
+        copy, so that the identity is that of the bytes copied or of an older version (which the next
+        `identity` sees as a change), never of a newer one; `asked`, an identity asked just before, stands for
+        that HEAD."""
+        if isinstance(self._backend(), FsspecObjects):
+            identity = asked or self.identity(name)
+            self.download(name, local_path)
+            return identity
+        return self._call(lambda objects, path: objects.download(path, local_path), name, "download")
 
     # -- writes ------------------------------------------------------------------------------
     def write_bytes(self, name: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:

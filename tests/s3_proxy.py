@@ -45,7 +45,9 @@ class CountingProxy:
                 for key, value in response.getheaders():
                     if key.lower() not in _HOP and key.lower() != "content-length":
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's answer has no body: its Content-Length is the object's size, passed on as it came.
+                length = response.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

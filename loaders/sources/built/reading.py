@@ -8,6 +8,7 @@ it the sample ids of each chunk (fixed-size steps) or the epoch's order (token-b
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -79,9 +80,12 @@ class BatchReader:
                     # make the first batch wait for whole shards.
                     self._prefetch(executor, [i for i in needed if not self._serves_blocks(i)], topo)
                 self.hold(needed, held)
+                batches = self._batches(ids, held, ramp=first)
+                if first:  # an iteration's first batch has the link to itself: the next chunk's shards come after it
+                    yield from itertools.islice(batches, 1)
                 if executor is not None and upcoming is not None:  # after the opens, for the same reason
                     self._prefetch(executor, self.shards_in_order(upcoming), topo)
-                yield from self._batches(ids, held, ramp=first)
+                yield from batches
                 first = False
         finally:
             for handle in held.values():
