@@ -16,18 +16,26 @@ from shardkit.storage import Storage
 pytest.importorskip("obstore")
 pytestmark = pytest.mark.s3
 
-FRESH_COPY = "memfd:shardkit-obstore"  # how /proc/PID/maps names the copy of obstore's extension a child loads
+RUNTIME_THREAD = "tokio-rt-worker"  # obstore's runtime threads: fork() copies none, so a child's are its own
 
 
-def _maps_fresh_copy(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as maps:
-        return FRESH_COPY in maps.read()
+def _runs_obstore(pid: int) -> bool:
+    """Whether process `pid` started an obstore runtime of its own (s3fs, the fallback, starts none)."""
+    names = set()
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{thread}/comm") as comm:
+                names.add(comm.read().strip())
+        except FileNotFoundError:
+            pass  # the thread ended meanwhile
+    return RUNTIME_THREAD in names
 
 
 @pytest.mark.slow
 def test_dataloader_workers_read_s3_through_an_obstore_of_their_own(s3_bucket, tmp_path, monkeypatch):
     """The parent reads the manifest through obstore (its runtime starts), then forks 2 DataLoader workers: each
-    loads its own copy of obstore's extension and reads its shards through it (before, they fell back to s3fs)."""
+    reads its shards through a copy of obstore's extension with a runtime of its own (the copy the parent loaded
+    for its children before the fork; before obstore's copies, they fell back to s3fs)."""
     from shardkit.formats import write_dataset
     from shardkit.manifest import TokenizerInfo
 
@@ -38,7 +46,11 @@ def test_dataloader_workers_read_s3_through_an_obstore_of_their_own(s3_bucket, t
     dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), storage_options=options, shuffle=False,
                                rank=0, world_size=1, prefetch=False)
     assert Storage(url, options).client == "obstore"
-    assert not _maps_fresh_copy(os.getpid()), "the parent runs the obstore it imported"
+    import obstore._obstore
+
+    from shardkit.object_store_runtime import obstore_module
+
+    assert obstore_module() is obstore._obstore, "the parent runs the obstore it imported"
     # A step is a shard (32 samples, in order), and the workers take alternate steps: each worker reads shards of
     # its own from S3 (none finds the other's in the shared node cache).
     loader = StreamingDataLoader(dataset, batch_size=32, num_workers=2, multiprocessing_context="fork", timeout=60)
@@ -50,8 +62,8 @@ def test_dataloader_workers_read_s3_through_an_obstore_of_their_own(s3_bucket, t
     for batch in batches:
         assert np.array_equal(ids_from_tokens(batch["tokens"]), batch["sample_id"].numpy())
         ids.append(batch["sample_id"].numpy().copy())
-        if workers and all(_maps_fresh_copy(pid) for pid in workers):
-            workers = []  # each worker read through a copy of its own
+        if workers and all(_runs_obstore(pid) for pid in workers):
+            workers = []  # each worker read through a copy of its own, its runtime started there
     assert workers == [], "a worker read without loading obstore (the s3fs fallback)"
     assert sorted(np.concatenate(ids).tolist()) == list(range(256))
     assert all(dataset.caches[0].is_cached(shard) for shard in range(8)), "the workers filled the cache"
