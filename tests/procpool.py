@@ -1,7 +1,8 @@
 """A small pool of long-lived spawned processes for multi-process tests.
 
 Starting a process that imports torch costs seconds on a 2-core machine, so the loader tests start
-a few once per session and send them tasks. Unlike multiprocessing.Pool, the processes are not
+a few once per session and send them tasks: process i starts when a task first needs it (most tests need 2 to 4
+of the 8, and each xdist worker has a pool of its own: 2.5 CPU-seconds each not spent on the others). Unlike multiprocessing.Pool, the processes are not
 daemonic (DataLoader workers can start inside them) and each task goes to a chosen process, so a
 group of tasks that rendezvous with each other (gloo) always runs concurrently.
 
@@ -62,8 +63,6 @@ class ProcessPool:
         self.tasks: list = [None] * size
         self.procs: list = [None] * size
         self._serial = 0
-        for i in range(size):
-            self._start(i)
 
     def _dump_path(self, index: int) -> str:
         return os.path.join(self._dumps, f"pool-{index}.txt")
@@ -80,6 +79,9 @@ class ProcessPool:
         """Run fn(**kwargs_list[i]) on process i, all at once; return the results in order."""
         if len(kwargs_list) > len(self.procs):
             raise ValueError(f"{len(kwargs_list)} tasks for a pool of {len(self.procs)}")
+        for i in range(len(kwargs_list)):
+            if self.procs[i] is None:
+                self._start(i)
         self._serial += 1
         serial = self._serial
         for i, kwargs in enumerate(kwargs_list):
@@ -96,10 +98,10 @@ class ProcessPool:
             try:
                 index, task_serial, ok, value = self.results.get(timeout=min(remaining, 5.0))
             except queue.Empty:
-                dead = [p.name for p in self.procs if not p.is_alive()]
+                dead = [p.name for p in self.procs if p is not None and not p.is_alive()]
                 if dead:
                     for i, proc in enumerate(self.procs):
-                        if not proc.is_alive():
+                        if proc is not None and not proc.is_alive():
                             self._start(i)
                     raise RuntimeError(f"pool processes died (started again): {dead}") from None
                 continue
@@ -134,9 +136,10 @@ class ProcessPool:
         return "\n".join(report)
 
     def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        started = [i for i, proc in enumerate(self.procs) if proc is not None]
+        for i in started:
+            self.tasks[i].put(None)
+        for i in started:
+            self.procs[i].join(10)
+            if self.procs[i].is_alive():
+                self.procs[i].kill()
