@@ -1,10 +1,10 @@
 """A small pool of long-lived spawned processes for multi-process tests.
 
 Starting a process that imports torch costs seconds on a 2-core machine, so the loader tests start
-a few once per session and send them tasks: process i starts when a task first needs it (most tests need 2 to 4
-of the 8, and each xdist worker has a pool of its own: 2.5 CPU-seconds each not spent on the others). Unlike multiprocessing.Pool, the processes are not
-daemonic (DataLoader workers can start inside them) and each task goes to a chosen process, so a
-group of tasks that rendezvous with each other (gloo) always runs concurrently.
+a few once per session and send them tasks: process i starts when a task first needs it (most tests need 2
+to 4 of the 8, and each xdist worker has a pool of its own: 2.5 CPU-seconds a process not started). Unlike
+multiprocessing.Pool, the processes are not daemonic (DataLoader workers can start inside them) and each task
+goes to a chosen process, so a group of tasks that rendezvous with each other (gloo) always runs concurrently.
 
 A task that does not finish in time is a hang worth diagnosing, and it must not take the next test
 with it: the pool dumps the Python stacks of every thread of the stuck processes and of their
