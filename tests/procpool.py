@@ -24,6 +24,7 @@ import traceback
 
 from process_tree import descendants, signal_all
 
+READY = 0  # the serial of the message a process sends once it has started (tasks count from 1)
 # faulthandler writes every thread's stack here when the process (or a child it forked) gets SIGUSR1.
 _DUMP_SIGNAL = signal.SIGUSR1
 
@@ -35,6 +36,8 @@ def _serve(index: int, tasks, results, parent: int, dump_path: str) -> None:
     faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)  # inherited by forked children
 
     import torch  # noqa: F401 - pay the import once, at start-up, in parallel
+
+    results.put((index, READY, True, None))
 
     while True:
         try:
@@ -79,9 +82,7 @@ class ProcessPool:
         """Run fn(**kwargs_list[i]) on process i, all at once; return the results in order."""
         if len(kwargs_list) > len(self.procs):
             raise ValueError(f"{len(kwargs_list)} tasks for a pool of {len(self.procs)}")
-        for i in range(len(kwargs_list)):
-            if self.procs[i] is None:
-                self._start(i)
+        self._start_missing(len(kwargs_list), timeout)
         self._serial += 1
         serial = self._serial
         for i, kwargs in enumerate(kwargs_list):
@@ -114,6 +115,22 @@ class ProcessPool:
         if failures:
             raise RuntimeError(self._failures_text(failures))
         return [results[i] for i in range(len(kwargs_list))]
+
+    def _start_missing(self, count: int, timeout: float) -> None:
+        """Start processes 0..count-1 where none runs yet and wait until each has imported torch, so that the
+        tasks then sent begin together, as they would on processes started long before (a test of 8 processes
+        contending for a cache must not see them start one by one as their imports finish)."""
+        starting = {i for i in range(count) if self.procs[i] is None}
+        for i in starting:
+            self._start(i)
+        deadline = time.monotonic() + timeout
+        while starting:
+            try:
+                index, serial, _, _ = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"pool processes {sorted(starting)} did not start within {timeout}s") from None
+            if serial == READY:
+                starting.discard(index)
 
     @staticmethod
     def _failures_text(failures: dict[int, str]) -> str:
