@@ -35,11 +35,16 @@ def pytest_runtest_protocol(item, nextitem):
     (own, children), began, started = _cpu_seconds(), time.monotonic(), time.time()
     yield
     own_after, children_after = _cpu_seconds()
-    record = {"test": item.nodeid, "self": round(own_after - own, 2), "children": round(children_after - children, 2),
+    record = {"test": _without_group(item.nodeid), "self": round(own_after - own, 2), "children": round(children_after - children, 2),
               "wall": round(time.monotonic() - began, 2), "slow": item.get_closest_marker("slow") is not None,
               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "began": round(started, 1)}
     with open(report, "a", encoding="utf-8") as file:  # one short append a test: xdist workers share the file
         file.write(json.dumps(record) + "\n")
+
+
+def _without_group(nodeid: str) -> str:
+    """The test's id without the `@group` that xdist's loadgroup adds to a grouped test's (comparable run to run)."""
+    return nodeid[:nodeid.rfind("@")] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
 
 
 def main(path: str, most: int = 40) -> None:
