@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -30,14 +31,25 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Slow (multi-process) tests first, otherwise in collection order: xdist hands tests out in this order, so
-    the minute-long ones start while every worker is busy instead of ending the run alone on one worker.
+    """Slow (multi-process) tests first, those of an `xdist_group` (below: a module of minutes, one unit of work)
+    before the others, the larger groups first, otherwise in collection order: xdist hands tests out in this
+    order, so the minute-long ones start while every worker is busy instead of ending the run alone on one worker.
 
-    This needs `--maxschedchunk 1` (pyproject's addopts): xdist's default first deals each worker a block of
-    consecutive tests, a quarter of the suite, so the slow tests, all at the front, went to one or two
-    workers, which ran them one after another while the others sat idle (a 40-minute run at 108% CPU of 200%).
-    With it every worker holds at most two tests and takes the next when one ends."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    This needs pyproject's `--dist loadgroup --no-loadscope-reorder`: every test is a unit of its own, handed to
+    the worker that has at most two left (xdist's plain `load` first deals each worker a block of consecutive
+    tests, a quarter of the suite, so the slow tests, all at the front, went to one or two workers while the
+    others sat idle: a 40-minute run at 108% CPU of 200%), except the tests of an `xdist_group`, one unit that
+    one worker runs: a module whose tests share the torchrun runs of a module fixture (test_loop's references)
+    marks itself so, since each worker makes a module fixture of its own (test_diloco_runs' shared runs, 33
+    CPU-seconds, were made twice in a full run). `--no-loadscope-reorder` keeps this order (xdist's default
+    puts the largest groups first)."""
+    groups = collections.Counter(mark.args[0] for item in items for mark in item.iter_markers("xdist_group"))
+
+    def order(item) -> tuple:
+        group = item.get_closest_marker("xdist_group")
+        return item.get_closest_marker("slow") is None, -groups[group.args[0]] if group else 0
+
+    items.sort(key=order)
 
 
 def in_fresh_process(fn, *args):

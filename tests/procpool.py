@@ -1,9 +1,10 @@
 """A small pool of long-lived spawned processes for multi-process tests.
 
 Starting a process that imports torch costs seconds on a 2-core machine, so the loader tests start
-a few once per session and send them tasks. Unlike multiprocessing.Pool, the processes are not
-daemonic (DataLoader workers can start inside them) and each task goes to a chosen process, so a
-group of tasks that rendezvous with each other (gloo) always runs concurrently.
+a few once per session and send them tasks: process i starts when a task first needs it (most tests need 2
+to 4 of the 8, and each xdist worker has a pool of its own: 2.5 CPU-seconds a process not started). Unlike
+multiprocessing.Pool, the processes are not daemonic (DataLoader workers can start inside them) and each task
+goes to a chosen process, so a group of tasks that rendezvous with each other (gloo) always runs concurrently.
 
 A task that does not finish in time is a hang worth diagnosing, and it must not take the next test
 with it: the pool dumps the Python stacks of every thread of the stuck processes and of their
@@ -23,6 +24,7 @@ import traceback
 
 from process_tree import descendants, signal_all
 
+READY = 0  # the serial of the message a process sends once it has started (tasks count from 1)
 # faulthandler writes every thread's stack here when the process (or a child it forked) gets SIGUSR1.
 _DUMP_SIGNAL = signal.SIGUSR1
 
@@ -34,6 +36,8 @@ def _serve(index: int, tasks, results, parent: int, dump_path: str) -> None:
     faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)  # inherited by forked children
 
     import torch  # noqa: F401 - pay the import once, at start-up, in parallel
+
+    results.put((index, READY, True, None))
 
     while True:
         try:
@@ -62,8 +66,6 @@ class ProcessPool:
         self.tasks: list = [None] * size
         self.procs: list = [None] * size
         self._serial = 0
-        for i in range(size):
-            self._start(i)
 
     def _dump_path(self, index: int) -> str:
         return os.path.join(self._dumps, f"pool-{index}.txt")
@@ -80,6 +82,7 @@ class ProcessPool:
         """Run fn(**kwargs_list[i]) on process i, all at once; return the results in order."""
         if len(kwargs_list) > len(self.procs):
             raise ValueError(f"{len(kwargs_list)} tasks for a pool of {len(self.procs)}")
+        self._start_missing(len(kwargs_list), timeout)
         self._serial += 1
         serial = self._serial
         for i, kwargs in enumerate(kwargs_list):
@@ -96,10 +99,10 @@ class ProcessPool:
             try:
                 index, task_serial, ok, value = self.results.get(timeout=min(remaining, 5.0))
             except queue.Empty:
-                dead = [p.name for p in self.procs if not p.is_alive()]
+                dead = [p.name for p in self.procs if p is not None and not p.is_alive()]
                 if dead:
                     for i, proc in enumerate(self.procs):
-                        if not proc.is_alive():
+                        if proc is not None and not proc.is_alive():
                             self._start(i)
                     raise RuntimeError(f"pool processes died (started again): {dead}") from None
                 continue
@@ -112,6 +115,22 @@ class ProcessPool:
         if failures:
             raise RuntimeError(self._failures_text(failures))
         return [results[i] for i in range(len(kwargs_list))]
+
+    def _start_missing(self, count: int, timeout: float) -> None:
+        """Start processes 0..count-1 where none runs yet and wait until each has imported torch, so that the
+        tasks then sent begin together, as they would on processes started long before (a test of 8 processes
+        contending for a cache must not see them start one by one as their imports finish)."""
+        starting = {i for i in range(count) if self.procs[i] is None}
+        for i in starting:
+            self._start(i)
+        deadline = time.monotonic() + timeout
+        while starting:
+            try:
+                index, serial, _, _ = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"pool processes {sorted(starting)} did not start within {timeout}s") from None
+            if serial == READY:
+                starting.discard(index)
 
     @staticmethod
     def _failures_text(failures: dict[int, str]) -> str:
@@ -134,9 +153,10 @@ class ProcessPool:
         return "\n".join(report)
 
     def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        started = [i for i, proc in enumerate(self.procs) if proc is not None]
+        for i in started:
+            self.tasks[i].put(None)
+        for i in started:
+            self.procs[i].join(10)
+            if self.procs[i].is_alive():
+                self.procs[i].kill()

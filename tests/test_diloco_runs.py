@@ -22,7 +22,9 @@ from conftest import free_port, shared_path
 from train_runs import (check_ok, eval_losses, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
-pytestmark = pytest.mark.slow
+# All on one xdist worker (pyproject's `--dist loadgroup`): the in-process runs (`in_process_runs`), a module fixture several tests share,
+# is then made once, not once per worker that runs one of them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_diloco_runs")]
 
 
 

@@ -24,7 +24,9 @@ from shardkit.train.loop import build, close, train
 from train_runs import (NUM_SAMPLES, check_ok, checkpoints, eval_losses, losses, sample_ids, torchrun,
                         write_byte_dataset)
 
-pytestmark = pytest.mark.slow
+# All on one xdist worker (pyproject's `--dist loadgroup`): the reference runs (`reference`), a module fixture several tests share,
+# is then made once, not once per worker that runs one of them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_loop")]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ from conftest import shared_path
 from shardkit.train.checkpoint import MARKER_NAME, find_latest
 from train_runs import check_ok, losses, torchrun, write_byte_dataset, write_gpt2_dataset
 
-pytestmark = pytest.mark.slow
+# All on one xdist worker (pyproject's `--dist loadgroup`): the layouts' runs (`runs`), a module fixture several tests share,
+# is then made once, not once per worker that runs one of them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_parallel_layouts")]
 
 GLOBAL_BATCH, STEPS, N_LAYER, SEQ_LEN, D_MODEL = 12, 5, 4, 32, 64
 # One model for every layout, with the defaults a GPT-2-tokenized dataset gets: GPT-2's vocabulary (50257,
