@@ -6,6 +6,7 @@ Parse, build, train, close. Every rank runs this; rank 0 prints and writes the r
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import sys
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_trainer(argv: list[str]) -> int:
     """Parse `argv` and run the trainer in this process."""
+    # A rank that dies of a signal (SIGABRT from a C++ thread left joinable, SIGSEGV in an extension) prints every
+    # Python thread's stack first, so torchrun's failure report says where; the stacks hold names and line numbers,
+    # never argument values, so they bypass the credential redaction safely.
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     from shardkit.redaction import redacted_output
     from shardkit.wording import command_line
     from shardkit.train.options import parse_train_args
