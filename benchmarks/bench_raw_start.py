@@ -13,9 +13,11 @@
    so 64 units of 2 MiB exist.
 2. Rate per loader process against the build's text layer, per tokenizer kind (HF tokenizer.json, tiktoken
    r50k_base, a sentencepiece model trained here on the slice, byte): `bench_raw_text.text_layer_pass` and
-   `bench_raw_text.raw_pass` (0 workers, concat, 64 KiB units, 4 lanes) on --mb of the mix corpus, alternating,
-   each side in its own process; document tokens per second and per CPU-second, and each run's loader rate over
-   its own build pass.
+   `bench_raw_text.raw_pass` (0 workers, concat, 64 KiB units, 4 lanes, --lane-epochs 2) on --mb of the mix
+   corpus, alternating, each side in its own process; document tokens per second and per CPU-second, and each
+   run's loader rate over its own build pass. Beside that yardstick, the real `shardkit build --workers 1` of the same files in the same
+   process (`shardkit_build_pass`: tokenize in one worker process, pack, write zstd shards, hash and verify them),
+   and the loader's rate over it.
 
 Medians of --runs, every run listed; JSON to --out.
 """
@@ -94,7 +96,7 @@ def make_state(corpus: str, out: Path, steps: int = 3) -> None:
     out.with_suffix(".old.json").write_text(json.dumps(old))
 
 
-def rate_child(tokenizer: str, mb: float, work: str) -> dict:
+def rate_child(tokenizer: str, mb: float, work: str, lane_epochs: int) -> dict:
     """One build pass and one loader pass (0 workers) on the slice, in this interpreter's shardkit."""
     sys.path.insert(0, str(HERE))
     import bench_raw_text as b
@@ -103,10 +105,38 @@ def rate_child(tokenizer: str, mb: float, work: str) -> dict:
     paths = sorted(Path(work).glob("slice/*.jsonl.zst")) or b.write_corpus(records, Path(work) / "slice", 4)
     b.text_layer_pass(paths[:1], tokenizer, SEQ, "concat", 1 << 16)  # the tokenizer loaded, the code warm
     build = b.text_layer_pass(paths, tokenizer, SEQ, "concat", 1 << 16)
-    raw = b.raw_pass(paths, tokenizer, SEQ, 0, BATCH, unit_bytes=1 << 16, lanes=4)
+    raw = b.raw_pass(paths, tokenizer, SEQ, 0, BATCH, unit_bytes=1 << 16, lanes=4, lane_epochs=lane_epochs)
+    cli = shardkit_build_pass(paths, tokenizer, Path(work))
     return {"build": build["tokens_per_s"], "build_cpu": build["tokens_per_cpu_s"], "raw": raw["tokens_per_s"],
             "raw_cpu": raw["tokens_per_cpu_s"], "ratio": raw["tokens_per_s"] / build["tokens_per_s"],
-            "ratio_cpu": raw["tokens_per_cpu_s"] / build["tokens_per_cpu_s"]}
+            "ratio_cpu": raw["tokens_per_cpu_s"] / build["tokens_per_cpu_s"], "cli": cli["tokens_per_s"],
+            "cli_cpu": cli["tokens_per_cpu_s"], "ratio_cli": raw["tokens_per_s"] / cli["tokens_per_s"],
+            "ratio_cli_cpu": raw["tokens_per_cpu_s"] / cli["tokens_per_cpu_s"]}
+
+
+def shardkit_build_pass(paths: list[Path], tokenizer: str, work: Path) -> dict:
+    """`shardkit build --workers 1` of the slice (its defaults otherwise: 1 MiB units, concat here, zstd arrow
+    shards written, hashed and checked): document tokens per second and per CPU-second (its one tokenizer worker
+    process and its threads included; the tokenizer was loaded by this process before)."""
+    import shutil
+
+    from shardkit.tools.build import run_build
+    from shardkit.tools.config import BuildConfig
+
+    sys.path.insert(0, str(HERE))
+    import bench_raw_text as b
+
+    out = work / f"built-{os.getpid()}"
+    config = BuildConfig(inputs=tuple(str(p) for p in paths), output=str(out), tokenizer=tokenizer, seq_len=SEQ,
+                         packing="concat", workers=1, progress=False)
+    with b.CpuTime() as cpu:
+        began = time.perf_counter()
+        result = run_build(config)
+        seconds = time.perf_counter() - began
+    shutil.rmtree(out, ignore_errors=True)
+    tokens = result.report["packing"]["document_tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tokens_per_cpu_s": tokens / cpu.seconds}
 
 
 def sentencepiece_model(work: Path) -> str:
@@ -147,6 +177,9 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[0])
     parser.add_argument("--mb", type=float, default=3.0, help="--part rate: MB of the mix corpus")
     parser.add_argument("--part", nargs="+", default=["start", "rate"], choices=["start", "rate"])
+    parser.add_argument("--lane-epochs", type=int, default=2,
+                        help="--part rate: lane epochs the loader's pass reads (each lane ends it up to one tokenizer "
+                             "call ahead of what it delivered: ~5%% of one epoch of the 3 MB slice, half that of two)")
     parser.add_argument("--kinds", nargs="+", default=["hf", "tiktoken", "sentencepiece", "byte"])
     parser.add_argument("--data-dir", default=str(REPO / "bench_out" / "raw_start"))
     parser.add_argument("--out", default=str(REPO / "bench_out" / "raw_start.json"))
@@ -155,7 +188,7 @@ def main() -> int:
     data = Path(args.data_dir).resolve()
     data.mkdir(parents=True, exist_ok=True)
     runners = sides(args, data)
-    result: dict = {"load_average": os.getloadavg(), "runs": args.runs}
+    result: dict = {"load_average": os.getloadavg(), "runs": args.runs, "lane_epochs": args.lane_epochs}
     if "start" in args.part:
         corpus = str(write_start_corpus(data / "corpus"))
         state = data / "state.json"
@@ -182,10 +215,13 @@ def main() -> int:
                 for kind in args.kinds:
                     for side, (python, env) in runners.items():
                         rows.setdefault(f"{side}, {kind}", []).append(
-                            run_child(python, env, "--child-rate", specs[kind], str(args.mb), work))
+                            run_child(python, env, "--child-rate", specs[kind], str(args.mb), work,
+                                      str(args.lane_epochs)))
             result["rate"] = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                               | {"ratios": [round(r["ratio"], 3) for r in runs],
-                                 "ratios_cpu": [round(r["ratio_cpu"], 3) for r in runs]} for name, runs in rows.items()}
+                                 "ratios_cpu": [round(r["ratio_cpu"], 3) for r in runs],
+                                 "ratios_cli_cpu": [round(r["ratio_cli_cpu"], 3) for r in runs]}
+                              for name, runs in rows.items()}
     result["load_average_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -199,17 +235,22 @@ def print_tables(result: dict) -> None:
         for name, row in result["start"].items():
             print(f"| {name} | {row['first_step_s']:.2f} | {row['construction_s']:.2f} | {row['runs']} |")
     if "rate" in result:
-        print("\n| side, tokenizer | build tok/s | loader tok/s | loader / build: median of runs (runs) | "
-              "per CPU-second (runs) |\n|---|---|---|---|---|")
+        print("\n| side, tokenizer | text layer tok/s | shardkit build tok/s | loader tok/s | loader / text layer: "
+              "wall (runs) | per CPU-second (runs) | loader / shardkit build: wall | per CPU-second (runs) |\n"
+              "|---|---|---|---|---|---|---|---|")
         for name, row in result["rate"].items():
-            print(f"| {name} | {row['build'] / 1e6:.2f}M | {row['raw'] / 1e6:.2f}M | {row['ratio']:.0%} "
-                  f"({', '.join(f'{r:.0%}' for r in row['ratios'])}) | {row['ratio_cpu']:.0%} "
-                  f"({', '.join(f'{r:.0%}' for r in row['ratios_cpu'])}) |")
+            print(f"| {name} | {row['build'] / 1e6:.2f}M | {row['cli'] / 1e6:.2f}M | {row['raw'] / 1e6:.2f}M | "
+                  f"{row['ratio']:.0%} ({_runs(row['ratios'])}) | {row['ratio_cpu']:.0%} ({_runs(row['ratios_cpu'])}) "
+                  f"| {row['ratio_cli']:.0%} | {row['ratio_cli_cpu']:.0%} ({_runs(row['ratios_cli_cpu'])}) |")
+
+
+def _runs(ratios: list[float]) -> str:
+    return ", ".join(f"{r:.0%}" for r in ratios)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child-start"]:
     print(json.dumps(start_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
 elif __name__ == "__main__" and sys.argv[1:2] == ["--child-rate"]:
-    print(json.dumps(rate_child(sys.argv[2], float(sys.argv[3]), sys.argv[4])))
+    print(json.dumps(rate_child(sys.argv[2], float(sys.argv[3]), sys.argv[4], int(sys.argv[5]))))
 elif __name__ == "__main__":
     sys.exit(main())

@@ -290,28 +290,37 @@ def raw_loader(paths: list[Path], tokenizer: str, seq_len: int, pack: str, worke
     return loader, dataset.source.corpus.num_lanes, construction
 
 
-def raw_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batch_size: int, **options) -> dict:
+def raw_pass(paths: list[Path], tokenizer: str, seq_len: int, workers: int, batch_size: int, *, lane_epochs: int = 1,
+             **options) -> dict:
     """One timed pass of the raw-text loader (concat): document tokens delivered per second.
 
-    The pass stops before the first batch holding a lane's second epoch, and the time is taken at the batch before
-    it: with lanes of a few units each (dealt byte-balanced), what was tokenized and not delivered is then at most
-    each lane's last tokenizer call (a lane tokenizes a few documents at a time). The tokens delivered are counted
-    after the timing, as a consumer's work: the build's pass counts them in its packer."""
+    The pass stops before the first batch holding a lane's epoch `lane_epochs` (its second, by default), and the
+    time is taken at the batch before it: with lanes of a few units each (dealt byte-balanced), what was tokenized
+    and not delivered is then at most each lane's last tokenizer call (a lane tokenizes a few documents at a time,
+    up to its segment's end), a share of the pass that more lane epochs make smaller. The tokens delivered are
+    counted after the timing, as a consumer's work: the build's pass counts them in its packer."""
     loader, lanes, construction = raw_loader(paths, tokenizer, seq_len, "concat", workers, batch_size, **options)
     received = []  # each batch's shape and segments: its tokens are counted after the timing (the consumer's work)
     with PeakMemory() as memory, CpuTime() as cpu:
         began = last = time.perf_counter()
+        cpu_began, thread_last = time.process_time(), time.thread_time()
         batches = iter(loader)
         for batch in batches:
-            if bool((batch["lane_epoch"] > 0).any()):
+            if batch["lane_epoch"].numpy().max() >= lane_epochs:  # (numpy: a torch comparison costs ~10 us)
                 break
             received.append((batch["tokens"].shape, batch["cu_seqlens"], batch["padding_segments"]))
-            last = time.perf_counter()
+            # (the thread's clock: the process's costs ~30 us a call here, more than a batch of bytes)
+            last, thread_last = time.perf_counter(), time.thread_time()
+        # Without workers the CPU time is taken where the wall time is, at the last batch counted: less the batch
+        # past it, made on this thread. Workers' CPU time is known once they are reaped: to the end of the pass.
+        tail = time.thread_time() - thread_last
+        cpu_seconds = time.process_time() - cpu_began - tail
         seconds = last - began
         batches.close()  # stops and reaps the workers, so that their CPU time is counted
     delivered = sum(int(tokens.sum() - pad.sum()) for tokens, pad in (row_padding(*r) for r in received))
+    cpu_seconds = cpu_seconds if workers == 0 else cpu.seconds
     return {"construction_s": construction, "seconds": seconds, "tokens": delivered,
-            "tokens_per_s": delivered / seconds, "tokens_per_cpu_s": delivered / cpu.seconds, "lanes": lanes,
+            "tokens_per_s": delivered / seconds, "tokens_per_cpu_s": delivered / cpu_seconds, "lanes": lanes,
             "memory": memory.summary()}
 
 

@@ -24,6 +24,7 @@ workers that consumed them.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,6 +132,36 @@ def rank_step_positions(step: int, *, start: int, world_size: int, batch_size: i
     positions = start + step * global_batch + np.arange(global_batch, dtype=np.int64)
     by_lane = positions[np.argsort(position_lanes(positions, num_lanes, dry)[0], kind="stable")]
     return by_lane[rank * batch_size:(rank + 1) * batch_size]
+
+
+def rank_step_lanes(step: int, *, start: int, world_size: int, batch_size: int, rank: int, num_lanes: int,
+                    dry: Mapping[int, int] = NO_DRY_LANES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`rank_step_positions` and their `position_lanes`: (positions, lanes, indices within the lanes).
+
+    Without dry lanes a step's order by lane depends only on where the step begins modulo the lanes, so it is
+    worked out once per such phase (a loader asks at every step, a per-step cost for cheap tokenizers)."""
+    if dry:
+        positions = rank_step_positions(step, start=start, world_size=world_size, batch_size=batch_size,
+                                        rank=rank, num_lanes=num_lanes, dry=dry)
+        return (positions, *position_lanes(positions, num_lanes, dry))
+    first = start + step * world_size * batch_size
+    offsets, lanes = _step_pattern(first % num_lanes, world_size=world_size, batch_size=batch_size, rank=rank,
+                                   num_lanes=num_lanes)
+    positions = offsets + first
+    return positions, lanes, positions // num_lanes
+
+
+@functools.lru_cache(maxsize=256)
+def _step_pattern(phase: int, *, world_size: int, batch_size: int, rank: int, num_lanes: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets from a step's first position of the positions `rank` reads, and their lanes (read-only), for
+    a step whose first position is `phase` modulo `num_lanes`."""
+    positions = rank_step_positions(0, start=phase, world_size=world_size, batch_size=batch_size, rank=rank,
+                                    num_lanes=num_lanes)
+    offsets, lanes = positions - phase, positions % num_lanes
+    offsets.setflags(write=False)
+    lanes.setflags(write=False)
+    return offsets, lanes
 
 
 def position_lanes(positions: np.ndarray, num_lanes: int, dry: Mapping[int, int] = NO_DRY_LANES

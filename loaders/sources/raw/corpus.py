@@ -342,6 +342,8 @@ class LaneStream:
     def _count_found(self) -> None:
         """Count the rejections the current segment found since the last call (its parse's when it opened, the
         tokenizer's as its documents are tokenized), where this reader counts them."""
+        if not self._samples.found:  # the common case, at every sample: nothing new
+            return
         found, self._samples.found = self._samples.found, []
         if self._counting:
             self._count(self._current, found)

@@ -20,11 +20,12 @@ sample, as before.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shardkit.formats import Sample
+from shardkit.formats import Sample, ShardArrays
 from shardkit.text.documents import check_records, tokenize_texts, unit_records
 from shardkit.text.inputs import WorkUnit
 
@@ -63,7 +64,7 @@ class SegmentSamples:
         if document > len(self.records):
             raise ValueError(f"a restart point at record {document} of a segment of {len(self.records)}: the input "
                              "changed since the state was saved")
-        self.ready: deque[tuple[Sample, tuple[int, int]]] = deque()
+        self.ready: deque[_Run] = deque()
         self.skip = within if (document, token) == (0, 0) else 0
         self.next_document, self.trim = document, token
         self.chars = np.cumsum([0, *(len(raw) for _, raw in self.records)])
@@ -79,8 +80,13 @@ class SegmentSamples:
             self._make()
         if not self.ready:
             return None
-        sample, self._restart = self.ready.popleft()
-        return sample
+        run = self.ready[0]
+        row = run.next
+        run.next += 1
+        if run.next == run.stop:
+            self.ready.popleft()
+        self._restart = (run.documents[row], run.tokens[row])
+        return run.sample(row)
 
     def restart(self) -> tuple[int, int]:
         """(document, token) where the sample after the last one taken begins ((0, 0) for bestfit)."""
@@ -115,20 +121,91 @@ class SegmentSamples:
             self.trim = 0
         self._keep(self.packer.feed(tokens, lengths, self.source, doc_index))
 
-    def _keep(self, arrays: Any) -> None:
-        for sample in arrays:
-            restart = self._follow(sample) if self.follows_stream else (0, 0)
-            if self.skip:
-                self.skip -= 1
-            else:
-                self.ready.append((sample, restart))
+    def _keep(self, arrays: ShardArrays) -> None:
+        """Keep the samples a packer call completed, past the `skip` ones, with the restart point after each:
+        one run of samples, its restart points computed for the whole run at once."""
+        count = arrays.num_samples
+        if not count:
+            return
+        if count == 1 and arrays.doc_source[-1] < 0:  # a finished packer's padded sample: the segment's end
+            documents, tokens = [len(self.records) if self.follows_stream else 0], [0]
+        elif self.follows_stream:
+            documents, tokens = self._follow(arrays)
+        else:
+            documents = tokens = [0] * count
+        first = min(self.skip, count)
+        self.skip -= first
+        if first < count:
+            self.ready.append(_Run(arrays, documents, tokens, first))
 
-    def _follow(self, sample: Sample) -> tuple[int, int]:
-        """Where the sample after `sample` begins, following the token stream."""
-        if int(sample.doc_source[-1]) < 0:  # padded: the segment's last sample
-            return len(self.records), 0
-        doc = int(sample.doc_index[-1])
-        held = len(sample.tokens) - int(sample.doc_starts[-1])
-        self.last_count = self.last_count + held if len(sample.doc_index) == 1 and doc == self.last_doc else held
-        self.last_doc = doc
-        return doc - self.first_record, self.last_count
+    def _follow(self, arrays: ShardArrays) -> tuple[list[int], list[int]]:
+        """Where the sample after each of `arrays`' samples begins, following the token stream: (record of the
+        segment, tokens of its document in samples so far) lists, one entry per sample.
+
+        A sample's next one begins in the document of its last segment, after the tokens of that document held
+        by this sample and, where this sample holds nothing else, by the samples before it that held only that
+        document too (a document spanning several windows): a sum restarted wherever that chain breaks."""
+        last = arrays.doc_offsets[1:] - 1  # each sample's last segment
+        docs = arrays.doc_index[last]
+        held = np.diff(arrays.sample_offsets) - arrays.doc_starts[last]
+        previous = np.concatenate([[self.last_doc], docs[:-1]])
+        goes_on = (np.diff(arrays.doc_offsets) == 1) & (docs == previous)
+        totals = np.cumsum(held)
+        # counts[i] = totals[i] - totals before the sample where the chain through i began (the carry before the
+        # first sample, where the chain began before this run)
+        began = np.maximum.accumulate(np.where(goes_on, -1, np.arange(len(docs))))
+        before = np.where(began >= 0, totals[np.maximum(began, 0)] - held[np.maximum(began, 0)], -self.last_count)
+        counts = totals - before
+        padded = arrays.doc_source[last] < 0  # only the segment's last sample: nothing after it
+        documents = np.where(padded, len(self.records), docs - self.first_record)
+        counts = np.where(padded, 0, counts)
+        if not padded[-1]:
+            self.last_doc, self.last_count = int(docs[-1]), int(counts[-1])
+        return documents.tolist(), counts.tolist()
+
+
+@dataclass(frozen=True)
+class LaneSample(Sample):
+    """A raw-text lane's sample: a `Sample` with the lengths of its document segments (None where it holds a
+    padding segment), so that a batch of such rows gets its `cu_seqlens` by one running sum
+    (`sources.raw.batches.raw_batch`)."""
+
+    segment_lengths: np.ndarray | None = None
+
+
+class _Run:
+    """Samples a packer call completed (`arrays`), rows `next` to the last not yet taken, the restart point after
+    each (`documents`, `tokens`: `SegmentSamples.restart`), and their segments' lengths, worked out for the
+    whole run at once."""
+
+    def __init__(self, arrays: ShardArrays, documents: list[int], tokens: list[int], first: int):
+        self.arrays, self.documents, self.tokens, self.next = arrays, documents, tokens, first
+        self.stop = arrays.num_samples
+        # Python ints: a sample's slices then cost no array indexing
+        self.offsets, self.doc_offsets = arrays.sample_offsets.tolist(), arrays.doc_offsets.tolist()
+        # a finished packer's one padded sample is never regular: spare it the arrays' work
+        self.lengths, self.regular = _segment_lengths(arrays) if self.stop > 1 or arrays.doc_source[-1] >= 0 \
+            else (arrays.doc_starts, [False])
+
+    def sample(self, row: int) -> LaneSample:
+        a = self.arrays
+        t0, t1, d0, d1 = self.offsets[row], self.offsets[row + 1], self.doc_offsets[row], self.doc_offsets[row + 1]
+        return LaneSample(a.tokens[t0:t1], a.doc_starts[d0:d1], a.doc_source[d0:d1], a.doc_index[d0:d1],
+                          self.lengths[d0:d1] if self.regular[row] else None)
+
+
+def _segment_lengths(arrays: ShardArrays) -> tuple[np.ndarray, list[bool]]:
+    """The length of every document segment of `arrays`, and for each sample whether its segments are regular:
+    the first at 0, none empty, none padding (a batch of regular rows needs no sort for its `cu_seqlens`)."""
+    count = arrays.num_samples
+    pieces = np.diff(arrays.doc_offsets)
+    owner = np.repeat(np.arange(count, dtype=np.int64), pieces)
+    starts = arrays.sample_offsets[owner] + arrays.doc_starts
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    held = pieces > 0
+    ends[arrays.doc_offsets[1:][held] - 1] = arrays.sample_offsets[1:][held]  # a sample's last segment: its end
+    lengths = ends - starts
+    odd = np.bincount(owner[(lengths <= 0) | (arrays.doc_source < 0)], minlength=count) > 0
+    odd[held] |= arrays.doc_starts[arrays.doc_offsets[:-1][held]] != 0
+    return lengths.astype(np.int32), (held & ~odd).tolist()

@@ -26,7 +26,7 @@ from ...delivery.resharding import check_not_resharded
 from .agreement import check_ranks_see_one_corpus
 from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY, raw_batch
 from .iteration import RawIteration, StepPart
-from ...order.lanes import NO_DRY_LANES, lane_sample_counts, position_lanes, rank_step_positions
+from ...order.lanes import NO_DRY_LANES, lane_sample_counts, rank_step_lanes
 from .corpus import CURSOR_FIELDS, LaneRanDry, LaneStream, RawCorpus, RawTextSettings, RejectionLog
 from .dry_lanes import DryLane, log_dry, newly_dry
 from .feed import RawTextFeed
@@ -225,11 +225,10 @@ class RawTextSource(Source, MixtureChild):
         readers = LaneReaders(self, iteration)
         step = 0
         while True:
-            positions = rank_step_positions(step, start=iteration.start, world_size=topology.world_size,
-                                            batch_size=iteration.batch_size, rank=topology.rank,
-                                            num_lanes=self.num_lanes, dry=iteration.dry)
-            lanes, indices = position_lanes(positions, self.num_lanes, iteration.dry)
-            rows = np.flatnonzero(lanes % num_workers == worker)
+            positions, lanes, indices = rank_step_lanes(step, start=iteration.start, world_size=topology.world_size,
+                                                        batch_size=iteration.batch_size, rank=topology.rank,
+                                                        num_lanes=self.num_lanes, dry=iteration.dry)
+            rows = np.flatnonzero(lanes % num_workers == worker) if num_workers > 1 else np.arange(len(lanes))
             part = StepPart(rows=rows, positions=positions[rows])
             for lane, index in zip(lanes[rows].tolist(), indices[rows].tolist()):
                 sample, epoch = readers.take(lane, index, part)
@@ -242,13 +241,16 @@ class RawTextSource(Source, MixtureChild):
     def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
         """One step's batch from its parts (the rows in the rank's order), with the lanes' cursors under
         `CURSORS_KEY`; the parts' rejections are counted in `rejected`."""
-        rows = np.concatenate([p.rows for p in parts])
-        order = np.argsort(rows, kind="stable")
-        samples = [s for p in parts for s in p.samples]
-        epochs = [e for p in parts for e in p.epochs]
+        if len(parts) == 1:  # one reader: its rows (increasing, as every part's) are the batch's, in order
+            samples, positions, epochs = parts[0].samples, parts[0].positions, parts[0].epochs
+        else:
+            order = np.argsort(np.concatenate([p.rows for p in parts]), kind="stable")
+            samples = [s for p in parts for s in p.samples]
+            epochs = [e for p in parts for e in p.epochs]
+            samples, positions = [samples[i] for i in order], np.concatenate([p.positions for p in parts])[order]
+            epochs = [epochs[i] for i in order]
         corpus = self.corpus
-        batch = raw_batch([samples[i] for i in order], np.concatenate([p.positions for p in parts])[order],
-                          [epochs[i] for i in order], pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
+        batch = raw_batch(samples, positions, epochs, pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
                           variable=self.sample_length is None, dense_segments=self.segment_ids)
         batch.update(self.row_columns(batch["sample_id"]))
         batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
