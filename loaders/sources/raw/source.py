@@ -50,16 +50,15 @@ class RawTextSource(Source, MixtureChild):
             file, or "skip" it on every rank alike: `shardkit.loaders.sources.raw.unreadable`).
         topology_args, group_args: the explicit topology and the process group or mesh (`StreamingDataset`).
         storage_options: fsspec options of remote inputs.
-        corpus: the inputs' corpus, already listed with `settings` (a mixture's first raw stream: listed once).
     """
 
     endless = True  # lanes go on epoch after epoch
 
     def __init__(self, inputs: str | Sequence[str], settings: RawTextSettings, config: LoaderConfig, *,
                  topology_args: dict[str, int | None], group_args: dict[str, Any],
-                 storage_options: dict[str, Any] | None = None, corpus: RawCorpus | None = None):
+                 storage_options: dict[str, Any] | None = None):
         self.inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-        self.corpus = corpus if corpus is not None else RawCorpus(self.inputs, settings, storage_options)
+        self.corpus = RawCorpus(self.inputs, settings, storage_options)
         self.seed, self.shuffle, self.on_corrupt = config.seed, config.shuffle, config.on_corrupt
         self.sample_length = None if settings.pack == "none" else settings.seq_len + 1
         # What reads it (the feed and the standalone iteration talk to the engine); this source is its plan.
