@@ -1,8 +1,8 @@
 """`StreamingDataset`: a torch IterableDataset that yields whole batches of this rank's share, from any source.
 
 This module is the face. What the dataset reads is its `Source` (`shardkit.loaders.source`): built shards
-(`sources.built.source.BuiltSource`), raw text tokenized on the fly (`sources.raw.source.RawTextSource`) or a mixture of both
-(`sources.mixture.RawMixtureSource`); the data loader talks to the source only. Every decision about which sample
+(`sources.built.source.BuiltSource`), raw text tokenized on the fly (`sources.raw.source.RawTextSource`) or a weighted
+mixture of streams of either kind (`sources.mixture.MixtureSource`); the data loader talks to the source only. Every decision about which sample
 goes where is a pure function elsewhere. The iterator produces *whole batches* so that, with DataLoader
 workers, one batch crosses the process boundary as a handful of arrays instead of `batch_size` pickled samples.
 
@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from .sources.built.source import BuiltSource
 from .config import LoaderConfig, loader_config
 from .order.mixing import Stream
-from .sources.choice import raw_text_source
+from .sources.choice import built_source, raw_text_source
 from .sources.service.source import served_source
 from .sources.raw.corpus import RawTextSettings
 from .sources.built.streams import Sources, streams_of
@@ -108,12 +107,13 @@ class StreamingDataset(IterableDataset):
                                  "(a built dataset's manifest already says how its samples were made: drop them)")
             self.streams = streams_of(source)
             sources = Sources(self.streams, config, cache_dir=cache_dir, storage_options=storage_options)
-            self.source: Any = BuiltSource(config, self.streams, sources, topology_args=topology_args,
-                                           group_args=group_args)
-            # What users and integrations read of built data (the source holds the same values).
+            self.source: Any = built_source(config, self.streams, sources, topology_args=topology_args,
+                                            group_args=group_args)
+            # What users and integrations read of built data (the source's engine holds the same values).
             self.sources, self.manifests, self.caches, self.table = sources, sources.manifests, sources.caches, \
                 sources.table
-            self.num_samples, self.stored_token_dtype = self.source.num_samples, self.source.stored_token_dtype
+            self.num_samples, self.stored_token_dtype = self.source.engine.num_samples, \
+                self.source.engine.stored_token_dtype
         else:
             if "seq_len" not in text:
                 raise TypeError("StreamingDataset(..., tokenizer=...) reads raw text and needs seq_len= (the tokens "

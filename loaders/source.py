@@ -1,9 +1,12 @@
 """The Source contract: what `StreamingDataset` and `StreamingDataLoader` ask of any kind of input.
 
-A source is built shards (`sources.built.source.BuiltSource`: epochs of a shuffled global order), raw text
-(`sources.raw.source.RawTextSource`: lanes tokenized on the fly, endless) or a mixture of raw and built streams
-(`sources.mixture.RawMixtureSource`). The dataset and the loader are one class each and hold a source; nothing
-outside a source asks which kind it is: what differs between kinds is a property or a method here.
+A source is one built dataset (`sources.built.source.BuiltSource`: epochs of a shuffled global order), raw text
+(`sources.raw.source.RawTextSource`: lanes tokenized on the fly, endless) or a weighted mixture of streams of either
+kind (`sources.mixture.MixtureSource`). The dataset and the loader are one class each and hold a source; nothing
+outside a source asks which kind it is: what differs between kinds is a property or a method here. What reads a
+source is its engine, the same for a single source and a mixture of its kind: the epoch engine for data read by
+shards (`sources.built.engine.EpochEngine`), the lane engine for data read by lanes (`sources.raw.engine.LaneEngine`);
+the feeds and standalone iterations talk to the engine.
 
 Three roles, each small (torchdata.nodes' `BaseNode` and Grain's `MapDataset` are the size aimed at):
 
@@ -19,8 +22,9 @@ StreamingDataset ──holds──> Source ──feed()──────> Feed 
                                    └─standalone()─> Standalone <──delegates── StreamingDataset (no loader)
 ```
 
-A weighted mixture (`sources.mixture`) is a Source over Sources: each of its streams is a child Source that also
-answers `MixtureChild` (what the mixture asks of a stream: its part in the order, and its items).
+A weighted mixture (`sources.mixture.MixtureSource`, one class for every kind of stream) is a Source over Sources:
+each of its streams is a child Source that also answers `MixtureChild` (what the mixture asks of a stream: its part
+in the order, and its items); the children's parts decide the mixture's engine.
 """
 
 from __future__ import annotations

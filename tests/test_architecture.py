@@ -570,7 +570,8 @@ SOURCE_INTERNALS = ("shardkit.loaders.sources.raw.units", "shardkit.loaders.sour
                     "shardkit.loaders.sources.raw.iteration", "shardkit.loaders.sources.built.batching",
                     "shardkit.loaders.sources.built.standalone", "shardkit.loaders.sources.built.feed",
                     "shardkit.loaders.sources.raw.provenance", "shardkit.loaders.sources.built.provenance",
-                    "shardkit.loaders.sources.raw.worker_start")
+                    "shardkit.loaders.sources.raw.worker_start", "shardkit.loaders.sources.built.engine",
+                    "shardkit.loaders.sources.raw.engine", "shardkit.loaders.sources.mixture_lanes")
 
 
 def wing_violations() -> list[str]:

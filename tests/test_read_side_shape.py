@@ -94,12 +94,12 @@ def test_read_plan_restores_its_order_fields_and_refuses_another_order(two_strea
     streams, cache = two_streams
 
     def plan():
-        return StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=4).source
+        return StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=4).source.engine
 
     states = check_stage_resume(plan, [lambda p: p.topology(), lambda p: p.mixture.pin(8)], complete)
     assert states[0]["num_partitions"] is None and states[1]["num_partitions"] == 1
     assert states[2]["mixture"]["global_batch"] == 8
-    other = StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=5).source
+    other = StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1, seed=5).source.engine
     with pytest.raises(ValueError, match="another order .*seed: saved 4, now 5"):
         other.restore(complete(states[-1]))
 
@@ -109,7 +109,7 @@ def test_the_loader_state_is_the_composition_of_its_stages(two_streams):
     loader = StreamingDataLoader(StreamingDataset(streams, cache_dir=cache, rank=0, world_size=1), batch_size=4)
     next(iter(loader))
     state = loader.state_dict()
-    plan = loader.source
+    plan = loader.source.engine  # the read plan: the epoch engine the source holds
     parts = {**plan.state(), **loader.feed._steps.state(), **loader.feed._quarantine.state()}
     assert LoaderState.from_dict(state) == complete(
         {**parts, "epoch": 0, "global_batch_size": 4, "world_size": 1})

@@ -1,6 +1,6 @@
-"""Which source a `StreamingDataset` with `tokenizer=` gets (`raw_text_source`): one corpus (`RawTextSource`) or
-a mixture of `Stream`s (`mixture.RawMixtureSource`), and the loader options raw text refuses, each with why and
-what to use instead."""
+"""Which source a `StreamingDataset` gets: of built data (`built_source`) one dataset (`BuiltSource`) or a mixture
+(`mixture.MixtureSource`); with `tokenizer=` (`raw_text_source`) one corpus (`RawTextSource`) or a mixture of
+`Stream`s (`MixtureSource`); and the loader options raw text refuses, each with why and what to use instead."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from shardkit.manifest import MANIFEST_NAME
 from ..config import LoaderConfig
 from ..order.mixing import Stream
 from .built.streams import holds_manifest
-from .mixture import RawMixtureSource
+from .built.source import BuiltSource
+from .built.streams import Sources
+from .mixture import MixtureSource
 from .raw.corpus import RawTextSettings
 from .raw.source import RawTextSource
 from .raw.unreadable import check_policy
@@ -50,7 +52,15 @@ def check_raw_options(config: LoaderConfig, *, mixture: bool) -> None:
                              f"{_WHY_NOT_RAW.get(option, 'drop it')}")
 
 
-def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig, **options: Any) -> RawTextSource:
+def built_source(config: LoaderConfig, streams: list[Stream], sources: Sources, **options: Any) -> Any:
+    """The source of `StreamingDataset(source)` without `tokenizer=`: one dataset, or a mixture of several
+    (`options`: topology_args, group_args)."""
+    if len(streams) == 1:
+        return BuiltSource(config, streams[0], sources, **options)
+    return MixtureSource.of_built(config, streams, sources, **options)
+
+
+def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig, **options: Any) -> Any:
     """The source of `StreamingDataset(source, tokenizer=...)`: a mixture for a list of `Stream`, else one corpus.
 
     Raises:
@@ -65,7 +75,7 @@ def raw_text_source(source: Any, settings: RawTextSettings, config: LoaderConfig
         if not all(isinstance(item, Stream) for item in items):
             raise TypeError("a raw-text source is either inputs (paths, globs, URLs) or a list of Stream, not both: "
                             "give each input as Stream(url, weight, raw_text=True)")
-        return RawMixtureSource(items, settings, config, **options)
+        return MixtureSource.with_raw_text(items, settings, config, **options)
     if options.pop("cache_dir", None) is not None:
         raise ValueError("cache_dir: raw text is read from its inputs, not through the node cache; drop cache_dir "
                          "(it applies to built datasets and to built streams mixed with raw text)")

@@ -1,325 +1,147 @@
-"""`RawMixtureSource`: raw-text and built streams in one weighted mixture, the source of
-`StreamingDataset([Stream(url, w), Stream(glob, w, raw_text=True), ...], tokenizer=SPEC, seq_len=N)`.
+"""`MixtureSource`: a weighted mixture of streams, one Source over the streams' Sources, whatever they hold.
 
-The order is `order.mixed_lanes.MixedOrder` (pure); the mixture is a Source over Sources: each stream is a child
-Source (`source.MixtureChild`: a `RawTextSource`, or a `BuiltSource` of one dataset; `mixture_streams.open_children`)
-and the mixture reads its rows through them: a raw stream's lanes through the child's `lane_stream`, as the stream's
-own dataset reads them (seeded with the stream's seed key), a built stream's samples through its `open_shard`.
-It is a `RawTextSource` whose lanes are every raw stream's lanes in stream order (a global lane number), so
-the raw-text feed (`sources.raw.feed.RawTextFeed`) saves and resumes it unchanged: `samples_consumed` and one
-cursor per global lane, O(lanes + streams), elastic like a raw dataset's state. The state's `raw_text` also
-records the streams (`streams`), so that a mixture's state and a single raw dataset's are told apart, and the
-mixture's record (`mixture`, `remix.MixtureRecord`, as a built mixture keeps it): a resume with
-`allow_mixture_change` may change the streams' weights, and the mixture continues from the saved position with
-each stream's count there (nothing a stream gave is repeated); its streams themselves stay (a raw stream's lanes
-and sample ids depend on the raw streams there are).
+`StreamingDataset([Stream(url, w), ...])` mixes built datasets; with `tokenizer=` and `seq_len=` some streams may be
+raw text (`Stream(glob, w, raw_text=True)`). Either way the dataset holds one `MixtureSource`, and so does a data
+service; nothing outside it asks which streams it mixes. Its streams are child Sources (`source.MixtureChild`), and
+what they answer (`mixture_part()`) decides how the mixture is read:
+
+- every stream read by shards (built datasets): epochs of one global order over the streams' combined shard table,
+  the weighted plan (`order.remix`) deciding each position's stream: the epoch engine a single built dataset reads
+  by (`built.engine.EpochEngine`, with its batch modes, quarantine, partitions and token budgets);
+- some stream read by lanes (raw text): endless steps whose rows fall on the raw streams' lanes and the built
+  streams' samples (`order.mixed_lanes.MixedOrder`): the lane engine a single raw corpus is read by
+  (`raw.engine.LaneEngine`), over the mixture's lanes (`mixture_lanes.MixtureLanes`).
+
+```
+MixtureSource ──engine──> EpochEngine (all children read by shards)  <── BuiltFeed, BuiltStandalone
+      │       └─engine──> LaneEngine ──plan──> MixtureLanes           <── RawTextFeed, RawStandalone
+      └─children──> BuiltSource | RawTextSource (each a Source of one stream)
+```
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
+import dataclasses
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from ..config import LoaderConfig
+from ..delivery.topology import Topology
 from ..order.mixing import Stream
-from .raw.source import LaneReaders, RawTextSource
-from .raw.iteration import RawIteration, StepPart
-from ..order.mixed_lanes import ENDLESS, MixedOrder
-from .raw.corpus import LaneStream, RawTextSettings, RejectionLog
-from .raw.unreadable import UnitCuts
-from ..order.remix import MixtureRecord, MixtureStreams, changed_record, fresh_record
-from ..order.schedule import weight_spec
-from ..state.loader_state import LoaderState
-from .mixture_streams import BuiltSamples, _options, open_children
-from .raw.provenance import LanePlace, checked_ids, lane_provenance, saved_raw_text
-from ..source import Provenance
-
-logger = logging.getLogger(__name__)
+from ..source import Feed, Provenance, Source, Standalone, StreamPart
+from .built.engine import EpochEngine
+from .built.feed import BuiltFeed
+from .built.source import BuiltSource
+from .built.standalone import BuiltStandalone
+from .built.streams import Sources
+from .mixture_lanes import MixtureLanes
+from .raw.corpus import RawTextSettings
+from .raw.engine import LaneEngine
+from .raw.feed import RawTextFeed
+from .raw.source import RawStandalone
 
 
-class RawMixtureSource(RawTextSource):
-    """Raw-text and built streams in one weighted mixture: its lanes are the raw streams' lanes in stream order.
+class MixtureSource(Source):
+    """A weighted mixture of streams (built datasets, raw text, or both): a Source over its streams' Sources.
 
-    Args:
-        streams: the mixture's `Stream`s; raw text ones marked `raw_text=True` (at least one), the others built
-            datasets made with the mixture's tokenizer and sequence length. A weight may be a `Schedule` (its steps
-            are global batches of the first run).
-        settings, config: as `RawTextSource` (lanes: per raw stream); the config's cache options apply to the built
-            streams.
-        cache_dir: node-local cache of the built streams' shards.
-        **options: as `RawTextSource` (topology, storage options).
+    Build it with `of_built` (built datasets only) or `with_raw_text` (some streams raw text).
 
-    Raises:
-        ValueError: no raw-text stream, a weight too small to be sampled, or a built stream whose tokenizer, sample
-            length or token dtype differs from the mixture's (naming it).
+    Attributes:
+        endless: False when every stream is read by shards (epochs), True when some stream is read by lanes.
+        children: each stream's child Source, in stream order.
+        engine: what reads the mixture (`EpochEngine` or `LaneEngine`), chosen by the children's parts.
     """
 
-    def __init__(self, streams: Sequence[Stream], settings: RawTextSettings, config: LoaderConfig, *,
-                 cache_dir: str | None = None, storage_options: dict[str, Any] | None = None, **options: Any):
-        streams = list(streams)
-        raw = [s for s in streams if s.raw_text]
-        if not raw:
-            raise ValueError("a StreamingDataset with tokenizer= mixes raw text: mark its raw-text streams "
-                             "Stream(url, weight, raw_text=True), or drop tokenizer= for a mixture of built datasets")
-        # The first raw stream sets the source up as a raw source would: settings, tokenizer, topology.
-        raw_options = _options(raw[0], storage_options)
-        super().__init__(raw[0].url, settings, config, storage_options=raw_options, **options)
-        first = RawTextSource(raw[0].url, settings, config, storage_options=raw_options, corpus=self.corpus, **options)
-        opened = open_children(streams, first, config, storage_options=storage_options, cache_dir=cache_dir,
-                               child_args=options)
-        parts = opened.parts
-        described = MixtureStreams(urls=[s.url for s in streams], fingerprints=[p.identity for p in parts],
-                                   weights=[s.weight for s in streams], epoch_size=ENDLESS, policy="drop")
-        self.record = record = fresh_record(described)  # replaced by the saved (or changed) one on resume
-        self.order = MixedOrder(record.plan, [p.lanes for p in parts], [p.shard_sizes for p in parts],
-                                seed=self.seed, shuffle=self.shuffle)
-        self._identity, self._legacy_identity = (
-            hashlib.sha256(json.dumps([[identity, weight_spec(s.weight), s.raw_text]
-                                       for identity, s in zip(identities, streams)]).encode()).hexdigest()
-            for identities in ([p.identity for p in parts], [p.legacy_identity for p in parts]))
-        self._legacy_streams = {p.legacy_identity: p.identity for p in parts}
-        # The children: one Source per stream (`source.MixtureChild`); those read by lanes and those read by shards.
-        self.streams, self.children, self.stream_parts, self.corpora = streams, opened.children, parts, opened.corpora
-        self.by_shards = opened.read_by_shards()
-        self.stream_entries = [[s.url, weight_spec(s.weight), s.raw_text, p.lanes, p.units]
-                               for s, p in zip(streams, parts)]
-        self.described = described
-        # Units are numbered over the lane-read streams in stream order (as the state's cuts name them).
-        lane_streams = np.flatnonzero(self.order.lanes > 0).tolist()
-        units = [parts[s].units for s in lane_streams]
-        self.unit_offsets = np.cumsum(units) - units
-        self.unit_streams = lane_streams
-        # global lane -> (its stream, lane in its child, the stream's first unit number)
-        self.lane_owners = [(s, lane, int(offset)) for s, offset in zip(lane_streams, self.unit_offsets)
-                            for lane in range(parts[s].lanes)]
+    def __init__(self, children: list[Any], *, engine: EpochEngine | LaneEngine, lanes: MixtureLanes | None = None):
+        self.children, self.engine = children, engine
+        self._lanes = lanes  # the lanes' plan when read by lanes (which also answers the Source's questions)
+        self._about: Any = lanes if lanes is not None else engine
+        self.endless = lanes is not None
+        self.sample_length = engine.sample_length
 
-    def mixture_part(self) -> Any:
+    @classmethod
+    def of_built(cls, config: LoaderConfig, streams: list[Stream], sources: Sources, *,
+                 topology_args: dict[str, int | None], group_args: dict[str, Any]) -> MixtureSource:
+        """A mixture of built datasets (`sources`: the streams opened together, their manifests checked), read by
+        the epoch engine over their combined shard table, exactly as one dataset of several streams was."""
+        engine = EpochEngine(config, streams, sources, topology_args=topology_args, group_args=group_args)
+        # The children: each stream as a dataset of its own (a mixture's epoch size and quarantine list are the
+        # mixture's, numbered over every stream's shards).
+        alone = dataclasses.replace(config, epoch_size=None, quarantine_list=None)
+        children = [BuiltSource(alone, stream, sources.of_stream(i), topology_args=topology_args,
+                                group_args=group_args) for i, stream in enumerate(streams)]
+        return cls(children, engine=engine)
+
+    @classmethod
+    def with_raw_text(cls, streams: Sequence[Stream], settings: RawTextSettings, config: LoaderConfig, *,
+                      cache_dir: str | None = None, storage_options: dict[str, Any] | None = None,
+                      topology_args: dict[str, int | None], group_args: dict[str, Any]) -> MixtureSource:
+        """A mixture with raw-text streams (`MixtureLanes` says what is refused)."""
+        lanes = MixtureLanes(streams, settings, config, cache_dir=cache_dir, storage_options=storage_options,
+                             topology_args=topology_args, group_args=group_args)
+        engine = LaneEngine(lanes, lanes.corpora, config, sample_length=lanes.sample_length,
+                            topology_args=topology_args, group_args=group_args)
+        return cls(lanes.children, engine=engine, lanes=lanes)
+
+    @property
+    def stream_parts(self) -> list[StreamPart]:
+        """Each child's part in the order (what chose the engine)."""
+        return self._lanes.stream_parts if self._lanes is not None else [c.mixture_part() for c in self.children]
+
+    # -- what tests and tools read of a mixture ------------------------------------------------
+    @property
+    def order(self) -> Any:
+        """The mixture's order: the lanes' `MixedOrder`, or the epoch engine's `order(epoch, partitions, ...)`."""
+        return self._lanes.order if self._lanes is not None else self.engine.order
+
+    @property
+    def corpora(self) -> list[Any]:
+        """The raw streams' corpora."""
+        return self._lanes.corpora if self._lanes is not None else []
+
+    @property
+    def rejected(self) -> Counter:
+        """Rejected documents by reason, of the raw units this process started."""
+        return self.engine.rejected if self._lanes is not None else Counter()
+
+    # -- the Source contract -------------------------------------------------------------------
+    def mixture_part(self) -> StreamPart:
         raise ValueError(f"{self.describe()} cannot be a stream of another mixture: list its streams instead")
 
     def identity(self) -> str:
-        """Identity of the streams, their weights and how raw text becomes samples."""
-        return self._identity
-
-    def identity_parts(self) -> dict[str, Any] | None:
-        return None  # a refused mixture names its streams and weights (`_changed`)
-
-    def upgrade_legacy(self, saved: LoaderState) -> LoaderState:
-        """A version 1 state with its raw streams' identities as today's recipe makes them, where the old
-        recipe's match this mixture's streams."""
-        raw_text = dict(saved.raw_text or {})
-        if isinstance(raw_text.get("mixture"), dict):
-            record = raw_text["mixture"]
-            raw_text["mixture"] = {**record, "streams": [
-                {**s, "identity": self._legacy_streams.get(s.get("identity"), s.get("identity"))}
-                if isinstance(s, dict) else s for s in record.get("streams") or ()]}
-        dataset = self._identity if saved.dataset == self._legacy_identity else saved.dataset
-        return replace(saved, dataset=dataset, raw_text=raw_text)
+        return self._about.identity()
 
     def stream_identities(self) -> list[str]:
-        """Per stream, its data identity (a raw stream's corpus fingerprint, a built stream's shards), not its
-        weight: a weight change keeps them."""
-        return [s.identity for s in self.record.streams]
+        return self._about.stream_identities()
 
     def stream_records(self) -> list[dict[str, Any]]:
-        # ids count through the streams as `order.mixed_lanes` numbers them; endless: no sample count
-        return [{"url": s.url, "fingerprint": identity, "num_samples": 0}
-                for s, identity in zip(self.streams, self.stream_identities())]
+        return self._about.stream_records()
 
     def provenance(self, sample_ids: Sequence[int], *, state: dict[str, Any] | None = None) -> Provenance:
-        ids = checked_ids(sample_ids)
-        streams, lanes, indexes = (a.tolist() for a in self.order.places_of_ids(ids))
-        found = lane_provenance(self, {i: LanePlace(self.streams[s].url, lane, index) for i, s, lane, index
-                                       in zip(ids.tolist(), streams, lanes, indexes) if lane >= 0},
-                                saved_raw_text(state))
-        # A row read by shards: its child's own provenance of its id there (each child asked once, for all its ids).
-        asked: dict[int, dict[int, int]] = {}
-        for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes):
-            if lane < 0:
-                asked.setdefault(s, {})[i] = index
-        by_child = {s: self.children[s].provenance(list(dict.fromkeys(wanted.values()))).samples
-                    for s, wanted in asked.items()}
-        samples = {i: found.samples[i] if lane >= 0 else by_child[s][index]
-                   for i, s, lane, index in zip(ids.tolist(), streams, lanes, indexes)}
-        return Provenance(samples=samples, reread=found.reread)
+        return self._about.provenance(sample_ids, state=state)
+
+    def shapes(self) -> list[tuple[str, Any]]:
+        return self._about.shapes()
 
     def describe(self) -> str:
-        return f"a mixture of {', '.join(s.url for s in self.streams)} (raw text pack={self.corpus.settings.pack!r})"
+        return self._about.describe()
 
-    @property
-    def num_lanes(self) -> int:
-        return self.order.total_lanes
+    def topology(self) -> Topology:
+        return self.engine.topology()
 
-    def raw_state(self) -> dict[str, Any]:
-        """The state's record of the streams ([url, weight, raw text, lanes, units] each), the global batch that
-        weight schedules count steps in (None until the first iteration) and the mixture record (its plan's
-        anchor, the changes made and the streams removed)."""
-        record = self.record
-        if self.order.global_batch is not None:
-            record = record.pinned(self.order.global_batch)
-        return {"streams": self.stream_entries, "global_batch": self.order.global_batch, "mixture": record.to_dict()}
+    def claim(self) -> None:
+        self.engine.claim()
 
-    def restore(self, raw_text: dict[str, Any], cursors: dict[int, tuple[int, ...]], cuts: UnitCuts, *,
-                samples_consumed: int = 0, allow_mixture_change: bool = False
-                ) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
-        """Adopt the saved global batch and mixture record; with `allow_mixture_change` and other streams or weights
-        than the saved ones, continue at `samples_consumed` with this mixture's (`remix.changed_record`: each stream
-        from its count there, a new stream from its start). Returns the saved lane cursors and unit cuts numbered
-        for this mixture's lanes and units (a removed raw stream's are dropped: its count stays in the record, and
-        a stream added back is read again from its lanes' start up to it).
+    def batches(self, standalone: Standalone) -> Iterator[Any]:
+        return self.engine.batches(standalone)
 
-        Raises:
-            ValueError: a damaged record, or other streams or weights without `allow_mixture_change`.
-        """
-        record = MixtureRecord.from_dict(raw_text["mixture"]) if raw_text.get("mixture") is not None else None
-        global_batch = raw_text.get("global_batch")
-        follow = None
-        if record is not None:  # else saved before raw mixtures kept a record (the loader checked its weights)
-            follow = record = record.pinned(global_batch) if global_batch is not None else record
-            if _weights(record) != _weights(fresh_record(self.described)):
-                follow = self._changed(record, samples_consumed, allow_mixture_change=allow_mixture_change)
-                cursors, cuts = self._renumbered(raw_text, record, cursors, cuts)
-        # Nothing is adopted before every check passed: a refused state leaves the loader as it was.
-        if global_batch is not None:
-            self.order.pin(global_batch, saved=True)
-        if follow is not None:
-            self.order.follow(follow.plan)
-            self.record = follow
-        return cursors, cuts
+    def feed(self, loader: Any, batch_size: int | None) -> Feed:
+        if self._lanes is not None:
+            return RawTextFeed(self.engine, loader, batch_size)
+        return BuiltFeed(self.engine, batch_size)
 
-    def _changed(self, saved: MixtureRecord, position: int, *, allow_mixture_change: bool) -> MixtureRecord:
-        """The record continuing `saved` at `position` with this mixture's streams and weights.
-
-        Raises:
-            ValueError: `allow_mixture_change` is off.
-        """
-        if not allow_mixture_change:
-            before = [[s.url, weight_spec(s.weight)] for s in saved.streams]
-            now = [[s.url, weight_spec(s.weight)] for s in fresh_record(self.described).streams]
-            raise ValueError(f"cannot resume: the saved loader state's mixture has other streams or weights (saved "
-                             f"{before}, now {now}); to continue with this mixture from the saved position, pass "
-                             "allow_mixture_change=True (shardkit train: --allow-mixture-change)")
-        changed = changed_record(saved, epoch=0, position=position, streams=self.described)
-        change = changed.changes[-1]
-        logger.info("mixture changed at step %d (position %d): %s -> %s", change["step"], position, change["old"],
-                    change["new"])
-        return changed
-
-    def _renumbered(self, raw_text: dict[str, Any], saved: MixtureRecord, cursors: dict[int, tuple[int, ...]],
-                    cuts: UnitCuts) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
-        """The saved cursors and cuts, numbered by the saved streams' lanes and units, renumbered for this
-        mixture's streams (matched by data identity).
-
-        Raises:
-            ValueError: the saved streams' record is damaged, or the state records cuts but not the saved raw
-                streams' units (a state from before streams could change).
-        """
-        entries = raw_text.get("streams")
-        lane_at, unit_at = {}, {}  # identity -> (first lane, lanes) / first unit, in the saved numbering
-        lane, unit = 0, 0
-        try:
-            if len(entries) != len(saved.streams):
-                raise ValueError
-            for stream, entry in zip(saved.streams, entries):
-                if not entry[2]:  # built
-                    continue
-                lanes = int(entry[3])
-                lane_at[stream.identity] = (lane, lanes)
-                unit_at[stream.identity] = unit
-                lane += lanes
-                unit = unit + int(entry[4]) if unit is not None and len(entry) > 4 else None
-        except (TypeError, ValueError, IndexError):
-            raise ValueError("cannot resume: the loader state's streams do not match its mixture record (a damaged or "
-                             "edited state)") from None
-        if len(cuts) and None in unit_at.values():
-            raise ValueError("cannot change the streams of this mixture: its loader state records unreadable units "
-                             "but not how many units each raw stream had (a state saved by an older shardkit); resume "
-                             "once with the saved streams, then change them")
-        new_cursors, new_cuts = {}, []
-        raw = np.flatnonzero(self.order.lanes > 0).tolist()
-        current = [stream.identity for stream in fresh_record(self.described).streams]
-        for s, offset in zip(raw, self.unit_offsets):
-            identity = current[s]
-            if identity not in lane_at:
-                continue  # a new stream: its lanes start at their beginning
-            first, lanes = lane_at[identity]
-            new_first = int(self.order.lane_offsets[s])
-            if lanes != int(self.order.lanes[s]):
-                raise ValueError(f"cannot resume: stream {self.stream_entries[s][0]} had {lanes} lanes, now "
-                                 f"{int(self.order.lanes[s])} (the same data: a damaged or edited state)")
-            for j in range(lanes):
-                if first + j in cursors:
-                    new_cursors[new_first + j] = cursors[first + j]
-            units = self.stream_parts[s].units
-            start = unit_at[identity]
-            for cut in cuts.cuts:
-                if start is not None and start <= cut.unit < start + units:
-                    new_cuts.append(replace(cut, unit=cut.unit - start + int(offset)))
-        return new_cursors, UnitCuts(tuple(new_cuts))
-
-    def begin(self, iteration: RawIteration) -> None:
-        self.order.pin(iteration.batch_size * iteration.topology.world_size)
-        super().begin(iteration)
-
-    # A rank's slice of a step holds batch_size rows whatever the lanes: few lanes leave no rank idle.
-    few_lanes_idle_readers = False
-
-    def lane_stream(self, lane: int, log: RejectionLog, cursor: tuple[int, ...], cuts: UnitCuts) -> LaneStream:
-        stream, local, unit_offset = self.lane_owners[lane]
-        # The lanes' seed: the mixture's plus the stream's seed key (its index in the first mixture that had it).
-        seed_key = self.record.streams[stream].seed_key
-        return self.children[stream].lane_stream(local, log, cursor, cuts, seed_offset=seed_key, global_lane=lane,
-                                                 unit_offset=unit_offset)
-
-    skips_dry_lanes = False  # the plan's positions are its streams' items: a lane that runs dry stops the loader
-
-    def lane_counts(self, samples_consumed: int, dry: Any = None) -> np.ndarray:
-        return self.order.lane_counts(samples_consumed)  # never a dry lane (`skips_dry_lanes`)
-
-    def lane_unit_count(self, lane: int) -> int:
-        stream, local, _ = self.lane_owners[lane]
-        return self.children[stream].lane_unit_count(local)
-
-    def unit_url(self, unit: int) -> str:
-        at = int(np.searchsorted(self.unit_offsets, unit, side="right")) - 1
-        return self.children[self.unit_streams[at]].unit_url(unit - int(self.unit_offsets[at]))
-
-
-    def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
-        """Per step, the rows of this rank's slice that `worker` reads (raw rows by lane, built rows by shard):
-        one part per step, empty or not (see `RawTextSource.parts`)."""
-        plan, topology = self, iteration.topology
-        plan.order.pin(iteration.batch_size * topology.world_size)  # iterated without a loader: not pinned yet
-        lanes, built = LaneReaders(plan, iteration), BuiltSamples(*self.by_shards)
-        step = 0
-        try:
-            while True:
-                rows = plan.order.step_rows(step, start=iteration.start, world_size=topology.world_size,
-                                            batch_size=iteration.batch_size, rank=topology.rank)
-                mine = np.flatnonzero(rows.worker_of(num_workers) == worker)
-                part = StepPart(rows=mine, positions=rows.sample_id[mine])
-                raw, from_built = mine[rows.lane[mine] >= 0], mine[rows.lane[mine] < 0]
-                read = {row: lanes.take(int(rows.lane[row]), int(rows.index[row]), part) for row in raw.tolist()}
-                samples = built.read(rows.shard[from_built], rows.sample_id[from_built])
-                read.update((row, (sample, int(rows.index[row]))) for row, sample in zip(from_built.tolist(), samples))
-                part.samples = [read[row][0] for row in mine.tolist()]
-                part.epochs = [read[row][1] for row in mine.tolist()]
-                part.cursors = lanes.cursor_rows(rows.lane[raw])
-                step += 1
-                yield part
-        finally:
-            built.close()
-
-    def row_columns(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Each row's `stream`: its index in the mixture."""
-        return {"stream": self.order.stream_of_ids(sample_ids)}
-
-
-def _weights(record: MixtureRecord) -> list[tuple[str, Any]]:
-    """(identity, weight spec) per stream: what a record's order depends on besides its anchor."""
-    return [(s.identity, weight_spec(s.weight)) for s in record.streams]
+    def standalone(self, batch_size: int | None) -> Standalone:
+        if self._lanes is not None:
+            return RawStandalone(self.engine, batch_size)
+        return BuiltStandalone(self.engine, batch_size)

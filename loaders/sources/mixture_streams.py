@@ -1,4 +1,4 @@
-"""A mixture's streams (`mixture.RawMixtureSource`), each a child Source that answers `source.MixtureChild`: raw
+"""A mixture's streams (`mixture_lanes.MixtureLanes`, read by lanes), each a child Source that answers `source.MixtureChild`: raw
 streams as `RawTextSource`s listed with the mixture's settings, built streams as one-dataset `BuiltSource`s whose
 manifests are checked against them (`open_children`), and the built children's samples read by global sample id
 through their node caches (`BuiltSamples`)."""
@@ -98,7 +98,7 @@ def open_children(streams: list[Stream], first: RawTextSource, config: LoaderCon
         if not stream.raw_text:
             sources = next(built_sources)
             check_built_stream(stream, sources.manifests[0], first.corpus)
-            children.append(BuiltSource(config, [stream], sources, **child_args))
+            children.append(BuiltSource(config, stream, sources, **child_args))
         elif first_raw:
             children.append(first)
             first_raw = False

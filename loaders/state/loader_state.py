@@ -10,7 +10,7 @@ another world size, batch size or number of workers continues the same global or
 position (elastic resume). The remaining fields pin what the order depends on; loading a state
 into a loader whose order would differ raises `ValueError` naming every difference.
 
-The state is composed of the read side's stages (`Stage`): the order and its data (`BuiltSource`), the
+The state is composed of the read side's stages (`Stage`): the order and its data (`EpochEngine`), the
 mixture (`remix.Mixture`), the step source (`steps`) and the quarantine each give their fields with
 `state()` and take them back from a loaded state with `restore(saved)`. The reader and the batch mode
 hold no position (the step source does), so they have no state of their own.

@@ -3,7 +3,7 @@
 `accelerator.prepare()` must not take the loader: it rebuilds a DataLoader of its own around the dataset, which
 either lets rank 0 read and broadcast (`dispatch_batches`) or keeps every N-th batch of each rank's share
 (`IterableDatasetShard`), and drops the loader's state; shardkit refuses to be iterated that way
-(`loaders/delivery/resharding.py`, `BuiltSource.claimed`). The loader is already rank-aware: iterate it as
+(`loaders/delivery/resharding.py`, `EpochEngine.claimed`). The loader is already rank-aware: iterate it as
 it is and let `checkpoint_loader` put its state into accelerate's checkpoints, as JSON (accelerate's
 `register_for_checkpointing` would pickle it).
 """

@@ -1,4 +1,5 @@
-"""The loader's side of built data (`BuiltSource.feed`): epochs of the global order, handed out batch by batch.
+"""The loader's side of built data (`BuiltSource.feed`, a built mixture's `MixtureSource.feed`): epochs of the global
+order, handed out batch by batch.
 
 The loader resolves the topology in the main process (after `init_process_group`), hands the start point to the
 source (and so to the workers it spawns), and counts the batches it hands to the training loop: `state_dict()`
@@ -40,7 +41,7 @@ def unbundle(items: Iterator[Any]) -> Iterator[dict]:
 
 
 class BuiltFeed(Feed):
-    """Epochs of a `BuiltSource` (`source`), `batch_size` samples per rank per step."""
+    """Epochs of an epoch engine (`source`: `engine.EpochEngine`), `batch_size` samples per rank per step."""
 
     def __init__(self, source: Any, batch_size: int | None):
         self.source = source

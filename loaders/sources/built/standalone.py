@@ -36,7 +36,8 @@ def this_worker() -> tuple[int, int]:
 
 
 class BuiltStandalone(Standalone):
-    """The standalone iteration of a `BuiltSource` (`source`), `batch_size` samples per rank per step."""
+    """The standalone iteration of an epoch engine (`source`: `engine.EpochEngine`), `batch_size` samples per rank
+    per step."""
 
     def __init__(self, source: Any, batch_size: int | None):
         self.source, self.batch_size = source, batch_size

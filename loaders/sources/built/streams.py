@@ -57,9 +57,21 @@ class Sources:
         self.caches = [ShardCache(st, m, cache_dir, cache_limit=config.cache_limit, wait_timeout=config.cache_wait,
                                   cache_mode=config.cache_mode)
                        for st, m in zip(self.storages, self.manifests)]
+        self._number_shards()
+
+    def _number_shards(self) -> None:
+        """Number the streams' shards in stream order (one shard table over them all)."""
         self.owners = ShardOwners([len(m.shards) for m in self.manifests])
         self.shard_sizes = [m.columns.samples for m in self.manifests]
         self.table = ShardTable(self.shard_sizes[0] if len(self.shard_sizes) == 1 else np.concatenate(self.shard_sizes))
+
+    def of_stream(self, index: int) -> Sources:
+        """Stream `index` alone (a mixture's child): its storage, manifest and cache, shared with these."""
+        view = Sources.__new__(Sources)
+        view.streams, view.storages = [self.streams[index]], [self.storages[index]]
+        view.manifests, view.caches = [self.manifests[index]], [self.caches[index]]
+        view._number_shards()
+        return view
 
     def describe_shard(self, index: int) -> tuple[str, int, str]:
         """(URL, samples, its stream's URL) of shard `index` over all streams (for logs and metrics)."""

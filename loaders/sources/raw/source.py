@@ -2,8 +2,10 @@
 
 The corpus is read by lanes (`order.lanes` for the order, `sources.raw.corpus` for the reading): each rank builds the
 rows of its slice of every global step from the lanes they fall in, tokenizing and packing only those lanes.
-A `StreamingDataLoader` talks to it through its feed (`sources.raw.feed.RawTextFeed`): where the next iteration starts
-(consumed positions and the lanes' cursors) and the state's order fields.
+What reads it is its lane engine (`sources.raw.engine.LaneEngine`), which a mixture with raw-text streams holds too:
+a `StreamingDataLoader` talks to the engine through its feed (`sources.raw.feed.RawTextFeed`: where the next iteration
+starts, consumed positions and the lanes' cursors), and the engine asks this source, its plan, where the lanes are
+and the state's order fields.
 """
 
 from __future__ import annotations
@@ -15,16 +17,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from torch.utils.data import get_worker_info
 
 from shardkit.formats import Sample
 
 from ...config import LoaderConfig
-from ...delivery.frameworks import check_framework, iterating_loader
-from ...delivery.parent_watch import watch_parent
 from ...delivery.resharding import check_not_resharded
-from .agreement import check_ranks_see_one_corpus
-from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY, raw_batch
+from .batches import CURSORS_KEY, DRY_KEY, UNREADABLE_KEY
+from .engine import LaneEngine
 from .iteration import RawIteration, StepPart
 from ...order.lanes import NO_DRY_LANES, lane_sample_counts, rank_step_lanes
 from .corpus import CURSOR_FIELDS, LaneRanDry, LaneStream, RawCorpus, RawTextSettings, RejectionLog
@@ -35,7 +34,7 @@ from .unreadable import UnitCuts
 from ...source import Feed, MixtureChild, Provenance, Source, Standalone, StreamPart
 from ...state.loader_state import LoaderState
 from ...delivery.tensors import batch_to_tensors
-from ...delivery.topology import Topology, data_parallel_group, resolve_topology
+from ...delivery.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -51,56 +50,32 @@ class RawTextSource(Source, MixtureChild):
             file, or "skip" it on every rank alike: `shardkit.loaders.sources.raw.unreadable`).
         topology_args, group_args: the explicit topology and the process group or mesh (`StreamingDataset`).
         storage_options: fsspec options of remote inputs.
-        corpus: the inputs' corpus, already listed with `settings` (a mixture's first raw stream: listed once).
     """
 
     endless = True  # lanes go on epoch after epoch
 
     def __init__(self, inputs: str | Sequence[str], settings: RawTextSettings, config: LoaderConfig, *,
                  topology_args: dict[str, int | None], group_args: dict[str, Any],
-                 storage_options: dict[str, Any] | None = None, corpus: RawCorpus | None = None):
+                 storage_options: dict[str, Any] | None = None):
         self.inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-        self.corpus = corpus if corpus is not None else RawCorpus(self.inputs, settings, storage_options)
-        self.corpora = [self.corpus]  # every corpus read (a mixture's raw streams)
-        self._corpus_agreed = False
+        self.corpus = RawCorpus(self.inputs, settings, storage_options)
         self.seed, self.shuffle, self.on_corrupt = config.seed, config.shuffle, config.on_corrupt
-        self.token_dtype, self.segment_ids = config.token_dtype, config.segment_ids
         self.sample_length = None if settings.pack == "none" else settings.seq_len + 1
-        self.next_iteration: RawIteration | None = None
-        self.claimed = False
-        self.rejected: Counter = Counter()  # rejected documents by reason, of the units this process started
-        self._topology_args, self._group_args = topology_args, group_args
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_group_args"] = dict.fromkeys(self._group_args)  # process groups do not pickle
-        return state
+        # What reads it (the feed and the standalone iteration talk to the engine); this source is its plan.
+        self.engine = LaneEngine(self, [self.corpus], config, sample_length=self.sample_length,
+                                 topology_args=topology_args, group_args=group_args)
 
     @property
     def num_lanes(self) -> int:
         return self.corpus.num_lanes
 
     def topology(self) -> Topology:
-        topology = resolve_topology(**self._topology_args, **self._group_args)
-        # As for built data: a framework among the callers that runs the dataset the wrong way is refused where
-        # every path learns the world size (shardkit.loaders.delivery.frameworks).
-        check_framework(topology.world_size, standalone=not self.claimed)
-        return topology
+        return self.engine.topology()
 
-    def agreement_group(self) -> Any:
-        """The data-parallel process group (None: the default group)."""
-        return data_parallel_group(**self._group_args)
-
-    def check_corpus_agreed(self) -> None:
-        """Before the first batch: the ranks read one corpus (`sources.raw.agreement`; one small collective).
-
-        Raises:
-            ValueError: some rank lists other files or sizes, naming it and the file.
-        """
-        if not self._corpus_agreed:
-            check_ranks_see_one_corpus(self.corpora, world_size=self.topology().world_size,
-                                       group=self.agreement_group())
-            self._corpus_agreed = True
+    @property
+    def rejected(self) -> Counter:
+        """Rejected documents by reason, of the units this process started."""
+        return self.engine.rejected
 
     def order_values(self) -> dict[str, Any]:
         """The state's order fields: what the samples depend on."""
@@ -126,7 +101,7 @@ class RawTextSource(Source, MixtureChild):
                 ) -> tuple[dict[int, tuple[int, ...]], UnitCuts]:
         """Take the state's `raw_text` fields besides the cursors and cuts, and return those as this dataset
         numbers its lanes and units (a mixture's plan may change its streams and weights at `samples_consumed`:
-        `RawMixtureSource.restore`)."""
+        `mixture_lanes.MixtureLanes.restore`)."""
         return cursors, cuts
 
     # With fewer lanes than readers some ranks or workers read nothing (`sources.raw.feed.warn_few_lanes` says why).
@@ -162,10 +137,10 @@ class RawTextSource(Source, MixtureChild):
         return self.corpus.unit_url(unit)
 
     def claim(self) -> None:
-        self.claimed = True
+        self.engine.claim()
 
-    def begin(self, iteration: RawIteration) -> None:
-        self.next_iteration = iteration
+    def prepare(self, iteration: RawIteration) -> None:
+        """Nothing to fix before an iteration travels to the workers (`engine.LanePlan.prepare`)."""
 
     # -- what the dataset and the trainer ask ----------------------------------------------------
     def identity(self) -> str:
@@ -183,40 +158,20 @@ class RawTextSource(Source, MixtureChild):
         return position_provenance(self, sample_ids, state)
 
     def shapes(self) -> list[tuple[str, Any]]:
-        corpus = self.corpus
-        return [(self.describe(), RawTextShape(seq_len=corpus.settings.seq_len, sample_length=self.sample_length,
-                                               packing=corpus.settings.pack, tokenizer=corpus.tokenizer_info,
-                                               token_dtype=corpus.token_dtype))]
+        return [(self.describe(), raw_shape(self.corpus, self.sample_length))]
 
     def describe(self) -> str:
         return f"raw text {', '.join(self.inputs)} (pack={self.corpus.settings.pack!r})"
 
     def feed(self, loader: Any, batch_size: int | None) -> Feed:
-        return RawTextFeed(self, loader, batch_size)
+        return RawTextFeed(self.engine, loader, batch_size)
 
     def standalone(self, batch_size: int | None) -> Standalone:
-        return RawStandalone(self, batch_size)
+        return RawStandalone(self.engine, batch_size)
 
-    # -- reading -------------------------------------------------------------------------------
+    # -- reading (the engine asks its plan) ------------------------------------------------------
     def batches(self, standalone: Standalone) -> Iterator[Any]:
-        iteration = self.next_iteration
-        info = get_worker_info()
-        if info is not None:  # a DataLoader worker: its lanes' rows of every step (the loader assembles them)
-            if iteration is None:
-                raise ValueError("a raw-text StreamingDataset in DataLoader workers needs StreamingDataLoader")
-            if iteration.worker_start is not None:  # persistent workers: where the loader stands now
-                iteration = iteration.worker_start.read(iteration)
-            watch_parent()  # a worker must not outlive its parent (shardkit.loaders.delivery.parent_watch)
-            return self.parts(iteration, worker=info.id, num_workers=info.num_workers)
-        refuse_other_loaders(self.claimed)
-        if iteration is None:  # iterated on its own: from the start, tensors out
-            return standalone.batches()
-        return self.step_batches(iteration)
-
-    def step_batches(self, iteration: RawIteration) -> Iterator[dict[str, np.ndarray]]:
-        """This rank's numpy batches, step after step from `iteration.start` (endless: lanes go on epoch after
-        epoch), each with the cursors of the lanes it read under `CURSORS_KEY`."""
-        return (self.assemble([part]) for part in self.parts(iteration, worker=0, num_workers=1))
+        return self.engine.batches(standalone)
 
     def parts(self, iteration: RawIteration, *, worker: int, num_workers: int) -> Iterator[StepPart]:
         """Per step, the rows of this rank's slice whose lanes belong to `worker` (lane % num_workers): one part
@@ -238,48 +193,9 @@ class RawTextSource(Source, MixtureChild):
             step += 1
             yield part
 
-    def assemble(self, parts: list[StepPart]) -> dict[str, np.ndarray]:
-        """One step's batch from its parts (the rows in the rank's order), with the lanes' cursors under
-        `CURSORS_KEY`; the parts' rejections are counted in `rejected`."""
-        if len(parts) == 1:  # one reader: its rows (increasing, as every part's) are the batch's, in order
-            samples, positions, epochs = parts[0].samples, parts[0].positions, parts[0].epochs
-        else:
-            order = np.argsort(np.concatenate([p.rows for p in parts]), kind="stable")
-            samples = [s for p in parts for s in p.samples]
-            epochs = [e for p in parts for e in p.epochs]
-            samples, positions = [samples[i] for i in order], np.concatenate([p.positions for p in parts])[order]
-            epochs = [epochs[i] for i in order]
-        corpus = self.corpus
-        batch = raw_batch(samples, positions, epochs, pad_id=corpus.pad_id, token_dtype=corpus.token_dtype,
-                          variable=self.sample_length is None, dense_segments=self.segment_ids)
-        batch.update(self.row_columns(batch["sample_id"]))
-        batch[CURSORS_KEY] = np.concatenate([p.cursors for p in parts])
-        batch[UNREADABLE_KEY] = [u for p in parts for u in p.unreadable]
-        batch[DRY_KEY] = [d for p in parts for d in p.dry]
-        for part in parts:
-            self.rejected.update(part.rejected)
-        return batch
-
     def row_columns(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The per-row columns a batch holds besides the samples' own (a mixture's `stream`; none here)."""
         return {}
-
-
-def refuse_other_loaders(claimed: bool) -> None:
-    """Refuse a torch `DataLoader` or torchdata `StatefulDataLoader` iterating raw text, before its first batch:
-    the lanes' cursors are the loader's state, which they would never save (a resume would read every batch
-    again), and a dataset a `StreamingDataLoader` drives would be read past that loader's state.
-
-    Raises:
-        ValueError: naming StreamingDataLoader.
-    """
-    loader = iterating_loader()
-    if loader is None:
-        return
-    owner = " (the dataset of a StreamingDataLoader: iterate that loader itself)" if claimed else ""
-    raise ValueError(f"a raw-text StreamingDataset iterated by {loader}{owner} keeps no resume state: its lanes' "
-                     "cursors are the state of StreamingDataLoader(dataset, batch_size=N), which resumes exactly on "
-                     "any number of ranks and workers; iterate that and save its state_dict() (docs/INTEGRATIONS.md)")
 
 
 @dataclass(frozen=True)
@@ -291,6 +207,12 @@ class RawTextShape:
     packing: str
     tokenizer: Any
     token_dtype: str
+
+
+def raw_shape(corpus: RawCorpus, sample_length: int | None) -> RawTextShape:
+    """The shape of the samples `corpus` makes (for `Source.shapes`)."""
+    return RawTextShape(seq_len=corpus.settings.seq_len, sample_length=sample_length, packing=corpus.settings.pack,
+                        tokenizer=corpus.tokenizer_info, token_dtype=corpus.token_dtype)
 
 
 class LaneReaders:
@@ -336,8 +258,8 @@ class RawStandalone(Standalone):
 
     epoch = 0
 
-    def __init__(self, source: RawTextSource, batch_size: int | None):
-        self.source, self.batch_size = source, batch_size
+    def __init__(self, source: LaneEngine, batch_size: int | None):
+        self.source, self.batch_size = source, batch_size  # the source's engine
 
     def batches(self) -> Iterator[dict[str, Any]]:
         source = self.source

@@ -33,6 +33,7 @@ ROW_COLUMN = "row:"  # prefix of the per-row columns a source adds besides the s
 def step_assembly(source: Any) -> dict[str, Any] | None:
     """What a consumer needs to assemble a step from its parts (the service describes it once), or None for a
     source whose steps are not read in parts (built data: a rank's batch comes whole from one worker)."""
+    source = getattr(source, "engine", None)  # what reads the source: a lane engine reads a step in parts
     if getattr(source, "parts", None) is None:
         return None
     return {"pad_id": int(source.corpus.pad_id), "token_dtype": str(np.dtype(source.corpus.token_dtype)),
@@ -43,7 +44,7 @@ def step_assembly(source: Any) -> dict[str, Any] | None:
 def served_parts(loader: Any, *, part: int, parts: int) -> Iterator[dict[str, np.ndarray]]:
     """Part `part` of `parts` of every step of `loader`'s rank, from where the loader stands (endless), as the
     arrays of one message each."""
-    source = loader.dataset.source
+    source = loader.dataset.source.engine  # a lane engine (`step_assembly`)
     iteration = loader.feed.iteration_here(source.topology())
     source.begin(iteration)
     steps = source.parts(iteration, worker=part, num_workers=parts)
