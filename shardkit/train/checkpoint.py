@@ -72,6 +72,7 @@ PARTIAL_SUFFIX = ".partial"
 WRITER_CHECK_NAME = ".writer-check"
 # "dcp": background saves staged by DCP's own stager, not `FlatStager` (for comparison, or a state it mis-serves).
 STAGING_VARIABLE = "SHARDKIT_CHECKPOINT_STAGING"
+WRITER_START_VARIABLE = "SHARDKIT_CHECKPOINT_WRITER_START"
 # Optimizer state and param groups keyed by parameter name: pipeline stages hold different
 # parameters, and a per-group list of names saved by every stage would collide in DCP.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -262,6 +263,8 @@ class Checkpointer:
         self.async_save = async_save
         # (future, directory, meta) of the save being written; meta None: the writer process's start
         self._pending: tuple[Any, Path, dict[str, Any] | None] | None = None
+        # "wait": a save while DCP's writer process starts waits for it (the behaviour before saving synchronously).
+        self._sync_while_writer_starts = os.environ.get(WRITER_START_VARIABLE, "sync") != "wait"
         self._cleaned = False  # whether rank 0 removed the partial directories left before this run's first save
         self._async_group = None
         self._stager: DefaultStager | FlatStager | None = None
@@ -305,7 +308,7 @@ class Checkpointer:
         # A writer process still starting (a restarted worker's first save comes seconds before its new writer
         # is ready) is not waited for: this one save is written synchronously. Every rank takes the same path:
         # the start is completed only where every rank reported it done (the loop's sync point) or by a save.
-        writer_starting = self._pending is not None and self._pending[2] is None
+        writer_starting = self._pending is not None and self._pending[2] is None and self._sync_while_writer_starts
         if writer_starting:
             self._join_publisher()
         else:
