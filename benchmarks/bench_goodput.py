@@ -30,14 +30,17 @@ the job's 2 partitions), so none is missing.
 
     python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...] [--warm-start both]
         [--json bench_out/bench_goodput.json] [-- TRAINER OPTIONS, e.g. --async-save]
-    python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300
+    python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300 [--modes process-dcp-staging process]
+    python benchmarks/bench_goodput.py --runs 1 --warm-start on --steps 4400 --first-loss-after 2000 -- --async-save
 
 `--save-cost` measures the checkpoint term alone: one process trains without checkpoints, with a synchronous
 save every 10 steps and with a background one (`--async-save`) written by a thread of the trainer or by DCP's
-writer process (`--async-writer`), interleaved; per mode the loop's time over steps 11..N, the seconds each
-save holds the loop (as the trainer logs them), the median step time (a background writer thread competes
-with the steps for the cores and the GIL) and, for the writer process, the one-time wait for it to start
-(left out of the overhead: on a real job it starts while the model is built and the first interval trains).
+writer process (`--async-writer`), the latter also staged by DCP's own stager (`process-dcp-staging`,
+SHARDKIT_CHECKPOINT_STAGING=dcp: the code before `FlatStager`), interleaved (`--modes` picks some); per mode the
+loop's time over steps N/5..N, the time each save holds the loop (as the trainer logs it, wall and CPU, and
+its share of 10 steps of the run without checkpoints), the median step time, the CPU seconds of the trainer
+and its writer, and the one-time wait for the writer process to start (left out, as are the saves written
+synchronously while it starts: on a real job it starts while the model is built and the first interval trains).
 
 The two nodes share this machine's 2 cores: worker start-up (`import torch`) is slower than on real nodes,
 and a SIGKILLed process's sockets close at once, so detection here is the fast case (docs/GOODPUT.md).
@@ -49,6 +52,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -64,7 +68,7 @@ from conftest import free_port  # noqa: E402
 from elastic_nodes import Node, last_step, metric_records, store_listening, wait_for, world_changes  # noqa: E402
 from train_runs import sample_ids, write_byte_dataset  # noqa: E402
 
-SAMPLES, SEQ_LEN, PER_SHARD, BATCH = 4000, 32, 100, 4  # one epoch holds every step of a run
+SAMPLES, SEQ_LEN, PER_SHARD, BATCH = 4000, 32, 100, 4  # one epoch holds every step of a run (more for long runs)
 PHASES = ("detection", "stop", "rendezvous", "start", "process_group", "loader", "model", "checkpoint", "other",
           "redone")
 # torchrun's agent logs its steps (worker group failed, rendezvous round, workers started) at INFO in glog's
@@ -147,9 +151,11 @@ def lost(kind: str, phases: dict[str, float]) -> float:
 
 
 def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoint_every: int,
-                 extra: list[str], rdzv_conf: str = "", warm_start: bool = False, timeout: float = 180) -> dict:
-    """Train on two nodes; `losses` times: SIGKILL node b halfway between two checkpoints, let node a train
-    alone for a few steps, start node b again. Returns the nodes, run directory, events and wall times."""
+                 extra: list[str], rdzv_conf: str = "", warm_start: bool = False, timeout: float = 180,
+                 first_loss_after: int = 0) -> dict:
+    """Train on two nodes; `losses` times: SIGKILL node b halfway between two checkpoints (the first not before
+    step `first_loss_after`), let node a train alone for a few steps, start node b again. Returns the nodes, run
+    directory, events and wall times."""
     run_dir = workdir / "run"
     train_args = ["--data", data, "--steps", str(steps), "--batch-size", str(BATCH), "--warmup-steps", "2",
                   "--checkpoint-every", str(checkpoint_every), "--keep", "3", "--log-sample-ids", "--log-every", "5",
@@ -170,8 +176,9 @@ def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoin
         changes = lambda change: world_changes(logs()).count(change)  # noqa: E731
         for _ in range(losses):
             # Halfway between the next two checkpoints: what a failure at a random moment loses on average.
-            target = (last_step(run_dir) // checkpoint_every + 1) * checkpoint_every + checkpoint_every // 2
-            wait_for(lambda: last_step_at(run_dir, world_size=2) >= target, timeout=timeout,
+            target = (max(last_step(run_dir), first_loss_after) // checkpoint_every + 1) * checkpoint_every \
+                + checkpoint_every // 2
+            wait_for(lambda: last_step_at(run_dir, world_size=2) >= target, timeout=timeout + 0.5 * target,
                      what=f"two-node training to step {target}", nodes=nodes)
             seen = changes((2, 1)), changes((1, 2))
             events.append(("loss", node_b.kill()))
@@ -186,7 +193,7 @@ def scripted_job(workdir: Path, *, data: str, steps: int, losses: int, checkpoin
             events.append(("return", time.time()))
             wait_for(lambda: changes((1, 2)) > seen[1], timeout=timeout,
                      what="the returning node to join (1 -> 2)", nodes=nodes)
-        codes = {node.name: node.wait(timeout=2 * timeout) for node in nodes}
+        codes = {node.name: node.wait(timeout=2 * timeout + 0.5 * steps) for node in nodes}
         ended = time.time()
         if any(codes.values()):
             raise RuntimeError(f"exit codes {codes}:\n{logs()[-6000:]}")
@@ -217,11 +224,13 @@ def check_exact(run_dir: Path, data: str, workdir: Path, steps: int) -> dict[str
 
 
 def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, extra: list[str],
-             rdzv_conf: str = "", warm_start: bool = False) -> dict:
+             rdzv_conf: str = "", warm_start: bool = False, first_loss_after: int = 0) -> dict:
     data = str(workdir / "data")
-    write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
+    # One epoch holds every step (the exactness check counts within one epoch): two ranks take 2 x BATCH a step.
+    samples = max(SAMPLES, -(-int(steps * 2 * BATCH * 1.1) // PER_SHARD) * PER_SHARD)
+    write_byte_dataset(data, num_samples=samples, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
     job = scripted_job(workdir, data=data, steps=steps, losses=losses, checkpoint_every=checkpoint_every,
-                       extra=extra, rdzv_conf=rdzv_conf, warm_start=warm_start)
+                       extra=extra, rdzv_conf=rdzv_conf, warm_start=warm_start, first_loss_after=first_loss_after)
     node_a, node_b = job["nodes"]
     records = [r for r in metric_records(job["run_dir"]) if "loss" in r]
     steps_by_number = {r["step"]: r for r in records}
@@ -235,8 +244,11 @@ def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, e
     compute = sum(r["step_time_s"] * (1 - r["data_wait_fraction"]) for r in records)
     first = steps_by_number[1]
     saves = [float(m.group(1)) for _, text in trainer for m in [re.search(r"saved to .* in ([\d.]+)s", text)] if m]
+    startup = first["time"] - first["step_time_s"] - job["started"]
     return {"wall_s": wall, "compute_s": compute, "goodput": compute / wall,
-            "startup_s": first["time"] - first["step_time_s"] - job["started"],
+            # the job's first start-up is no failure's cost: goodput over the wall time after it, too
+            "goodput_after_startup": compute / (wall - startup), "startup_s": startup,
+            "data_wait_s": sum(r["step_time_s"] * r["data_wait_fraction"] for r in records),
             "finish_s": job["ended"] - steps_by_number[steps]["time"],
             "lost_s": sum(e["lost"] for e in events), "saves": len(saves), "save_s": sum(saves),
             "median_step_s": statistics.median(r["step_time_s"] for r in records),
@@ -251,7 +263,8 @@ def medians(runs: list[dict]) -> dict:
     for kind in ("loss", "return"):
         found = [e for r in runs for e in r["events"] if e["kind"] == kind]
         table[kind] = {phase: statistics.median(e[phase] for e in found) for phase in (*PHASES, "lost")}
-    totals = ("wall_s", "compute_s", "goodput", "startup_s", "finish_s", "lost_s", "save_s", "median_step_s")
+    totals = ("wall_s", "compute_s", "goodput", "goodput_after_startup", "startup_s", "finish_s", "lost_s", "save_s",
+              "median_step_s", "data_wait_s")
     return {"events": table, "totals": {name: statistics.median(r[name] for r in runs) for name in totals}}
 
 
@@ -261,9 +274,11 @@ def print_table(table: dict, runs: int, title: str = "") -> None:
     for kind, row in table["events"].items():
         print(f"{kind:8}" + "".join(f"{row[p]:14.2f}" for p in (*PHASES, "lost")))
     t = table["totals"]
-    print(f"\ngoodput {100 * t['goodput']:.1f}%: {t['compute_s']:.1f} s of step compute in {t['wall_s']:.1f} s wall "
+    print(f"\ngoodput {100 * t['goodput']:.1f}% ({100 * t['goodput_after_startup']:.1f}% of the wall time after the "
+          f"job's first start-up): {t['compute_s']:.1f} s of step compute in {t['wall_s']:.1f} s wall "
           f"(start-up {t['startup_s']:.1f} s, lost to events {t['lost_s']:.1f} s, checkpoint saves {t['save_s']:.1f} s, "
-          f"final save and exit {t['finish_s']:.1f} s; median step {1000 * t['median_step_s']:.1f} ms)")
+          f"final save and exit {t['finish_s']:.1f} s, steps' data wait {t['data_wait_s']:.1f} s; "
+          f"median step {1000 * t['median_step_s']:.1f} ms)")
 
 
 # The checkpoint's cost in the loop, one process (no torchrun): the same run without checkpoints, with a
@@ -271,30 +286,56 @@ def print_table(table: dict, runs: int, title: str = "") -> None:
 # writer process (--save-cost). Every mode runs DDP over a group of one: DCP's writer process needs a group.
 SAVE_MODES = {"none": ["--checkpoint-every", "0"], "sync": ["--checkpoint-every", "10"],
               "thread": ["--checkpoint-every", "10", "--async-save", "--async-writer", "thread"],
+              "process-dcp-staging": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"],
               "process": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"]}
-IN_LOOP = re.compile(r"(?:saved to .* in|after) ([\d.]+)s")  # a save's (or its start's, its completion's) time
+# The modes staged by DCP's own stager (the code before `FlatStager`), for comparison in the same run.
+DCP_STAGING = {"process-dcp-staging"}
+# A save's whole time in the loop (loader state, state dict, staging, or the whole synchronous write) and a
+# background save's completion at a later sync point.
+IN_LOOP = re.compile(r"(?:the save held the loop|completed \(background save\) after) ([\d.]+)s")
+STARTING_SAVE = re.compile(r"checkpoint step (\d+) saved to .* \(synchronously: the background writer process")
+HELD_CPU = re.compile(r"the save held the loop [\d.]+s \(([\d.]+)s of CPU\)")
 WRITER_WAIT = re.compile(r"writer process started; the loop waited ([\d.]+)s")
 
 
 def save_cost_once(workdir: Path, data: str, mode: str, *, steps: int) -> dict[str, float]:
-    """Train `steps` steps in one process with checkpoints per `mode`; the loop's time over steps 11..steps."""
+    """Train `steps` steps in one process with checkpoints per `mode`; the loop's time over steps N/5..N."""
     run_dir = workdir / f"save-{mode}"
+    staging = {"SHARDKIT_CHECKPOINT_STAGING": "dcp" if mode in DCP_STAGING else "flat"}
+    cpu_before = _children_cpu_s()
     stderr = subprocess.run(
         [sys.executable, "-m", "shardkit.train", "--data", data, "--steps", str(steps), "--batch-size", str(BATCH),
          "--warmup-steps", "2", "--log-every", "10", "--device", "cpu", "--run-dir", str(run_dir), "--resume", "none",
          "--cache-dir", str(workdir / "cache"), "--parallel", "ddp", *SAVE_MODES[mode]],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, check=True).stderr
+        env={**os.environ, "OMP_NUM_THREADS": "1", **staging}, capture_output=True, text=True, check=True).stderr
+    cpu_s = _children_cpu_s() - cpu_before  # the trainer's and its writer process's CPU time, start-up included
     records = {r["step"]: r for r in metric_records(run_dir) if "loss" in r}
-    start, end = records[10]["time"], records[steps]["time"]
+    # From step N/5 on: the writer process's start (a new interpreter importing torch, seconds of CPU) competes
+    # with the first steps for the cores; a real job's minutes between saves hide it.
+    first = max(10, steps // 50 * 10)
+    start, end = records[first]["time"], records[steps]["time"]
     lines = [(at, text) for at, text in trainer_lines(stderr) if start <= at <= end]
+    # Saves written synchronously while the writer process was still starting (its one-time start, see
+    # `Checkpointer.save`) are counted apart: a real job's minutes between saves hide that start.
+    starting = {int(m.group(1)) for _, text in lines for m in [STARTING_SAVE.search(text)] if m}
+    lines = [(at, text) for at, text in lines
+             if not any(f"checkpoint step {step}:" in text or f"checkpoint step {step} " in text for step in starting)]
     writer_wait = sum(float(m.group(1)) for _, text in trainer_lines(stderr) for m in [WRITER_WAIT.search(text)] if m)
-    return {"loop_s": end - start, "saves": sum("saved to" in text or "save started" in text for _, text in lines),
-            "in_loop_s": sum(float(m.group(1)) for _, text in lines for m in [IN_LOOP.search(text)] if m),
-            "writer_start_wait_s": writer_wait,
-            "median_step_s": statistics.median(records[step]["step_time_s"] for step in range(11, steps + 1))}
+    return {"loop_s": end - start, "saves": sum("the save held the loop" in text for _, text in lines),
+            # less the one-time wait for the writer process's start, reported on its own
+            "in_loop_s": sum(float(m.group(1)) for _, text in lines for m in [IN_LOOP.search(text)] if m)
+            - sum(float(m.group(1)) for _, text in lines for m in [WRITER_WAIT.search(text)] if m),
+            "held_cpu_s": sum(float(m.group(1)) for _, text in lines for m in [HELD_CPU.search(text)] if m),
+            "writer_start_wait_s": writer_wait, "cpu_s": cpu_s, "saves_while_writer_starts": len(starting),
+            "median_step_s": statistics.median(records[step]["step_time_s"] for step in range(first + 1, steps + 1))}
 
 
-def save_cost(runs: int, *, steps: int) -> dict:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def save_cost(runs: int, *, steps: int, modes: tuple[str, ...] = tuple(SAVE_MODES)) -> dict:
     """Each mode `runs` times, interleaved (the machine's load drifts); per mode the medians, and the loop's
     overhead against the run without checkpoints of the same round."""
     rounds = []
@@ -302,23 +343,35 @@ def save_cost(runs: int, *, steps: int) -> dict:
         data = str(Path(tmp) / "data")
         write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
         for _ in range(runs):
-            rounds.append({mode: save_cost_once(Path(tmp), data, mode, steps=steps) for mode in SAVE_MODES})
+            rounds.append({mode: save_cost_once(Path(tmp), data, mode, steps=steps) for mode in ("none", *modes)})
     table = {}
-    for mode in SAVE_MODES:
+    for mode in ("none", *modes):
         rows = [r[mode] for r in rounds]
         table[mode] = {"loop_s": statistics.median(r["loop_s"] for r in rows),
                        "in_loop_s_per_save": statistics.median(r["in_loop_s"] / max(1, r["saves"]) for r in rows),
                        "median_step_s": statistics.median(r["median_step_s"] for r in rows),
                        "writer_start_wait_s": statistics.median(r["writer_start_wait_s"] for r in rows),
+                       "cpu_s": statistics.median(r["cpu_s"] for r in rows),
+                       "saves_while_writer_starts": statistics.median(r["saves_while_writer_starts"] for r in rows),
+                       # What the issue's goal measures: the loop held per save over the 10 steps between saves
+                       # (steps of this round's run without checkpoints), steady against the machine's load.
+                       "held_overhead": statistics.median(r[mode]["in_loop_s"] / max(1, r[mode]["saves"])
+                                                          / (10 * r["none"]["median_step_s"]) for r in rounds),
+                       "held_cpu_overhead": statistics.median(r[mode]["held_cpu_s"] / max(1, r[mode]["saves"])
+                                                              / (10 * r["none"]["median_step_s"]) for r in rounds),
+                       "held_cpu_ms_per_save": statistics.median(1000 * r["held_cpu_s"] / max(1, r["saves"])
+                                                                 for r in rows),
                        "overhead": statistics.median((r[mode]["loop_s"] - r[mode]["writer_start_wait_s"])
                                                      / r["none"]["loop_s"] - 1 for r in rounds)}
     print(f"\ncheckpoint cost in the loop, one process, {steps} steps, a save every 10 (none: no save): "
           f"median of {runs} interleaved rounds")
-    print(f"{'mode':8}{'loop s':>10}{'ms per save':>14}{'median step ms':>16}{'writer start s':>16}"
-          f"{'loop overhead':>15}")
+    print(f"{'mode':20}{'loop s':>8}{'ms per save':>13}{'held / 10 steps':>17}{'CPU ms per save':>17}"
+          f"{'CPU / 10 steps':>16}{'median step ms':>16}{'writer start s':>16}{'loop overhead':>15}{'CPU s':>8}")
     for mode, row in table.items():
-        print(f"{mode:8}{row['loop_s']:10.2f}{1000 * row['in_loop_s_per_save']:14.1f}"
-              f"{1000 * row['median_step_s']:16.1f}{row['writer_start_wait_s']:16.2f}{100 * row['overhead']:14.1f}%")
+        print(f"{mode:20}{row['loop_s']:8.2f}{1000 * row['in_loop_s_per_save']:13.1f}{100 * row['held_overhead']:16.2f}%"
+              f"{row['held_cpu_ms_per_save']:17.1f}{100 * row['held_cpu_overhead']:15.2f}%"
+              f"{1000 * row['median_step_s']:16.1f}{row['writer_start_wait_s']:16.2f}{100 * row['overhead']:14.1f}%"
+              f"{row['cpu_s']:8.1f}")
     return {"rounds": rounds, "median": table}
 
 
@@ -328,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--losses", type=int, default=1, help="node losses (each followed by the node's return)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--first-loss-after", type=int, default=0, metavar="STEP",
+                        help="the first node loss not before this step (e.g. mid-way through a long job)")
     parser.add_argument("--rdzv-conf", default="", help="more rendezvous options for both agents, e.g. "
                         "keep_alive_interval=1,keep_alive_max_attempt=2 (after last_call_timeout=1,join_timeout=120)")
     parser.add_argument("--warm-start", choices=("off", "on", "both"), default="off",
@@ -336,12 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-cost", action="store_true",
                         help="instead of the elastic job: the loop's time without checkpoints, with synchronous and "
                              "with background saves every 10 steps (one process)")
+    parser.add_argument("--modes", nargs="+", choices=[m for m in SAVE_MODES if m != "none"],
+                        default=[m for m in SAVE_MODES if m != "none"], help="--save-cost: the modes besides none")
     parser.add_argument("--json", default="bench_out/bench_goodput.json")
     parser.add_argument("--keep", metavar="DIR", help="keep each run's directory (logs, records) under DIR")
     parser.add_argument("train_args", nargs="*", help="more trainer options, after --, e.g. -- --async-save")
     args = parser.parse_args(argv)
     if args.save_cost:
-        result = save_cost(args.runs, steps=args.steps)
+        result = save_cost(args.runs, steps=args.steps, modes=tuple(args.modes))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "save_cost": result}, indent=2))
         return 0
@@ -355,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                 tmp.mkdir()
             runs.append(run_once(Path(tmp), steps=args.steps, losses=args.losses,
                                  checkpoint_every=args.checkpoint_every, extra=args.train_args,
-                                 rdzv_conf=args.rdzv_conf, warm_start=warm_start))
+                                 rdzv_conf=args.rdzv_conf, warm_start=warm_start,
+                                 first_loss_after=args.first_loss_after))
         print(f"run {run + 1}/{args.runs * len(variants)} (warm start {'on' if warm_start else 'off'}): "
               f"{runs[-1]['wall_s']:.0f} s wall, goodput {100 * runs[-1]['goodput']:.1f}%, "
               f"exact ({runs[-1]['exact']['ids']} ids), {runs[-1]['forked_workers']} workers forked", flush=True)

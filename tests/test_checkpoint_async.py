@@ -63,18 +63,21 @@ def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tm
 
 
 @pytest.mark.slow
-def test_a_job_killed_while_saving_in_the_background_resumes_exactly(tmp_path):
+def test_a_job_killed_while_saving_in_the_background_resumes_exactly(tmp_path, monkeypatch):
     data = str(tmp_path / "bytes")
     write_byte_dataset(data)
     reference = tmp_path / "reference" / "run"
     check_ok(torchrun(reference, data, checkpoint_every=2))  # synchronous saves, never interrupted
 
     run_dir = tmp_path / "async" / "run"
+    # Every save in the background: no save written synchronously while the writer process starts.
+    monkeypatch.setenv("SHARDKIT_CHECKPOINT_WRITER_START", "wait")
     killed = torchrun(run_dir, data, checkpoint_every=2, fault="step:7", extra=("--async-save",))
     assert killed.returncode != 0 and "kills itself at step 7" in killed.stderr, killed.stderr[-3000:]
     # Step 6's save was started after step 6 and is marked complete at the next sync point at the earliest.
     latest = find_latest(run_dir / "checkpoints")
     assert latest is not None and latest.name == "step_00000004", checkpoints(run_dir)
+    monkeypatch.delenv("SHARDKIT_CHECKPOINT_WRITER_START")  # the resumed run saves synchronously until its writer is up
     resumed = check_ok(torchrun(run_dir, data, checkpoint_every=2, extra=("--async-save",)))
     assert f"resumed from {latest} at step {int(latest.name[5:])}" in resumed.stdout, resumed.stdout[-3000:]
 

@@ -59,7 +59,9 @@ from shardkit.train import faults
 from shardkit.train.config import ModelConfig
 from shardkit.train.config.checkpoint import ASYNC_WRITERS
 from shardkit.train.checkpoint_metadata import SafeFileSystemReader
-from shardkit.train.checkpoint_writer import WriterProcessFileSystemWriter
+from shardkit.train.checkpoint_staging import FlatStager, flat_stageable
+from shardkit.train.checkpoint_state import SaveStateDict
+from shardkit.train.checkpoint_writer import ExpandingSavePlanner, WriterProcessFileSystemWriter
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ _STEP_NAME = re.compile(r"step_\d{8,}")
 PARTIAL_SUFFIX = ".partial"
 # Where DCP's writer process writes a save of nothing as it starts (see `Checkpointer._start_writer`).
 WRITER_CHECK_NAME = ".writer-check"
+# "dcp": background saves staged by DCP's own stager, not `FlatStager` (for comparison, or a state it mis-serves).
+STAGING_VARIABLE = "SHARDKIT_CHECKPOINT_STAGING"
+WRITER_START_VARIABLE = "SHARDKIT_CHECKPOINT_WRITER_START"
 # Optimizer state and param groups keyed by parameter name: pipeline stages hold different
 # parameters, and a per-group list of names saved by every stage would collide in DCP.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -258,11 +263,17 @@ class Checkpointer:
         self.async_save = async_save
         # (future, directory, meta) of the save being written; meta None: the writer process's start
         self._pending: tuple[Any, Path, dict[str, Any] | None] | None = None
+        # "wait": a save while DCP's writer process starts waits for it (the behaviour before saving synchronously).
+        self._sync_while_writer_starts = os.environ.get(WRITER_START_VARIABLE, "sync") != "wait"
+        self._cleaned = False  # whether rank 0 removed the partial directories left before this run's first save
         self._async_group = None
-        self._stager: DefaultStager | None = None
+        self._stager: DefaultStager | FlatStager | None = None
         self._publisher: threading.Thread | None = None
         self._publish_error: tuple[Path, BaseException] | None = None
         self.writer = _writer_type(async_writer) if async_save else None
+        # A background save's state dicts, cheap after the first save; DCP's stager path keeps get_state_dict.
+        fast = async_save and os.environ.get(STAGING_VARIABLE, "flat") != "dcp"
+        self._save_state_dict = SaveStateDict(STATE_DICT_OPTIONS) if fast else None
         if not dist.is_initialized():
             # DCP warns on every call (also from its background thread) without a process group;
             # one process is a supported case here, so that one message is silenced.
@@ -294,29 +305,44 @@ class Checkpointer:
 
         `extra` holds more top-level entries (e.g. DiLoCo's outer state); keys saved by every rank
         are kept once, so per-rank values need rank-specific keys."""
-        self.wait()  # logs its own time; joins the publishing thread before the stale partials are removed
+        # A writer process still starting (a restarted worker's first save comes seconds before its new writer
+        # is ready) is not waited for: this one save is written synchronously. Every rank takes the same path:
+        # the start is completed only where every rank reported it done (the loop's sync point) or by a save.
+        writer_starting = self._pending is not None and self._pending[2] is None and self._sync_while_writer_starts
+        if writer_starting:
+            self._join_publisher()
+        else:
+            self.wait()  # logs its own time; joins the publishing thread before the stale partials are removed
         started = time.perf_counter()
         final = self.directory / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
-        _barrier()
-        model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+                if stale != partial or not self._cleaned:  # left by a crash mid-save
+                    shutil.rmtree(stale, ignore_errors=True)
+        if not self._cleaned:
+            # Other ranks write into this save's partial directory once rank 0 removed what an earlier run left
+            # there. Later saves skip the barrier: rank 0 no longer removes a directory another rank writes into.
+            _barrier()
+            self._cleaned = True
+        model_state, optim_state = (self._save_state_dict(model, optimizer) if self._save_state_dict is not None
+                                    else get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS))
         shared = self._shared(model_state)
         state = {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state,
                  "scheduler": json.dumps(scheduler.state_dict()),
                  "train": json.dumps({"step": step}),
                  f"rank_{self.rank}": json.dumps(rank_state), **(extra or {})}
         meta = {**meta, "step": step}
-        if self.async_save:
+        if self.async_save and not writer_starting:
             in_process = self.writer == AsyncCheckpointerType.PROCESS
+            stager = self._staging(model, state)
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group,
                                     storage_writer=WriterProcessFileSystemWriter(partial) if in_process else None,
-                                    async_checkpointer_type=self.writer, async_stager=self._staging(model))
+                                    planner=ExpandingSavePlanner() if isinstance(stager, FlatStager) else None,
+                                    async_checkpointer_type=self.writer, async_stager=stager)
             self._pending = (future, partial, meta)
-            self._pending_bytes = _state_bytes(state)
+            self._pending_bytes = stager.staged_bytes if isinstance(stager, FlatStager) else _state_bytes(state)
             logger.info("checkpoint step %d: background save started after %.3fs in the loop", step,
                         time.perf_counter() - started)
             return
@@ -326,13 +352,20 @@ class Checkpointer:
             raise self._write_failed(partial, step, _state_bytes(state), err) from None
         faults.inject_now("save", step, self.rank)
         self._complete_now(partial, meta)
-        logger.info("checkpoint step %d saved to %s in %.2fs", step, final, time.perf_counter() - started)
+        logger.info("checkpoint step %d saved to %s in %.2fs%s", step, final, time.perf_counter() - started,
+                    " (synchronously: the background writer process is still starting)" if writer_starting else "")
 
-    def _staging(self, model: nn.Module) -> DefaultStager:
+    def _staging(self, model: nn.Module, state: dict[str, Any]) -> DefaultStager | FlatStager:
         """The run's one stager. It keeps its CPU copy of each tensor and copies into it at the next save,
-        which is safe because a save first waits for the previous one to be written (`wait`); on a GPU
-        the copy goes to pinned memory, at full bandwidth, without a new pinning at every save. For the
-        writer process the copy lives in shared memory, so that a save hands it over without copying it."""
+        which is safe because a save first waits for the previous one to be written (`wait`). A state of plain
+        CPU tensors goes to `FlatStager` (one copy into one shared-memory buffer per dtype, one handle each to
+        the writer); any other (DTensors, GPU tensors), or every state when SHARDKIT_CHECKPOINT_STAGING=dcp,
+        to DCP's stager: on a GPU the copy goes to pinned memory, at full bandwidth, without a new pinning at
+        every save, and for the writer process it lives in shared memory, handed over without a copy."""
+        if self._stager is None and os.environ.get(STAGING_VARIABLE, "flat") != "dcp" and flat_stageable(state):
+            self._stager = FlatStager()
+            logger.info("background saves are staged in shared-memory buffers kept for the run (%s)",
+                        _mib(_state_bytes(state)))
         if self._stager is None:
             on_gpu = any(parameter.device.type == "cuda" for parameter in model.parameters())
             shared = self.writer == AsyncCheckpointerType.PROCESS

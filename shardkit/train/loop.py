@@ -290,11 +290,16 @@ def save_checkpoint(run: Run, *, loader_state: dict[str, Any] | None = None) -> 
             "skip_steps": run.config.training.skip_steps, "precision": run.precision.name,
             **({"loss_scaler": run.scaler.state_dict()} if run.scaler is not None else {}),
             **run.sync.meta()}
+    started, started_cpu = time.perf_counter(), time.thread_time()
     rank_state = {"loader": run.data.state_dict() if loader_state is None else loader_state, "rng": rng.get_state()}
     with run.watch.checkpoint("save"):
         run.checkpointer.save(run.step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                               rank_state=rank_state, meta=meta, extra=run.sync.state_dict())
     run.saved_step = run.step
+    # The whole of it, the loader's state included: what a save costs the loop (benchmarks/bench_goodput.py).
+    # Its CPU time too: on a loaded host the wall time also counts the seconds the loop was not scheduled.
+    logger.info("checkpoint step %d: the save held the loop %.4fs (%.4fs of CPU)", run.step,
+                time.perf_counter() - started, time.thread_time() - started_cpu)
 
 
 def _barrier() -> None:
