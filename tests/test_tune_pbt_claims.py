@@ -16,7 +16,7 @@ from postgres_server import new_database, postgres  # noqa: F401  (postgres: the
 POPULATION, PROCESSES = 8, 3
 
 
-def _claim_all(url: str, output: str, barrier, results) -> None:
+def _claim_all(url: str, study_name: str, output: str, barrier, results) -> None:
     """One tuner: open the study, wait for the others, then claim rounds until none is free."""
     import optuna
 
@@ -29,7 +29,7 @@ def _claim_all(url: str, output: str, barrier, results) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = TuneConfig(sampler="pbt", population=POPULATION, perturb_every=1, storage=url)
     params, values = parse_space(["lr=loguniform:1e-3:1e-2"]), {"steps": 1}
-    study = optuna.create_study(study_name="claims", storage=open_storage(url, heartbeat_s=30),
+    study = optuna.create_study(study_name=study_name, storage=open_storage(url, heartbeat_s=30),
                                 direction="minimize", load_if_exists=True)
     check_fingerprint(study, population_fingerprint(config, params, values))
     run = PopulationRun(config=config, params=params, base_values=values, output=Path(output),
@@ -41,13 +41,11 @@ def _claim_all(url: str, output: str, barrier, results) -> None:
     results.put(claimed)
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_rounds_claimed_at_once_by_several_tuners_are_each_claimed_once(database, tmp_path, request):
-    url = (new_database(request.getfixturevalue("postgres"), "claims") if database == "postgresql"
-           else f"sqlite:///{tmp_path / 'study.db'}")
+def _claim_at_once(url: str, study_name: str, folder: Path) -> list[list[tuple[int, int]]]:
+    """PROCESSES tuners started together on a new study `study_name`: the rounds each one claimed."""
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(PROCESSES), context.Queue()
-    tuners = [context.Process(target=_claim_all, args=(url, str(tmp_path / f"host-{i}"), barrier, results))
+    tuners = [context.Process(target=_claim_all, args=(url, study_name, str(folder / f"host-{i}"), barrier, results))
               for i in range(PROCESSES)]
     for tuner in tuners:
         tuner.start()
@@ -55,7 +53,21 @@ def test_rounds_claimed_at_once_by_several_tuners_are_each_claimed_once(database
     for tuner in tuners:
         tuner.join(timeout=30)
     assert [t.exitcode for t in tuners] == [0] * PROCESSES
-    every = Counter(unit for claims in claimed for unit in claims)
-    assert sorted(every) == [(m, 0) for m in range(POPULATION)], every
-    assert set(every.values()) == {1}, f"rounds claimed twice: {[u for u, n in every.items() if n > 1]}"
+    return claimed
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_rounds_claimed_at_once_by_several_tuners_are_each_claimed_once(database, tmp_path, request):
+    url = (new_database(request.getfixturevalue("postgres"), "claims") if database == "postgresql"
+           else f"sqlite:///{tmp_path / 'study.db'}")
+    # On a loaded machine one tuner may claim every round before the others are scheduled past the barrier (once
+    # in a full run): that attempt tested no contention, so a new study is tried; every attempt's claims must be
+    # exactly once, whichever.
+    for attempt in range(3):
+        claimed = _claim_at_once(url, f"claims-{attempt}", tmp_path / f"attempt-{attempt}")
+        every = Counter(unit for claims in claimed for unit in claims)
+        assert sorted(every) == [(m, 0) for m in range(POPULATION)], every
+        assert set(every.values()) == {1}, f"rounds claimed twice: {[u for u, n in every.items() if n > 1]}"
+        if sum(bool(claims) for claims in claimed) >= 2:
+            break
     assert sum(bool(claims) for claims in claimed) >= 2, claimed  # the tuners did claim side by side
