@@ -272,7 +272,8 @@ class Checkpointer:
         self._publish_error: tuple[Path, BaseException] | None = None
         self.writer = _writer_type(async_writer) if async_save else None
         # A background save's state dicts, cheap after the first save; DCP's stager path keeps get_state_dict.
-        fast = async_save and os.environ.get(STAGING_VARIABLE, "flat") != "dcp"
+        self._flat_staging = os.environ.get(STAGING_VARIABLE, "flat") != "dcp"
+        fast = async_save and self._flat_staging
         self._save_state_dict = SaveStateDict(STATE_DICT_OPTIONS) if fast else None
         if not dist.is_initialized():
             # DCP warns on every call (also from its background thread) without a process group;
@@ -362,7 +363,7 @@ class Checkpointer:
         the writer); any other (DTensors, GPU tensors), or every state when SHARDKIT_CHECKPOINT_STAGING=dcp,
         to DCP's stager: on a GPU the copy goes to pinned memory, at full bandwidth, without a new pinning at
         every save, and for the writer process it lives in shared memory, handed over without a copy."""
-        if self._stager is None and os.environ.get(STAGING_VARIABLE, "flat") != "dcp" and flat_stageable(state):
+        if self._stager is None and self._flat_staging and flat_stageable(state):
             self._stager = FlatStager()
             logger.info("background saves are staged in shared-memory buffers kept for the run (%s)",
                         _mib(_state_bytes(state)))
