@@ -17,7 +17,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["conftest_faults",  # the fault-injecting S3 proxy and the reliability figures
-                  "conftest_cpu"]  # SHARDKIT_TEST_CPU=FILE: CPU-seconds a test, its processes included
+                  "conftest_cpu",  # SHARDKIT_TEST_CPU=FILE: CPU-seconds a test, its processes included
+                  "conftest_warm"]  # trainers forked from a warm-start server (SHARDKIT_TEST_COLD=1: not)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARDKIT_SHARED", REPO.parent / "shared"))

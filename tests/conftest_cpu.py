@@ -4,7 +4,8 @@ process's during the test, and those of the processes it started and waited for 
 waited-for children, such as torchrun's ranks; the xdist worker that ran it and the time it began, to see the
 schedule). The suite is CPU-bound on 2 cores (issue 46): compare CPU-seconds, which other work on the machine
 changes little, rather than wall times. Processes left running in the background (Ray's raylets, a server a
-fixture keeps) are not counted; a module fixture's runs count to the test that made them.
+fixture keeps) are not counted, nor the trainers forked from the suite's warm-start server (tests/conftest_warm.py;
+SHARDKIT_TEST_CPU with SHARDKIT_TEST_COLD=1 counts them); a module fixture's runs count to the test that made them.
 
     SHARDKIT_TEST_CPU=/tmp/cpu.jsonl python3 -m pytest -m slow
     python3 tests/conftest_cpu.py /tmp/cpu.jsonl      # the 40 costliest tests and the total

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from conftest import free_port
+from conftest_warm import cold_environment
 from process_tree import descendants, signal_all
 
 # torch >= 2.4 shares the rendezvous TCPStore with the workers and caches the round-0 master address:
@@ -65,7 +66,8 @@ class Node:
                 "-m", "shardkit.train", *self.train_args, "--cache-dir", str(self.cache_dir), *options]
 
     def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
+        # cold unless the test asks for warm start: a node's loss must take its own agent's server with it
+        env = {**cold_environment(dict(os.environ)), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
         self.starts += 1
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} at {time.time():.3f}\n")

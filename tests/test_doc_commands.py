@@ -43,6 +43,7 @@ import pytest
 import zstandard
 
 from conftest import REPO, S3_TEST_CREDENTIALS, free_port, shared_path
+from conftest_warm import cold_environment
 
 pytestmark = pytest.mark.slow
 
@@ -204,7 +205,8 @@ def environment(tmp_path_factory):
     port = free_port()
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # a new user's machine: no AWS settings, no warm-start server
+    env = {k: v for k, v in cold_environment(dict(os.environ)).items() if not k.startswith("AWS_")}
     env.update(S3_TEST_CREDENTIALS, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", TIKTOKEN_CACHE_DIR=str(cache),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from conftest_warm import cold_environment
 from elastic_nodes import Node, last_step, metric_records, store_listening, wait_for, world_changes
 from train_runs import sample_ids, write_byte_dataset
 
@@ -130,7 +131,8 @@ def node_server():
 
 @pytest.mark.slow
 def test_a_forked_worker_gets_the_agents_signals_and_its_exit_code_comes_back(node_server, tmp_path):
-    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", warm.ENABLE_VARIABLE: "1", "OMP_NUM_THREADS": "1"}
+    env = {**cold_environment(dict(os.environ)), "TORCHELASTIC_RUN_ID": "test", warm.ENABLE_VARIABLE: "1",
+           "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_ADDR", None)
     # A user's mistake: the trainer's one-line error and its exit code 2 come back through the launcher.
     mistake = subprocess.run([sys.executable, "-m", "shardkit.train", "--data", str(tmp_path), "--no-such-option"],
@@ -155,12 +157,22 @@ def test_a_forked_worker_gets_the_agents_signals_and_its_exit_code_comes_back(no
         worker.kill()
     assert worker.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert FORKED.search(err) and re.search(r"stopped by a signal after step \d+; checkpoint saved", out), out + err
+    # A worker killed by SIGKILL (a fault injected at step 2): the launcher dies of SIGKILL too, as the agent
+    # would see an unforked worker die (its disposition cannot be set: re-raising it must not trip over that).
+    killed = subprocess.run([sys.executable, "-m", "shardkit.train", "--data", data, "--steps", "5", "--batch-size", "2",
+                             "--device", "cpu", "--run-dir", str(tmp_path / "killed"), "--cache-dir",
+                             str(tmp_path / "cache")], env={**env, "SHARDKIT_FAULT_INJECT": "step:2"},
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and FORKED.search(killed.stderr), killed.stderr[-3000:]
 
 
-def test_warm_start_is_wanted_only_when_asked_under_torchrun_and_not_in_a_forked_worker():
+def test_warm_start_is_wanted_only_when_asked_under_torchrun_or_a_node_server_and_not_in_a_forked_worker():
     agent = {"TORCHELASTIC_RUN_ID": "job"}
     assert not warm.wanted(agent)  # without the flag nothing changes
     assert not warm.wanted({warm.ENABLE_VARIABLE: "1"})  # no agent: a plain `python -m shardkit.train`
+    node = {warm.ENABLE_VARIABLE: "1", warm.SOCKET_VARIABLE: "/run/shardkit/trainer.sock"}
+    assert warm.wanted(node) and not warm.wanted({**node, warm.ENABLE_VARIABLE: "0"})  # plain, with a node's server
+    assert not warm.wanted({**node, warm.FORKED_VARIABLE: "123"})
     assert warm.wanted({**agent, warm.ENABLE_VARIABLE: "1"}) and warm.wanted({**agent, warm.ENABLE_VARIABLE: "yes"})
     assert not warm.wanted({**agent, warm.ENABLE_VARIABLE: "0"})
     assert not warm.wanted({**agent, warm.ENABLE_VARIABLE: "1", warm.FORKED_VARIABLE: "123"})
@@ -173,3 +185,55 @@ def test_a_bad_idle_timeout_is_one_line_naming_the_variable():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and warm.IDLE_VARIABLE in lines[0] and "'soon'" in lines[0], result.stderr
+
+
+@pytest.mark.slow
+def test_a_node_wide_server_forks_every_later_trainer_plain_or_under_torchrun(tmp_path):
+    """SHARDKIT_WARM_START_SOCKET: the first trainer started on the node finds no server, starts it and runs
+    cold; every later one, of any job, plain `python -m shardkit.train` (one-rank `shardkit tune` trials) or
+    torchrun's ranks, is forked from it. The server belongs to no agent: it outlives the jobs and writes its log
+    next to its socket. A directory others may enter is refused in one line naming the variable."""
+    data = str(tmp_path / "data")
+    write_byte_dataset(data, num_samples=96, seq_len=SEQ_LEN, samples_per_shard=48)
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    socket_path = directory / "trainer.sock"
+    env = {**cold_environment(dict(os.environ)), warm.ENABLE_VARIABLE: "1", warm.SOCKET_VARIABLE: str(socket_path),
+           "OMP_NUM_THREADS": "1"}
+    for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+
+    def train(name: str, launcher: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([*launcher, "-m", "shardkit.train", "--data", data, "--steps", "2", "--batch-size", "2",
+                               "--device", "cpu", "--run-dir", str(tmp_path / name), "--cache-dir",
+                               str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=180)
+
+    try:
+        first = train("first", [sys.executable])
+        assert first.returncode == 0 and not FORKED.search(first.stderr), first.stderr[-3000:]
+        deadline = time.monotonic() + 120
+        while "ready" not in (log := Path(f"{socket_path}.log")).read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "for every job on this node: ready" in log.read_text(), log.read_text()
+        plain = train("plain", [sys.executable])
+        assert plain.returncode == 0 and FORKED.search(plain.stderr), plain.stderr[-3000:]
+        ranks = train("ranks", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+        assert ranks.returncode == 0, ranks.stderr[-3000:]
+        assert re.findall(r"warm start: rank (\d) forked", ranks.stderr) in (["0", "1"], ["1", "0"]), ranks.stderr[-3000:]
+        assert last_step(tmp_path / "ranks") == 2
+        # A launcher of another installation (here another interpreter path) is refused and runs cold: a
+        # node-wide server must never run its own shardkit for another virtual environment's job.
+        other = tmp_path / "python3"
+        other.symlink_to(sys.executable)
+        elsewhere = train("elsewhere", [str(other)])
+        assert elsewhere.returncode == 0 and not FORKED.search(elsewhere.stderr), elsewhere.stderr[-3000:]
+        assert "starting cold" in elsewhere.stderr and str(other) in elsewhere.stderr, elsewhere.stderr[-3000:]
+        directory.chmod(0o755)
+        refused = train("refused", [sys.executable])
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and warm.SOCKET_VARIABLE in lines[0], refused.stderr
+    finally:
+        for pid in servers_of(warm.NO_AGENT):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if str(socket_path).encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)

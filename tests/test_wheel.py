@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest_warm import cold_environment
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
@@ -57,7 +59,9 @@ def _see_site_packages_of_this_interpreter(python: Path) -> None:
 def installed(tmp_path_factory):
     """(venv bin directory, environment, working directory) with shardkit installed from its wheel only."""
     root = tmp_path_factory.mktemp("wheel")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    # the wheel's trainer starts cold: the suite's warm-start server runs the checkout's shardkit
+    env = {k: v for k, v in cold_environment(dict(os.environ)).items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONNOUSERSITE="1")
     # From a copy without build outputs: setuptools would put a stale build/lib into the wheel.
     source = root / "source"

@@ -17,6 +17,13 @@ worker (default 1800). `python -m shardkit.train.elastic` starts it with the age
 agent waits for its rendezvous; under plain torchrun the first worker of an agent finds no server, starts one
 and runs cold itself (the first start costs no more than without warm start), and every restart is forked.
 Measured, and what it costs: docs/GOODPUT.md ("Warm start").
+
+One server for every job on a node: with `SHARDKIT_WARM_START_SOCKET=PATH` as well, every trainer started on the
+node (under torchrun or as plain `python -m shardkit.train`, e.g. the one-rank trials of `shardkit tune`) is
+forked from the server at PATH, the first worker of each job included: the first launcher finds none, starts it
+and runs cold, every later one is forked. Such a server belongs to no agent: it exits after the idle timeout,
+its output goes to PATH.log, and PATH's directory must be this user's own with mode 0700 (as the per-agent
+sockets' directory is), because whoever can connect has code run as this user.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from pathlib import Path
 
 ENABLE_VARIABLE = "SHARDKIT_WARM_START"
 FORKED_VARIABLE = "SHARDKIT_WARM_FORKED"  # set in a forked worker: the server's pid
+SOCKET_VARIABLE = "SHARDKIT_WARM_START_SOCKET"  # one server for every job on the node, at this path
+NO_AGENT = 0  # the agent pid given to a node-wide server: it serves every job, not one agent's
 IDLE_VARIABLE = "SHARDKIT_WARM_START_IDLE_S"
 DEFAULT_IDLE_S = 1800.0
 # The length of the request's JSON, sent with the stdio descriptors: one native-order unsigned 64-bit integer.
@@ -48,19 +57,37 @@ def requested(environ: dict[str, str] | os._Environ = os.environ) -> bool:
 
 def wanted(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether this process should hand its work to a warm-start server: warm start is requested, torchrun's
-    agent started it (a server serves one agent's restarts), and it is not a worker forked by the server."""
-    return requested(environ) and "TORCHELASTIC_RUN_ID" in environ and FORKED_VARIABLE not in environ
+    agent started it (a per-agent server serves one agent's restarts) or a node-wide server is named, and it
+    is not a worker forked by a server."""
+    return (requested(environ) and ("TORCHELASTIC_RUN_ID" in environ or bool(environ.get(SOCKET_VARIABLE)))
+            and FORKED_VARIABLE not in environ)
+
+
+def private_directory(directory: Path, variable: str) -> Path:
+    """`directory`, which only this user may enter (so no other user can connect and have code run as this
+    user); `variable` is the setting to change when it is not."""
+    if directory.stat().st_uid != os.getuid() or directory.stat().st_mode & 0o077:
+        raise OSError(f"{directory}: the warm-start socket directory must be this user's own with mode 0700; "
+                      f"remove it or unset {variable}")
+    return directory
 
 
 def socket_path(agent_pid: int) -> Path:
-    """The Unix socket of the server serving the workers of the agent with pid `agent_pid`, in a directory
-    only this user can enter (so no other user can connect and have code run as this user)."""
+    """The Unix socket of the server serving the workers of the agent with pid `agent_pid`."""
     directory = Path(tempfile.gettempdir()) / f"shardkit-warm-{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
-    if directory.stat().st_uid != os.getuid() or directory.stat().st_mode & 0o077:
-        raise OSError(f"{directory}: the warm-start socket directory must be this user's own with mode 0700; "
-                      f"remove it or unset {ENABLE_VARIABLE}")
-    return directory / f"agent-{agent_pid}.sock"
+    return private_directory(directory, ENABLE_VARIABLE) / f"agent-{agent_pid}.sock"
+
+
+def server_address(environ: dict[str, str] | os._Environ = os.environ) -> tuple[Path, int]:
+    """The socket this process's server listens on, and the agent it serves (`NO_AGENT` for a node-wide one)."""
+    shared = environ.get(SOCKET_VARIABLE, "")
+    if not shared:
+        return socket_path(os.getppid()), os.getppid()
+    path = Path(shared).absolute()
+    if not path.parent.is_dir():
+        raise OSError(f"{SOCKET_VARIABLE}={shared}: its directory does not exist; create it with mode 0700")
+    return private_directory(path.parent, SOCKET_VARIABLE) / path.name, NO_AGENT
 
 
 def idle_timeout(environ: dict[str, str] | os._Environ = os.environ) -> float:
@@ -76,19 +103,33 @@ def idle_timeout(environ: dict[str, str] | os._Environ = os.environ) -> float:
     return value
 
 
+def installation() -> list[str]:
+    """The interpreter and the shardkit this process runs: a server forks workers only for launchers that run
+    the same (a node-wide server may be reached from another virtual environment or checkout)."""
+    return [sys.executable, str(Path(__file__).resolve().parents[1])]
+
+
 def send_request(sock: socket.socket, argv: list[str]) -> None:
-    """Hand the server this process's argv, environment and working directory, and its stdio descriptors."""
-    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    """Hand the server this process's argv, environment, working directory and installation, and its stdio
+    descriptors."""
+    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                       "installation": installation()}).encode()
     socket.send_fds(sock, [HEADER.pack(len(body))], [0, 1, 2])
     sock.sendall(body)
 
 
 def start_server(path: Path, agent_pid: int) -> subprocess.Popen:
     """Start the node's server in a session of its own (the agent stops a worker by signalling the worker's
-    process group; the server must outlive the worker). Its output goes to this process's stderr."""
-    return subprocess.Popen([sys.executable, "-m", "shardkit.train.warm_server", str(path), str(agent_pid)],
-                     stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
-                     start_new_session=True, close_fds=True)
+    process group; the server must outlive the worker). A per-agent server's output goes to this process's
+    stderr (the agent's log); a node-wide one outlives the job that started it, so it writes to PATH.log (a
+    job's stderr held open by it would never reach its end)."""
+    command = [sys.executable, "-m", "shardkit.train.warm_server", str(path), str(agent_pid)]
+    if agent_pid != NO_AGENT:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                                stderr=sys.stderr.fileno(), start_new_session=True, close_fds=True)
+    with open(f"{path}.log", "ab") as log:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                close_fds=True)
 
 
 def relay_signals(child_pid: int) -> None:
@@ -126,7 +167,8 @@ def wait_for_worker(sock: socket.socket) -> int:
 def exit_like(code: int) -> None:
     """Exit with the worker's code; a worker killed by a signal is re-raised so the agent sees the same."""
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # SIGKILL's disposition cannot be set (OSError), nor need be
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
@@ -135,9 +177,8 @@ def launch(argv: list[str]) -> int | None:
     """Run the trainer with `argv` in a process forked from this node's server and return its exit code (a
     worker's death by a signal is re-raised). None: there is no server yet (one is started now) or it forked
     nothing, and the caller runs the trainer itself (cold)."""
-    agent_pid = os.getppid()
     try:
-        path = socket_path(agent_pid)
+        path, agent_pid = server_address()
         idle_timeout()  # a bad value is the user's to fix now, not the detached server's to report
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

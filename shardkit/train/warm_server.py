@@ -10,7 +10,8 @@ the child, after the fork, with the child's OMP_NUM_THREADS) and touches no acce
 as it was, so every later restart is as warm as the first.
 
 It lives as long as its agent (a pidfd on the agent's pid: a lost node or the job's end closes it, and it kills
-the workers it forked that still run), or until it has had no worker for the idle timeout.
+the workers it forked that still run), or until it has had no worker for the idle timeout. A node-wide server
+(`SHARDKIT_WARM_START_SOCKET`, agent pid 0) serves every job and lives until the idle timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.train.warm import FORKED_VARIABLE, HEADER, idle_timeout
+from shardkit.train.warm import FORKED_VARIABLE, HEADER, NO_AGENT, idle_timeout, installation
 
 # What a worker imports before its first step, from `python -X importtime -m shardkit.train` (docs/GOODPUT.md).
 WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
@@ -61,6 +62,11 @@ def receive_request(conn: socket.socket) -> Request:
             raise ConnectionError("a warm-start request ended before its body")
         body += chunk
     fields = json.loads(body)
+    if fields.get("installation") != installation():
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"it runs {' with shardkit from '.join(installation())}, the worker "
+                         f"{' with shardkit from '.join(map(str, fields.get('installation') or ['?', '?']))}")
     return Request(argv=list(fields["argv"]), env=dict(fields["env"]), cwd=str(fields["cwd"]), stdio=fds)
 
 
@@ -119,7 +125,8 @@ class Server:
         self.pid = os.getpid()
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
-        self.selector.register(os.pidfd_open(agent_pid), selectors.EVENT_READ, "agent")
+        if agent_pid != NO_AGENT:
+            self.selector.register(os.pidfd_open(agent_pid), selectors.EVENT_READ, "agent")
         self.workers: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, launcher's connection)
 
     def serve(self) -> tuple[Request, socket.socket, float] | None:
@@ -269,7 +276,8 @@ def main(argv: list[str]) -> int:
         path.unlink(missing_ok=True)
         return 0
     took = warm_up()
-    print(f"warm-start server {server.pid} for agent {agent_pid}: ready in {took:.1f}s", file=sys.stderr, flush=True)
+    serves = "every job on this node" if agent_pid == NO_AGENT else f"agent {agent_pid}"
+    print(f"warm-start server {server.pid} for {serves}: ready in {took:.1f}s", file=sys.stderr, flush=True)
     forked = server.serve()
     if forked is None:
         path.unlink(missing_ok=True)
