@@ -232,6 +232,10 @@ def test_a_node_wide_server_forks_every_later_trainer_plain_or_under_torchrun(tm
         refused = train("refused", [sys.executable])
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1 and warm.SOCKET_VARIABLE in lines[0], refused.stderr
+        env[warm.SOCKET_VARIABLE] = str(directory / ("x" * 120))
+        too_long = train("too-long", [sys.executable])
+        lines = too_long.stderr.strip().splitlines()
+        assert too_long.returncode == 2 and len(lines) == 1 and "shorter than 108" in lines[0], too_long.stderr
     finally:
         for pid in servers_of(warm.NO_AGENT):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

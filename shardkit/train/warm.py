@@ -42,6 +42,7 @@ ENABLE_VARIABLE = "SHARDKIT_WARM_START"
 FORKED_VARIABLE = "SHARDKIT_WARM_FORKED"  # set in a forked worker: the server's pid
 SOCKET_VARIABLE = "SHARDKIT_WARM_START_SOCKET"  # one server for every job on the node, at this path
 NO_AGENT = 0  # the agent pid given to a node-wide server: it serves every job, not one agent's
+MAX_SOCKET_PATH = 108  # sun_path's size on Linux, its terminating NUL included
 IDLE_VARIABLE = "SHARDKIT_WARM_START_IDLE_S"
 DEFAULT_IDLE_S = 1800.0
 # The length of the request's JSON, sent with the stdio descriptors: one native-order unsigned 64-bit integer.
@@ -85,6 +86,9 @@ def server_address(environ: dict[str, str] | os._Environ = os.environ) -> tuple[
     if not shared:
         return socket_path(os.getppid()), os.getppid()
     path = Path(shared).absolute()
+    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
+        raise OSError(f"{SOCKET_VARIABLE}={shared}: a Unix socket's path must be shorter than {MAX_SOCKET_PATH} "
+                      f"bytes; choose a shorter one")
     if not path.parent.is_dir():
         raise OSError(f"{SOCKET_VARIABLE}={shared}: its directory does not exist; create it with mode 0700")
     return private_directory(path.parent, SOCKET_VARIABLE) / path.name, NO_AGENT
