@@ -29,7 +29,6 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
@@ -81,17 +80,14 @@ class FaultProxy:
         self._thread.start()
 
     def configure(self, *, rate: float | None = None, seed: int | None = None,
-                  kinds: tuple[str, ...] | None = None, first_only: bool = False,
-                  only: Callable[[str, str, str | None], bool] | None = None) -> None:
+                  kinds: tuple[str, ...] | None = None, first_only: bool = False) -> None:
         """Change the fault plan and reset the counters and the per-request history.
 
         `first_only`: fault only the first of the repeated requests for one object (and range), so
         that a reader that repeats a request sees exactly one fault.
-        `only`: fault only the requests for which `only(method, target, Range header or None)` is true.
         """
         with self._lock:
             self.first_only = first_only
-            self.only = only
             if rate is not None:
                 if not 0 <= rate <= 1:
                     raise ValueError(f"rate must be in [0, 1], got {rate}")
@@ -133,7 +129,7 @@ class FaultProxy:
             self.counts["requests"] += 1
             self.counts[f"requests_{method}"] += 1
             rate, seed, kinds = self.rate, self.seed, self.kinds
-            if self.first_only and nth > 1 or self.only is not None and not self.only(method, target, range_header):
+            if self.first_only and nth > 1:
                 rate = 0.0
         digest = hashlib.sha256(repr((seed, key, nth)).encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "little"))

@@ -35,10 +35,8 @@ BLOCK_BYTES = 1536  # ~8 samples of 65 uint16 tokens per block: many blocks in a
 
 @pytest.fixture
 def cold_blocks(monkeypatch):
-    """Read every v2 shard block by block, however small (the real thresholds are 2 MiB, and 8 MiB for a remote
-    shard's first read, which takes it whole: tests/test_whole_first_read.py)."""
+    """Read every v2 shard block by block, however small (the real threshold is 2 MiB)."""
     monkeypatch.setattr(cache_module, "WHOLE_READ_BYTES", 0)
-    monkeypatch.setattr(block_reader_module, "WHOLE_FIRST_READ_BYTES", 0)
 
 
 def write_blocks(url: str, num_samples: int = 480, *, per_shard: int = 240, shard_format: str = "tar",
@@ -185,10 +183,13 @@ def serial_steps(intervals: list[tuple[float, float]]) -> int:
     return steps
 
 
-def slow_reads_until_released(monkeypatch) -> tuple[threading.Event, list[tuple[str, int, float, float]]]:
-    """Every ranged read takes 0.2 s more (a round trip long enough that reads one after another cannot overlap)
-    and is logged as (name, start, began, ended); background completions wait until the event returned is set, so
-    the log holds a first batch's reads alone."""
+@pytest.mark.s3
+def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket, tmp_path, cold_blocks,
+                                                                      monkeypatch):
+    """Both shards' block indexes are read at once, then every block the batch needs at once: two round
+    trips before the first batch, not an index and its blocks per shard one after the other."""
+    url, options = s3_bucket
+    manifest = write_blocks(url, 480, per_shard=240, storage_options=options)
     first_batch_out = threading.Event()
     complete = BlockReader._complete
     monkeypatch.setattr(BlockReader, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
@@ -197,24 +198,13 @@ def slow_reads_until_released(monkeypatch) -> tuple[threading.Event, list[tuple[
 
     def slow(self, name, start, end):
         began = time.perf_counter()
-        time.sleep(0.2)
+        time.sleep(0.2)  # a round trip long enough that reads one after another cannot overlap
         try:
             return read_range(self, name, start, end)
         finally:
             reads.append((name, start, began, time.perf_counter()))
 
     monkeypatch.setattr(Storage, "read_range", slow)
-    return first_batch_out, reads
-
-
-@pytest.mark.s3
-def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket, tmp_path, cold_blocks,
-                                                                      monkeypatch):
-    """Both shards' block indexes are read at once, then every block the batch needs at once: two round
-    trips before the first batch, not an index and its blocks per shard one after the other."""
-    url, options = s3_bucket
-    manifest = write_blocks(url, 480, per_shard=240, storage_options=options)
-    first_batch_out, reads = slow_reads_until_released(monkeypatch)
     from shardkit.loaders.dataset import StreamingDataset
 
     dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), batch_size=8, shuffle_window=480,

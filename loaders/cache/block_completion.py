@@ -108,7 +108,6 @@ class BlockCompletion(ShardBlocks):
             self._decoded.clear()  # blocks a first batch decoded while another load placed them too
             self.complete = True
             self._buffer = np.empty(0, dtype=np.uint8)
-            self._held = None
             if self._on_complete is not None:
                 self._on_complete(self.arrays, data)
         except BaseException as err:  # noqa: BLE001 - raised in the foreground by the next ensure()
@@ -147,11 +146,9 @@ class BlockCompletion(ShardBlocks):
         storage = self._storage_of()
         for start, end in [*known, (self.shard.compressed_bytes, self.shard.compressed_bytes)]:
             if start > cursor:
-                data = self._held_range(cursor, start)
-                if data is None:
-                    data = storage.read_range(self.shard.name, cursor, start)
-                    if self._on_read is not None:
-                        self._on_read(len(data))
+                data = storage.read_range(self.shard.name, cursor, start)
+                if self._on_read is not None:
+                    self._on_read(len(data))
                 self._buffer[cursor:cursor + len(data)] = np.frombuffer(data, dtype=np.uint8)
             cursor = max(cursor, end)
 

@@ -44,14 +44,6 @@ COALESCE_GAP_BYTES = 256 << 10
 # holds it (tar's members of 256 KiB groups: a second thread only contended for the GIL, and made the first
 # batch slower on a loaded machine).
 PARALLEL_DECODE_BLOCK_BYTES = 512 << 10
-# A cold remote shard of at most this many bytes is read whole by its first read, in the request that brings its
-# block index: the first batch then waits for one round trip after the manifest, not two in a row (the index, then
-# the blocks it locates). No byte is wasted (the background completion reads every block anyway, and a reader that
-# stops early leaves at most this much unread), and each block is still checked against the index before use. The
-# cost is the wait for the rest of the shard's bytes: on S3 (20-50 ms to a first byte, 100-200 MB/s on one
-# connection) 8 MiB arrive in about the time of the round trip saved plus the blocks' own ranged reads; on a
-# store close by (a LAN, loopback) far sooner. A larger shard keeps the two round trips.
-WHOLE_FIRST_READ_BYTES = 8 << 20
 
 
 @dataclass
@@ -101,8 +93,7 @@ class BlockReader(BlockCompletion):
         """Start reading the block index in the background (remote shards), so that the indexes of the
         shards one batch needs arrive together; `request` waits for it."""
         if self._index is None and self._index_future is None and not self._storage_of().is_local:
-            whole = self._ensured == 0 and self.shard.compressed_bytes <= WHOLE_FIRST_READ_BYTES
-            self._index_future = self._executor.submit(self._load_index, whole=whole)
+            self._index_future = self._executor.submit(self._load_index)
 
     def ensure(self, local_samples: Iterable[int] | np.ndarray) -> None:
         """Return once the given samples (indices within the shard) are verified and decoded.
@@ -131,13 +122,12 @@ class BlockReader(BlockCompletion):
                 self._wanted.update(k for k in needed if self._state[k] == _MISSING)
             self.start_completion()
             return BlockRequest(self, list(needed))
-        if not self._storage_of().is_local and self._held is None:
+        if not self._storage_of().is_local:
             # Remote reads wait on the network: in parallel, neighbouring blocks in one request.
             runs = self._claim_needed(needed, gap_bytes=COALESCE_GAP_BYTES)
             return BlockRequest(self, list(needed), futures=[self._executor.submit(self._load_run, r) for r in runs])
-        # Local reads are page-cache copies (and a shard read whole holds its bytes already): no request to save,
-        # so a block each (never one the batch does not need), decoded in `wait` by the caller's thread and, for
-        # enough bytes, by helpers beside it.
+        # Local reads are page-cache copies: no request to save, so a block each (never one the batch does not
+        # need), decoded in `wait` by the caller's thread and, for enough bytes, by helpers beside it.
         runs = deque(self._claim_needed(needed, gap_bytes=None))
         helpers = self._helpers([first for first, _ in runs])
         return BlockRequest(self, list(needed), local_runs=runs,
@@ -188,7 +178,7 @@ class BlockReader(BlockCompletion):
                     raise
                 decoded[k] = (arrays, raw if self._keep_bytes else None)
 
-        remote = not self._storage_of().is_local and self._held is None  # a shard read whole decodes as local ones
+        remote = not self._storage_of().is_local
         helpers = len(todo) if remote else self._helpers(list(todo))
         futures = [self._executor.submit(decode_next) for _ in range(helpers)]
 

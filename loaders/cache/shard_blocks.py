@@ -75,9 +75,6 @@ class ShardBlocks:
         # Blocks a first batch read, verified and decoded without placing them (`request_samples`), with their bytes when
         # kept: whoever loads such a block later places these instead of reading and decoding it again.
         self._decoded: dict[int, tuple[ShardArrays, bytes | memoryview | None]] = {}
-        # The shard's bytes, when a first read took them whole with its index (`_load_index(whole=True)`): blocks
-        # are taken from them (each still checked against its hash) instead of read again. Dropped once complete.
-        self._held: memoryview | None = None
 
     def _allocate(self) -> ShardArrays:
         shard, length = self.shard, self.manifest.sample_length
@@ -98,21 +95,11 @@ class ShardBlocks:
         return self._storage_of().url_of(self.shard.name)
 
     # -- the index ------------------------------------------------------------------------------
-    def _load_index(self, *, whole: bool = False) -> BlockIndex:
-        """The block index, read once (checked against the manifest). With `whole`, the shard is read whole in the
-        same request and its bytes held for the blocks (`_held`): index and blocks in one round trip."""
+    def _load_index(self) -> BlockIndex:
         with self._lock:
             if self._index is not None:
                 return self._index
-            first = None
-            if whole:
-                data = self._storage_of().read_range(self.shard.name, 0, self.shard.compressed_bytes)
-                if self._on_read is not None:
-                    self._on_read(len(data))
-                self._held = memoryview(data)
-                held = self._held_range(self.shard.index_offset, self.shard.index_offset + self.shard.index_bytes)
-                first = bytes(held) if held is not None else None
-            index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read, data=first)
+            index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
             if self._keep_bytes:  # part of the file: keep them rather than read them again
                 self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
                     np.frombuffer(index.to_bytes(), dtype=np.uint8)
@@ -160,12 +147,6 @@ class ShardBlocks:
                 runs.append((k, k))
         return runs
 
-    def _held_range(self, start: int, end: int) -> memoryview | None:
-        """Bytes [start, end) of the shard from its whole read (`_held`), or None where they are not held (no whole
-        read, or a body that arrived short: those bytes are read as if none were held)."""
-        held = self._held
-        return held[start:end] if held is not None and end <= len(held) else None
-
     def _unclaim(self, runs: list[tuple[int, int]]) -> None:
         with self._lock:
             for first, last in runs:
@@ -184,13 +165,11 @@ class ShardBlocks:
         blocks = self._index.blocks
         start, end = blocks[first].byte_start, blocks[last].byte_end
         try:
-            data = self._held_range(start, end)
-            if data is None:
-                storage = self._storage_of()
-                data = (storage.read_range_into(self.shard.name, start, end, scratch) if scratch is not None
-                        else memoryview(storage.read_range(self.shard.name, start, end)))
-                if self._on_read is not None:
-                    self._on_read(len(data))
+            storage = self._storage_of()
+            data = (storage.read_range_into(self.shard.name, start, end, scratch) if scratch is not None
+                    else memoryview(storage.read_range(self.shard.name, start, end)))
+            if self._on_read is not None:
+                self._on_read(len(data))
             for k in range(first, last + 1):
                 b = blocks[k]
                 self._load_block(k, data=data[b.byte_start - start:b.byte_end - start])
@@ -224,8 +203,6 @@ class ShardBlocks:
     def _read_decoded(self, number: int, data: bytes | memoryview | None = None) -> tuple[ShardArrays, bytes]:
         """Block `number` read (or `data` checked), verified, decoded and its arrays checked: (arrays, its bytes)."""
         block = self._index.blocks[number]
-        if data is None:
-            data = self._held_range(block.byte_start, block.byte_end)
         raw = read_block(self._storage_of(), self.shard, block, number, on_read=self._on_read, data=data)
         url = self.url
         arrays = decode_block(raw, block, number=number, shard_format=self.manifest.shard_format,
