@@ -316,9 +316,13 @@ class ObjectStoreObjects:
         return self._run(lambda obstore, store: [meta["path"] for chunk in obstore.list(store, prefix=prefix)
                                                  for meta in chunk])
 
-    def download(self, path: str, local_path: str) -> str:
+    def download(self, path: str, local_path: str) -> None:
+        self.download_with_identity(path, local_path)
+
+    def download_with_identity(self, path: str, local_path: str, asked: str | None = None) -> str:
         """Copy the object to `local_path`; returns its identity (as `identity`) from the GET's own answer: the
-        identity of exactly the bytes written, with no HEAD before them."""
+        identity of exactly the bytes written, with no HEAD before them (so an identity `asked` before is not
+        needed)."""
         def stream(obstore, store):
             result = obstore.get(store, path)
             count = 0

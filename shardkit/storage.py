@@ -432,7 +432,17 @@ class FsspecObjects:
         return [path.replace(os.sep, "/") if self.is_local else path for path in self.fs.find(root)]
 
     def download(self, path: str, local_path: str) -> None:
-        self.fs.get_file(path, local_path)  # no identity from fsspec's copy: `download_with_identity` asks first
+        self.fs.get_file(path, local_path)
+
+    def download_with_identity(self, path: str, local_path: str, asked: str | None = None) -> str:
+        """Copy the object to `local_path`; returns the identity of the copy or of an older version. fsspec's copy
+        answers no identity, so it is asked first (`asked`, an identity asked just before, stands for that): the
+        next `identity` sees an object replaced between the two as a change, never the reverse."""
+        if asked is None:
+            self.invalidate(path)
+            asked = self.identity(path)
+        self.download(path, local_path)
+        return asked
 
     def write(self, path: str, pieces: Sequence[bytes | memoryview]) -> None:
         if self.is_local:
@@ -588,15 +598,11 @@ class Storage:
 
     def download_with_identity(self, name: str, local_path: str, *, asked: str | None = None) -> str:
         """Copy `name` to a local file path (the caller makes it atomic) and return the identity (as `identity`) of
-        the copy. On obstore one request, a GET whose answer gives both; on fsspec a HEAD (or stat) and then the
-        copy, so that the identity is that of the bytes copied or of an older version (which the next
-        `identity` sees as a change), never of a newer one; `asked`, an identity asked just before, stands for
-        that HEAD."""
-        if isinstance(self._backend(), FsspecObjects):
-            identity = asked or self.identity(name)
-            self.download(name, local_path)
-            return identity
-        return self._call(lambda objects, path: objects.download(path, local_path), name, "download")
+        the copy, or of an older version (which the next `identity` sees as a change), never of a newer one. Each
+        backend gives it its own way: obstore's GET answers it with the bytes (one request); fsspec asks first
+        (a HEAD or stat, for which `asked`, an identity asked just before, stands)."""
+        return self._call(lambda objects, path: objects.download_with_identity(path, local_path, asked),
+                          name, "download")
 
     # -- writes ------------------------------------------------------------------------------
     def write_bytes(self, name: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
