@@ -325,21 +325,23 @@ def test_a_fresh_node_gets_the_manifest_and_its_index_at_once(tmp_path, monkeypa
 
     url = f"memory://fresh-node-{os.getpid()}"
     write_fixed(url, 64)
-    calls: list[tuple[str, float, float]] = []
-    download, identity = Storage.download, Storage.identity
+    from shardkit.storage import FsspecObjects
 
-    def slow(method, label):
-        def call(self, name, *args):
+    calls: list[tuple[str, float, float]] = []
+    download, identity = FsspecObjects.download, FsspecObjects.identity
+
+    def slow(method, label):  # the store's requests, as the backend makes them
+        def call(self, path, *args):
             start = time.perf_counter()
             time.sleep(0.2)  # a round trip long enough that serial calls cannot overlap
             try:
-                return method(self, name, *args)
+                return method(self, path, *args)
             finally:
-                calls.append((label + name, start, time.perf_counter()))
+                calls.append((label + path.rsplit("/", 1)[-1], start, time.perf_counter()))
         return call
 
-    monkeypatch.setattr(Storage, "download", slow(download, "GET "))
-    monkeypatch.setattr(Storage, "identity", slow(identity, "HEAD "))
+    monkeypatch.setattr(FsspecObjects, "download", slow(download, "GET "))
+    monkeypatch.setattr(FsspecObjects, "identity", slow(identity, "HEAD "))
     manifest = cache_module.fetch_manifest(Storage(url), str(tmp_path / "node"))
     assert manifest == load_manifest(url)
     head = next(c for c in calls if c[0].startswith("HEAD"))

@@ -18,6 +18,7 @@ import pytest
 
 from shardkit.train.checkpoint import checkpoint_problem, complete_checkpoints
 from shardkit.train.run_lease import LEASE_NAME, RunLease
+from conftest_warm import cold_environment
 from train_runs import write_byte_dataset
 
 
@@ -37,7 +38,9 @@ def trainer(data: str, run_dir: Path, cache: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "shardkit.train", "--data", data, "--steps", "100000", "--batch-size", "4",
                "--warmup-steps", "2", "--checkpoint-every", "5", "--log-every", "5", "--keep", "3", "--device", "cpu",
                "--run-dir", str(run_dir), "--resume", "auto", "--cache-dir", str(cache)]
-    return subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+    # cold: the lease names the trainer's pid, which is the Popen's only when the trainer is not forked elsewhere
+    return subprocess.Popen(command, env={**cold_environment(dict(os.environ)), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

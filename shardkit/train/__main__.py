@@ -17,13 +17,16 @@ STORAGE_OPTIONS_ENV = "SHARDKIT_STORAGE_OPTIONS"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The trainer; under torchrun with SHARDKIT_WARM_START=1, in a process forked from the node's warm-start
-    server (`shardkit.train.warm`)."""
+    """The trainer; with SHARDKIT_WARM_START=1 (under torchrun, or with a node-wide server), in a process forked
+    from a warm-start server (`shardkit.train.warm`). Only the process's own command line (`argv` None) is handed
+    to a server: a program that calls `main(argv)` keeps the trainer in its process (the launcher exits with the
+    worker's code, which would end the caller)."""
     from shardkit.train import warm
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    code = warm.launch(argv) if warm.wanted() else None
-    return run_trainer(argv) if code is None else code
+    if argv is not None:
+        return run_trainer(list(argv))
+    code = warm.launch(sys.argv[1:]) if warm.wanted() else None
+    return run_trainer(sys.argv[1:]) if code is None else code
 
 
 def run_trainer(argv: list[str]) -> int:
