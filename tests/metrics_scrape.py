@@ -55,6 +55,8 @@ class Scraper:
                     text, samples = scrape(port, timeout=1.0)
                 except OSError:
                     continue  # not up yet, or gone
+                if not text:  # a process that exits mid-answer closes the connection before the body: no scrape
+                    continue
                 self.texts[port].append(text)
                 self.series[port].append(samples)
             self._stop.wait(self.interval)
