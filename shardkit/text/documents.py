@@ -209,6 +209,8 @@ def _parse_json_line(line: str, text_field: str) -> object:
         return _Reject("blank line (no JSON object)")
     try:
         obj = _fast_loads(line)
+    except RecursionError:  # the standard parser's, when orjson is not installed (orjson's is a ValueError)
+        return _Reject("malformed JSON: nested too deeply")
     except ValueError:
         # orjson is stricter than json (NaN, huge integers, lone surrogates): the standard parser has the
         # last word, so what is accepted and the reasons given never depend on orjson being installed.
