@@ -13,13 +13,14 @@ with it). `SHARDKIT_TEST_COLD=1` runs the whole suite cold.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import pytest
 
 from shardkit.train import warm
 
 
-def cold_environment(env: dict[str, str]) -> dict[str, str]:
+def cold_environment(env: Mapping[str, str]) -> dict[str, str]:
     """`env` without the suite's node-wide server: a trainer started with it imports everything itself (and a
     torchrun agent given SHARDKIT_WARM_START=1 explicitly gets its own per-agent server)."""
     return {key: value for key, value in env.items() if key not in (warm.ENABLE_VARIABLE, warm.SOCKET_VARIABLE)}

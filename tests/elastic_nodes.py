@@ -67,7 +67,7 @@ class Node:
 
     def start(self) -> None:
         # cold unless the test asks for warm start: a node's loss must take its own agent's server with it
-        env = {**cold_environment(dict(os.environ)), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**cold_environment(os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
         self.starts += 1
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} at {time.time():.3f}\n")

@@ -206,7 +206,7 @@ def environment(tmp_path_factory):
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     # a new user's machine: no AWS settings, no warm-start server
-    env = {k: v for k, v in cold_environment(dict(os.environ)).items() if not k.startswith("AWS_")}
+    env = {k: v for k, v in cold_environment(os.environ).items() if not k.startswith("AWS_")}
     env.update(S3_TEST_CREDENTIALS, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", TIKTOKEN_CACHE_DIR=str(cache),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",

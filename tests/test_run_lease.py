@@ -39,9 +39,8 @@ def trainer(data: str, run_dir: Path, cache: Path) -> subprocess.Popen:
                "--warmup-steps", "2", "--checkpoint-every", "5", "--log-every", "5", "--keep", "3", "--device", "cpu",
                "--run-dir", str(run_dir), "--resume", "auto", "--cache-dir", str(cache)]
     # cold: the lease names the trainer's pid, which is the Popen's only when the trainer is not forked elsewhere
-    return subprocess.Popen(command, env={**cold_environment(dict(os.environ)), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env={**cold_environment(os.environ), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def saves_after(log: str, moment: float) -> list[str]:

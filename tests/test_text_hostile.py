@@ -211,17 +211,13 @@ def test_windows_and_mixed_line_ends_split_paragraphs_alike(tmp_path, tokenizer,
 
 def test_without_orjson_each_undecodable_record_is_a_rejection_not_an_error(monkeypatch):
     """The standard parser raises RecursionError (orjson a ValueError) on JSON nested past its limit: without
-    orjson installed (a README venv has none) that ended the build's worker. Every line of UNDECODABLE parses to
-    a rejection, or (the deep one, which orjson accepts) a record, with the standard parser alone."""
+    orjson installed (a README venv has none) that ended the build's worker. With the standard parser alone every
+    line of UNDECODABLE is a rejection, the deep one (which orjson accepts) as nested too deeply."""
     from shardkit.text import documents
 
     monkeypatch.setattr(documents, "_fast_loads", json.loads)
     for line, category in UNDECODABLE:
-        text = line.decode("utf-8", errors="surrogateescape") if b"\xff" not in line else None
-        if text is None:
-            continue  # invalid UTF-8 is rejected before any JSON parser sees the line
-        parsed = documents._parse_json_line(text, "text")
-        if category is None:
-            assert isinstance(parsed, documents._Reject) and "nested too deeply" in parsed, parsed
-        else:
-            assert isinstance(parsed, documents._Reject) and category in parsed, (category, parsed)
+        if category == "invalid UTF-8":
+            continue  # rejected before any JSON parser sees the line
+        parsed = documents._parse_json_line(line.decode("utf-8"), "text")
+        assert isinstance(parsed, documents._Reject) and (category or "nested too deeply") in parsed, (category, parsed)

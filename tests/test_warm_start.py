@@ -131,7 +131,7 @@ def node_server():
 
 @pytest.mark.slow
 def test_a_forked_worker_gets_the_agents_signals_and_its_exit_code_comes_back(node_server, tmp_path):
-    env = {**cold_environment(dict(os.environ)), "TORCHELASTIC_RUN_ID": "test", warm.ENABLE_VARIABLE: "1",
+    env = {**cold_environment(os.environ), "TORCHELASTIC_RUN_ID": "test", warm.ENABLE_VARIABLE: "1",
            "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_ADDR", None)
     # A user's mistake: the trainer's one-line error and its exit code 2 come back through the launcher.
@@ -198,7 +198,7 @@ def test_a_node_wide_server_forks_every_later_trainer_plain_or_under_torchrun(tm
     directory = tmp_path / "node"
     directory.mkdir(mode=0o700)
     socket_path = directory / "trainer.sock"
-    env = {**cold_environment(dict(os.environ)), warm.ENABLE_VARIABLE: "1", warm.SOCKET_VARIABLE: str(socket_path),
+    env = {**cold_environment(os.environ), warm.ENABLE_VARIABLE: "1", warm.SOCKET_VARIABLE: str(socket_path),
            "OMP_NUM_THREADS": "1"}
     for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
         env.pop(key, None)

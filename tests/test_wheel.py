@@ -60,7 +60,7 @@ def installed(tmp_path_factory):
     """(venv bin directory, environment, working directory) with shardkit installed from its wheel only."""
     root = tmp_path_factory.mktemp("wheel")
     # the wheel's trainer starts cold: the suite's warm-start server runs the checkout's shardkit
-    env = {k: v for k, v in cold_environment(dict(os.environ)).items()
+    env = {k: v for k, v in cold_environment(os.environ).items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONNOUSERSITE="1")
     # From a copy without build outputs: setuptools would put a stale build/lib into the wheel.
