@@ -13,7 +13,7 @@ import pytest
 
 from conftest import S3_TEST_CREDENTIALS
 from postgres_server import new_database, postgres  # noqa: F401  (postgres: the server fixture)
-from tune_helpers import ENV, make_datasets, metrics, trainer_args, tune_command
+from tune_helpers import make_datasets, metrics, trainer_args, tune_command, tune_env
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,9 @@ def test_two_tuners_train_one_population_from_each_others_checkpoints(database, 
     (tmp_path / "shared").mkdir()
     if checkpoints == "s3":
         bucket, options = request.getfixturevalue("s3_bucket")
-        root, secret, env = f"{bucket}/pbt", ["--storage-options", json.dumps(options)], {**ENV, **S3_TEST_CREDENTIALS}
+        root, secret, env = f"{bucket}/pbt", ["--storage-options", json.dumps(options)], {**tune_env(), **S3_TEST_CREDENTIALS}
     else:
-        root, secret, env = str(tmp_path / "shared" / "checkpoints"), [], ENV
+        root, secret, env = str(tmp_path / "shared" / "checkpoints"), [], tune_env()
     common = [*secret, *trainer_args(datasets, tmp_path / "cache", steps=STEPS, eval_every=EVERY),
               "--space", "lr=loguniform:1e-3:3e-2", "--sampler", "pbt", "--population", str(POPULATION),
               "--perturb-every", str(EVERY), "--quantile", "0.5", "--parallel-trials", "1",

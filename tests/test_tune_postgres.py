@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from postgres_server import new_database, postgres  # noqa: F401  (postgres: the server fixture)
-from tune_helpers import ENV, kill_tuner_during_second_trial, make_datasets, run_tune, trainer_args, tune_command
+from tune_helpers import kill_tuner_during_second_trial, make_datasets, run_tune, trainer_args, tune_command, tune_env
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_two_tuners_share_one_study_and_stop_at_n_trials(postgres, datasets, tmp
     common = [*trainer_args(datasets, tmp_path / "cache", steps=4, eval_every=2),
               "--space", "lr=loguniform:1e-4:1e-2", "--trials", "5", "--sampler", "random",
               "--pruner", "none", "--storage", url]
-    hosts = [subprocess.Popen(tune_command(*common, "--output", str(tmp_path / f"host-{h}")), env=ENV,
+    hosts = [subprocess.Popen(tune_command(*common, "--output", str(tmp_path / f"host-{h}")), env=tune_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for h in "ab"]
     outputs = [host.communicate(timeout=300)[0] for host in hosts]
     assert [host.returncode for host in hosts] == [0, 0], "\n".join(o[-3000:] for o in outputs)

@@ -15,8 +15,8 @@ import pytest
 
 from test_build import write_corpus
 from train_runs import write_byte_dataset
-from tune_helpers import (ENV, final_eval, kill_tuner_during_second_trial, load_study, make_datasets, metrics,
-                          run_tune, study_rows, trainer_args, tune_command)
+from tune_helpers import (final_eval, kill_tuner_during_second_trial, load_study, make_datasets, metrics,
+                          run_tune, study_rows, trainer_args, tune_command, tune_env)
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_tpe_study_stores_each_runs_final_eval_loss_and_best_toml_reproduces_it(
     # The best configuration, run again by the trainer alone, gives the same loss bit for bit.
     again = tmp_path / "again"
     subprocess.run([sys.executable, "-m", "shardkit.train", "--config", str(output / "best.toml"),
-                    "--run-dir", str(again)], env=ENV, check=True, capture_output=True, timeout=120)
+                    "--run-dir", str(again)], env=tune_env(), check=True, capture_output=True, timeout=120)
     assert final_eval(again, 4) == best.value
 
 
@@ -180,7 +180,7 @@ def test_storage_options_reach_trials_but_never_their_command_line(tmp_path, s3_
                                                           eval_every=2),
                                             "--storage-options", json.dumps(options), "--output", str(output),
                                             "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2"),
-                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               env=tune_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     trainers = {}
     while process.poll() is None:  # every trainer process's command line, as any local user can read it
         for entry in Path("/proc").iterdir():
@@ -215,7 +215,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_half_written_report(datasets, tmp
         os.close(filler)
     command = tune_command(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
                            "--trials", "1", "--space", "lr=loguniform:1e-4:1e-2")
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
+    result = subprocess.run(command, env=tune_env(), capture_output=True, text=True, timeout=150)
     errors = [line for line in result.stderr.splitlines() if line.startswith("shardkit tune: error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert any(f"no space left for the study database sqlite:///{output / 'study.db'} in {output}" in line
@@ -288,7 +288,7 @@ def test_tuners_started_together_on_one_sqlite_study_run_exactly_the_trials_aske
     command = tune_command(*trainer_args(datasets, tmp_path / "cache", steps=2, eval_every=2), "--output", str(output),
                            "--trials", "3", "--parallel-trials", "2", "--pruner", "none",
                            "--space", "lr=loguniform:1e-4:1e-2")
-    tuners = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tuners = [subprocess.Popen(command, env=tune_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]  # a fresh study: both create its tables at once
     outputs = [tuner.communicate(timeout=300)[0] for tuner in tuners]
     assert [tuner.returncode for tuner in tuners] == [0, 0], "\n".join(o[-2000:] for o in outputs)

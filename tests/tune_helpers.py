@@ -10,7 +10,13 @@ from pathlib import Path
 
 from train_runs import write_byte_dataset
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def tune_env() -> dict[str, str]:
+    """The environment of a tuner the tests start, read when it starts (not when this module is imported): it then
+    names the suite's warm-start server (conftest_warm), which the session sets up after the test modules are
+    imported, so the one-rank trials are forked warm."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def make_datasets(root: Path) -> tuple[str, str]:
@@ -32,7 +38,7 @@ def tune_command(*args: str) -> list[str]:
 
 
 def run_tune(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    result = subprocess.run(tune_command(*args), env=ENV, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(tune_command(*args), env=tune_env(), capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"shardkit tune failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-5000:]}")
@@ -80,7 +86,7 @@ def kill_tuner_during_second_trial(args: list[str], output: Path, states, *, tim
 
     log_path = output.parent / f"{output.name}-killed-tuner.log"  # beside the output: what failed says why
     with open(log_path, "wb") as log:
-        tuner = subprocess.Popen(tune_command(*args), env=ENV, start_new_session=True,
+        tuner = subprocess.Popen(tune_command(*args), env=tune_env(), start_new_session=True,
                                  stdout=log, stderr=subprocess.STDOUT)
     current: list[str] = []
     try:
