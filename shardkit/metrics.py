@@ -249,14 +249,35 @@ def start_metrics_server(port: int, *, addr: str = DEFAULT_ADDRESS) -> int:
             return port
     reg = registry()
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=reg)
+        server, thread = start_http_server(port, addr=addr, registry=reg)
     except OSError as err:
         raise OSError(err.errno, f"cannot serve metrics on {addr}:{port}: {err.strerror or err}; "
                                  "choose another metrics port") from err
     with _lock:
-        _servers[port] = server
+        _servers[port] = (server, thread)
     logger.info("serving Prometheus metrics on http://%s:%d/metrics", addr, port)
     return port
+
+
+def serving_metrics(port: int) -> bool:
+    """Whether this process serves its metrics on `port` (`start_metrics_server`)."""
+    with _lock:
+        return port in _servers
+
+
+def stop_metrics_server(port: int) -> None:
+    """Stop serving on `port` and release it (nothing if this process does not serve there).
+
+    A process that exits with its endpoint still up can answer a scrape it accepted while the interpreter
+    shuts down with a status line and no body, which Prometheus records as an empty scrape; once stopped,
+    a scrape is refused, which Prometheus records as the target being down."""
+    with _lock:
+        served = _servers.pop(port, None)
+    if served is not None:
+        server, thread = served
+        server.shutdown()  # returns once the accepting loop has ended
+        server.server_close()
+        thread.join()
 
 
 def value(name: str, **labels: Any) -> float:
@@ -487,6 +508,8 @@ class TrainerMetrics:
     def __init__(self, *, rank: int, port: int = 0, window: int = 50, threshold: float = 0.5, warn: bool = True,
                  num_workers: int = 0, address: str = DEFAULT_ADDRESS):
         self.rank, self.num_workers, self.warn = str(rank), num_workers, warn
+        # The endpoint is this object's to stop only if it started it (a user may serve the port already).
+        self._started_port = port if port and not serving_metrics(port) else 0
         if port:
             start_metrics_server(port, addr=address)
         self.alarm = StarvationAlarm(window, threshold) if threshold < 1 else None
@@ -519,6 +542,12 @@ class TrainerMetrics:
                 logger.warning("data starvation: the last %d steps spent %.0f%% of their time waiting for data "
                                "(over --starvation-threshold %.2f). Likely cause: %s", alarm.window,
                                100 * alarm.fraction, alarm.threshold, likely_cause(deltas, num_workers=self.num_workers))
+
+    def close(self) -> None:
+        """Stop the endpoint this object started (the trainer calls it before it exits)."""
+        if self._started_port:
+            stop_metrics_server(self._started_port)
+            self._started_port = 0
 
     @contextlib.contextmanager
     def checkpoint(self, operation: str) -> Iterator[None]:

@@ -55,7 +55,9 @@ class Scraper:
                     text, samples = scrape(port, timeout=1.0)
                 except OSError:
                     continue  # not up yet, or gone
-                if not text:  # a process that exits mid-answer closes the connection before the body: no scrape
+                # A scrape in flight when the trainer stops its endpoint can still end with the status line
+                # and no body (the endpoint's handler threads are daemons): no scrape.
+                if not text:
                     continue
                 self.texts[port].append(text)
                 self.series[port].append(samples)

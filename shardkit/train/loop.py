@@ -488,9 +488,11 @@ def _read_eval_batches(run: Run) -> list:
 
 
 def close(run: Run | None) -> None:
-    """Finish background saves, close the logs and leave the process group."""
+    """Finish background saves, close the logs, stop the metrics endpoint and leave the process group."""
     if run is not None:
         run.checkpointer.wait()
+        if run.watch is not None:
+            run.watch.close()
         if run.metrics is not None:
             run.metrics.close()
         if run.sample_log is not None:
