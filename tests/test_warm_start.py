@@ -227,7 +227,9 @@ def test_a_node_wide_server_forks_every_later_trainer_plain_or_under_torchrun(tm
         other.symlink_to(sys.executable)
         elsewhere = train("elsewhere", [str(other)])
         assert elsewhere.returncode == 0 and not FORKED.search(elsewhere.stderr), elsewhere.stderr[-3000:]
-        assert "starting cold" in elsewhere.stderr and str(other) in elsewhere.stderr, elsewhere.stderr[-3000:]
+        assert "starting cold" in elsewhere.stderr and f"the worker {other} with shardkit from " in elsewhere.stderr, \
+            elsewhere.stderr[-3000:]
+        assert f"it runs {sys.executable} with shardkit from " in elsewhere.stderr, elsewhere.stderr[-3000:]
         directory.chmod(0o755)
         refused = train("refused", [sys.executable])
         lines = refused.stderr.strip().splitlines()

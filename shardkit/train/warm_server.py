@@ -65,9 +65,15 @@ def receive_request(conn: socket.socket) -> Request:
     if fields.get("installation") != installation():
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"it runs {' with shardkit from '.join(installation())}, the worker "
-                         f"{' with shardkit from '.join(map(str, fields.get('installation') or ['?', '?']))}")
+        raise ValueError(f"it runs {_described(installation())}, the worker {_described(fields.get('installation'))}")
     return Request(argv=list(fields["argv"]), env=dict(fields["env"]), cwd=str(fields["cwd"]), stdio=fds)
+
+
+def _described(runs: object) -> str:
+    """An `installation()` as a refusal names it: "INTERPRETER with shardkit from PATH"."""
+    if isinstance(runs, list) and len(runs) == 2:
+        return f"{runs[0]} with shardkit from {runs[1]}"
+    return f"an unknown installation ({runs!r})"
 
 
 def become_worker(request: Request, conn: socket.socket, server_pid: int, forked_at: float) -> None:
