@@ -82,7 +82,7 @@ class MixedOrder:
         self.id_offsets = np.cumsum(self.samples) - self.samples
         self.built_samples = int(self.samples.sum())
         self.shard_offsets = np.cumsum([len(s) for s in sizes]) - np.array([len(s) for s in sizes])
-        self.table = ShardTable(np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64))
+        self.table = ShardTable.of_streams(sizes)
         self.seed, self.shuffle = seed, shuffle
         self._orders: OrderedDict[tuple[int, int], EpochOrder] = OrderedDict()
 

@@ -16,6 +16,13 @@ class ShardTable:
         self.sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.ends = np.cumsum(self.sizes)
 
+    @classmethod
+    def of_streams(cls, shard_sizes: Sequence[Sequence[int]]) -> ShardTable:
+        """The table over several streams' shards, numbered in stream order (each stream's samples per shard)."""
+        if len(shard_sizes) == 1:
+            return cls(shard_sizes[0])  # a manifest's column itself, not a copy
+        return cls(np.concatenate(shard_sizes) if len(shard_sizes) else np.zeros(0, dtype=np.int64))
+
     def locate(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shard = np.searchsorted(self.ends, sample_ids, side="right")
         return shard, sample_ids - (self.ends[shard] - self.sizes[shard])

@@ -32,7 +32,7 @@ class BuiltSamples:
     def __init__(self, children: list[MixtureChild], shard_sizes: list[np.ndarray]):
         self.children = children
         self.owners = ShardOwners([len(sizes) for sizes in shard_sizes])
-        self.table = ShardTable(np.concatenate(shard_sizes) if shard_sizes else np.zeros(0, dtype=np.int64))
+        self.table = ShardTable.of_streams(shard_sizes)
         self.held: dict[int, Any] = {}
 
     def read(self, shards: np.ndarray, sample_ids: np.ndarray) -> list[Sample]:

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from glob import has_magic
 from typing import Any
 
-import numpy as np
-
 from shardkit.errors import CorruptShardError
 from shardkit.formats.sample import numpy_token_dtype
 from shardkit.manifest import MANIFEST_NAME, Manifest
@@ -63,7 +61,7 @@ class Sources:
         """Number the streams' shards in stream order (one shard table over them all)."""
         self.owners = ShardOwners([len(m.shards) for m in self.manifests])
         self.shard_sizes = [m.columns.samples for m in self.manifests]
-        self.table = ShardTable(self.shard_sizes[0] if len(self.shard_sizes) == 1 else np.concatenate(self.shard_sizes))
+        self.table = ShardTable.of_streams(self.shard_sizes)
 
     def of_stream(self, index: int) -> Sources:
         """Stream `index` alone (a mixture's child): its storage, manifest and cache, shared with these."""
