@@ -91,9 +91,10 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, node_copy:
 
     The first process of the node (no record of the manifest there yet) takes the node's manifest lock (a
     flock, as for a shard) and downloads `shardkit.json`, the binary index and the shards' block indexes
-    (`shardkit.blocks`; each when the dataset has one) at once, in one round trip: the GET of the JSON answers its identity too (size and ETag or mtime), so no
-    HEAD comes first. It copies both into the cache with atomic renames, hashes the JSON once, and writes
-    a record of identity, size and SHA-256 last, once the manifest passed every check. Every other process
+    (`shardkit.blocks`; each when the dataset has one) at once, in one round trip: the GET of the JSON answers
+    its identity too (size and ETag or mtime), so no HEAD comes first. It copies them into the cache with
+    atomic renames, hashes the JSON once, and writes a record of identity, size and SHA-256 last, once the
+    manifest passed every check. Every other process
     asks the store for the manifest's identity (one HEAD or stat) and compares it with the record: a
     changed manifest is fetched again the same way, under the lock; an unchanged one is read from the
     local copy, trusting the record's hash instead of hashing the JSON again, and its checks of that very

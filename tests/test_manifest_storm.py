@@ -6,8 +6,8 @@ time, 4 shards per node; minutes). Each node has its own cache directory, as a r
 disk, and tags its requests with a User-Agent suffix so the proxy can tell the nodes apart. The
 proxy answers 10% of all requests with 503 SlowDown. Counted per node and object, among the
 requests that reached the store: one GET of the manifest JSON, one of its binary index and one of its
-shards' block indexes (`shardkit.blocks`), one GET of each shard the node's ranks read, none of any other shard; every sample of the epoch is read
-exactly once over the 32 ranks.
+shards' block indexes (`shardkit.blocks`), one GET of each shard the node's ranks read, none of any
+other shard; every sample of the epoch is read exactly once over the 32 ranks.
 """
 
 from __future__ import annotations
