@@ -104,11 +104,13 @@ class ShardCache:
         self.cache_limit = cache_limit
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
-        # Read once, here (a DataLoader worker inherits or unpickles them): the node's copy of the dataset's
-        # block indexes, fetched with the manifest, spares each cold shard's first read a round trip.
-        self.block_indexes = node_block_indexes(storage, cache_dir) if keeps_node_files(cache_mode) else None
+        self.block_indexes = None
         self._start()
         private_tree(self.cache_root, self.directory)
+        # Read once, here (a DataLoader worker inherits or unpickles them): the node's copy of the dataset's
+        # block indexes, fetched with the manifest, spares each cold shard's first read a round trip.
+        if keeps_node_files(cache_mode):
+            self.block_indexes = node_block_indexes(storage, cache_dir)
         metrics.watch_cache_dir(self.cache_root)
 
     def _start(self) -> None:
