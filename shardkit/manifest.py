@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.block_indexes import BLOCK_INDEXES_NAME, write_block_indexes
 from shardkit.errors import ManifestError
 from shardkit.hashing import read_pieces, sha256_pieces
 from shardkit.shard_columns import INDEX_NAME, ShardColumns, decode_index, encode_index, map_index_file
@@ -29,7 +30,7 @@ from shardkit.storage import Storage, http_answer
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "shardkit.json"
-RESERVED_NAMES = (MANIFEST_NAME, INDEX_NAME)
+RESERVED_NAMES = (MANIFEST_NAME, INDEX_NAME, BLOCK_INDEXES_NAME)
 # Far above a real manifest's depth (about 4), far below what recursive JSON code can take.
 MAX_NESTING = 64
 # Manifest versions (docs/FORMAT.md): 1 the original; 2 adds block indexes; 3 lets tar shards use the group
@@ -565,9 +566,12 @@ def write_manifest(storage: Storage, manifest: Manifest, *, index: bool | None =
             or more (below that the JSON parses in milliseconds and the dataset stays one file).
 
     The index goes first: a reader that sees the new JSON finds the index made from it; one that
-    still sees the old JSON finds an index that does not match it and reads the JSON.
+    still sees the old JSON finds an index that does not match it and reads the JSON. So does the file of
+    the shards' block indexes (`shardkit.block_indexes`, when they are small together): a reader takes from
+    it only indexes whose SHA-256 the JSON it read records.
     """
     text = manifest.to_json().encode()
+    write_block_indexes(storage, manifest.shards if manifest.format_version > 1 else ())
     if index if index is not None else len(manifest.shards) >= INDEX_MIN_SHARDS:
         _write_index(storage, manifest, text)
     elif storage.exists(INDEX_NAME):

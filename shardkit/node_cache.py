@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from shardkit.block_indexes import BLOCK_INDEXES_NAME, BlockIndexes, load_block_indexes
 from shardkit.errors import ManifestError
 from shardkit.forking import LockFile
 from shardkit.manifest import MANIFEST_NAME, Manifest, load_manifest, load_manifest_and_digest
@@ -89,10 +90,11 @@ def fetch_manifest(storage: Storage, cache_dir: str | None = None, *, node_copy:
     `node_copy`, for a reader that keeps nothing on disk: read from the store by every process).
 
     The first process of the node (no record of the manifest there yet) takes the node's manifest lock (a
-    flock, as for a shard) and downloads `shardkit.json` and the binary index (when the dataset has one) at
-    once, in one round trip: the GET of the JSON answers its identity too (size and ETag or mtime), so no
-    HEAD comes first. It copies both into the cache with atomic renames, hashes the JSON once, and writes
-    a record of identity, size and SHA-256 last, once the manifest passed every check. Every other process
+    flock, as for a shard) and downloads `shardkit.json`, the binary index and the shards' block indexes
+    (`shardkit.blocks`; each when the dataset has one) at once, in one round trip: the GET of the JSON answers
+    its identity too (size and ETag or mtime), so no HEAD comes first. It copies them into the cache with
+    atomic renames, hashes the JSON once, and writes a record of identity, size and SHA-256 last, once the
+    manifest passed every check. Every other process
     asks the store for the manifest's identity (one HEAD or stat) and compares it with the record: a
     changed manifest is fetched again the same way, under the lock; an unchanged one is read from the
     local copy, trusting the record's hash instead of hashing the JSON again, and its checks of that very
@@ -168,19 +170,21 @@ def _fetch_manifest_locked(storage: Storage, local: Storage, directory: str, rec
     # local dataset's JSON is read in place, so there is nothing to overlap the index copy with: a thread would
     # only add its start-up (milliseconds on a busy node) to the first batch.
     if storage.is_local:
-        _download_index(storage, directory)
+        _download_optional(storage, INDEX_NAME, directory)
     else:
-        with ThreadPoolExecutor(1, thread_name_prefix="shardkit-manifest") as pool:
-            index = pool.submit(_download_index, storage, directory)
+        with ThreadPoolExecutor(2, thread_name_prefix="shardkit-manifest") as pool:
+            extras = [pool.submit(_download_optional, storage, name, directory)
+                      for name in (INDEX_NAME, BLOCK_INDEXES_NAME)]
             try:
                 identity = _download_atomic(storage, MANIFEST_NAME, directory, identity=True, asked=identity)
-                index.result()
+                for extra in extras:
+                    extra.result()
             except FileNotFoundError as err:
                 raise _no_dataset(storage) from err
             finally:
                 # The future keeps an error, whose traceback keeps this frame and its callers': a reference
                 # cycle that would hold the caller's objects (a DataLoader and its workers) until a collection.
-                index = None
+                extras = None
     logger.debug("fetched the manifest of %s (JSON %s) into the node cache %s", storage.display_url,
                  "copied" if not storage.is_local else "read in place", directory)
     manifest, (size, digest), checked_index = load_manifest_and_digest(
@@ -200,13 +204,25 @@ def _read_record(path: str, identity: str) -> tuple[int, str, str | None] | None
     return (size, digest, stamp) if recorded == identity else None
 
 
-def _download_index(storage: Storage, directory: str) -> None:
-    """The dataset's binary index into `directory`, if it has one (one GET, not a HEAD and a LIST to ask first)."""
+def _download_optional(storage: Storage, name: str, directory: str) -> None:
+    """The dataset's file `name` (its binary index, its block indexes) into `directory`, if it has one (one GET,
+    not a HEAD and a LIST to ask first); a copy of an earlier manifest's is removed when it has none."""
     try:
-        _download_atomic(storage, INDEX_NAME, directory)
+        _download_atomic(storage, name, directory)
     except FileNotFoundError:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, INDEX_NAME))
+            os.unlink(os.path.join(directory, name))
+
+
+def node_block_indexes(storage: Storage, cache_dir: str | None = None) -> BlockIndexes | None:
+    """The shards' block indexes that `fetch_manifest` brought to the node with the manifest (a remote dataset's
+    `shardkit.blocks`), or None. Whichever manifest the copy came with, a reader takes from it only the indexes
+    whose SHA-256 its own manifest records (`BlockIndexes.get`)."""
+    if storage.is_local:
+        return None  # its shards' indexes are local reads already
+    root = os.path.abspath(cache_dir or default_cache_dir())
+    path = os.path.join(root, dataset_cache_key(storage.url), BLOCK_INDEXES_NAME)
+    return load_block_indexes(path, source=storage.url_of(BLOCK_INDEXES_NAME))
 
 
 def _download_atomic(storage: Storage, name: str, directory: str, *, identity: bool = False,

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -202,6 +203,21 @@ class BotocoreCredentials:
                 "token": frozen.token, "expires_at": expires}
 
 
+# One store built at a time: a fresh process's first requests come from several threads at once (the node cache
+# GETs the manifest, its binary index and its block indexes together), and each built a store of its own: two or
+# three builds of 6-33 ms each, contending for the GIL, before the first request could leave (traced on moto).
+_STORE_BUILD = threading.Lock()
+
+
+def _new_build_lock() -> None:
+    """In a forked child: a lock of its own (the parent's may have been held by a thread that does not exist here)."""
+    global _STORE_BUILD
+    _STORE_BUILD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_build_lock)
+
+
 class ObjectStoreObjects:
     """The objects of one bucket (container, host) through obstore, by key; `storage.Storage` names, validates
     and retries. Pickles as its URL and options: the store is built again where it is unpickled."""
@@ -223,20 +239,26 @@ class ObjectStoreObjects:
         inherited through fork() from a parent whose runtime started is made again."""
         module = obstore_module()
         if self._store is None or self._store_module is not module:
-            config = dict(self.settings["config"])
-            provider = self.settings["provider"]
-            if self.kind == "s3" and "region" not in config and not os.environ.get("AWS_REGION") \
-                    and not os.environ.get("AWS_DEFAULT_REGION"):
-                config["region"] = (provider.region() if provider is not None else None) \
-                    or bucket_region(self.root_url, config.get("endpoint")) or "us-east-1"
-            extra = {"credential_provider": provider} if provider is not None else {}
-            if self.kind != "http":  # a web server takes no configuration
-                extra["config"] = config or None
-            store_class = getattr(module._store, STORE_CLASSES[self.kind])
-            self._store = store_class.from_url(self.root_url, client_options=self.settings["client_options"],
-                                               retry_config={"max_retries": self.settings["retries"]}, **extra)
-            self._store_module = module
+            with _STORE_BUILD:  # the threads that asked at once wait for one build
+                if self._store is None or self._store_module is not module:
+                    self._build(module)
         return self._store
+
+    def _build(self, module) -> None:
+        """Build the store with `module` (the caller holds `_STORE_BUILD`)."""
+        config = dict(self.settings["config"])
+        provider = self.settings["provider"]
+        if self.kind == "s3" and "region" not in config and not os.environ.get("AWS_REGION") \
+                and not os.environ.get("AWS_DEFAULT_REGION"):
+            config["region"] = (provider.region() if provider is not None else None) \
+                or bucket_region(self.root_url, config.get("endpoint")) or "us-east-1"
+        extra = {"credential_provider": provider} if provider is not None else {}
+        if self.kind != "http":  # a web server takes no configuration
+            extra["config"] = config or None
+        store_class = getattr(module._store, STORE_CLASSES[self.kind])
+        self._store = store_class.from_url(self.root_url, client_options=self.settings["client_options"],
+                                           retry_config={"max_retries": self.settings["retries"]}, **extra)
+        self._store_module = module
 
     def _run(self, operation, *args, **kwargs):
         """`operation(obstore, store, *args, **kwargs)`, obstore's errors as the OSError family."""

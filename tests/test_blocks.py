@@ -16,6 +16,7 @@ import pytest
 from loader_helpers import VOCAB, fixed_sample, ids_from_tokens, write_fixed
 from resume_contract import check_resume
 from s3_proxy import CountingProxy
+from shardkit.block_indexes import BLOCK_INDEXES_NAME
 from shardkit.errors import CorruptShardError
 from shardkit.formats import decode_shard, write_dataset
 from shardkit.formats.blocks import BlockIndex
@@ -184,12 +185,16 @@ def serial_steps(intervals: list[tuple[float, float]]) -> int:
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("with_file", [False, True], ids=["built-before-shardkit.blocks", "with-shardkit.blocks"])
 def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket, tmp_path, cold_blocks,
-                                                                      monkeypatch):
+                                                                      monkeypatch, with_file):
     """Both shards' block indexes are read at once, then every block the batch needs at once: two round
-    trips before the first batch, not an index and its blocks per shard one after the other."""
+    trips before the first batch, not an index and its blocks per shard one after the other. With the
+    dataset's `shardkit.blocks` (fetched with the manifest) the indexes are at hand: one round trip."""
     url, options = s3_bucket
     manifest = write_blocks(url, 480, per_shard=240, storage_options=options)
+    if not with_file:
+        Storage(url, options).delete(BLOCK_INDEXES_NAME)  # a dataset built before the file
     first_batch_out = threading.Event()
     complete = BlockReader._complete
     monkeypatch.setattr(BlockReader, "_complete", lambda self: (first_batch_out.wait(30), complete(self)))
@@ -217,8 +222,11 @@ def test_a_first_batch_over_two_cold_shards_waits_for_two_round_trips(s3_bucket,
     shards = {s.name: s for s in manifest.shards}
     assert sorted(set(first["sample_id"].numpy() // 240)) == [0, 1]  # the batch spans both shards
     index_reads = [(b, e) for name, start, b, e in before if start == shards[name].index_offset]
-    assert len(index_reads) == 2 and max(b for b, _ in index_reads) < min(e for _, e in index_reads), before
-    assert serial_steps([(b, e) for *_, b, e in before]) == 2, before
+    if with_file:
+        assert index_reads == [] and serial_steps([(b, e) for *_, b, e in before]) == 1, before
+    else:
+        assert len(index_reads) == 2 and max(b for b, _ in index_reads) < min(e for _, e in index_reads), before
+        assert serial_steps([(b, e) for *_, b, e in before]) == 2, before
     dataset.caches[0].drain(30)
 
 

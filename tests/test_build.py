@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import random
 
 import numpy as np
@@ -148,13 +149,15 @@ def test_cli_skip_prints_summary_and_fail_exits_nonzero(corpus, tmp_path, capsys
     assert "already holds this build" in capsys.readouterr().err
 
 
-def test_other_build_is_refused_unless_overwrite(corpus, tmp_path):
+def test_other_build_is_refused_unless_overwrite(corpus, tmp_path, caplog):
     out = tmp_path / "ds"
     run_build(config([corpus / "a.jsonl"], out))
     with pytest.raises(FileExistsError, match=r"different configuration \(differs in: seq_len\).*--overwrite"):
         run_build(config([corpus / "a.jsonl"], out, seq_len=32))
-    result = run_build(config([corpus / "a.jsonl"], out, seq_len=32, overwrite=True))
+    with caplog.at_level(logging.WARNING, logger="shardkit.tools.state"):
+        result = run_build(config([corpus / "a.jsonl"], out, seq_len=32, overwrite=True))
     assert load_manifest(str(out)).seq_len == 32 and result.status == "built"
+    assert "did not write" not in caplog.text  # the manifest's companions (shardkit.blocks) are shardkit's own
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

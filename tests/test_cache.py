@@ -346,6 +346,8 @@ def test_a_fresh_node_gets_the_manifest_and_its_index_at_once(tmp_path, monkeypa
     assert manifest == load_manifest(url)
     head = next(c for c in calls if c[0].startswith("HEAD"))
     gets = sorted(c for c in calls if c[0].startswith("GET"))
-    assert [c[0] for c in gets] == ["GET shardkit.index", "GET shardkit.json"]
-    assert gets[1][1] >= head[2], calls  # the JSON after its identity
-    assert gets[0][1] < gets[1][2] and head[1] < gets[0][2], calls  # the index in flight with them
+    assert [c[0] for c in gets] == ["GET shardkit.blocks", "GET shardkit.index", "GET shardkit.json"]
+    json_get = gets[2]
+    assert json_get[1] >= head[2], calls  # the JSON after its identity
+    for extra in gets[:2]:  # the index and the block indexes in flight with them
+        assert extra[1] < json_get[2] and head[1] < extra[2], calls

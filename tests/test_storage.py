@@ -197,7 +197,7 @@ def test_dataset_written_and_read_through_each_backend(backend):
     storage = Storage(url, options)
     manifest = load_manifest(url, options)
     assert manifest == written and manifest.num_samples == 40
-    assert storage.list_names() == sorted(["shardkit.json", *(s.name for s in manifest.shards)])
+    assert storage.list_names() == sorted(["shardkit.json", "shardkit.blocks", *(s.name for s in manifest.shards)])
     assert verify_dataset(storage, manifest, jobs=2) == []
     got = []
     for shard in manifest.shards:

@@ -45,8 +45,8 @@ class BlockCompletion(ShardBlocks):
     def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
                  on_read: Callable[[int], None] | None = None,
                  on_complete: Callable[[ShardArrays, bytes | memoryview | None], None] | None = None,
-                 keep_bytes: bool = False):
-        super().__init__(storage_of, shard, manifest, on_read=on_read, keep_bytes=keep_bytes)
+                 keep_bytes: bool = False, held_index: bytes | None = None):
+        super().__init__(storage_of, shard, manifest, on_read=on_read, keep_bytes=keep_bytes, held_index=held_index)
         self._on_complete = on_complete
         self._completion: threading.Thread | None = None
         self._on_failure: Callable[[], None] | None = None

@@ -75,15 +75,16 @@ class BlockReader(BlockCompletion):
 
     Args:
         executor: runs the block reads of one `ensure` in parallel.
-        storage_of, shard, manifest, on_read, on_complete, keep_bytes: as `BlockCompletion`'s and
+        storage_of, shard, manifest, on_read, on_complete, keep_bytes, held_index: as `BlockCompletion`'s and
             `ShardBlocks`' (the shard must have a block index and samples).
     """
 
     def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
                  executor: Executor, on_read: Callable[[int], None] | None = None,
                  on_complete: Callable[[ShardArrays, bytes | memoryview | None], None] | None = None,
-                 keep_bytes: bool = False):
-        super().__init__(storage_of, shard, manifest, on_read=on_read, on_complete=on_complete, keep_bytes=keep_bytes)
+                 keep_bytes: bool = False, held_index: bytes | None = None):
+        super().__init__(storage_of, shard, manifest, on_read=on_read, on_complete=on_complete, keep_bytes=keep_bytes,
+                         held_index=held_index)
         self._executor = executor
         self._ensured = 0
         self._index_future: Future | None = None
@@ -91,8 +92,10 @@ class BlockReader(BlockCompletion):
     # -- foreground -----------------------------------------------------------------------------
     def start_index(self) -> None:
         """Start reading the block index in the background (remote shards), so that the indexes of the
-        shards one batch needs arrive together; `request` waits for it."""
-        if self._index is None and self._index_future is None and not self._storage_of().is_local:
+        shards one batch needs arrive together; `request` waits for it. An index at hand (`held_index`) is
+        parsed by `request` itself: no read to overlap."""
+        if (self._index is None and self._index_future is None and self._held_index is None
+                and not self._storage_of().is_local):
             self._index_future = self._executor.submit(self._load_index)
 
     def ensure(self, local_samples: Iterable[int] | np.ndarray) -> None:

@@ -49,10 +49,13 @@ class ShardBlocks:
         manifest: the dataset's manifest (format, token dtype, sample length, vocabulary).
         on_read: called with the byte count of every read (download statistics).
         keep_bytes: assemble the shard's file too (for a cache that stores the file).
+        held_index: the shard's block index already at hand (the dataset's `shardkit.blocks`): used instead
+            of a ranged read once it passes the checks a read index passes (`read_block_index`).
     """
 
     def __init__(self, storage_of: Callable[[], Storage], shard: ShardInfo, manifest: Manifest, *,
-                 on_read: Callable[[int], None] | None = None, keep_bytes: bool = False):
+                 on_read: Callable[[int], None] | None = None, keep_bytes: bool = False,
+                 held_index: bytes | None = None):
         if not shard.has_block_index or not shard.samples:
             raise ValueError(f"shard {shard.name} has no block index (format v1 or empty): read it whole")
         self._storage_of = storage_of
@@ -61,6 +64,7 @@ class ShardBlocks:
         self._on_read = on_read
         self._lock = threading.Lock()
         self._index: BlockIndex | None = None
+        self._held_index = held_index
         self._state: list[int] = []
         self._events: list[threading.Event] = []
         self._failure: BaseException | None = None
@@ -99,7 +103,7 @@ class ShardBlocks:
         with self._lock:
             if self._index is not None:
                 return self._index
-            index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read)
+            index = read_block_index(self._storage_of(), self.shard, on_read=self._on_read, held=self._held_index)
             if self._keep_bytes:  # part of the file: keep them rather than read them again
                 self._buffer[self.shard.index_offset:self.shard.index_offset + self.shard.index_bytes] = \
                     np.frombuffer(index.to_bytes(), dtype=np.uint8)

@@ -34,6 +34,7 @@ from shardkit.node_cache import (  # noqa: F401 - UnsafeCacheDirError, fetch_man
     dataset_cache_key,
     default_cache_dir,
     fetch_manifest,
+    node_block_indexes,
     private_tree,
 )
 from shardkit.storage import Storage
@@ -103,8 +104,13 @@ class ShardCache:
         self.cache_limit = cache_limit
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
+        self.block_indexes = None
         self._start()
         private_tree(self.cache_root, self.directory)
+        # Read once, here (a DataLoader worker inherits or unpickles them): the node's copy of the dataset's
+        # block indexes, fetched with the manifest, spares each cold shard's first read a round trip.
+        if keeps_node_files(cache_mode):
+            self.block_indexes = node_block_indexes(storage, cache_dir)
         metrics.watch_cache_dir(self.cache_root)
 
     def _start(self) -> None:
@@ -224,7 +230,8 @@ class ShardCache:
         metrics.cache_lookup(self._context.url, hit=False)
         partial = BlockReader(self._storage_of, shard, self.manifest, executor=self._blocks_executor(),
                               on_read=self.stats.count_range, on_complete=on_complete if completes else None,
-                              keep_bytes=self.store.keeps_bytes)
+                              keep_bytes=self.store.keeps_bytes,
+                              held_index=self.block_indexes.get(shard) if self.block_indexes is not None else None)
         if completes:
             self._partial[path] = partial
             partial.complete_in_background(on_failure=release)

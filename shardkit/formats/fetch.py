@@ -98,9 +98,12 @@ def _check_while_decoding(data: bytes, shard: ShardInfo, url: str,
 
 
 def read_block_index(storage: Storage, shard: ShardInfo, *, reads: int = SHARD_READS,
-                     on_read: Callable[[int], None] | None = None) -> BlockIndex:
+                     on_read: Callable[[int], None] | None = None, held: bytes | None = None) -> BlockIndex:
     """The block index of a format v2 shard (one ranged read), checked against the manifest's
-    `index_sha256` (one re-read on a mismatch, then `CorruptShardError` naming the shard's URL)."""
+    `index_sha256` (one re-read on a mismatch, then `CorruptShardError` naming the shard's URL).
+
+    `held` is the index already at hand (the dataset's `shardkit.blocks`, `shardkit.block_indexes`): checked as
+    a read is, and no request is made unless it fails the check."""
     url = storage.url_of(shard.name)
     start, end = shard.index_offset, shard.index_offset + shard.index_bytes
 
@@ -110,7 +113,7 @@ def read_block_index(storage: Storage, shard: ShardInfo, *, reads: int = SHARD_R
             raise CorruptShardError(url, f"block index (bytes {start}-{end}): {len(data)} bytes with sha256 "
                                          f"{digest}, the manifest says {shard.index_bytes} with {shard.index_sha256}")
 
-    data = _read_checked_range(storage, shard.name, start, end, check, reads=reads, on_read=on_read)
+    data = _read_checked_range(storage, shard.name, start, end, check, reads=reads, on_read=on_read, first=held)
     return BlockIndex.from_bytes(data, shard=url, samples=shard.samples, tokens=shard.tokens,
                                  raw_bytes=shard.raw_bytes, index_offset=shard.index_offset)
 
