@@ -569,7 +569,9 @@ def test_no_try_starts_after_the_deadline():
     policy = RetryPolicy(attempts=1000, initial_delay=0.01, multiplier=1.0, jitter=0.0, deadline=0.2)
     with pytest.raises(StorageError, match="failed after .* attempts"):
         retry_call(always_failing, url="memory://x", what="read", policy=policy)
-    assert 5 < len(calls) < 1000 and calls[-1] - calls[0] <= 0.2
+    # Retried, stopped by the deadline (not the 1,000 attempts), and no try after it. How many tries fit in 0.2 s
+    # is the machine's: a loaded one oversleeps the 10 ms back-off (5 or fewer happened in a suite's run).
+    assert 1 < len(calls) < 1000 and calls[-1] - calls[0] <= 0.2
 
 
 def test_a_sleep_that_runs_long_does_not_start_a_try_past_the_deadline():
