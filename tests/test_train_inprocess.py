@@ -125,7 +125,7 @@ def test_resume_without_model_options_builds_the_checkpoints_model(tmp_path, dat
     model = {"model.n_layer": 3, "model.rope_theta": 500.0, "model.norm_eps": 1e-4}
     run_training(tmp_path / "reference", data, steps=5, **model)
     run_training(tmp_path / "run", data, steps=3, **model)
-    with caplog.at_level("INFO", logger="shardkit.train.checkpoint"):
+    with caplog.at_level("INFO", logger="shardkit.train.checkpoint_model"):
         assert run_training(tmp_path / "run", data, steps=5) == 0
     assert "building the model checkpoint" in caplog.text and "--rope-theta 500.0" in caplog.text
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
