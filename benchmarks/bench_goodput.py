@@ -31,14 +31,17 @@ the job's 2 partitions), so none is missing.
     python benchmarks/bench_goodput.py --runs 3 [--losses 2] [--rdzv-conf keep_alive_interval=1,...] [--warm-start both]
         [--json bench_out/bench_goodput.json] [-- TRAINER OPTIONS, e.g. --async-save]
     python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300 [--modes process-dcp-staging process]
+    python benchmarks/bench_goodput.py --save-cost --runs 3 --steps 300 --modes process-before process --baseline DIR
     python benchmarks/bench_goodput.py --runs 1 --warm-start on --steps 4400 --first-loss-after 2000 -- --async-save
 
 `--save-cost` measures the checkpoint term alone: one process trains without checkpoints, with a synchronous
 save every 10 steps and with a background one (`--async-save`) written by a thread of the trainer or by DCP's
 writer process (`--async-writer`), the latter also staged by DCP's own stager (`process-dcp-staging`,
-SHARDKIT_CHECKPOINT_STAGING=dcp: the code before `FlatStager`), interleaved (`--modes` picks some); per mode the
-loop's time over steps N/5..N, the time each save holds the loop (as the trainer logs it, wall and CPU, and
-its share of 10 steps of the run without checkpoints), the median step time, the CPU seconds of the trainer
+SHARDKIT_CHECKPOINT_STAGING=dcp: the code before `FlatStager`) or run from other code (`process-before`: the
+directory `--baseline` first on PYTHONPATH, e.g. a `git archive` of main), interleaved (`--modes` picks some); per
+mode the loop's time over steps N/5..N, the time each save holds the loop (as the trainer logs it, wall and CPU, and
+its share of 10 steps of the run without checkpoints), what the two steps after a save take beyond the others (the
+work a save leaves to threads shares the GIL with them), the median step time, the CPU seconds of the trainer
 and its writer, and the one-time wait for the writer process to start (left out, as are the saves written
 synchronously while it starts: on a real job it starts while the model is built and the first interval trains).
 
@@ -73,6 +76,9 @@ PHASES = ("detection", "stop", "rendezvous", "start", "process_group", "loader",
           "redone")
 # torchrun's agent logs its steps (worker group failed, rendezvous round, workers started) at INFO in glog's
 # format, month and day without the year, when LOGLEVEL=INFO.
+# Rank 0's lines on a save: what it held the loop (wall, CPU), and completing a background save at a sync point.
+HELD = re.compile(r"the save held the loop ([\d.]+)s \(([\d.]+)s of CPU\)")
+COMPLETED = re.compile(r"completed \(background save\) after ([\d.]+)s")
 AGENT_LINE = re.compile(r"^I(\d\d\d\d \d\d:\d\d:\d\d\.\d{6}) +\d+ \S+\] (.*)$", re.M)
 
 
@@ -245,6 +251,16 @@ def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, e
     first = steps_by_number[1]
     saves = [float(m.group(1)) for _, text in trainer for m in [re.search(r"saved to .* in ([\d.]+)s", text)] if m]
     startup = first["time"] - first["step_time_s"] - job["started"]
+    # Rank 0's time between two steps, after checkpoint steps (the sync point and the save) and after the others;
+    # gaps of a second or more are a loss's or a return's (counted in their events).
+    gaps = {"checkpoint": 0.0, "other": 0.0}
+    ordered = [steps_by_number[step] for step in sorted(steps_by_number)]
+    for previous, record in zip(ordered, ordered[1:]):
+        gap = record["time"] - record["step_time_s"] - previous["time"]
+        if record["step"] == previous["step"] + 1 and 0 <= gap < 1.0:
+            gaps["checkpoint" if previous["step"] % checkpoint_every == 0 else "other"] += gap
+    held = [(float(m.group(1)), float(m.group(2))) for _, text in trainer for m in [HELD.search(text)] if m]
+    completed = [float(m.group(1)) for _, text in trainer for m in [COMPLETED.search(text)] if m]
     return {"wall_s": wall, "compute_s": compute, "goodput": compute / wall,
             # the job's first start-up is no failure's cost: goodput over the wall time after it, too
             "goodput_after_startup": compute / (wall - startup), "startup_s": startup,
@@ -252,6 +268,11 @@ def run_once(workdir: Path, *, steps: int, losses: int, checkpoint_every: int, e
             "finish_s": job["ended"] - steps_by_number[steps]["time"],
             "lost_s": sum(e["lost"] for e in events), "saves": len(saves), "save_s": sum(saves),
             "median_step_s": statistics.median(r["step_time_s"] for r in records),
+            "between_steps_after_checkpoints_s": gaps["checkpoint"], "between_other_steps_s": gaps["other"],
+            # rank 0's background saves: the loop held per save (wall, CPU), and completing one at a sync point
+            "held_per_save_ms": 1000 * statistics.median(w for w, _ in held) if held else None,
+            "held_cpu_per_save_ms": 1000 * statistics.median(c for _, c in held) if held else None,
+            "completed_per_save_ms": 1000 * statistics.median(completed) if completed else None,
             "events": events, "exact": check_exact(job["run_dir"], data, workdir, steps), "warm_start": warm_start,
             "forked_workers": sum(log.count("forked from the warm-start server") for log in (node_a.log(), node_b.log())),
             "load_average": os.getloadavg()[1]}  # this machine is shared: the 5-minute load, for context
@@ -264,7 +285,7 @@ def medians(runs: list[dict]) -> dict:
         found = [e for r in runs for e in r["events"] if e["kind"] == kind]
         table[kind] = {phase: statistics.median(e[phase] for e in found) for phase in (*PHASES, "lost")}
     totals = ("wall_s", "compute_s", "goodput", "goodput_after_startup", "startup_s", "finish_s", "lost_s", "save_s",
-              "median_step_s", "data_wait_s")
+              "median_step_s", "data_wait_s", "between_steps_after_checkpoints_s", "between_other_steps_s")
     return {"events": table, "totals": {name: statistics.median(r[name] for r in runs) for name in totals}}
 
 
@@ -278,7 +299,8 @@ def print_table(table: dict, runs: int, title: str = "") -> None:
           f"job's first start-up): {t['compute_s']:.1f} s of step compute in {t['wall_s']:.1f} s wall "
           f"(start-up {t['startup_s']:.1f} s, lost to events {t['lost_s']:.1f} s, checkpoint saves {t['save_s']:.1f} s, "
           f"final save and exit {t['finish_s']:.1f} s, steps' data wait {t['data_wait_s']:.1f} s; "
-          f"median step {1000 * t['median_step_s']:.1f} ms)")
+          f"median step {1000 * t['median_step_s']:.1f} ms; between steps: {t['between_steps_after_checkpoints_s']:.1f} s "
+          f"after checkpoint steps, {t['between_other_steps_s']:.1f} s after the others)")
 
 
 # The checkpoint's cost in the loop, one process (no torchrun): the same run without checkpoints, with a
@@ -287,27 +309,33 @@ def print_table(table: dict, runs: int, title: str = "") -> None:
 SAVE_MODES = {"none": ["--checkpoint-every", "0"], "sync": ["--checkpoint-every", "10"],
               "thread": ["--checkpoint-every", "10", "--async-save", "--async-writer", "thread"],
               "process-dcp-staging": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"],
-              "process": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"]}
+              "process": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"],
+              "process-before": ["--checkpoint-every", "10", "--async-save", "--async-writer", "process"]}
 # The modes staged by DCP's own stager (the code before `FlatStager`), for comparison in the same run.
 DCP_STAGING = {"process-dcp-staging"}
 # A save's whole time in the loop (loader state, state dict, staging, or the whole synchronous write) and a
 # background save's completion at a later sync point.
 IN_LOOP = re.compile(r"(?:the save held the loop|completed \(background save\) after) ([\d.]+)s")
 STARTING_SAVE = re.compile(r"checkpoint step (\d+) saved to .* \(synchronously: the background writer process")
-HELD_CPU = re.compile(r"the save held the loop [\d.]+s \(([\d.]+)s of CPU\)")
 WRITER_WAIT = re.compile(r"writer process started; the loop waited ([\d.]+)s")
 
 
-def save_cost_once(workdir: Path, data: str, mode: str, *, steps: int) -> dict[str, float]:
+def save_cost_once(workdir: Path, data: str, mode: str, *, steps: int, baseline: str | None = None
+                   ) -> dict[str, float]:
     """Train `steps` steps in one process with checkpoints per `mode`; the loop's time over steps N/5..N."""
     run_dir = workdir / f"save-{mode}"
     staging = {"SHARDKIT_CHECKPOINT_STAGING": "dcp" if mode in DCP_STAGING else "flat"}
+    if mode == "process-before":  # `process` with the code of --baseline (e.g. a `git archive` of main)
+        staging["PYTHONPATH"] = os.pathsep.join(filter(None, [baseline, os.environ.get("PYTHONPATH")]))
     cpu_before = _children_cpu_s()
     stderr = subprocess.run(
         [sys.executable, "-m", "shardkit.train", "--data", data, "--steps", str(steps), "--batch-size", str(BATCH),
          "--warmup-steps", "2", "--log-every", "10", "--device", "cpu", "--run-dir", str(run_dir), "--resume", "none",
          "--cache-dir", str(workdir / "cache"), "--parallel", "ddp", *SAVE_MODES[mode]],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **staging}, capture_output=True, text=True, check=True).stderr
+        # cwd: `python -m` puts the working directory first on sys.path, before PYTHONPATH (a checkout's shardkit
+        # would shadow --baseline's)
+        env={**os.environ, "OMP_NUM_THREADS": "1", **staging}, cwd=workdir, capture_output=True, text=True,
+        check=True).stderr
     cpu_s = _children_cpu_s() - cpu_before  # the trainer's and its writer process's CPU time, start-up included
     records = {r["step"]: r for r in metric_records(run_dir) if "loss" in r}
     # From step N/5 on: the writer process's start (a new interpreter importing torch, seconds of CPU) competes
@@ -321,12 +349,26 @@ def save_cost_once(workdir: Path, data: str, mode: str, *, steps: int) -> dict[s
     lines = [(at, text) for at, text in lines
              if not any(f"checkpoint step {step}:" in text or f"checkpoint step {step} " in text for step in starting)]
     writer_wait = sum(float(m.group(1)) for _, text in trainer_lines(stderr) for m in [WRITER_WAIT.search(text)] if m)
+    # What a save's work left in threads costs the next two steps (they share the GIL with it): their step time
+    # beyond the median of the other steps (a run without checkpoints shows this measure's own bias).
+    times = {step: records[step]["step_time_s"] for step in range(first + 1, steps + 1)}
+    others = statistics.median(t for step, t in times.items() if step % 10 not in (1, 2))
+    after = sum(statistics.median(t for step, t in times.items() if step % 10 == k) - others for k in (1, 2))
+    # The whole cost, robust to the machine's load spikes: the median wall time of a 10-step interval (the end of
+    # a checkpoint step to the end of the next one: the save, its completion, the threads' share), against the
+    # same intervals of the run without checkpoints.
+    ends = [step for step in range(first, steps + 1, 10)]
+    interval = statistics.median(records[b]["time"] - records[a]["time"] for a, b in zip(ends, ends[1:]))
     return {"loop_s": end - start, "saves": sum("the save held the loop" in text for _, text in lines),
             # less the one-time wait for the writer process's start, reported on its own
             "in_loop_s": sum(float(m.group(1)) for _, text in lines for m in [IN_LOOP.search(text)] if m)
             - sum(float(m.group(1)) for _, text in lines for m in [WRITER_WAIT.search(text)] if m),
-            "held_cpu_s": sum(float(m.group(1)) for _, text in lines for m in [HELD_CPU.search(text)] if m),
+            "held_cpu_s": sum(float(m.group(2)) for _, text in lines for m in [HELD.search(text)] if m),
             "writer_start_wait_s": writer_wait, "cpu_s": cpu_s, "saves_while_writer_starts": len(starting),
+            "next_steps_excess_s": after, "interval_s": interval,
+            # the typical save, without the ones that waited for the previous save's writing
+            "held_median_s": statistics.median([float(m.group(1)) for _, text in lines for m in [HELD.search(text)] if m]
+                                               or [0.0]),
             "median_step_s": statistics.median(records[step]["step_time_s"] for step in range(first + 1, steps + 1))}
 
 
@@ -335,7 +377,8 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def save_cost(runs: int, *, steps: int, modes: tuple[str, ...] = tuple(SAVE_MODES)) -> dict:
+def save_cost(runs: int, *, steps: int, modes: tuple[str, ...] = tuple(SAVE_MODES), baseline: str | None = None
+              ) -> dict:
     """Each mode `runs` times, interleaved (the machine's load drifts); per mode the medians, and the loop's
     overhead against the run without checkpoints of the same round."""
     rounds = []
@@ -343,7 +386,8 @@ def save_cost(runs: int, *, steps: int, modes: tuple[str, ...] = tuple(SAVE_MODE
         data = str(Path(tmp) / "data")
         write_byte_dataset(data, num_samples=SAMPLES, seq_len=SEQ_LEN, samples_per_shard=PER_SHARD)
         for _ in range(runs):
-            rounds.append({mode: save_cost_once(Path(tmp), data, mode, steps=steps) for mode in ("none", *modes)})
+            rounds.append({mode: save_cost_once(Path(tmp), data, mode, steps=steps, baseline=baseline)
+                           for mode in ("none", *modes)})
     table = {}
     for mode in ("none", *modes):
         rows = [r[mode] for r in rounds]
@@ -361,15 +405,24 @@ def save_cost(runs: int, *, steps: int, modes: tuple[str, ...] = tuple(SAVE_MODE
                                                               / (10 * r["none"]["median_step_s"]) for r in rounds),
                        "held_cpu_ms_per_save": statistics.median(1000 * r["held_cpu_s"] / max(1, r["saves"])
                                                                  for r in rows),
+                       "next_steps_excess_ms": statistics.median(1000 * r["next_steps_excess_s"] for r in rows),
+                       "held_median_ms": statistics.median(1000 * r["held_median_s"] for r in rows),
+                       "interval_ms": statistics.median(1000 * r["interval_s"] for r in rows),
+                       # per round against that round's run without checkpoints, then the median
+                       "interval_excess_ms": statistics.median(1000 * (r[mode]["interval_s"] - r["none"]["interval_s"])
+                                                               for r in rounds),
                        "overhead": statistics.median((r[mode]["loop_s"] - r[mode]["writer_start_wait_s"])
                                                      / r["none"]["loop_s"] - 1 for r in rounds)}
     print(f"\ncheckpoint cost in the loop, one process, {steps} steps, a save every 10 (none: no save): "
           f"median of {runs} interleaved rounds")
-    print(f"{'mode':20}{'loop s':>8}{'ms per save':>13}{'held / 10 steps':>17}{'CPU ms per save':>17}"
-          f"{'CPU / 10 steps':>16}{'median step ms':>16}{'writer start s':>16}{'loop overhead':>15}{'CPU s':>8}")
+    print(f"{'mode':20}{'loop s':>8}{'ms per save':>13}{'median held ms':>16}{'held / 10 steps':>17}{'CPU ms per save':>17}"
+          f"{'CPU / 10 steps':>16}{'next 2 steps +ms':>18}{'10 steps ms':>13}{'+ms vs none':>13}"
+          f"{'median step ms':>16}{'writer start s':>16}"
+          f"{'loop overhead':>15}{'CPU s':>8}")
     for mode, row in table.items():
-        print(f"{mode:20}{row['loop_s']:8.2f}{1000 * row['in_loop_s_per_save']:13.1f}{100 * row['held_overhead']:16.2f}%"
+        print(f"{mode:20}{row['loop_s']:8.2f}{1000 * row['in_loop_s_per_save']:13.1f}{row['held_median_ms']:16.2f}{100 * row['held_overhead']:16.2f}%"
               f"{row['held_cpu_ms_per_save']:17.1f}{100 * row['held_cpu_overhead']:15.2f}%"
+              f"{row['next_steps_excess_ms']:18.2f}{row['interval_ms']:13.1f}{row['interval_excess_ms']:13.1f}"
               f"{1000 * row['median_step_s']:16.1f}{row['writer_start_wait_s']:16.2f}{100 * row['overhead']:14.1f}%"
               f"{row['cpu_s']:8.1f}")
     return {"rounds": rounds, "median": table}
@@ -392,13 +445,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the elastic job: the loop's time without checkpoints, with synchronous and "
                              "with background saves every 10 steps (one process)")
     parser.add_argument("--modes", nargs="+", choices=[m for m in SAVE_MODES if m != "none"],
-                        default=[m for m in SAVE_MODES if m != "none"], help="--save-cost: the modes besides none")
+                        default=[m for m in SAVE_MODES if m not in ("none", "process-before")],
+                        help="--save-cost: the modes besides none")
+    parser.add_argument("--baseline", metavar="DIR", help="--save-cost: the code `process-before` runs (a directory "
+                        "put first on PYTHONPATH, e.g. a `git archive` of main)")
     parser.add_argument("--json", default="bench_out/bench_goodput.json")
     parser.add_argument("--keep", metavar="DIR", help="keep each run's directory (logs, records) under DIR")
     parser.add_argument("train_args", nargs="*", help="more trainer options, after --, e.g. -- --async-save")
     args = parser.parse_args(argv)
     if args.save_cost:
-        result = save_cost(args.runs, steps=args.steps, modes=tuple(args.modes))
+        if "process-before" in args.modes and not args.baseline:
+            parser.error("--modes process-before needs --baseline DIR (the earlier code, e.g. a git archive)")
+        result = save_cost(args.runs, steps=args.steps, modes=tuple(args.modes), baseline=args.baseline)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "save_cost": result}, indent=2))
         return 0
@@ -416,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                                  first_loss_after=args.first_loss_after))
         print(f"run {run + 1}/{args.runs * len(variants)} (warm start {'on' if warm_start else 'off'}): "
               f"{runs[-1]['wall_s']:.0f} s wall, goodput {100 * runs[-1]['goodput']:.1f}%, "
-              f"exact ({runs[-1]['exact']['ids']} ids), {runs[-1]['forked_workers']} workers forked", flush=True)
+              f"exact ({runs[-1]['exact']['ids']} ids), {runs[-1]['forked_workers']} workers forked; rank 0's saves "
+              f"held the loop {runs[-1]['held_per_save_ms']} ms ({runs[-1]['held_cpu_per_save_ms']} ms CPU), "
+              f"completing one {runs[-1]['completed_per_save_ms']} ms (medians)", flush=True)
     tables = {}
     for warm_start in variants:
         name = "warm start on" if warm_start else "warm start off"

@@ -74,9 +74,10 @@ def test_a_job_killed_while_saving_in_the_background_resumes_exactly(tmp_path, m
     monkeypatch.setenv("SHARDKIT_CHECKPOINT_WRITER_START", "wait")
     killed = torchrun(run_dir, data, checkpoint_every=2, fault="step:7", extra=("--async-save",))
     assert killed.returncode != 0 and "kills itself at step 7" in killed.stderr, killed.stderr[-3000:]
-    # Step 6's save was started after step 6 and is marked complete at the next sync point at the earliest.
+    # Step 6's save was started after step 6 and is marked complete at the next sync point at the earliest; step 4's,
+    # written by then, is marked complete by rank 0's thread from step 6's sync point on (the kill may come first).
     latest = find_latest(run_dir / "checkpoints")
-    assert latest is not None and latest.name == "step_00000004", checkpoints(run_dir)
+    assert latest is not None and latest.name in ("step_00000002", "step_00000004"), checkpoints(run_dir)
     monkeypatch.delenv("SHARDKIT_CHECKPOINT_WRITER_START")  # the resumed run saves synchronously until its writer is up
     resumed = check_ok(torchrun(run_dir, data, checkpoint_every=2, extra=("--async-save",)))
     assert f"resumed from {latest} at step {int(latest.name[5:])}" in resumed.stdout, resumed.stdout[-3000:]

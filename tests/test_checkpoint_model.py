@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardkit.options import option_name
-from shardkit.train.checkpoint import (Checkpointer, find_latest, model_differences, model_record, model_to_resume,
-                                       saved_model_config)
+from shardkit.train.checkpoint import Checkpointer, find_latest
+from shardkit.train.checkpoint_model import model_differences, model_record, model_to_resume, saved_model_config
 from shardkit.train.config import ModelConfig, OptimizerConfig
 from shardkit.train.model import Transformer, tied_weights
 from shardkit.train.optim import build_optimizer, build_scheduler

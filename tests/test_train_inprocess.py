@@ -30,7 +30,7 @@ def reference(tmp_path_factory, datasets):
     return run_dir
 
 
-def run_training(run_dir, data, *, signal_at_batch=None, **options):
+def run_training(run_dir, data, *, signal_at_batch=None, before_close=None, **options):
     values = {"steps": 8, "device": "cpu", "optimizer": {"warmup_steps": 2},
               "data": {"data": data, "batch_size": 12, "cache_dir": str(run_dir.parent / "cache")},
               "logging": {"run_dir": str(run_dir), "log_every": 100, "tensorboard": False}}
@@ -53,7 +53,10 @@ def run_training(run_dir, data, *, signal_at_batch=None, **options):
 
         run.data = SignalOnBatch()
     try:
-        return train(run)
+        code = train(run)
+        if before_close is not None:
+            before_close()
+        return code
     finally:
         close(run)
 
@@ -125,7 +128,7 @@ def test_resume_without_model_options_builds_the_checkpoints_model(tmp_path, dat
     model = {"model.n_layer": 3, "model.rope_theta": 500.0, "model.norm_eps": 1e-4}
     run_training(tmp_path / "reference", data, steps=5, **model)
     run_training(tmp_path / "run", data, steps=3, **model)
-    with caplog.at_level("INFO", logger="shardkit.train.checkpoint"):
+    with caplog.at_level("INFO", logger="shardkit.train.checkpoint_model"):
         assert run_training(tmp_path / "run", data, steps=5) == 0
     assert "building the model checkpoint" in caplog.text and "--rope-theta 500.0" in caplog.text
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
@@ -217,12 +220,13 @@ def test_the_trainers_endpoint_listens_on_loopback_unless_told(tmp_path, dataset
         pytest.skip("this machine has no interface besides loopback")
     data, _ = datasets
     loopback, everywhere = free_port(), free_port()
-    assert run_training(tmp_path / "a", data, steps=3, **{"logging.metrics_port": loopback}) == 0
+    listening = []  # checked after the last step, before the run closes (which stops the endpoint)
+    assert run_training(tmp_path / "a", data, steps=3, **{"logging.metrics_port": loopback}, before_close=lambda:
+                        listening.append((accepts("127.0.0.1", loopback), accepts(outside, loopback)))) == 0
     assert run_training(tmp_path / "b", data, steps=3, **{"logging.metrics_port": everywhere,
-                                                           "logging.metrics_address": "0.0.0.0"}) == 0
-    # The servers outlive the runs in this process.
-    assert accepts("127.0.0.1", loopback) and not accepts(outside, loopback)
-    assert accepts(outside, everywhere)
+                                                           "logging.metrics_address": "0.0.0.0"},
+                        before_close=lambda: listening.append((accepts(outside, everywhere),))) == 0
+    assert listening == [(True, False), (True,)]
     with pytest.raises(ValueError, match="--metrics-address must be an IP address or host name"):
         run_training(tmp_path / "c", data, **{"logging.metrics_address": "http://0.0.0.0"})
 

@@ -36,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -54,13 +53,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from shardkit.options import option_name
 from shardkit.train import faults
-from shardkit.train.config import ModelConfig
 from shardkit.train.config.checkpoint import ASYNC_WRITERS
+from shardkit.train.checkpoint_background import AlreadyStaged, Publications, SaveThread, upload_of
 from shardkit.train.checkpoint_metadata import SafeFileSystemReader
 from shardkit.train.checkpoint_staging import FlatStager, flat_stageable
-from shardkit.train.checkpoint_state import SaveStateDict
+from shardkit.train.checkpoint_state import SaveStateDict, optimizer_settings
 from shardkit.train.checkpoint_writer import ExpandingSavePlanner, WriterProcessFileSystemWriter
 
 logger = logging.getLogger(__name__)
@@ -245,7 +243,9 @@ class Checkpointer:
         keep: number of complete checkpoints to keep.
         async_save: copy the state to CPU memory (pinned on a GPU) and write it in the background
             (dcp.async_save), so that the loop pays only the copy; the checkpoint is published (marker,
-            rename) when every rank has written its part, at a sync point of the loop or the next save.
+            rename) when every rank has written its part, at a sync point of the loop or the next save. After
+            the first save of a state of CPU parameters, a thread takes each save over once the loop has taken
+            the loader's state (`checkpoint_background`).
         async_writer: what writes a background save: "process", DCP's writer process (started with the
             checkpointer, it plans and writes off the trainer's GIL and cores), or "thread", a thread of the
             trainer (it competes with the steps for the GIL). One process without a process group always
@@ -268,8 +268,8 @@ class Checkpointer:
         self._cleaned = False  # whether rank 0 removed the partial directories left before this run's first save
         self._async_group = None
         self._stager: DefaultStager | FlatStager | None = None
-        self._publisher: threading.Thread | None = None
-        self._publish_error: tuple[Path, BaseException] | None = None
+        self._publications = Publications()  # rank 0 marks written checkpoints complete in a thread
+        self._save_thread: SaveThread | None = None  # takes background saves over after the first (see save)
         self.writer = _writer_type(async_writer) if async_save else None
         # A background save's state dicts, cheap after the first save; DCP's stager path keeps get_state_dict.
         self._flat_staging = os.environ.get(STAGING_VARIABLE, "flat") != "dcp"
@@ -310,31 +310,30 @@ class Checkpointer:
         # is ready) is not waited for: this one save is written synchronously. Every rank takes the same path:
         # the start is completed only where every rank reported it done (the loop's sync point) or by a save.
         writer_starting = self._pending is not None and self._pending[2] is None and self._sync_while_writer_starts
-        if writer_starting:
-            self._join_publisher()
+        in_thread = self.async_save and not writer_starting and self._save_thread is not None
+        if not writer_starting:
+            # Logs its own time. The stale partials are removed after the previous checkpoint's publication: by the
+            # save thread (which waits for it), else here (join).
+            self.wait(join=not in_thread)
         else:
-            self.wait()  # logs its own time; joins the publishing thread before the stale partials are removed
+            self._publications.join()
         started = time.perf_counter()
         final = self.directory / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
-                if stale != partial or not self._cleaned:  # left by a crash mid-save
-                    shutil.rmtree(stale, ignore_errors=True)
-        if not self._cleaned:
-            # Other ranks write into this save's partial directory once rank 0 removed what an earlier run left
-            # there. Later saves skip the barrier: rank 0 no longer removes a directory another rank writes into.
-            _barrier()
-            self._cleaned = True
+        meta = {**meta, "step": step}
+        # What changes before the next optimizer step without passing through it is taken now.
+        texts = {"scheduler": json.dumps(scheduler.state_dict()), "train": json.dumps({"step": step}),
+                 f"rank_{self.rank}": json.dumps(rank_state)}
+        if in_thread:
+            settings = optimizer_settings(optimizer)
+            job = self._save_thread.submit(lambda: self._copy(model, optimizer, settings, texts, extra),
+                                           lambda staged: self._hand_over(staged, partial))
+            self._pending = (job, partial, meta)
+            return
+        self._remove_stale_partials(partial)
         model_state, optim_state = (self._save_state_dict(model, optimizer) if self._save_state_dict is not None
                                     else get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS))
-        shared = self._shared(model_state)
-        state = {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state,
-                 "scheduler": json.dumps(scheduler.state_dict()),
-                 "train": json.dumps({"step": step}),
-                 f"rank_{self.rank}": json.dumps(rank_state), **(extra or {})}
-        meta = {**meta, "step": step}
+        state = {**self._state(model_state, optim_state, texts), **(extra or {})}
         if self.async_save and not writer_starting:
             in_process = self.writer == AsyncCheckpointerType.PROCESS
             stager = self._staging(model, state)
@@ -346,6 +345,11 @@ class Checkpointer:
             self._pending_bytes = stager.staged_bytes if isinstance(stager, FlatStager) else _state_bytes(state)
             logger.info("checkpoint step %d: background save started after %.3fs in the loop", step,
                         time.perf_counter() - started)
+            if isinstance(stager, FlatStager) and self._save_state_dict.usable and self._save_state_dict.parameters_only:
+                # Later saves are taken over by a thread after the loader's state; the optimizer step waits for
+                # their copy (checkpoint_background).
+                self._save_thread = SaveThread()
+                self._save_thread.guard(optimizer)
             return
         try:
             dcp.save(state, checkpoint_id=str(partial))
@@ -355,6 +359,43 @@ class Checkpointer:
         self._complete_now(partial, meta)
         logger.info("checkpoint step %d saved to %s in %.2fs%s", step, final, time.perf_counter() - started,
                     " (synchronously: the background writer process is still starting)" if writer_starting else "")
+
+    def _remove_stale_partials(self, partial: Path) -> None:
+        """Rank 0 removes the partial directories a crash left (before the first save: every one; later: those of
+        other steps, which no rank writes into); the other ranks wait for it before the first save only."""
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(f"step_*{PARTIAL_SUFFIX}"):
+                if stale != partial or not self._cleaned:  # left by a crash mid-save
+                    shutil.rmtree(stale, ignore_errors=True)
+        if not self._cleaned:
+            # Other ranks write into this save's partial directory once rank 0 removed what an earlier run left
+            # there. Later saves skip the barrier: rank 0 no longer removes a directory another rank writes into.
+            _barrier()
+            self._cleaned = True
+
+    def _state(self, model_state: dict[str, Any], optim_state: dict[str, Any], texts: dict[str, str]) -> dict[str, Any]:
+        """The state DCP saves: a tensor the model holds under two names (tied weights) once, under its name."""
+        shared = self._shared(model_state)
+        return {"model": {k: v for k, v in model_state.items() if k not in shared}, "optim": optim_state, **texts}
+
+    def _copy(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings: list, texts: dict[str, str],
+              extra: dict[str, Any] | None) -> dict[str, Any]:
+        """In the save thread, before the next optimizer step: the state dicts and their copy into the staging
+        buffers (the parameter groups' `settings` were taken by the loop)."""
+        model_state, optim_state = self._save_state_dict.build(model, optimizer, settings)
+        return self._stager.stage({**self._state(model_state, optim_state, texts), **(extra or {})})
+
+    def _hand_over(self, staged: dict[str, Any], partial: Path) -> Any:
+        """In the save thread, after the copy: the partial directory, and DCP's writer takes the staged state over.
+        Returns DCP's future."""
+        self._publications.settle()  # the previous checkpoint is renamed before stale partials are removed
+        self._remove_stale_partials(partial)
+        in_process = self.writer == AsyncCheckpointerType.PROCESS
+        return dcp.async_save(staged, checkpoint_id=str(partial), process_group=self._async_group,
+                              storage_writer=WriterProcessFileSystemWriter(partial) if in_process else None,
+                              planner=ExpandingSavePlanner(), async_checkpointer_type=self.writer,
+                              async_stager=AlreadyStaged())
 
     def _staging(self, model: nn.Module, state: dict[str, Any]) -> DefaultStager | FlatStager:
         """The run's one stager. It keeps its CPU copy of each tensor and copies into it at the next save,
@@ -383,32 +424,34 @@ class Checkpointer:
         finished. Ranks agree on completing a save only when all report True (see the training loop)."""
         if self._pending is None:
             return True
-        future = self._pending[0]
-        future = future if hasattr(future, "done") else future.upload_completion
-        return future.done()
+        try:
+            upload = upload_of(self._pending[0], block=False)
+        except (Exception, CheckpointException):
+            return True  # the save failed before DCP took it over: `wait` raises it
+        return upload is not None and upload.done()
 
     def abandon(self) -> None:
         """Forget the background save in flight: it is never marked complete (the next run's first save removes
         its partial directory). For a job that must stop without writing (another job took its run directory)."""
         self._pending = None
 
-    def wait(self, *, join: bool = True) -> None:
+    def wait(self, *, join: bool = True, agreed: bool = False) -> None:
         """Finish a background save: wait for every rank's writes, then mark it complete (rank 0, in a thread).
 
         Args:
             join: wait for that thread too. False at the loop's sync points: training goes on while rank 0
-                marks the checkpoint complete; the next save (or a later `wait()`) waits for it first.
+                marks the checkpoint complete; the next save's thread (or a later `wait()`) waits for it first.
+            agreed: every rank reported its save written (the loop's sync point): no barrier is needed.
         """
         if self._pending is None:
             if join:
-                self._join_publisher()
+                self._publications.join()
             return
         started = time.perf_counter()
         future, partial, meta = self._pending
         self._pending = None
-        # torch 2.13 returns a Future, or an AsyncSaveResponse when a custom stager is used.
         try:
-            (future.result() if hasattr(future, "result") else future.upload_completion.result())
+            upload_of(future, block=True).result()
         except (Exception, CheckpointException) as err:
             if meta is None:
                 raise OSError(f"background saves cannot be written to {self.directory}: DCP's writer process failed "
@@ -422,32 +465,21 @@ class Checkpointer:
                         time.perf_counter() - started)
             return
         faults.inject_now("save", meta["step"], self.rank)
-        _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+        if not agreed:
+            _barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
         if self.rank == 0:
             # The marker's fsync, the renames and the pruning are file-system round trips (slow on a shared
             # file system), none of them the loop's business: a thread does them while training goes on.
-            self._publisher = threading.Thread(target=self._publish_in_background, args=(partial, meta),
-                                               name="shardkit-checkpoint-publish", daemon=True)
-            self._publisher.start()
+            self._publications.submit(lambda: self._publish(partial, meta))
         if join:
-            self._join_publisher()
+            self._publications.join()
         logger.info("checkpoint step %d completed (background save) after %.3fs in the loop", meta["step"],
                     time.perf_counter() - started)
 
-    def _publish_in_background(self, partial: Path, meta: dict[str, Any]) -> None:
+    def _publish(self, partial: Path, meta: dict[str, Any]) -> None:
         try:
             self._finish(partial, meta)
-        except BaseException as err:  # noqa: BLE001 - raised in the training thread, at the join
-            self._publish_error = (partial, err)
-
-    def _join_publisher(self) -> None:
-        """Wait for rank 0's thread publishing the last background save, and raise what it failed with."""
-        if self._publisher is None:
-            return
-        self._publisher.join()
-        self._publisher, failure, self._publish_error = None, self._publish_error, None
-        if failure is not None:
-            partial, err = failure
+        except BaseException as err:  # raised in the training thread, where it next waits for the publications
             raise OSError(f"checkpoint {partial} could not be marked complete ({type(err).__name__}: {err}); "
                           "the previous checkpoints are intact") from err
 
@@ -598,68 +630,3 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def model_record(config: ModelConfig) -> dict[str, Any]:
-    """What a checkpoint's marker records of the model: every `ModelConfig` field and the padded vocabulary."""
-    return {**dataclasses.asdict(config), "padded_vocab_size": config.padded_vocab_size}
-
-
-def saved_model_config(record: dict[str, Any], *, path: str | Path) -> ModelConfig:
-    """The `ModelConfig` a checkpoint's model record describes. A field the record lacks (the checkpoint
-    predates it) takes the value its metadata's `absent` names, else its default; names the record holds
-    that are no field (e.g. `padded_vocab_size`) are derived or obsolete and not read."""
-    values = {f.name: record[f.name] if f.name in record else f.metadata.get("absent", f.default)
-              for f in dataclasses.fields(ModelConfig)}
-    try:
-        return ModelConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {path}: its model record is damaged ({err})") from err
-
-
-def model_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    """'--NAME: checkpoint A, this run B' for each architecture field that differs (every `ModelConfig`
-    field but those declared `resumable_change`), and for the padded vocabulary."""
-    differences = [f"{option_name(f.name)}: checkpoint {getattr(saved, f.name)}, this run {getattr(current, f.name)}"
-                   for f in dataclasses.fields(ModelConfig)
-                   if not f.metadata.get("resumable_change") and getattr(saved, f.name) != getattr(current, f.name)]
-    if saved.padded_vocab_size != current.padded_vocab_size:
-        differences.append(f"padded vocabulary (--vocab-size rounded up to a multiple of --make-vocab-size-divisible-by "
-                           f"{saved.make_vocab_size_divisible_by} / {current.make_vocab_size_divisible_by}): "
-                           f"checkpoint {saved.padded_vocab_size}, this run {current.padded_vocab_size}")
-    return differences
-
-
-def model_to_resume(path: str | Path, meta: dict[str, Any], current: ModelConfig, *, from_checkpoint: bool,
-                    dataset_vocab: int) -> ModelConfig:
-    """The model a run resumed from checkpoint `path` (marker `meta`) builds.
-
-    `from_checkpoint`: the checkpoint's configuration, which must suit the dataset (same `seq_len`, a
-    vocabulary at least the tokenizer's). Otherwise `current` (the run's options and the dataset's sizes),
-    which must match the checkpoint's in every architecture field.
-
-    Raises:
-        ValueError: naming every field that differs, with both values.
-    """
-    record = meta.get("model")
-    if not isinstance(record, dict):  # a marker without a model record: nothing to check against
-        return current
-    saved = saved_model_config(record, path=path)
-    if from_checkpoint:
-        problems = []
-        if saved.seq_len != current.seq_len:
-            problems.append(f"--seq-len: checkpoint {saved.seq_len}, the dataset's samples {current.seq_len}")
-        if saved.vocab_size < dataset_vocab:
-            problems.append(f"--vocab-size: checkpoint {saved.vocab_size}, the dataset's tokenizer {dataset_vocab}")
-        if problems:
-            raise ValueError(f"checkpoint {path} holds a model for other data: " + "; ".join(problems)
-                             + "; resume with the dataset it was trained on, or use another --checkpoint-dir")
-        logger.info("building the model checkpoint %s records (--model-from-checkpoint, on when no model option "
-                    "is given): %s", path, " ".join(f"{option_name(k)} {v}" for k, v in dataclasses.asdict(saved).items()))
-        return saved
-    differences = model_differences(saved, current)
-    if differences:
-        raise ValueError(f"checkpoint {path} was saved for another model: " + "; ".join(differences)
-                         + ". Resume with the checkpoint's values (or with no model option at all, which builds "
-                         "the checkpoint's model), or use another --checkpoint-dir")
-    return current

@@ -29,6 +29,9 @@ class SaveStateDict:
         self.usable: bool | None = None  # None until the first save compared the two builds
         self._model_names: dict[str, str] = {}  # model.state_dict() key -> get_state_dict's name
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name
+        # Whether every tensor of the model's state is a parameter: then only an optimizer step changes it
+        # (a buffer may change in the forward pass, e.g. batch norm's running statistics).
+        self.parameters_only = False
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.usable:
@@ -41,6 +44,20 @@ class SaveStateDict:
             logger.info("checkpoint state dicts are built %s", "from the model's and optimizer's own state after "
                         "this save" if self.usable else "by DCP's get_state_dict (this model's state needs it)")
         return expected
+
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              settings: list[list[tuple[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The cheap build, once the first save showed it usable, with the parameter groups' `settings` taken
+        earlier (`optimizer_settings`): what the save thread calls.
+
+        Raises:
+            ValueError: the state no longer has the layout the first save learned.
+        """
+        built = self._build(model, optimizer, settings) if self.usable else None
+        if built is None:
+            raise ValueError("the model's or optimizer's state changed its layout since the run's first background "
+                             "save (new parameters, new optimizer state); save with --async-save off for this run")
+        return built
 
     def _learn(self, model: nn.Module) -> bool:
         names = {}
@@ -57,10 +74,14 @@ class SaveStateDict:
                 return False
             params[id(parameter)] = next(iter(fqns))
         self._param_names = params
+        parameter_names = {key for key, _ in model.named_parameters(remove_duplicate=False)}
+        self.parameters_only = self._model_names.keys() <= parameter_names
         return True
 
-    def _build(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-        """The flat model and optimizer state, or None where this build does not know the state."""
+    def _build(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+               settings: list[list[tuple[str, Any]]] | None = None) -> tuple[dict, dict] | None:
+        """The flat model and optimizer state, or None where this build does not know the state. `settings`:
+        each parameter group's settings (default: as they are now)."""
         raw = model.state_dict()
         if raw.keys() != self._model_names.keys():
             return None
@@ -69,8 +90,11 @@ class SaveStateDict:
             return None  # DTensors and other subclasses: get_state_dict's business
         state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
-        for group in optimizer.param_groups:
-            settings = [(key, value) for key, value in group.items() if key != "params"]
+        if settings is None:
+            settings = optimizer_settings(optimizer)
+        if len(settings) != len(optimizer.param_groups):
+            return None
+        for group, group_settings in zip(optimizer.param_groups, settings):
             for parameter in group["params"]:
                 name = self._param_names.get(id(parameter))
                 if name is None:
@@ -79,9 +103,14 @@ class SaveStateDict:
                     if isinstance(value, dict):
                         return None  # nested optimizer state (e.g. Shampoo): flattened by get_state_dict
                     state[f"state.{name}.{key}"] = value
-                for key, value in settings:
+                for key, value in group_settings:
                     groups[f"param_groups.{name}.{key}"] = value
         return model_state, {**state, **groups}
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[list[tuple[str, Any]]]:
+    """Each parameter group's settings but its parameters (learning rate, betas, ...), as they are now."""
+    return [[(key, value) for key, value in group.items() if key != "params"] for group in optimizer.param_groups]
 
 
 def _same(built: tuple[dict, dict] | None, expected: tuple[dict, dict]) -> bool:

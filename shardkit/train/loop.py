@@ -25,7 +25,8 @@ import torch.distributed as dist
 from shardkit.manifest import Manifest
 from shardkit.metrics import TrainerMetrics
 from shardkit.train import rng
-from shardkit.train.checkpoint import Checkpointer, find_resumable, model_record, model_to_resume, read_marker
+from shardkit.train.checkpoint import Checkpointer, find_resumable, read_marker
+from shardkit.train.checkpoint_model import model_record, model_to_resume
 from shardkit.train.config import ModelConfig, TrainConfig, describe_step, with_step_size
 from shardkit.train.step_ranges import format_steps, parse_steps
 from shardkit.train.run import Run
@@ -436,7 +437,7 @@ def sync_point(run: Run) -> bool:
         raise ValueError(run.lease.lost_message(taken_by) if taken_by is not None else
                          "another job took over the run directory (rank 0's log names it); this one stops")
     if run.checkpointer.saving_in_background and written == runtime.world_size:
-        run.checkpointer.wait(join=False)
+        run.checkpointer.wait(join=False, agreed=True)
     for record in records:
         if record.get("skipped"):
             run.metrics.log(record, echo=False)
