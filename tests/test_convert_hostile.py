@@ -18,6 +18,7 @@ import pytest
 
 from convert_sources import (litdata_chunk_bytes, mds_entry, mds_shard_bytes, random_documents, write_hand_made_hf,
                              write_hand_made_litdata, write_hand_made_mds)
+from shardkit.block_indexes import BLOCK_INDEXES_NAME
 from shardkit.cli import main
 from shardkit.manifest import MANIFEST_NAME, load_manifest
 from shardkit.tools.build import BuildInputError
@@ -301,8 +302,10 @@ def test_overwrite_keeps_a_users_file_named_like_a_shard(tmp_path):
     assert (out / "shard-notes.csv").read_text() == "mine" and (out / "shard-000999.arrow.bak").read_text() == "mine too"
     assert len(second.manifest.shards) < len(first.manifest.shards)
     kept = {p.name for p in out.iterdir()}
-    assert kept == {s.name for s in load_manifest(str(out)).shards} | {MANIFEST_NAME, "build_report.json",
-                                                                       "shard-notes.csv", "shard-000999.arrow.bak"}
+    # The manifest's companion shardkit.blocks (the shards' block indexes) belongs to the dataset, as the JSON does.
+    assert kept == {s.name for s in load_manifest(str(out)).shards} | {MANIFEST_NAME, BLOCK_INDEXES_NAME,
+                                                                       "build_report.json", "shard-notes.csv",
+                                                                       "shard-000999.arrow.bak"}
 
 
 def test_litdata_chunk_bytes_helper_reads_back(tmp_path):
