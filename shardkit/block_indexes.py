@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import struct
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,9 +35,6 @@ FILE_MAGIC = b"SKBLKFL1"
 # on the first batch's path; 1 MiB is ~10 ms at one S3 connection's ~100 MB/s, under the 20-50 ms of the
 # round trip it saves. (About 2,000 indexes of tar shards of 4 MiB, 12 of 64 MiB.)
 MAX_BLOCK_INDEXES_BYTES = 1 << 20
-_INDEX_HEADER = struct.Struct("<8sQ")  # a block index's magic and entry count (`shardkit.formats.blocks`)
-_INDEX_MAGIC = b"SKBLKIX1"
-_INDEX_ENTRY_BYTES = 104
 _READ_THREADS = 8  # ranged reads of the shards' indexes when the build did not keep them
 
 
@@ -66,14 +62,14 @@ class BlockIndexes:
         if data[:len(FILE_MAGIC)] != FILE_MAGIC:
             logger.warning("%s lacks its magic: not a block index file; reading each shard's own index", source)
             return cls()
+        # Imported here: the formats package imports the manifest module, which imports this one.
+        from shardkit.formats.blocks import encoded_index_end
+
         by_digest: dict[str, bytes] = {}
         position = len(FILE_MAGIC)
         while position < len(data):
-            if len(data) - position < _INDEX_HEADER.size:
-                break
-            magic, count = _INDEX_HEADER.unpack_from(data, position)
-            end = position + _INDEX_HEADER.size + count * _INDEX_ENTRY_BYTES
-            if magic != _INDEX_MAGIC or end > len(data):
+            end = encoded_index_end(data, position)
+            if end is None:
                 break
             index = bytes(data[position:end])
             by_digest[hashlib.sha256(index).hexdigest()] = index

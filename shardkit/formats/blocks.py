@@ -84,6 +84,17 @@ class Block:
                 f"{self.sample_start}-{self.sample_end})")
 
 
+def encoded_index_end(data: bytes | memoryview, position: int) -> int | None:
+    """Where the block index encoded at `position` of `data` ends (its header says how many entries follow), or
+    None when no whole index starts there (no magic, or cut short). Finds the indexes laid side by side in
+    `shardkit.blocks`; it checks nothing else (`BlockIndex.from_bytes` does)."""
+    if len(data) - position < _HEADER.size:
+        return None
+    magic, count = _HEADER.unpack_from(data, position)
+    end = position + _HEADER.size + count * _ENTRY.size
+    return end if magic == INDEX_MAGIC and end <= len(data) else None
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     blocks: tuple[Block, ...]
