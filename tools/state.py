@@ -21,16 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.block_indexes import BLOCK_INDEXES_NAME
-from shardkit.manifest import MANIFEST_NAME, Manifest, ManifestError, ShardInfo, load_manifest
-from shardkit.shard_columns import INDEX_NAME
+from shardkit.manifest import MANIFEST_NAME, RESERVED_NAMES, Manifest, ManifestError, ShardInfo, load_manifest
 from shardkit.storage import TEMPORARY_MARK, Storage
 
 logger = logging.getLogger(__name__)
-
-# Files `write_manifest` writes beside the manifest (the binary index, the shards' block indexes): an --overwrite
-# removes them with it, as shardkit's own.
-COMPANION_NAMES = (INDEX_NAME, BLOCK_INDEXES_NAME)
 
 STATE_DIR = "_build"
 CHECKPOINT_NAME = f"{STATE_DIR}/checkpoint.npz"
@@ -105,7 +99,9 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _ours(name: str, shards: set[str] | None = None) -> bool:
     """Whether shardkit wrote `name`: the manifest and its companions, the report, the build state, and the shards
     named in `shards` (what the previous run recorded; None: any `shard-*` name, for the leftovers of this run)."""
-    if name in (MANIFEST_NAME, *COMPANION_NAMES, REPORT_NAME) or name.startswith(f"{STATE_DIR}/"):
+    # RESERVED_NAMES: the manifest and what `write_manifest` writes beside it (the binary index, the shards' block
+    # indexes), which an --overwrite removes with it.
+    if name in (*RESERVED_NAMES, REPORT_NAME) or name.startswith(f"{STATE_DIR}/"):
         return True
     return name in shards if shards is not None else (name.startswith(_SHARD_PREFIX) and "/" not in name)
 
