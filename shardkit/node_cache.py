@@ -214,15 +214,13 @@ def _download_optional(storage: Storage, name: str, directory: str) -> None:
             os.unlink(os.path.join(directory, name))
 
 
-def node_block_indexes(storage: Storage, cache_dir: str | None = None) -> BlockIndexes | None:
+def node_block_indexes(storage: Storage, directory: str) -> BlockIndexes | None:
     """The shards' block indexes that `fetch_manifest` brought to the node with the manifest (a remote dataset's
-    `shardkit.blocks`), or None. Whichever manifest the copy came with, a reader takes from it only the indexes
-    whose SHA-256 its own manifest records (`BlockIndexes.get`)."""
+    `shardkit.blocks`, in its node-cache `directory`), or None. Whichever manifest the copy came with, a reader
+    takes from it only the indexes whose SHA-256 its own manifest records (`BlockIndexes.get`)."""
     if storage.is_local:
         return None  # its shards' indexes are local reads already
-    root = os.path.abspath(cache_dir or default_cache_dir())
-    path = os.path.join(root, dataset_cache_key(storage.url), BLOCK_INDEXES_NAME)
-    return load_block_indexes(path, source=storage.url_of(BLOCK_INDEXES_NAME))
+    return load_block_indexes(os.path.join(directory, BLOCK_INDEXES_NAME), source=storage.url_of(BLOCK_INDEXES_NAME))
 
 
 def _download_atomic(storage: Storage, name: str, directory: str, *, identity: bool = False,

@@ -110,7 +110,7 @@ class ShardCache:
         # Read once, here (a DataLoader worker inherits or unpickles them): the node's copy of the dataset's
         # block indexes, fetched with the manifest, spares each cold shard's first read a round trip.
         if keeps_node_files(cache_mode):
-            self.block_indexes = node_block_indexes(storage, cache_dir)
+            self.block_indexes = node_block_indexes(storage, self.directory)
         metrics.watch_cache_dir(self.cache_root)
 
     def _start(self) -> None:
