@@ -113,8 +113,11 @@ class Publications:
 
     def raise_failure(self) -> None:
         """Raise the first failure among the publications done; forget those done."""
-        done = [future for future in self._futures if future.done()]
-        self._futures = [future for future in self._futures if not future.done()]
+        # One pass: a future that finished between two passes would be in neither list, its failure lost.
+        done, running = [], []
+        for future in self._futures:
+            (done if future.done() else running).append(future)
+        self._futures = running
         for future in done:
             future.result()
 
