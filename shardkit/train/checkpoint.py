@@ -335,12 +335,8 @@ class Checkpointer:
                                     else get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS))
         state = {**self._state(model_state, optim_state, texts), **(extra or {})}
         if self.async_save and not writer_starting:
-            in_process = self.writer == AsyncCheckpointerType.PROCESS
             stager = self._staging(model, state)
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group,
-                                    storage_writer=WriterProcessFileSystemWriter(partial) if in_process else None,
-                                    planner=ExpandingSavePlanner() if isinstance(stager, FlatStager) else None,
-                                    async_checkpointer_type=self.writer, async_stager=stager)
+            future = self._async_save(state, partial, stager, flat=isinstance(stager, FlatStager))
             self._pending = (future, partial, meta)
             self._pending_bytes = stager.staged_bytes if isinstance(stager, FlatStager) else _state_bytes(state)
             logger.info("checkpoint step %d: background save started after %.3fs in the loop", step,
@@ -391,11 +387,16 @@ class Checkpointer:
         Returns DCP's future."""
         self._publications.settle()  # the previous checkpoint is renamed before stale partials are removed
         self._remove_stale_partials(partial)
+        return self._async_save(staged, partial, AlreadyStaged(), flat=True)
+
+    def _async_save(self, state: dict[str, Any], partial: Path, stager: Any, *, flat: bool) -> Any:
+        """Hand `state` to DCP's background writer through `stager` (`flat`: a `FlatStager` layout, which the
+        writer's planner expands); returns DCP's future."""
         in_process = self.writer == AsyncCheckpointerType.PROCESS
-        return dcp.async_save(staged, checkpoint_id=str(partial), process_group=self._async_group,
+        return dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group,
                               storage_writer=WriterProcessFileSystemWriter(partial) if in_process else None,
-                              planner=ExpandingSavePlanner(), async_checkpointer_type=self.writer,
-                              async_stager=AlreadyStaged())
+                              planner=ExpandingSavePlanner() if flat else None,
+                              async_checkpointer_type=self.writer, async_stager=stager)
 
     def _staging(self, model: nn.Module, state: dict[str, Any]) -> DefaultStager | FlatStager:
         """The run's one stager. It keeps its CPU copy of each tensor and copies into it at the next save,
